@@ -1,0 +1,33 @@
+# Everything a fresh machine needs: `make serve` and `make test` create .venv and install.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+# CPU build that lies on this machine's disk; GPU users install their own torch first (pyproject says torch>=2.4)
+TORCH_PIN ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test bench gpu-check redis clean
+
+$(INSTALLED): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(INSTALLED)
+
+serve: $(INSTALLED)
+	$(VENV)/bin/xlserve serve --host $(HOST) --port $(PORT)
+
+test: $(INSTALLED)
+	$(PY) -m pytest -q
+
+bench: $(INSTALLED)
+	$(VENV)/bin/xlserve bench continuation
+
+gpu-check: $(INSTALLED)
+	XLSERVE_DEVICE=cuda $(PY) -m pytest -q -m gpu
+	XLSERVE_DEVICE=cuda $(VENV)/bin/xlserve bench continuation --device cuda
+
+clean:
+	rm -rf $(VENV)

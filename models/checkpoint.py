@@ -1,0 +1,117 @@
+"""Checkpoints on disk: a directory with config.json and model.safetensors (and card.md).
+
+config.json = {"format": "xlserve-checkpoint", "version": 1, "architecture": ..., "config": {...},
+"tokenizer": "bytes"}. Loading checks the architecture name and every tensor's name, shape and
+dtype against a freshly built model before copying anything in, so a bad file fails with a
+message that names the tensor and never leaves a half-loaded model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from models.interface import LanguageModel
+from models.registry import ARCHITECTURES, build_model
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT = "xlserve-checkpoint"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message says exactly why."""
+
+
+def save_checkpoint(model: LanguageModel, directory: str | Path, extra: dict | None = None) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "format": FORMAT,
+        "version": 1,
+        "architecture": model.architecture,
+        "config": model.config.to_dict(),
+        "tokenizer": "bytes",
+        **(extra or {}),
+    }
+    # tied weights appear once in the file; loading re-ties them by building the model
+    tensors = {}
+    seen = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().contiguous().cpu()
+    _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p)))
+    _atomic_write(directory / CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def _atomic_write(path: Path, write) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    write(temporary)
+    with open(temporary, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def read_config(directory: str | Path) -> dict:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist: a checkpoint needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if config.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an xlserve checkpoint (format {config.get('format')!r})")
+    if config.get("architecture") not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{path} names architecture {config.get('architecture')!r}; known: {sorted(ARCHITECTURES)}"
+        )
+    return config
+
+
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
+    directory = Path(directory)
+    config = read_config(directory)
+    try:
+        model = build_model(config["architecture"], config["config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: bad model config: {e}") from None
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise CheckpointError(f"{weights_path} does not exist")
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{weights_path} is not a readable safetensors file: {e}") from None
+
+    expected = model.state_dict()
+    # tied parameters are stored once, under the first name that refers to them
+    first_name = {}
+    for name, tensor in expected.items():
+        first_name.setdefault(tensor.data_ptr(), name)
+    required = {name for name in expected if first_name[expected[name].data_ptr()] == name}
+    missing = sorted(required - set(tensors))
+    if missing:
+        raise CheckpointError(f"{weights_path}: tensor '{missing[0]}' is missing ({len(missing)} missing in all)")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{weights_path}: unexpected tensor '{unexpected[0]}' ({len(unexpected)} in all)")
+    for name, tensor in tensors.items():
+        want = expected[name]
+        if tensor.shape != want.shape:
+            raise CheckpointError(
+                f"{weights_path}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}"
+            )
+        if tensor.dtype != want.dtype:
+            raise CheckpointError(f"{weights_path}: tensor '{name}' has dtype {tensor.dtype}, expected {want.dtype}")
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{weights_path}: tensor '{name}' contains NaN or infinity")
+    model.load_state_dict(tensors, strict=False)  # names already checked; tied copies share storage
+    return model.to(device).eval()

@@ -1,0 +1,29 @@
+"""Architecture name -> model class, imported only when first asked for.
+
+Adding an architecture is one line here and one file in models/.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from models.interface import LanguageModel
+
+ARCHITECTURES: dict[str, str] = {
+    "transformer-xl": "models.transformer_xl:TransformerXL",
+}
+
+
+def model_class(architecture: str) -> type[LanguageModel]:
+    try:
+        target = ARCHITECTURES[architecture]
+    except KeyError:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise ValueError(f"unknown architecture '{architecture}' (known: {known})") from None
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def build_model(architecture: str, config: dict) -> LanguageModel:
+    cls = model_class(architecture)
+    return cls(cls.config_class.from_dict(config))

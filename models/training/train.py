@@ -1,0 +1,232 @@
+"""The training loop: the standard recipe of design.md section 5, resumable.
+
+Every shipped `*-stdlib` checkpoint is trained with `STANDARD_RECIPE` (same corpus, split, byte
+budget and optimiser schedule) and a preset of about 1-3M parameters, so held-out bits per byte
+compare architectures rather than effort. Progress (weights, optimiser moments, the carried
+memory, the step) is saved as safetensors + JSON under OUT/.resume every `save_every` steps; a
+rerun of the same command continues from there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.checkpoint import save_checkpoint
+from models.interface import LanguageModel
+from models.registry import build_model
+from models.training.data import SegmentStream, stdlib_corpus
+from models.training.evaluate import bits_per_byte
+
+
+@dataclass
+class Recipe:
+    train_bytes: int = 20_000_000  # the token budget: bytes of training text consumed
+    batch_size: int = 16  # parallel lanes of the stream
+    segment_len: int = 128  # bytes per lane per step
+    learning_rate: float = 2e-3
+    warmup_steps: int = 200
+    final_lr_fraction: float = 0.1  # cosine decay ends at this fraction of the peak
+    weight_decay: float = 0.01
+    grad_clip: float = 0.5
+    seed: int = 0
+    eval_every: int = 1000  # steps between quick held-out evaluations
+    quick_eval_bytes: int = 200_000  # held-out bytes scored by a quick evaluation
+    save_every: int = 200  # steps between resumable saves
+
+    @property
+    def total_steps(self) -> int:
+        return self.train_bytes // (self.batch_size * self.segment_len)
+
+    def learning_rate_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.learning_rate * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return self.learning_rate * (self.final_lr_fraction + (1 - self.final_lr_fraction) * cosine)
+
+
+STANDARD_RECIPE = Recipe()
+
+# architecture -> preset -> model config; "small" is the one shipped as <arch>-stdlib
+PRESETS: dict[str, dict[str, dict]] = {
+    "transformer-xl": {
+        "small": dict(
+            n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, mem_len=128, tgt_len=128,
+            same_length=True, pre_norm=True, dropout=0.0,
+        ),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, mem_len=32, tgt_len=32),
+    },
+}
+
+
+def preset_config(architecture: str, preset: str) -> dict:
+    try:
+        return dict(PRESETS[architecture][preset])
+    except KeyError:
+        raise ValueError(f"no preset '{preset}' for '{architecture}' (have: {PRESETS.get(architecture)})") from None
+
+
+def _save_progress(resume_dir: Path, model, optimizer, state, progress: dict) -> None:
+    resume_dir.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, set()
+    for name, value in model.state_dict().items():
+        if value.data_ptr() not in seen:  # tied weights once
+            seen.add(value.data_ptr())
+            tensors[f"model.{name}"] = value.detach().contiguous()
+    opt_state = optimizer.state_dict()
+    for index, values in opt_state["state"].items():
+        for key, value in values.items():
+            tensors[f"optimizer.{index}.{key}"] = value.detach().contiguous()
+    for name, value in state.to_tensors().items():
+        tensors[f"memory.{name}"] = value
+    progress = {**progress, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt_state["param_groups"]]}
+    save_file(tensors, str(resume_dir / "progress.safetensors.tmp"))
+    (resume_dir / "progress.json.tmp").write_text(json.dumps(progress, indent=2))
+    os.replace(resume_dir / "progress.safetensors.tmp", resume_dir / "progress.safetensors")
+    os.replace(resume_dir / "progress.json.tmp", resume_dir / "progress.json")
+
+
+def _load_progress(resume_dir: Path, model, optimizer):
+    progress = json.loads((resume_dir / "progress.json").read_text())
+    tensors = load_file(str(resume_dir / "progress.safetensors"))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
+    opt_state = optimizer.state_dict()
+    restored: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".", 2)
+            restored.setdefault(int(index), {})[key] = value
+    opt_state["state"] = restored
+    for group, saved in zip(opt_state["param_groups"], progress["param_groups"]):
+        group.update(saved)
+    optimizer.load_state_dict(opt_state)
+    memory = {k[7:]: v for k, v in tensors.items() if k.startswith("memory.")}
+    state = model.state_class.from_tensors(memory)
+    return progress, state
+
+
+def _progress_line(step: int, total: int, loss: float, bytes_per_s: float, elapsed: float) -> str:
+    width = 30
+    filled = int(width * step / total)
+    eta = (total - step) * (elapsed / max(step, 1))
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} loss {loss:.3f} "
+        f"({loss / math.log(2):.3f} bits/byte) {bytes_per_s:,.0f} B/s "
+        f"elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min"
+    )
+
+
+def held_out_documents(corpus, limit_bytes: int | None = None) -> list[bytes]:
+    documents, used = [], 0
+    for path in corpus.held_out:
+        data = corpus.read(path)
+        if limit_bytes is not None:
+            data = data[: limit_bytes - used]
+            if not data:
+                break
+        documents.append(data)
+        used += len(data)
+    return documents
+
+
+def train(
+    architecture: str,
+    preset: str,
+    out: str | Path,
+    recipe: Recipe = STANDARD_RECIPE,
+    log=print,
+) -> LanguageModel:
+    out = Path(out)
+    resume_dir = out / ".resume"
+    torch.manual_seed(recipe.seed)
+    config = preset_config(architecture, preset)
+    model = build_model(architecture, config)
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "bias" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "bias" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.learning_rate, betas=(0.9, 0.98), eps=1e-8,
+    )
+    corpus = stdlib_corpus()
+    stream = SegmentStream(corpus, recipe.batch_size, recipe.segment_len, recipe.seed)
+    quick_docs = held_out_documents(corpus, recipe.quick_eval_bytes)
+
+    state = model.init_state(recipe.batch_size)
+    progress = {"step": 0, "elapsed_s": 0.0, "evaluations": [], "recipe": asdict(recipe), "preset": preset,
+                "architecture": architecture, "config": config, "parameters": params}
+    if (resume_dir / "progress.json").is_file():
+        progress, state = _load_progress(resume_dir, model, optimizer)
+        log(f"resuming {architecture}/{preset} from step {progress['step']} ({resume_dir})")
+    else:
+        log(f"training {architecture}/{preset}: {params:,} parameters, {recipe.total_steps} steps of "
+            f"{recipe.batch_size}x{stream.segment_len} bytes; corpus {stream.total_bytes:,} training bytes "
+            f"({len(corpus.train)} files), {corpus.size(corpus.held_out):,} held-out bytes ({len(corpus.held_out)} files)")
+
+    model.train()
+    started = time.time() - progress["elapsed_s"]
+    window_loss, window_steps, window_start = 0.0, 0, time.time()
+    tty = sys.stderr.isatty()
+    total = recipe.total_steps
+    while progress["step"] < total:
+        step = progress["step"]
+        inputs, targets, restarted = stream.segment(step)
+        if restarted:
+            state = model.init_state(recipe.batch_size)
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.learning_rate_at(step)
+        loss, state = training_loss(model, inputs, targets, state, step / total)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optimizer.step()
+        progress["step"] = step + 1
+        window_loss += loss.item()
+        window_steps += 1
+
+        if progress["step"] % 20 == 0 or progress["step"] == total:
+            elapsed = time.time() - started
+            rate = window_steps * recipe.batch_size * stream.segment_len / (time.time() - window_start)
+            line = _progress_line(progress["step"], total, window_loss / window_steps, rate, elapsed)
+            if tty:
+                print("\r" + line, end="", file=sys.stderr, flush=True)
+            if not tty or progress["step"] % 200 == 0:
+                log(line)
+            window_loss, window_steps, window_start = 0.0, 0, time.time()
+        if progress["step"] % recipe.eval_every == 0 or progress["step"] == total:
+            bpb = bits_per_byte(model, quick_docs)
+            progress["evaluations"].append({"step": progress["step"], "held_out_bits_per_byte_quick": round(bpb, 4)})
+            log(f"\nstep {progress['step']}: quick held-out bits per byte {bpb:.4f} (first {recipe.quick_eval_bytes:,} held-out bytes)")
+        if progress["step"] % recipe.save_every == 0 or progress["step"] == total:
+            progress["elapsed_s"] = time.time() - started
+            _save_progress(resume_dir, model, optimizer, state, progress)
+
+    progress["elapsed_s"] = time.time() - started
+    model.eval()
+    save_checkpoint(model, out, extra={"training": {k: progress[k] for k in ("preset", "step", "elapsed_s", "parameters")}})
+    (out / "training.json").write_text(json.dumps(progress, indent=2) + "\n")
+    log(f"saved {out} after {progress['step']} steps, {progress['elapsed_s'] / 60:.1f} min")
+    return model
+
+
+def training_loss(model: LanguageModel, inputs, targets, state, fraction_done: float):
+    """Mean next-byte negative log-likelihood; an architecture with auxiliary losses defines
+    `training_loss(inputs, targets, state, fraction_done)` itself."""
+    if hasattr(model, "training_loss"):
+        return model.training_loss(inputs, targets, state, fraction_done)
+    log_probs, state = model(inputs, state)
+    return -log_probs.gather(-1, targets[..., None]).mean(), state
+
+
+def machine_summary() -> str:
+    return f"Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores ({platform.machine()})"

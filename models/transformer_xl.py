@@ -1,0 +1,318 @@
+"""Transformer-XL: a decoder-only language model with segment-level recurrence and relative
+positional attention.
+
+Paper: Zihang Dai, Zhilin Yang, Yiming Yang, Jaime Carbonell, Quoc V. Le, Ruslan Salakhutdinov,
+"Transformer-XL: Attentive Language Models Beyond a Fixed-Length Context", ACL 2019.
+
+Each layer attends over the current segment and a memory of the previous `mem_len` positions,
+whose gradient is stopped. Positions enter only through relative distances: the score between
+query i and key j is
+
+    (q_i + u) . k_j  +  (q_i + v) . W_kR R_{i-j}
+
+where k_j = W_kE h_j (content keys), R is the sinusoidal encoding of the distance i - j, W_kR
+its own projection, and u (`r_w_bias`), v (`r_r_bias`) are learned biases shared by all
+positions. Because nothing depends on absolute positions, the memory can be reused as is by the
+next segment.
+
+Serving notes
+- The memory we keep is each layer's projected keys and values (`XLMemory`), not the hidden
+  states the paper stores. Keys and values are position-local functions of the hidden states, so
+  the result is identical, and decoding one token costs O(context * d) per layer instead of
+  re-projecting the memory at O(context * d^2).
+- The relative term uses a per-layer table W_kR R_d for distances d = 0, 1, ..., built once per
+  length in eval mode and reused by every request (it depends on the weights only).
+- Training keeps the same memory of keys and values. In the paper the memory's keys are
+  re-projected from the stored hidden states at every step; with the memory's gradient stopped,
+  the only difference is that W_kE and W_v see no gradient through memory positions and the
+  memory is projected by the weights of the step that produced it.
+
+Chunking semantics (what `forward` promises about splitting a text into calls)
+- `same_length=True` (our default; the paper's evaluation setting): every query attends to
+  itself and exactly the `mem_len - 1` positions before it, whatever the chunking. Feeding a text
+  in one call or in chunks of any size, one token at a time included, gives the same
+  log-probabilities, also for chunks longer than `mem_len`.
+- `same_length=False` (the paper's training setting): a query attends to the whole memory plus
+  every earlier position of its own chunk, so how far back it sees depends on where its chunk
+  began. A text of at most `mem_len + 1` tokens gives the same result in any chunking; beyond
+  that, a chunk longer than one token lets later queries see further back than token-by-token
+  decoding would, and the log-probabilities differ by design.
+- `mem_len=0` means no memory: each call is an independent segment (causal within it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.interface import ArchConfig, LanguageModel, State
+
+
+@dataclass
+class TransformerXLConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 6
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width; n_head * d_head need not equal d_model
+    d_inner: int = 512  # width of the position-wise feed-forward layer
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    mem_len: int = 256  # positions of memory kept per layer
+    tgt_len: int = 128  # training segment length (serving accepts any chunk length)
+    clamp_len: int = -1  # distances beyond clamp_len share its encoding; -1 = no clamping
+    same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
+    pre_norm: bool = True  # layer norm before each sub-layer (+ a final norm); False = post-norm
+    untie_r: bool = True  # per-layer u and v; False = one pair shared by all layers
+    tie_embedding: bool = True  # output softmax shares the input embedding matrix
+    layer_norm_epsilon: float = 1e-5
+
+
+@dataclass
+class XLMemory(State):
+    """Per layer, the projected keys and values of the last positions seen.
+
+    keys[l], values[l]: (B, M, H, D) with M <= mem_len. `valid` (B, M) is False where a row of a
+    batch was left-padded because its session has seen fewer positions than the longest one.
+    """
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    valid: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    @classmethod
+    def concat(cls, states: list["XLMemory"]) -> "XLMemory":
+        longest = max(s.length for s in states)
+
+        def pad(t: Tensor, fill) -> Tensor:  # left-pad dim 1 up to `longest`
+            missing = longest - t.shape[1]
+            if missing == 0:
+                return t
+            filler = t.new_full((t.shape[0], missing, *t.shape[2:]), fill)
+            return torch.cat([filler, t], dim=1)
+
+        n_layer = len(states[0].keys)
+        return cls(
+            keys=[torch.cat([pad(s.keys[i], 0) for s in states]) for i in range(n_layer)],
+            values=[torch.cat([pad(s.values[i], 0) for s in states]) for i in range(n_layer)],
+            valid=torch.cat([pad(s.valid, False) for s in states]),
+        )
+
+    def split(self) -> list["XLMemory"]:
+        rows = []
+        for row in super().split():
+            # drop the padding this row carried inside a batch; padding only ever sits on the left
+            start = int((~row.valid[0]).sum())
+            rows.append(
+                XLMemory(
+                    keys=[k[:, start:] for k in row.keys],
+                    values=[v[:, start:] for v in row.values],
+                    valid=row.valid[:, start:],
+                )
+            )
+        return rows
+
+
+def sinusoid_encoding(distances: Tensor, d_model: int) -> Tensor:
+    """distances (K,) -> (K, d_model): [sin(d * w_i) ..., cos(d * w_i) ...] as in the paper."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, dtype=torch.float32) / d_model))
+    angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d_model / 2)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class RelativeAttentionLayer(nn.Module):
+    """One Transformer-XL layer: relative multi-head attention + position-wise feed-forward."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
+        self.r_net = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = nn.Sequential(
+            nn.Linear(c.d_model, c.d_inner),
+            nn.ReLU(),
+            nn.Dropout(c.dropout),
+            nn.Linear(c.d_inner, c.d_model),
+            nn.Dropout(c.dropout),
+        )
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.drop = nn.Dropout(c.dropout)
+        self.dropatt = nn.Dropout(c.dropatt)
+        self.scale = 1.0 / math.sqrt(c.d_head)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, d_model)
+        mem_keys: Tensor,  # (B, M, H, D)
+        mem_values: Tensor,  # (B, M, H, D)
+        rel_keys: Tensor,  # (K, H, D): W_kR R_d for distance d = 0 .. K-1
+        distance: Tensor,  # (T, K) int64 index into rel_keys
+        allowed: Tensor,  # (B, 1, T, K) bool
+        r_w_bias: Tensor,  # (H, D) u
+        r_r_bias: Tensor,  # (H, D) v
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        c = self.config
+        B, T, _ = x.shape
+        h = self.attn_norm(x) if c.pre_norm else x
+        q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
+        keys = torch.cat([mem_keys, k], dim=1)  # (B, K, H, D)
+        values = torch.cat([mem_values, v], dim=1)
+        K = keys.shape[1]
+
+        content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
+        # score every query against every distance once, then pick the distance of each (i, j)
+        by_distance = torch.einsum("bthd,khd->bhtk", q + r_r_bias, rel_keys)  # (B, H, T, K)
+        position = torch.gather(by_distance, 3, distance.expand(B, c.n_head, T, K))
+        scores = (content + position) * self.scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = self.dropatt(torch.softmax(scores, dim=-1))
+        attended = torch.einsum("bhtk,bkhd->bthd", probs, values).reshape(B, T, -1)
+        out = self.drop(self.o_net(attended))
+
+        if c.pre_norm:
+            x = x + out
+            x = x + self.ff(self.ff_norm(x))
+        else:
+            x = self.attn_norm(x + out)
+            x = self.ff_norm(x + self.ff(x))
+        return x, keys, values
+
+
+class TransformerXL(LanguageModel):
+    architecture = "transformer-xl"
+    config_class = TransformerXLConfig
+    state_class = XLMemory
+    state_kind = "segment-recurrence"
+    state_grows_with_context = False  # bounded by mem_len
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(RelativeAttentionLayer(c) for _ in range(c.n_layer))
+        n_bias = c.n_layer if c.untie_r else 1
+        self.r_w_bias = nn.Parameter(torch.zeros(n_bias, c.n_head, c.d_head))  # u
+        self.r_r_bias = nn.Parameter(torch.zeros(n_bias, c.n_head, c.d_head))  # v
+        self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon) if c.pre_norm else None
+        self.head = nn.Linear(c.d_model, c.vocab_size)
+        if c.tie_embedding:
+            self.head.weight = self.embedding.weight
+        self.apply(self._init_weights)
+        nn.init.normal_(self.r_w_bias, std=0.02)
+        nn.init.normal_(self.r_r_bias, std=0.02)
+        # eval-mode cache of W_kR R_d per layer; derived from the weights, never per-session
+        self._rel_key_cache: dict[tuple, list[Tensor]] = {}
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    @property
+    def max_context(self) -> int | None:
+        return None  # any history; it sees the last mem_len positions of it
+
+    def init_state(self, batch_size: int) -> XLMemory:
+        c = self.config
+        p = self.embedding.weight
+        empty = lambda: p.new_zeros(batch_size, 0, c.n_head, c.d_head)  # noqa: E731
+        return XLMemory(
+            keys=[empty() for _ in range(c.n_layer)],
+            values=[empty() for _ in range(c.n_layer)],
+            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device),
+        )
+
+    def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
+        return range(2, fresh.dim())  # memory length (dim 1) varies
+
+    def check_state(self, state: State) -> None:
+        super().check_state(state)
+        if state.length > self.config.mem_len:
+            raise ValueError(f"memory holds {state.length} positions, more than mem_len {self.config.mem_len}")
+
+    def train(self, mode: bool = True):
+        self._rel_key_cache.clear()  # weights are about to change
+        return super().train(mode)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._rel_key_cache.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def relative_keys(self, length: int) -> list[Tensor]:
+        """Per layer, W_kR R_d for d = 0 .. length-1, as (length, H, D)."""
+        c = self.config
+        dtype, device = self.embedding.weight.dtype, self.embedding.weight.device
+        cacheable = not self.training and not torch.is_grad_enabled()
+        if cacheable:
+            for (cached_len, cached_dtype, cached_device), tables in self._rel_key_cache.items():
+                if cached_len >= length and cached_dtype == dtype and cached_device == device:
+                    return [t[:length] for t in tables]
+            length = max(length, 2 * max((k[0] for k in self._rel_key_cache), default=0), 512)
+        distances = torch.arange(length, device=device)
+        if c.clamp_len > 0:
+            distances = distances.clamp(max=c.clamp_len)
+        encoding = self.drop(sinusoid_encoding(distances, c.d_model).to(device=device, dtype=dtype))
+        tables = [layer.r_net(encoding).view(length, c.n_head, c.d_head) for layer in self.layers]
+        if cacheable:
+            self._rel_key_cache.clear()
+            self._rel_key_cache[(length, dtype, device)] = tables
+        return tables
+
+    def forward(self, tokens: Tensor, state: XLMemory) -> tuple[Tensor, XLMemory]:
+        c = self.config
+        B, T = tokens.shape
+        M = state.length
+        K = M + T
+
+        # distance from query i (at absolute index M + i) to key j, and who may see whom
+        query_pos = torch.arange(M, K, device=tokens.device)[:, None]  # (T, 1)
+        key_pos = torch.arange(K, device=tokens.device)[None, :]  # (1, K)
+        distance = query_pos - key_pos  # (T, K)
+        allowed = distance >= 0
+        if c.same_length and c.mem_len > 0:
+            allowed = allowed & (distance < c.mem_len)
+        valid = torch.cat([state.valid, state.valid.new_ones(B, T)], dim=1)  # (B, K)
+        allowed = allowed[None, None] & valid[:, None, None, :]  # (B, 1, T, K)
+        distance = distance.clamp(min=0)
+
+        rel_keys = self.relative_keys(K)
+        x = self.drop(self.embedding(tokens) * math.sqrt(c.d_model))  # (B, T, d_model)
+        new_keys, new_values = [], []
+        keep = max(0, K - c.mem_len)  # first index of what stays in memory
+        for i, layer in enumerate(self.layers):
+            bias = i if c.untie_r else 0
+            x, keys, values = layer(
+                x, state.keys[i], state.values[i], rel_keys[i], distance, allowed,
+                self.r_w_bias[bias], self.r_r_bias[bias],
+            )
+            new_keys.append(keys[:, keep:].detach())
+            new_values.append(values[:, keep:].detach())
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        x = self.drop(x)
+        log_probs = F.log_softmax(self.head(x).float(), dim=-1)  # (B, T, V)
+        return log_probs, XLMemory(keys=new_keys, values=new_values, valid=valid[:, keep:])
+
+    def with_mem_len(self, mem_len: int) -> "TransformerXL":
+        """A view of this model (same parameters) that keeps `mem_len` positions of memory."""
+        import copy
+        import dataclasses
+
+        view = copy.copy(self)
+        view.config = dataclasses.replace(self.config, mem_len=mem_len)  # layers never read mem_len
+        return view

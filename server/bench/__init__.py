@@ -1,0 +1,10 @@
+"""Benchmarks: `xlserve bench NAME [args]` runs `server.bench.<name>.main(args)`.
+
+Each benchmark writes its results as JSON (and a plot where it has one) under bench-results/
+unless told otherwise, and prints a table. Benchmarks run alone: on 2 cores a second
+torch-heavy process slows both about 5x.
+"""
+
+BENCHMARKS = {
+    # name on the command line -> module under server.bench
+}

@@ -1,0 +1,135 @@
+"""Transformer-XL invariants that need no reference weights."""
+
+import pytest
+import torch
+
+from models.transformer_xl import TransformerXL, TransformerXLConfig, XLMemory
+
+
+def small_model(**overrides) -> TransformerXL:
+    torch.manual_seed(0)
+    config = TransformerXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return TransformerXL(config).eval()
+
+
+def run_in_chunks(model, tokens, chunk):
+    state = model.init_state(tokens.shape[0])
+    outputs = []
+    with torch.no_grad():
+        for start in range(0, tokens.shape[1], chunk):
+            log_probs, state = model(tokens[:, start : start + chunk], state)
+            outputs.append(log_probs)
+    return torch.cat(outputs, dim=1), state
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 10, 16, 24, 64])
+def test_same_length_is_chunk_invariant(chunk, pre_norm):
+    # chunks shorter and longer than mem_len (16) all agree with one pass
+    model = small_model(pre_norm=pre_norm, same_length=True)
+    tokens = torch.randint(0, 256, (2, 60), generator=torch.Generator().manual_seed(1))
+    whole, whole_state = run_in_chunks(model, tokens, 60)
+    chunked, chunked_state = run_in_chunks(model, tokens, chunk)
+    assert (whole - chunked).abs().max().item() < 1e-5
+    for a, b in zip(whole_state.keys, chunked_state.keys):
+        assert (a - b).abs().max().item() < 1e-5
+
+
+def test_clamp_len_changes_far_positions_but_stays_chunk_invariant():
+    model = small_model(clamp_len=4)
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    whole, _ = run_in_chunks(model, tokens, 40)
+    chunked, _ = run_in_chunks(model, tokens, 5)
+    assert (whole - chunked).abs().max().item() < 1e-5
+    unclamped, _ = run_in_chunks(small_model(), tokens, 40)
+    assert (whole - unclamped).abs().max().item() > 1e-4
+
+
+def test_without_same_length_chunks_agree_only_up_to_mem_len_plus_one():
+    """Documented difference: without same_length a long chunk sees further back."""
+    model = small_model(same_length=False)
+    short = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(3))  # mem_len + 1
+    one_pass, _ = run_in_chunks(model, short, 17)
+    by_token, _ = run_in_chunks(model, short, 1)
+    assert (one_pass - by_token).abs().max().item() < 1e-5
+
+    long = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    one_pass, _ = run_in_chunks(model, long, 48)
+    by_token, _ = run_in_chunks(model, long, 1)
+    assert (one_pass[:, :17] - by_token[:, :17]).abs().max().item() < 1e-5
+    assert (one_pass[:, 17:] - by_token[:, 17:]).abs().max().item() > 1e-4
+
+
+def test_cached_greedy_decode_equals_full_forward():
+    """Greedy decoding one token at a time against the memory gives the log-probs that one
+    full forward over prompt + generated text gives (the receptive field spans layers, so the
+    comparison is with the whole text, not the last mem_len tokens)."""
+    model = small_model()
+    prompt = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        log_probs, state = model(prompt, model.init_state(1))
+        generated, step_log_probs = [], []
+        for _ in range(25):
+            token = log_probs[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+            generated.append(token)
+            step_log_probs.append(log_probs[:, -1])
+            log_probs, state = model(token, state)
+        text = torch.cat([prompt, *generated], dim=1)
+        full, _ = model(text, model.init_state(1))
+    for i, expected in enumerate(step_log_probs):
+        assert (full[:, 29 + i] - expected).abs().max().item() < 1e-5
+        assert full[:, 29 + i].argmax().item() == generated[i].item()
+
+
+def test_memory_is_bounded_and_detached():
+    model = small_model().train()
+    tokens = torch.randint(0, 256, (2, 40))
+    log_probs, state = model(tokens, model.init_state(2))
+    assert state.length == 16
+    assert all(not k.requires_grad for k in state.keys)
+    assert state.nbytes() == 2 * 2 * (2 * 16 * 2 * 16 * 4) + 2 * 16  # layers*(k,v)*B*M*H*D*4 + valid
+
+
+def test_mem_len_zero_makes_calls_independent():
+    model = small_model().with_mem_len(0)
+    tokens = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        first, state = model(tokens[:, :10], model.init_state(1))
+        second, _ = model(tokens[:, 10:], state)
+        alone, _ = model(tokens[:, 10:], model.init_state(1))
+    assert state.length == 0
+    assert torch.equal(second, alone)
+
+
+def test_batched_rows_of_different_lengths_match_single_rows():
+    model = small_model()
+    a = torch.randint(0, 256, (1, 5))
+    b = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        _, state_a = model(a, model.init_state(1))
+        _, state_b = model(b, model.init_state(1))
+        step = torch.randint(0, 256, (2, 3))
+        single_a, next_a = model(step[:1], state_a)
+        single_b, next_b = model(step[1:], state_b)
+        batched, next_batch = model(step, XLMemory.concat([state_a, state_b]))
+    assert (batched[0] - single_a[0]).abs().max().item() < 1e-5
+    assert (batched[1] - single_b[0]).abs().max().item() < 1e-5
+    split_a, split_b = next_batch.split()
+    assert split_a.length == next_a.length and split_b.length == next_b.length
+    assert (split_a.keys[0] - next_a.keys[0]).abs().max().item() < 1e-5
+
+
+def test_state_round_trips_through_flat_tensors():
+    model = small_model()
+    _, state = model(torch.randint(0, 256, (1, 9)), model.init_state(1))
+    restored = XLMemory.from_tensors(state.to_tensors())
+    model.check_state(restored)
+    assert all(torch.equal(a, b) for a, b in zip(state.keys, restored.keys))
+    with pytest.raises(ValueError, match="missing"):
+        XLMemory.from_tensors({k: v for k, v in state.to_tensors().items() if k != "valid"})
+    wrong = state.to_tensors()
+    wrong["keys.0"] = torch.zeros(1, 3, 5, 16)
+    with pytest.raises(ValueError, match="keys.0"):
+        model.check_state(XLMemory.from_tensors(wrong))
