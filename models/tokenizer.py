@@ -41,3 +41,11 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Whatever is still held back at the end of a stream (as U+FFFD if incomplete)."""
         return self._decoder.decode(b"", final=True)
+
+
+def tokenizer_for_checkpoint(config: dict, directory=None):
+    """The tokenizer a checkpoint's config.json names ("bytes" for our own models)."""
+    kind = config.get("tokenizer", "bytes")
+    if kind == "bytes":
+        return ByteTokenizer()
+    raise ValueError(f"unknown tokenizer {kind!r} in checkpoint config")
