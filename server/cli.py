@@ -18,6 +18,30 @@ def _resolve_model_dir(name_or_path: str) -> Path:
     raise SystemExit(f"no checkpoint directory '{name_or_path}' (looked in . and {shipped.parent})")
 
 
+def cmd_serve(args) -> None:
+    import uvicorn
+
+    from server.app import build_app
+    from server.settings import Settings
+
+    overrides = {}
+    if args.models:
+        overrides["models"] = args.models
+    if args.device:
+        overrides["device"] = args.device
+    settings = Settings(**overrides)
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after shutting down; a graceful stop should exit 0
+            self._captured_signals.clear()
+
+    config = uvicorn.Config(build_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.grace_seconds)
+    GracefulServer(config).run()
+
+
 def cmd_train(args) -> None:
     from dataclasses import replace
 
@@ -27,6 +51,19 @@ def cmd_train(args) -> None:
     if args.train_bytes:
         recipe = replace(recipe, train_bytes=args.train_bytes)
     train(args.arch, args.preset, args.out, recipe, log=lambda s: print(s, flush=True))
+
+
+def cmd_new(args) -> None:
+    import torch
+
+    from models.checkpoint import save_checkpoint
+    from models.registry import build_model
+    from models.training.train import preset_config
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.arch, preset_config(args.arch, args.preset))
+    save_checkpoint(model.eval(), args.out)
+    print(f"wrote a randomly initialised {args.arch}/{args.preset} to {args.out}")
 
 
 def cmd_eval(args) -> None:
@@ -66,12 +103,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="xlserve")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    serve = commands.add_parser("serve", help="start the HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--models", default=None,
+                       help="comma list of names under weights/ or checkpoint paths (default: all under weights/)")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--grace-seconds", type=int, default=30, help="how long running streams may finish on shutdown")
+    serve.set_defaults(func=cmd_serve)
+
     train = commands.add_parser("train", help="train a checkpoint on the stdlib corpus (resumable)")
     train.add_argument("--arch", required=True)
     train.add_argument("--preset", default="small")
     train.add_argument("--out", required=True)
     train.add_argument("--train-bytes", type=int, default=None, help="override the standard byte budget")
     train.set_defaults(func=cmd_train)
+
+    new = commands.add_parser("new", help="write a randomly initialised checkpoint (for tests and deployment checks)")
+    new.add_argument("--arch", required=True)
+    new.add_argument("--preset", default="tiny")
+    new.add_argument("--out", required=True)
+    new.add_argument("--seed", type=int, default=0)
+    new.set_defaults(func=cmd_new)
 
     evaluate = commands.add_parser("eval", help="held-out bits per byte, memory carried per document")
     evaluate.add_argument("--model", required=True, help="name under weights/ or a checkpoint directory")

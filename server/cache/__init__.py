@@ -1,0 +1,3 @@
+from server.cache.manager import Lease, SessionCache, SessionData, SessionInfo, SessionLocked, SessionNotFound
+
+__all__ = ["Lease", "SessionCache", "SessionData", "SessionInfo", "SessionLocked", "SessionNotFound"]

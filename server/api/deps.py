@@ -1,0 +1,76 @@
+"""What every router needs: the app's shared objects, authentication, model lookup."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from models.interface import LanguageModel
+from server.cache import SessionCache, SessionLocked, SessionNotFound
+from server.engine import Engine
+from server.errors import AuthenticationFailed, NotFound, SessionBusy
+from server.metrics import Metrics
+from server.settings import Settings
+
+
+@dataclass
+class ServedModel:
+    name: str
+    model: LanguageModel
+    tokenizer: object
+    engine: Engine
+    created: int
+    parameters: int
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: Metrics
+    cache: SessionCache
+    models: dict[str, ServedModel] = field(default_factory=dict)
+    ready: bool = False
+    api_keys: list[str] = field(default_factory=list)
+
+    def served(self, name: str) -> ServedModel:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise NotFound(f"model '{name}' does not exist; served: {sorted(self.models)}", param="model",
+                           code="model_not_found") from None
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.xlserve
+
+
+def owner_of(request: Request) -> str | None:
+    """Authenticate the request; returns the owner id sessions are filed under (a hash of the
+    API key), or None when the server has no keys."""
+    state = app_state(request)
+    if not state.api_keys:
+        return None
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise AuthenticationFailed("missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    # compare against every key in constant time, so timing says nothing about which matched
+    matched = False
+    for key in state.api_keys:
+        matched |= hmac.compare_digest(token.encode(), key.encode())
+    if not matched:
+        raise AuthenticationFailed("invalid API key", code="invalid_api_key")
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
+def session_errors(error: Exception, session_id: str) -> Exception:
+    """The one place cache exceptions become API errors."""
+    if isinstance(error, SessionNotFound):
+        return NotFound(f"session '{session_id}' does not exist", param="session_id", code="session_not_found")
+    if isinstance(error, SessionLocked):
+        return SessionBusy(f"session '{session_id}' is busy with another request; retry when it finishes",
+                           param="session_id", code="session_busy")
+    return error

@@ -1,0 +1,50 @@
+"""Every Prometheus metric xlserve exports, on a registry created per app.
+
+Names follow vLLM's style (xlserve_<what>_<unit>), all labelled by model.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("xlserve_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("xlserve_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.memory_reused_tokens = Counter(
+            "xlserve_memory_reused_tokens",
+            "Context tokens served from a session's memory instead of being recomputed",
+            ["model"], registry=r,
+        )
+        self.requests = Counter(
+            "xlserve_requests", "Finished requests by finish reason", ["model", "finish_reason"], registry=r
+        )
+        self.request_errors = Counter("xlserve_request_errors", "Failed requests by error type", ["model", "type"], registry=r)
+        self.requests_running = Gauge("xlserve_requests_running", "Requests being processed", ["model"], registry=r)
+        self.e2e_latency = Histogram(
+            "xlserve_e2e_request_latency_seconds", "Request latency, arrival to last token", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "xlserve_time_to_first_token_seconds", "Arrival to first generated token", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "xlserve_inter_token_latency_seconds", "Time between generated tokens", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.sessions = Gauge("xlserve_sessions", "Live sessions per tier", ["model", "tier"], registry=r)
+        self.session_state_bytes = Gauge("xlserve_session_state_bytes", "Bytes of session state per tier", ["model", "tier"], registry=r)
+        self.state_bytes_per_session = Histogram(
+            "xlserve_state_bytes_per_session", "State bytes of a session at commit", ["model"],
+            buckets=BYTES_BUCKETS, registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,68 @@
+"""Server settings, read from the environment (prefix XLSERVE_) by pydantic-settings.
+
+Created in the app factory (or by `xlserve serve`), never at import time, so tests build apps
+with their own settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="XLSERVE_", extra="ignore")
+
+    # what to serve
+    models: str = ""  # comma list of names under weights_dir or checkpoint paths; "" = all
+    weights_dir: Path = REPO_ROOT / "weights"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 (bfloat16 is opt-in on CUDA)
+    torch_threads: int = 0  # 0 = torch's default
+
+    # access
+    api_keys: str = ""  # comma list, or "@/path/to/file" with one key per line; "" = open
+    metrics_require_key: bool = False
+
+    # limits
+    max_prompt_bytes: int = 1_000_000
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    max_request_body_bytes: int = 8_000_000
+    prefill_chunk_tokens: int = 512  # prompts are fed to the model in chunks of this size
+
+    # session state
+    state_dir: Path = REPO_ROOT / "state"  # where sessions are written down
+    device_state_bytes: int = 1 << 30
+    host_state_bytes: int = 4 << 30
+    disk_state_bytes: int = 64 << 30
+    redis_url: str = ""
+
+    @field_validator("api_keys")
+    @classmethod
+    def _strip(cls, value: str) -> str:
+        return value.strip()
+
+    def api_key_list(self) -> list[str]:
+        if not self.api_keys:
+            return []
+        if self.api_keys.startswith("@"):
+            lines = Path(self.api_keys[1:]).read_text().splitlines()
+            return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        return [key.strip() for key in self.api_keys.split(",") if key.strip()]
+
+    def model_dirs(self) -> list[Path]:
+        """Checkpoint directories to load: named ones, or every one under weights_dir."""
+        if not self.models.strip():
+            if not self.weights_dir.is_dir():
+                return []
+            return sorted(p for p in self.weights_dir.iterdir() if (p / "config.json").is_file())
+        dirs = []
+        for item in (m.strip() for m in self.models.split(",") if m.strip()):
+            path = Path(item)
+            dirs.append(path if path.is_dir() else self.weights_dir / item)
+        return dirs

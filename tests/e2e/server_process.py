@@ -1,0 +1,74 @@
+"""Start a real xlserve server (uvicorn on 127.0.0.1, a free port) in a subprocess.
+
+The test process stays free of torch work: checkpoints are written by `xlserve new` in a
+subprocess, and everything else is HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_checkpoint(directory: Path, arch: str = "transformer-xl", preset: str = "tiny", seed: int = 0) -> Path:
+    subprocess.run([sys.executable, "-m", "server.cli", "new", "--arch", arch, "--preset", preset,
+                    "--out", str(directory), "--seed", str(seed)], check=True, cwd=REPO, capture_output=True)
+    return directory
+
+
+class ServerProcess:
+    def __init__(self, models: list[Path | str], env: dict | None = None, port: int | None = None, log_path: Path | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.models = models
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "XLSERVE_TORCH_THREADS": "1", **(env or {})}
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60) -> "ServerProcess":
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--models", ",".join(str(m) for m in self.models), "--log-level", "warning"],
+            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode} (log: {self.log_path})")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become ready within {timeout}s")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
