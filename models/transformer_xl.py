@@ -43,13 +43,14 @@ Chunking semantics (what `forward` promises about splitting a text into calls)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.interface import ArchConfig, LanguageModel, State
+from models.layers.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 
 
 @dataclass
@@ -67,9 +68,16 @@ class TransformerXLConfig(ArchConfig):
     clamp_len: int = -1  # distances beyond clamp_len share its encoding; -1 = no clamping
     same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
     pre_norm: bool = True  # layer norm before each sub-layer (+ a final norm); False = post-norm
+    final_norm: bool = True  # with pre_norm: a layer norm after the last layer (HF's pre_lnorm has none)
     untie_r: bool = True  # per-layer u and v; False = one pair shared by all layers
-    tie_embedding: bool = True  # output softmax shares the input embedding matrix
+    tie_embedding: bool = True  # output softmax shares the input embedding matrix (adaptive: every table)
     layer_norm_epsilon: float = 1e-5
+    # adaptive input + adaptive softmax for word-level vocabularies (models/layers/adaptive.py)
+    adaptive: bool = False  # False: one (vocab_size, d_model) embedding and a linear head
+    d_embed: int | None = None  # adaptive: vector width of the first cluster; None = d_model
+    cutoffs: list[int] = field(default_factory=list)  # adaptive: first id of each further cluster
+    div_val: int = 1  # adaptive: cluster i has vectors of width d_embed // div_val**i
+    tie_projs: list[bool] = field(default_factory=list)  # adaptive: per cluster, output projection = input's
 
 
 @dataclass
@@ -200,16 +208,25 @@ class TransformerXL(LanguageModel):
         super().__init__()
         self.config = config
         c = config
-        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        if c.adaptive:
+            d_embed = c.d_embed or c.d_model
+            self.embedding = AdaptiveEmbedding(c.vocab_size, d_embed, c.d_model, c.cutoffs, c.div_val)
+        else:
+            self.embedding = nn.Embedding(c.vocab_size, c.d_model)
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(RelativeAttentionLayer(c) for _ in range(c.n_layer))
         n_bias = c.n_layer if c.untie_r else 1
         self.r_w_bias = nn.Parameter(torch.zeros(n_bias, c.n_head, c.d_head))  # u
         self.r_r_bias = nn.Parameter(torch.zeros(n_bias, c.n_head, c.d_head))  # v
-        self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon) if c.pre_norm else None
-        self.head = nn.Linear(c.d_model, c.vocab_size)
-        if c.tie_embedding:
-            self.head.weight = self.embedding.weight
+        self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon) if c.pre_norm and c.final_norm else None
+        if c.adaptive:  # returns log-probabilities itself
+            self.head = AdaptiveLogSoftmax(
+                c.vocab_size, d_embed, c.d_model, c.cutoffs, c.div_val, self.embedding, c.tie_embedding, c.tie_projs
+            )
+        else:
+            self.head = nn.Linear(c.d_model, c.vocab_size)
+            if c.tie_embedding:
+                self.head.weight = self.embedding.weight
         self.apply(self._init_weights)
         nn.init.normal_(self.r_w_bias, std=0.02)
         nn.init.normal_(self.r_r_bias, std=0.02)
@@ -229,7 +246,7 @@ class TransformerXL(LanguageModel):
 
     def init_state(self, batch_size: int) -> XLMemory:
         c = self.config
-        p = self.embedding.weight
+        p = self.r_w_bias
         empty = lambda: p.new_zeros(batch_size, 0, c.n_head, c.d_head)  # noqa: E731
         return XLMemory(
             keys=[empty() for _ in range(c.n_layer)],
@@ -256,7 +273,7 @@ class TransformerXL(LanguageModel):
     def relative_keys(self, length: int) -> list[Tensor]:
         """Per layer, W_kR R_d for d = 0 .. length-1, as (length, H, D)."""
         c = self.config
-        dtype, device = self.embedding.weight.dtype, self.embedding.weight.device
+        dtype, device = self.r_w_bias.dtype, self.r_w_bias.device
         cacheable = not self.training and not torch.is_grad_enabled()
         if cacheable:
             for (cached_len, cached_dtype, cached_device), tables in self._rel_key_cache.items():
@@ -305,7 +322,10 @@ class TransformerXL(LanguageModel):
         if self.final_norm is not None:
             x = self.final_norm(x)
         x = self.drop(x)
-        log_probs = F.log_softmax(self.head(x).float(), dim=-1)  # (B, T, V)
+        if c.adaptive:
+            log_probs = self.head(x)  # (B, T, V)
+        else:
+            log_probs = F.log_softmax(self.head(x).float(), dim=-1)  # (B, T, V)
         return log_probs, XLMemory(keys=new_keys, values=new_values, valid=valid[:, keep:])
 
     def with_mem_len(self, mem_len: int) -> "TransformerXL":
