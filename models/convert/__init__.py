@@ -1,0 +1,174 @@
+"""Importers for other people's checkpoints: `xlserve convert HF_DIR OUT_DIR`.
+
+A Hugging Face model directory (config.json + model.safetensors, or a `pytorch_model.bin` that
+`torch.load(weights_only=True)` accepts) becomes an xlserve checkpoint (config.json +
+model.safetensors + tokenizer files) that `models.checkpoint.load_checkpoint` and the server load
+like any other.
+
+The work splits in two:
+- here, what every importer shares: reading the source directory without running its code
+  (no pickles beyond plain tensors, nothing downloaded), choosing the importer by the config's
+  `model_type`, and writing the result all at once (into a temporary sibling directory renamed
+  into place, so a failed conversion leaves nothing behind);
+- in `models/convert/<name>.py`, one module per source architecture: `import_checkpoint(source,
+  symbols)` maps its config and tensors onto one of our models and says which tokenizer files
+  go with it. Adding an importer (XLNet next) is one module and one line in IMPORTERS.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from models.interface import LanguageModel
+
+# Hugging Face `model_type` -> module under models.convert implementing `import_checkpoint`
+IMPORTERS: dict[str, str] = {
+    "transfo-xl": "models.convert.transfo_xl",
+}
+
+
+class ConversionError(ValueError):
+    """A source checkpoint that cannot be converted; the message names the file or tensor."""
+
+
+@dataclass
+class SourceCheckpoint:
+    """What an importer gets: the source directory, its parsed config.json and its tensors."""
+
+    directory: Path
+    config: dict
+    tensors: dict[str, Tensor]
+    weights_file: str  # the file the tensors came from, for messages
+
+
+@dataclass
+class Imported:
+    """What an importer returns: a model with every weight placed, plus what goes beside it."""
+
+    model: LanguageModel
+    config_extra: dict = field(default_factory=dict)  # merged into our config.json (tokenizer, provenance)
+    files: dict[str, bytes] = field(default_factory=dict)  # further files for OUT_DIR, e.g. symbols.json
+    notes: list[str] = field(default_factory=list)  # what the user should know (printed by the CLI)
+
+
+def read_source_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not directory.is_dir():
+        raise ConversionError(f"{directory} is not a directory")
+    if not path.is_file():
+        raise ConversionError(f"{path} does not exist: a Hugging Face model directory needs config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} does not hold a JSON object")
+    return config
+
+
+def read_source_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
+    """All tensors of a Hugging Face directory, from safetensors (single file or shards) or,
+    failing that, from pytorch_model.bin through torch.load(weights_only=True)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    pickled = directory / "pytorch_model.bin"
+    try:
+        if single.is_file():
+            return load_file(str(single)), single.name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            tensors: dict[str, Tensor] = {}
+            for shard in shards:
+                tensors.update(load_file(str(directory / shard)))
+            return tensors, index.name
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
+        raise ConversionError(f"{directory}: the safetensors weights cannot be read: {e}") from None
+    if pickled.is_file():
+        return _load_pickled_tensors(pickled), pickled.name
+    present = sorted(p.name for p in directory.iterdir())
+    raise ConversionError(
+        f"{directory} holds no weights xlserve can read (model.safetensors, model.safetensors.index.json "
+        f"or pytorch_model.bin); found {present}"
+    )
+
+
+def _load_pickled_tensors(path: Path) -> dict[str, Tensor]:
+    try:
+        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError, RuntimeError, ...: whatever the restricted unpickler says
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConversionError(
+            f"{path}: torch.load(weights_only=True) refuses this file ({first_line}). Only pickles of "
+            "plain tensors are read; xlserve never runs a checkpoint's pickled code. Re-save it as "
+            "safetensors in an environment you trust (see docs/convert.md)."
+        ) from None
+    if not isinstance(loaded, dict) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()
+    ):
+        raise ConversionError(f"{path} does not hold a flat name -> tensor state dict")
+    return dict(loaded)
+
+
+def importer_for(config: dict, config_path: Path):
+    model_type = config.get("model_type")
+    if model_type not in IMPORTERS:
+        raise ConversionError(
+            f"{config_path} describes a model of type {model_type!r} "
+            f"(architectures {config.get('architectures')}); xlserve convert imports: {sorted(IMPORTERS)}"
+        )
+    return importlib.import_module(IMPORTERS[model_type])
+
+
+def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | None = None) -> dict:
+    """Convert `source_dir` into a new xlserve checkpoint at `out_dir`; returns a summary.
+
+    `out_dir` must not exist or be empty. Everything is checked and written into a temporary
+    directory beside it first, so on any error `out_dir` is untouched.
+    """
+    from models.checkpoint import save_checkpoint
+
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConversionError(f"{out_dir} already exists and is not an empty directory")
+    config = read_source_config(source_dir)
+    importer = importer_for(config, source_dir / "config.json")
+    tensors, weights_file = read_source_tensors(source_dir)
+    source = SourceCheckpoint(source_dir, config, tensors, weights_file)
+    imported: Imported = importer.import_checkpoint(source, Path(symbols) if symbols else None)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_checkpoint(imported.model, staging, extra=imported.config_extra)
+        for name, content in imported.files.items():
+            (staging / name).write_bytes(content)
+        os.chmod(staging, 0o755)  # mkdtemp makes it private
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above); rename needs the name free
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    n_params = sum(p.numel() for p in imported.model.parameters())
+    return {
+        "source": str(source_dir),
+        "weights_file": weights_file,
+        "out": str(out_dir),
+        "architecture": imported.model.architecture,
+        "parameters": n_params,
+        "tokenizer": imported.config_extra.get("tokenizer", "bytes"),
+        "files": sorted(p.name for p in out_dir.iterdir()),
+        "notes": imported.notes,
+    }
