@@ -99,6 +99,18 @@ def cmd_bench(args) -> None:
     importlib.import_module(f"server.bench.{BENCHMARKS[args.name]}").main(args.args)
 
 
+def cmd_convert(args) -> None:
+    from models.convert import ConversionError, convert
+
+    try:
+        summary = convert(args.source, args.out, symbols=args.symbols)
+    except ConversionError as e:
+        raise SystemExit(f"xlserve convert: {e}") from None
+    for note in summary["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    print(json.dumps(summary))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="xlserve")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("name")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
     bench.set_defaults(func=cmd_bench)
+
+    convert = commands.add_parser("convert", help="import a local Hugging Face checkpoint (see docs/convert.md)")
+    convert.add_argument("source", metavar="HF_DIR", help="directory with config.json and model.safetensors")
+    convert.add_argument("out", metavar="OUT_DIR", help="new xlserve checkpoint directory (must not exist or be empty)")
+    convert.add_argument("--symbols", default=None, help="word list for the tokenizer (.json list or one per line)")
+    convert.set_defaults(func=cmd_convert)
 
     args = parser.parse_args(argv)
     args.func(args)
