@@ -38,6 +38,14 @@ Chunking semantics (what `forward` promises about splitting a text into calls)
   that, a chunk longer than one token lets later queries see further back than token-by-token
   decoding would, and the log-probabilities differ by design.
 - `mem_len=0` means no memory: each call is an independent segment (causal within it).
+
+Imported checkpoints (models/convert/transfo_xl.py)
+- Hugging Face's TransfoXLLMHeadModel maps onto this file with `adaptive=True` (adaptive input
+  and adaptive softmax, models/layers/adaptive.py), `final_norm=False` (its pre_lnorm variant
+  has no norm after the last layer) and its own untie_r, clamp_len and same_length. Its memory
+  holds hidden states where ours holds their projected keys and values; the log-probabilities
+  are the same when both start from an empty memory (its `init_mems` starts from mem_len zero
+  vectors, which take attention mass).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ class TransformerXLConfig(ArchConfig):
     tgt_len: int = 128  # training segment length (serving accepts any chunk length)
     clamp_len: int = -1  # distances beyond clamp_len share its encoding; -1 = no clamping
     same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
-    pre_norm: bool = True  # layer norm before each sub-layer (+ a final norm); False = post-norm
+    pre_norm: bool = True  # layer norm before each sub-layer (+ a final norm, see next); False = post-norm
     final_norm: bool = True  # with pre_norm: a layer norm after the last layer (HF's pre_lnorm has none)
     untie_r: bool = True  # per-layer u and v; False = one pair shared by all layers
     tie_embedding: bool = True  # output softmax shares the input embedding matrix (adaptive: every table)
@@ -208,6 +216,8 @@ class TransformerXL(LanguageModel):
         super().__init__()
         self.config = config
         c = config
+        if not c.adaptive and (c.cutoffs or c.tie_projs or c.div_val != 1 or c.d_embed not in (None, c.d_model)):
+            raise ValueError("cutoffs, div_val, tie_projs and d_embed != d_model need adaptive=True")
         if c.adaptive:
             d_embed = c.d_embed or c.d_model
             self.embedding = AdaptiveEmbedding(c.vocab_size, d_embed, c.d_model, c.cutoffs, c.div_val)

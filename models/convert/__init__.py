@@ -10,9 +10,11 @@ The work splits in two:
   (no pickles beyond plain tensors, nothing downloaded), choosing the importer by the config's
   `model_type`, and writing the result all at once (into a temporary sibling directory renamed
   into place, so a failed conversion leaves nothing behind);
-- in `models/convert/<name>.py`, one module per source architecture: `import_checkpoint(source,
-  symbols)` maps its config and tensors onto one of our models and says which tokenizer files
-  go with it. Adding an importer (XLNet next) is one module and one line in IMPORTERS.
+- in `models/convert/<name>.py`, one module per source architecture with two functions:
+  `translate_config(config, where)` checks the source config and returns ours (raising
+  ConversionError), and `import_checkpoint(source, symbols)` maps the tensors onto one of our
+  models and says which tokenizer files go with it. Adding an importer (XLNet next) is one
+  module and one line in IMPORTERS.
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
         raise ConversionError(f"{out_dir} already exists and is not an empty directory")
     config = read_source_config(source_dir)
     importer = importer_for(config, source_dir / "config.json")
+    importer.translate_config(config, source_dir / "config.json")  # refuse a bad config before reading weights
     tensors, weights_file = read_source_tensors(source_dir)
     source = SourceCheckpoint(source_dir, config, tensors, weights_file)
     imported: Imported = importer.import_checkpoint(source, Path(symbols) if symbols else None)
