@@ -11,6 +11,7 @@ from models.interface import LanguageModel
 
 ARCHITECTURES: dict[str, str] = {
     "transformer-xl": "models.transformer_xl:TransformerXL",
+    "infinity-former": "models.infinity_former:InfinityFormer",
 }
 
 

@@ -1,0 +1,468 @@
+"""∞-former: a decoder-only language model with an unbounded continuous long-term memory.
+
+Paper: Pedro Henrique Martins, Zita Marinho, André F. T. Martins, "∞-former: Infinite Memory
+Transformer", ACL 2022.
+
+Every layer attends to two memories and sums the two results before the residual connection:
+
+- Short-term memory (Transformer-XL style): ordinary multi-head attention over the previous
+  segment and the current segment up to the query, with relative positions
+  (q_i + u)·k_j + (q_i + v)·W_kR R_{i-j} exactly as in models/transformer_xl.py.
+- Long-term memory: the layer's (normalised) inputs of every earlier segment, kept as a
+  continuous signal X̄(t) = Bᵀψ(t) over t ∈ [0, 1] with N Gaussian radial basis functions ψ
+  (models/layers/continuous.py). Per head, keys K = B W_K and values V = B W_V are projections
+  of the coefficients; a query q defines a Gaussian density N(μ, σ²) over t with
+
+      μ = sigmoid(w_μᵀ K q / √D),    σ² = softplus(w_σᵀ K q / √D)  (+ a floor of sigma_sq_min)
+
+  and reads z = E_{N(μ,σ²)}[ψ(t)]ᵀ V, the expectation taken in closed form.
+
+At the end of each segment the long-term memory is updated: the old signal is contracted into
+[0, τ] (read at M points, placed evenly on [0, τ]), the segment's L states are appended on
+(τ, 1], and B is refitted by ridge regression. With sticky memories (on by default, as in the
+paper) the M read points are drawn from a histogram of where this segment's attention
+densities put their mass, so what was attended to keeps more resolution. Training adds the KL
+regulariser KL(N(μ, σ²) || N(μ₀, σ₀²)) on every density, averaged, times `kl_weight`.
+
+Serving notes
+- The state (`ContinuousMemory`) has a fixed size whatever the history: per layer B (N × d),
+  the long-term keys and values derived from it, a 2L-slot buffer of short-term keys and values
+  (previous segment | current segment), the current segment's inputs (to be appended to the
+  long-term memory at its end), the sticky-memory histogram of the current segment, and one
+  position counter per row. Decoding a token costs O((2L + N) · d) per layer, plus an update
+  of O(N · (M + L) · d) once every L tokens: flat in the length of the history.
+- K and V of the long-term memory are recomputed from B only when B changes (at a boundary)
+  and kept in the state, the way Transformer-XL keeps projected keys instead of hidden states.
+  In training they are recomputed from B in every call so that W_K and W_V get gradients; B
+  itself, like Transformer-XL's memory, carries no gradient.
+- Sticky-memory sampling uses a counter-based generator keyed by (segment index, layer): the
+  same history always gives the same memory, on any device, in any batch, after any eviction.
+- Differences from the paper's code: the memory is updated at the end of a segment, so a
+  segment's own states enter the long-term memory only after the segment (while they are in
+  the short-term memory); the first update contracts an empty (zero) signal. Only pre-norm
+  layers.
+
+Chunking semantics (what `forward` promises about splitting a text into calls)
+- Segment boundaries sit at absolute positions k · segment_len of the history a state has
+  seen, whatever the calls look like; a call may cover part of a segment or many segments, and
+  the model splits it internally at those boundaries.
+- Within a segment, feeding tokens one at a time gives the same log-probabilities as one pass:
+  the short-term attention is causal and the long-term memory is fixed until the segment ends.
+- The long-term memory is updated at segment boundaries only. Because every chunking crosses
+  the boundaries at the same positions, any chunking (one call, chunks of any size, token by
+  token) gives the same log-probabilities, to float tolerance (the sticky histogram is a sum
+  whose order depends on the chunking).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.interface import ArchConfig, LanguageModel, State
+from models.layers.continuous import RBFMemory, kl_to_gaussian
+from models.transformer_xl import sinusoid_encoding
+
+
+@dataclass
+class InfinityFormerConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4  # heads of both the short-term and the continuous attention
+    d_head: int = 48  # per-head width
+    d_inner: int = 704  # width of the position-wise feed-forward layer
+    dropout: float = 0.0  # on embeddings, attention outputs and feed-forward
+    dropatt: float = 0.0  # on short-term attention probabilities
+    segment_len: int = 128  # L: long-term memory update period; short-term memory = previous segment
+    n_basis: int = 128  # N: Gaussian RBFs of the long-term signal
+    basis_widths: list[float] = field(default_factory=lambda: [0.01, 0.05])  # one set of centres per width
+    ridge_penalty: float = 0.5  # λ of the ridge regression
+    tau: float = 0.5  # the old signal is contracted into [0, tau]; the new segment fills (tau, 1]
+    n_samples: int = 128  # M: points at which the old signal is read when contracting
+    sticky_memories: bool = True  # read points drawn from the attention histogram (else evenly spaced)
+    sticky_bins: int = 128  # bins of the sticky-memory histogram over [0, 1]
+    sigma_sq_min: float = 1e-4  # floor on the variance of the attention densities
+    long_term_memory: bool = True  # False switches the continuous attention off (an ablation)
+    kl_weight: float = 1e-3  # weight of the mean KL regulariser in training
+    kl_sigma0: float = 0.05  # σ₀ of the KL target
+    kl_mu0: float | None = None  # μ₀ of the KL target; None regularises the width only
+    tie_embedding: bool = True  # output softmax shares the input embedding matrix
+    layer_norm_epsilon: float = 1e-5
+
+
+@dataclass
+class ContinuousMemory(State):
+    """Per layer (lists indexed by layer), every tensor with the batch on dimension 0:
+
+    coefficients[l]: (B, N, d_model) B, the long-term signal of layer l's inputs
+    ltm_values[l]: (B, N, H, D) B W_V per head
+    ltm_density_keys[l]: (B, H, 2, D) K_hᵀ w_μ,h and K_hᵀ w_σ,h (μ and σ² are linear in q)
+    stm_keys[l], stm_values[l]: (B, 2L, H, D) slots 0..L-1 the previous segment, L..2L-1 the
+        current one (filled up to position % L; the rest zero)
+    segment_inputs[l]: (B, L, d_model) the current segment's normalised layer inputs
+    histogram[l]: (B, sticky_bins) attention mass of the current segment's queries per bin
+    position: (B,) int64, tokens seen
+
+    Shapes never change, so sessions at different positions batch with the default concat.
+    """
+
+    coefficients: list[Tensor]
+    ltm_values: list[Tensor]
+    ltm_density_keys: list[Tensor]
+    stm_keys: list[Tensor]
+    stm_values: list[Tensor]
+    segment_inputs: list[Tensor]
+    histogram: list[Tensor]
+    position: Tensor
+
+
+@dataclass
+class _LayerMemory:
+    """One layer's slice of the state (a plain bundle, not a State)."""
+
+    coefficients: Tensor
+    ltm_values: Tensor
+    ltm_density_keys: Tensor
+    stm_keys: Tensor
+    stm_values: Tensor
+    segment_inputs: Tensor
+    histogram: Tensor
+
+
+class InfinityLayer(nn.Module):
+    """One ∞-former layer: short-term relative attention + continuous long-term attention,
+    summed, then a position-wise feed-forward; pre-norm residual blocks."""
+
+    def __init__(self, config: InfinityFormerConfig, memory: RBFMemory):
+        super().__init__()
+        self.config = config
+        c = config
+        hd = c.n_head * c.d_head
+        self.memory = [memory]  # shared geometry; a list so it is not registered twice
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        # short-term (Transformer-XL) attention
+        self.qkv_net = nn.Linear(c.d_model, 3 * hd, bias=False)  # W_q, W_kE, W_v
+        self.r_net = nn.Linear(c.d_model, hd, bias=False)  # W_kR
+        self.o_net = nn.Linear(hd, c.d_model, bias=False)
+        # continuous long-term attention
+        self.ltm_q = nn.Linear(c.d_model, hd, bias=False)
+        self.ltm_k = nn.Linear(c.d_model, hd, bias=False)  # W_K, applied to B
+        self.ltm_v = nn.Linear(c.d_model, hd, bias=False)  # W_V, applied to B
+        self.ltm_density = nn.Parameter(torch.zeros(c.n_head, 2, c.n_basis))  # w_μ, w_σ per head
+        self.ltm_o = nn.Linear(hd, c.d_model, bias=False)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = nn.Sequential(
+            nn.Linear(c.d_model, c.d_inner),
+            nn.ReLU(),
+            nn.Dropout(c.dropout),
+            nn.Linear(c.d_inner, c.d_model),
+            nn.Dropout(c.dropout),
+        )
+        self.drop = nn.Dropout(c.dropout)
+        self.dropatt = nn.Dropout(c.dropatt)
+        self.scale = 1.0 / math.sqrt(c.d_head)
+
+    def long_term_projections(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
+        """From B (R, N, d): values B W_V (R, N, H, D) and density keys (R, H, 2, D), the
+        vectors K_hᵀw_μ,h and K_hᵀw_σ,h with K = B W_K, computed as W_K,hᵀ(Bᵀw) so that K itself
+        is never formed (w_μᵀ K q = (Kᵀw_μ)·q)."""
+        c = self.config
+        R, N, _ = coefficients.shape
+        values = self.ltm_v(coefficients).view(R, N, c.n_head, c.d_head)
+        mixed = torch.einsum("hsn,rnd->rhsd", self.ltm_density, coefficients)  # (R, H, 2, d_model)
+        w_k = self.ltm_k.weight.view(c.n_head, c.d_head, c.d_model)
+        density_keys = torch.einsum("rhsd,hed->rhse", mixed, w_k)
+        return values, density_keys
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, d_model), T <= L - offset for every row (one segment)
+        memory: _LayerMemory,
+        offset: Tensor,  # (B,) position of x[:, 0] within its segment
+        has_previous: Tensor,  # (B,) bool: a previous segment exists
+        rel_keys: Tensor,  # (2L, H, D) W_kR R_d for distances 0 .. 2L-1
+        r_w_bias: Tensor,  # (H, D) u
+        r_r_bias: Tensor,  # (H, D) v
+    ) -> tuple[Tensor, _LayerMemory, Tensor | None, Tensor | None]:
+        c = self.config
+        B, T, _ = x.shape
+        L = c.segment_len
+        h = self.attn_norm(x)
+
+        # short-term attention over [previous segment | current segment so far + this piece]
+        q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
+        query_pos = offset[:, None] + torch.arange(T, device=x.device)  # (B, T) within the segment
+        slots = (L + query_pos)[..., None, None].expand(B, T, c.n_head, c.d_head)
+        keys = memory.stm_keys.scatter(1, slots, k)  # (B, 2L, H, D)
+        values = memory.stm_values.scatter(1, slots, v)
+        key_pos = torch.arange(-L, L, device=x.device)  # segment coordinate of each slot
+        distance = query_pos[:, :, None] - key_pos  # (B, T, 2L)
+        allowed = (distance >= 0) & ((key_pos >= 0) | has_previous[:, None, None])
+        distance = distance.clamp(0, 2 * L - 1)
+        # (B, H, T, ·) layouts throughout, the 1/√D scale folded into the queries
+        q = q.transpose(1, 2) * self.scale  # (B, H, T, D)
+        content = (q + r_w_bias[:, None] * self.scale) @ keys.permute(0, 2, 3, 1)  # (B, H, T, 2L)
+        by_distance = (q + r_r_bias[:, None] * self.scale) @ rel_keys.permute(1, 2, 0)  # (B, H, T, 2L)
+        position = torch.gather(by_distance, 3, distance[:, None].expand(B, c.n_head, T, 2 * L))
+        scores = (content + position).masked_fill(~allowed[:, None], float("-inf"))
+        probs = self.dropatt(torch.softmax(scores, dim=-1))
+        attended = (probs @ values.transpose(1, 2)).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
+        out = self.o_net(attended)
+
+        histogram = memory.histogram
+        mu = sigma_sq = None
+        if c.long_term_memory:
+            if self.training:  # recompute from B so that W_K, W_V and w_μ, w_σ learn
+                ltm_values, density_keys = self.long_term_projections(memory.coefficients)
+            else:
+                ltm_values, density_keys = memory.ltm_values, memory.ltm_density_keys
+            lq = self.ltm_q(h).view(B, T, c.n_head, c.d_head)
+            logits = torch.einsum("bthd,bhsd->bths", lq, density_keys) * self.scale  # (B, T, H, 2)
+            mu = torch.sigmoid(logits[..., 0])
+            sigma_sq = F.softplus(logits[..., 1]) + c.sigma_sq_min
+            weights = self.memory[0].expectation(mu, sigma_sq)  # (B, T, H, N)
+            context = torch.einsum("bthn,bnhd->bthd", weights, ltm_values).reshape(B, T, -1)
+            out = out + self.ltm_o(context)
+            if c.sticky_memories:
+                with torch.no_grad():
+                    histogram = histogram + self.memory[0].bin_mass(mu.detach(), sigma_sq.detach()).sum(dim=(1, 2))
+
+        x = x + self.drop(out)
+        x = x + self.ff(self.ff_norm(x))
+
+        inputs_slots = query_pos[..., None].expand(B, T, c.d_model)
+        new_memory = _LayerMemory(
+            coefficients=memory.coefficients,
+            ltm_values=memory.ltm_values,
+            ltm_density_keys=memory.ltm_density_keys,
+            stm_keys=keys.detach(),
+            stm_values=values.detach(),
+            segment_inputs=memory.segment_inputs.scatter(1, inputs_slots, h.detach()),
+            histogram=histogram,
+        )
+        return x, new_memory, mu, sigma_sq
+
+    @torch.no_grad()
+    def end_segment(self, memory: _LayerMemory, segment_index: Tensor, layer_index: int) -> _LayerMemory:
+        """The boundary update for rows whose segment is complete (all rows of `memory`):
+        contract and refit the long-term signal, shift the short-term memory, clear the rest."""
+        c = self.config
+        L = c.segment_len
+        geometry = self.memory[0]
+        if c.sticky_memories:
+            points = geometry.sticky_points(memory.histogram, segment_index, stream=layer_index)
+        else:
+            points = geometry.even_points.expand(memory.histogram.shape[0], -1)
+        coefficients = geometry.update(memory.coefficients, memory.segment_inputs, points)
+        ltm_values, density_keys = self.long_term_projections(coefficients)
+        shift = lambda t: torch.cat([t[:, L:], torch.zeros_like(t[:, L:])], dim=1)  # noqa: E731
+        return _LayerMemory(
+            coefficients=coefficients,
+            ltm_values=ltm_values,
+            ltm_density_keys=density_keys,
+            stm_keys=shift(memory.stm_keys),
+            stm_values=shift(memory.stm_values),
+            segment_inputs=torch.zeros_like(memory.segment_inputs),
+            histogram=torch.zeros_like(memory.histogram),
+        )
+
+
+class InfinityFormer(LanguageModel):
+    architecture = "infinity-former"
+    config_class = InfinityFormerConfig
+    state_class = ContinuousMemory
+    state_kind = "continuous"
+    state_grows_with_context = False  # fixed size, whatever the history
+
+    def __init__(self, config: InfinityFormerConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.geometry = RBFMemory(
+            c.n_basis, c.basis_widths, c.segment_len, c.n_samples, c.tau, c.ridge_penalty, c.sticky_bins
+        )
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(InfinityLayer(c, self.geometry) for _ in range(c.n_layer))
+        self.r_w_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # u
+        self.r_r_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # v
+        self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
+        if c.tie_embedding:
+            self.head.weight = self.embedding.weight
+        self.apply(self._init_weights)
+        nn.init.normal_(self.r_w_bias, std=0.02)
+        nn.init.normal_(self.r_r_bias, std=0.02)
+        for layer in self.layers:
+            nn.init.normal_(layer.ltm_density, std=0.02)
+        self._rel_key_cache: dict[tuple, list[Tensor]] = {}  # eval-mode W_kR R_d per layer
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    # --- state -------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int) -> ContinuousMemory:
+        c = self.config
+        p = self.embedding.weight
+        zeros = lambda *shape: p.new_zeros(batch_size, *shape)  # noqa: E731
+        per_layer = lambda *shape: [zeros(*shape) for _ in range(c.n_layer)]  # noqa: E731
+        L = c.segment_len
+        return ContinuousMemory(
+            coefficients=per_layer(c.n_basis, c.d_model),
+            ltm_values=per_layer(c.n_basis, c.n_head, c.d_head),
+            ltm_density_keys=per_layer(c.n_head, 2, c.d_head),
+            stm_keys=per_layer(2 * L, c.n_head, c.d_head),
+            stm_values=per_layer(2 * L, c.n_head, c.d_head),
+            segment_inputs=per_layer(L, c.d_model),
+            histogram=per_layer(c.sticky_bins),
+            position=torch.zeros(batch_size, dtype=torch.int64, device=p.device),
+        )
+
+    def check_state(self, state: State) -> None:
+        super().check_state(state)
+        if (state.position < 0).any():
+            raise ValueError("state position must be non-negative")
+
+    @staticmethod
+    def _layer_memory(state: ContinuousMemory, i: int) -> _LayerMemory:
+        return _LayerMemory(
+            coefficients=state.coefficients[i],
+            ltm_values=state.ltm_values[i],
+            ltm_density_keys=state.ltm_density_keys[i],
+            stm_keys=state.stm_keys[i],
+            stm_values=state.stm_values[i],
+            segment_inputs=state.segment_inputs[i],
+            histogram=state.histogram[i],
+        )
+
+    @staticmethod
+    def _assemble(layers: list[_LayerMemory], position: Tensor) -> ContinuousMemory:
+        return ContinuousMemory(
+            coefficients=[m.coefficients for m in layers],
+            ltm_values=[m.ltm_values for m in layers],
+            ltm_density_keys=[m.ltm_density_keys for m in layers],
+            stm_keys=[m.stm_keys for m in layers],
+            stm_values=[m.stm_values for m in layers],
+            segment_inputs=[m.segment_inputs for m in layers],
+            histogram=[m.histogram for m in layers],
+            position=position,
+        )
+
+    # --- weights-derived caches ----------------------------------------------------------------
+
+    def train(self, mode: bool = True):
+        self._rel_key_cache.clear()  # weights are about to change
+        return super().train(mode)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._rel_key_cache.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def relative_keys(self) -> list[Tensor]:
+        """Per layer, W_kR R_d for d = 0 .. 2L-1, as (2L, H, D)."""
+        c = self.config
+        dtype, device = self.embedding.weight.dtype, self.embedding.weight.device
+        key = (dtype, device)
+        cacheable = not self.training and not torch.is_grad_enabled()
+        if cacheable and key in self._rel_key_cache:
+            return self._rel_key_cache[key]
+        length = 2 * c.segment_len
+        encoding = sinusoid_encoding(torch.arange(length, device=device), c.d_model).to(dtype)
+        encoding = self.drop(encoding)
+        tables = [layer.r_net(encoding).view(length, c.n_head, c.d_head) for layer in self.layers]
+        if cacheable:
+            self._rel_key_cache = {key: tables}
+        return tables
+
+    def with_long_term_memory(self, enabled: bool) -> "InfinityFormer":
+        """A view of this model (same parameters) with the continuous attention on or off."""
+        import copy
+        import dataclasses
+
+        view = copy.copy(self)
+        view.config = dataclasses.replace(self.config, long_term_memory=enabled)
+        view._modules = dict(self._modules)
+        view._modules["layers"] = nn.ModuleList(copy.copy(layer) for layer in self.layers)
+        for layer in view.layers:
+            layer.config = view.config
+        return view
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def forward(self, tokens: Tensor, state: ContinuousMemory) -> tuple[Tensor, ContinuousMemory]:
+        log_probs, state, _ = self._run(tokens, state, with_kl=False)
+        return log_probs, state
+
+    def training_loss(self, inputs: Tensor, targets: Tensor, state: ContinuousMemory, fraction_done: float):
+        """Next-byte NLL + kl_weight * mean KL(N(μ, σ²) || N(μ₀, σ₀²)) over every density."""
+        log_probs, state, kl = self._run(inputs, state, with_kl=True)
+        nll = -log_probs.gather(-1, targets[..., None]).mean()
+        return nll + self.config.kl_weight * kl, state
+
+    def _run(self, tokens: Tensor, state: ContinuousMemory, with_kl: bool):
+        c = self.config
+        L = c.segment_len
+        B, T = tokens.shape
+        if T == 0:
+            return self.embedding.weight.new_zeros(B, 0, c.vocab_size).float(), state, None
+        # cut the call wherever any row reaches a segment boundary
+        cuts = {0, T}
+        for p in state.position.tolist():
+            cuts.update(range(L - p % L, T, L))
+        cuts = sorted(cuts)
+
+        rel_keys = self.relative_keys()
+        x_all = self.drop(self.embedding(tokens) * math.sqrt(c.d_model))  # (B, T, d_model)
+        memories = [self._layer_memory(state, i) for i in range(c.n_layer)]
+        position = state.position
+        outputs, kl_sum, kl_count = [], 0.0, 0
+        for start, end in zip(cuts[:-1], cuts[1:]):
+            offset = position % L
+            has_previous = position >= L
+            x = x_all[:, start:end]
+            for i, layer in enumerate(self.layers):
+                x, memories[i], mu, sigma_sq = layer(
+                    x, memories[i], offset, has_previous, rel_keys[i], self.r_w_bias[i], self.r_r_bias[i]
+                )
+                if with_kl and mu is not None:
+                    kl = kl_to_gaussian(mu, sigma_sq, c.kl_sigma0, c.kl_mu0)
+                    kl_sum = kl_sum + kl.sum()
+                    kl_count += kl.numel()
+            outputs.append(x)
+            position = position + (end - start)
+            done = position % L == 0
+            if bool(done.any()):
+                memories = self._end_segment(memories, done, position // L - 1)
+        x = self.drop(self.final_norm(torch.cat(outputs, dim=1)))
+        log_probs = F.log_softmax(self.head(x).float(), dim=-1)  # (B, T, V)
+        kl_mean = kl_sum / kl_count if kl_count else None
+        if with_kl and kl_mean is None:
+            kl_mean = x.new_zeros(())
+        return log_probs, self._assemble(memories, position), kl_mean
+
+    def _end_segment(self, memories: list[_LayerMemory], done: Tensor, segment_index: Tensor) -> list[_LayerMemory]:
+        """Apply the boundary update to the rows in `done`, leave the others as they are."""
+        rows = done.nonzero().squeeze(1)
+        every_row = rows.numel() == done.numel()
+        updated = []
+        for i, (layer, memory) in enumerate(zip(self.layers, memories)):
+            if every_row:
+                updated.append(layer.end_segment(memory, segment_index, i))
+                continue
+            picked = _LayerMemory(**{k: v[rows] for k, v in vars(memory).items()})
+            result = layer.end_segment(picked, segment_index[rows], i)
+            updated.append(_LayerMemory(**{
+                k: getattr(memory, k).index_copy(0, rows, getattr(result, k).to(getattr(memory, k).dtype))
+                for k in vars(memory)
+            }))
+        return updated
