@@ -72,7 +72,16 @@ def cmd_eval(args) -> None:
     from models.training.evaluate import bits_per_byte
     from models.training.train import held_out_documents
 
-    model = load_checkpoint(_resolve_model_dir(args.model))
+    directory = _resolve_model_dir(args.model)
+    model = load_checkpoint(directory)
+    if args.write_card:
+        from models.training.card import evaluate_for_card, sample, write_card
+
+        evaluations = evaluate_for_card(model, segment_len=args.segment_len)
+        print(json.dumps(evaluations))
+        write_card(directory, model, evaluations, sample(model, "import os\n\n\ndef ", 400))
+        print(f"wrote {directory / 'card.md'}")
+        return
     if args.mem_len is not None:
         model = model.with_mem_len(args.mem_len)
     corpus = stdlib_corpus()
@@ -144,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     evaluate.add_argument("--mem-len", type=int, default=None, help="evaluate with another memory length")
     evaluate.add_argument("--chunk-len", type=int, default=512, help="bytes fed per forward call")
     evaluate.add_argument("--max-bytes", type=int, default=None, help="score only the first N held-out bytes")
+    evaluate.add_argument("--write-card", action="store_true",
+                          help="evaluate with the trained memory and with none, then write card.md")
+    evaluate.add_argument("--segment-len", type=int, default=128, help="chunk length for the no-memory evaluation")
     evaluate.set_defaults(func=cmd_eval)
 
     bench = commands.add_parser("bench", help="run a benchmark (JSON + plot under bench-results/)")

@@ -7,4 +7,6 @@ torch-heavy process slows both about 5x.
 
 BENCHMARKS = {
     # name on the command line -> module under server.bench
+    "continuation": "continuation",
+    "vs-hf": "vs_hf",
 }
