@@ -1,0 +1,357 @@
+"""The vanilla character transformer: a deep causal transformer over a fixed context of L bytes.
+
+Paper: Rami Al-Rfou, Dokook Choe, Noah Constant, Mandy Guo, Llion Jones, "Character-Level Language
+Modeling with Deeper Self-Attention", AAAI 2019 (the model Transformer-XL calls "vanilla").
+
+The model sees at most `context_len` (L) bytes. Positions are absolute within that window: every
+layer adds its own learned positional embedding (an (L, d_model) table per layer) to its input,
+so position information does not fade with depth. Nothing is carried from one window to the
+next; the paper trains on independent windows and we do the same (the training loop's memory
+argument is passed through untouched).
+
+Training: three auxiliary losses (`training_loss`; switches in the config)
+- multiple positions (`aux_positions`): every position of the window predicts its next byte,
+  not only the last one;
+- intermediate layers (`aux_layers`): the output of every layer l < n also predicts, through
+  the same final norm and softmax as the top layer; layer l stops contributing after the
+  fraction l / (2n) of training, so all of them are gone half way through
+  (`intermediate_layer_weights`);
+- multiple targets (`aux_targets`): a second, separate classifier predicts the byte two steps
+  ahead at every scored position; its loss is weighted 0.5 and added to the loss of the layer
+  it came from.
+The total is the sum of the layer losses, as in the paper. With all three switched off the loss
+is the plain next-byte loss of the window's last position; with only `aux_positions` on it is
+the plain next-byte loss averaged over every position (what the standard training loop computes
+for models without auxiliary losses).
+
+Serving (`forward`) gives each byte the prediction the model makes from the window of the last L
+bytes ending at it, with positions counted from the window's start (the paper's evaluation):
+- While fewer than L bytes have been seen, the window starts at byte 0, so positions never
+  shift: decoding is incremental, against a key/value cache kept in the state (`ByteWindow`).
+- Once the window slides, every byte has moved to a new position and every layer's input
+  changed with it, so nothing cached is reusable: each new byte costs one full forward pass over
+  its window of L bytes (batched over the new bytes of one call, `window_batch` windows at a
+  time). That cost is what Transformer-XL's memory removes; it is deliberately not optimised
+  away here.
+Feeding a text in one call or in chunks of any size gives the same log-probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.interface import ArchConfig, LanguageModel, State
+
+
+@dataclass
+class VanillaConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    context_len: int = 128  # L: the fixed context, and the training window
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+    # auxiliary losses of Al-Rfou et al. (training only; serving never uses them)
+    aux_positions: bool = True  # predict at every position, not only the last
+    aux_layers: bool = True  # intermediate layers predict too, dropped on the l/(2n) schedule
+    aux_targets: bool = True  # a second classifier predicts the byte two steps ahead
+    second_target_weight: float = 0.5  # weight of the two-steps-ahead loss
+
+
+@dataclass
+class ByteWindow(State):
+    """The last (at most L) bytes seen, and the key/value cache of the window while it has not
+    slid yet.
+
+    tokens (B, W) int64 with W <= L; `valid` (B, W) is False where a row of a batch was
+    left-padded because its session has seen fewer bytes. keys[l], values[l]: (B, C, H, D), the
+    layer-l keys and values of the window's positions 0..C-1. The cache is usable only when
+    C == W < L (the window still starts at byte 0); it is emptied (C = 0) once the window is
+    full, since the next byte shifts every position.
+    """
+
+    tokens: Tensor
+    valid: Tensor
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def cached(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+    def _without_cache(self) -> "ByteWindow":
+        empty = lambda t: t[:, :0]  # noqa: E731
+        return ByteWindow(self.tokens, self.valid, [empty(k) for k in self.keys], [empty(v) for v in self.values])
+
+    @classmethod
+    def concat(cls, states: list["ByteWindow"]) -> "ByteWindow":
+        longest = max(s.length for s in states)
+
+        def pad(t: Tensor, fill) -> Tensor:  # left-pad dim 1 up to `longest`
+            missing = longest - t.shape[1]
+            if missing == 0:
+                return t
+            return torch.cat([t.new_full((t.shape[0], missing, *t.shape[2:]), fill), t], dim=1)
+
+        # caches survive only when every row has a complete one for the same unpadded window;
+        # otherwise the next call recomputes them from the tokens (same result, more work)
+        keep_cache = all(s.cached == s.length == longest and bool(s.valid.all()) for s in states)
+        if not keep_cache:
+            states = [s._without_cache() for s in states]
+        n_layer = len(states[0].keys)
+        return cls(
+            tokens=torch.cat([pad(s.tokens, 0) for s in states]),
+            valid=torch.cat([pad(s.valid, False) for s in states]),
+            keys=[torch.cat([s.keys[i] for s in states]) for i in range(n_layer)],
+            values=[torch.cat([s.values[i] for s in states]) for i in range(n_layer)],
+        )
+
+    def split(self) -> list["ByteWindow"]:
+        rows = []
+        for row in super().split():
+            start = int((~row.valid[0]).sum())  # padding only ever sits on the left
+            trimmed = ByteWindow(row.tokens[:, start:], row.valid[:, start:], row.keys, row.values)
+            rows.append(trimmed if trimmed.cached == trimmed.length else trimmed._without_cache())
+        return rows
+
+
+def intermediate_layer_weights(n_layer: int, fraction_done: float) -> list[float]:
+    """Weight of each layer's loss (index 0 = layer 1) at `fraction_done` of training: the top
+    layer always 1; layer l < n is 1 until the fraction l / (2n) of training, then 0."""
+    return [1.0 if l == n_layer or fraction_done < l / (2 * n_layer) else 0.0 for l in range(1, n_layer + 1)]
+
+
+class CausalLayer(nn.Module):
+    """Pre-norm causal self-attention + feed-forward, with this layer's learned positions added
+    to its input."""
+
+    def __init__(self, config: VanillaConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.position = nn.Parameter(torch.zeros(c.context_len, c.d_model))  # this layer's positions
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = nn.Sequential(
+            nn.Linear(c.d_model, c.d_inner),
+            nn.ReLU(),
+            nn.Dropout(c.dropout),
+            nn.Linear(c.d_inner, c.d_model),
+            nn.Dropout(c.dropout),
+        )
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, d_model)
+        start: int,  # position (within the window) of x's first row
+        cache_keys: Tensor | None,  # (B, C, H, D) with C == start, or None when start == 0
+        cache_values: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        c = self.config
+        B, T, _ = x.shape
+        x = x + self.position[start : start + T]
+        q, k, v = self.qkv_net(self.attn_norm(x)).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
+        if cache_keys is not None and cache_keys.shape[1] > 0:
+            keys, values = torch.cat([cache_keys, k], dim=1), torch.cat([cache_values, v], dim=1)
+        else:
+            keys, values = k, v
+        K = keys.shape[1]
+        dropatt = c.dropatt if self.training else 0.0
+        if K == T:  # no cache: plain causal attention
+            attended = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), dropout_p=dropatt, is_causal=True
+            )
+        else:  # query i (at window position start + i) sees keys 0 .. start + i
+            mask = None
+            if T > 1:
+                mask = torch.arange(K, device=x.device)[None, :] <= torch.arange(K - T, K, device=x.device)[:, None]
+            attended = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, dropout_p=dropatt
+            )
+        x = x + self.drop(self.o_net(attended.transpose(1, 2).reshape(B, T, -1)))
+        x = x + self.ff(self.ff_norm(x))
+        return x, keys, values
+
+
+class VanillaTransformer(LanguageModel):
+    architecture = "vanilla"
+    config_class = VanillaConfig
+    state_class = ByteWindow
+    state_kind = "window"
+    state_grows_with_context = False  # at most L bytes (+ their keys/values until the window slides)
+    window_batch = 64  # serving: windows recomputed per batched forward once the window slides
+
+    def __init__(self, config: VanillaConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        if c.context_len < 1:
+            raise ValueError("context_len must be at least 1")
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(CausalLayer(c) for _ in range(c.n_layer))
+        self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
+        if c.tie_embedding:
+            self.head.weight = self.embedding.weight
+        # the multiple-targets classifier (two steps ahead); separate from `head`, training only
+        self.second_head = nn.Linear(c.d_model, c.vocab_size) if c.aux_targets else None
+        self.apply(self._init_weights)
+        for layer in self.layers:
+            nn.init.normal_(layer.position, std=0.02)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    @property
+    def max_context(self) -> int | None:
+        return self.config.context_len
+
+    # -- state --------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int) -> ByteWindow:
+        c = self.config
+        p = self.embedding.weight
+        empty = lambda: p.new_zeros(batch_size, 0, c.n_head, c.d_head)  # noqa: E731
+        return ByteWindow(
+            tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=p.device),
+            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device),
+            keys=[empty() for _ in range(c.n_layer)],
+            values=[empty() for _ in range(c.n_layer)],
+        )
+
+    def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
+        return range(2, fresh.dim())  # window and cache lengths (dim 1) vary
+
+    def check_state(self, state: State) -> None:
+        super().check_state(state)
+        L = self.config.context_len
+        if state.valid.shape != state.tokens.shape:
+            raise ValueError(f"state 'valid' has shape {tuple(state.valid.shape)}, tokens {tuple(state.tokens.shape)}")
+        if state.length > L:
+            raise ValueError(f"window holds {state.length} bytes, more than context_len {L}")
+        for k, v in zip(state.keys, state.values):
+            if k.shape != v.shape or k.shape[1] > state.length:
+                raise ValueError(f"key/value cache of {k.shape[1]} positions does not fit a window of {state.length}")
+
+    # -- the network --------------------------------------------------------------------------
+
+    def _stack(self, tokens: Tensor, start: int, cache: ByteWindow | None, all_layers: bool = False):
+        """tokens (B, T) at window positions start .. start+T-1 -> the final hidden states
+        (B, T, d) (after the final norm), the per-layer keys and values (B, start+T, H, D) and,
+        with `all_layers`, every layer's output before the final norm."""
+        x = self.drop(self.embedding(tokens))
+        keys, values, outputs = [], [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, start, cache.keys[i] if cache else None, cache.values[i] if cache else None)
+            keys.append(k)
+            values.append(v)
+            if all_layers:
+                outputs.append(x)
+        return self.final_norm(x), keys, values, outputs
+
+    def _log_probs(self, hidden: Tensor) -> Tensor:
+        return F.log_softmax(self.head(self.drop(hidden)).float(), dim=-1)
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def forward(self, tokens: Tensor, state: ByteWindow) -> tuple[Tensor, ByteWindow]:
+        B, T = tokens.shape
+        if B > 1 and not bool(state.valid.all()):  # rows of different lengths: one at a time
+            outputs = [self.forward(tokens[b : b + 1], row) for b, row in enumerate(state.split())]
+            return torch.cat([o[0] for o in outputs]), ByteWindow.concat([o[1] for o in outputs])
+        if T == 0:
+            return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
+
+        L = self.config.context_len
+        W = state.length
+        history = torch.cat([state.tokens, tokens], dim=1)  # (B, W + T)
+        pieces = []
+
+        # 1. bytes that still fit the window that starts at byte 0: one incremental causal pass
+        fit = max(0, min(T, L - W))
+        cache = state
+        if fit > 0:
+            if state.cached != W:  # cache lost (batched with other rows, restored, ...): rebuild it
+                _, keys, values, _ = self._stack(state.tokens, 0, None)
+                cache = ByteWindow(state.tokens, state.valid, keys, values)
+            hidden, keys, values, _ = self._stack(tokens[:, :fit], W, cache)
+            pieces.append(self._log_probs(hidden))
+            cache = ByteWindow(history[:, : W + fit], state.valid.new_ones(B, W + fit), keys, values)
+
+        # 2. bytes after the window starts sliding: each is predicted from its own window of L
+        # bytes at positions 0..L-1, recomputed from scratch (nothing cached is valid any more)
+        if fit < T:
+            # window ending at history index a starts at a - L + 1; a runs over W+fit .. W+T-1
+            windows = history.unfold(1, L, 1)[:, W + fit - L + 1 :]  # (B, T - fit, L)
+            flat = windows.reshape(-1, L)
+            last = []
+            for chunk in flat.split(self.window_batch):
+                hidden, _, _, _ = self._stack(chunk, 0, None)
+                last.append(hidden[:, -1])
+            pieces.append(self._log_probs(torch.cat(last).view(B, T - fit, -1)))
+
+        log_probs = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+        window = history[:, -L:]
+        new_state = ByteWindow(window, state.valid.new_ones(window.shape), cache.keys, cache.values)
+        if fit < T or window.shape[1] == L:  # slid, or about to: the cache has no further use
+            new_state = new_state._without_cache()
+        else:
+            new_state = ByteWindow(window, new_state.valid, [k.detach() for k in cache.keys],
+                                   [v.detach() for v in cache.values])
+        return log_probs, new_state
+
+    # -- training -----------------------------------------------------------------------------
+
+    def training_loss(self, inputs: Tensor, targets: Tensor, state: State, fraction_done: float):
+        """The paper's loss on independent windows `inputs` (B, T <= L); `targets` are the next
+        bytes. The state is passed through unchanged (no memory between windows)."""
+        return self.auxiliary_loss(inputs, targets, fraction_done), state
+
+    def auxiliary_loss(self, inputs: Tensor, targets: Tensor, fraction_done: float) -> Tensor:
+        c = self.config
+        B, T = inputs.shape
+        if T > c.context_len:
+            raise ValueError(f"training windows of {T} bytes exceed context_len {c.context_len}")
+        final, _, _, outputs = self._stack(inputs, 0, None, all_layers=c.aux_layers)
+        weights = intermediate_layer_weights(c.n_layer, fraction_done) if c.aux_layers else [0.0] * (c.n_layer - 1) + [1.0]
+        layer_hidden = [self.final_norm(h) for h in outputs[:-1]] + [final] if c.aux_layers else [None] * (c.n_layer - 1) + [final]
+
+        scored = slice(None) if c.aux_positions else slice(T - 1, T)  # positions whose next byte is predicted
+        total = inputs.new_zeros((), dtype=torch.float32)
+        for weight, hidden in zip(weights, layer_hidden):
+            if weight == 0.0:
+                continue
+            h = self.drop(hidden[:, scored])
+            loss = F.cross_entropy(self.head(h).float().flatten(0, 1), targets[:, scored].flatten())
+            if c.aux_targets and self.second_head is not None:
+                # the byte two steps after position t is targets[t + 1]: positions 0..T-2 have one
+                positions = range(T - 1)[scored]
+                if len(positions) > 0:
+                    h2 = self.drop(hidden[:, positions.start : positions.stop])
+                    second = targets[:, positions.start + 1 : positions.stop + 1]
+                    loss = loss + c.second_target_weight * F.cross_entropy(
+                        self.second_head(h2).float().flatten(0, 1), second.flatten()
+                    )
+            total = total + weight * loss
+        return total
