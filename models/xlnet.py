@@ -1,0 +1,399 @@
+"""XLNet: a permutation language model with two-stream attention over Transformer-XL's memory.
+
+Paper: Zhilin Yang, Zihang Dai, Yiming Yang, Jaime Carbonell, Ruslan Salakhutdinov, Quoc V. Le,
+"XLNet: Generalized Autoregressive Pretraining for Language Understanding", NeurIPS 2019.
+
+Two streams run through the same layers (same weights):
+- the content stream h_i starts from the token embedding and attends to the positions before
+  it in the factorisation order *and to itself*; it is what later positions read;
+- the query stream g_i starts from a learned mask embedding w (`mask_emb`) and attends to the
+  positions before i in the order, never to i itself, so it knows where it is (through the
+  relative positions) but not what is there. The top layer's g_i predicts token i.
+Attention is Transformer-XL's relative attention, score (q_i + u).k_j + (q_i + v).W_r R_{i-j},
+plus XLNet's segment term (q_i + b).s_ij, where s_ij is one of two learned vectors telling
+whether i and j lie in the same segment (only meaningful for sentence pairs: for one text every
+pair is "same", the term is a per-query constant and softmax removes it, so it is computed only
+when segment ids are given). The keys and values of the previous segment's content stream are
+kept as memory, visible to every query, gradient stopped.
+
+Training (`training_loss`): permutation language modeling with partial prediction. Each sequence
+of a batch gets its own uniformly random factorisation order z; attention masks come from the
+order (content: rank(j) <= rank(i); query: rank(j) < rank(i)), and only the last 1/K of z
+(`partial_prediction_k`) is predicted, so the query stream is computed for those positions only.
+The memory carried to the next segment is this segment's content stream, computed under its order.
+
+Serving (`forward`) uses the left-to-right order, one of the orders training covers. The content
+stream of each new token is computed once (it sees the memory and the tokens before it) and
+its keys and values per layer join the memory (`XLMemory`, the same value type as
+Transformer-XL's). The query stream of the position after each token predicts the next token
+from the memory and the tokens up to it; one generated token is one incremental step. The top
+layer's content stream is never read (nothing attends to it and it predicts nothing), so only
+its keys and values are computed.
+
+Chunking semantics (what `forward` promises about splitting a text into calls)
+- `same_length=True` (our default): every content position sees itself and the mem_len - 1
+  positions before it, and every prediction sees exactly the last mem_len positions, whatever the
+  chunking: feeding a text in one call or in chunks of any size gives the same log-probabilities.
+  Training applies the same window to both streams.
+- `same_length=False` (the reference's semantics; converted checkpoints use it): within a call a
+  content position sees the whole memory and every earlier position of its chunk; the prediction
+  after position t sees the same keys as t's content stream plus t itself, except after the last
+  position of a call, which sees only what the new memory keeps (the last mem_len positions),
+  exactly as the reference's first prediction of its next segment does. A text of at most
+  mem_len + 1 tokens gives the same result in any chunking; beyond that, longer chunks see
+  further back, as in Transformer-XL with same_length=False.
+- `mem_len=None`: the memory keeps everything (the reference's mem_len=None); every chunking
+  agrees and the state grows with the context.
+
+Imported checkpoints (models/convert/xlnet.py): Hugging Face's XLNetLMHeadModel maps onto this file
+with same_length=False and its own mem_len, clamp_len, activation and layer-norm epsilon; its
+output at position i under a left-to-right permutation mask and identity target mapping is our
+output at position i - 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.interface import ArchConfig, LanguageModel, State
+from models.transformer_xl import XLMemory, sinusoid_encoding
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass
+class XLNetConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream (both streams)
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    ff_activation: str = "gelu"  # gelu | gelu_new | relu | silu
+    dropout: float = 0.0  # on embeddings, positional encodings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    mem_len: int | None = 128  # positions of content memory kept per layer; None = all
+    same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
+    clamp_len: int = -1  # |distances| beyond clamp_len share its encoding; -1 = no clamping
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the softmax shares the input embedding matrix (plus its own bias)
+    seg_len: int = 128  # training segment length (serving accepts any chunk length)
+    partial_prediction_k: int = 6  # training predicts the last 1/K of each factorisation order
+
+
+class TwoStreamLayer(nn.Module):
+    """One XLNet layer: relative attention (post-norm) + feed-forward, applied to whichever
+    stream's queries it is given; keys and values always come from the content stream."""
+
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        inner = c.n_head * c.d_head
+        self.q_net = nn.Linear(c.d_model, inner, bias=False)
+        self.k_net = nn.Linear(c.d_model, inner, bias=False)
+        self.v_net = nn.Linear(c.d_model, inner, bias=False)
+        self.r_net = nn.Linear(c.d_model, inner, bias=False)  # W_r: relative encodings -> keys
+        self.o_net = nn.Linear(inner, c.d_model, bias=False)
+        self.r_w_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # u (content)
+        self.r_r_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # v (position)
+        self.r_s_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # b (segment)
+        self.seg_embed = nn.Parameter(torch.zeros(2, c.n_head, c.d_head))  # s+ (same), s- (different)
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff_in = nn.Linear(c.d_model, c.d_inner)
+        self.ff_out = nn.Linear(c.d_inner, c.d_model)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.activation = ACTIVATIONS[c.ff_activation]
+        self.drop = nn.Dropout(c.dropout)
+        self.dropatt = nn.Dropout(c.dropatt)
+        self.scale = 1.0 / math.sqrt(c.d_head)
+
+    def keys_values(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Content stream (B, T, d) -> its keys and values (B, T, H, D)."""
+        c = self.config
+        B, T, _ = h.shape
+        return self.k_net(h).view(B, T, c.n_head, c.d_head), self.v_net(h).view(B, T, c.n_head, c.d_head)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, Q, d): queries of either stream
+        keys: Tensor,  # (B, K, H, D): memory + content stream
+        values: Tensor,  # (B, K, H, D)
+        rel_keys: Tensor,  # (R, H, D): W_r R_d for the distances the index below refers to
+        distance: Tensor,  # (B or 1, Q, K) int64 index into rel_keys
+        allowed: Tensor,  # (B or 1, 1, Q, K) bool
+        different_segment: Tensor | None,  # (B, Q, K) int64 (0 same, 1 different) or None
+    ) -> Tensor:
+        c = self.config
+        B, Q, _ = x.shape
+        K = keys.shape[1]
+        q = self.q_net(x).view(B, Q, c.n_head, c.d_head)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q + self.r_w_bias, keys)
+        # score every query against every distance once, then pick the distance of each (i, j)
+        by_distance = torch.einsum("bqhd,rhd->bhqr", q + self.r_r_bias, rel_keys)  # (B, H, Q, R)
+        scores = scores + torch.gather(by_distance, 3, distance[:, None].expand(B, c.n_head, Q, K))
+        if different_segment is not None:
+            by_segment = torch.einsum("bqhd,shd->bhqs", q + self.r_s_bias, self.seg_embed)  # (B, H, Q, 2)
+            scores = scores + torch.gather(by_segment, 3, different_segment[:, None].expand(B, c.n_head, Q, K))
+        scores = (scores * self.scale).masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        probs = self.dropatt(torch.softmax(scores, dim=-1))
+        attended = torch.einsum("bhqk,bkhd->bqhd", probs, values).reshape(B, Q, -1)
+        x = self.attn_norm(x + self.drop(self.o_net(attended)))
+        inner = self.drop(self.activation(self.ff_in(x)))
+        return self.ff_norm(x + self.drop(self.ff_out(inner)))
+
+
+def permutation_masks(order: Tensor, n_predict: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Masks of permutation language modeling for factorisation orders `order` (B, T) (order[b, k]
+    = the position at step k).
+
+    Returns content (B, T, T) with content[b, i, j] = position i's content stream may see
+    position j (rank(j) <= rank(i)), query (B, T, T) with rank(j) < rank(i), and the predicted
+    positions (B, n_predict): the last n_predict of each order, in order."""
+    B, T = order.shape
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=order.device).expand(B, T))
+    content = rank[:, None, :] <= rank[:, :, None]
+    query = rank[:, None, :] < rank[:, :, None]
+    return content, query, order[:, T - n_predict :]
+
+
+class XLNet(LanguageModel):
+    architecture = "xlnet"
+    config_class = XLNetConfig
+    state_class = XLMemory
+    state_kind = "segment-recurrence"
+
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        if c.ff_activation not in ACTIVATIONS:
+            raise ValueError(f"ff_activation {c.ff_activation!r} is not one of {sorted(ACTIVATIONS)}")
+        if c.mem_len is not None and c.mem_len < 1:
+            raise ValueError("mem_len must be at least 1, or None for an unbounded memory")
+        if c.same_length and c.mem_len is None:
+            raise ValueError("same_length needs a mem_len")
+        if c.partial_prediction_k < 1:
+            raise ValueError("partial_prediction_k must be at least 1")
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.mask_emb = nn.Parameter(torch.zeros(c.d_model))  # w: the query stream's input
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(TwoStreamLayer(c) for _ in range(c.n_layer))
+        self.head = nn.Linear(c.d_model, c.vocab_size)
+        if c.tie_embedding:
+            self.head.weight = self.embedding.weight
+        self.apply(self._init_weights)
+        nn.init.normal_(self.mask_emb, std=0.02)
+        for layer in self.layers:
+            for p in (layer.r_w_bias, layer.r_r_bias, layer.r_s_bias, layer.seg_embed):
+                nn.init.normal_(p, std=0.02)
+        # eval-mode cache of W_r R_d per layer for d = 0, 1, ...; derived from the weights only
+        self._rel_key_cache: dict[tuple, list[Tensor]] = {}
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    @property
+    def state_grows_with_context(self) -> bool:  # type: ignore[override]
+        return self.config.mem_len is None
+
+    @property
+    def max_context(self) -> int | None:
+        return None  # any history; it sees the last mem_len positions of it
+
+    # -- state --------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int) -> XLMemory:
+        c = self.config
+        p = self.mask_emb
+        empty = lambda: p.new_zeros(batch_size, 0, c.n_head, c.d_head)  # noqa: E731
+        return XLMemory(
+            keys=[empty() for _ in range(c.n_layer)],
+            values=[empty() for _ in range(c.n_layer)],
+            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device),
+        )
+
+    def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
+        return range(2, fresh.dim())  # memory length (dim 1) varies
+
+    def check_state(self, state: State) -> None:
+        super().check_state(state)
+        if self.config.mem_len is not None and state.length > self.config.mem_len:
+            raise ValueError(f"memory holds {state.length} positions, more than mem_len {self.config.mem_len}")
+
+    def train(self, mode: bool = True):
+        self._rel_key_cache.clear()  # weights are about to change
+        return super().train(mode)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._rel_key_cache.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    # -- relative positions -------------------------------------------------------------------
+
+    def relative_keys(self, low: int, high: int) -> list[Tensor]:
+        """Per layer, W_r R_d for d = low .. high, as (high - low + 1, H, D)."""
+        c = self.config
+        dtype, device = self.mask_emb.dtype, self.mask_emb.device
+        cacheable = low == 0 and not self.training and not torch.is_grad_enabled()
+        if cacheable:
+            for (cached_len, cached_dtype, cached_device), tables in self._rel_key_cache.items():
+                if cached_len > high and cached_dtype == dtype and cached_device == device:
+                    return [t[: high + 1] for t in tables]
+            high = max(high + 1, 2 * max((k[0] for k in self._rel_key_cache), default=0), 512) - 1
+        distances = torch.arange(low, high + 1, device=device)
+        if c.clamp_len > 0:
+            distances = distances.clamp(-c.clamp_len, c.clamp_len)
+        encoding = self.drop(sinusoid_encoding(distances, c.d_model).to(device=device, dtype=dtype))
+        tables = [layer.r_net(encoding).view(-1, c.n_head, c.d_head) for layer in self.layers]
+        if cacheable:
+            self._rel_key_cache.clear()
+            self._rel_key_cache[(high + 1, dtype, device)] = tables
+        return tables
+
+    # -- the two streams ----------------------------------------------------------------------
+
+    def _two_stream(
+        self,
+        tokens: Tensor,  # (B, T) content tokens at absolute positions M .. M+T-1
+        state: XLMemory,
+        content_allowed: Tensor,  # (B or 1, T, K) bool
+        query_positions: Tensor,  # (B or 1, P) absolute positions the query stream predicts
+        query_allowed: Tensor,  # (B or 1, P, K) bool
+        keep: int,  # first key index the new memory keeps
+        different_segment: Tensor | None = None,  # (B, T + P, K) int64, or None
+        left_to_right: bool = False,  # no query may see a later position: distances of masked pairs clamp to 0
+    ) -> tuple[Tensor, XLMemory]:
+        """Top-layer query stream (B, P, d) and the new memory."""
+        B, T = tokens.shape
+        M = state.length
+        K = M + T
+        P = query_positions.shape[1]
+        key_pos = torch.arange(K, device=tokens.device)
+        content_dist = torch.arange(M, K, device=tokens.device)[:, None] - key_pos  # (T, K)
+        query_dist = query_positions[..., None] - key_pos  # (B or 1, P, K)
+        if left_to_right:  # every visible distance is >= 0; one table from 0 serves every call
+            content_dist, query_dist = content_dist.clamp(min=0), query_dist.clamp(min=0)
+        low = min(int(content_dist.min()), int(query_dist.min())) if K > 0 else 0
+        high = max(int(content_dist.max()), int(query_dist.max())) if K > 0 else 0
+        rel_keys = self.relative_keys(low, high)
+
+        valid = torch.cat([state.valid, state.valid.new_ones(B, T)], dim=1)[:, None, :]  # (B, 1, K)
+        content_allowed = content_allowed & valid
+        query_allowed = query_allowed & valid
+        both_dist = torch.cat([content_dist.expand(query_dist.shape[0], T, K), query_dist], dim=1) - low
+        both_allowed = torch.cat([content_allowed.expand(B, T, K), query_allowed.expand(B, P, K)], dim=1)[:, None]
+        q_dist, q_allowed = query_dist - low, query_allowed[:, None]
+        q_segment = different_segment[:, T:] if different_segment is not None else None
+
+        h = self.drop(self.embedding(tokens))  # (B, T, d)
+        g = self.drop(self.mask_emb.expand(B, P, -1))  # (B, P, d)
+        new_keys, new_values = [], []
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            k, v = layer.keys_values(h)
+            keys = torch.cat([state.keys[i], k], dim=1)
+            values = torch.cat([state.values[i], v], dim=1)
+            new_keys.append(keys[:, keep:].detach())
+            new_values.append(values[:, keep:].detach())
+            if i < last:  # both streams at once: content rows first, then query rows
+                out = layer(torch.cat([h, g], dim=1), keys, values, rel_keys[i], both_dist, both_allowed,
+                            different_segment)
+                h, g = out[:, :T], out[:, T:]
+            else:  # nothing reads the top content stream
+                g = layer(g, keys, values, rel_keys[i], q_dist, q_allowed, q_segment)
+        return self.drop(g), XLMemory(keys=new_keys, values=new_values, valid=valid[:, 0, keep:])
+
+    def _log_probs(self, g: Tensor) -> Tensor:
+        return F.log_softmax(self.head(g).float(), dim=-1)
+
+    # -- serving: the left-to-right order -----------------------------------------------------
+
+    def forward(self, tokens: Tensor, state: XLMemory) -> tuple[Tensor, XLMemory]:
+        c = self.config
+        B, T = tokens.shape
+        if T == 0:
+            return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
+        M = state.length
+        K = M + T
+        device = tokens.device
+        key_pos = torch.arange(K, device=device)
+        content_pos = torch.arange(M, K, device=device)
+        content_allowed = key_pos[None, :] <= content_pos[:, None]  # (T, K): itself and before
+        query_allowed = key_pos[None, :] < content_pos[:, None] + 1  # predicting position t+1: up to t
+        keep = 0 if c.mem_len is None else max(0, K - c.mem_len)
+        if c.same_length:
+            content_allowed = content_allowed & (content_pos[:, None] - key_pos[None, :] < c.mem_len)
+            query_allowed = query_allowed & (content_pos[:, None] + 1 - key_pos[None, :] <= c.mem_len)
+        elif c.mem_len is not None:  # the prediction after the call sees what the new memory keeps
+            query_allowed[-1] &= key_pos >= keep
+        g, new_state = self._two_stream(
+            tokens, state, content_allowed[None], (content_pos + 1)[None], query_allowed[None], keep,
+            left_to_right=True,
+        )
+        return self._log_probs(g), new_state
+
+    # -- any factorisation order (training, and parity with the reference) --------------------
+
+    def permuted(
+        self,
+        tokens: Tensor,  # (B, T)
+        state: XLMemory,
+        order: Tensor,  # (B, T) a permutation of 0..T-1 per row
+        n_predict: int,
+        segment_ids: Tensor | None = None,  # (B, T) int64; memory counts as segment 0
+    ) -> tuple[Tensor, Tensor, XLMemory]:
+        """Log-probabilities (B, n_predict, V) of the tokens at the last n_predict positions of
+        each order (returned as (B, n_predict) positions), each predicted by its query stream
+        from the memory and the positions before it in the order; and the new memory."""
+        c = self.config
+        B, T = tokens.shape
+        M = state.length
+        K = M + T
+        content, query, predicted = permutation_masks(order, n_predict)
+        memory_visible = torch.ones(B, T, M, dtype=torch.bool, device=tokens.device)
+        content_allowed = torch.cat([memory_visible, content], dim=2)  # (B, T, K)
+        query_allowed = torch.cat([memory_visible, query], dim=2).gather(1, predicted[..., None].expand(B, n_predict, K))
+        query_positions = M + predicted
+        if c.same_length:
+            key_pos = torch.arange(K, device=tokens.device)
+            content_allowed = content_allowed & (torch.arange(M, K, device=tokens.device)[:, None] - key_pos < c.mem_len)
+            query_allowed = query_allowed & (query_positions[..., None] - key_pos <= c.mem_len)
+        keep = 0 if c.mem_len is None else max(0, K - c.mem_len)
+        different = None
+        if segment_ids is not None:
+            key_segments = torch.cat([segment_ids.new_zeros(B, M), segment_ids], dim=1)  # (B, K)
+            query_segments = torch.cat([segment_ids, segment_ids.gather(1, predicted)], dim=1)  # (B, T + P)
+            different = (query_segments[:, :, None] != key_segments[:, None, :]).long()
+        g, new_state = self._two_stream(tokens, state, content_allowed, query_positions, query_allowed, keep, different)
+        return self._log_probs(g), predicted, new_state
+
+    def training_loss(self, inputs: Tensor, targets: Tensor, state: XLMemory, fraction_done: float):
+        """Permutation LM with partial prediction on the segment `inputs` (B, T): a random order
+        per row, predict the tokens at the last ceil(T / K) steps of it. (`targets`, the next
+        bytes, are not needed: XLNet predicts tokens of the segment itself; the byte after the
+        segment is the first of the next one.)"""
+        c = self.config
+        if c.mem_len is None:
+            raise ValueError("training needs a bounded mem_len")
+        B, T = inputs.shape
+        order = torch.argsort(torch.rand(B, T, device=inputs.device), dim=1)
+        n_predict = max(1, math.ceil(T / c.partial_prediction_k))
+        log_probs, predicted, new_state = self.permuted(inputs, state, order, n_predict)
+        loss = -log_probs.gather(-1, inputs.gather(1, predicted)[..., None]).mean()
+        return loss, new_state
