@@ -12,6 +12,8 @@ from models.interface import LanguageModel
 ARCHITECTURES: dict[str, str] = {
     "transformer-xl": "models.transformer_xl:TransformerXL",
     "infinity-former": "models.infinity_former:InfinityFormer",
+    "vanilla": "models.vanilla:VanillaTransformer",
+    "xlnet": "models.xlnet:XLNet",
 }
 
 

@@ -75,6 +75,17 @@ PRESETS: dict[str, dict[str, dict]] = {
         "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, segment_len=32, n_basis=32,
                      n_samples=32, sticky_bins=32),
     },
+    "vanilla": {
+        "small": dict(n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, context_len=128, dropout=0.0),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, context_len=32),
+    },
+    "xlnet": {
+        "small": dict(
+            n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, mem_len=128, seg_len=128,
+            same_length=True, partial_prediction_k=6, dropout=0.0,
+        ),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, mem_len=32, seg_len=32),
+    },
 }
 
 
