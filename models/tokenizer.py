@@ -170,4 +170,98 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
         if vocab_size is not None and tokenizer.vocab_size != vocab_size:
             raise ValueError(f"{path} lists {tokenizer.vocab_size} symbols, the model has {vocab_size}")
         return tokenizer
+    if kind == "sentencepiece":
+        if directory is None:
+            raise ValueError("a sentencepiece checkpoint needs its directory to find the model file")
+        path = Path(directory) / config.get("tokenizer_file", "spiece.model")
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist: this converted model needs its sentencepiece model")
+        return SentencePieceTokenizer.from_file(path, **config.get("tokenizer_options", {}))
     raise ValueError(f"unknown tokenizer {kind!r} in checkpoint config")
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model (XLNet's spiece.model), with the text preparation XLNet was trained
+    with: whitespace runs collapsed to one space and the ends stripped (`remove_space`), `` and ''
+    turned into ", accents removed unless `keep_accents`, lower-cased when `do_lower_case`; and a
+    piece ending in digit + comma ("1990,") split into the number and the comma, as the original
+    XLNet preprocessing does. No special tokens are added (a language model continues the text).
+    Needs the `sentencepiece` package, imported only when such a model is loaded."""
+
+    UNDERLINE = "\u2581"  # sentencepiece's word-start marker
+
+    def __init__(self, model_bytes: bytes, do_lower_case: bool = False, remove_space: bool = True,
+                 keep_accents: bool = False):
+        import sentencepiece
+
+        self.processor = sentencepiece.SentencePieceProcessor()
+        self.processor.LoadFromSerializedProto(model_bytes)
+        self.do_lower_case = do_lower_case
+        self.remove_space = remove_space
+        self.keep_accents = keep_accents
+
+    @classmethod
+    def from_file(cls, path: str | Path, **options) -> "SentencePieceTokenizer":
+        return cls(Path(path).read_bytes(), **options)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.GetPieceSize()
+
+    def prepare(self, text: str) -> str:
+        import unicodedata
+
+        if self.remove_space:
+            text = " ".join(text.strip().split())
+        text = text.replace("``", '"').replace("''", '"')
+        if not self.keep_accents:
+            text = "".join(ch for ch in unicodedata.normalize("NFKD", text) if not unicodedata.combining(ch))
+        return text.lower() if self.do_lower_case else text
+
+    def pieces(self, text: str) -> list[str]:
+        pieces: list[str] = []
+        for piece in self.processor.EncodeAsPieces(self.prepare(text)):
+            if len(piece) > 1 and piece[-1] == "," and piece[-2].isdigit():
+                split = self.processor.EncodeAsPieces(piece[:-1].replace(self.UNDERLINE, ""))
+                if piece[0] != self.UNDERLINE and split and split[0].startswith(self.UNDERLINE):
+                    split = split[1:] if len(split[0]) == 1 else [split[0][1:], *split[1:]]
+                pieces.extend([*split, ","])
+            else:
+                pieces.append(piece)
+        return pieces
+
+    def encode(self, text: str) -> list[int]:
+        return [self.processor.PieceToId(p) for p in self.pieces(text)]
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        return self.processor.DecodeIds([int(t) for t in tokens])
+
+    def token_text(self, token: int) -> str:
+        return self.processor.IdToPiece(int(token))
+
+    def detokenizer(self) -> "SentencePieceDetokenizer":
+        return SentencePieceDetokenizer(self)
+
+
+class SentencePieceDetokenizer:
+    """Incremental `SentencePieceTokenizer.decode`: decodes everything so far and hands out what
+    is new, holding back a trailing U+FFFD (an incomplete byte-fallback character)."""
+
+    def __init__(self, tokenizer: SentencePieceTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._sent = 0
+
+    def push(self, token: int) -> str:
+        self._ids.append(int(token))
+        text = self._tokenizer.decode(self._ids)
+        stable = len(text.rstrip("\ufffd"))
+        if stable <= self._sent:
+            return ""
+        new, self._sent = text[self._sent : stable], stable
+        return new
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._ids)
+        new, self._sent = text[self._sent :], len(text)
+        return new

@@ -35,6 +35,7 @@ from models.interface import LanguageModel
 # Hugging Face `model_type` -> module under models.convert implementing `import_checkpoint`
 IMPORTERS: dict[str, str] = {
     "transfo-xl": "models.convert.transfo_xl",
+    "xlnet": "models.convert.xlnet",
 }
 
 
