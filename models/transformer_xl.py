@@ -137,6 +137,46 @@ class XLMemory(State):
         return rows
 
 
+MEMORY_ROOM = 64  # spare positions after a memory buffer: decoding copies the memory once per 64 steps
+
+
+def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
+    """torch.cat([memory, new], dim=1) for (B, M, H, D) + (B, T, H, D), without copying `memory`
+    when it can be avoided (inference only; the caller checks).
+
+    The result is a view into a buffer with MEMORY_ROOM spare positions after it. The buffer's
+    storage records how far it has been written (`_xl_filled`); when `memory` is a full-batch
+    view that ends exactly there and the room suffices, `new` is written into the room and the
+    longer view returned. The positions `memory` covers are never written, so every earlier state
+    stays valid: a second continuation of the same state (a retry, a fork) finds the room taken
+    and copies instead.
+    """
+    B, M, H, D = memory.shape
+    T = new.shape[1]
+    storage = memory.untyped_storage()
+    row, position = memory.stride(0), memory.stride(1)
+    if (
+        getattr(storage, "_xl_filled", None) is not None
+        and memory.dtype == new.dtype
+        and memory.device == new.device
+        and memory.stride()[1:] == (H * D, D, 1)
+        and memory.storage_offset() < row  # starts in batch row 0 ...
+        and B * row * memory.element_size() == storage.nbytes()  # ... and covers every row of the buffer
+    ):
+        start = memory.storage_offset() // position
+        capacity = row // position
+        if storage._xl_filled == start + M and start + M + T <= capacity:
+            buffer = memory.as_strided((B, capacity, H, D), (row, position, D, 1), storage_offset=0)
+            buffer[:, start + M : start + M + T] = new
+            storage._xl_filled = start + M + T
+            return buffer[:, start : start + M + T]
+    buffer = memory.new_empty(B, M + T + MEMORY_ROOM, H, D)
+    buffer[:, :M] = memory
+    buffer[:, M : M + T] = new
+    buffer.untyped_storage()._xl_filled = M + T
+    return buffer[:, : M + T]
+
+
 def sinusoid_encoding(distances: Tensor, d_model: int) -> Tensor:
     """distances (K,) -> (K, d_model): [sin(d * w_i) ..., cos(d * w_i) ...] as in the paper."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, dtype=torch.float32) / d_model))
@@ -182,18 +222,31 @@ class RelativeAttentionLayer(nn.Module):
         B, T, _ = x.shape
         h = self.attn_norm(x) if c.pre_norm else x
         q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
-        keys = torch.cat([mem_keys, k], dim=1)  # (B, K, H, D)
-        values = torch.cat([mem_values, v], dim=1)
+        inference = not torch.is_grad_enabled()
+        extend = extend_memory if inference else lambda m, new: torch.cat([m, new], dim=1)
+        keys = extend(mem_keys, k)  # (B, K, H, D)
+        values = extend(mem_values, v)
         K = keys.shape[1]
 
-        content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
-        # score every query against every distance once, then pick the distance of each (i, j)
-        by_distance = torch.einsum("bthd,khd->bhtk", q + r_r_bias, rel_keys)  # (B, H, T, K)
+        if inference and T == 1:
+            # decode: one product per batch row reads the memory in its (K, H, D) layout, where
+            # the einsums below would first copy it into (H, K, D)
+            qw, qr = (q + r_w_bias).transpose(1, 2), (q + r_r_bias).transpose(1, 2)  # (B, H, 1, D)
+            content = torch.stack([qw[b] @ keys[b].permute(1, 2, 0) for b in range(B)])  # (B, H, 1, K)
+            by_distance = torch.stack([qr[b] @ rel_keys.permute(1, 2, 0) for b in range(B)])
+        else:
+            content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
+            # score every query against every distance once, then pick the distance of each (i, j)
+            by_distance = torch.einsum("bthd,khd->bhtk", q + r_r_bias, rel_keys)  # (B, H, T, K)
         position = torch.gather(by_distance, 3, distance.expand(B, c.n_head, T, K))
         scores = (content + position) * self.scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = self.dropatt(torch.softmax(scores, dim=-1))
-        attended = torch.einsum("bhtk,bkhd->bthd", probs, values).reshape(B, T, -1)
+        if inference and T == 1:
+            attended = torch.stack([probs[b] @ values[b].transpose(0, 1) for b in range(B)])  # (B, H, 1, D)
+            attended = attended.transpose(1, 2).reshape(B, T, -1)
+        else:
+            attended = torch.einsum("bhtk,bkhd->bthd", probs, values).reshape(B, T, -1)
         out = self.drop(self.o_net(attended))
 
         if c.pre_norm:

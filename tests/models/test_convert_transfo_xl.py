@@ -206,7 +206,7 @@ def test_a_config_of_another_architecture_fails_clearly(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ConversionError, match=r"'gpt2'.*GPT2LMHeadModel.*imports: \['transfo-xl'\]"):
+    with pytest.raises(ConversionError, match=r"'gpt2'.*GPT2LMHeadModel.*imports: \[.*'transfo-xl'"):
         convert(hf, tmp_path / "xl")
     (hf / "config.json").write_text(json.dumps({"model_type": "transfo-xl", "architectures": ["TransfoXLModel"]}))
     with pytest.raises(ConversionError, match=r"TransfoXLModel.*only TransfoXLLMHeadModel"):
