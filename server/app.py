@@ -67,9 +67,12 @@ def build_app(settings: Settings | None = None) -> FastAPI:
         if settings.torch_threads > 0:
             torch.set_num_threads(settings.torch_threads)
         metrics = Metrics()
-        state = AppState(settings=settings, metrics=metrics, cache=SessionCache(), api_keys=settings.api_key_list())
+        cache = SessionCache.from_settings(settings, metrics)
+        state = AppState(settings=settings, metrics=metrics, cache=cache, api_keys=settings.api_key_list())
         app.state.xlserve = state
         state.models = await asyncio.to_thread(load_models, settings, metrics)
+        # sessions written down by an earlier run (graceful or killed) are found again here
+        await asyncio.to_thread(cache.open, {name: served.model for name, served in state.models.items()})
         state.ready = True
         try:
             yield

@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.cache import CacheError
+
 
 class APIError(Exception):
     status = 500
@@ -68,6 +70,10 @@ def as_api_error(error: BaseException) -> APIError:
     """Map any exception to the APIError a client sees (internal ones become a plain 500)."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, CacheError):  # mapped in one place, next to the other session errors
+        from server.api.deps import session_errors
+
+        return session_errors(error, error.session_id or "")
     return APIError(f"internal error: {type(error).__name__}")
 
 
@@ -75,6 +81,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(CacheError)
+    async def _cache_error(request: Request, error: CacheError):
+        api_error = as_api_error(error)
+        return JSONResponse(api_error.body(), status_code=api_error.status, headers=api_error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):

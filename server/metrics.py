@@ -45,6 +45,23 @@ class Metrics:
             "xlserve_state_bytes_per_session", "State bytes of a session at commit", ["model"],
             buckets=BYTES_BUCKETS, registry=r,
         )
+        # session cache (server/cache): hits/misses count where an acquired session was found
+        # (a hit on that tier, a miss on every faster one); evictions count moves down, by tier left
+        self.session_cache_hits = Counter("xlserve_session_cache_hits", "Sessions found in a tier", ["model", "tier"], registry=r)
+        self.session_cache_misses = Counter("xlserve_session_cache_misses", "Sessions not found in a tier", ["model", "tier"], registry=r)
+        self.session_promotions = Counter(
+            "xlserve_session_promotions", "Sessions restored to the device, by tier they came from", ["model", "tier"], registry=r
+        )
+        self.session_evictions = Counter(
+            "xlserve_session_evictions", "Sessions moved down out of a tier", ["model", "tier"], registry=r
+        )
+        self.session_refusals = Counter(
+            "xlserve_session_refusals", "Requests refused because a tier had no room (503)", ["model", "tier"], registry=r
+        )
+        self.session_restore_latency = Histogram(
+            "xlserve_session_restore_latency_seconds", "Time to bring a session's state back to the device",
+            ["model", "tier"], buckets=(0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS, registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,9 +9,16 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from models.interface import LanguageModel
-from server.cache import SessionCache, SessionLocked, SessionNotFound
+from server.cache import (
+    CacheFull,
+    SessionCache,
+    SessionConflict,
+    SessionLocked,
+    SessionNotFound,
+    SessionUnavailable,
+)
 from server.engine import Engine
-from server.errors import AuthenticationFailed, NotFound, SessionBusy
+from server.errors import AuthenticationFailed, Conflict, NotFound, SessionBusy, Unavailable
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -73,4 +80,12 @@ def session_errors(error: Exception, session_id: str) -> Exception:
     if isinstance(error, SessionLocked):
         return SessionBusy(f"session '{session_id}' is busy with another request; retry when it finishes",
                            param="session_id", code="session_busy")
+    if isinstance(error, SessionConflict):
+        return Conflict(f"session '{session_id}' was changed by another request (another replica) since this one "
+                        "started; nothing was written. Retry from the current version",
+                        param="session_id", code="session_version_conflict")
+    if isinstance(error, CacheFull):
+        return Unavailable(f"{error}", param="session_id", code="session_cache_full", headers={"Retry-After": "1"})
+    if isinstance(error, SessionUnavailable):
+        return Unavailable(f"{error}", param="session_id", code="session_unavailable")
     return error

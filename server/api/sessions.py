@@ -1,22 +1,41 @@
 """/v1/sessions: long-lived model memory that requests continue.
 
-A session belongs to the API key that created it (another key sees 404). `append` feeds a
-document chunk into the memory and, with `score`, returns its log-probability: appending a
-document chunk by chunk scores it exactly as one pass would, which is how users evaluate
-long documents.
+    POST   /v1/sessions                  {"model"} -> a new, empty session
+    GET    /v1/sessions/{id}             tokens, version, state_bytes, tier, in_use, timestamps
+    DELETE /v1/sessions/{id}
+    POST   /v1/sessions/{id}/append      {"text" | token ids, "score"}: feed a document chunk
+    POST   /v1/sessions/{id}/fork        a new session starting from this one's committed state
+    GET    /v1/sessions/{id}/state       export: safetensors bytes (see server/cache/codec.py)
+    PUT    /v1/sessions/{id}/state       import into this session: its state is replaced (one commit)
+    POST   /v1/sessions/import           import as a new session (?model= optional, else the file's)
+
+A session belongs to the API key that created it (another key sees 404) and its id is 128
+random bits. `append` feeds a document chunk into the memory and, with `score`, returns its
+log-probability: appending a document chunk by chunk scores it exactly as one pass would,
+which is how users evaluate long documents.
+
+Import never creates a session under an id the client picked: ids stay random and an
+existing id of another key stays invisible, so PUT replaces the state of a session you own
+and a new session comes from POST /v1/sessions/import. An imported state must be of the same
+model (metadata `model`) and fit it (`LanguageModel.check_state`: state class, tensor names,
+dtypes, fixed dimensions); anything else is a 400. The exported metadata carries the model
+name, architecture, token count and version; the owner is left out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from server.api.completions import prompt_tokens
 from server.api.deps import app_state, owner_of, session_errors
-from server.cache import SessionLocked, SessionNotFound
-from server.errors import InvalidRequest
+from server.cache import CacheError, CorruptState, SessionData
+from server.cache.codec import decode, session_data
+from server.errors import InvalidRequest, RequestTooLarge
 
 router = APIRouter()
 
@@ -32,10 +51,11 @@ class AppendRequest(BaseModel):
     score: bool = False
 
 
-def _cache_call(fn, session_id: str):
+async def _cache_call(fn, *args, session_id: str = ""):
+    """Run a cache operation off the event loop (it may read or fsync a file, or ask Redis)."""
     try:
-        return fn()
-    except (SessionNotFound, SessionLocked) as error:
+        return await asyncio.to_thread(fn, *args)
+    except CacheError as error:
         raise session_errors(error, session_id) from None
 
 
@@ -43,27 +63,67 @@ def _cache_call(fn, session_id: str):
 async def create_session(body: CreateSession, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
     served = state.served(body.model)
-    info = state.cache.create(body.model, owner, served.engine.fresh_data())
+    info = await _cache_call(state.cache.create, body.model, owner, served.engine.fresh_data())
+    return info.public()
+
+
+@router.post("/v1/sessions/import")
+async def import_new_session(request: Request, model: str | None = None, owner: str | None = Depends(owner_of)):
+    state = app_state(request)
+    blob = await _read_body(request, state.settings.max_request_body_bytes)
+    meta = _decoded(blob)
+    name = model or meta[0].get("model", "")
+    served = state.served(name)
+    data = _validated(served, *meta)
+    info = await _cache_call(state.cache.import_new, served.name, owner, data)
     return info.public()
 
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    return _cache_call(lambda: state.cache.info(session_id, owner), session_id).public()
+    return (await _cache_call(state.cache.info, session_id, owner, session_id=session_id)).public()
 
 
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    _cache_call(lambda: state.cache.delete(session_id, owner), session_id)
+    await _cache_call(state.cache.delete, session_id, owner, session_id=session_id)
     return {"id": session_id, "object": "session", "deleted": True}
+
+
+@router.post("/v1/sessions/{session_id}/fork")
+async def fork_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    state = app_state(request)
+    info = await _cache_call(state.cache.fork, session_id, owner, session_id=session_id)
+    return {**info.public(), "forked_from": session_id}
+
+
+@router.get("/v1/sessions/{session_id}/state")
+async def export_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    state = app_state(request)
+    info, blob = await _cache_call(state.cache.export, session_id, owner, session_id=session_id)
+    return Response(content=blob, media_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="{session_id}.safetensors"',
+        "X-Session-Version": str(info.version), "X-Session-Tokens": str(info.tokens),
+    })
+
+
+@router.put("/v1/sessions/{session_id}/state")
+async def import_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    state = app_state(request)
+    current = await _cache_call(state.cache.info, session_id, owner, session_id=session_id)
+    blob = await _read_body(request, state.settings.max_request_body_bytes)
+    served = state.served(current.model)
+    data = _validated(served, *_decoded(blob))
+    info = await _cache_call(state.cache.replace, session_id, owner, data, session_id=session_id)
+    return info.public()
 
 
 @router.post("/v1/sessions/{session_id}/append")
 async def append(session_id: str, body: AppendRequest, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    lease = _cache_call(lambda: state.cache.acquire(session_id, owner), session_id)
+    lease = await _cache_call(state.cache.acquire, session_id, owner, session_id=session_id)
     try:
         served = state.served(lease.info.model)
         tokens = prompt_tokens(state, served, body.text)
@@ -71,7 +131,7 @@ async def append(session_id: str, body: AppendRequest, request: Request, owner: 
             raise InvalidRequest("text is empty", param="text")
         cached = lease.data.tokens
         data, logprob, scored = await served.engine.append(lease.data, tokens, body.score)
-        info = state.cache.commit(lease, data)
+        info = await _cache_call(state.cache.commit, lease, data, session_id=session_id)
     finally:
         state.cache.release(lease)  # no-op after the commit
     state.metrics.memory_reused_tokens.labels(info.model).inc(cached)
@@ -85,3 +145,51 @@ async def append(session_id: str, body: AppendRequest, request: Request, owner: 
         result.update(logprob=logprob, scored_tokens=scored,
                       bits_per_byte=(-logprob / math.log(2) / scored_bytes) if scored_bytes else None)
     return result
+
+
+# -- import validation ---------------------------------------------------------------------------
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused past `limit` bytes even when no Content-Length announced it."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes (XLSERVE_MAX_REQUEST_BODY_BYTES)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decoded(blob: bytes):
+    try:
+        return decode(blob, require_checksum=False)  # a checksum, when present, must match
+    except CorruptState as error:
+        raise InvalidRequest(f"the body is not an xlserve session state: {error}", param="body",
+                             code="invalid_state") from None
+
+
+def _validated(served, meta: dict[str, str], tensors, next_log_probs) -> SessionData:
+    model = served.model
+
+    def refuse(message: str):
+        return InvalidRequest(message, param="body", code="invalid_state")
+
+    if meta.get("model") != served.name:
+        raise refuse(f"the state belongs to model '{meta.get('model')}', not '{served.name}'")
+    if meta.get("architecture") and meta["architecture"] != model.architecture:
+        raise refuse(f"the state is of architecture '{meta['architecture']}', '{served.name}' is {model.architecture}")
+    try:
+        data = session_data(model.state_class, meta, tensors, next_log_probs)
+        if data.state.batch_size != 1:
+            raise ValueError(f"a session state has batch size 1, this one has {data.state.batch_size}")
+        model.check_state(data.state)
+    except (ValueError, IndexError) as error:
+        raise refuse(f"the state does not fit model '{served.name}': {error}") from None
+    if next_log_probs is not None and (next_log_probs.dim() != 1 or next_log_probs.shape[0] != model.vocab_size
+                                       or not next_log_probs.is_floating_point()):
+        raise refuse(f"next_log_probs must be a float vector of {model.vocab_size} values, "
+                     f"got {next_log_probs.dtype} {tuple(next_log_probs.shape)}")
+    if data.tokens > 0 and next_log_probs is None:
+        raise refuse("a state that has seen tokens needs next_log_probs")
+    return data.to(model.device)

@@ -1,156 +1,226 @@
-"""The session cache: owns every session's model state and its bookkeeping.
+"""The cache manager: bookkeeping of where every session's state lives. It moves no bytes.
 
-A session is (model, state, token count, version, owner). A request takes a lease on its
-session (one at a time: a second gets SessionBusy), works on a copy of the state, and either
-commits the new state (the version goes up by one) or releases the lease, leaving the session
-exactly as it was.
+In the spirit of vLLM's KV cache manager, this class only counts and decides. It knows, for
+every session, its model, owner, size in bytes, version, last use, whether a running request
+holds it (pinned), and which tiers hold a copy of its state. It answers "can this fit in that
+tier now, and who has to move for it?" with a plan of moves, or None when the answer is no.
+The session cache (server/cache/session_cache.py) carries the plans out through the stores.
 
-This first version keeps every state on the device where its model runs; tiers, byte budgets,
-persistence and Redis come with the cache manager of issue 3 behind the same interface.
+Tiers, fastest first: device → host → disk → redis (the last one only when configured). Each
+has a byte budget (None = unbounded). A session may have copies in several tiers; its `tier`
+is the fastest one. The *last* tier always holds a copy of every session: that is the
+write-through rule that makes commits durable (see session_cache.py). Nothing is ever evicted
+from the last tier, so its budget is an admission limit: when it is full, new bytes are
+refused.
+
+Eviction: when a tier is over budget, its least recently used idle session moves down: its copy
+there is dropped, after a copy is made in the next tier below that can hold it, unless a lower
+tier already has one (with write-through it usually has: moving a session from host to disk
+costs nothing). Pinned sessions never move. Byte counts are exact sums of `nbytes` of the
+copies a tier holds; a session counts once per tier that holds a copy.
 """
 
 from __future__ import annotations
 
-import secrets
-import threading
-import time
+import itertools
 from dataclasses import dataclass, field
 
-import torch
-
-from models.interface import State
-
-
-class SessionNotFound(LookupError):
-    pass
-
-
-class SessionLocked(RuntimeError):
-    """The session is in use by another request."""
+TIERS = ("device", "host", "disk", "redis")
 
 
 @dataclass
-class SessionData:
-    """What a session remembers: the model's state, how many tokens it has seen, and the
-    distribution of the next token (needed to continue generating without a prompt)."""
+class Record:
+    """What the manager knows about one session."""
 
-    state: State
-    tokens: int
-    next_log_probs: torch.Tensor | None  # (V,) float32, None before the first token
-
-    def nbytes(self) -> int:
-        extra = 0 if self.next_log_probs is None else self.next_log_probs.numel() * 4
-        return self.state.nbytes() + extra
-
-
-@dataclass
-class SessionInfo:
     id: str
     model: str
     owner: str | None
+    nbytes: int  # bytes of the committed state (what every copy holds)
     tokens: int
     version: int
-    state_bytes: int
-    tier: str
     created_at: float
-    last_used_at: float
+    last_used_at: float  # wall time, reported to users
+    copies: set[str] = field(default_factory=set)  # tiers holding the committed state
+    pinned: bool = False  # a request holds a lease
+    use_seq: int = 0  # monotonic use counter: the LRU order (wall clocks can tie or step back)
 
-    def public(self) -> dict:
-        return {
-            "id": self.id, "object": "session", "model": self.model, "tokens": self.tokens,
-            "state_bytes": self.state_bytes, "tier": self.tier, "version": self.version,
-            "created_at": self.created_at, "last_used_at": self.last_used_at,
-        }
-
-
-@dataclass
-class _Entry:
-    info: SessionInfo
-    data: SessionData
-    leased: bool = False
+    @property
+    def tier(self) -> str:
+        return next(t for t in TIERS if t in self.copies) if self.copies else "none"
 
 
-@dataclass
-class Lease:
-    """A request's hold on a session: `data` is the committed state it starts from."""
+@dataclass(frozen=True)
+class Move:
+    """Put a copy of `session` into `dst` (None: no new copy, a lower tier has one), then drop
+    its copy in `src`."""
 
-    session_id: str
-    version: int
-    data: SessionData
-    info: SessionInfo
-    done: bool = field(default=False)
-
-
-def new_session_id() -> str:
-    return "sess_" + secrets.token_hex(16)  # 128 random bits
+    session: str
+    src: str
+    dst: str | None
 
 
-class SessionCache:
-    def __init__(self) -> None:
-        self._entries: dict[str, _Entry] = {}
-        self._lock = threading.Lock()
+class CacheManager:
+    def __init__(self, budgets: dict[str, int | None]):
+        """budgets: tier -> bytes (None = unbounded), for the tiers in use, in TIERS order."""
+        unknown = set(budgets) - set(TIERS)
+        if unknown:
+            raise ValueError(f"unknown tiers {sorted(unknown)}")
+        self.tiers = [t for t in TIERS if t in budgets]
+        self.budgets = dict(budgets)
+        self.records: dict[str, Record] = {}
+        self._used = {t: 0 for t in self.tiers}
+        self._seq = itertools.count(1)
 
-    def create(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
-        now = time.time()
-        info = SessionInfo(
-            id=new_session_id(), model=model, owner=owner, tokens=data.tokens, version=0,
-            state_bytes=data.nbytes(), tier="device", created_at=now, last_used_at=now,
-        )
-        with self._lock:
-            self._entries[info.id] = _Entry(info=info, data=data)
-        return info
+    # -- queries ------------------------------------------------------------------------------
 
-    def _entry(self, session_id: str, owner: str | None) -> _Entry:
-        entry = self._entries.get(session_id)
-        if entry is None or entry.info.owner != owner:  # another key's session does not exist for you
-            raise SessionNotFound(session_id)
-        return entry
+    @property
+    def last_tier(self) -> str:
+        return self.tiers[-1]
 
-    def info(self, session_id: str, owner: str | None) -> SessionInfo:
-        with self._lock:
-            return self._entry(session_id, owner).info
+    def used(self, tier: str) -> int:
+        return self._used[tier]
 
-    def acquire(self, session_id: str, owner: str | None) -> Lease:
-        with self._lock:
-            entry = self._entry(session_id, owner)
-            if entry.leased:
-                raise SessionLocked(session_id)
-            entry.leased = True
-            return Lease(session_id, entry.info.version, entry.data, entry.info)
+    def free(self, tier: str) -> int | None:
+        budget = self.budgets[tier]
+        return None if budget is None else budget - self._used[tier]
 
-    def commit(self, lease: Lease, data: SessionData) -> SessionInfo:
-        with self._lock:
-            entry = self._entries[lease.session_id]
-            entry.data = data
-            entry.info.tokens = data.tokens
-            entry.info.state_bytes = data.nbytes()
-            entry.info.version += 1
-            entry.info.last_used_at = time.time()
-            entry.leased = False
-            lease.done = True
-            return entry.info
+    def get(self, session_id: str) -> Record | None:
+        return self.records.get(session_id)
 
-    def release(self, lease: Lease) -> None:
-        """End a lease without changing the session (cancel, disconnect, error)."""
-        with self._lock:
-            if lease.done:
-                return
-            entry = self._entries.get(lease.session_id)
-            if entry is not None:
-                entry.leased = False
-                entry.info.last_used_at = time.time()
-            lease.done = True
+    def by_tier(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(model, tier) -> (sessions whose fastest copy is there, bytes held there)."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for r in self.records.values():
+            out.setdefault((r.model, r.tier), [0, 0])[0] += 1
+            for t in r.copies:
+                out.setdefault((r.model, t), [0, 0])[1] += r.nbytes
+        return {k: (v[0], v[1]) for k, v in out.items()}
 
-    def delete(self, session_id: str, owner: str | None) -> None:
-        with self._lock:
-            entry = self._entry(session_id, owner)
-            if entry.leased:
-                raise SessionLocked(session_id)
-            del self._entries[session_id]
+    def lru(self, tier: str, exclude: set[str] = frozenset()) -> list[Record]:
+        """Idle sessions with a copy in `tier`, least recently used first."""
+        idle = [r for r in self.records.values() if tier in r.copies and not r.pinned and r.id not in exclude]
+        return sorted(idle, key=lambda r: r.use_seq)
 
-    def sessions(self) -> list[SessionInfo]:
-        with self._lock:
-            return [e.info for e in self._entries.values()]
+    # -- planning (pure: nothing changes until `apply`) ---------------------------------------
 
-    def close(self) -> None:
-        pass
+    def plan_room(self, tier: str, nbytes: int, exclude: set[str] = frozenset()) -> list[Move] | None:
+        """Moves that leave `nbytes` free in `tier` (on top of what it holds now), or None when
+        that is impossible without touching pinned or excluded sessions. nbytes=0 asks for a tier
+        back within its budget."""
+        used = dict(self._used)
+        copies = {sid: set(r.copies) for sid, r in self.records.items()}
+        moves: list[Move] = []
+        if self._make_room(tier, nbytes, set(exclude), used, copies, moves):
+            return moves
+        return None
+
+    def _lru_sim(self, tier, exclude, copies) -> list[Record]:
+        idle = [r for r in self.records.values() if tier in copies[r.id] and not r.pinned and r.id not in exclude]
+        return sorted(idle, key=lambda r: r.use_seq)
+
+    def _make_room(self, tier, nbytes, exclude, used, copies, moves) -> bool:
+        budget = self.budgets[tier]
+        if budget is None or used[tier] + nbytes <= budget:
+            return True
+        if nbytes > budget or tier == self.last_tier:
+            return False
+        for victim in self._lru_sim(tier, exclude, copies):
+            if used[tier] + nbytes <= budget:
+                break
+            self._demote(victim, tier, exclude, used, copies, moves)  # on failure it changes nothing
+        return used[tier] + nbytes <= budget
+
+    def _demote(self, victim: Record, tier: str, exclude, used, copies, moves) -> bool:
+        """Move `victim` out of `tier` into the nearest tier below that can take it (making room
+        there in turn), or just drop this copy when a lower tier reached first already has one."""
+        have = copies[victim.id]
+        dst = None
+        for candidate in self.tiers[self.tiers.index(tier) + 1 :]:
+            if candidate in have:
+                break  # a lower copy exists: dropping this one loses nothing
+            mark = len(moves)
+            if self._make_room(candidate, victim.nbytes, exclude | {victim.id}, used, copies, moves):
+                dst = candidate
+                break
+            self._undo(moves, mark, used, copies)
+        else:
+            return False
+        if dst is not None:
+            have.add(dst)
+            used[dst] += victim.nbytes
+        have.discard(tier)
+        used[tier] -= victim.nbytes
+        moves.append(Move(victim.id, tier, dst))
+        return True
+
+    def _undo(self, moves, mark, used, copies) -> None:
+        while len(moves) > mark:
+            move = moves.pop()
+            nbytes = self.records[move.session].nbytes
+            copies[move.session].add(move.src)
+            used[move.src] += nbytes
+            if move.dst is not None:
+                copies[move.session].discard(move.dst)
+                used[move.dst] -= nbytes
+
+    # -- changes ------------------------------------------------------------------------------
+
+    def add(self, record: Record) -> None:
+        if record.id in self.records:
+            raise KeyError(f"session {record.id} is already known")
+        record.use_seq = next(self._seq)
+        self.records[record.id] = record
+        for t in record.copies:
+            self._used[t] += record.nbytes
+
+    def remove(self, session_id: str) -> Record:
+        record = self.records.pop(session_id)
+        for t in record.copies:
+            self._used[t] -= record.nbytes
+        return record
+
+    def apply(self, move: Move) -> None:
+        record = self.records[move.session]
+        if move.dst is not None and move.dst not in record.copies:
+            record.copies.add(move.dst)
+            self._used[move.dst] += record.nbytes
+        if move.src in record.copies:
+            record.copies.discard(move.src)
+            self._used[move.src] -= record.nbytes
+
+    def add_copy(self, session_id: str, tier: str) -> None:
+        record = self.records[session_id]
+        if tier not in record.copies:
+            record.copies.add(tier)
+            self._used[tier] += record.nbytes
+
+    def drop_copy(self, session_id: str, tier: str) -> None:
+        record = self.records[session_id]
+        if tier in record.copies:
+            record.copies.discard(tier)
+            self._used[tier] -= record.nbytes
+
+    def set_copies(self, session_id: str, tiers: set[str]) -> None:
+        for t in set(self.records[session_id].copies) - tiers:
+            self.drop_copy(session_id, t)
+        for t in tiers:
+            self.add_copy(session_id, t)
+
+    def resize(self, session_id: str, nbytes: int) -> None:
+        """A commit changed the state's size; every copy must be replaced by the caller."""
+        record = self.records[session_id]
+        for t in record.copies:
+            self._used[t] += nbytes - record.nbytes
+        record.nbytes = nbytes
+
+    def touch(self, session_id: str, now: float | None = None) -> None:
+        record = self.records[session_id]
+        record.use_seq = next(self._seq)
+        if now is not None:
+            record.last_used_at = now
+
+    def pin(self, session_id: str) -> None:
+        self.records[session_id].pinned = True
+
+    def unpin(self, session_id: str) -> None:
+        self.records[session_id].pinned = False

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.models = models
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "XLSERVE_TORCH_THREADS": "1", **(env or {})}
+        if "XLSERVE_STATE_DIR" not in (env or {}):  # sessions are written down: never into the repo's state/
+            self.env["XLSERVE_STATE_DIR"] = tempfile.mkdtemp(prefix="xlserve-state-")
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 

@@ -1,0 +1,159 @@
+"""A session as bytes: one safetensors blob holding the state, the next-token distribution and
+the session's metadata, with a checksum.
+
+The same encoding is used for disk files, Redis values and the export/import API, so a session
+moves between all of them unchanged. Layout:
+
+    tensors   "state.<name>" for every tensor of `State.to_tensors()`,
+              "next_log_probs" (V,) when the session has seen at least one token
+    metadata  format="xlserve-session", format_version="1", session_id, model, architecture,
+              state_class, owner, tokens, version, created_at, last_used_at, nbytes,
+              checksum="sha256:<hex>"
+
+The checksum is a SHA-256 over the metadata (every key but `checksum`, sorted) and every tensor
+(name, dtype, shape and raw bytes, in name order), so it does not depend on how the safetensors
+writer lays out the file. `decode` verifies it; a blob without one is refused unless the caller
+allows it (an import written by someone else's tool). Parsing never unpickles: the header is
+JSON and the tensors are read by safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from models.interface import State
+
+FORMAT = "xlserve-session"
+FORMAT_VERSION = "1"
+STATE_PREFIX = "state."
+MAX_HEADER_BYTES = 64 << 20  # a sanity bound while parsing an untrusted header
+
+
+class CorruptState(ValueError):
+    """A blob that is not a readable xlserve session (bad header, failed checksum)."""
+
+
+@dataclass
+class SessionData:
+    """What a session remembers: the model's state, how many tokens it has seen, and the
+    distribution of the next token (needed to continue generating without a prompt)."""
+
+    state: State
+    tokens: int
+    next_log_probs: torch.Tensor | None  # (V,) float, None before the first token
+
+    def nbytes(self) -> int:
+        extra = 0 if self.next_log_probs is None else self.next_log_probs.numel() * self.next_log_probs.element_size()
+        return self.state.nbytes() + extra
+
+    def to(self, device: torch.device | str) -> "SessionData":
+        logits = None if self.next_log_probs is None else self.next_log_probs.to(device)
+        return SessionData(state=self.state.to(device), tokens=self.tokens, next_log_probs=logits)
+
+    def compact(self) -> "SessionData":
+        """The same values, owning exactly `nbytes()` of memory: a state split out of a batch holds
+        views that keep the whole batch alive, which budgets would not see."""
+        tensors = [t for _, t in self.state._named_tensors()]
+        if self.next_log_probs is not None:
+            tensors.append(self.next_log_probs)
+        if all(t.untyped_storage().nbytes() <= t.numel() * t.element_size() for t in tensors):
+            return self
+        return self.clone()
+
+    def clone(self) -> "SessionData":
+        logits = None if self.next_log_probs is None else self.next_log_probs.clone()
+        return SessionData(state=self.state.clone(), tokens=self.tokens, next_log_probs=logits)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    fields = {k: v for k, v in metadata.items() if k != "checksum"}
+    digest.update(json.dumps(fields, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        digest.update(_tensor_bytes(t))
+    return "sha256:" + digest.hexdigest()
+
+
+def encode(data: SessionData, metadata: dict[str, str]) -> bytes:
+    """SessionData + string metadata -> safetensors bytes (format, nbytes and checksum added)."""
+    tensors = {STATE_PREFIX + name: t.clone() for name, t in data.state.to_tensors().items()}
+    if data.next_log_probs is not None:
+        tensors["next_log_probs"] = data.next_log_probs.detach().contiguous().cpu().clone()
+    meta = {k: str(v) for k, v in metadata.items()}
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, tokens=str(data.tokens), nbytes=str(data.nbytes()),
+                state_class=type(data.state).__name__)
+    meta.pop("checksum", None)
+    meta["checksum"] = checksum(meta, tensors)
+    return save_safetensors(tensors, metadata=meta)
+
+
+def parse_header(head: bytes) -> tuple[int, dict]:
+    """The first bytes of a safetensors blob -> (header length, header JSON object)."""
+    if len(head) < 8:
+        raise CorruptState("too short to be a safetensors file")
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > MAX_HEADER_BYTES or len(head) < 8 + length:
+        raise CorruptState("safetensors header length is out of range")
+    try:
+        header = json.loads(head[8 : 8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CorruptState("safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise CorruptState("safetensors header is not an object")
+    return length, header
+
+
+def metadata_of(blob_or_head: bytes) -> dict[str, str]:
+    """Only the metadata (no tensors read, no checksum verified): enough to index a file."""
+    _, header = parse_header(blob_or_head)
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CorruptState(f"not an {FORMAT} blob (metadata 'format' is {meta.get('format')!r})")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def decode(blob: bytes, require_checksum: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor], torch.Tensor | None]:
+    """safetensors bytes -> (metadata, state tensors by State name, next_log_probs or None).
+    Raises CorruptState when the blob is unreadable or its checksum does not match."""
+    meta = metadata_of(blob)
+    try:
+        tensors = load_safetensors(blob)
+    except Exception as error:  # safetensors raises its own error types
+        raise CorruptState(f"unreadable safetensors payload: {error}") from None
+    if "checksum" in meta:
+        if checksum(meta, tensors) != meta["checksum"]:
+            raise CorruptState("checksum mismatch: the session's bytes were altered or truncated")
+    elif require_checksum:
+        raise CorruptState("the blob has no checksum")
+    state = {k[len(STATE_PREFIX):]: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
+    stray = sorted(k for k in tensors if not k.startswith(STATE_PREFIX) and k != "next_log_probs")
+    if stray:
+        raise CorruptState(f"unexpected tensors {stray}")
+    return meta, state, tensors.get("next_log_probs")
+
+
+def session_data(state_class: type[State], meta: dict[str, str], state_tensors: dict[str, torch.Tensor],
+                 next_log_probs: torch.Tensor | None) -> SessionData:
+    """Rebuild SessionData from decoded parts (ValueError when the tensors do not fit the class)."""
+    if meta.get("state_class") not in (None, state_class.__name__):
+        raise ValueError(f"the state is a {meta.get('state_class')}, this model keeps a {state_class.__name__}")
+    try:
+        tokens = int(meta.get("tokens", "0"))
+    except ValueError:
+        raise ValueError(f"metadata 'tokens' is not an integer: {meta.get('tokens')!r}") from None
+    if tokens < 0:
+        raise ValueError("metadata 'tokens' is negative")
+    return SessionData(state=state_class.from_tensors(state_tensors), tokens=tokens, next_log_probs=next_log_probs)

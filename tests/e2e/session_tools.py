@@ -1,0 +1,75 @@
+"""Helpers for the session end-to-end tests (HTTP only: the test process runs no model)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+MODEL = "txl-tiny"
+CONTINUATION = "\n\ndef tail(values):\n    return sorted(values)[-1]\n"
+
+
+def document(i: int, repeat: int = 3) -> str:
+    """A distinct Python-looking document of a few hundred bytes (longer than mem_len)."""
+    return f"import module_{i}\n\nclass Thing{i}:\n    def run(self, n={i}):\n        return n * {i + 2}\n\n" * repeat
+
+
+def full_state_bytes(checkpoint: Path) -> int:
+    """Bytes of a Transformer-XL session whose memory is full: keys and values (float32) of
+    mem_len positions per layer, the bool `valid` row, and the next-token log-probs."""
+    c = json.loads((checkpoint / "config.json").read_text())["config"]
+    return 2 * c["n_layer"] * c["mem_len"] * c["n_head"] * c["d_head"] * 4 + c["mem_len"] + c["vocab_size"] * 4
+
+
+def ok(response):
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def create(client, model: str = MODEL) -> str:
+    return ok(client.post("/v1/sessions", json={"model": model}))["id"]
+
+
+def append(client, session_id: str, text: str, score: bool = False) -> dict:
+    return ok(client.post(f"/v1/sessions/{session_id}/append", json={"text": text, "score": score}))
+
+
+def info(client, session_id: str) -> dict:
+    return ok(client.get(f"/v1/sessions/{session_id}"))
+
+
+def score(client, session_id: str, text: str = CONTINUATION, model: str = MODEL) -> list[float]:
+    """Per-token log-probs of `text` continuing the session (committed into it)."""
+    body = ok(client.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 0, "echo": True,
+                                                    "logprobs": 0, "session_id": session_id}))
+    return body["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def wait_idle(client, session_id: str, timeout: float = 30) -> dict:
+    """Poll until no request holds the session (a cancelled stream lets go within a step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = info(client, session_id)
+        if not current["in_use"]:
+            return current
+        assert time.monotonic() < deadline, f"session {session_id} still in use after {timeout}s"
+        time.sleep(0.05)
+
+
+def safetensors_metadata(blob: bytes) -> dict:
+    (length,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8 : 8 + length])["__metadata__"]
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in a Prometheus exposition (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        inside = line[len(name) + 1 : line.index("}")]
+        if ",".join(sorted(inside.split(","))) == wanted:
+            return float(line.split()[-1])
+    return 0.0

@@ -1,0 +1,142 @@
+"""The cache manager alone: exact byte accounting, LRU eviction order, pinning, refusals."""
+
+import pytest
+
+from server.cache.manager import CacheManager, Move, Record
+
+
+def record(sid: str, nbytes: int, copies=("device", "disk"), **kw) -> Record:
+    return Record(id=sid, model="m", owner=None, nbytes=nbytes, tokens=0, version=0, created_at=0.0,
+                  last_used_at=0.0, copies=set(copies), **kw)
+
+
+def manager(device=100, host=100, disk=1000, redis=False) -> CacheManager:
+    budgets = {"device": device, "host": host, "disk": disk}
+    if redis:
+        budgets["redis"] = None
+    return CacheManager(budgets)
+
+
+def run(m: CacheManager, moves):
+    assert moves is not None
+    for move in moves:
+        m.apply(move)
+    return moves
+
+
+def test_bytes_are_counted_per_tier_exactly():
+    m = manager()
+    m.add(record("a", 30))
+    m.add(record("b", 45, copies=("host", "disk")))
+    m.add(record("c", 7, copies=("disk",)))
+    assert (m.used("device"), m.used("host"), m.used("disk")) == (30, 45, 82)
+    assert m.free("device") == 70
+    m.resize("a", 41)
+    assert (m.used("device"), m.used("disk")) == (41, 93)
+    m.drop_copy("a", "device")
+    m.add_copy("a", "host")
+    m.add_copy("a", "host")  # idempotent
+    assert (m.used("device"), m.used("host"), m.used("disk")) == (0, 86, 93)
+    m.remove("b")
+    assert (m.used("host"), m.used("disk")) == (41, 48)
+    assert m.get("a").tier == "host" and m.get("c").tier == "disk"
+    assert m.by_tier() == {("m", "host"): (1, 41), ("m", "disk"): (1, 48)}
+
+
+def test_fits_without_moves():
+    m = manager()
+    m.add(record("a", 60))
+    assert m.plan_room("device", 40) == []
+    assert m.plan_room("device", 0) == []
+
+
+def test_least_recently_used_idle_session_moves_down_first():
+    m = manager(device=100)
+    for sid in "abc":
+        m.add(record(sid, 30))
+    m.touch("a")  # order of use now: b, c, a
+    moves = run(m, m.plan_room("device", 50))
+    assert moves == [Move("b", "device", "host"), Move("c", "device", "host")]
+    assert m.used("device") == 30 and m.used("host") == 60
+    assert [r.id for r in m.lru("host")] == ["b", "c"]
+
+
+def test_pinned_sessions_never_move_and_refusal_is_none():
+    m = manager(device=100)
+    m.add(record("a", 40))
+    m.add(record("b", 40))
+    m.pin("a")
+    assert m.plan_room("device", 60) == [Move("b", "device", "host")]
+    m.pin("b")
+    assert m.plan_room("device", 30) is None
+    assert m.plan_room("device", 101) is None  # larger than the whole tier
+    m.unpin("b")
+    assert m.plan_room("device", 61) is None  # a alone (pinned) leaves only 60
+
+
+def test_excluded_session_is_not_a_victim():
+    m = manager(device=100)
+    m.add(record("a", 50))
+    m.add(record("b", 50))
+    assert m.plan_room("device", 50, exclude={"a"}) == [Move("b", "device", "host")]
+
+
+def test_eviction_cascades_host_to_disk_in_lru_order():
+    m = manager(device=60, host=60)
+    for sid in "abcd":
+        m.add(record(sid, 30))  # all on device (over budget on purpose) with disk copies
+    run(m, m.plan_room("device", 0))  # a, b go to host
+    assert [m.get(s).tier for s in "abcd"] == ["host", "host", "device", "device"]
+    m.add(record("e", 30))  # device now 90/60
+    moves = run(m, m.plan_room("device", 0))
+    # c must go to host; host is full, so its LRU (a) steps down to disk first (it already has a copy there)
+    assert moves == [Move("a", "host", None), Move("c", "device", "host")]
+    assert [m.get(s).tier for s in "abcde"] == ["disk", "host", "host", "device", "device"]
+    assert (m.used("device"), m.used("host"), m.used("disk")) == (60, 60, 150)
+
+
+def test_victim_skips_a_tier_that_cannot_hold_it():
+    m = manager(device=100, host=20)
+    m.add(record("big", 80))
+    m.add(record("new", 50))
+    moves = run(m, m.plan_room("device", 0, exclude={"new"}))
+    assert moves == [Move("big", "device", None)]  # too big for host; the disk copy remains
+    assert m.get("big").tier == "disk" and m.used("host") == 0
+
+
+def test_last_tier_is_an_admission_limit():
+    m = manager(disk=100)
+    m.add(record("a", 60, copies=("disk",)))
+    assert m.plan_room("disk", 40) == []
+    assert m.plan_room("disk", 41) is None  # nothing is ever evicted from the last tier
+
+
+def test_with_redis_disk_is_a_cache_that_spills_into_redis():
+    m = manager(device=40, host=40, disk=40, redis=True)
+    for sid in "abc":
+        m.add(record(sid, 40, copies=("device", "redis")))
+    moves = run(m, m.plan_room("device", 0))
+    # a: device -> host (written there); b: device -> host needs room: a host -> disk (spilled)
+    assert moves == [Move("a", "device", "host"), Move("a", "host", "disk"), Move("b", "device", "host")]
+    m.add(record("d", 40, copies=("device", "redis")))
+    moves = run(m, m.plan_room("device", 0))
+    assert moves == [Move("a", "disk", None), Move("b", "host", "disk"), Move("c", "device", "host")]
+    assert [m.get(s).tier for s in "abcd"] == ["redis", "disk", "host", "device"]
+    assert (m.used("device"), m.used("host"), m.used("disk"), m.used("redis")) == (40, 40, 40, 160)
+
+
+def test_unbounded_tier_and_unknown_tier():
+    m = CacheManager({"device": None, "host": 10, "disk": None})
+    m.add(record("a", 10**12))
+    assert m.plan_room("device", 10**12) == []
+    with pytest.raises(ValueError):
+        CacheManager({"gpu": 1})
+
+
+def test_plan_changes_nothing_until_applied():
+    m = manager(device=50)
+    m.add(record("a", 30))
+    m.add(record("b", 30))
+    before = {s: set(m.get(s).copies) for s in "ab"}
+    assert m.plan_room("device", 0) == [Move("a", "device", "host")]
+    assert {s: m.get(s).copies for s in "ab"} == before and m.used("device") == 60

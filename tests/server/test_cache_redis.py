@@ -1,0 +1,75 @@
+"""Two session caches (two replicas) sharing one real redis-server: compare-and-set on versions."""
+
+import pytest
+
+from server.cache import SessionConflict, SessionNotFound
+from server.cache.stores import RedisStore
+from tests.redis_server import redis_url  # noqa: F401  (fixture)
+from tests.server.test_cache_sessions import MODEL, data, same, size
+from server.cache import SessionCache
+
+
+def replica(tmp_path, name, url, **budgets) -> SessionCache:
+    cache = SessionCache(tmp_path / name, budgets.get("device"), budgets.get("host"), budgets.get("disk"), redis_url=url)
+    cache.open({"toy": MODEL})
+    return cache
+
+
+def test_cas_refuses_a_stale_version(redis_url):  # noqa: F811
+    store = RedisStore(redis_url, prefix="test-cas:")
+    assert store.put("s", None, 0, {"v": 0}, b"zero")
+    assert not store.put("s", None, 0, {"v": 0}, b"again")  # exists already
+    assert store.put("s", 0, 1, {"v": 1}, b"one")
+    assert not store.put("s", 0, 1, {"v": 1}, b"stale")
+    assert store.get("s") == (1, {"v": 1}, b"one")
+    store.delete("s")
+    assert store.head("s") is None
+    assert not store.put("s", 1, 2, {}, b"resurrect")  # a deleted session stays deleted
+    store.close()
+
+
+def test_a_session_moves_between_replicas_and_a_stale_writer_gets_a_conflict(tmp_path, redis_url):  # noqa: F811
+    a = replica(tmp_path, "a", redis_url)
+    b = replica(tmp_path, "b", redis_url)
+    sid = a.create("toy", "k", data(10, 0)).id
+    lease = a.acquire(sid, "k")
+    a.commit(lease, data(10, 1))  # v1 on A
+
+    info = b.info(sid, "k")  # B has never seen it
+    assert (info.version, info.tier) == (1, "redis")
+    with pytest.raises(SessionNotFound):
+        b.info(sid, "another-key")
+    lease = b.acquire(sid, "k")
+    assert same(lease.data, data(10, 1))
+    b.commit(lease, data(10, 2))  # v2 on B
+
+    lease = a.acquire(sid, "k")  # A's device copy is v1: stale, reloaded from Redis
+    assert lease.version == 2 and same(lease.data, data(10, 2))
+    a.commit(lease, data(10, 3))  # v3 on A
+
+    stale = b.acquire(sid, "k")  # B starts from v3 ...
+    winner = a.acquire(sid, "k")
+    a.commit(winner, data(10, 4))  # ... but A commits v4 first
+    with pytest.raises(SessionConflict):
+        b.commit(stale, data(10, 99))
+    b.release(stale)
+    assert b.info(sid, "k").version == 4
+    lease = b.acquire(sid, "k")
+    assert same(lease.data, data(10, 4))  # the stale write never landed
+    b.release(lease)
+
+    a.delete(sid, "k")
+    with pytest.raises(SessionNotFound):
+        b.acquire(sid, "k")
+
+
+def test_with_redis_disk_is_a_spill_tier(tmp_path, redis_url):  # noqa: F811
+    n = 100
+    cache = replica(tmp_path, "c", redis_url, device=size(n), host=size(n), disk=size(n))
+    ids = [cache.create("toy", None, data(n, i)).id for i in range(4)]
+    assert [cache.info(s, None).tier for s in ids] == ["redis", "disk", "host", "device"]
+    assert len(list((tmp_path / "c").glob("*.safetensors"))) == 1
+    for i in (0, 1):  # from Redis, from the disk spill
+        lease = cache.acquire(ids[i], None)
+        assert same(lease.data, data(n, i))
+        cache.release(lease)

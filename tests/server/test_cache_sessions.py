@@ -1,0 +1,222 @@
+"""The session cache with real stores (memory, disk) and a toy state: no model runs."""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import Tensor
+
+from models.interface import State
+from server.cache import (
+    CacheFull,
+    SessionCache,
+    SessionData,
+    SessionLocked,
+    SessionNotFound,
+    SessionUnavailable,
+)
+from server.cache.codec import decode
+from server.metrics import Metrics
+
+V = 8
+
+
+@dataclass
+class ToyState(State):
+    memory: Tensor  # (B, n) float32
+    layers: list[Tensor]  # (B, 3) int64 each
+
+
+def check_toy(state):
+    if not isinstance(state, ToyState) or len(state.layers) != 2:
+        raise ValueError("not a toy state")
+
+
+MODEL = SimpleNamespace(device=torch.device("cpu"), state_class=ToyState, architecture="toy", check_state=check_toy)
+
+
+def data(n: int, seed: int, tokens: int = 5) -> SessionData:
+    g = torch.Generator().manual_seed(seed)
+    state = ToyState(memory=torch.randn(1, n, generator=g), layers=[torch.randint(0, 9, (1, 3), generator=g) for _ in range(2)])
+    return SessionData(state=state, tokens=tokens, next_log_probs=torch.randn(V, generator=g).log_softmax(-1))
+
+
+def size(n: int) -> int:
+    return n * 4 + 2 * 3 * 8 + V * 4  # memory + two int64 layers + next_log_probs
+
+
+def same(a: SessionData, b: SessionData) -> bool:
+    return (a.tokens == b.tokens and torch.equal(a.next_log_probs, b.next_log_probs)
+            and all(torch.equal(x, y) for x, y in zip(a.state.to_tensors().values(), b.state.to_tensors().values())))
+
+
+def make_cache(tmp_path, device=None, host=None, disk=None, metrics=None) -> SessionCache:
+    cache = SessionCache(tmp_path / "state", device, host, disk, metrics=metrics)
+    cache.open({"toy": MODEL})
+    return cache
+
+
+def commit(cache, sid, d, owner=None):
+    lease = cache.acquire(sid, owner)
+    try:
+        return cache.commit(lease, d)
+    finally:
+        cache.release(lease)
+
+
+def test_commit_bumps_version_release_changes_nothing(tmp_path):
+    cache = make_cache(tmp_path)
+    info = cache.create("toy", None, data(10, 0))
+    assert info.version == 0 and info.state_bytes == size(10) and info.id.startswith("sess_") and len(info.id) == 37
+    lease = cache.acquire(info.id, None)
+    with pytest.raises(SessionLocked):
+        cache.acquire(info.id, None)
+    assert cache.info(info.id, None).in_use
+    cache.release(lease)
+    cache.release(lease)  # idempotent
+    assert cache.info(info.id, None).version == 0
+    after = commit(cache, info.id, data(12, 1, tokens=9))
+    assert (after.version, after.tokens, after.state_bytes) == (1, 9, size(12))
+    assert same(cache.acquire(info.id, None).data, data(12, 1, tokens=9))
+
+
+def test_sessions_spill_down_the_tiers_and_come_back_bit_identical(tmp_path):
+    n = 100
+    cache = make_cache(tmp_path, device=2 * size(n), host=2 * size(n))
+    ids = [cache.create("toy", None, data(n, i)).id for i in range(5)]
+    tiers = [cache.info(s, None).tier for s in ids]
+    assert tiers == ["disk", "host", "host", "device", "device"]
+    assert cache.manager.used("device") == 2 * size(n) and cache.manager.used("host") == 2 * size(n)
+    assert cache.manager.used("disk") == 5 * size(n)  # write-through: every session has its file
+    for i in [0, 1, 4]:  # from disk, from host, from the device
+        lease = cache.acquire(ids[i], None)
+        assert same(lease.data, data(n, i))
+        cache.release(lease)
+    # each restore pushed the least recently used device session down: 1 and 4 were used last
+    assert [cache.info(s, None).tier for s in ids] == ["host", "device", "disk", "host", "device"]
+    assert sum(cache.manager.used(t) for t in ("device", "host")) == 4 * size(n)
+
+
+def test_no_room_when_every_device_session_is_in_use(tmp_path):
+    n = 100
+    cache = make_cache(tmp_path, device=2 * size(n))
+    a, b, c = (cache.create("toy", None, data(n, i)).id for i in range(3))
+    leases = [cache.acquire(a, None), cache.acquire(b, None)]
+    with pytest.raises(CacheFull, match="in use"):
+        cache.acquire(c, None)
+    assert cache.info(c, None).in_use is False
+    cache.release(leases[0])
+    cache.release(cache.acquire(c, None))  # a is idle now and makes room
+
+
+def test_committed_session_itself_steps_down_when_the_others_are_pinned(tmp_path):
+    n = 100
+    cache = make_cache(tmp_path, device=2 * size(n))
+    a, b = (cache.create("toy", None, data(n, i)).id for i in range(2))
+    held = cache.acquire(a, None)
+    lease = cache.acquire(b, None)
+    info = cache.commit(lease, data(2 * n, 7))  # b grew: device would hold 3 units
+    assert info.tier == "host" and cache.manager.used("device") == size(n)
+    cache.release(held)
+
+
+def test_disk_budget_refuses_new_bytes(tmp_path):
+    n = 100
+    cache = make_cache(tmp_path, disk=2 * size(n) + 10)
+    sid = cache.create("toy", None, data(n, 0)).id
+    cache.create("toy", None, data(n, 1))
+    with pytest.raises(CacheFull, match="storage is full"):
+        cache.create("toy", None, data(n, 2))
+    lease = cache.acquire(sid, None)
+    with pytest.raises(CacheFull):
+        cache.commit(lease, data(n + 10, 3))
+    cache.release(lease)
+    assert cache.info(sid, None).version == 0
+    assert same(cache.acquire(sid, None).data, data(n, 0))
+
+
+def test_restart_finds_every_session_at_its_last_committed_version(tmp_path):
+    cache = make_cache(tmp_path, device=10**6)
+    sid = cache.create("toy", "owner-1", data(10, 0)).id
+    commit(cache, sid, data(11, 1), owner="owner-1")
+    other = cache.create("toy", None, data(3, 2)).id
+    lease = cache.acquire(other, None)  # in flight at the "crash": never committed
+    (tmp_path / "state" / f".{other}.dead.tmp").write_bytes(b"half a write")
+    del cache, lease  # no close(): as after kill -9
+
+    again = make_cache(tmp_path, device=10**6)
+    assert {s.id: s.version for s in again.sessions()} == {sid: 1, other: 0}
+    assert again.info(sid, "owner-1").tier == "disk"
+    with pytest.raises(SessionNotFound):
+        again.info(sid, None)  # another owner
+    assert same(again.acquire(sid, "owner-1").data, data(11, 1))
+    assert same(again.acquire(other, None).data, data(3, 2))
+    assert not list((tmp_path / "state").glob("*.tmp"))
+
+
+def test_a_corrupt_file_is_detected_by_its_checksum(tmp_path):
+    cache = make_cache(tmp_path, device=size(50), host=0)
+    sid = cache.create("toy", None, data(50, 0)).id
+    cache.create("toy", None, data(50, 1))
+    assert cache.info(sid, None).tier == "disk"
+    path = tmp_path / "state" / f"{sid}.safetensors"
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 0x01  # one bit in the last tensor
+    path.write_bytes(bytes(blob))
+    with pytest.raises(SessionUnavailable, match="checksum"):
+        cache.acquire(sid, None)
+    assert cache.info(sid, None).in_use is False
+
+
+def test_fork_diverges_export_round_trips_replace_commits(tmp_path):
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", None, data(10, 0)).id
+    fork = cache.fork(sid, None)
+    assert fork.id != sid and fork.version == 0 and fork.tokens == 5
+    commit(cache, fork.id, data(10, 1))
+    assert same(cache.acquire(sid, None).data, data(10, 0))
+
+    info, blob = cache.export(fork.id, None)
+    meta, tensors, next_log_probs = decode(blob)
+    assert meta["model"] == "toy" and meta["tokens"] == "5" and meta["owner"] == "" and meta["version"] == "1"
+    assert torch.equal(next_log_probs, data(10, 1).next_log_probs) and set(tensors) == {"memory", "layers.0", "layers.1"}
+
+
+def test_delete_and_unknown_ids(tmp_path):
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", None, data(10, 0)).id
+    for bad in ["sess_nope", "../../etc/passwd", sid.upper()]:
+        with pytest.raises(SessionNotFound):
+            cache.acquire(bad, None)
+    lease = cache.acquire(sid, None)
+    with pytest.raises(SessionLocked):
+        cache.delete(sid, None)
+    cache.release(lease)
+    cache.delete(sid, None)
+    assert not (tmp_path / "state" / f"{sid}.safetensors").exists()
+    with pytest.raises(SessionNotFound):
+        cache.info(sid, None)
+    assert cache.manager.used("disk") == 0
+
+
+def sample(metrics: Metrics, name: str, **labels) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_metrics_follow_the_tiers(tmp_path):
+    n = 100
+    metrics = Metrics()
+    cache = make_cache(tmp_path, device=size(n), host=size(n), metrics=metrics)
+    ids = [cache.create("toy", None, data(n, i)).id for i in range(3)]
+    assert [sample(metrics, "xlserve_sessions", model="toy", tier=t) for t in ("device", "host", "disk")] == [1, 1, 1]
+    assert sample(metrics, "xlserve_session_state_bytes", model="toy", tier="disk") == 3 * size(n)
+    cache.release(cache.acquire(ids[0], None))  # from disk
+    assert sample(metrics, "xlserve_session_cache_hits_total", model="toy", tier="disk") == 1
+    assert sample(metrics, "xlserve_session_cache_misses_total", model="toy", tier="device") == 1
+    assert sample(metrics, "xlserve_session_cache_misses_total", model="toy", tier="host") == 1
+    assert sample(metrics, "xlserve_session_promotions_total", model="toy", tier="disk") == 1
+    assert sample(metrics, "xlserve_session_evictions_total", model="toy", tier="device") == 3
+    assert sample(metrics, "xlserve_session_restore_latency_seconds_count", model="toy", tier="disk") == 1
+    assert [sample(metrics, "xlserve_sessions", model="toy", tier=t) for t in ("device", "host", "disk")] == [1, 1, 1]
