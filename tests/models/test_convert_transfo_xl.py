@@ -312,3 +312,22 @@ def test_without_a_symbol_list_the_weights_convert_and_serving_says_what_is_miss
     convert(hf, tmp_path / "xl2")
     config = json.loads((tmp_path / "xl2" / "config.json").read_text())
     assert tokenizer_for_checkpoint(config, tmp_path / "xl2").token_text(2) == "the"
+
+
+def test_the_server_serves_a_converted_word_level_model(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from server.app import build_app
+    from server.settings import Settings
+
+    hf = save_reference(build_reference(), tmp_path / "hf")
+    (hf / "symbols.json").write_text(json.dumps(_symbols(BASE["vocab_size"])))
+    convert(hf, tmp_path / "wt-tiny")
+    settings = Settings(models=str(tmp_path / "wt-tiny"), device="cpu", state_dir=tmp_path / "state", torch_threads=1)
+    with TestClient(build_app(settings)) as client:
+        body = {"model": "wt-tiny", "prompt": "the w3 , w10 .", "max_tokens": 6, "temperature": 0}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        text = response.json()["choices"][0]["text"]
+    words = text.split()
+    assert words and all(w in _symbols(BASE["vocab_size"]) for w in words)
