@@ -51,6 +51,7 @@ Imported checkpoints (models/convert/transfo_xl.py)
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +139,7 @@ class XLMemory(State):
 
 
 MEMORY_ROOM = 64  # spare positions after a memory buffer: decoding copies the memory once per 64 steps
+_CLAIM = threading.Lock()  # two threads continuing the same state must not both take its room
 
 
 def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
@@ -160,15 +162,19 @@ def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
         and memory.dtype == new.dtype
         and memory.device == new.device
         and memory.stride()[1:] == (H * D, D, 1)
-        and memory.storage_offset() < row  # starts in batch row 0 ...
+        and memory.storage_offset() < row  # starts in batch row 0, at a position ...
+        and memory.storage_offset() % position == 0
         and B * row * memory.element_size() == storage.nbytes()  # ... and covers every row of the buffer
     ):
         start = memory.storage_offset() // position
         capacity = row // position
-        if storage._xl_filled == start + M and start + M + T <= capacity:
+        with _CLAIM:
+            claimed = storage._xl_filled == start + M and start + M + T <= capacity
+            if claimed:
+                storage._xl_filled = start + M + T
+        if claimed:
             buffer = memory.as_strided((B, capacity, H, D), (row, position, D, 1), storage_offset=0)
             buffer[:, start + M : start + M + T] = new
-            storage._xl_filled = start + M + T
             return buffer[:, start : start + M + T]
     buffer = memory.new_empty(B, M + T + MEMORY_ROOM, H, D)
     buffer[:, :M] = memory
