@@ -236,14 +236,13 @@ class RelativeAttentionLayer(nn.Module):
 
         if inference and T == 1:
             # decode: one product per batch row reads the memory in its (K, H, D) layout, where
-            # the einsums below would first copy it into (H, K, D)
-            qw, qr = (q + r_w_bias).transpose(1, 2), (q + r_r_bias).transpose(1, 2)  # (B, H, 1, D)
+            # the einsum would first copy it into (H, K, D)
+            qw = (q + r_w_bias).transpose(1, 2)  # (B, H, 1, D)
             content = torch.stack([qw[b] @ keys[b].permute(1, 2, 0) for b in range(B)])  # (B, H, 1, K)
-            by_distance = torch.stack([qr[b] @ rel_keys.permute(1, 2, 0) for b in range(B)])
         else:
             content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
-            # score every query against every distance once, then pick the distance of each (i, j)
-            by_distance = torch.einsum("bthd,khd->bhtk", q + r_r_bias, rel_keys)  # (B, H, T, K)
+        # score every query against every distance once, then pick the distance of each (i, j)
+        by_distance = torch.einsum("bthd,khd->bhtk", q + r_r_bias, rel_keys)  # (B, H, T, K)
         position = torch.gather(by_distance, 3, distance.expand(B, c.n_head, T, K))
         scores = (content + position) * self.scale
         scores = scores.masked_fill(~allowed, float("-inf"))
