@@ -20,6 +20,7 @@ serve: $(INSTALLED)
 	$(VENV)/bin/xlserve serve --host $(HOST) --port $(PORT)
 
 test: $(INSTALLED)
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	$(PY) -m pytest -q
 
 bench: $(INSTALLED)

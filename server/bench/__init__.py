@@ -9,4 +9,5 @@ BENCHMARKS = {
     # name on the command line -> module under server.bench
     "continuation": "continuation",
     "vs-hf": "vs_hf",
+    "sessions": "sessions",
 }
