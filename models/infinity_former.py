@@ -11,7 +11,8 @@ Every layer attends to two memories and sums the two results before the residual
 - Long-term memory: the layer's (normalised) inputs of every earlier segment, kept as a
   continuous signal X̄(t) = Bᵀψ(t) over t ∈ [0, 1] with N Gaussian radial basis functions ψ
   (models/layers/continuous.py). Per head, keys K = B W_K and values V = B W_V are projections
-  of the coefficients; a query q defines a Gaussian density N(μ, σ²) over t with
+  of the coefficients; a query q (the same query as the short-term attention's, as in the
+  authors' code) defines a Gaussian density N(μ, σ²) over t with
 
       μ = sigmoid(w_μᵀ K q / √D),    σ² = softplus(w_σᵀ K q / √D)  (+ a floor of sigma_sq_min)
 
@@ -75,7 +76,7 @@ class InfinityFormerConfig(ArchConfig):
     d_model: int = 192  # width of the residual stream
     n_head: int = 4  # heads of both the short-term and the continuous attention
     d_head: int = 48  # per-head width
-    d_inner: int = 704  # width of the position-wise feed-forward layer
+    d_inner: int = 768  # width of the position-wise feed-forward layer
     dropout: float = 0.0  # on embeddings, attention outputs and feed-forward
     dropatt: float = 0.0  # on short-term attention probabilities
     segment_len: int = 128  # L: long-term memory update period; short-term memory = previous segment
@@ -100,9 +101,9 @@ class ContinuousMemory(State):
     """Per layer (lists indexed by layer), every tensor with the batch on dimension 0:
 
     coefficients[l]: (B, N, d_model) B, the long-term signal of layer l's inputs
-    ltm_values[l]: (B, N, H, D) B W_V per head
+    ltm_values[l]: (B, H, N, D) B W_V per head
     ltm_density_keys[l]: (B, H, 2, D) K_hᵀ w_μ,h and K_hᵀ w_σ,h (μ and σ² are linear in q)
-    stm_keys[l], stm_values[l]: (B, 2L, H, D) slots 0..L-1 the previous segment, L..2L-1 the
+    stm_keys[l], stm_values[l]: (B, H, 2L, D) slots 0..L-1 the previous segment, L..2L-1 the
         current one (filled up to position % L; the rest zero)
     segment_inputs[l]: (B, L, d_model) the current segment's normalised layer inputs
     histogram[l]: (B, sticky_bins) attention mass of the current segment's queries per bin
@@ -149,8 +150,7 @@ class InfinityLayer(nn.Module):
         self.qkv_net = nn.Linear(c.d_model, 3 * hd, bias=False)  # W_q, W_kE, W_v
         self.r_net = nn.Linear(c.d_model, hd, bias=False)  # W_kR
         self.o_net = nn.Linear(hd, c.d_model, bias=False)
-        # continuous long-term attention
-        self.ltm_q = nn.Linear(c.d_model, hd, bias=False)
+        # continuous long-term attention (its queries are the short-term attention's)
         self.ltm_k = nn.Linear(c.d_model, hd, bias=False)  # W_K, applied to B
         self.ltm_v = nn.Linear(c.d_model, hd, bias=False)  # W_V, applied to B
         self.ltm_density = nn.Parameter(torch.zeros(c.n_head, 2, c.n_basis))  # w_μ, w_σ per head
@@ -168,12 +168,12 @@ class InfinityLayer(nn.Module):
         self.scale = 1.0 / math.sqrt(c.d_head)
 
     def long_term_projections(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
-        """From B (R, N, d): values B W_V (R, N, H, D) and density keys (R, H, 2, D), the
+        """From B (R, N, d): values B W_V (R, H, N, D) and density keys (R, H, 2, D), the
         vectors K_hᵀw_μ,h and K_hᵀw_σ,h with K = B W_K, computed as W_K,hᵀ(Bᵀw) so that K itself
         is never formed (w_μᵀ K q = (Kᵀw_μ)·q)."""
         c = self.config
         R, N, _ = coefficients.shape
-        values = self.ltm_v(coefficients).view(R, N, c.n_head, c.d_head)
+        values = self.ltm_v(coefficients).view(R, N, c.n_head, c.d_head).transpose(1, 2).contiguous()
         mixed = torch.einsum("hsn,rnd->rhsd", self.ltm_density, coefficients)  # (R, H, 2, d_model)
         w_k = self.ltm_k.weight.view(c.n_head, c.d_head, c.d_model)
         density_keys = torch.einsum("rhsd,hed->rhse", mixed, w_k)
@@ -195,23 +195,23 @@ class InfinityLayer(nn.Module):
         h = self.attn_norm(x)
 
         # short-term attention over [previous segment | current segment so far + this piece]
-        q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
+        # (B, H, T, ·) layouts throughout
+        q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).permute(2, 0, 3, 1, 4)  # (B, H, T, D)
         query_pos = offset[:, None] + torch.arange(T, device=x.device)  # (B, T) within the segment
-        slots = (L + query_pos)[..., None, None].expand(B, T, c.n_head, c.d_head)
-        keys = memory.stm_keys.scatter(1, slots, k)  # (B, 2L, H, D)
-        values = memory.stm_values.scatter(1, slots, v)
+        slots = (L + query_pos)[:, None, :, None].expand(B, c.n_head, T, c.d_head)
+        keys = memory.stm_keys.scatter(2, slots, k)  # (B, H, 2L, D)
+        values = memory.stm_values.scatter(2, slots, v)
         key_pos = torch.arange(-L, L, device=x.device)  # segment coordinate of each slot
         distance = query_pos[:, :, None] - key_pos  # (B, T, 2L)
         allowed = (distance >= 0) & ((key_pos >= 0) | has_previous[:, None, None])
         distance = distance.clamp(0, 2 * L - 1)
-        # (B, H, T, ·) layouts throughout, the 1/√D scale folded into the queries
-        q = q.transpose(1, 2) * self.scale  # (B, H, T, D)
-        content = (q + r_w_bias[:, None] * self.scale) @ keys.permute(0, 2, 3, 1)  # (B, H, T, 2L)
+        q = q * self.scale  # the 1/√D of every score, folded into the queries
+        content = (q + r_w_bias[:, None] * self.scale) @ keys.transpose(2, 3)  # (B, H, T, 2L)
         by_distance = (q + r_r_bias[:, None] * self.scale) @ rel_keys.permute(1, 2, 0)  # (B, H, T, 2L)
         position = torch.gather(by_distance, 3, distance[:, None].expand(B, c.n_head, T, 2 * L))
         scores = (content + position).masked_fill(~allowed[:, None], float("-inf"))
         probs = self.dropatt(torch.softmax(scores, dim=-1))
-        attended = (probs @ values.transpose(1, 2)).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
+        attended = (probs @ values).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         out = self.o_net(attended)
 
         histogram = memory.histogram
@@ -221,12 +221,11 @@ class InfinityLayer(nn.Module):
                 ltm_values, density_keys = self.long_term_projections(memory.coefficients)
             else:
                 ltm_values, density_keys = memory.ltm_values, memory.ltm_density_keys
-            lq = self.ltm_q(h).view(B, T, c.n_head, c.d_head)
-            logits = torch.einsum("bthd,bhsd->bths", lq, density_keys) * self.scale  # (B, T, H, 2)
-            mu = torch.sigmoid(logits[..., 0])
+            logits = q @ density_keys.transpose(2, 3)  # (B, H, T, 2); q holds the 1/√D
+            mu = torch.sigmoid(logits[..., 0])  # (B, H, T)
             sigma_sq = F.softplus(logits[..., 1]) + c.sigma_sq_min
-            weights = self.memory[0].expectation(mu, sigma_sq)  # (B, T, H, N)
-            context = torch.einsum("bthn,bnhd->bthd", weights, ltm_values).reshape(B, T, -1)
+            weights = self.memory[0].expectation(mu, sigma_sq)  # (B, H, T, N)
+            context = (weights @ ltm_values).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
             out = out + self.ltm_o(context)
             if c.sticky_memories:
                 with torch.no_grad():
@@ -260,7 +259,7 @@ class InfinityLayer(nn.Module):
             points = geometry.even_points.expand(memory.histogram.shape[0], -1)
         coefficients = geometry.update(memory.coefficients, memory.segment_inputs, points)
         ltm_values, density_keys = self.long_term_projections(coefficients)
-        shift = lambda t: torch.cat([t[:, L:], torch.zeros_like(t[:, L:])], dim=1)  # noqa: E731
+        shift = lambda t: torch.cat([t[:, :, L:], torch.zeros_like(t[:, :, L:])], dim=2)  # noqa: E731
         return _LayerMemory(
             coefficients=coefficients,
             ltm_values=ltm_values,
@@ -319,10 +318,10 @@ class InfinityFormer(LanguageModel):
         L = c.segment_len
         return ContinuousMemory(
             coefficients=per_layer(c.n_basis, c.d_model),
-            ltm_values=per_layer(c.n_basis, c.n_head, c.d_head),
+            ltm_values=per_layer(c.n_head, c.n_basis, c.d_head),
             ltm_density_keys=per_layer(c.n_head, 2, c.d_head),
-            stm_keys=per_layer(2 * L, c.n_head, c.d_head),
-            stm_values=per_layer(2 * L, c.n_head, c.d_head),
+            stm_keys=per_layer(c.n_head, 2 * L, c.d_head),
+            stm_values=per_layer(c.n_head, 2 * L, c.d_head),
             segment_inputs=per_layer(L, c.d_model),
             histogram=per_layer(c.sticky_bins),
             position=torch.zeros(batch_size, dtype=torch.int64, device=p.device),
@@ -415,9 +414,10 @@ class InfinityFormer(LanguageModel):
         B, T = tokens.shape
         if T == 0:
             return self.embedding.weight.new_zeros(B, 0, c.vocab_size).float(), state, None
-        # cut the call wherever any row reaches a segment boundary
+        # cut the call wherever any row reaches a segment boundary (one host sync per call)
+        seen = state.position.tolist()
         cuts = {0, T}
-        for p in state.position.tolist():
+        for p in seen:
             cuts.update(range(L - p % L, T, L))
         cuts = sorted(cuts)
 
@@ -440,8 +440,9 @@ class InfinityFormer(LanguageModel):
                     kl_count += kl.numel()
             outputs.append(x)
             position = position + (end - start)
-            done = position % L == 0
-            if bool(done.any()):
+            seen = [p + end - start for p in seen]
+            done = [p % L == 0 for p in seen]
+            if any(done):
                 memories = self._end_segment(memories, done, position // L - 1)
         x = self.drop(self.final_norm(torch.cat(outputs, dim=1)))
         log_probs = F.log_softmax(self.head(x).float(), dim=-1)  # (B, T, V)
@@ -450,15 +451,13 @@ class InfinityFormer(LanguageModel):
             kl_mean = x.new_zeros(())
         return log_probs, self._assemble(memories, position), kl_mean
 
-    def _end_segment(self, memories: list[_LayerMemory], done: Tensor, segment_index: Tensor) -> list[_LayerMemory]:
-        """Apply the boundary update to the rows in `done`, leave the others as they are."""
-        rows = done.nonzero().squeeze(1)
-        every_row = rows.numel() == done.numel()
+    def _end_segment(self, memories: list[_LayerMemory], done: list[bool], segment_index: Tensor) -> list[_LayerMemory]:
+        """Apply the boundary update to the rows where `done`, leave the others as they are."""
+        if all(done):
+            return [layer.end_segment(m, segment_index, i) for i, (layer, m) in enumerate(zip(self.layers, memories))]
+        rows = torch.tensor([b for b, d in enumerate(done) if d], device=segment_index.device)
         updated = []
         for i, (layer, memory) in enumerate(zip(self.layers, memories)):
-            if every_row:
-                updated.append(layer.end_segment(memory, segment_index, i))
-                continue
             picked = _LayerMemory(**{k: v[rows] for k, v in vars(memory).items()})
             result = layer.end_segment(picked, segment_index[rows], i)
             updated.append(_LayerMemory(**{

@@ -64,6 +64,40 @@ def gaussian_expectation(mu: Tensor, sigma_sq: Tensor, centres: Tensor, widths: 
     return torch.exp(-0.5 * diff * diff / variance) * torch.rsqrt(2 * math.pi * variance)
 
 
+class _GridGaussianExpectation(torch.autograd.Function):
+    """`gaussian_expectation` for a basis laid out as G widths × C shared centres (the layout of
+    `rbf_basis`), with a hand-written backward: a few passes over the (..., N) output each way, where
+    autograd through the generic formula takes a dozen."""
+
+    @staticmethod
+    def forward(ctx, mu: Tensor, sigma_sq: Tensor, grid: Tensor, group_widths: Tensor) -> Tensor:
+        inv_var = (sigma_sq[..., None] + group_widths * group_widths).reciprocal()  # (..., G)
+        diff = mu[..., None] - grid  # (..., C)
+        out = torch.exp((diff * diff)[..., None, :] * (-0.5 * inv_var)[..., None])  # (..., G, C)
+        out.mul_(torch.sqrt(inv_var * (1 / (2 * math.pi)))[..., None])
+        ctx.save_for_backward(out, diff, inv_var)
+        return out.flatten(-2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out, diff, inv_var = ctx.saved_tensors
+        weighted = grad.view(out.shape) * out  # (..., G, C)
+        by_diff = weighted * diff[..., None, :]
+        s0 = weighted.sum(-1)  # (..., G): Σ_c g f, Σ_c g f d, Σ_c g f d²
+        s1 = by_diff.sum(-1)
+        s2 = (by_diff * diff[..., None, :]).sum(-1)
+        # ∂f/∂μ = -f d / v;  ∂f/∂σ² = f (d²/v - 1) / (2v)
+        grad_mu = -(inv_var * s1).sum(-1)
+        grad_sigma_sq = 0.5 * (inv_var * (inv_var * s2 - s0)).sum(-1)
+        return grad_mu, grad_sigma_sq, None, None
+
+
+def grid_gaussian_expectation(mu: Tensor, sigma_sq: Tensor, grid: Tensor, group_widths: Tensor) -> Tensor:
+    """Same as `gaussian_expectation` with centres = grid repeated per width and widths =
+    group_widths repeated per centre (N = G·C, width-major). mu, sigma_sq (...,) -> (..., N)."""
+    return _GridGaussianExpectation.apply(mu, sigma_sq, grid, group_widths)
+
+
 def gaussian_bin_mass(mu: Tensor, sigma_sq: Tensor, edges: Tensor) -> Tensor:
     """Probability that t ~ N(μ, σ²) falls in each bin [e_k, e_{k+1}). mu, sigma_sq (...,),
     edges (K+1,) -> (..., K)."""
@@ -137,6 +171,8 @@ class RBFMemory(nn.Module):
         if not 0.0 < tau < 1.0:
             raise ValueError(f"tau must lie in (0, 1), got {tau}")
         centres, sigma = rbf_basis(n_basis, widths)
+        self.register_buffer("grid", centres[: n_basis // len(widths)].float(), persistent=False)
+        self.register_buffer("group_widths", torch.tensor(list(widths), dtype=torch.float32), persistent=False)
         old = tau * (torch.arange(n_samples, dtype=torch.float64) + 0.5) / n_samples
         new = tau + (1 - tau) * (torch.arange(segment_len, dtype=torch.float64) + 0.5) / segment_len
         self.n_samples = n_samples
@@ -153,7 +189,8 @@ class RBFMemory(nn.Module):
         return evaluate_basis(t, self.centres, self.widths) @ coefficients
 
     def expectation(self, mu: Tensor, sigma_sq: Tensor) -> Tensor:
-        return gaussian_expectation(mu, sigma_sq, self.centres, self.widths)
+        """E_{N(μ,σ²)}[ψ(t)]: mu, sigma_sq (...,) -> (..., N)."""
+        return grid_gaussian_expectation(mu, sigma_sq, self.grid, self.group_widths)
 
     def bin_mass(self, mu: Tensor, sigma_sq: Tensor) -> Tensor:
         return gaussian_bin_mass(mu, sigma_sq, self.bin_edges)

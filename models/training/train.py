@@ -68,7 +68,7 @@ PRESETS: dict[str, dict[str, dict]] = {
     },
     "infinity-former": {
         "small": dict(
-            n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=704, segment_len=128, n_basis=128,
+            n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, segment_len=128, n_basis=128,
             basis_widths=[0.01, 0.05], ridge_penalty=0.5, tau=0.5, n_samples=128, sticky_memories=True,
             sticky_bins=128, kl_weight=1e-3, kl_sigma0=0.05, dropout=0.0,
         ),
