@@ -16,7 +16,8 @@ which is how users evaluate long documents.
 
 Import never creates a session under an id the client picked: ids stay random and an
 existing id of another key stays invisible, so PUT replaces the state of a session you own
-and a new session comes from POST /v1/sessions/import. An imported state must be of the same
+and a new session comes from POST /v1/sessions/import. Fork, export and import take the session
+like any request does: while another request holds it they answer 409 `session_busy`. An imported state must be of the same
 model (metadata `model`) and fit it (`LanguageModel.check_state`: state class, tensor names,
 dtypes, fixed dimensions); anything else is a 400. The exported metadata carries the model
 name, architecture, token count and version; the owner is left out.

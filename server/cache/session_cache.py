@@ -36,6 +36,11 @@ A commit succeeds only if Redis still holds the version the lease started from; 
 SessionConflict (→ 409) and the stale result is dropped, never written. Use Redis with
 persistence (appendonly) in production: what Redis loses, the replicas lose.
 
+Metrics: `xlserve_sessions{tier}` counts sessions by their fastest copy, while
+`xlserve_session_state_bytes{tier}` counts the bytes each tier holds (with write-through the
+last tier holds every session). An acquire is a hit on the tier it found the session in and a
+miss on every faster tier.
+
 Budgets count the bytes of committed states (`SessionData.nbytes()`: state tensors plus the
 next-token distribution). A running request's working copy is the engine's business. Every
 operation runs under one lock, I/O included: simple and exact, at the price of serialising

@@ -12,7 +12,6 @@ from safetensors.numpy import save as save_numpy
 
 from tests.e2e.server_process import ServerProcess
 from tests.e2e.session_tools import (
-    CONTINUATION,
     MODEL,
     append,
     create,
