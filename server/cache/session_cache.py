@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 from server.cache.codec import CorruptState, SessionData, decode, encode, session_data
 from server.cache.manager import CacheManager, Move, Record
-from server.cache.stores import SESSION_ID, DiskStore, MemoryStore, RedisStore, StoreUnavailable
+from server.cache.stores import SESSION_ID, DiskStore, MemoryStore, RedisStore, StoreFull, StoreUnavailable
 
 log = logging.getLogger("xlserve.cache")
 
@@ -289,7 +289,7 @@ class SessionCache:
             if record.pinned:
                 raise SessionLocked(session_id)
             if self.redis is not None:
-                self.redis.delete(session_id)
+                self._redis(lambda: self.redis.delete(session_id))
             self._forget(record)
 
     def fork(self, session_id: str, owner: str | None) -> SessionInfo:
@@ -543,18 +543,17 @@ class SessionCache:
         return CacheFull(f"no room for a {nbytes}-byte session state on the {tier}: {self.manager.used(tier)} of "
                          f"{budget} bytes are held by sessions in use; retry when a request finishes", session_id)
 
-    def _redis(self, fn):
+    @staticmethod
+    def _redis(fn):
+        """Run a store call; its failures become the cache's errors (both are 503s)."""
         try:
             return fn()
+        except StoreFull as error:
+            raise CacheFull(f"session storage is full: {error}") from None
         except StoreUnavailable as error:
             raise SessionUnavailable(str(error)) from None
 
-    @staticmethod
-    def _wrap_io(fn) -> None:
-        try:
-            fn()
-        except StoreUnavailable as error:
-            raise SessionUnavailable(str(error)) from None
+    _wrap_io = _redis
 
     def _count_hit(self, model: str, tier: str) -> None:
         if self.metrics is None:

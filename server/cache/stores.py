@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,6 +33,10 @@ SESSION_ID = re.compile(r"^sess_[0-9a-f]{32}$")  # also what makes an id safe as
 
 class StoreUnavailable(RuntimeError):
     """A store cannot be reached or written (Redis down, disk error)."""
+
+
+class StoreFull(StoreUnavailable):
+    """A store refused a write for lack of space (disk full, Redis at maxmemory)."""
 
 
 class MemoryStore:
@@ -79,7 +84,8 @@ class DiskStore:
             self._sync_directory()
         except OSError as error:
             temporary.unlink(missing_ok=True)
-            raise StoreUnavailable(f"cannot write session state to {final}: {error}") from error
+            kind = StoreFull if error.errno in (errno.ENOSPC, errno.EDQUOT) else StoreUnavailable
+            raise kind(f"cannot write session state to {final}: {error}") from error
 
     def read(self, session_id: str) -> bytes:
         return self.path(session_id).read_bytes()
@@ -141,7 +147,7 @@ class RedisStore:
             import redis
         except ImportError:  # pragma: no cover - an install without the client
             raise RuntimeError("XLSERVE_REDIS_URL is set but the 'redis' package is not installed") from None
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._exceptions = redis.exceptions
         self.url = url
         self.prefix = prefix
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -153,7 +159,11 @@ class RedisStore:
     def _call(self, fn, *args):
         try:
             return fn(*args)
-        except self._errors as error:
+        except self._exceptions.ResponseError as error:
+            if str(error).startswith("OOM") or "maxmemory" in str(error):  # full, under the noeviction policy
+                raise StoreFull(f"Redis at {self._safe_url()} is full: {error}") from error
+            raise StoreUnavailable(f"Redis at {self._safe_url()} refused a command: {error}") from error
+        except self._exceptions.RedisError as error:
             raise StoreUnavailable(f"Redis at {self._safe_url()} is unreachable: {error}") from error
 
     def _safe_url(self) -> str:

@@ -2,7 +2,9 @@
 
 import pytest
 
-from server.cache import SessionConflict, SessionNotFound
+import redis
+
+from server.cache import CacheFull, SessionConflict, SessionNotFound
 from server.cache.stores import RedisStore
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.test_cache_sessions import MODEL, data, same, size
@@ -73,3 +75,20 @@ def test_with_redis_disk_is_a_spill_tier(tmp_path, redis_url):  # noqa: F811
         lease = cache.acquire(ids[i], None)
         assert same(lease.data, data(n, i))
         cache.release(lease)
+
+
+def test_a_full_redis_refuses_with_cache_full_and_keeps_what_it_has(tmp_path, redis_url):  # noqa: F811
+    admin = redis.Redis.from_url(redis_url)
+    cache = replica(tmp_path, "d", redis_url)
+    kept = cache.create("toy", None, data(10, 0)).id
+    admin.config_set("maxmemory", str(admin.info("memory")["used_memory"] + 2_000_000))  # noeviction by default
+    try:
+        with pytest.raises(CacheFull, match="full"):
+            for i in range(100):  # 400 kB each: the limit is reached within a handful
+                cache.create("toy", None, data(100_000, i))
+        lease = cache.acquire(kept, None)
+        assert same(lease.data, data(10, 0))
+        cache.release(lease)
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.close()
