@@ -1,31 +1,67 @@
-"""The engine: runs one model's requests off the event loop and streams their tokens back.
+"""The engine: one scheduler per model, continuous batching, tokens streamed back.
 
-Each loaded model gets one `Engine` with a worker thread (torch releases the GIL, so the event
-loop stays responsive). A request's model work never touches the session it came from: it
-starts from the committed `SessionData` and produces a new one, which the caller commits only
-when the request completes. Cancelling (client gone, explicit cancel) is checked before every
-model step.
+Each loaded model gets one `Engine`. Its step loop runs in a worker thread (torch releases the
+GIL, so the event loop stays responsive) and, at every step:
+
+1. admits waiting requests into the running batch, up to `max_batch_size` rows (a request with
+   n choices takes n rows), and drops cancelled ones (client gone, explicit cancel): a cancelled
+   request leaves the batch within one step;
+2. prefills prompts in chunks of at most `prefill_chunk` tokens, about one chunk's worth per
+   step in all, so a long prompt delays running streams by one chunk per step instead of
+   stalling them; prompt chunks of the same length are run as one batch;
+3. samples one token for every decoding row (each with its own generator, penalties and stop
+   strings), sends the tokens out, and then runs all those tokens through the model in one
+   batched forward of shape (B, 1): decoding is incremental, each row's state carries its
+   context.
+
+Batching goes through the model's `State` interface only: rows are concatenated with
+`State.concat` and taken apart with `State.split`, so it works for every architecture. A state
+class that overrides `concat` (Transformer-XL pads memories of different lengths and masks the
+padding) batches any rows together; one that keeps the default (equal shapes) is batched in
+groups of rows whose state shapes agree, and a class whose concat turns out to fail runs row by
+row. The batched state is kept between steps and only re-formed when rows join or leave.
+
+A request never touches the session it came from: it starts from the committed `SessionData`
+and ends with a new one in `Finished.data`, which the caller commits only when it has the whole
+answer. Cancel, disconnect or error -> nothing to commit, the session is as it was.
+
+The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait;
+`submit` refuses more with `QueueFull` (429 + Retry-After). After `stop_admitting` (graceful
+shutdown) it refuses everything with `ShuttingDown` (503) while running requests finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
 
-from models.interface import LanguageModel
+from models.interface import LanguageModel, State
 from server.cache import SessionData
+from server.errors import TooManyRequests, Unavailable
 from server.metrics import Metrics
 from server.sampling import Sampler, SamplingParams, StopChecker, top_alternatives
 
 
 class Cancelled(Exception):
     """The request was cancelled before it completed; nothing is committed."""
+
+
+class QueueFull(TooManyRequests):
+    """More requests wait for this model than XLSERVE_MAX_QUEUED_REQUESTS allows."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is draining for shutdown and admits no new work."""
+
+
+# -- events a request's consumer receives ---------------------------------------------------
 
 
 @dataclass
@@ -41,18 +77,45 @@ class PromptLogprobs:
 class TokenEvent:
     token: int
     text: str  # text released by this token ("" while a character or stop string is incomplete)
-    logprob: float
+    logprob: float  # the model's log-probability of the token (before any sampling transform)
     top: list[tuple[int, float]]
+    index: int = 0  # which choice (n > 1)
+
+
+@dataclass
+class ChoiceFinished:
+    index: int
+    finish_reason: str  # "length" or "stop"
+    text_tail: str  # text held back until the end of the stream
+    completion_tokens: int
 
 
 @dataclass
 class Finished:
-    finish_reason: str  # "length" or "stop"
-    text_tail: str  # text held back until the end of the stream
+    """The last event of a request; `choices` are in index order."""
+
+    choices: list[ChoiceFinished]
     prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    data: SessionData  # the session as it stands after this request
+    completion_tokens: int  # all choices together
+    cached_tokens: int  # context that came from the session's memory
+    data: SessionData  # the session as it stands after this request (choice 0)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason if self.choices else "length"
+
+    @property
+    def text_tail(self) -> str:
+        return self.choices[0].text_tail if self.choices else ""
+
+
+@dataclass
+class Appended:
+    """The result of feeding a document chunk (`Engine.append`)."""
+
+    data: SessionData
+    logprob: float  # summed natural-log probability of the scored tokens
+    scored: int  # how many were scored (a first token with no context is not)
 
 
 @dataclass
@@ -64,140 +127,568 @@ class GenerationJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+# -- the engine's own bookkeeping (worker thread) -------------------------------------------
+
+
+class _Row:
+    """One choice being decoded: its sampler, its text and, between steps, its state (None
+    while the state lives inside a batched group)."""
+
+    def __init__(self, job: "_Job", index: int, state: State, next_log_probs: torch.Tensor):
+        params = job.params
+        self.job, self.index = job, index
+        self.sampler = Sampler(params, job.prompt, index)
+        self.detokenizer = job.tokenizer.detokenizer()
+        self.stops = StopChecker(params.stop)
+        self.state: State | None = state
+        self.next_log_probs = next_log_probs  # (V,) on the model's device: predicts the next token
+        self.host_log_probs = next_log_probs.float().cpu()  # the same on the CPU, for sampling
+        self.greedy: tuple[int, float] | None = None  # (argmax, its log-prob) when computed for the batch
+        self.tokens = job.tokens  # tokens the state has seen
+        self.plain_greedy = params.temperature == 0 and not params.penalised
+        self.generated = 0
+        self.pending: int | None = None  # sampled token still to be fed to the model
+        self.finish_reason: str | None = None
+
+
+class _Job:
+    def __init__(self, kind: str, prompt: list[int], start: SessionData, params: SamplingParams,
+                 keep_state: bool, score: bool, cancelled: threading.Event, tokenizer, submission: "Submission"):
+        self.kind = kind  # "generate" or "append"
+        self.prompt = prompt
+        self.params = params
+        self.keep_state = keep_state
+        self.cancelled = cancelled
+        self.tokenizer = tokenizer
+        self.submission = submission
+        self.state = start.state
+        self.tokens = start.tokens
+        self.next_log_probs = start.next_log_probs
+        self.cached_tokens = start.tokens
+        self.fed = 0  # prompt tokens run through the model so far
+        # prompt log-probs: echo with logprobs (tokens + top alternatives) or append with score
+        self.echo_k = params.logprobs if kind == "generate" and params.echo and params.logprobs is not None else None
+        self.score = score
+        self.prompt_logprobs: list[float | None] = []
+        self.prompt_top: list[list[tuple[int, float]]] = []
+        self.rows: list[_Row] = []
+        self.done: list[ChoiceFinished] = []
+        self.failed = False
+
+    @property
+    def width(self) -> int:
+        """Batch rows this job takes."""
+        return self.params.n if self.kind == "generate" else 1
+
+
+@dataclass
+class _Group:
+    """Rows decoded together, with their concatenated state (row i of the state is rows[i])."""
+
+    rows: list[_Row]
+    state: State
+    key: tuple
+
+
+def _state_tensors(state: State) -> list[torch.Tensor]:
+    tensors = []
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        tensors.extend([value] if isinstance(value, torch.Tensor) else value)
+    return tensors
+
+
 class Engine:
-    def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, prefill_chunk: int = 512):
+    def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, prefill_chunk: int = 512,
+                 max_batch_size: int = 64, max_queued: int = 256):
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.prefill_chunk = prefill_chunk
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{name}")
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.max_batch_size = max(1, max_batch_size)
+        self.max_queued = max(0, max_queued)
+        self._cond = threading.Condition()
+        self._waiting: deque[_Job] = deque()  # guarded by _cond
+        self._running: list[_Job] = []  # worker thread only
+        self._running_rows = 0  # guarded by _cond
+        self._admitting = True
+        self._closed = False
+        self._groups: list[_Group] = []
+        self._ragged_ok: dict[type, bool] = {}  # state class -> its concat handles rows of different shapes
+        self._outbox: list[tuple[Submission, object]] = []  # events of the current step
+        self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # handed over, not yet delivered
+        self._delivery_lock = threading.Lock()
+        self._m_waiting = metrics.requests_waiting.labels(name)
+        self._m_running = metrics.requests_running.labels(name)
+        self._m_generated = metrics.generation_tokens.labels(name)
+        self._m_prompt = metrics.prompt_tokens.labels(name)
+        self._m_batch = metrics.batch_size.labels(name)
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+        self._thread.start()
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
-
-    # -- model work (worker thread) ---------------------------------------------------------
+    # -- admission (event loop) --------------------------------------------------------------
 
     def fresh_data(self) -> SessionData:
         with torch.inference_mode():
             return SessionData(state=self.model.init_state(1), tokens=0, next_log_probs=None)
 
-    def _feed(self, data: SessionData, tokens: list[int], want_rows: bool, cancelled: threading.Event | None = None):
-        """Run `tokens` through the model in prefill chunks. Returns the new SessionData and,
-        when `want_rows`, the log-prob row that predicted each token (None for a first token
-        without context)."""
-        state, next_log_probs = data.state, data.next_log_probs
-        rows: list[torch.Tensor | None] = []
-        device = self.model.device
-        for start in range(0, len(tokens), self.prefill_chunk):
-            if cancelled is not None and cancelled.is_set():
-                raise Cancelled()
-            chunk = tokens[start : start + self.prefill_chunk]
-            log_probs, state = self.model(torch.tensor([chunk], device=device), state)  # (1, T, V)
-            if want_rows:
-                rows.append(next_log_probs)
-                rows.extend(log_probs[0, :-1])
-            next_log_probs = log_probs[0, -1]
-        return SessionData(state=state, tokens=data.tokens + len(tokens), next_log_probs=next_log_probs), rows
+    def submit(self, job: GenerationJob) -> "Submission":
+        """Queue a generation; raises QueueFull or ShuttingDown at once, before any response
+        has started. Iterate `Submission.events()` for the answer."""
+        if job.params.max_tokens > 0 and not job.prompt and job.start.next_log_probs is None:
+            raise ValueError("nothing to continue from: give a prompt")
+        submission = Submission(self, job.cancelled)
+        self._enqueue(_Job("generate", list(job.prompt), job.start, job.params, job.keep_state, False,
+                           job.cancelled, self.tokenizer, submission))
+        return submission
 
-    def _generate_sync(self, job: GenerationJob, emit: Callable[[object], None]) -> Finished:
-        params = job.params
-        with torch.inference_mode():
-            data, rows = self._feed(job.start, job.prompt, want_rows=params.echo and params.logprobs is not None, cancelled=job.cancelled)
-            if rows:
-                k = params.logprobs or 0
-                emit(PromptLogprobs(
-                    tokens=list(job.prompt),
-                    logprobs=[None if row is None else float(row[t]) for row, t in zip(rows, job.prompt)],
-                    top=[[] if row is None else top_alternatives(row, k) for row in rows],
-                ))
-            sampler = Sampler(params)
-            detokenizer = self.tokenizer.detokenizer()
-            stops = StopChecker(params.stop)
-            finish_reason, generated = "length", 0
-            if params.max_tokens > 0 and data.next_log_probs is None:
-                raise ValueError("nothing to continue from: give a prompt")
-            for step in range(params.max_tokens):
-                if job.cancelled.is_set():
-                    raise Cancelled()
-                row = data.next_log_probs
-                token = sampler.choose(row)
-                generated += 1
-                text, stopped = stops.push(detokenizer.push(token))
-                emit(TokenEvent(token, text, float(row[token]),
-                                top_alternatives(row, params.logprobs or 0) if params.logprobs is not None else []))
-                last = step == params.max_tokens - 1 or stopped
-                if job.keep_state or not last:
-                    data, _ = self._feed(data, [token], want_rows=False)
-                if stopped:
-                    finish_reason = "stop"
-                    break
-            tail = "" if finish_reason == "stop" else stops.push(detokenizer.flush())[0] + stops.flush()
-        return Finished(
-            finish_reason=finish_reason, text_tail=tail, prompt_tokens=len(job.prompt),
-            completion_tokens=generated, cached_tokens=job.start.tokens, data=data,
-        )
-
-    # -- the async face (event loop) --------------------------------------------------------
+    def _enqueue(self, job: _Job) -> None:
+        with self._cond:
+            if not self._admitting or self._closed:
+                raise ShuttingDown("the server is shutting down and admits no new requests; retry on another replica",
+                                   code="shutting_down")
+            # requests that would wait for a batch slot, this one included (admission is FIFO)
+            free, queued = self.max_batch_size - self._running_rows, 0
+            for waiting in [*self._waiting, job]:
+                width = min(waiting.width, self.max_batch_size)
+                if queued == 0 and width <= free:
+                    free -= width
+                else:
+                    queued += 1
+            if queued > self.max_queued:
+                raise QueueFull(
+                    f"model '{self.name}' has {queued - 1} requests waiting, the limit is {self.max_queued} "
+                    "(XLSERVE_MAX_QUEUED_REQUESTS); retry later",
+                    code="queue_full", headers={"Retry-After": "1"},
+                )
+            self._waiting.append(job)
+            self._m_waiting.set(len(self._waiting))
+            self._cond.notify()
 
     async def generate(self, job: GenerationJob) -> AsyncIterator[object]:
-        """Yields PromptLogprobs?, TokenEvent*, then Finished; raises on error. Leaving the
-        iteration early cancels the job within one model step."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)  # noqa: E731
+        """submit + events: yields PromptLogprobs?, (TokenEvent | ChoiceFinished)*, then
+        Finished; raises on error. Leaving the iteration early cancels the job within one
+        model step."""
+        events = self.submit(job).events()
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
 
-        def work():
+    async def append(self, start: SessionData, tokens: list[int], score: bool,
+                     cancelled: threading.Event | None = None) -> tuple[SessionData, float, int]:
+        """Feed a document chunk into a session (batched with everything else). Returns the
+        new data, the summed natural-log probability of the scored tokens, and how many were
+        scored (a first token with no context is not)."""
+        cancelled = cancelled or threading.Event()
+        submission = Submission(self, cancelled)
+        self._enqueue(_Job("append", list(tokens), start, SamplingParams(max_tokens=0), False, score,
+                           cancelled, self.tokenizer, submission))
+        events = submission.events()
+        try:
+            async for event in events:
+                if isinstance(event, Appended):
+                    return event.data, event.logprob, event.scored
+        finally:
+            await events.aclose()
+        raise Cancelled()
+
+    def stop_admitting(self) -> None:
+        with self._cond:
+            self._admitting = False
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._waiting and self._running_rows == 0
+
+    def close(self) -> None:
+        """Stop the worker; requests still queued or running fail with ShuttingDown."""
+        with self._cond:
+            self._admitting = False
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=60)
+
+    # -- the step loop (worker thread) -------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                self._admit()
             try:
-                emit(self._generate_sync(job, emit))
-            except BaseException as error:  # delivered to the consumer, which re-raises
-                emit(error)
+                with torch.inference_mode():
+                    self._step()
+            except BaseException as error:  # a bug in the loop itself: fail everyone, keep serving
+                for job in list(self._running):
+                    self._fail(job, error)
+                self._groups = []
+            self._flush()
+        stop = ShuttingDown("the server shut down before this request finished", code="shutting_down")
+        with self._cond:
+            pending = list(self._waiting) + self._running
+            self._waiting.clear()
+        for job in pending:
+            self._emit(job, stop)
+        self._running = []
+        self._groups = []
+        self._flush()
 
-        started = time.monotonic()
-        last_token_at = None
-        self.metrics.requests_running.labels(self.name).inc()
-        future = loop.run_in_executor(self._executor, work)
+    def _admit(self) -> None:
+        """Move waiting requests into the batch while they fit (FIFO); under the lock."""
+        while self._waiting:
+            job = self._waiting[0]
+            if job.cancelled.is_set():
+                self._waiting.popleft()
+                continue
+            if self._running_rows + job.width > self.max_batch_size and self._running_rows > 0:
+                break
+            self._waiting.popleft()
+            self._running.append(job)
+            self._running_rows += job.width
+        self._m_waiting.set(len(self._waiting))
+
+    def _remove(self, job: _Job) -> None:
+        if job in self._running:
+            self._running.remove(job)
+            with self._cond:
+                self._running_rows -= job.width
+
+    def _step(self) -> None:
+        for job in [j for j in self._running if j.cancelled.is_set()]:
+            self._remove(job)  # its rows drop out of their group at the next forward
+            self.metrics.requests.labels(self.name, "cancelled").inc()
+        self._prefill()
+        self._decode()
+        if not any(job.rows for job in self._running):
+            self._groups = []  # nothing decoding: let go of the batched states
+        self._m_running.set(len(self._running))
+
+    # prefill ----------------------------------------------------------------------------------
+
+    def _prefill(self) -> None:
+        budget, chunks = self.prefill_chunk, []
+        for job in list(self._running):
+            if job.rows or job.failed:
+                continue
+            remaining = len(job.prompt) - job.fed
+            if remaining == 0:
+                self._prefilled(job)
+                continue
+            if budget <= 0:
+                continue
+            size = min(remaining, self.prefill_chunk)
+            budget -= size
+            chunks.append((job, job.prompt[job.fed : job.fed + size]))
+        # one forward per (chunk length, batch key): prompts of equal length batch together
+        by_shape: dict[tuple, list[tuple[_Job, list[int]]]] = {}
+        for job, chunk in chunks:
+            by_shape.setdefault(len(chunk), []).append((job, chunk))
+        for members in by_shape.values():
+            for batch in self._batches(members, lambda m: m[0].state):
+                self._prefill_batch(batch)
+
+    def _prefill_batch(self, batch: list[tuple["_Job", list[int]]]) -> None:
+        jobs = [job for job, _ in batch]
+        state = jobs[0].state if len(jobs) == 1 else self._concat([job.state for job in jobs])
+        if state is None:  # this class cannot batch these rows after all: one by one
+            for member in batch:
+                self._prefill_batch([member])
+            return
+        try:
+            tokens = torch.tensor([chunk for _, chunk in batch], device=self.model.device)  # (B, T)
+            log_probs, state = self.model(tokens, state)  # (B, T, V)
+            states = [state] if len(jobs) == 1 else state.split()
+        except Exception as error:
+            for job in jobs:
+                self._fail(job, error)
+            return
+        self._m_prompt.inc(int(tokens.numel()))
+        for i, (job, chunk) in enumerate(batch):
+            if job.echo_k is not None or job.score:
+                self._record_prompt_logprobs(job, chunk, log_probs[i])
+            job.state = states[i]
+            job.next_log_probs = log_probs[i, -1]
+            job.tokens += len(chunk)
+            job.fed += len(chunk)
+            if job.fed == len(job.prompt):
+                self._prefilled(job)
+
+    def _record_prompt_logprobs(self, job: _Job, chunk: list[int], log_probs: torch.Tensor) -> None:
+        """log_probs (T, V) of one chunk: the row before each chunk token predicted it."""
+        before = job.next_log_probs  # (V,) predicted the chunk's first token; None without context
+        chunk_tensor = torch.tensor(chunk, device=log_probs.device)
+        predicted = log_probs[:-1].gather(1, chunk_tensor[1:, None])[:, 0].float().tolist()
+        job.prompt_logprobs.extend([None if before is None else float(before[chunk[0]]), *predicted])
+        if job.echo_k is not None:
+            first = [] if before is None else self._tops(before[None], job.echo_k)[0]
+            job.prompt_top.extend([first, *self._tops(log_probs[:-1], job.echo_k)])
+
+    @staticmethod
+    def _tops(rows: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+        """rows (R, V) -> per row the k most likely (token, log-prob)."""
+        if k <= 0 or rows.shape[0] == 0:
+            return [[] for _ in range(rows.shape[0])]
+        values, indices = torch.topk(rows.float(), k, dim=-1)
+        return [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+
+    def _prefilled(self, job: _Job) -> None:
+        """The whole prompt is in the state: start decoding (or finish)."""
+        data = SessionData(state=job.state, tokens=job.tokens,
+                           next_log_probs=None if job.next_log_probs is None else job.next_log_probs.clone())
+        if job.kind == "append":
+            scored = [lp for lp in job.prompt_logprobs if lp is not None]
+            self._emit(job, Appended(data=data, logprob=float(sum(scored)), scored=len(scored)))
+            self._remove(job)
+            return
+        if job.echo_k is not None and job.prompt:
+            self._emit(job, PromptLogprobs(tokens=list(job.prompt), logprobs=job.prompt_logprobs, top=job.prompt_top))
+        if job.params.max_tokens == 0:
+            self._finish(job, data, [ChoiceFinished(i, "length", "", 0) for i in range(job.params.n)])
+            return
+        if job.next_log_probs is None:
+            self._fail(job, ValueError("nothing to continue from: give a prompt"))
+            return
+        # choices share the prompt's state: states are values, a forward never changes its input
+        job.rows = [_Row(job, i, job.state, data.next_log_probs) for i in range(job.params.n)]
+
+    # decode -----------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        rows = [row for job in self._running for row in job.rows if row.finish_reason is None]
+        if not rows:
+            return
+        forward = []
+        for row in rows:
+            params = row.job.params
+            if row.plain_greedy and row.greedy is not None:  # argmax taken once for the whole batch
+                token, logprob = row.greedy
+            else:
+                token = row.sampler.choose(row.host_log_probs)
+                logprob = float(row.host_log_probs[token])
+            row.generated += 1
+            text, stopped = row.stops.push(row.detokenizer.push(token))
+            top = top_alternatives(row.host_log_probs, params.logprobs) if params.logprobs else []
+            self._emit(row.job, TokenEvent(token, text, logprob, top, row.index))
+            if stopped:
+                row.finish_reason = "stop"
+            elif row.generated >= params.max_tokens:
+                row.finish_reason = "length"
+            if row.finish_reason is None or row.job.keep_state:  # a session keeps every token it generated
+                row.pending = token
+                forward.append(row)
+        self._flush()  # tokens leave before the forward that follows them
+        self._m_generated.inc(len(rows))
+        if forward:
+            self._m_batch.observe(len(forward))
+            self._forward_rows(forward)
+        for row in rows:
+            if row.finish_reason is not None and not row.job.failed:
+                self._finish_row(row)
+
+    def _forward_rows(self, rows: list[_Row]) -> None:
+        """Run each row's pending token through the model, in as few batched calls as the
+        state class allows. Groups survive between steps while their rows stay the same."""
+        wanted = {id(row) for row in rows}
+        groups, loose = [], []
+        for group in self._groups:
+            if all(id(row) in wanted for row in group.rows):
+                groups.append(group)
+                continue
+            # someone left: take the group apart, keep the rows still decoding
+            for row, state in zip(group.rows, self._split(group)):
+                row.state = state
+                if id(row) in wanted:
+                    loose.append(row)
+        grouped = {id(row) for group in groups for row in group.rows}
+        loose_ids = {id(row) for row in loose}
+        loose += [row for row in rows if id(row) not in grouped and id(row) not in loose_ids]
+        for batch in self._batches(loose, lambda row: row.state):
+            key = self._key(batch[0].state)
+            target = next((g for g in groups if g.key == key and len(g.rows) + len(batch) <= self.max_batch_size), None)
+            if target is not None:
+                merged = self._concat([target.state, *(row.state for row in batch)])
+                if merged is not None:
+                    target.state, target.rows = merged, target.rows + batch
+                    for row in batch:
+                        row.state = None
+                    continue
+            state = batch[0].state if len(batch) == 1 else self._concat([row.state for row in batch])
+            if state is None:  # concat refused: these rows run one by one
+                groups.extend(_Group(rows=[row], state=row.state, key=self._key(row.state)) for row in batch)
+            else:
+                groups.append(_Group(rows=list(batch), state=state, key=key))
+            for row in batch:
+                row.state = None
+        self._groups = []
+        for group in groups:
+            try:
+                tokens = torch.tensor([[row.pending] for row in group.rows], device=self.model.device)  # (B, 1)
+                log_probs, group.state = self.model(tokens, group.state)  # (B, 1, V)
+            except Exception as error:
+                for job in {id(row.job): row.job for row in group.rows}.values():
+                    self._fail(job, error)
+                continue
+            group.key = self._key(group.state)  # shapes may have grown
+            last = log_probs[:, -1]  # (B, V)
+            host = last.float().cpu()  # one transfer for the batch (a no-op on the CPU)
+            best = host.argmax(dim=-1, keepdim=True)  # (B, 1): greedy rows need nothing else
+            greedy = zip(best[:, 0].tolist(), host.gather(1, best)[:, 0].tolist())
+            for i, (row, choice) in enumerate(zip(group.rows, greedy)):
+                row.next_log_probs, row.host_log_probs, row.greedy = last[i], host[i], choice
+                row.tokens += 1
+                row.pending = None
+            if any(row.finish_reason is not None for row in group.rows):
+                for row, state in zip(group.rows, self._split(group)):  # finished rows need their state
+                    row.state = state
+            else:
+                self._groups.append(group)
+
+    def _split(self, group: _Group) -> list[State]:
+        return [group.state] if len(group.rows) == 1 else group.state.split()
+
+    def _key(self, state: State) -> tuple:
+        """Rows with equal keys may be concatenated: any two rows of a class whose concat
+        pads (it overrides State.concat), else rows whose tensors have equal shapes."""
+        cls = type(state)
+        ragged = self._ragged_ok.get(cls)
+        if ragged is None:
+            ragged = self._ragged_ok[cls] = cls.concat.__func__ is not State.concat.__func__
+        if ragged:
+            return (cls,)
+        return (cls, tuple(tuple(t.shape[1:]) for t in _state_tensors(state)))
+
+    def _concat(self, states: list[State]) -> State | None:
+        try:
+            return type(states[0]).concat(states)
+        except (RuntimeError, ValueError):
+            self._ragged_ok[type(states[0])] = False  # from now on: group by shape
+            return None
+
+    def _batches(self, items: list, state_of) -> list[list]:
+        """Split items into lists whose states may be concatenated (up to max_batch_size)."""
+        by_key: dict[tuple, list] = {}
+        for item in items:
+            by_key.setdefault(self._key(state_of(item)), []).append(item)
+        return [members[start : start + self.max_batch_size]
+                for members in by_key.values() for start in range(0, len(members), self.max_batch_size)]
+
+    # endings ----------------------------------------------------------------------------------
+
+    def _finish_row(self, row: _Row) -> None:
+        job = row.job
+        if row.finish_reason == "stop":
+            tail = ""
+        else:
+            tail = row.stops.push(row.detokenizer.flush())[0] + row.stops.flush()
+        choice = ChoiceFinished(row.index, row.finish_reason, tail, row.generated)
+        job.done.append(choice)
+        self._emit(job, choice)
+        if len(job.done) < len(job.rows):
+            return
+        first = job.rows[0]
+        if job.keep_state:
+            data = SessionData(state=first.state, tokens=first.tokens, next_log_probs=first.next_log_probs.clone())
+        else:  # nothing to commit; the state after the prompt
+            data = SessionData(state=job.state, tokens=job.tokens, next_log_probs=job.next_log_probs)
+        self._finish(job, data, sorted(job.done, key=lambda c: c.index))
+
+    def _finish(self, job: _Job, data: SessionData, choices: list[ChoiceFinished]) -> None:
+        completion = sum(c.completion_tokens for c in choices)
+        self._emit(job, Finished(choices=choices, prompt_tokens=len(job.prompt), completion_tokens=completion,
+                                 cached_tokens=job.cached_tokens, data=data))
+        for choice in choices:
+            self.metrics.requests.labels(self.name, choice.finish_reason).inc()
+        self._remove(job)
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        job.failed = True
+        for row in job.rows:
+            row.finish_reason = row.finish_reason or "error"
+        self._emit(job, error)
+        self._remove(job)
+
+    def _emit(self, job: _Job, event: object) -> None:
+        self._outbox.append((job.submission, event))
+
+    def _flush(self) -> None:
+        """Hand the step's events to the event loop(s). A loop is woken (a write to its self-pipe)
+        only when it has nothing pending from us: while it is busy, events just pile up and it
+        takes them all in one go, so a loaded loop costs the worker no system calls."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for submission, event in self._outbox:
+            by_loop.setdefault(submission.loop, []).append((submission, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            with self._delivery_lock:
+                pending = self._pending.setdefault(loop, [])
+                wake = not pending
+                pending.extend(items)
+            if wake:
+                try:
+                    loop.call_soon_threadsafe(self._deliver, loop)
+                except RuntimeError:  # that loop is closed: nobody is listening
+                    with self._delivery_lock:
+                        self._pending.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:  # on the event loop
+        with self._delivery_lock:
+            items = self._pending.pop(loop, [])
+        for submission, event in items:
+            submission.queue.put_nowait(event)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+
+class Submission:
+    """The consumer's side of a request: an event queue filled by the worker thread."""
+
+    def __init__(self, engine: Engine, cancelled: threading.Event):
+        self.engine = engine
+        self.cancelled = cancelled
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.submitted_at = time.monotonic()
+
+    def cancel(self) -> None:
+        """Stop the request: the engine drops it at its next step; `events()` raises Cancelled
+        at once. Nothing is committed."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            self.queue.put_nowait(Cancelled())
+            self.engine.wake()
+
+    async def events(self) -> AsyncIterator[object]:
+        name, metrics = self.engine.name, self.engine.metrics
+        first_token_at, last_token_at = None, {}
         try:
             while True:
-                event = await queue.get()
+                event = await self.queue.get()
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, TokenEvent):
                     now = time.monotonic()
-                    if last_token_at is None:
-                        self.metrics.time_to_first_token.labels(self.name).observe(now - started)
-                    else:
-                        self.metrics.inter_token_latency.labels(self.name).observe(now - last_token_at)
-                    last_token_at = now
+                    if first_token_at is None:
+                        first_token_at = now
+                        metrics.time_to_first_token.labels(name).observe(now - self.submitted_at)
+                    previous = last_token_at.get(event.index)
+                    if previous is not None:
+                        metrics.inter_token_latency.labels(name).observe(now - previous)
+                    last_token_at[event.index] = now
                 yield event
-                if isinstance(event, Finished):
-                    self.metrics.e2e_latency.labels(self.name).observe(time.monotonic() - started)
-                    self.metrics.prompt_tokens.labels(self.name).inc(event.prompt_tokens)
-                    self.metrics.generation_tokens.labels(self.name).inc(event.completion_tokens)
-                    self.metrics.requests.labels(self.name, event.finish_reason).inc()
+                if isinstance(event, (Finished, Appended)):
+                    metrics.e2e_latency.labels(name).observe(time.monotonic() - self.submitted_at)
                     return
         finally:
-            job.cancelled.set()  # no-op when finished; stops the worker when the consumer left
-            self.metrics.requests_running.labels(self.name).dec()
-            await asyncio.shield(future)
-
-    async def append(self, start: SessionData, tokens: list[int], score: bool) -> tuple[SessionData, float, int]:
-        """Feed a document chunk into a session. Returns the new data, the summed natural-log
-        probability of the scored tokens, and how many were scored (a first token with no
-        context is not)."""
-
-        def work():
-            with torch.inference_mode():
-                data, rows = self._feed(start, tokens, want_rows=score)
-            if not score:
-                return data, 0.0, 0
-            scored = [(row, t) for row, t in zip(rows, tokens) if row is not None]
-            return data, float(sum(row[t] for row, t in scored)), len(scored)
-
-        self.metrics.requests_running.labels(self.name).inc()
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, work)
-        finally:
-            self.metrics.requests_running.labels(self.name).dec()
-        self.metrics.prompt_tokens.labels(self.name).inc(len(tokens))
-        return result
+            self.cancelled.set()  # no-op when finished; the engine drops the job when the consumer left
+            self.engine.wake()

@@ -27,6 +27,13 @@ class Metrics:
         )
         self.request_errors = Counter("xlserve_request_errors", "Failed requests by error type", ["model", "type"], registry=r)
         self.requests_running = Gauge("xlserve_requests_running", "Requests being processed", ["model"], registry=r)
+        self.requests_waiting = Gauge(
+            "xlserve_requests_waiting", "Requests queued for a place in the running batch", ["model"], registry=r
+        )
+        self.batch_size = Histogram(
+            "xlserve_batch_size", "Rows in each batched decode step", ["model"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+        )
         self.e2e_latency = Histogram(
             "xlserve_e2e_request_latency_seconds", "Request latency, arrival to last token", ["model"],
             buckets=LATENCY_BUCKETS, registry=r,

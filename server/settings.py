@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     max_request_body_bytes: int = 8_000_000
     prefill_chunk_tokens: int = 512  # prompts are fed to the model in chunks of this size
+    max_batch_size: int = 64  # rows decoded together per model step (a request with n choices takes n)
+    max_queued_requests: int = 256  # requests waiting for a batch slot per model; beyond: 429
+    shutdown_grace_seconds: float = 30  # on SIGTERM, how long running requests may finish
 
     # session state
     state_dir: Path = REPO_ROOT / "state"  # where sessions are written down

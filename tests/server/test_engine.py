@@ -1,0 +1,291 @@
+"""The engine in process: continuous batching gives each request the answer it gets alone,
+for states that pad (Transformer-XL), states batched by shape, and states that refuse to
+batch; chunked prefill interleaves with decoding; cancel, queue bound and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.interface import ArchConfig, LanguageModel, State
+from models.tokenizer import ByteTokenizer
+from models.transformer_xl import TransformerXL, TransformerXLConfig
+from server.engine import (
+    Cancelled, ChoiceFinished, Engine, Finished, GenerationJob, PromptLogprobs, QueueFull, ShuttingDown, TokenEvent,
+)
+from server.metrics import Metrics
+from server.sampling import SamplingParams
+
+
+def xl_model() -> TransformerXL:
+    torch.manual_seed(0)
+    config = TransformerXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=24)
+    return TransformerXL(config).eval()
+
+
+@dataclass
+class History(State):
+    """Every token seen: (B, T) grows, and keeps the default concat (equal shapes only)."""
+
+    tokens: Tensor
+
+
+@dataclass
+class StubbornHistory(History):
+    """Claims to batch rows of any length, then refuses when they differ."""
+
+    @classmethod
+    def concat(cls, states):
+        if len({s.tokens.shape[1] for s in states}) > 1:
+            raise ValueError("rows of different lengths")
+        return cls(tokens=torch.cat([s.tokens for s in states]))
+
+
+class HistoryModel(LanguageModel):
+    """A toy whose next-token distribution depends on the whole history (mean of embeddings)."""
+
+    architecture = "history"
+    config_class = ArchConfig
+    state_class = History
+    state_kind = "window"
+    state_grows_with_context = True
+
+    def __init__(self, state_class=History):
+        super().__init__()
+        torch.manual_seed(1)
+        self.config = ArchConfig(vocab_size=256)
+        self.embedding = nn.Embedding(256, 16)
+        self.head = nn.Linear(16, 256)
+        self.state_class = state_class
+
+    def init_state(self, batch_size: int) -> History:
+        return self.state_class(tokens=torch.zeros(batch_size, 0, dtype=torch.long))
+
+    def forward(self, tokens: Tensor, state: History) -> tuple[Tensor, History]:
+        M = state.tokens.shape[1]
+        seen = torch.cat([state.tokens, tokens], dim=1)  # (B, M + T)
+        counts = torch.arange(1, seen.shape[1] + 1, dtype=torch.float32)[None, :, None]
+        means = self.embedding(seen).cumsum(dim=1) / counts  # (B, M + T, 16)
+        return F.log_softmax(self.head(means[:, M:]) * 20, dim=-1), self.state_class(tokens=seen)
+
+
+def make_engine(model, **kwargs) -> Engine:
+    return Engine("m", model, ByteTokenizer(), Metrics(), **kwargs)
+
+
+def job(engine, prompt: str, start=None, keep_state=False, **params) -> GenerationJob:
+    params.setdefault("temperature", 0)
+    return GenerationJob(prompt=list(prompt.encode()), params=SamplingParams(**params),
+                         start=start or engine.fresh_data(), keep_state=keep_state)
+
+
+async def collect(engine, generation: GenerationJob) -> dict:
+    texts, tokens, events = {}, {}, []
+    async for event in engine.generate(generation):
+        events.append(event)
+        if isinstance(event, TokenEvent):
+            texts[event.index] = texts.get(event.index, "") + event.text
+            tokens.setdefault(event.index, []).append(event.token)
+        elif isinstance(event, ChoiceFinished):
+            texts[event.index] = texts.get(event.index, "") + event.text_tail
+    return {"texts": [texts[i] for i in sorted(texts)], "tokens": [tokens[i] for i in sorted(tokens)],
+            "finished": events[-1], "events": events}
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+PROMPTS = ["d", "def main():\n", "import os\nimport sys\n\n" * 3, "x = 1\n" * 9, "class A:\n    pass\n",
+           "# comment\n" * 5, "for i in range(10):\n", "a" * 70]
+
+
+@pytest.mark.parametrize("make_model", [xl_model, HistoryModel, lambda: HistoryModel(StubbornHistory)],
+                         ids=["padded-concat", "group-by-shape", "concat-refuses"])
+def test_batched_greedy_equals_alone(make_model):
+    engine = make_engine(make_model(), prefill_chunk=16)
+
+    async def main():
+        alone = [(await collect(engine, job(engine, p, max_tokens=20)))["tokens"] for p in PROMPTS]
+        together = await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=20)) for p in PROMPTS])
+        return alone, [t["tokens"] for t in together]
+
+    try:
+        alone, together = run(main())
+    finally:
+        engine.close()
+    assert together == alone
+    metrics = engine.metrics.render().decode()
+    assert 'xlserve_batch_size_count{model="m"}' in metrics
+    ragged = engine._ragged_ok[type(engine.fresh_data().state)]
+    assert ragged is (make_model is xl_model)  # the stubborn class was found out and grouped by shape
+
+
+def test_rows_join_and_leave_a_running_batch():
+    """Requests of different lengths arriving at different times: each gets its solo answer."""
+    engine = make_engine(xl_model(), prefill_chunk=8)
+
+    async def staggered():
+        tasks = []
+        for i, prompt in enumerate(PROMPTS):
+            tasks.append(asyncio.create_task(collect(engine, job(engine, prompt, max_tokens=5 + 7 * i))))
+            await asyncio.sleep(0.003 * i)
+        return [t["tokens"] for t in await asyncio.gather(*tasks)]
+
+    async def alone():
+        return [(await collect(engine, job(engine, p, max_tokens=5 + 7 * i)))["tokens"] for i, p in enumerate(PROMPTS)]
+
+    try:
+        expected = run(alone())
+        assert run(staggered()) == expected
+    finally:
+        engine.close()
+
+
+def test_seeded_sampling_is_the_same_batched_or_not_and_n_choices():
+    engine = make_engine(xl_model())
+    params = dict(temperature=1.0, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
+                  frequency_penalty=0.3, seed=11, max_tokens=24)
+
+    async def main():
+        alone = await collect(engine, job(engine, "def f(x):\n", **params))
+        crowd = await asyncio.gather(collect(engine, job(engine, "def f(x):\n", **params)),
+                                     *[collect(engine, job(engine, p, max_tokens=24, temperature=1.0)) for p in PROMPTS])
+        many = await collect(engine, job(engine, "def f(x):\n", n=3, **params))
+        return alone, crowd[0], many
+
+    try:
+        alone, batched, many = run(main())
+    finally:
+        engine.close()
+    assert batched["texts"] == alone["texts"]
+    assert len(many["texts"]) == 3 and many["texts"][0] == alone["texts"][0]
+    assert len(set(many["texts"])) > 1  # seed + i per choice
+    finished = many["finished"]
+    assert isinstance(finished, Finished)
+    assert [c.index for c in finished.choices] == [0, 1, 2]
+    assert finished.completion_tokens == 3 * 24 and finished.prompt_tokens == len("def f(x):\n")
+
+
+def test_session_continuation_equals_one_pass_and_prompt_logprobs_match_append():
+    model = xl_model()
+    engine = make_engine(model, prefill_chunk=7)
+    history = "import os\nimport sys\n\ndef main(argv):\n    return 0\n"
+
+    async def main():
+        first = await collect(engine, job(engine, history[:20], keep_state=True, max_tokens=0))
+        data = first["finished"].data
+        assert data.tokens == 20
+        data, logprob, scored = await engine.append(data, list(history[20:].encode()), score=True)
+        continued = await collect(engine, job(engine, "if x", start=data, keep_state=True, max_tokens=9))
+        one_pass = await collect(engine, job(engine, history + "if x", max_tokens=9))
+        echoed = await collect(engine, job(engine, history, max_tokens=0, echo=True, logprobs=2))
+        return logprob, scored, continued, one_pass, echoed
+
+    try:
+        logprob, scored, continued, one_pass, echoed = run(main())
+    finally:
+        engine.close()
+    assert continued["tokens"] == one_pass["tokens"]
+    finished = continued["finished"]
+    assert finished.cached_tokens == len(history) and finished.data.tokens == len(history) + 4 + 9
+    prompt = next(e for e in echoed["events"] if isinstance(e, PromptLogprobs))
+    assert prompt.logprobs[0] is None and len(prompt.logprobs) == len(history)
+    assert all(len(top) == 2 for top in prompt.top[1:])
+    assert scored == len(history) - 20
+    assert logprob == pytest.approx(sum(prompt.logprobs[20:]), rel=1e-4, abs=1e-3)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    engine = make_engine(xl_model(), prefill_chunk=8)
+
+    async def main():
+        order = []
+
+        async def stream(name, prompt, max_tokens):
+            async for event in engine.generate(job(engine, prompt, max_tokens=max_tokens)):
+                if isinstance(event, TokenEvent):
+                    order.append(name)
+
+        running = asyncio.create_task(stream("running", "def f():\n", 150))
+        while not order:
+            await asyncio.sleep(0.001)
+        await stream("long", "y = 2\n" * 60, 1)  # 360 prompt tokens = 45 chunks of 8
+        await running
+        return order
+
+    try:
+        order = run(main())
+    finally:
+        engine.close()
+    long_at = order.index("long")
+    assert order[:long_at].count("running") >= 40  # the stream kept going while the prompt was fed
+
+
+def test_cancel_frees_the_slot_and_queue_is_bounded():
+    engine = make_engine(xl_model(), max_batch_size=1, max_queued=1)
+
+    async def main():
+        first = engine.submit(job(engine, "a", max_tokens=4000))
+        events = first.events()
+        assert isinstance(await events.__anext__(), TokenEvent)  # running
+        second = engine.submit(job(engine, "b", max_tokens=3))  # waits for the slot
+        with pytest.raises(QueueFull) as refused:
+            engine.submit(job(engine, "c", max_tokens=3))
+        assert refused.value.status == 429 and refused.value.headers["Retry-After"]
+        assert "XLSERVE_MAX_QUEUED_REQUESTS" in refused.value.message
+        first.cancel()
+        with pytest.raises(Cancelled):
+            async for _ in events:
+                pass
+        finished = [e async for e in second.events()][-1]  # got the slot
+        assert isinstance(finished, Finished) and finished.completion_tokens == 3
+        engine.stop_admitting()
+        with pytest.raises(ShuttingDown):
+            engine.submit(job(engine, "d", max_tokens=3))
+        return engine.idle
+
+    try:
+        assert run(main())
+    finally:
+        engine.close()
+
+
+def test_a_model_error_fails_its_request_and_the_engine_keeps_serving():
+    class Fragile(HistoryModel):
+        def forward(self, tokens, state):
+            if (tokens == ord("!")).any():
+                raise RuntimeError("boom")
+            return super().forward(tokens, state)
+
+    engine = make_engine(Fragile())
+
+    async def main():
+        with pytest.raises(RuntimeError, match="boom"):
+            await collect(engine, job(engine, "bad!", max_tokens=3))
+        return await collect(engine, job(engine, "good", max_tokens=3))
+
+    try:
+        assert len(run(main())["tokens"][0]) == 3
+    finally:
+        engine.close()
+
+
+def test_close_fails_what_is_left():
+    engine = make_engine(xl_model(), max_batch_size=1)
+
+    async def main():
+        running = engine.submit(job(engine, "a", max_tokens=100000))
+        events = running.events()
+        await events.__anext__()
+        await asyncio.to_thread(engine.close)
+        with pytest.raises(ShuttingDown):
+            async for _ in events:
+                pass
+
+    run(main())
