@@ -8,20 +8,21 @@ engines and lets the cache write its sessions down.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from models.checkpoint import load_checkpoint, read_config
 from models.tokenizer import tokenizer_for_checkpoint
-from server.api import completions, health, models, sessions
+from server.api import completions, health, models, sessions, ws
+from server.api.admission import AdmissionMiddleware
 from server.api.deps import AppState, ServedModel
 from server.cache import SessionCache
 from server.engine import Engine
-from server.errors import RequestTooLarge, install_error_handlers
+from server.errors import install_error_handlers
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -52,11 +53,27 @@ def load_models(settings: Settings, metrics: Metrics) -> dict[str, ServedModel]:
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         served[name] = ServedModel(
             name=name, model=model, tokenizer=tokenizer,
-            engine=Engine(name, model, tokenizer, metrics, settings.prefill_chunk_tokens),
+            engine=Engine(name, model, tokenizer, metrics, settings.prefill_chunk_tokens,
+                          max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests),
             created=int((directory / "config.json").stat().st_mtime),
             parameters=sum(p.numel() for p in model.parameters()),
         )
     return served
+
+
+async def drain(app: FastAPI, grace_seconds: float) -> None:
+    """Graceful shutdown, first half: stop admitting (new requests get 503, /ready turns 503)
+    and wait up to `grace_seconds` for requests in flight to finish and commit their sessions.
+    The server then stops and the lifespan closes the engines and the cache (which persists)."""
+    state = getattr(app.state, "xlserve", None)
+    if state is None:
+        return
+    state.draining, state.ready = True, False
+    for served in state.models.values():
+        served.engine.stop_admitting()
+    deadline = time.monotonic() + grace_seconds
+    while (state.inflight > 0 or not all(s.engine.idle for s in state.models.values())) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def build_app(settings: Settings | None = None) -> FastAPI:
@@ -85,15 +102,8 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="xlserve", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_request_body_bytes:
-            error = RequestTooLarge(f"request body is {length} bytes; the limit is {settings.max_request_body_bytes} "
-                                    "(XLSERVE_MAX_REQUEST_BODY_BYTES)")
-            return JSONResponse(error.body(), status_code=error.status)
-        return await call_next(request)
+    app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.max_request_body_bytes)
 
-    for router in (health.router, models.router, completions.router, sessions.router):
+    for router in (health.router, models.router, completions.router, sessions.router, ws.router):
         app.include_router(router)
     return app

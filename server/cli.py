@@ -19,9 +19,11 @@ def _resolve_model_dir(name_or_path: str) -> Path:
 
 
 def cmd_serve(args) -> None:
+    import asyncio
+
     import uvicorn
 
-    from server.app import build_app
+    from server.app import build_app, drain
     from server.settings import Settings
 
     overrides = {}
@@ -31,14 +33,35 @@ def cmd_serve(args) -> None:
         overrides["device"] = args.device
     settings = Settings(**overrides)
 
+    app = build_app(settings)
+    grace = settings.shutdown_grace_seconds if args.grace_seconds is None else args.grace_seconds
+
     class GracefulServer(uvicorn.Server):
+        """The first SIGTERM/SIGINT drains: new requests get 503 while running ones finish (up
+        to the grace period) and commit; then uvicorn stops and the lifespan closes the engines
+        and the cache. A second signal stops at once. Exits 0 either way."""
+
+        draining = False
+
         def handle_exit(self, sig, frame) -> None:
+            if self.started and not self.draining and not self.should_exit:
+                self.draining = True
+                loop = asyncio.get_running_loop()  # signal handlers run on the event loop's thread
+
+                async def drain_then_exit():
+                    try:
+                        await drain(app, grace)
+                    finally:
+                        self.handle_exit(sig, frame)
+
+                self._drain_task = loop.create_task(drain_then_exit())
+                return
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal after shutting down; a graceful stop should exit 0
             self._captured_signals.clear()
 
-    config = uvicorn.Config(build_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.grace_seconds)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
     GracefulServer(config).run()
 
 
@@ -131,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                        help="comma list of names under weights/ or checkpoint paths (default: all under weights/)")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     serve.add_argument("--log-level", default="info")
-    serve.add_argument("--grace-seconds", type=int, default=30, help="how long running streams may finish on shutdown")
+    serve.add_argument("--grace-seconds", type=float, default=None,
+                       help="how long running requests may finish on shutdown (default XLSERVE_SHUTDOWN_GRACE_SECONDS, 30)")
     serve.set_defaults(func=cmd_serve)
 
     train = commands.add_parser("train", help="train a checkpoint on the stdlib corpus (resumable)")

@@ -41,6 +41,8 @@ class AppState:
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: bool = False
     api_keys: list[str] = field(default_factory=list)
+    draining: bool = False  # shutting down: new requests get 503 while running ones finish
+    inflight: int = 0  # requests being served (HTTP and websocket), counted by admission
 
     def served(self, name: str) -> ServedModel:
         try:

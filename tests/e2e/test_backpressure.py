@@ -1,0 +1,159 @@
+"""Backpressure, limits, auth and graceful shutdown against a real server with small limits.
+
+Load stays on loopback and is bounded: one burst of BURST requests, each with a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from tests.e2e.server_process import ServerProcess
+
+MODEL = "txl-tiny"
+KEY = "test-key"
+BURST = 24
+LIMITS = {
+    "XLSERVE_MAX_BATCH_SIZE": "2",
+    "XLSERVE_MAX_QUEUED_REQUESTS": "2",
+    "XLSERVE_MAX_REQUEST_BODY_BYTES": "4096",
+    "XLSERVE_MAX_TOKENS_LIMIT": "5000",
+    "XLSERVE_API_KEYS": KEY,
+    "XLSERVE_METRICS_REQUIRE_KEY": "true",
+}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_checkpoint, tmp_path_factory):
+    process = ServerProcess([tiny_checkpoint], env=LIMITS,
+                            log_path=tmp_path_factory.mktemp("logs") / "limited.log").start()
+    yield process
+    process.stop()
+
+
+def authed(server, **kwargs) -> httpx.Client:
+    return server.client(headers={"Authorization": f"Bearer {KEY}"}, **kwargs)
+
+
+def test_a_burst_past_the_queue_gets_429s_and_no_5xx(limited):
+    """2 running + 2 queued long generations; everything else in the burst is refused with
+    429 + Retry-After. Closing the accepted streams frees the slots; then the server serves."""
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=limited.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"},
+                                     limits=httpx.Limits(max_connections=BURST)) as client:
+            body = {"model": MODEL, "prompt": "while True:\n", "max_tokens": 5000, "stream": True}
+            streams = [client.stream("POST", "/v1/completions", json=body) for _ in range(BURST)]
+            responses = await asyncio.wait_for(
+                asyncio.gather(*(s.__aenter__() for s in streams), return_exceptions=True), timeout=60)
+            statuses, retry_after, errors = [], [], []
+            for response in responses:
+                assert not isinstance(response, BaseException), repr(response)
+                statuses.append(response.status_code)
+                if response.status_code == 429:
+                    retry_after.append(response.headers.get("retry-after"))
+                    errors.append(json.loads(await response.aread())["error"])
+            for stream in streams:  # hang up on the accepted streams: cancels them
+                await stream.__aexit__(None, None, None)
+            return statuses, retry_after, errors
+
+    statuses, retry_after, errors = asyncio.run(burst())
+    assert all(status in (200, 429) for status in statuses), statuses
+    assert statuses.count(200) >= 4 and statuses.count(429) >= 1
+    assert all(value and int(value) >= 1 for value in retry_after)
+    assert all(e["type"] == "rate_limit_error" and "XLSERVE_MAX_QUEUED_REQUESTS" in e["message"] for e in errors)
+
+    with authed(limited) as client:
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 3})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        metrics = client.get("/metrics").text
+    assert 'xlserve_request_errors_total{model="txl-tiny",type="rate_limit_error"}' in metrics
+    assert 'xlserve_requests_total{finish_reason="cancelled",model="txl-tiny"}' in metrics
+
+
+def test_limits_name_themselves(limited):
+    with authed(limited) as client:
+        big = client.post("/v1/completions", content=b'{"model": "txl-tiny", "prompt": "' + b"x" * 5000 + b'"}',
+                          headers={"content-type": "application/json"})
+        assert big.status_code == 413 and "XLSERVE_MAX_REQUEST_BODY_BYTES" in big.json()["error"]["message"]
+
+        def chunked():
+            yield b'{"model": "txl-tiny", "prompt": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'"}'
+
+        streamed = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert streamed.status_code == 413 and "4096" in streamed.json()["error"]["message"]
+
+        small = client.post("/v1/completions", content=chunked_small(), headers={"content-type": "application/json"})
+        assert small.status_code == 200, small.text
+
+        tokens = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5001})
+        assert tokens.status_code == 400 and "XLSERVE_MAX_TOKENS_LIMIT" in tokens.json()["error"]["message"]
+
+
+def chunked_small():
+    yield b'{"model": "txl-tiny", "prompt": "abc", '
+    yield b'"max_tokens": 2}'
+
+
+def test_auth_keeps_health_open_and_metrics_keyed(limited):
+    with limited.client() as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.get("/ready").status_code == 200
+        assert anonymous.get("/metrics").status_code == 401
+        assert anonymous.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
+    with authed(limited) as client:
+        assert client.get("/metrics").status_code == 200
+
+    url = limited.url.replace("http://", "ws://") + "/v1/stream"
+    with connect(url) as ws:
+        frame = json.loads(ws.recv(timeout=30))
+        assert frame["type"] == "error" and frame["error"]["type"] == "authentication_error"
+    with connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        ws.send(json.dumps({"type": "generate", "model": MODEL, "prompt": "x", "max_tokens": 2}))
+        frames = [json.loads(ws.recv(timeout=30)) for _ in range(3)]
+        assert [f["type"] for f in frames] == ["token", "token", "done"]
+
+
+def test_sigterm_drains_running_streams_commits_and_exits_zero(tiny_checkpoint, tmp_path):
+    env = {"XLSERVE_STATE_DIR": str(tmp_path / "state")}
+    server = ServerProcess([tiny_checkpoint], env=env, log_path=tmp_path / "server.log").start()
+    prompt, max_tokens = "def f():\n", 1000
+    try:
+        with server.client() as client:
+            session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "session_id": session}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                server.process.send_signal(signal.SIGTERM)
+                # not admitting any more: new requests 503, readiness 503, liveness fine
+                for _ in range(200):
+                    if client.get("/ready").status_code == 503:
+                        break
+                assert client.get("/ready").status_code == 503
+                assert client.get("/health").status_code == 200
+                refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+                assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+                # ... while the running stream finishes normally
+                events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    # the stream committed before the cache closed: a new server finds the session with it
+    again = ServerProcess([tiny_checkpoint], env=env, log_path=tmp_path / "again.log").start()
+    try:
+        with again.client() as client:
+            info = client.get(f"/v1/sessions/{session}").json()
+            assert info["tokens"] == len(prompt) + max_tokens and info["version"] == 1
+    finally:
+        again.stop()

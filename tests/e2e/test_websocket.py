@@ -1,0 +1,168 @@
+"""A real websocket client (`websockets`) against the real server: /v1/stream."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from websockets.sync.client import connect
+
+MODEL = "txl-tiny"
+
+
+def ws_url(server) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/stream"
+
+
+def send(ws, **frame) -> None:
+    ws.send(json.dumps(frame))
+
+
+def answer(ws, timeout: float = 60) -> tuple[list[dict], dict]:
+    """Frames of one request: the token frames and the final done or error frame."""
+    tokens = []
+    while True:
+        frame = json.loads(ws.recv(timeout=timeout))
+        if frame["type"] == "token":
+            tokens.append(frame)
+        else:
+            return tokens, frame
+
+
+def text_of(tokens, done) -> str:
+    return "".join(t["text"] for t in tokens) + done.get("text", "")
+
+
+def complete(client, **fields) -> dict:
+    response = client.post("/v1/completions", json={"model": MODEL, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_generate_matches_http_and_two_requests_share_a_connection(server, client):
+    expected = complete(client, prompt="def main():\n", max_tokens=12, temperature=0)["choices"][0]["text"]
+    with connect(ws_url(server)) as ws:
+        send(ws, type="generate", id="first", model=MODEL, prompt="def main():\n", max_tokens=12, temperature=0)
+        tokens, done = answer(ws)
+        assert done["type"] == "done" and done["id"] == "first"
+        assert len(tokens) == 12 and all(t["id"] == "first" and t["logprob"] <= 0 for t in tokens)
+        assert text_of(tokens, done) == expected
+        assert done["finish_reason"] == "length"
+        assert done["usage"]["prompt_tokens"] == 12 and done["usage"]["completion_tokens"] == 12
+
+        send(ws, type="generate", id="second", model=MODEL, prompt="x = ", max_tokens=5, temperature=1.0, seed=3,
+             logprobs=2, stop=["\n\n\n\n\n\n\n\n"])
+        tokens, done = answer(ws)
+        assert done["type"] == "done" and done["id"] == "second"
+        assert all(len(t["top_logprobs"]) == 2 for t in tokens)
+        seeded = complete(client, prompt="x = ", max_tokens=5, temperature=1.0, seed=3)["choices"][0]["text"]
+        assert text_of(tokens, done) == seeded
+
+
+@pytest.mark.parametrize("raw, param", [
+    ("not json", None),
+    ("[1, 2]", None),
+    ('{"type": "dance"}', "type"),
+    ('{"type": "generate", "prompt": "x"}', "model"),
+    ('{"type": "generate", "model": "txl-tiny", "prompt": "x", "max_tokens": "many"}', "max_tokens"),
+    ('{"type": "generate", "model": "txl-tiny", "prompt": "x", "temprature": 0}', "temprature"),
+])
+def test_malformed_frame_gets_an_error_and_the_connection_stays_usable(server, raw, param):
+    with connect(ws_url(server)) as ws:
+        ws.send(raw)
+        frame = json.loads(ws.recv(timeout=30))
+        assert frame["type"] == "error"
+        assert set(frame["error"]) == {"message", "type", "param", "code"}
+        assert frame["error"]["type"] == "invalid_request_error" and frame["error"]["param"] == param
+        ws.send(b"\x00binary")
+        assert json.loads(ws.recv(timeout=30))["type"] == "error"
+        send(ws, type="generate", id="after", model=MODEL, prompt="ok", max_tokens=3, temperature=0)
+        tokens, done = answer(ws)
+        assert done["type"] == "done" and len(tokens) == 3
+
+
+def test_errors_are_frames_with_the_one_schema(server):
+    with connect(ws_url(server)) as ws:
+        send(ws, type="generate", id="big", model=MODEL, prompt="x", max_tokens=10**6)
+        _, frame = answer(ws)
+        assert frame["type"] == "error" and frame["id"] == "big"
+        assert "limit is" in frame["error"]["message"] and frame["error"]["param"] == "max_tokens"
+        send(ws, type="generate", id="nomodel", model="nope", prompt="x")
+        assert answer(ws)[1]["error"]["type"] == "not_found_error"
+        send(ws, type="cancel", id="nothing")
+        assert answer(ws)[1]["error"]["code"] == "nothing_to_cancel"
+        send(ws, type="append", id="a", session_id="sess_missing", text="x")
+        assert answer(ws)[1]["error"]["code"] == "session_not_found"
+
+
+def test_cancel_mid_stream_leaves_the_session_unchanged(server, client):
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    client.post(f"/v1/sessions/{session}/append", json={"text": "import os\n"})
+    before = client.get(f"/v1/sessions/{session}").json()
+    with connect(ws_url(server)) as ws:
+        send(ws, type="generate", id="long", model=MODEL, prompt="def f():\n", max_tokens=4000, session_id=session)
+        for _ in range(3):
+            assert json.loads(ws.recv(timeout=30))["type"] == "token"
+        send(ws, type="generate", id="meanwhile", model=MODEL, prompt="x")
+        send(ws, type="cancel", id="long")
+        frames = []
+        while not frames or frames[-1]["type"] not in ("done",):
+            frame = json.loads(ws.recv(timeout=30))
+            if frame["type"] != "token":
+                frames.append(frame)
+        busy, done = frames[0], frames[-1]
+        assert busy["type"] == "error" and busy["id"] == "meanwhile" and busy["error"]["code"] == "request_in_progress"
+        assert done["id"] == "long" and done["finish_reason"] == "cancelled"
+        assert 3 <= done["usage"]["completion_tokens"] < 4000
+        after = client.get(f"/v1/sessions/{session}").json()
+        assert (after["tokens"], after["version"]) == (before["tokens"], before["version"])
+        # the connection and the session are free for the next request
+        send(ws, type="generate", id="next", model=MODEL, prompt="", max_tokens=2, session_id=session, temperature=0)
+        assert answer(ws)[1]["finish_reason"] == "length"
+
+
+def test_session_continuation_equals_one_request_over_the_whole_text(server, client):
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    document = "import sys\n\ndef main(argv):\n    return len(argv)\n\n"
+    with connect(ws_url(server)) as ws:
+        send(ws, type="append", id="doc", session_id=session, text=document[:20], score=True)
+        _, done = answer(ws)
+        assert done["type"] == "done" and done["session_tokens"] == 20 and done["scored_tokens"] == 19
+        send(ws, type="generate", id="more", model=MODEL, prompt=document[20:], max_tokens=0, session_id=session)
+        _, done = answer(ws)
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 20
+        assert done["session_tokens"] == len(document)
+        send(ws, type="generate", id="go", model=MODEL, prompt="if __name__", max_tokens=8, temperature=0,
+             session_id=session)
+        tokens, done = answer(ws)
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(document)
+        assert done["session_tokens"] == len(document) + len("if __name__") + 8 and done["version"] == 3
+    full = complete(client, prompt=document + "if __name__", max_tokens=8, temperature=0)
+    assert text_of(tokens, done) == full["choices"][0]["text"]
+
+
+def running_requests(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("xlserve_requests_running{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_disconnect_cancels_and_frees_the_batch_slot(server, client):
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    with connect(ws_url(server)) as ws:
+        send(ws, type="generate", id="gone", model=MODEL, prompt="while True:\n", max_tokens=4000,
+             session_id=session)
+        for _ in range(3):
+            assert json.loads(ws.recv(timeout=30))["type"] == "token"
+    # the connection is closed mid-stream
+    deadline = time.monotonic() + 30
+    while running_requests(client) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running_requests(client) == 0
+    info = client.get(f"/v1/sessions/{session}").json()
+    assert info["tokens"] == 0 and info["version"] == 0  # nothing committed
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                    "session_id": session})
+    assert response.status_code == 200  # the session's lease was released
