@@ -10,4 +10,5 @@ BENCHMARKS = {
     "continuation": "continuation",
     "vs-hf": "vs_hf",
     "sessions": "sessions",
+    "throughput": "throughput",
 }

@@ -1,0 +1,349 @@
+"""`xlserve bench throughput`: what continuous batching buys, and what HTTP costs.
+
+For 1, 4, 16 and 64 concurrent streams (each stream sends its requests one after another),
+greedy generation of --max-tokens tokens after a short code prompt, measured twice:
+
+- http: a real server (`xlserve serve`, in a subprocess) over real HTTP + SSE, driven by a
+  minimal asyncio HTTP/1.1 client in this process (which never imports torch, so the client
+  costs as little CPU as possible beside the server on a small machine);
+- engine: the same load submitted straight to an in-process `Engine` (in another subprocess),
+  no HTTP: the ceiling, so http / engine is what the HTTP layer costs.
+
+Reported per level: aggregate generated tokens/s, p50/p99 time to first token (request sent ->
+first token received) and p50/p99 inter-token latency (gap between consecutive tokens of one
+stream, as received). Results go to bench-results/throughput.json and throughput.png, and a
+table is printed. Goals (issue 4, 2 CPU cores, the shipped transformer-xl-stdlib): 16 streams
+>= 6x the tokens/s of one stream; http >= 90% of engine throughput.
+
+Run it alone: on 2 cores a second torch-heavy process (a training run, a test suite) slows
+both about 5x and the numbers mean nothing. Speed does not depend on the weights, so before
+the shipped checkpoint exists, `--random-small` benchmarks a random one of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from server.settings import REPO_ROOT
+
+DEFAULT_MODEL = REPO_ROOT / "weights" / "transformer-xl-stdlib"
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):\n    ",
+    "class Config:\n    def __init__(self, path):\n        self.",
+    "    for index, line in enumerate(lines):\n        if ",
+    "def read_file(name):\n    with open(name) as f:\n        ",
+    "# Copyright (c) Python Software Foundation.\n\"\"\"",
+    "        except KeyError:\n            raise ValueError(",
+    "if __name__ == \"__main__\":\n    ",
+    "    @property\n    def name(self):\n        return self.",
+]
+USAGE = re.compile(rb'"completion_tokens": (\d+)')
+TOKEN_CHUNK = b'"finish_reason": null'
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarise(concurrency: int, wall: float, tokens: int, ttft: list[float], itl: list[float]) -> dict:
+    return {
+        "concurrency": concurrency, "requests": len(ttft), "generated_tokens": tokens, "wall_s": round(wall, 4),
+        "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+    }
+
+
+# -- the HTTP side (no torch in this process) -------------------------------------------------
+
+
+async def http_request(host: str, port: int, body: dict, ttft: list, itl: list) -> int:
+    """One streamed completion over a fresh HTTP/1.1 connection; returns generated tokens."""
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        sent = time.perf_counter()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(payload), payload))
+        await writer.drain()
+        received, last, tail = b"", None, b""
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            now = time.perf_counter()
+            # a token's chunk says "finish_reason": null; the finish, usage and [DONE] chunks do not
+            window = tail + data
+            tokens = window.count(TOKEN_CHUNK) - tail.count(TOKEN_CHUNK)
+            tail = window[-(len(TOKEN_CHUNK) - 1):]
+            received += data
+            for _ in range(tokens):  # chunks that arrived together: gaps of 0 after the first
+                if last is None:
+                    ttft.append(now - sent)
+                else:
+                    itl.append(now - last)
+                last = now
+        if b" 200 " not in received.split(b"\r\n", 1)[0]:
+            raise RuntimeError(f"request failed: {received[:300]!r}")
+        match = USAGE.findall(received)
+        return int(match[-1]) if match else 0
+    finally:
+        writer.close()
+
+
+async def http_level(host: str, port: int, model: str, concurrency: int, per_stream: int, max_tokens: int) -> dict:
+    ttft, itl = [], []
+
+    async def stream(index: int) -> int:
+        total = 0
+        for r in range(per_stream):
+            body = {"model": model, "prompt": PROMPTS[(index + r) % len(PROMPTS)], "max_tokens": max_tokens,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            total += await http_request(host, port, body, ttft, itl)
+        return total
+
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
+    wall = time.perf_counter() - start
+    return summarise(concurrency, wall, tokens, ttft, itl)
+
+
+def start_server(model_dir: Path, env: dict, timeout: float = 180) -> tuple[subprocess.Popen, int]:
+    """`xlserve serve` on a free loopback port; returns once /ready answers 200."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--models", str(model_dir), "--log-level", "warning"],
+        cwd=REPO_ROOT, env={**os.environ, **env},
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as response:
+                if response.status == 200:
+                    return process, port
+        except OSError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"the server was not ready within {timeout}s")
+
+
+def run_http(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int,
+             device: str) -> list[dict]:
+    env = {"XLSERVE_TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads), "XLSERVE_DEVICE": device,
+           "XLSERVE_MAX_BATCH_SIZE": str(max(levels)), "XLSERVE_MAX_TOKENS_LIMIT": str(max(4096, max_tokens))}
+    process, port = start_server(model_dir, env)
+    try:
+        results = []
+        asyncio.run(http_level("127.0.0.1", port, model_dir.name, 1, 1, 8))  # warm-up
+        for concurrency in levels:
+            results.append(asyncio.run(http_level("127.0.0.1", port, model_dir.name, concurrency,
+                                                  per_stream, max_tokens)))
+            print(f"  http   {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s", flush=True)
+        return results
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+# -- the in-process engine (a subprocess, with torch) ----------------------------------------
+
+
+def engine_worker(args: dict) -> list[dict]:
+    import torch
+
+    from server.app import load_models
+    from server.engine import GenerationJob, TokenEvent
+    from server.metrics import Metrics
+    from server.sampling import SamplingParams
+    from server.settings import Settings
+
+    torch.set_num_threads(args["threads"])
+    settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]))
+    served = next(iter(load_models(settings, Metrics()).values()))
+    engine, tokenizer = served.engine, served.tokenizer
+
+    async def level(concurrency: int, per_stream: int, max_tokens: int) -> dict:
+        ttft, itl = [], []
+
+        async def stream(index: int) -> int:
+            total = 0
+            for r in range(per_stream):
+                job = GenerationJob(prompt=tokenizer.encode(PROMPTS[(index + r) % len(PROMPTS)]),
+                                    params=SamplingParams(max_tokens=max_tokens, temperature=0),
+                                    start=engine.fresh_data(), keep_state=False)
+                sent, last = time.perf_counter(), None
+                async for event in engine.generate(job):
+                    if isinstance(event, TokenEvent):
+                        now = time.perf_counter()
+                        (ttft.append(now - sent) if last is None else itl.append(now - last))
+                        last = now
+                        total += 1
+            return total
+
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
+        return summarise(concurrency, time.perf_counter() - start, tokens, ttft, itl)
+
+    async def main() -> list[dict]:
+        await level(1, 1, 8)  # warm-up
+        results = []
+        for concurrency in args["levels"]:
+            results.append(await level(concurrency, args["per_stream"], args["max_tokens"]))
+            print(f"  engine {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s", file=sys.stderr,
+                  flush=True)
+        return results
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.close()
+
+
+def run_engine(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int,
+               device: str) -> list[dict]:
+    args = {"model_dir": str(model_dir), "levels": levels, "per_stream": per_stream, "max_tokens": max_tokens,
+            "threads": threads, "device": device}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run([sys.executable, "-m", "server.bench.throughput", "--engine-worker", json.dumps(args)],
+                          cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def fmt(value, scale: float = 1000.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def table(http: list[dict], engine: list[dict]) -> str:
+    lines = [f"{'streams':>7} | {'http tok/s':>10} {'engine tok/s':>12} {'http/eng':>8} | "
+             f"{'TTFT p50/p99 ms':>16} | {'ITL p50/p99 ms':>15} | {'engine TTFT p50/p99':>19} | {'engine ITL p50/p99':>18}"]
+    for h, e in zip(http, engine):
+        ratio = h["tokens_per_s"] / e["tokens_per_s"] if h["tokens_per_s"] and e["tokens_per_s"] else None
+        lines.append(
+            f"{h['concurrency']:>7} | {h['tokens_per_s']:>10.1f} {e['tokens_per_s']:>12.1f} "
+            f"{fmt(ratio, 100, 0) + '%':>8} | "
+            f"{fmt(h['ttft_p50_s']) + ' / ' + fmt(h['ttft_p99_s']):>16} | "
+            f"{fmt(h['itl_p50_s']) + ' / ' + fmt(h['itl_p99_s']):>15} | "
+            f"{fmt(e['ttft_p50_s']) + ' / ' + fmt(e['ttft_p99_s']):>19} | "
+            f"{fmt(e['itl_p50_s']) + ' / ' + fmt(e['itl_p99_s']):>18}")
+    return "\n".join(lines)
+
+
+def goals(http: list[dict], engine: list[dict]) -> dict:
+    by = {r["concurrency"]: r for r in http}
+    result = {}
+    if 1 in by and 16 in by:
+        result["speedup_16_vs_1_http"] = round(by[16]["tokens_per_s"] / by[1]["tokens_per_s"], 2)
+        result["speedup_goal_met"] = result["speedup_16_vs_1_http"] >= 6
+    eng = {r["concurrency"]: r for r in engine}
+    shares = {c: round(by[c]["tokens_per_s"] / eng[c]["tokens_per_s"], 3) for c in by if c in eng}
+    result["http_share_of_engine"] = shares
+    result["http_overhead_goal_met"] = all(s >= 0.9 for s in shares.values())
+    return result
+
+
+def plot(http: list[dict], engine: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    levels = [r["concurrency"] for r in http]
+    left.plot(levels, [r["tokens_per_s"] for r in http], "o-", label="HTTP + SSE")
+    left.plot(levels, [r["tokens_per_s"] for r in engine], "s--", label="engine in process")
+    left.set(xscale="log", xlabel="concurrent streams", ylabel="generated tokens / s", title="throughput")
+    left.set_xticks(levels, [str(c) for c in levels])
+    left.legend()
+    for key, style, label in (("ttft_p50_s", "o-", "TTFT p50"), ("ttft_p99_s", "o:", "TTFT p99"),
+                              ("itl_p50_s", "s-", "ITL p50"), ("itl_p99_s", "s:", "ITL p99")):
+        right.plot(levels, [1000 * (r[key] or 0) for r in http], style, label=label)
+    right.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms", title="latency over HTTP")
+    right.set_xticks(levels, [str(c) for c in levels])
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def random_checkpoint(out: Path) -> Path:
+    directory = out / "transformer-xl-small-random"
+    if not (directory / "model.safetensors").is_file():
+        subprocess.run([sys.executable, "-m", "server.cli", "new", "--arch", "transformer-xl", "--preset", "small",
+                        "--out", str(directory)], cwd=REPO_ROOT, check=True, capture_output=True)
+    return directory
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--engine-worker"]:
+        print(json.dumps(engine_worker(json.loads(argv[1]))))
+        return
+    parser = argparse.ArgumentParser(prog="xlserve bench throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory or name under weights/")
+    parser.add_argument("--random-small", action="store_true",
+                        help="benchmark a random transformer-xl/small checkpoint (same shape as the shipped one)")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="comma list of concurrent streams")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--requests-per-stream", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the server and the engine")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        model_dir = REPO_ROOT / "weights" / args.model
+    if args.random_small:
+        model_dir = random_checkpoint(out)
+    if not (model_dir / "model.safetensors").is_file():
+        raise SystemExit(f"no checkpoint at {model_dir}; pass --model DIR, or --random-small for a random "
+                         "checkpoint of the shipped shape (speed does not depend on the weights)")
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    print(f"throughput of {model_dir.name}: {levels} streams x {args.requests_per_stream} requests x "
+          f"{args.max_tokens} tokens, {args.threads} torch threads", flush=True)
+    engine = run_engine(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device)
+    http = run_http(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device)
+
+    payload = {
+        "benchmark": "throughput", "model": str(model_dir), "random_weights": args.random_small,
+        "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream, "threads": args.threads,
+        "device": args.device, "cpu_count": os.cpu_count(), "http": http, "engine": engine, "goals": goals(http, engine),
+    }
+    (out / "throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
+    plot(http, engine, out / "throughput.png", f"{model_dir.name}, {args.threads} threads, {args.max_tokens} tokens/request")
+    print(table(http, engine))
+    print(json.dumps(payload["goals"]))
+    print(f"wrote {out / 'throughput.json'} and {out / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
