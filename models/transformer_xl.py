@@ -234,9 +234,10 @@ class RelativeAttentionLayer(nn.Module):
         values = extend(mem_values, v)
         K = keys.shape[1]
 
-        if inference and T == 1:
-            # decode: one product per batch row reads the memory in its (K, H, D) layout, where
-            # the einsum would first copy it into (H, K, D)
+        # decode (one new position): one product per batch row reads the memory in its
+        # (K, H, D) layout, where an einsum would first copy it into (H, K, D)
+        decode = inference and T == 1
+        if decode:
             qw = (q + r_w_bias).transpose(1, 2)  # (B, H, 1, D)
             content = torch.stack([qw[b] @ keys[b].permute(1, 2, 0) for b in range(B)])  # (B, H, 1, K)
         else:
@@ -247,7 +248,7 @@ class RelativeAttentionLayer(nn.Module):
         scores = (content + position) * self.scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = self.dropatt(torch.softmax(scores, dim=-1))
-        if inference and T == 1:
+        if decode:
             attended = torch.stack([probs[b] @ values[b].transpose(0, 1) for b in range(B)])  # (B, H, 1, D)
             attended = attended.transpose(1, 2).reshape(B, T, -1)
         else:
