@@ -224,6 +224,7 @@ class Engine:
         self._m_generated = metrics.generation_tokens.labels(name)
         self._m_prompt = metrics.prompt_tokens.labels(name)
         self._m_batch = metrics.batch_size.labels(name)
+        self._m_cancelled = metrics.requests.labels(name, "cancelled")  # outcomes: finish_reason
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -346,6 +347,7 @@ class Engine:
             job = self._waiting[0]
             if job.cancelled.is_set():
                 self._waiting.popleft()
+                self._m_cancelled.inc()
                 continue
             if self._running_rows + job.width > self.max_batch_size and self._running_rows > 0:
                 break
@@ -363,7 +365,7 @@ class Engine:
     def _step(self) -> None:
         for job in [j for j in self._running if j.cancelled.is_set()]:
             self._remove(job)  # its rows drop out of their group at the next forward
-            self.metrics.requests.labels(self.name, "cancelled").inc()
+            self._m_cancelled.inc()
         self._prefill()
         self._decode()
         if not any(job.rows for job in self._running):

@@ -171,8 +171,10 @@ class Generation:
             raise
 
     def count_error(self, error: BaseException) -> None:
-        kind = "cancelled" if isinstance(error, (Cancelled, asyncio.CancelledError)) else error_for(error).type
-        self.state.metrics.request_errors.labels(self.body.model, kind).inc()
+        """Outcomes: xlserve_requests_total by finish reason (the engine counts stop, length and
+        cancelled), xlserve_request_errors_total by error type (here)."""
+        if not isinstance(error, (Cancelled, asyncio.CancelledError)):
+            self.state.metrics.request_errors.labels(self.body.model, error_for(error).type).inc()
 
     def release(self) -> None:
         if self.lease is not None:

@@ -191,7 +191,6 @@ class _Connection:
                     await self.send(done)
         except Cancelled:
             call.release()
-            call.count_error(Cancelled())
             self._finished_with(operation)
             await self.send({"type": "done", "id": operation.id, "finish_reason": "cancelled", "text": "",
                              "usage": {"prompt_tokens": len(call.job.prompt), "completion_tokens": generated,
