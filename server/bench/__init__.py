@@ -11,4 +11,5 @@ BENCHMARKS = {
     "vs-hf": "vs_hf",
     "sessions": "sessions",
     "throughput": "throughput",
+    "vs-hf-xlnet": "vs_hf_xlnet",
 }
