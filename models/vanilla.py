@@ -74,13 +74,15 @@ class ByteWindow(State):
 
     tokens (B, W) int64 with W <= L; `valid` (B, W) is False where a row of a batch was
     left-padded because its session has seen fewer bytes. keys[l], values[l]: (B, C, H, D), the
-    layer-l keys and values of the window's positions 0..C-1. The cache is usable only when
-    C == W < L (the window still starts at byte 0); it is emptied (C = 0) once the window is
-    full, since the next byte shifts every position.
+    layer-l keys and values of the window's positions, aligned with `tokens` (C == W), or C == 0
+    when no row has a cache; `cached` (B,) says whose cache is valid. A cache exists only while
+    the window still starts at byte 0 (W < L); it is dropped once the window is full, since the
+    next byte shifts every position.
     """
 
     tokens: Tensor
     valid: Tensor
+    cached: Tensor
     keys: list[Tensor]
     values: list[Tensor]
 
@@ -89,12 +91,18 @@ class ByteWindow(State):
         return self.tokens.shape[1]
 
     @property
-    def cached(self) -> int:
+    def cache_length(self) -> int:
         return self.keys[0].shape[1] if self.keys else 0
+
+    @property
+    def fully_cached(self) -> bool:
+        """Every row's cache covers its whole window (trivially so for an empty window)."""
+        return self.length == 0 or (self.cache_length == self.length and bool(self.cached.all()))
 
     def _without_cache(self) -> "ByteWindow":
         empty = lambda t: t[:, :0]  # noqa: E731
-        return ByteWindow(self.tokens, self.valid, [empty(k) for k in self.keys], [empty(v) for v in self.values])
+        return ByteWindow(self.tokens, self.valid, torch.zeros_like(self.cached),
+                          [empty(k) for k in self.keys], [empty(v) for v in self.values])
 
     @classmethod
     def concat(cls, states: list["ByteWindow"]) -> "ByteWindow":
@@ -106,25 +114,33 @@ class ByteWindow(State):
                 return t
             return torch.cat([t.new_full((t.shape[0], missing, *t.shape[2:]), fill), t], dim=1)
 
-        # caches survive only when every row has a complete one for the same unpadded window;
-        # otherwise the next call recomputes them from the tokens (same result, more work)
-        keep_cache = all(s.cached == s.length == longest and bool(s.valid.all()) for s in states)
-        if not keep_cache:
-            states = [s._without_cache() for s in states]
+        any_cache = any(s.cache_length > 0 and bool(s.cached.any()) for s in states)
+
+        def cache(s: ByteWindow, which: str, layer: int) -> Tensor:
+            t = getattr(s, which)[layer]
+            if t.shape[1] != s.length:  # no cache in this state: zeros, flagged as not cached
+                t = t.new_zeros(t.shape[0], s.length, *t.shape[2:])
+            return pad(t, 0)
+
         n_layer = len(states[0].keys)
+        if not any_cache:
+            states = [s._without_cache() for s in states]
         return cls(
             tokens=torch.cat([pad(s.tokens, 0) for s in states]),
             valid=torch.cat([pad(s.valid, False) for s in states]),
-            keys=[torch.cat([s.keys[i] for s in states]) for i in range(n_layer)],
-            values=[torch.cat([s.values[i] for s in states]) for i in range(n_layer)],
+            cached=torch.cat([s.cached & (s.cache_length == s.length) for s in states]),
+            keys=[torch.cat([cache(s, "keys", i) if any_cache else s.keys[i] for s in states]) for i in range(n_layer)],
+            values=[torch.cat([cache(s, "values", i) if any_cache else s.values[i] for s in states])
+                    for i in range(n_layer)],
         )
 
     def split(self) -> list["ByteWindow"]:
         rows = []
         for row in super().split():
             start = int((~row.valid[0]).sum())  # padding only ever sits on the left
-            trimmed = ByteWindow(row.tokens[:, start:], row.valid[:, start:], row.keys, row.values)
-            rows.append(trimmed if trimmed.cached == trimmed.length else trimmed._without_cache())
+            trimmed = ByteWindow(row.tokens[:, start:], row.valid[:, start:], row.cached,
+                                 [k[:, start:] for k in row.keys], [v[:, start:] for v in row.values])
+            rows.append(trimmed if trimmed.fully_cached and trimmed.length > 0 else trimmed._without_cache())
         return rows
 
 
@@ -236,6 +252,7 @@ class VanillaTransformer(LanguageModel):
         return ByteWindow(
             tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=p.device),
             valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device),
+            cached=torch.zeros(batch_size, dtype=torch.bool, device=p.device),
             keys=[empty() for _ in range(c.n_layer)],
             values=[empty() for _ in range(c.n_layer)],
         )
@@ -251,19 +268,20 @@ class VanillaTransformer(LanguageModel):
         if state.length > L:
             raise ValueError(f"window holds {state.length} bytes, more than context_len {L}")
         for k, v in zip(state.keys, state.values):
-            if k.shape != v.shape or k.shape[1] > state.length:
+            if k.shape != v.shape or k.shape[1] not in (0, state.length):
                 raise ValueError(f"key/value cache of {k.shape[1]} positions does not fit a window of {state.length}")
 
     # -- the network --------------------------------------------------------------------------
 
-    def _stack(self, tokens: Tensor, start: int, cache: ByteWindow | None, all_layers: bool = False):
+    def _stack(self, tokens: Tensor, start: int, cache: tuple[list[Tensor], list[Tensor]] | None,
+               all_layers: bool = False):
         """tokens (B, T) at window positions start .. start+T-1 -> the final hidden states
         (B, T, d) (after the final norm), the per-layer keys and values (B, start+T, H, D) and,
         with `all_layers`, every layer's output before the final norm."""
         x = self.drop(self.embedding(tokens))
         keys, values, outputs = [], [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, start, cache.keys[i] if cache else None, cache.values[i] if cache else None)
+            x, k, v = layer(x, start, cache[0][i] if cache else None, cache[1][i] if cache else None)
             keys.append(k)
             values.append(v)
             if all_layers:
@@ -277,7 +295,8 @@ class VanillaTransformer(LanguageModel):
 
     def forward(self, tokens: Tensor, state: ByteWindow) -> tuple[Tensor, ByteWindow]:
         B, T = tokens.shape
-        if B > 1 and not bool(state.valid.all()):  # rows of different lengths: one at a time
+        uniform = bool(state.valid.all()) and (state.fully_cached or not bool(state.cached.any()))
+        if B > 1 and not uniform:  # rows of different lengths or caches: one at a time
             outputs = [self.forward(tokens[b : b + 1], row) for b, row in enumerate(state.split())]
             return torch.cat([o[0] for o in outputs]), ByteWindow.concat([o[1] for o in outputs])
         if T == 0:
@@ -290,36 +309,32 @@ class VanillaTransformer(LanguageModel):
 
         # 1. bytes that still fit the window that starts at byte 0: one incremental causal pass
         fit = max(0, min(T, L - W))
-        cache = state
+        keys, values = state.keys, state.values
         if fit > 0:
-            if state.cached != W:  # cache lost (batched with other rows, restored, ...): rebuild it
+            if not state.fully_cached:  # cache lost (restored, batched, ...): rebuild it from the bytes
                 _, keys, values, _ = self._stack(state.tokens, 0, None)
-                cache = ByteWindow(state.tokens, state.valid, keys, values)
-            hidden, keys, values, _ = self._stack(tokens[:, :fit], W, cache)
+            hidden, keys, values, _ = self._stack(tokens[:, :fit], W, (keys, values))
             pieces.append(self._log_probs(hidden))
-            cache = ByteWindow(history[:, : W + fit], state.valid.new_ones(B, W + fit), keys, values)
 
         # 2. bytes after the window starts sliding: each is predicted from its own window of L
         # bytes at positions 0..L-1, recomputed from scratch (nothing cached is valid any more)
         if fit < T:
-            # window ending at history index a starts at a - L + 1; a runs over W+fit .. W+T-1
+            # the window ending at history index a starts at a - L + 1; a runs over W+fit .. W+T-1
             windows = history.unfold(1, L, 1)[:, W + fit - L + 1 :]  # (B, T - fit, L)
-            flat = windows.reshape(-1, L)
             last = []
-            for chunk in flat.split(self.window_batch):
+            for chunk in windows.reshape(-1, L).split(self.window_batch):
                 hidden, _, _, _ = self._stack(chunk, 0, None)
                 last.append(hidden[:, -1])
             pieces.append(self._log_probs(torch.cat(last).view(B, T - fit, -1)))
 
         log_probs = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         window = history[:, -L:]
-        new_state = ByteWindow(window, state.valid.new_ones(window.shape), cache.keys, cache.values)
-        if fit < T or window.shape[1] == L:  # slid, or about to: the cache has no further use
-            new_state = new_state._without_cache()
-        else:
-            new_state = ByteWindow(window, new_state.valid, [k.detach() for k in cache.keys],
-                                   [v.detach() for v in cache.values])
-        return log_probs, new_state
+        valid = state.valid.new_ones(window.shape)
+        if window.shape[1] < L:  # not slid, nor about to: keep the cache
+            return log_probs, ByteWindow(window, valid, state.cached.new_ones(B), [k.detach() for k in keys],
+                                         [v.detach() for v in values])
+        empty = [k[:, :0] for k in state.keys]
+        return log_probs, ByteWindow(window, valid, state.cached.new_zeros(B), empty, [v[:, :0] for v in state.values])
 
     # -- training -----------------------------------------------------------------------------
 

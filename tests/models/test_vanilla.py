@@ -126,7 +126,7 @@ def test_served_decoding_equals_a_forward_over_each_window(chunk):
     served, state = run_in_chunks(model, text, chunk)
     assert (served - expected).abs().max().item() < 1e-5
     assert torch.equal(state.tokens, text[:, -L:])
-    assert state.cached == 0  # slid: the cache is gone
+    assert state.cache_length == 0 and not state.cached.any()  # slid: the cache is gone
 
 
 def test_cache_is_used_until_the_window_is_full():
@@ -134,11 +134,11 @@ def test_cache_is_used_until_the_window_is_full():
     text = tokens(1, L, 12)
     with torch.no_grad():
         _, state = model(text[:, :5], model.init_state(1))
-        assert state.length == 5 and state.cached == 5
+        assert state.length == 5 and state.cache_length == 5 and state.fully_cached
         _, state = model(text[:, 5:6], state)
-        assert state.cached == 6
+        assert state.cache_length == 6
         _, state = model(text[:, 6:], state)
-    assert state.length == L and state.cached == 0  # the next byte shifts every position
+    assert state.length == L and state.cache_length == 0  # the next byte shifts every position
 
 
 def test_incremental_steps_use_the_cache():
@@ -178,8 +178,31 @@ def test_batched_rows_of_different_lengths_match_single_rows():
     assert (batched[1] - single_b[0]).abs().max().item() < 1e-5
     split_a, split_b = next_batch.split()
     assert torch.equal(split_a.tokens, next_a.tokens) and torch.equal(split_b.tokens, next_b.tokens)
+    assert split_a.fully_cached and split_b.cache_length == 0  # a has not slid, b has
     model.check_state(split_a)
     model.check_state(split_b)
+
+
+def test_batched_rows_that_have_not_slid_keep_decoding_incrementally():
+    """The engine keeps a batch between steps: rows of different lengths keep their own caches,
+    so each step still runs one position per row through the layers."""
+    model = small_model()
+    with torch.no_grad():
+        _, state_a = model(tokens(1, 3, 20), model.init_state(1))
+        _, state_b = model(tokens(1, 6, 21), model.init_state(1))
+        batch = ByteWindow.concat([state_a, state_b])
+        assert batch.cached.all() and batch.cache_length == 6
+        seen = []
+        hook = model.layers[0].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape[:2])))
+        step = tokens(2, 1, 22)
+        out, batch = model(step, batch)
+        out2, batch = model(step, batch)
+        hook.remove()
+        a, b = batch.split()
+        single_a, _ = model(torch.cat([tokens(1, 3, 20), step[:1], step[:1]], 1), model.init_state(1))
+    assert seen == [(1, 1)] * 4  # two steps x two rows, one position each
+    assert a.fully_cached and a.length == 5 and b.length == 8
+    assert (out2[0, -1] - single_a[0, -1]).abs().max().item() < 1e-5
 
 
 def test_state_round_trips_through_flat_tensors():
@@ -187,12 +210,13 @@ def test_state_round_trips_through_flat_tensors():
     _, state = model(tokens(1, 7, 18), model.init_state(1))
     restored = ByteWindow.from_tensors(state.to_tensors())
     model.check_state(restored)
-    assert torch.equal(restored.tokens, state.tokens) and restored.cached == 7
+    assert torch.equal(restored.tokens, state.tokens) and restored.fully_cached
     with pytest.raises(ValueError, match="missing"):
         ByteWindow.from_tensors({k: v for k, v in state.to_tensors().items() if k != "tokens"})
     too_long = state.to_tensors()
     too_long["tokens"] = torch.zeros(1, L + 1, dtype=torch.long)
     too_long["valid"] = torch.ones(1, L + 1, dtype=torch.bool)
+    too_long.update({k: v[:, :0] for k, v in too_long.items() if k.startswith(("keys", "values"))})
     with pytest.raises(ValueError, match="context_len"):
         model.check_state(ByteWindow.from_tensors(too_long))
     wrong = state.to_tensors()
