@@ -12,4 +12,5 @@ BENCHMARKS = {
     "sessions": "sessions",
     "throughput": "throughput",
     "vs-hf-xlnet": "vs_hf_xlnet",
+    "eval-speed": "eval_speed",
 }
