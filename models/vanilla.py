@@ -30,9 +30,9 @@ bytes ending at it, with positions counted from the window's start (the paper's 
   shift: decoding is incremental, against a key/value cache kept in the state (`ByteWindow`).
 - Once the window slides, every byte has moved to a new position and every layer's input
   changed with it, so nothing cached is reusable: each new byte costs one full forward pass over
-  its window of L bytes (batched over the new bytes of one call, `window_batch` windows at a
-  time). That cost is what Transformer-XL's memory removes; it is deliberately not optimised
-  away here.
+  its window of L bytes (batched over the new bytes of one call, about `window_batch_positions`
+  positions at a time). That cost is what Transformer-XL's memory removes; it is deliberately
+  not optimised away here.
 Feeding a text in one call or in chunks of any size gives the same log-probabilities.
 """
 
@@ -211,7 +211,7 @@ class VanillaTransformer(LanguageModel):
     state_class = ByteWindow
     state_kind = "window"
     state_grows_with_context = False  # at most L bytes (+ their keys/values until the window slides)
-    window_batch = 64  # serving: windows recomputed per batched forward once the window slides
+    window_batch_positions = 8192  # serving, once the window slides: positions recomputed per batched forward
 
     def __init__(self, config: VanillaConfig):
         super().__init__()
@@ -322,7 +322,7 @@ class VanillaTransformer(LanguageModel):
             # the window ending at history index a starts at a - L + 1; a runs over W+fit .. W+T-1
             windows = history.unfold(1, L, 1)[:, W + fit - L + 1 :]  # (B, T - fit, L)
             last = []
-            for chunk in windows.reshape(-1, L).split(self.window_batch):
+            for chunk in windows.reshape(-1, L).split(max(1, self.window_batch_positions // L)):
                 hidden, _, _, _ = self._stack(chunk, 0, None)
                 last.append(hidden[:, -1])
             pieces.append(self._log_probs(torch.cat(last).view(B, T - fit, -1)))
