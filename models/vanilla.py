@@ -267,6 +267,10 @@ class VanillaTransformer(LanguageModel):
             raise ValueError(f"state 'valid' has shape {tuple(state.valid.shape)}, tokens {tuple(state.tokens.shape)}")
         if state.length > L:
             raise ValueError(f"window holds {state.length} bytes, more than context_len {L}")
+        if state.cached.shape != state.tokens.shape[:1]:
+            raise ValueError(f"state 'cached' has shape {tuple(state.cached.shape)}, expected ({state.tokens.shape[0]},)")
+        if state.tokens.numel() and (int(state.tokens.min()) < 0 or int(state.tokens.max()) >= self.vocab_size):
+            raise ValueError(f"state 'tokens' holds ids outside 0..{self.vocab_size - 1}")
         for k, v in zip(state.keys, state.values):
             if k.shape != v.shape or k.shape[1] not in (0, state.length):
                 raise ValueError(f"key/value cache of {k.shape[1]} positions does not fit a window of {state.length}")

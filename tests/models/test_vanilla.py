@@ -219,6 +219,10 @@ def test_state_round_trips_through_flat_tensors():
     too_long.update({k: v[:, :0] for k, v in too_long.items() if k.startswith(("keys", "values"))})
     with pytest.raises(ValueError, match="context_len"):
         model.check_state(ByteWindow.from_tensors(too_long))
+    bad_ids = state.to_tensors()
+    bad_ids["tokens"] = bad_ids["tokens"] + 300
+    with pytest.raises(ValueError, match="ids outside"):
+        model.check_state(ByteWindow.from_tensors(bad_ids))
     wrong = state.to_tensors()
     wrong["keys.0"] = torch.zeros(1, 7, 3, 16)
     with pytest.raises(ValueError, match="keys.0"):
