@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import httpx
 import pytest
@@ -69,6 +70,7 @@ def test_a_burst_past_the_queue_gets_429s_and_no_5xx(limited):
     assert all(e["type"] == "rate_limit_error" and "XLSERVE_MAX_QUEUED_REQUESTS" in e["message"] for e in errors)
 
     with authed(limited) as client:
+        assert wait_until_idle(client) == 0  # hanging up cancelled the accepted ones and freed their slots
         response = client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
         metrics = client.get("/metrics").text
@@ -157,3 +159,36 @@ def test_sigterm_drains_running_streams_commits_and_exits_zero(tiny_checkpoint, 
             assert info["tokens"] == len(prompt) + max_tokens and info["version"] == 1
     finally:
         again.stop()
+
+
+def running(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("xlserve_requests_running{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def wait_until_idle(client, seconds: float = 30) -> float:
+    deadline = time.monotonic() + seconds
+    while running(client) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running(client)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "plain"])
+def test_client_disconnect_cancels_and_commits_nothing(server, client, stream):
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    body = {"model": MODEL, "prompt": "while True:\n", "max_tokens": 4000, "session_id": session, "stream": stream}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as impatient:
+        if stream:
+            with impatient.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                next(response.iter_lines())  # the stream has started; now hang up
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # gives up after 0.5 s and closes the connection
+                impatient.post("/v1/completions", json=body)
+    assert wait_until_idle(client) == 0  # cancelled within a step, its batch slot freed
+    info = client.get(f"/v1/sessions/{session}").json()
+    assert info["tokens"] == 0 and info["version"] == 0
+    again = client.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False})
+    assert again.status_code == 200  # the lease was released
