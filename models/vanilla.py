@@ -268,7 +268,9 @@ class VanillaTransformer(LanguageModel):
         if state.length > L:
             raise ValueError(f"window holds {state.length} bytes, more than context_len {L}")
         if state.cached.shape != state.tokens.shape[:1]:
-            raise ValueError(f"state 'cached' has shape {tuple(state.cached.shape)}, expected ({state.tokens.shape[0]},)")
+            raise ValueError(
+                f"state 'cached' has shape {tuple(state.cached.shape)}, expected ({state.tokens.shape[0]},)"
+            )
         if state.tokens.numel() and (int(state.tokens.min()) < 0 or int(state.tokens.max()) >= self.vocab_size):
             raise ValueError(f"state 'tokens' holds ids outside 0..{self.vocab_size - 1}")
         for k, v in zip(state.keys, state.values):
@@ -353,8 +355,11 @@ class VanillaTransformer(LanguageModel):
         if T > c.context_len:
             raise ValueError(f"training windows of {T} bytes exceed context_len {c.context_len}")
         final, _, _, outputs = self._stack(inputs, 0, None, all_layers=c.aux_layers)
-        weights = intermediate_layer_weights(c.n_layer, fraction_done) if c.aux_layers else [0.0] * (c.n_layer - 1) + [1.0]
-        layer_hidden = [self.final_norm(h) for h in outputs[:-1]] + [final] if c.aux_layers else [None] * (c.n_layer - 1) + [final]
+        if c.aux_layers:
+            weights = intermediate_layer_weights(c.n_layer, fraction_done)
+            layer_hidden = [self.final_norm(h) for h in outputs[:-1]] + [final]
+        else:
+            weights, layer_hidden = [0.0] * (c.n_layer - 1) + [1.0], [None] * (c.n_layer - 1) + [final]
 
         scored = slice(None) if c.aux_positions else slice(T - 1, T)  # positions whose next byte is predicted
         total = inputs.new_zeros((), dtype=torch.float32)

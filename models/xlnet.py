@@ -368,11 +368,13 @@ class XLNet(LanguageModel):
         content, query, predicted = permutation_masks(order, n_predict)
         memory_visible = torch.ones(B, T, M, dtype=torch.bool, device=tokens.device)
         content_allowed = torch.cat([memory_visible, content], dim=2)  # (B, T, K)
-        query_allowed = torch.cat([memory_visible, query], dim=2).gather(1, predicted[..., None].expand(B, n_predict, K))
+        query_allowed = torch.cat([memory_visible, query], dim=2)
+        query_allowed = query_allowed.gather(1, predicted[..., None].expand(B, n_predict, K))  # predicted rows
         query_positions = M + predicted
         if c.same_length:
             key_pos = torch.arange(K, device=tokens.device)
-            content_allowed = content_allowed & (torch.arange(M, K, device=tokens.device)[:, None] - key_pos < c.mem_len)
+            content_pos = torch.arange(M, K, device=tokens.device)
+            content_allowed = content_allowed & (content_pos[:, None] - key_pos < c.mem_len)
             query_allowed = query_allowed & (query_positions[..., None] - key_pos <= c.mem_len)
         keep = 0 if c.mem_len is None else max(0, K - c.mem_len)
         different = None

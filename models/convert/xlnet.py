@@ -78,7 +78,8 @@ def translate_config(hf: dict, where: Path) -> tuple[XLNetConfig, list[str]]:
         notes.append("attn_type 'uni': left-to-right serving is the same computation; XLNet.permuted with other "
                      "orders does not add the reference's causal mask")
     if get("reuse_len"):
-        notes.append(f"reuse_len {get('reuse_len')} is a pretraining setting; xlserve's memory keeps every position (up to mem_len)")
+        notes.append(f"reuse_len {get('reuse_len')} is a pretraining setting; xlserve's memory keeps every "
+                     "position (up to mem_len)")
     d_model, n_head = get("d_model"), get("n_head")
     if not isinstance(d_model, int) or not isinstance(n_head, int) or n_head < 1 or d_model % n_head:
         raise ConversionError(f"{where}: d_model {d_model} is not a multiple of n_head {n_head}")
@@ -112,7 +113,9 @@ class _Tensors:
         tensor = self.tensors[name]
         self.used.add(name)
         if tuple(tensor.shape) != tuple(shape):
-            raise ConversionError(f"{self.where}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+            raise ConversionError(
+                f"{self.where}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+            )
         if not tensor.is_floating_point():
             raise ConversionError(f"{self.where}: tensor '{name}' has dtype {tensor.dtype}, expected floating point")
         tensor = tensor.to(torch.float32)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-FULL = dict(n_layer=12, d_model=768, n_head=12, d_inner=3072, vocab_size=32000, prompt_len=256, new_tokens=64,
+FULL = dict(n_layer=12, d_model=768, n_head=12, d_inner=3072, vocab_size=32000, prompt_len=256, new_tokens=256,
             batch_sizes=[1])
 QUICK = dict(n_layer=2, d_model=128, n_head=4, d_inner=512, vocab_size=1000, prompt_len=32, new_tokens=16,
              batch_sizes=[1, 2])
