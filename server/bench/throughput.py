@@ -256,11 +256,12 @@ def table(http: list[dict], engine: list[dict]) -> str:
 
 def goals(http: list[dict], engine: list[dict]) -> dict:
     by = {r["concurrency"]: r for r in http}
+    eng = {r["concurrency"]: r for r in engine}
     result = {}
     if 1 in by and 16 in by:
         result["speedup_16_vs_1_http"] = round(by[16]["tokens_per_s"] / by[1]["tokens_per_s"], 2)
+        result["speedup_16_vs_1_engine"] = round(eng[16]["tokens_per_s"] / eng[1]["tokens_per_s"], 2)
         result["speedup_goal_met"] = result["speedup_16_vs_1_http"] >= 6
-    eng = {r["concurrency"]: r for r in engine}
     shares = {c: round(by[c]["tokens_per_s"] / eng[c]["tokens_per_s"], 3) for c in by if c in eng}
     result["http_share_of_engine"] = shares
     result["http_overhead_goal_met"] = all(s >= 0.9 for s in shares.values())

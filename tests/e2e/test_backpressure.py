@@ -127,7 +127,7 @@ def test_auth_keeps_health_open_and_metrics_keyed(limited):
 def test_sigterm_drains_running_streams_commits_and_exits_zero(tiny_checkpoint, tmp_path):
     env = {"XLSERVE_STATE_DIR": str(tmp_path / "state")}
     server = ServerProcess([tiny_checkpoint], env=env, log_path=tmp_path / "server.log").start()
-    prompt, max_tokens = "def f():\n", 1000
+    prompt, max_tokens = "def f():\n", 600
     try:
         with server.client() as client:
             session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
