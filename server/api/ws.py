@@ -156,7 +156,7 @@ class _Connection:
             self.current = operation
             self.state.inflight += 1
             operation.task = asyncio.create_task(work)
-        except APIError as error:
+        except Exception as error:  # refused before it started: an error frame, the connection stays
             await self.send_error(request_id, error)
 
     def _finished_with(self, operation: _Operation) -> None:
