@@ -1,0 +1,27 @@
+"""`xlserve bench throughput` runs end to end (a tiny smoke run: the real one is run alone)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_throughput_bench_smoke(tmp_path):
+    from tests.e2e.server_process import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "txl-tiny")
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "bench", "throughput", "--model", str(checkpoint), "--concurrency", "1,2",
+         "--max-tokens", "4", "--requests-per-stream", "1", "--threads", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((out / "throughput.json").read_text())
+    assert [r["concurrency"] for r in result["http"]] == [1, 2] == [r["concurrency"] for r in result["engine"]]
+    assert all(r["generated_tokens"] == 4 * r["concurrency"] for r in result["http"] + result["engine"])
+    assert all(r["ttft_p50_s"] is not None for r in result["http"] + result["engine"])
+    assert (out / "throughput.png").stat().st_size > 0
+    assert "http/eng" in done.stdout
