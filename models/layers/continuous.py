@@ -179,9 +179,11 @@ class RBFMemory(nn.Module):
         self.register_buffer("centres", centres.float(), persistent=False)
         self.register_buffer("widths", sigma.float(), persistent=False)
         # (N, M + L): B_new = G [X̄_old(s); X_new]
-        self.register_buffer("update_operator", ridge_operator(torch.cat([old, new]), centres, sigma, ridge_penalty).float(), persistent=False)
+        update = ridge_operator(torch.cat([old, new]), centres, sigma, ridge_penalty)
+        self.register_buffer("update_operator", update.float(), persistent=False)
         # evenly spaced read points, the contraction without sticky memories
-        self.register_buffer("even_points", ((torch.arange(n_samples, dtype=torch.float64) + 0.5) / n_samples).float(), persistent=False)
+        even = (torch.arange(n_samples, dtype=torch.float64) + 0.5) / n_samples
+        self.register_buffer("even_points", even.float(), persistent=False)
         self.register_buffer("bin_edges", torch.linspace(0.0, 1.0, n_bins + 1), persistent=False)
 
     def evaluate(self, coefficients: Tensor, t: Tensor) -> Tensor:

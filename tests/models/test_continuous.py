@@ -37,8 +37,8 @@ def test_closed_form_expectation_matches_numerical_integration():
     for mu, sigma in [(0.5, 0.2), (0.1, 0.03), (0.93, 0.005), (0.3, 0.6)]:
         density = torch.exp(-0.5 * ((t - mu) / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
         numeric = torch.trapezoid(density[:, None] * psi, t, dim=0)
-        closed = gaussian_expectation(torch.tensor(mu, dtype=torch.float64), torch.tensor(sigma**2, dtype=torch.float64),
-                                      centres, widths)
+        mu_t, sigma_sq_t = torch.tensor(mu, dtype=torch.float64), torch.tensor(sigma**2, dtype=torch.float64)
+        closed = gaussian_expectation(mu_t, sigma_sq_t, centres, widths)
         assert torch.allclose(closed, numeric, rtol=1e-6, atol=1e-8), (mu, sigma)
 
 
@@ -112,8 +112,9 @@ def test_kl_matches_torch_distributions():
     p = torch.distributions.Normal(mu, sigma_sq.sqrt())
     q = torch.distributions.Normal(torch.tensor(0.4, dtype=torch.float64), torch.tensor(0.05, dtype=torch.float64))
     assert torch.allclose(kl_to_gaussian(mu, sigma_sq, 0.05, 0.4), torch.distributions.kl_divergence(p, q))
-    width_only = kl_to_gaussian(mu, sigma_sq, 0.05, None)
-    assert torch.allclose(width_only, torch.distributions.kl_divergence(p, torch.distributions.Normal(mu, torch.tensor(0.05, dtype=torch.float64))))
+    width_only = kl_to_gaussian(mu, sigma_sq, 0.05, None)  # as if μ₀ were μ
+    same_mean = torch.distributions.Normal(mu, torch.tensor(0.05, dtype=torch.float64))
+    assert torch.allclose(width_only, torch.distributions.kl_divergence(p, same_mean))
 
 
 def test_counter_uniforms_are_deterministic_per_row_and_look_uniform():
