@@ -313,7 +313,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma list of concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--requests-per-stream", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the server and the engine")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="torch threads of the server and the engine (default: one core left to the event loop "
+                             "and the client)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
