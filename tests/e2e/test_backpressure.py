@@ -179,12 +179,12 @@ def wait_until_idle(client, seconds: float = 30) -> float:
 def test_client_disconnect_cancels_and_commits_nothing(server, client, stream):
     session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
     body = {"model": MODEL, "prompt": "while True:\n", "max_tokens": 4000, "session_id": session, "stream": stream}
-    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as impatient:
-        if stream:
-            with impatient.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                next(response.iter_lines())  # the stream has started; now hang up
-        else:
+    if stream:
+        with server.client() as patient, patient.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # the stream has started; now hang up
+    else:
+        with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as impatient:
             with pytest.raises(httpx.ReadTimeout):  # gives up after 0.5 s and closes the connection
                 impatient.post("/v1/completions", json=body)
     assert wait_until_idle(client) == 0  # cancelled within a step, its batch slot freed
