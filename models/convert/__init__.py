@@ -14,7 +14,9 @@ The work splits in two:
   `translate_config(config, where)` checks the source config and returns ours (raising
   ConversionError), and `import_checkpoint(source, symbols)` maps the tensors onto one of our
   models and says which tokenizer files go with it. Adding an importer (XLNet next) is one
-  module and one line in IMPORTERS.
+  module and one line in IMPORTERS. Importers take the tensors through SourceTensors (checked
+  by name, shape and value) and hand them to `load_placed`, which refuses a model left
+  partly uninitialised or a source tensor left unplaced.
 """
 
 from __future__ import annotations
@@ -61,6 +63,56 @@ class Imported:
     config_extra: dict = field(default_factory=dict)  # merged into our config.json (tokenizer, provenance)
     files: dict[str, bytes] = field(default_factory=dict)  # further files for OUT_DIR, e.g. symbols.json
     notes: list[str] = field(default_factory=list)  # what the user should know (printed by the CLI)
+
+
+class SourceTensors:
+    """The source tensors, handed out by name with shape and value checks; remembers what was used."""
+
+    def __init__(self, source: SourceCheckpoint):
+        self.tensors = source.tensors
+        self.where = source.directory / source.weights_file
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        if name not in self.tensors:
+            raise ConversionError(f"{self.where}: tensor '{name}' is missing")
+        tensor = self.tensors[name]
+        self.used.add(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise ConversionError(
+                f"{self.where}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise ConversionError(f"{self.where}: tensor '{name}' has dtype {tensor.dtype}, expected floating point")
+        tensor = tensor.to(torch.float32)
+        if not torch.isfinite(tensor).all():
+            raise ConversionError(f"{self.where}: tensor '{name}' contains NaN or infinity")
+        return tensor
+
+    def ignore(self, name: str) -> None:
+        """A tensor the model does not need (a copy of a tied one), if the file has it."""
+        if name in self.tensors:
+            self.used.add(name)
+
+    def check_all_used(self) -> None:
+        left = sorted(set(self.tensors) - self.used)
+        if left:
+            more = f" ({len(left)} in all: {left[:5]})" if len(left) > 1 else ""
+            raise ConversionError(f"{self.where}: cannot place tensor '{left[0]}'{more}")
+
+
+def load_placed(model: LanguageModel, placed: dict[str, Tensor], source: SourceTensors) -> LanguageModel:
+    """Copy `placed` (our parameter name -> value) into `model`, once every parameter has a value
+    and every source tensor was used; returns the model in eval mode."""
+    parameters = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    missing = sorted(set(parameters) - set(placed))
+    if missing:  # a mapping the importer forgot; never load a model with uninitialised weights
+        raise ConversionError(f"no source tensor for parameter '{missing[0]}'")
+    source.check_all_used()
+    with torch.no_grad():
+        for name, value in placed.items():
+            parameters[name].copy_(value)
+    return model.eval()
 
 
 def read_source_config(directory: Path) -> dict:

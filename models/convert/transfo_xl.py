@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from models.convert import ConversionError, Imported, SourceCheckpoint
+from models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
 from models.layers.adaptive import cluster_bounds
 from models.tokenizer import WordTokenizer
 from models.transformer_xl import TransformerXL, TransformerXLConfig
@@ -89,44 +89,7 @@ def translate_config(hf: dict, where: Path) -> TransformerXLConfig:
     return config
 
 
-class _Source:
-    """The source tensors, handed out by name with shape and value checks; remembers what was used."""
-
-    def __init__(self, source: SourceCheckpoint):
-        self.tensors = source.tensors
-        self.where = source.directory / source.weights_file
-        self.used: set[str] = set()
-
-    def take(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        if name not in self.tensors:
-            raise ConversionError(f"{self.where}: tensor '{name}' is missing")
-        tensor = self.tensors[name]
-        self.used.add(name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise ConversionError(
-                f"{self.where}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
-            )
-        if not tensor.is_floating_point():
-            raise ConversionError(f"{self.where}: tensor '{name}' has dtype {tensor.dtype}, expected floating point")
-        tensor = tensor.to(torch.float32)
-        if not torch.isfinite(tensor).all():
-            raise ConversionError(f"{self.where}: tensor '{name}' contains NaN or infinity")
-        return tensor
-
-    def ignore(self, name: str) -> None:
-        """A tensor the model does not need (a copy of a tied one), if the file has it."""
-        if name in self.tensors:
-            self.used.add(name)
-
-    def check_all_used(self) -> None:
-        left = sorted(set(self.tensors) - self.used)
-        if left:
-            raise ConversionError(
-                f"{self.where}: cannot place tensor '{left[0]}'" + (f" ({len(left)} in all: {left[:5]})" if len(left) > 1 else "")
-            )
-
-
-def _place(model: TransformerXL, source: _Source) -> dict[str, Tensor]:
+def _place(model: TransformerXL, source: SourceTensors) -> dict[str, Tensor]:
     """Our parameter name -> its value from the source, for every parameter stored once."""
     c = model.config
     ours = dict(model.named_parameters())  # tied parameters appear once, under their first name
@@ -202,10 +165,6 @@ def _place(model: TransformerXL, source: _Source) -> dict[str, Tensor]:
                 f"{source.where}: tensor 'transformer.pos_emb.inv_freq' is not the standard sinusoid "
                 "frequencies that xlserve computes"
             )
-
-    missing = sorted(set(ours) - set(placed))
-    if missing:  # a mapping this file forgot; never load a model with uninitialised weights
-        raise ConversionError(f"no source tensor for parameter '{missing[0]}'")
     return placed
 
 
@@ -253,11 +212,6 @@ def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> 
         )
 
     model = TransformerXL(config)  # its random weights are all overwritten below
-    tensors = _Source(source)
-    placed = _place(model, tensors)
-    tensors.check_all_used()
-    with torch.no_grad():
-        parameters = dict(model.named_parameters())
-        for name, value in placed.items():
-            parameters[name].copy_(value)
-    return Imported(model=model.eval(), config_extra=extra, files=files, notes=notes)
+    tensors = SourceTensors(source)
+    model = load_placed(model, _place(model, tensors), tensors)
+    return Imported(model=model, config_extra=extra, files=files, notes=notes)

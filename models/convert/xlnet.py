@@ -39,10 +39,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
-from models.convert import ConversionError, Imported, SourceCheckpoint
+from models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
 from models.xlnet import ACTIVATIONS, XLNet, XLNetConfig
 
 ARCHITECTURE = "XLNetLMHeadModel"
@@ -99,42 +98,7 @@ def translate_config(hf: dict, where: Path) -> tuple[XLNetConfig, list[str]]:
     return config, notes
 
 
-class _Tensors:
-    """The source tensors handed out by name with shape and value checks; remembers what was used."""
-
-    def __init__(self, source: SourceCheckpoint):
-        self.tensors = source.tensors
-        self.where = source.directory / source.weights_file
-        self.used: set[str] = set()
-
-    def take(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        if name not in self.tensors:
-            raise ConversionError(f"{self.where}: tensor '{name}' is missing")
-        tensor = self.tensors[name]
-        self.used.add(name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise ConversionError(
-                f"{self.where}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
-            )
-        if not tensor.is_floating_point():
-            raise ConversionError(f"{self.where}: tensor '{name}' has dtype {tensor.dtype}, expected floating point")
-        tensor = tensor.to(torch.float32)
-        if not torch.isfinite(tensor).all():
-            raise ConversionError(f"{self.where}: tensor '{name}' contains NaN or infinity")
-        return tensor
-
-    def ignore(self, name: str) -> None:
-        if name in self.tensors:
-            self.used.add(name)
-
-    def check_all_used(self) -> None:
-        left = sorted(set(self.tensors) - self.used)
-        if left:
-            more = f" ({len(left)} in all: {left[:5]})" if len(left) > 1 else ""
-            raise ConversionError(f"{self.where}: cannot place tensor '{left[0]}'{more}")
-
-
-def _place(model: XLNet, source: _Tensors) -> dict[str, Tensor]:
+def _place(model: XLNet, source: SourceTensors) -> dict[str, Tensor]:
     c = model.config
     d, H, D = c.d_model, c.n_head, c.d_head
     placed = {
@@ -162,9 +126,6 @@ def _place(model: XLNet, source: _Tensors) -> dict[str, Tensor]:
             b_shape = shape or ((c.d_inner,) if ours == "ff_in" else (d,))
             placed[f"{me}{ours}.weight"] = source.take(f"{hf}.weight", w_shape)
             placed[f"{me}{ours}.bias"] = source.take(f"{hf}.bias", b_shape)
-    missing = sorted(set(dict(model.named_parameters())) - set(placed))
-    if missing:  # a mapping this file forgot; never load a model with uninitialised weights
-        raise ConversionError(f"no source tensor for parameter '{missing[0]}'")
     return placed
 
 
@@ -214,11 +175,6 @@ def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> 
         model = XLNet(config)  # its random weights are all overwritten below
     except ValueError as e:
         raise ConversionError(f"{source.directory / 'config.json'}: {e}") from None
-    tensors = _Tensors(source)
-    placed = _place(model, tensors)
-    tensors.check_all_used()
-    with torch.no_grad():
-        parameters = dict(model.named_parameters())
-        for name, value in placed.items():
-            parameters[name].copy_(value)
-    return Imported(model=model.eval(), config_extra=extra, files=files, notes=notes + tokenizer_notes)
+    tensors = SourceTensors(source)
+    model = load_placed(model, _place(model, tensors), tensors)
+    return Imported(model=model, config_extra=extra, files=files, notes=notes + tokenizer_notes)

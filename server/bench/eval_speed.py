@@ -22,12 +22,12 @@ Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+
+from server.bench.common import add_run_arguments, environment, figure, fill_defaults, save_results
 
 WIDTHS = dict(n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768)
 QUICK_WIDTHS = dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128)
@@ -41,17 +41,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vanilla-bytes", type=int, default=None,
                         help="vanilla bytes timed per length (default: max(8, 65536 // A))")
     parser.add_argument("--txl-bytes", type=int, default=None, help="Transformer-XL bytes timed (default 8192)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results JSON (default bench-results/eval-speed[-quick].json)")
+    add_run_arguments(parser, "eval-speed")
     args = parser.parse_args(argv)
     if args.lengths is None:
         args.lengths = [64, 128] if args.quick else [512, 1024, 3800]
     if args.txl_bytes is None:
         args.txl_bytes = 512 if args.quick else 8192
-    if args.out is None:
-        args.out = f"bench-results/eval-speed{'-quick' if args.quick else ''}.json"
-    return args
+    return fill_defaults(args, "eval-speed")
 
 
 def held_out_document(length: int) -> tuple[torch.Tensor, str]:
@@ -122,40 +118,30 @@ def run(args) -> dict:
         "setting": {**widths, "segment": args.segment, "lengths": args.lengths, "dtype": "float32",
                     "transformer_xl": "mem_len = A, same_length (each query sees A positions)",
                     "vanilla": "context_len = A, one full forward over the A-byte window per evaluated byte"},
-        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                        "cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "environment": environment(),
         "paper": {"source": "Dai et al. 2019, Transformer-XL, table 9", "speedup_at_3800": 1874},
         "results": rows,
     }
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from matplotlib.ticker import NullFormatter
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["results"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    lengths = [r["attention_length"] for r in rows]
-    ax.plot(lengths, [r["vanilla_s_per_byte"] * 1e3 for r in rows], "o-", label="vanilla (window recomputed)")
-    ax.plot(lengths, [r["transformer_xl_s_per_byte"] * 1e3 for r in rows], "s-", label="Transformer-XL (memory)")
-    for r in rows:
-        ax.annotate(f"{r['speedup']:.0f}x", (r["attention_length"], r["vanilla_s_per_byte"] * 1e3),
-                    textcoords="offset points", xytext=(0, 6), ha="center")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(lengths, [str(a) for a in lengths])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("attention length (bytes)")
-    ax.set_ylabel("evaluation time per byte (ms)")
-    s = result["setting"]
-    ax.set_title(f"{s['n_layer']} layers, d_model {s['d_model']}, {result['environment']['threads']} threads, "
-                 f"float32", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    rows, s = result["results"], result["setting"]
+    title = f"{s['n_layer']} layers, d_model {s['d_model']}, {result['environment']['threads']} threads, float32"
+    with figure(path, title) as ax:
+        lengths = [r["attention_length"] for r in rows]
+        ax.plot(lengths, [r["vanilla_s_per_byte"] * 1e3 for r in rows], "o-", label="vanilla (window recomputed)")
+        ax.plot(lengths, [r["transformer_xl_s_per_byte"] * 1e3 for r in rows], "s-", label="Transformer-XL (memory)")
+        for r in rows:
+            ax.annotate(f"{r['speedup']:.0f}x", (r["attention_length"], r["vanilla_s_per_byte"] * 1e3),
+                        textcoords="offset points", xytext=(0, 6), ha="center")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(lengths, [str(a) for a in lengths])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("attention length (bytes)")
+        ax.set_ylabel("evaluation time per byte (ms)")
 
 
 def print_table(result: dict) -> None:
@@ -170,9 +156,4 @@ def print_table(result: dict) -> None:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
-    print_table(result)
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    save_results(result, args.out, plot, print_table)

@@ -23,14 +23,14 @@ takes about 15-20 minutes on 2 cores, almost all of it in the reference at batch
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from server.bench.common import (
+    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy, save_results,
+)
 
 FULL = dict(
     n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, vocab_size=267735,
@@ -61,17 +61,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--batch-sizes", type=int, nargs="+")
     parser.add_argument("--chunk", type=int, help="prompt tokens per forward call")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results JSON (default bench-results/vs-hf[-quick].json)")
+    add_run_arguments(parser, "vs-hf")
     args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, "vs-hf", QUICK if args.quick else FULL)
     if args.prompt_len is None:
         args.prompt_len = args.mem_len
-    if args.out is None:
-        args.out = f"bench-results/vs-hf{'-quick' if args.quick else ''}.json"
     return args
 
 
@@ -94,85 +88,51 @@ def build_reference(args):
 def generate_reference(reference, prompt, new_tokens: int, chunk: int) -> dict:
     batch = prompt.shape[0]
     mems = [torch.zeros(0, batch, reference.config.d_model) for _ in range(reference.config.n_layer)]
-    start = time.perf_counter()
-    for s in range(0, prompt.shape[1], chunk):
-        out = reference(input_ids=prompt[:, s : s + chunk], mems=mems)
-        mems = out.mems
-    log_probs = out.prediction_scores[:, -1]  # (B, V)
-    prefill_s = time.perf_counter() - start
 
-    tokens, chosen = [], []
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = log_probs.argmax(-1, keepdim=True)  # (B, 1)
-        tokens.append(token)
-        chosen.append(log_probs.gather(1, token))
-        out = reference(input_ids=token, mems=mems)
+    def step(ids):
+        nonlocal mems
+        out = reference(input_ids=ids, mems=mems)
         mems = out.mems
-        log_probs = out.prediction_scores[:, -1]
-    decode_s = time.perf_counter() - start
-    return {"tokens": torch.cat(tokens, 1), "chosen": torch.cat(chosen, 1), "prefill_s": prefill_s, "decode_s": decode_s}
+        return out.prediction_scores[:, -1]  # (B, V)
+
+    return generate_greedy(step, prompt, new_tokens, chunk)
 
 
 def generate_ours(model, prompt, new_tokens: int, chunk: int) -> dict:
     state = model.init_state(prompt.shape[0])
-    start = time.perf_counter()
-    for s in range(0, prompt.shape[1], chunk):
-        out, state = model(prompt[:, s : s + chunk], state)
-    log_probs = out[:, -1]
-    prefill_s = time.perf_counter() - start
 
-    tokens, chosen = [], []
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = log_probs.argmax(-1, keepdim=True)
-        tokens.append(token)
-        chosen.append(log_probs.gather(1, token))
-        out, state = model(token, state)
-        log_probs = out[:, -1]
-    decode_s = time.perf_counter() - start
-    return {"tokens": torch.cat(tokens, 1), "chosen": torch.cat(chosen, 1), "prefill_s": prefill_s, "decode_s": decode_s}
+    def step(ids):
+        nonlocal state
+        out, state = model(ids, state)
+        return out[:, -1]
+
+    return generate_greedy(step, prompt, new_tokens, chunk)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    x = range(len(rows))
-    width = 0.38
-    ref = [r["reference_tokens_per_s"] for r in rows]
-    ours = [r["xlserve_tokens_per_s"] for r in rows]
-    ax.bar([i - width / 2 for i in x], ref, width, label="transformers 4.37.2 TransfoXL")
-    ax.bar([i + width / 2 for i in x], ours, width, label="xlserve")
-    for i, r in enumerate(rows):
-        ax.annotate(f"{r['speedup']:.1f}x", (i + width / 2, ours[i]), ha="center", va="bottom")
-    ax.set_xticks(list(x), [f"batch {r['batch_size']}" for r in rows])
-    ax.set_yscale("log")
-    ax.set_ylabel("generated tokens / s (greedy)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def plot(result: dict, path: Path) -> None:
+    rows, s = result["results"], result["setting"]
+    title = (f"greedy {s['new_tokens']} tokens, {s['n_layer']} layers, d_model {s['d_model']}, "
+             f"mem_len {s['mem_len']}, vocab {s['vocab_size']}, {result['environment']['threads']} threads")
+    with figure(path, title) as ax:
+        x = range(len(rows))
+        width = 0.38
+        ref = [r["reference_tokens_per_s"] for r in rows]
+        ours = [r["xlserve_tokens_per_s"] for r in rows]
+        ax.bar([i - width / 2 for i in x], ref, width, label="transformers 4.37.2 TransfoXL")
+        ax.bar([i + width / 2 for i in x], ours, width, label="xlserve")
+        for i, r in enumerate(rows):
+            ax.annotate(f"{r['speedup']:.1f}x", (i + width / 2, ours[i]), ha="center", va="bottom")
+        ax.set_xticks(list(x), [f"batch {r['batch_size']}" for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("generated tokens / s (greedy)")
 
 
 @torch.inference_mode()
 def run(args) -> dict:
-    from models.checkpoint import load_checkpoint
-    from models.convert import convert
-
     if args.threads:
         torch.set_num_threads(args.threads)
     reference = build_reference(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reference.save_pretrained(Path(tmp) / "hf")
-        convert(Path(tmp) / "hf", Path(tmp) / "xl")
-        model = load_checkpoint(Path(tmp) / "xl")
+    model = convert_reference(reference)
 
     rows = []
     for batch in args.batch_sizes:
@@ -201,17 +161,12 @@ def run(args) -> dict:
     setting = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "vocab_size",
                                               "cutoffs", "div_val", "mem_len", "clamp_len", "prompt_len",
                                               "new_tokens", "batch_sizes", "chunk", "seed")}
-    import transformers
-
     return {
         "benchmark": "vs-hf",
         "quick": args.quick,
         "setting": {**setting, "same_length": True, "dtype": "float32", "decoding": "greedy"},
         "parameters": sum(p.numel() for p in model.parameters()),
-        "environment": {
-            "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-        },
+        "environment": environment(with_transformers=True),
         "results": rows,
         "all_identical": all(r["identical_tokens"] for r in rows),
     }
@@ -229,14 +184,6 @@ def print_table(result: dict) -> None:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    s = result["setting"]
-    title = (f"greedy {s['new_tokens']} tokens, {s['n_layer']} layers, d_model {s['d_model']}, "
-             f"mem_len {s['mem_len']}, vocab {s['vocab_size']}, {result['environment']['threads']} threads")
-    plot(result["results"], out.with_suffix(".png"), title)
-    print_table(result)
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    save_results(result, args.out, plot, print_table)
     if not result["all_identical"]:
         raise SystemExit("generated tokens differ between xlserve and the reference")

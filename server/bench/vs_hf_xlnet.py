@@ -25,14 +25,15 @@ Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from server.bench.common import (
+    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy, save_results,
+)
 
 FULL = dict(n_layer=12, d_model=768, n_head=12, d_inner=3072, vocab_size=32000, prompt_len=256, new_tokens=256,
             batch_sizes=[1])
@@ -52,16 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--batch-sizes", type=int, nargs="+")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results JSON (default bench-results/vs-hf-xlnet[-quick].json)")
+    add_run_arguments(parser, "vs-hf-xlnet")
     args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.out is None:
-        args.out = f"bench-results/vs-hf-xlnet{'-quick' if args.quick else ''}.json"
-    return args
+    return fill_defaults(args, "vs-hf-xlnet", QUICK if args.quick else FULL)
 
 
 def build_reference(args):
@@ -80,19 +74,14 @@ def build_reference(args):
 
 
 def generate_ours(model, prompt, new_tokens: int) -> dict:
-    start = time.perf_counter()
-    log_probs, state = model(prompt, model.init_state(prompt.shape[0]))
-    log_probs = log_probs[:, -1]
-    prefill_s = time.perf_counter() - start
-    tokens = []
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = log_probs.argmax(-1, keepdim=True)
-        tokens.append(token)
-        out, state = model(token, state)
-        log_probs = out[:, -1]
-    decode_s = time.perf_counter() - start
-    return {"tokens": torch.cat(tokens, 1), "prefill_s": prefill_s, "decode_s": decode_s}
+    state = model.init_state(prompt.shape[0])
+
+    def step(ids):  # the prompt in one call, then one incremental step per token
+        nonlocal state
+        out, state = model(ids, state)
+        return out[:, -1]
+
+    return generate_greedy(step, prompt, new_tokens)
 
 
 def _step_inputs(ids):
@@ -106,22 +95,16 @@ def _step_inputs(ids):
 
 
 def generate_reference_left_to_right(reference, prompt, new_tokens: int) -> dict:
-    def call(ids, mems):
+    mems = None
+
+    def step(ids):
+        nonlocal mems
         ids, perm_mask, target_mapping = _step_inputs(ids)
         out = reference(ids, mems=mems, perm_mask=perm_mask, target_mapping=target_mapping, use_mems=True)
-        return out.logits[:, -1], [m[:-1] for m in out.mems]  # the dummy never joins the memory
+        mems = [m[:-1] for m in out.mems]  # the dummy never joins the memory
+        return out.logits[:, -1]
 
-    start = time.perf_counter()
-    logits, mems = call(prompt, None)
-    prefill_s = time.perf_counter() - start
-    tokens = []
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = logits.argmax(-1, keepdim=True)
-        tokens.append(token)
-        logits, mems = call(token, mems)
-    decode_s = time.perf_counter() - start
-    return {"tokens": torch.cat(tokens, 1), "prefill_s": prefill_s, "decode_s": decode_s}
+    return generate_greedy(step, prompt, new_tokens)
 
 
 def generate_reference(reference, prompt, new_tokens: int) -> dict:
@@ -136,48 +119,34 @@ def generate_reference(reference, prompt, new_tokens: int) -> dict:
     return {"tokens": out[:, prompt.shape[1] :], "total_s": total_s}
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    series = [
-        ("reference_generate_tokens_per_s", "transformers generate()"),
-        ("reference_left_to_right_tokens_per_s", "transformers, left-to-right loop"),
-        ("xlserve_tokens_per_s", "xlserve"),
-    ]
-    width = 0.27
-    for k, (key, label) in enumerate(series):
-        xs = [i + (k - 1) * width for i in range(len(rows))]
-        ax.bar(xs, [r[key] for r in rows], width, label=label)
-    for i, r in enumerate(rows):
-        ax.annotate(f"{r['speedup_vs_generate']:.1f}x", (i + width, r["xlserve_tokens_per_s"]), ha="center", va="bottom")
-    ax.set_xticks(list(range(len(rows))), [f"batch {r['batch_size']}" for r in rows])
-    ax.set_yscale("log")
-    ax.set_ylabel("generated tokens / s (greedy, prompt included)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def plot(result: dict, path: Path) -> None:
+    rows, s = result["results"], result["setting"]
+    title = (f"XLNet greedy, prompt {s['prompt_len']} + {s['new_tokens']} tokens, {s['n_layer']} layers, "
+             f"d_model {s['d_model']}, vocab {s['vocab_size']}, {result['environment']['threads']} threads")
+    with figure(path, title, size=(7, 4)) as ax:
+        series = [
+            ("reference_generate_tokens_per_s", "transformers generate()"),
+            ("reference_left_to_right_tokens_per_s", "transformers, left-to-right loop"),
+            ("xlserve_tokens_per_s", "xlserve"),
+        ]
+        width = 0.27
+        for k, (key, label) in enumerate(series):
+            xs = [i + (k - 1) * width for i in range(len(rows))]
+            ax.bar(xs, [r[key] for r in rows], width, label=label)
+        for i, r in enumerate(rows):
+            ax.annotate(f"{r['speedup_vs_generate']:.1f}x", (i + width, r["xlserve_tokens_per_s"]),
+                        ha="center", va="bottom")
+        ax.set_xticks(list(range(len(rows))), [f"batch {r['batch_size']}" for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("generated tokens / s (greedy, prompt included)")
 
 
 @torch.inference_mode()
 def run(args) -> dict:
-    from models.checkpoint import load_checkpoint
-    from models.convert import convert
-
     if args.threads:
         torch.set_num_threads(args.threads)
     reference = build_reference(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reference.save_pretrained(Path(tmp) / "hf")
-        convert(Path(tmp) / "hf", Path(tmp) / "xl")
-        model = load_checkpoint(Path(tmp) / "xl")
+    model = convert_reference(reference)
 
     rows = []
     for batch in args.batch_sizes:
@@ -212,8 +181,6 @@ def run(args) -> dict:
               f"left-to-right reference {row['reference_left_to_right_tokens_per_s']:.2f} tok/s, "
               f"identical={row['identical_to_left_to_right_reference']}", flush=True)
 
-    import transformers
-
     setting = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "d_inner", "vocab_size", "mem_len",
                                               "prompt_len", "new_tokens", "batch_sizes", "seed")}
     return {
@@ -221,10 +188,7 @@ def run(args) -> dict:
         "quick": args.quick,
         "setting": {**setting, "attn_type": "bi", "dtype": "float32", "decoding": "greedy"},
         "parameters": sum(p.numel() for p in model.parameters()),
-        "environment": {
-            "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-        },
+        "environment": environment(with_transformers=True),
         "results": rows,
         "all_identical": all(r["identical_to_left_to_right_reference"] for r in rows),
     }
@@ -244,14 +208,6 @@ def print_table(result: dict) -> None:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    s = result["setting"]
-    title = (f"XLNet greedy, prompt {s['prompt_len']} + {s['new_tokens']} tokens, {s['n_layer']} layers, "
-             f"d_model {s['d_model']}, vocab {s['vocab_size']}, {result['environment']['threads']} threads")
-    plot(result["results"], out.with_suffix(".png"), title)
-    print_table(result)
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    save_results(result, args.out, plot, print_table)
     if not result["all_identical"]:
         raise SystemExit("generated tokens differ between xlserve and the left-to-right reference")

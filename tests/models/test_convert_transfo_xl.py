@@ -25,6 +25,7 @@ from models.convert import ConversionError, convert  # noqa: E402
 from models.tokenizer import WordTokenizer, tokenizer_for_checkpoint  # noqa: E402
 from models.transformer_xl import TransformerXL  # noqa: E402
 from server.cli import main as cli  # noqa: E402
+from tests.models.helpers import run_in_chunks  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The output of TransfoXL will be updated:DeprecationWarning")
 
@@ -70,13 +71,7 @@ def reference_log_probs(reference, tokens, chunk):
 
 
 def our_log_probs(model, tokens, chunk):
-    state = model.init_state(tokens.shape[0])
-    outputs = []
-    with torch.no_grad():
-        for start in range(0, tokens.shape[1], chunk):
-            log_probs, state = model(tokens[:, start : start + chunk], state)
-            outputs.append(log_probs)
-    return torch.cat(outputs, dim=1)
+    return run_in_chunks(model, tokens, chunk)[0]
 
 
 def random_tokens(shape, seed=1, vocab=BASE["vocab_size"]):

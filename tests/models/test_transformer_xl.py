@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from models.transformer_xl import TransformerXL, TransformerXLConfig, XLMemory
+from tests.models.helpers import run_in_chunks
 
 
 def small_model(**overrides) -> TransformerXL:
@@ -12,16 +13,6 @@ def small_model(**overrides) -> TransformerXL:
     for key, value in overrides.items():
         setattr(config, key, value)
     return TransformerXL(config).eval()
-
-
-def run_in_chunks(model, tokens, chunk):
-    state = model.init_state(tokens.shape[0])
-    outputs = []
-    with torch.no_grad():
-        for start in range(0, tokens.shape[1], chunk):
-            log_probs, state = model(tokens[:, start : start + chunk], state)
-            outputs.append(log_probs)
-    return torch.cat(outputs, dim=1), state
 
 
 @pytest.mark.parametrize("pre_norm", [True, False])

@@ -6,6 +6,7 @@ import torch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.training.train import training_loss as standard_training_loss
 from models.vanilla import ByteWindow, VanillaConfig, VanillaTransformer, intermediate_layer_weights
+from tests.models.helpers import run_in_chunks, tokens
 
 L = 12  # context of the test model
 
@@ -14,10 +15,6 @@ def small_model(**overrides) -> VanillaTransformer:
     torch.manual_seed(0)
     config = VanillaConfig(n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=64, context_len=L, **overrides)
     return VanillaTransformer(config).eval()
-
-
-def tokens(batch, length, seed=1):
-    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def window_reference(model, text):
@@ -30,16 +27,6 @@ def window_reference(model, text):
             log_probs, _ = model(window, model.init_state(text.shape[0]))
             rows.append(log_probs[:, -1])
     return torch.stack(rows, dim=1)
-
-
-def run_in_chunks(model, text, chunk, state=None):
-    state = state or model.init_state(text.shape[0])
-    outputs = []
-    with torch.no_grad():
-        for start in range(0, text.shape[1], chunk):
-            log_probs, state = model(text[:, start : start + chunk], state)
-            outputs.append(log_probs)
-    return torch.cat(outputs, dim=1), state
 
 
 # -- the loss -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.transformer_xl import XLMemory
 from models.xlnet import XLNet, XLNetConfig, permutation_masks
+from tests.models.helpers import run_in_chunks, tokens
 
 
 def small_model(**overrides) -> XLNet:
@@ -18,23 +19,9 @@ def small_model(**overrides) -> XLNet:
     return XLNet(XLNetConfig(**values)).eval()
 
 
-def tokens(batch, length, seed=1):
-    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 def random_orders(batch, length, seed=2):
     g = torch.Generator().manual_seed(seed)
     return torch.stack([torch.randperm(length, generator=g) for _ in range(batch)])
-
-
-def run_in_chunks(model, text, chunk):
-    state = model.init_state(text.shape[0])
-    outputs = []
-    with torch.no_grad():
-        for start in range(0, text.shape[1], chunk):
-            log_probs, state = model(text[:, start : start + chunk], state)
-            outputs.append(log_probs)
-    return torch.cat(outputs, dim=1), state
 
 
 # -- permutation language modeling ------------------------------------------------------------------

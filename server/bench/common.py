@@ -1,0 +1,114 @@
+"""What the model benchmarks (vs-hf, vs-hf-xlnet, eval-speed) share: the arguments every run
+takes, the environment it ran in, a converted copy of a Hugging Face reference, greedy generation
+timed in two parts (prefill, decode), a plot figure, and writing the results (JSON + PNG) before
+printing the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """--threads, --seed and --out (default bench-results/NAME[-quick].json)."""
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help=f"results JSON (default bench-results/{name}[-quick].json)")
+
+
+def fill_defaults(args: argparse.Namespace, name: str, defaults: dict | None = None) -> argparse.Namespace:
+    """Every argument left unset takes its value from `defaults`; --out its default path."""
+    for key, value in (defaults or {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = f"bench-results/{name}{'-quick' if args.quick else ''}.json"
+    return args
+
+
+def environment(with_transformers: bool = False) -> dict:
+    env = {"torch": torch.__version__}
+    if with_transformers:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    return {**env, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version()}
+
+
+def convert_reference(reference):
+    """Our model converted from `reference`: saved with save_pretrained, run through `xlserve
+    convert` and loaded back, in a temporary directory."""
+    from models.checkpoint import load_checkpoint
+    from models.convert import convert
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference.save_pretrained(Path(tmp) / "hf")
+        convert(Path(tmp) / "hf", Path(tmp) / "xl")
+        return load_checkpoint(Path(tmp) / "xl")
+
+
+def generate_greedy(step: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, new_tokens: int,
+                    chunk: int | None = None) -> dict:
+    """Greedy generation through `step(ids (B, T)) -> scores of the next token (B, V)`, which
+    carries its own state: the prompt in calls of `chunk` tokens (None: one call), then
+    `new_tokens` steps of argmax + one call of the chosen token. Returns the tokens (B, new_tokens),
+    the chosen tokens' scores (B, new_tokens), prefill_s and decode_s."""
+    chunk = chunk or prompt.shape[1]
+    start = time.perf_counter()
+    for s in range(0, prompt.shape[1], chunk):
+        scores = step(prompt[:, s : s + chunk])
+    prefill_s = time.perf_counter() - start
+
+    tokens, chosen = [], []
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        token = scores.argmax(-1, keepdim=True)  # (B, 1)
+        tokens.append(token)
+        chosen.append(scores.gather(1, token))
+        scores = step(token)
+    decode_s = time.perf_counter() - start
+    return {"tokens": torch.cat(tokens, 1), "chosen": torch.cat(chosen, 1), "prefill_s": prefill_s,
+            "decode_s": decode_s}
+
+
+@contextmanager
+def figure(path: Path, title: str, size: tuple[float, float] = (6, 4)) -> Iterator:
+    """The axes of a new figure; on leaving, the title and legend are added and it is saved to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    try:
+        yield ax
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def save_results(result: dict, out: str | Path, plot: Callable[[dict, Path], None],
+                 print_table: Callable[[dict], None]) -> None:
+    """`result` as JSON at `out`, `plot(result, path)` beside it as .png, then the table."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print_table(result)
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
