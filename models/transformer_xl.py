@@ -106,6 +106,20 @@ class XLMemory(State):
         return self.valid.shape[1]
 
     @classmethod
+    def empty(cls, batch_size: int, n_layer: int, n_head: int, d_head: int, like: Tensor) -> "XLMemory":
+        """A memory that has seen nothing, with the dtype and device of `like`."""
+        empty = lambda: like.new_zeros(batch_size, 0, n_head, d_head)  # noqa: E731
+        return cls(
+            keys=[empty() for _ in range(n_layer)],
+            values=[empty() for _ in range(n_layer)],
+            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=like.device),
+        )
+
+    def check_within(self, mem_len: int | None) -> None:
+        if mem_len is not None and self.length > mem_len:
+            raise ValueError(f"memory holds {self.length} positions, more than mem_len {mem_len}")
+
+    @classmethod
     def concat(cls, states: list["XLMemory"]) -> "XLMemory":
         longest = max(s.length for s in states)
 
@@ -321,21 +335,14 @@ class TransformerXL(LanguageModel):
 
     def init_state(self, batch_size: int) -> XLMemory:
         c = self.config
-        p = self.r_w_bias
-        empty = lambda: p.new_zeros(batch_size, 0, c.n_head, c.d_head)  # noqa: E731
-        return XLMemory(
-            keys=[empty() for _ in range(c.n_layer)],
-            values=[empty() for _ in range(c.n_layer)],
-            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device),
-        )
+        return XLMemory.empty(batch_size, c.n_layer, c.n_head, c.d_head, like=self.r_w_bias)
 
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # memory length (dim 1) varies
 
     def check_state(self, state: State) -> None:
         super().check_state(state)
-        if state.length > self.config.mem_len:
-            raise ValueError(f"memory holds {state.length} positions, more than mem_len {self.config.mem_len}")
+        state.check_within(self.config.mem_len)
 
     def train(self, mode: bool = True):
         self._rel_key_cache.clear()  # weights are about to change

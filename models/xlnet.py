@@ -220,21 +220,14 @@ class XLNet(LanguageModel):
 
     def init_state(self, batch_size: int) -> XLMemory:
         c = self.config
-        p = self.mask_emb
-        empty = lambda: p.new_zeros(batch_size, 0, c.n_head, c.d_head)  # noqa: E731
-        return XLMemory(
-            keys=[empty() for _ in range(c.n_layer)],
-            values=[empty() for _ in range(c.n_layer)],
-            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device),
-        )
+        return XLMemory.empty(batch_size, c.n_layer, c.n_head, c.d_head, like=self.mask_emb)
 
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # memory length (dim 1) varies
 
     def check_state(self, state: State) -> None:
         super().check_state(state)
-        if self.config.mem_len is not None and state.length > self.config.mem_len:
-            raise ValueError(f"memory holds {state.length} positions, more than mem_len {self.config.mem_len}")
+        state.check_within(self.config.mem_len)
 
     def train(self, mode: bool = True):
         self._rel_key_cache.clear()  # weights are about to change
