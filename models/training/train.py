@@ -41,6 +41,7 @@ class Recipe:
     seed: int = 0
     eval_every: int = 1000  # steps between quick held-out evaluations
     quick_eval_bytes: int = 200_000  # held-out bytes scored by a quick evaluation
+    eval_window_stride: int = 32  # fixed-context models only: see models/training/evaluate.py
     save_every: int = 200  # steps between resumable saves
 
     @property
@@ -224,7 +225,7 @@ def train(
                 log(line)
             window_loss, window_steps, window_start = 0.0, 0, time.time()
         if progress["step"] % recipe.eval_every == 0 or progress["step"] == total:
-            bpb = bits_per_byte(model, quick_docs)
+            bpb = bits_per_byte(model, quick_docs, window_stride=recipe.eval_window_stride)
             progress["evaluations"].append({"step": progress["step"], "held_out_bits_per_byte_quick": round(bpb, 4)})
             log(f"\nstep {progress['step']}: quick held-out bits per byte {bpb:.4f} (first {recipe.quick_eval_bytes:,} held-out bytes)")
         if progress["step"] % recipe.save_every == 0 or progress["step"] == total:

@@ -226,3 +226,18 @@ def test_save_and_load_give_identical_log_probs(tmp_path):
         b, _ = loaded(text, loaded.init_state(1))
     assert torch.equal(a, b)
     assert loaded.max_context == L and loaded.state_kind == "window"
+
+
+def test_strided_window_evaluation_at_stride_one_is_the_sliding_evaluation():
+    from models.training.evaluate import document_nll, windowed_document_nll
+
+    model = small_model()
+    data = bytes(tokens(1, 3 * L + 5, 11)[0].tolist())
+    sliding, count = document_nll(model, data, chunk_len=7)
+    for stride in (1, 5, L):
+        windowed, windowed_count = windowed_document_nll(model, data, stride)
+        assert windowed_count == count
+        if stride == 1:
+            assert abs(windowed - sliding) < 1e-3
+    for short in (data[:1], data[:2], data[: L + 1]):  # documents within one window
+        assert abs(windowed_document_nll(model, short, 4)[0] - document_nll(model, short, 7)[0]) < 1e-3
