@@ -29,18 +29,62 @@ def sample(model: LanguageModel, prompt: str, length: int, temperature: float = 
     return prompt + bytes(out).decode("utf-8", errors="replace")
 
 
+STRIDE_ONE_BYTES = 50_000  # held-out bytes a fixed-context model is also scored on at stride 1
+
+
+def card_variants(model: LanguageModel, segment_len: int) -> list[dict]:
+    """What the card evaluates: the model as trained, and the same weights with their memory
+    taken away, so the card shows what the memory is worth.
+
+    - Transformer-XL: mem_len 0 (each segment of `segment_len` bytes on its own).
+    - ∞-former: the continuous long-term memory off (short-term attention only).
+    - vanilla: no memory to remove; the whole held-out set is scored with windows
+      `eval_window_stride` apart (see evaluate.py), and the first STRIDE_ONE_BYTES bytes both
+      ways, so the card shows what the cheaper stride costs against the paper's stride 1.
+    - XLNet: as trained only (its same_length attention needs mem_len >= 1).
+    """
+    from models.training.train import STANDARD_RECIPE
+
+    trained = {"memory": "trained", "model": model, "chunk_len": 512}
+    if model.max_context is not None:
+        stride = STANDARD_RECIPE.eval_window_stride
+        return [
+            {**trained, "window_stride": stride},
+            {**trained, "memory": "trained, first bytes", "window_stride": stride, "limit_bytes": STRIDE_ONE_BYTES},
+            {**trained, "memory": "trained, first bytes, stride 1", "window_stride": 1, "limit_bytes": STRIDE_ONE_BYTES},
+        ]
+    variants = [trained]
+    if hasattr(model, "with_mem_len") and model.architecture == "transformer-xl":
+        variants.append({"memory": "none", "model": model.with_mem_len(0), "chunk_len": segment_len})
+    if hasattr(model, "with_long_term_memory"):
+        variants.append({"memory": "short-term only", "model": model.with_long_term_memory(False), "chunk_len": 512})
+    return variants
+
+
+def describe(model: LanguageModel) -> str:
+    """The state each variant keeps, in words, for the card's table."""
+    config = model.config
+    if model.max_context is not None:
+        return f"the last {model.max_context} bytes"
+    if getattr(config, "long_term_memory", None) is not None:
+        if config.long_term_memory:
+            return f"previous segment + continuous memory of {config.n_basis} basis functions"
+        return "previous segment only"
+    return f"{config.mem_len} positions"
+
+
 def evaluate_for_card(model: LanguageModel, segment_len: int) -> list[dict]:
-    """Held-out bits per byte with the trained memory and with none (mem_len 0)."""
+    """Held-out bits per byte of every variant in `card_variants`."""
     corpus = stdlib_corpus()
-    documents = held_out_documents(corpus)
     rows = []
-    variants = [("trained", model, 512)]
-    if hasattr(model, "with_mem_len"):
-        variants.append(("none", model.with_mem_len(0), segment_len))
-    for label, variant, chunk in variants:
+    for variant in card_variants(model, segment_len):
+        documents = held_out_documents(corpus, variant.get("limit_bytes"))
         started = time.time()
-        bpb = bits_per_byte(variant, documents, chunk_len=chunk)
-        rows.append({"memory": label, "mem_len": getattr(variant.config, "mem_len", None), "chunk_len": chunk,
+        bpb = bits_per_byte(variant["model"], documents, chunk_len=variant["chunk_len"],
+                            window_stride=variant.get("window_stride"))
+        rows.append({"memory": variant["memory"], "state": describe(variant["model"]),
+                     "mem_len": getattr(variant["model"].config, "mem_len", None), "chunk_len": variant["chunk_len"],
+                     "window_stride": variant.get("window_stride"), "scored_bytes": sum(len(d) - 1 for d in documents),
                      "bits_per_byte": round(bpb, 4), "seconds": round(time.time() - started, 1)})
     return rows
 
@@ -66,25 +110,40 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         f"- Recipe: {recipe['train_bytes']:,} training bytes, {recipe['batch_size']} lanes x {recipe['segment_len']} "
         f"bytes per step ({training['step']:,} steps), AdamW (betas 0.9/0.98, weight decay {recipe['weight_decay']}), "
         f"peak learning rate {recipe['learning_rate']}, {recipe['warmup_steps']} warm-up steps, cosine decay to "
-        f"{recipe['final_lr_fraction']:.0%}, gradient clipping {recipe['grad_clip']}; memory carried across "
-        "consecutive segments of each lane.",
+        f"{recipe['final_lr_fraction']:.0%}, gradient clipping {recipe['grad_clip']}; "
+        + ("independent windows (no memory between them)." if model.max_context is not None
+           else "memory carried across consecutive segments of each lane."),
         f"- Preset `{training['preset']}`: `{json.dumps(training['config'])}`",
         f"- Wall time: {training['elapsed_s'] / 60:.1f} minutes on {machine_summary()}.",
         "",
         "## Held-out bits per byte",
         "",
-        "Each held-out file is scored on its own from an empty memory, carried across the whole file "
+        "Each held-out file is scored on its own from an empty state, carried across the whole file "
         "(the first byte of a file has no context and is not scored).",
-        "",
-        "| memory | mem_len | bits per byte |",
-        "|---|---|---|",
     ]
-    lines += [f"| {e['memory']} | {e['mem_len']} | {e['bits_per_byte']:.4f} |" for e in evaluations]
+    if model.max_context is not None:
+        lines += [
+            "",
+            f"This model sees only the last {model.max_context} bytes. Scored byte by byte it recomputes a whole "
+            "window per byte (stride 1, the paper's evaluation), so the full held-out set is scored with windows "
+            f"{evaluations[0]['window_stride']} bytes apart, each byte predicted from at least "
+            f"{model.max_context - evaluations[0]['window_stride']} bytes of context; the first "
+            f"{STRIDE_ONE_BYTES:,} held-out bytes are scored both ways to show the difference.",
+        ]
+    lines += [
+        "",
+        "| variant | state kept | window stride | scored bytes | bits per byte |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {e['memory']} | {e.get('state', e['mem_len'])} | {e.get('window_stride') or '-'} | "
+              f"{e['scored_bytes']:,} | {e['bits_per_byte']:.4f} |" if "scored_bytes" in e else
+              f"| {e['memory']} | {e['mem_len']} | - | all | {e['bits_per_byte']:.4f} |" for e in evaluations]
     lines += [
         "",
         "For scale: `gzip -9` compresses the same files to about 1.7 bits per byte and `xz -9` to about 1.6.",
         "",
-        "Quick held-out evaluations during training (first 200,000 held-out bytes):",
+        f"Quick held-out evaluations during training (first {recipe['quick_eval_bytes']:,} held-out bytes"
+        + (f", windows {recipe.get('eval_window_stride')} bytes apart" if model.max_context is not None else "") + "):",
         "",
         "| step | bits per byte |",
         "|---|---|",
