@@ -13,4 +13,5 @@ BENCHMARKS = {
     "throughput": "throughput",
     "vs-hf-xlnet": "vs_hf_xlnet",
     "eval-speed": "eval_speed",
+    "memory-quality": "memory_quality",
 }
