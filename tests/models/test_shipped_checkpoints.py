@@ -47,3 +47,26 @@ def test_transformer_xl_memory_helps_and_it_writes_python(directory):
             log_probs, state = model(torch.tensor([[token]]), state)
     text = bytes(generated).decode("utf-8", errors="replace")
     assert text.startswith("    "), text
+
+
+@pytest.mark.parametrize("directory", [p for p in SHIPPED if p.name.startswith("infinity-former")], ids=lambda p: p.name)
+def test_infinity_former_long_term_memory_helps(directory):
+    evaluations = {e["memory"]: e["bits_per_byte"] for e in json.loads((directory / "evaluation.json").read_text())}
+    assert evaluations["trained"] < evaluations["short-term only"]
+    # a recheck on the first 12 kB of a long held-out file, past several memory updates
+    model = load_checkpoint(directory)
+    corpus = stdlib_corpus()
+    document = next(data for data in map(corpus.read, corpus.held_out) if len(data) > 20_000)[:12_000]
+    with_memory = bits_per_byte(model, [document])
+    without = bits_per_byte(model.with_long_term_memory(False), [document])
+    assert with_memory < 2.6 and with_memory < without
+
+
+@pytest.mark.parametrize("directory", [p for p in SHIPPED if p.name.startswith("vanilla")], ids=lambda p: p.name)
+def test_vanilla_card_shows_the_stride_it_was_scored_with(directory):
+    evaluations = {e["memory"]: e for e in json.loads((directory / "evaluation.json").read_text())}
+    strided, stride_one = evaluations["trained, first bytes"], evaluations["trained, first bytes, stride 1"]
+    assert stride_one["window_stride"] == 1 and strided["window_stride"] > 1
+    assert strided["scored_bytes"] == stride_one["scored_bytes"]
+    # stride 1 gives every byte the full window, so it can only do as well or better (to noise)
+    assert stride_one["bits_per_byte"] <= strided["bits_per_byte"] + 0.01
