@@ -5,7 +5,9 @@ For each model and each history length H, on held-out stdlib text:
   (the memory is reused: only the 128 tokens are computed);
 - append_recompute_s: time to get the same result without a memory, by running all H + 128
   tokens from an empty state (what a stateless server does);
-- decode_tokens_per_s: greedy decoding one token at a time at batch 1 after the history.
+- decode_tokens_per_s: greedy decoding one token at a time at batch 1 after the history;
+- append_time_spread per model: slowest append over fastest across the histories, minus 1 (a
+  constant-state model such as the ∞-former should stay within 0.2 from 1k to 100k tokens).
 Medians over repeats. Results go to bench-results/continuation.json and continuation.png.
 Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
 """
@@ -142,10 +144,16 @@ def main(argv: list[str]) -> None:
             print(f"{row['model']:28s} H={history:>7d}  append {args.append}: reused {row['append_reused_s'] * 1000:8.1f} ms"
                   f"  recomputed {row['append_recompute_s'] * 1000:9.1f} ms  ({row['speedup']:6.1f}x)"
                   f"  decode {row['decode_tokens_per_s']:7.1f} tok/s  state {row['state_bytes']:,} B", flush=True)
+    # how flat the append time stays as the history grows: slowest over fastest, per model
+    flatness = {}
+    for name in dict.fromkeys(r["model"] for r in results):
+        times = [r["append_reused_s"] for r in results if r["model"] == name]
+        flatness[name] = round(max(times) / min(times) - 1, 4)
+        print(f"{name}: append time spread over histories {flatness[name]:.1%} (slowest over fastest, minus 1)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "continuation", "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "results": results}
+               "append_time_spread": flatness, "results": results}
     (out / "continuation.json").write_text(json.dumps(payload, indent=2) + "\n")
     plot(results, out / "continuation.png")
     print(f"wrote {out / 'continuation.json'} and {out / 'continuation.png'}")
