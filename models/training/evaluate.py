@@ -85,3 +85,31 @@ def bits_per_byte(model: LanguageModel, documents: Iterable[bytes], chunk_len: i
         count += doc_count
     model.train(was_training)
     return nll / max(count, 1) / math.log(2)
+
+
+@torch.no_grad()
+def permutation_bits_per_byte(model: LanguageModel, documents: Iterable[bytes], segment_len: int,
+                              predict_fraction: float, seed: int = 0) -> float:
+    """XLNet's training objective on held-out text: each document in segments of `segment_len`
+    with the memory carried, a random factorisation order per segment (seeded), the last
+    `predict_fraction` of each order predicted from the memory and the positions before it in
+    the order (on both sides of it in the text). Bits per predicted byte. Needs `model.permuted`."""
+    import math as _math
+
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    nll, count = 0.0, 0
+    for data in documents:
+        tokens = torch.tensor(list(data), dtype=torch.long, device=model.device)[None]  # (1, n)
+        state = model.init_state(1)
+        for start in range(0, tokens.shape[1], segment_len):
+            segment = tokens[:, start : start + segment_len]
+            T = segment.shape[1]
+            order = torch.randperm(T, generator=generator)[None].to(model.device)  # (1, T)
+            n_predict = max(1, _math.ceil(T * predict_fraction))
+            log_probs, predicted, state = model.permuted(segment, state, order, n_predict)
+            nll -= log_probs.gather(-1, segment.gather(1, predicted)[..., None]).sum().item()
+            count += n_predict
+    model.train(was_training)
+    return nll / max(count, 1) / math.log(2)
