@@ -1,7 +1,9 @@
 """Checkpoints on disk: a directory with config.json and model.safetensors (and card.md).
 
 config.json = {"format": "xlserve-checkpoint", "version": 1, "architecture": ..., "config": {...},
-"tokenizer": "bytes"}. Loading checks the architecture name and every tensor's name, shape and
+"tokenizer": "bytes"}, plus "storage_dtype" when the floating-point weights are stored in a
+narrower type than the model computes in (float16 keeps a shipped checkpoint under its size
+budget; loading widens them back, and every computation stays in the model's dtype). Loading checks the architecture name and every tensor's name, shape and
 dtype against a freshly built model before copying anything in, so a bad file fails with a
 message that names the tensor and never leaves a half-loaded model behind.
 """
@@ -28,8 +30,19 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message says exactly why."""
 
 
-def save_checkpoint(model: LanguageModel, directory: str | Path, extra: dict | None = None) -> None:
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def save_checkpoint(model: LanguageModel, directory: str | Path, extra: dict | None = None,
+                    storage_dtype: str | None = None) -> None:
+    """Write config.json + model.safetensors; `storage_dtype` ("float16", "bfloat16") stores the
+    floating-point weights narrower (a float32 weight beyond float16's range is refused)."""
     directory = Path(directory)
+    narrow = None
+    if storage_dtype is not None:
+        if storage_dtype not in STORAGE_DTYPES:
+            raise CheckpointError(f"storage dtype {storage_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
+        narrow = STORAGE_DTYPES[storage_dtype]
     directory.mkdir(parents=True, exist_ok=True)
     config = {
         "format": FORMAT,
@@ -37,6 +50,7 @@ def save_checkpoint(model: LanguageModel, directory: str | Path, extra: dict | N
         "architecture": model.architecture,
         "config": model.config.to_dict(),
         "tokenizer": "bytes",
+        **({"storage_dtype": storage_dtype} if storage_dtype else {}),
         **(extra or {}),
     }
     # tied weights appear once in the file; loading re-ties them by building the model
@@ -46,7 +60,13 @@ def save_checkpoint(model: LanguageModel, directory: str | Path, extra: dict | N
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
-        tensors[name] = tensor.detach().contiguous().cpu()
+        tensor = tensor.detach().contiguous().cpu()
+        if narrow is not None and tensor.is_floating_point():
+            stored = tensor.to(narrow)
+            if not torch.isfinite(stored).all():
+                raise CheckpointError(f"tensor '{name}' does not fit {storage_dtype} (largest |x| {tensor.abs().max():.3g})")
+            tensor = stored
+        tensors[name] = tensor
     _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p)))
     _atomic_write(directory / CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
 
@@ -91,6 +111,9 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{weights_path} is not a readable safetensors file: {e}") from None
 
+    storage = config.get("storage_dtype")
+    if storage is not None and storage not in STORAGE_DTYPES:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: storage_dtype {storage!r} is not one of {sorted(STORAGE_DTYPES)}")
     expected = model.state_dict()
     # tied parameters are stored once, under the first name that refers to them
     first_name = {}
@@ -109,6 +132,8 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
             raise CheckpointError(
                 f"{weights_path}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}"
             )
+        if storage is not None and tensor.dtype == STORAGE_DTYPES[storage] and want.is_floating_point():
+            tensor = tensors[name] = tensor.to(want.dtype)  # widened back: the model computes in its own dtype
         if tensor.dtype != want.dtype:
             raise CheckpointError(f"{weights_path}: tensor '{name}' has dtype {tensor.dtype}, expected {want.dtype}")
         if not torch.isfinite(tensor).all():

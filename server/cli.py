@@ -1,4 +1,4 @@
-"""`xlserve serve | train | eval | bench | convert`."""
+"""`xlserve serve | train | new | store | eval | bench | convert`."""
 
 from __future__ import annotations
 
@@ -89,6 +89,20 @@ def cmd_new(args) -> None:
     print(f"wrote a randomly initialised {args.arch}/{args.preset} to {args.out}")
 
 
+def cmd_store(args) -> None:
+    from models.checkpoint import load_checkpoint, read_config, save_checkpoint
+
+    directory = _resolve_model_dir(args.model)
+    config = read_config(directory)
+    model = load_checkpoint(directory)
+    extra = {k: v for k, v in config.items()
+             if k not in ("format", "version", "architecture", "config", "tokenizer", "storage_dtype")}
+    dtype = None if args.dtype == "float32" else args.dtype
+    save_checkpoint(model, directory, extra=extra, storage_dtype=dtype)
+    size = (directory / "model.safetensors").stat().st_size
+    print(f"rewrote {directory} with weights stored as {args.dtype}: {size:,} bytes")
+
+
 def cmd_eval(args) -> None:
     from models.checkpoint import load_checkpoint
     from models.training.data import stdlib_corpus
@@ -171,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     new.add_argument("--out", required=True)
     new.add_argument("--seed", type=int, default=0)
     new.set_defaults(func=cmd_new)
+
+    store = commands.add_parser("store", help="rewrite a checkpoint with its weights stored as float16/bfloat16/float32 "
+                                              "(computation stays float32)")
+    store.add_argument("--model", required=True, help="name under weights/ or a checkpoint directory")
+    store.add_argument("--dtype", required=True, choices=["float16", "bfloat16", "float32"])
+    store.set_defaults(func=cmd_store)
 
     evaluate = commands.add_parser("eval", help="held-out bits per byte, memory carried per document")
     evaluate.add_argument("--model", required=True, help="name under weights/ or a checkpoint directory")
