@@ -99,6 +99,16 @@ def evaluate_for_card(model: LanguageModel, segment_len: int) -> list[dict]:
     return rows
 
 
+def _storage_lines(directory: Path) -> list[str]:
+    """A line on how the weights are stored, when narrower than the float32 they were trained in."""
+    storage = json.loads((directory / "config.json").read_text()).get("storage_dtype")
+    if not storage:
+        return []
+    size = (directory / "model.safetensors").stat().st_size
+    return [f"Weights are stored as {storage} ({size:,} bytes, to fit the 8 MB budget for shipped weights) and "
+            "widened to float32 on load; every number below was measured with the stored weights.", ""]
+
+
 def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], text_sample: str) -> None:
     training = json.loads((directory / "training.json").read_text())
     recipe = training["recipe"]
@@ -110,6 +120,7 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         f"A byte-level `{model.architecture}` language model ({params:,} parameters) trained by xlserve's standard "
         "recipe on the Python standard library source, shipped so that `make serve` has a real model to serve.",
         "",
+        *_storage_lines(directory),
         "## Training",
         "",
         f"- Corpus: every `.py` file under the stdlib root of the training interpreter, outside `site-packages` "
