@@ -8,7 +8,7 @@ For each model and each history length H, on held-out stdlib text:
 - decode_tokens_per_s: greedy decoding one token at a time at batch 1 after the history;
 - append_time_spread per model: slowest append over fastest across the histories, minus 1 (a
   constant-state model such as the ∞-former should stay within 0.2 from 1k to 100k tokens).
-Medians over repeats. Results go to bench-results/continuation.json and continuation.png.
+Medians over repeats; the reused appends of all history lengths are timed round-robin. Results go to bench-results/continuation.json and continuation.png.
 Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
 """
 
@@ -65,37 +65,56 @@ def timed(fn, repeats: int, device) -> float:
 
 
 @torch.inference_mode()
-def measure(model, history_len: int, append_len: int, decode_len: int, chunk: int, repeats: int) -> dict:
+def measure(model, histories: list[int], append_len: int, decode_len: int, chunk: int, repeats: int) -> list[dict]:
+    """One row per history length. The reused appends of all the history lengths are timed
+    round-robin (one of each, `repeats` times over), so that drift in the machine (another
+    process, the allocator after a 100k-token recomputation) falls on every length alike."""
     device = model.device
-    tokens = held_out_text(history_len + append_len)
-    history, new = tokens[:history_len], tokens[history_len:]
-    _, state = feed(model, history, model.init_state(1), chunk)
+    tokens = held_out_text(max(histories) + append_len)
+    sessions = {}
+    for history_len in histories:
+        _, state = feed(model, tokens[:history_len], model.init_state(1), chunk)
+        sessions[history_len] = (state, tokens[history_len : history_len + append_len])
 
-    reused = timed(lambda: feed(model, new, state, chunk), repeats, device)
-    recompute = timed(lambda: feed(model, tokens, model.init_state(1), chunk), max(1, repeats // 2), device)
-    # the two paths must agree where the architecture's memory covers the history
-    reused_lp, _ = feed(model, new, state, chunk)
-    full_lp, _ = feed(model, tokens, model.init_state(1), chunk)
-    max_diff = (reused_lp[0, -1] - full_lp[0, -1]).abs().max().item()
+    reused_times = {h: [] for h in histories}
+    for round_index in range(repeats + 1):  # round 0 warms up
+        for history_len, (state, new) in sessions.items():
+            sync(device)
+            start = time.perf_counter()
+            feed(model, new, state, chunk)
+            sync(device)
+            if round_index:
+                reused_times[history_len].append(time.perf_counter() - start)
 
-    def decode():
-        log_probs, current = feed(model, new, state, chunk)
-        for _ in range(decode_len):
-            token = log_probs[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-            log_probs, current = model(token, current)
+    rows = []
+    for history_len, (state, new) in sessions.items():
+        reused = statistics.median(reused_times[history_len])
+        whole = tokens[: history_len + append_len]
+        recompute = timed(lambda: feed(model, whole, model.init_state(1), chunk), max(1, repeats // 4), device)
+        # the two paths must agree where the architecture's memory covers the history
+        reused_lp, _ = feed(model, new, state, chunk)
+        full_lp, _ = feed(model, whole, model.init_state(1), chunk)
+        max_diff = (reused_lp[0, -1] - full_lp[0, -1]).abs().max().item()
 
-    decode_total = timed(decode, max(1, repeats // 2), device) - reused
-    return {
-        "history_tokens": history_len,
-        "append_tokens": append_len,
-        "append_reused_s": reused,
-        "append_recompute_s": recompute,
-        "speedup": recompute / reused,
-        "decode_tokens": decode_len,
-        "decode_tokens_per_s": decode_len / decode_total,
-        "state_bytes": state.nbytes(),
-        "reused_vs_recomputed_max_abs_diff": max_diff,
-    }
+        def decode():
+            log_probs, current = feed(model, new, state, chunk)
+            for _ in range(decode_len):
+                token = log_probs[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+                log_probs, current = model(token, current)
+
+        decode_total = timed(decode, max(1, repeats // 2), device) - reused
+        rows.append({
+            "history_tokens": history_len,
+            "append_tokens": append_len,
+            "append_reused_s": reused,
+            "append_recompute_s": recompute,
+            "speedup": recompute / reused,
+            "decode_tokens": decode_len,
+            "decode_tokens_per_s": decode_len / decode_total,
+            "state_bytes": state.nbytes(),
+            "reused_vs_recomputed_max_abs_diff": max_diff,
+        })
+    return rows
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -128,7 +147,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--append", type=int, default=128)
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk length")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9, help="rounds of reused appends (recomputation: a quarter)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
@@ -137,13 +156,14 @@ def main(argv: list[str]) -> None:
     for name in args.models.split(","):
         path = Path(name) if Path(name).is_dir() else REPO_ROOT / "weights" / name
         model = load_checkpoint(path, device=args.device)
-        for history in (int(h) for h in args.histories.split(",")):
-            row = {"model": path.name, "device": args.device, **measure(model, history, args.append, args.decode,
-                                                                        args.chunk, args.repeats)}
+        histories = [int(h) for h in args.histories.split(",")]
+        for measured in measure(model, histories, args.append, args.decode, args.chunk, args.repeats):
+            row = {"model": path.name, "device": args.device, **measured}
             results.append(row)
-            print(f"{row['model']:28s} H={history:>7d}  append {args.append}: reused {row['append_reused_s'] * 1000:8.1f} ms"
-                  f"  recomputed {row['append_recompute_s'] * 1000:9.1f} ms  ({row['speedup']:6.1f}x)"
-                  f"  decode {row['decode_tokens_per_s']:7.1f} tok/s  state {row['state_bytes']:,} B", flush=True)
+            print(f"{row['model']:28s} H={row['history_tokens']:>7d}  append {args.append}: reused "
+                  f"{row['append_reused_s'] * 1000:8.1f} ms  recomputed {row['append_recompute_s'] * 1000:9.1f} ms "
+                  f"({row['speedup']:6.1f}x)  decode {row['decode_tokens_per_s']:7.1f} tok/s  state {row['state_bytes']:,} B",
+                  flush=True)
     # how flat the append time stays as the history grows: slowest over fastest, per model
     flatness = {}
     for name in dict.fromkeys(r["model"] for r in results):
