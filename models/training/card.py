@@ -191,9 +191,11 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         text_sample,
         "```",
         "",
-        "Reproduce: `xlserve train --arch {arch} --preset {preset} --out weights/{name}` (resumable), then "
-        "`xlserve eval --model {name} --write-card`.".format(arch=model.architecture, preset=training["preset"],
-                                                               name=directory.name),
+        "Reproduce: `xlserve train --arch {arch} --preset {preset} --out weights/{name}` (resumable), {store}then "
+        "`xlserve eval --model {name} --write-card`.".format(
+            arch=model.architecture, preset=training["preset"], name=directory.name,
+            store=(f"`xlserve store --model {directory.name} --dtype {storage}`, " if (storage := json.loads(
+                (directory / "config.json").read_text()).get("storage_dtype")) else "")),
         "",
     ]
     (directory / "card.md").write_text("\n".join(lines))
