@@ -9,13 +9,12 @@ from pathlib import Path
 
 
 def _resolve_model_dir(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    shipped = Path(__file__).resolve().parent.parent / "weights" / name_or_path
-    if shipped.is_dir():
-        return shipped
-    raise SystemExit(f"no checkpoint directory '{name_or_path}' (looked in . and {shipped.parent})")
+    from server.settings import WEIGHTS_DIR, checkpoint_dir
+
+    path = checkpoint_dir(name_or_path)
+    if not path.is_dir():
+        raise SystemExit(f"no checkpoint directory '{name_or_path}' (looked in . and {WEIGHTS_DIR})")
+    return path
 
 
 def cmd_serve(args) -> None:

@@ -13,6 +13,14 @@ from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+WEIGHTS_DIR = REPO_ROOT / "weights"
+
+
+def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
+    """A checkpoint named on the command line or in settings: an existing directory as given,
+    otherwise the directory of that name under `weights_dir` (which may not exist)."""
+    path = Path(name_or_path)
+    return path if path.is_dir() else weights_dir / name_or_path
 
 
 class Settings(BaseSettings):
@@ -20,7 +28,7 @@ class Settings(BaseSettings):
 
     # what to serve
     models: str = ""  # comma list of names under weights_dir or checkpoint paths; "" = all
-    weights_dir: Path = REPO_ROOT / "weights"
+    weights_dir: Path = WEIGHTS_DIR
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 (bfloat16 is opt-in on CUDA)
     torch_threads: int = 0  # 0 = torch's default
@@ -64,8 +72,4 @@ class Settings(BaseSettings):
             if not self.weights_dir.is_dir():
                 return []
             return sorted(p for p in self.weights_dir.iterdir() if (p / "config.json").is_file())
-        dirs = []
-        for item in (m.strip() for m in self.models.split(",") if m.strip()):
-            path = Path(item)
-            dirs.append(path if path.is_dir() else self.weights_dir / item)
-        return dirs
+        return [checkpoint_dir(m.strip(), self.weights_dir) for m in self.models.split(",") if m.strip()]

@@ -58,7 +58,7 @@ def card_variants(model: LanguageModel, segment_len: int) -> list[dict]:
             {**trained, "memory": "trained, first bytes, stride 1", "window_stride": 1, "limit_bytes": STRIDE_ONE_BYTES},
         ]
     variants = [trained]
-    if hasattr(model, "with_mem_len") and model.architecture == "transformer-xl":
+    if model.architecture == "transformer-xl":
         variants.append({"memory": "none", "model": model.with_mem_len(0), "chunk_len": segment_len})
     if hasattr(model, "permuted"):
         variants.append({"memory": "trained, permutation order", "model": model, "chunk_len": model.config.seg_len,
@@ -101,9 +101,8 @@ def evaluate_for_card(model: LanguageModel, segment_len: int) -> list[dict]:
     return rows
 
 
-def _storage_lines(directory: Path) -> list[str]:
+def _storage_lines(directory: Path, storage: str | None) -> list[str]:
     """A line on how the weights are stored, when narrower than the float32 they were trained in."""
-    storage = json.loads((directory / "config.json").read_text()).get("storage_dtype")
     if not storage:
         return []
     size = (directory / "model.safetensors").stat().st_size
@@ -114,6 +113,7 @@ def _storage_lines(directory: Path) -> list[str]:
 def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], text_sample: str) -> None:
     training = json.loads((directory / "training.json").read_text())
     recipe = training["recipe"]
+    storage = json.loads((directory / "config.json").read_text()).get("storage_dtype")
     corpus = stdlib_corpus()
     params = sum(p.numel() for p in model.parameters())
     lines = [
@@ -122,7 +122,7 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         f"A byte-level `{model.architecture}` language model ({params:,} parameters) trained by xlserve's standard "
         "recipe on the Python standard library source, shipped so that `make serve` has a real model to serve.",
         "",
-        *_storage_lines(directory),
+        *_storage_lines(directory, storage),
         "## Training",
         "",
         f"- Corpus: every `.py` file under the stdlib root of the training interpreter, outside `site-packages` "
@@ -195,8 +195,7 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         "Reproduce: `xlserve train --arch {arch} --preset {preset} --out weights/{name}` (resumable), {store}then "
         "`xlserve eval --model {name} --write-card`.".format(
             arch=model.architecture, preset=training["preset"], name=directory.name,
-            store=(f"`xlserve store --model {directory.name} --dtype {storage}`, " if (storage := json.loads(
-                (directory / "config.json").read_text()).get("storage_dtype")) else "")),
+            store=f"`xlserve store --model {directory.name} --dtype {storage}`, " if storage else ""),
         "",
     ]
     (directory / "card.md").write_text("\n".join(lines))

@@ -94,8 +94,6 @@ def permutation_bits_per_byte(model: LanguageModel, documents: Iterable[bytes], 
     with the memory carried, a random factorisation order per segment (seeded), the last
     `predict_fraction` of each order predicted from the memory and the positions before it in
     the order (on both sides of it in the text). Bits per predicted byte. Needs `model.permuted`."""
-    import math as _math
-
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
@@ -107,7 +105,7 @@ def permutation_bits_per_byte(model: LanguageModel, documents: Iterable[bytes], 
             segment = tokens[:, start : start + segment_len]
             T = segment.shape[1]
             order = torch.randperm(T, generator=generator)[None].to(model.device)  # (1, T)
-            n_predict = max(1, _math.ceil(T * predict_fraction))
+            n_predict = max(1, math.ceil(T * predict_fraction))
             log_probs, predicted, state = model.permuted(segment, state, order, n_predict)
             nll -= log_probs.gather(-1, segment.gather(1, predicted)[..., None]).sum().item()
             count += n_predict

@@ -24,7 +24,7 @@ import torch
 
 from models.checkpoint import load_checkpoint
 from models.training.data import stdlib_corpus
-from server.settings import REPO_ROOT
+from server.settings import REPO_ROOT, checkpoint_dir
 
 
 def held_out_text(length: int) -> list[int]:
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
 
     results = []
     for name in args.models.split(","):
-        path = Path(name) if Path(name).is_dir() else REPO_ROOT / "weights" / name
+        path = checkpoint_dir(name)
         model = load_checkpoint(path, device=args.device)
         histories = [int(h) for h in args.histories.split(",")]
         for measured in measure(model, histories, args.append, args.decode, args.chunk, args.repeats):

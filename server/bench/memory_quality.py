@@ -25,7 +25,7 @@ from models.checkpoint import load_checkpoint
 from models.training.data import stdlib_corpus
 from models.training.evaluate import bits_per_byte
 from server.bench.common import environment, figure, save_results
-from server.settings import REPO_ROOT
+from server.settings import REPO_ROOT, checkpoint_dir
 
 
 def long_held_out_files(min_bytes: int, max_files: int | None) -> list[tuple[str, bytes]]:
@@ -65,10 +65,8 @@ def main(argv: list[str]) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    def load(name: str):
-        return load_checkpoint(Path(name) if Path(name).is_dir() else REPO_ROOT / "weights" / name)
-
-    infinity_former, transformer_xl = load(args.infinity_former), load(args.transformer_xl)
+    infinity_former = load_checkpoint(checkpoint_dir(args.infinity_former))
+    transformer_xl = load_checkpoint(checkpoint_dir(args.transformer_xl))
     files = long_held_out_files(args.min_file_bytes, args.max_files)
     documents = [data for _, data in files]
     target = state_bytes(infinity_former)

@@ -36,7 +36,7 @@ import torch
 from models.checkpoint import load_checkpoint
 from server.bench.continuation import feed, held_out_text, sync
 from server.cache import SessionCache, SessionData
-from server.settings import REPO_ROOT
+from server.settings import REPO_ROOT, WEIGHTS_DIR, checkpoint_dir
 
 TIERS = ("device", "host", "disk", "redis")
 
@@ -45,9 +45,9 @@ def models_to_run(args) -> list[tuple[str, object]]:
     """(label, model) for every checkpoint asked for, or under weights/, or every preset asked for."""
     torch.manual_seed(0)
     chosen = []
-    paths = [Path(p) if Path(p).is_dir() else REPO_ROOT / "weights" / p for p in args.models.split(",") if p]
+    paths = [checkpoint_dir(p) for p in args.models.split(",") if p]
     if not paths and not args.presets:
-        paths = sorted(p.parent for p in (REPO_ROOT / "weights").glob("*/config.json"))
+        paths = sorted(p.parent for p in WEIGHTS_DIR.glob("*/config.json"))
     for path in paths:
         chosen.append((path.name, load_checkpoint(path, device=args.device).eval()))
     for item in filter(None, args.presets.split(",")):

@@ -32,9 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-from server.settings import REPO_ROOT
+from server.settings import REPO_ROOT, WEIGHTS_DIR, checkpoint_dir
 
-DEFAULT_MODEL = REPO_ROOT / "weights" / "transformer-xl-stdlib"
+DEFAULT_MODEL = WEIGHTS_DIR / "transformer-xl-stdlib"
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n    ",
     "class Config:\n    def __init__(self, path):\n        self.",
@@ -322,9 +322,7 @@ def main(argv: list[str]) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        model_dir = REPO_ROOT / "weights" / args.model
+    model_dir = checkpoint_dir(args.model)
     if args.random_small:
         model_dir = random_checkpoint(out)
     if not (model_dir / "model.safetensors").is_file():
