@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.interface import ArchConfig, LanguageModel, State
+from models.layers.linear import Linear
 
 
 @dataclass
@@ -160,14 +161,14 @@ class CausalLayer(nn.Module):
         self.config = c
         self.position = nn.Parameter(torch.zeros(c.context_len, c.d_model))  # this layer's positions
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.ff = nn.Sequential(
-            nn.Linear(c.d_model, c.d_inner),
+            Linear(c.d_model, c.d_inner),
             nn.ReLU(),
             nn.Dropout(c.dropout),
-            nn.Linear(c.d_inner, c.d_model),
+            Linear(c.d_inner, c.d_model),
             nn.Dropout(c.dropout),
         )
         self.drop = nn.Dropout(c.dropout)
@@ -223,11 +224,11 @@ class VanillaTransformer(LanguageModel):
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(CausalLayer(c) for _ in range(c.n_layer))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = nn.Linear(c.d_model, c.vocab_size)
+        self.head = Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         # the multiple-targets classifier (two steps ahead); separate from `head`, training only
-        self.second_head = nn.Linear(c.d_model, c.vocab_size) if c.aux_targets else None
+        self.second_head = Linear(c.d_model, c.vocab_size) if c.aux_targets else None
         self.apply(self._init_weights)
         for layer in self.layers:
             nn.init.normal_(layer.position, std=0.02)

@@ -61,7 +61,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.interface import ArchConfig, LanguageModel, State
-from models.transformer_xl import XLMemory, sinusoid_encoding
+from models.layers.linear import Linear
+from models.transformer_xl import XLMemory, extend_memory, sinusoid_encoding
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -101,18 +102,18 @@ class TwoStreamLayer(nn.Module):
         c = config
         self.config = c
         inner = c.n_head * c.d_head
-        self.q_net = nn.Linear(c.d_model, inner, bias=False)
-        self.k_net = nn.Linear(c.d_model, inner, bias=False)
-        self.v_net = nn.Linear(c.d_model, inner, bias=False)
-        self.r_net = nn.Linear(c.d_model, inner, bias=False)  # W_r: relative encodings -> keys
-        self.o_net = nn.Linear(inner, c.d_model, bias=False)
+        self.q_net = Linear(c.d_model, inner, bias=False)
+        self.k_net = Linear(c.d_model, inner, bias=False)
+        self.v_net = Linear(c.d_model, inner, bias=False)
+        self.r_net = Linear(c.d_model, inner, bias=False)  # W_r: relative encodings -> keys
+        self.o_net = Linear(inner, c.d_model, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # u (content)
         self.r_r_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # v (position)
         self.r_s_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # b (segment)
         self.seg_embed = nn.Parameter(torch.zeros(2, c.n_head, c.d_head))  # s+ (same), s- (different)
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff_in = nn.Linear(c.d_model, c.d_inner)
-        self.ff_out = nn.Linear(c.d_inner, c.d_model)
+        self.ff_in = Linear(c.d_model, c.d_inner)
+        self.ff_out = Linear(c.d_inner, c.d_model)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.activation = ACTIVATIONS[c.ff_activation]
         self.drop = nn.Dropout(c.dropout)
@@ -190,7 +191,7 @@ class XLNet(LanguageModel):
         self.mask_emb = nn.Parameter(torch.zeros(c.d_model))  # w: the query stream's input
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(TwoStreamLayer(c) for _ in range(c.n_layer))
-        self.head = nn.Linear(c.d_model, c.vocab_size)
+        self.head = Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         self.apply(self._init_weights)
@@ -298,10 +299,12 @@ class XLNet(LanguageModel):
         g = self.drop(self.mask_emb.expand(B, P, -1))  # (B, P, d)
         new_keys, new_values = [], []
         last = len(self.layers) - 1
+        # serving appends to the memory in place where it can (see extend_memory); training concatenates
+        extend = extend_memory if not torch.is_grad_enabled() else lambda m, new: torch.cat([m, new], dim=1)
         for i, layer in enumerate(self.layers):
             k, v = layer.keys_values(h)
-            keys = torch.cat([state.keys[i], k], dim=1)
-            values = torch.cat([state.values[i], v], dim=1)
+            keys = extend(state.keys[i], k)  # (B, K, H, D)
+            values = extend(state.values[i], v)
             new_keys.append(keys[:, keep:].detach())
             new_values.append(values[:, keep:].detach())
             if i < last:  # both streams at once: content rows first, then query rows

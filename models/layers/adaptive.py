@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.layers.linear import linear
+
 
 def cluster_bounds(vocab_size: int, cutoffs: list[int]) -> list[int]:
     """[0, *cutoffs, vocab_size], checked to be strictly increasing."""
@@ -73,14 +75,14 @@ class AdaptiveEmbedding(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         if len(self.tables) == 1:
             x = self.tables[0](tokens)  # (B, T, d_embed)
-            return F.linear(x, self.projections[0]) if len(self.projections) else x
+            return linear(x, self.projections[0]) if len(self.projections) else x
         flat = tokens.reshape(-1)
         out = self.projections[0].new_zeros(flat.shape[0], self.d_model)  # (B*T, d_model)
         for i, (table, projection) in enumerate(zip(self.tables, self.projections)):
             low, high = self.bounds[i], self.bounds[i + 1]
             rows = ((flat >= low) & (flat < high)).nonzero().squeeze(1)
             if rows.numel():
-                out.index_copy_(0, rows, F.linear(table(flat[rows] - low), projection))
+                out.index_copy_(0, rows, linear(table(flat[rows] - low), projection))
         return out.view(*tokens.shape, self.d_model)
 
 
@@ -144,13 +146,13 @@ class AdaptiveLogSoftmax(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])  # (N, d_model)
         b = self.bounds
         projected = self._project(h, 0)  # (N, d_0)
-        head_logits = F.linear(projected, self._cluster_vectors(0), self.bias[b[0] : b[1]])  # (N, cutoffs[0])
+        head_logits = linear(projected, self._cluster_vectors(0), self.bias[b[0] : b[1]])  # (N, cutoffs[0])
         if len(b) > 2:  # one more logit per tail cluster
-            cluster_logits = F.linear(projected, self.cluster_weight, self.cluster_bias)
+            cluster_logits = linear(projected, self.cluster_weight, self.cluster_bias)
             head_logits = torch.cat([head_logits, cluster_logits], dim=-1)
         head = F.log_softmax(head_logits.float(), dim=-1)
         pieces = [head[:, : b[1]]]
         for i in range(1, len(b) - 1):
-            tail_logits = F.linear(self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
+            tail_logits = linear(self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
             pieces.append(head[:, b[1] + i - 1, None] + F.log_softmax(tail_logits.float(), dim=-1))
         return torch.cat(pieces, dim=-1).view(*shape, b[-1])  # (..., V)

@@ -85,3 +85,30 @@ def test_training_still_gets_gradients_through_the_segment():
     log_probs2, _ = model(torch.randint(0, 256, (2, 1)), state)
     (log_probs.sum() + log_probs2.sum()).backward()
     assert model.layers[0].qkv_net.weight.grad is not None
+
+
+@torch.inference_mode()
+def test_decoding_appends_in_place_to_one_head_major_buffer():
+    model = small_model()
+    _, state = model(torch.randint(0, 256, (1, 5)), model.init_state(1))
+    buffer = state.keys[0].untyped_storage().data_ptr()
+    for _ in range(MEMORY_ROOM // 2):  # the memory slides (mem_len 16) inside the same buffer
+        _, state = model(torch.randint(0, 256, (1, 1)), state)
+    assert state.keys[0].untyped_storage().data_ptr() == buffer
+    assert state.keys[0].shape == (1, 16, 2, 16)
+    assert all(state.keys[0][0, :, h].is_contiguous() for h in range(2))  # each head: (M, D) rows together
+
+
+@torch.inference_mode()
+def test_one_row_decode_scores_positions_like_the_tables():
+    """A single decoding row takes the shared-encoding path; a batch of two takes the per-layer
+    tables. Both rows of the batch must agree with the single row."""
+    for clamp_len in (-1, 6):
+        model = small_model(clamp_len=clamp_len)
+        prompt = torch.randint(0, 256, (1, 20))
+        _, state = model(prompt, model.init_state(1))
+        step = torch.randint(0, 256, (1, 1))
+        single, _ = model(step, state)
+        _, pair_state = model(prompt.expand(2, -1), model.init_state(2))
+        pair, _ = model(step.expand(2, -1), pair_state)
+        torch.testing.assert_close(pair, single.expand(2, -1, -1), rtol=0, atol=1e-5)
