@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 from models.interface import LanguageModel
+from models.layers.linear import choose_kernels
 
 ARCHITECTURES: dict[str, str] = {
     "transformer-xl": "models.transformer_xl:TransformerXL",
@@ -29,4 +30,6 @@ def model_class(architecture: str) -> type[LanguageModel]:
 
 def build_model(architecture: str, config: dict) -> LanguageModel:
     cls = model_class(architecture)
-    return cls(cls.config_class.from_dict(config))
+    model = cls(cls.config_class.from_dict(config))
+    choose_kernels(model)  # decoding kernels suited to the model's size (models/layers/linear.py)
+    return model

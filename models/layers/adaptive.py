@@ -54,6 +54,8 @@ def cluster_widths(d_embed: int, n_clusters: int, div_val: int) -> list[int]:
 class AdaptiveEmbedding(nn.Module):
     """tokens (B, T) -> (B, T, d_model), unscaled."""
 
+    streaming = False  # products through models/layers/linear.py's streaming path (choose_kernels)
+
     def __init__(self, vocab_size: int, d_embed: int, d_model: int, cutoffs: list[int], div_val: int):
         super().__init__()
         self.bounds = cluster_bounds(vocab_size, cutoffs)
@@ -75,19 +77,21 @@ class AdaptiveEmbedding(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         if len(self.tables) == 1:
             x = self.tables[0](tokens)  # (B, T, d_embed)
-            return linear(x, self.projections[0]) if len(self.projections) else x
+            return linear(x, self.projections[0], streaming=self.streaming) if len(self.projections) else x
         flat = tokens.reshape(-1)
         out = self.projections[0].new_zeros(flat.shape[0], self.d_model)  # (B*T, d_model)
         for i, (table, projection) in enumerate(zip(self.tables, self.projections)):
             low, high = self.bounds[i], self.bounds[i + 1]
             rows = ((flat >= low) & (flat < high)).nonzero().squeeze(1)
             if rows.numel():
-                out.index_copy_(0, rows, linear(table(flat[rows] - low), projection))
+                out.index_copy_(0, rows, linear(table(flat[rows] - low), projection, streaming=self.streaming))
         return out.view(*tokens.shape, self.d_model)
 
 
 class AdaptiveLogSoftmax(nn.Module):
     """hidden (..., d_model) -> log-probabilities (..., vocab_size) in float32."""
+
+    streaming = False  # products through models/layers/linear.py's streaming path (choose_kernels)
 
     def __init__(
         self,
@@ -146,13 +150,16 @@ class AdaptiveLogSoftmax(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])  # (N, d_model)
         b = self.bounds
         projected = self._project(h, 0)  # (N, d_0)
-        head_logits = linear(projected, self._cluster_vectors(0), self.bias[b[0] : b[1]])  # (N, cutoffs[0])
+        # (N, cutoffs[0])
+        head_logits = linear(projected, self._cluster_vectors(0), self.bias[b[0] : b[1]], self.streaming)
         if len(b) > 2:  # one more logit per tail cluster
-            cluster_logits = linear(projected, self.cluster_weight, self.cluster_bias)
+            cluster_logits = linear(projected, self.cluster_weight, self.cluster_bias, self.streaming)
             head_logits = torch.cat([head_logits, cluster_logits], dim=-1)
         head = F.log_softmax(head_logits.float(), dim=-1)
         pieces = [head[:, : b[1]]]
         for i in range(1, len(b) - 1):
-            tail_logits = linear(self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
+            tail_logits = linear(
+                self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]], self.streaming
+            )
             pieces.append(head[:, b[1] + i - 1, None] + F.log_softmax(tail_logits.float(), dim=-1))
         return torch.cat(pieces, dim=-1).view(*shape, b[-1])  # (..., V)

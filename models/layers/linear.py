@@ -11,9 +11,15 @@ once at close to the bandwidth, and a single row padded to two runs at that same
 Matrices wider in than out (the feed-forward's second product) keep `F.linear` for one row
 and for four, where it measured as fast or faster.
 
+That holds only while the weights stream from RAM. Weights that stay in the cache (our own
+2M-parameter checkpoints, 8 MB) are multiplied faster by `F.linear` itself, and the extra
+calls of this path cost more than they save (a (576, 192) product: 17 us by `F.linear`, 61 us
+here). So the path is switched on per model, by `choose_kernels`, only when the model's weights
+are larger than STREAMING_BYTES; `build_model` calls it.
+
 The result is the same product summed in another order: equal to `F.linear` to float32
-rounding, not bit for bit. Training, autograd, other devices, other dtypes and more than four
-rows take `F.linear` unchanged.
+rounding, not bit for bit. Training, autograd, other devices, other dtypes, more than four rows
+and models that fit in the cache take `F.linear` unchanged.
 """
 
 from __future__ import annotations
@@ -23,14 +29,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 MAX_ROWS = 4  # beyond this F.linear's own kernel is as good as any (measured at 4, 8, 16 rows)
+STREAMING_BYTES = 48 << 20  # weights beyond this cannot stay in the cache (32 MB last level here)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias) for x (..., in_features), weight (out_features, in_features)."""
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, streaming: bool = True) -> Tensor:
+    """F.linear(x, weight, bias) for x (..., in_features), weight (out_features, in_features);
+    `streaming` False: F.linear always."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features if in_features else 0
     if (
-        rows == 0
+        not streaming
+        or rows == 0
         or rows > MAX_ROWS
         or torch.is_grad_enabled()
         or x.device.type != "cpu"
@@ -51,5 +60,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict keys) whose forward goes through `linear`."""
 
+    streaming = False  # set by choose_kernels
+
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.streaming)
+
+
+def choose_kernels(model: nn.Module, threshold: int = STREAMING_BYTES) -> bool:
+    """Switch the streaming path on in every layer of `model` that has one (`streaming`
+    attribute) when the model's parameters take more than `threshold` bytes, off otherwise.
+    Returns the choice."""
+    streaming = sum(p.numel() * p.element_size() for p in model.parameters()) > threshold
+    for module in model.modules():
+        if hasattr(module, "streaming"):
+            module.streaming = streaming
+    return streaming

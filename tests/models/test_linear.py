@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers.linear import MAX_ROWS, Linear, linear
+from models.layers.linear import MAX_ROWS, Linear, choose_kernels, linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
@@ -33,6 +33,7 @@ def test_inputs_of_any_layout():
 
 def test_training_and_many_rows_take_f_linear_bit_for_bit():
     layer = Linear(24, 64)
+    layer.streaming = True
     x = torch.randn(3, 24, requires_grad=True)
     out = layer(x)  # grad enabled: F.linear itself
     assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
@@ -51,3 +52,40 @@ def test_same_parameters_as_nn_linear():
     with torch.inference_mode():
         x = torch.randn(1, 24)
         torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_stay_on_f_linear_unless_switched_on():
+    layer = Linear(24, 64)
+    x = torch.randn(1, 24)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # off by default
+
+
+def test_choose_kernels_by_model_size():
+    """Small models stay in the cache and keep F.linear; large ones stream and switch over, in
+    every layer that has the switch (the adaptive softmax included)."""
+    from models.registry import build_model
+    from models.transformer_xl import TransformerXL, TransformerXLConfig
+
+    small = build_model("transformer-xl", {"n_layer": 1, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64})
+    assert not any(getattr(m, "streaming", False) for m in small.modules())
+
+    config = TransformerXLConfig(n_layer=1, d_model=32, n_head=2, d_head=16, d_inner=64, vocab_size=1000,
+                                 adaptive=True, cutoffs=[100, 500], div_val=2, mem_len=8)
+    model = TransformerXL(config).eval()
+    assert choose_kernels(model, threshold=1000)
+    switched = [m for m in model.modules() if hasattr(m, "streaming")]
+    assert len(switched) >= 5 and all(m.streaming for m in switched)
+
+    # the same log-probabilities either way, decoding token by token
+    tokens = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        runs = []
+        for threshold in (1000, 1 << 40):
+            choose_kernels(model, threshold)
+            state, out = model.init_state(1), []
+            for i in range(tokens.shape[1]):
+                log_probs, state = model(tokens[:, i : i + 1], state)
+                out.append(log_probs)
+            runs.append(torch.cat(out, dim=1))
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=1e-5)
