@@ -9,9 +9,12 @@ greedy generation of --max-tokens tokens after a short code prompt, measured twi
 - engine: the same load submitted straight to an in-process `Engine` (in another subprocess),
   no HTTP: the ceiling, so http / engine is what the HTTP layer costs.
 
-Reported per level: aggregate generated tokens/s, p50/p99 time to first token (request sent ->
-first token received) and p50/p99 inter-token latency (gap between consecutive tokens of one
-stream, as received). Results go to bench-results/throughput.json and throughput.png, and a
+The two alternate in --rounds rounds (default 3; single runs drift by 20-30% on this machine)
+and each level reports its median round. Reported per level: aggregate generated tokens/s (and
+every round's), p50/p99 time to first token (request sent -> first token received), p50/p99
+inter-token latency (gap between consecutive tokens of one stream, as received) and, over HTTP,
+the CPU the server and the load generator used (in cores: the server near 1.0 means its engine
+thread and event loop take turns on one interpreter lock). Results go to bench-results/throughput.json and throughput.png, and a
 table is printed. Goals (issue 4, 2 CPU cores, the shipped transformer-xl-stdlib): 16 streams
 >= 6x the tokens/s of one stream; http >= 90% of engine throughput.
 
@@ -102,7 +105,8 @@ async def http_request(host: str, port: int, body: dict, ttft: list, itl: list) 
         writer.close()
 
 
-async def http_level(host: str, port: int, model: str, concurrency: int, per_stream: int, max_tokens: int) -> dict:
+async def http_level(host: str, port: int, model: str, concurrency: int, per_stream: int, max_tokens: int,
+                     server_pid: int | None = None) -> dict:
     ttft, itl = [], []
 
     async def stream(index: int) -> int:
@@ -113,10 +117,24 @@ async def http_level(host: str, port: int, model: str, concurrency: int, per_str
             total += await http_request(host, port, body, ttft, itl)
         return total
 
-    start = time.perf_counter()
+    start, client_cpu, server_cpu = time.perf_counter(), time.process_time(), process_cpu_seconds(server_pid)
     tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
     wall = time.perf_counter() - start
-    return summarise(concurrency, wall, tokens, ttft, itl)
+    result = summarise(concurrency, wall, tokens, ttft, itl)
+    # the load generator shares the machine's cores with the server: say how much it took
+    result["client_cpu_share"] = round((time.process_time() - client_cpu) / wall, 3)
+    if server_cpu is not None:
+        result["server_cpu_share"] = round((process_cpu_seconds(server_pid) - server_cpu) / wall, 3)
+    return result
+
+
+def process_cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system) of process `pid` so far, from /proc (None where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
 
 
 def start_server(model_dir: Path, env: dict, timeout: float = 180) -> tuple[subprocess.Popen, int]:
@@ -147,25 +165,43 @@ def start_server(model_dir: Path, env: dict, timeout: float = 180) -> tuple[subp
     raise RuntimeError(f"the server was not ready within {timeout}s")
 
 
-def run_http(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int,
-             device: str) -> list[dict]:
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """Per level, the round with the median tokens/s (a real measured row, latencies included),
+    with every round's tokens/s beside it."""
+    rows = []
+    for measured in zip(*rounds):
+        ordered = sorted(measured, key=lambda r: r["tokens_per_s"] or 0)
+        rows.append({**ordered[len(ordered) // 2], "tokens_per_s_rounds": [r["tokens_per_s"] for r in measured]})
+    return rows
+
+
+def measure(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int, device: str,
+            rounds: int) -> tuple[list[dict], list[dict]]:
+    """(engine rows, http rows): the in-process engine and the server over HTTP, measured in
+    alternating rounds (engine, then HTTP, `rounds` times), so that the machine's drift, which
+    moves single runs by 20-30% here, falls on both alike; each level reports its median round."""
     env = {"XLSERVE_TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads), "XLSERVE_DEVICE": device,
            "XLSERVE_MAX_BATCH_SIZE": str(max(levels)), "XLSERVE_MAX_TOKENS_LIMIT": str(max(4096, max_tokens))}
-    process, port = start_server(model_dir, env)
+    process, port = start_server(model_dir, env)  # idle while the engine runs
+    engine_rounds, http_rounds = [], []
     try:
-        results = []
         asyncio.run(http_level("127.0.0.1", port, model_dir.name, 1, 1, 8))  # warm-up
-        for concurrency in levels:
-            results.append(asyncio.run(http_level("127.0.0.1", port, model_dir.name, concurrency,
-                                                  per_stream, max_tokens)))
-            print(f"  http   {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s", flush=True)
-        return results
+        for round_index in range(rounds):
+            engine_rounds.append(run_engine(model_dir, levels, per_stream, max_tokens, threads, device))
+            results = []
+            for concurrency in levels:
+                results.append(asyncio.run(http_level("127.0.0.1", port, model_dir.name, concurrency,
+                                                      per_stream, max_tokens, process.pid)))
+                print(f"  http   {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s "
+                      f"(round {round_index + 1} of {rounds})", flush=True)
+            http_rounds.append(results)
     finally:
         process.terminate()
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+    return median_rows(engine_rounds), median_rows(http_rounds)
 
 
 # -- the in-process engine (a subprocess, with torch) ----------------------------------------
@@ -313,6 +349,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma list of concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--requests-per-stream", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating engine/HTTP rounds; each level reports its median round")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="torch threads of the server and the engine (default: one core left to the event loop "
                              "and the client)")
@@ -331,12 +369,13 @@ def main(argv: list[str]) -> None:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     print(f"throughput of {model_dir.name}: {levels} streams x {args.requests_per_stream} requests x "
           f"{args.max_tokens} tokens, {args.threads} torch threads", flush=True)
-    engine = run_engine(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device)
-    http = run_http(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device)
+    engine, http = measure(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device,
+                           args.rounds)
 
     payload = {
         "benchmark": "throughput", "model": str(model_dir), "random_weights": args.random_small,
-        "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream, "threads": args.threads,
+        "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream, "rounds": args.rounds,
+        "threads": args.threads,
         "device": args.device, "cpu_count": os.cpu_count(), "http": http, "engine": engine, "goals": goals(http, engine),
     }
     (out / "throughput.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -15,7 +15,7 @@ def test_throughput_bench_smoke(tmp_path):
     out = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "server.cli", "bench", "throughput", "--model", str(checkpoint), "--concurrency", "1,2",
-         "--max-tokens", "4", "--requests-per-stream", "1", "--threads", "1", "--out", str(out)],
+         "--max-tokens", "4", "--requests-per-stream", "1", "--rounds", "2", "--threads", "1", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -23,5 +23,8 @@ def test_throughput_bench_smoke(tmp_path):
     assert [r["concurrency"] for r in result["http"]] == [1, 2] == [r["concurrency"] for r in result["engine"]]
     assert all(r["generated_tokens"] == 4 * r["concurrency"] for r in result["http"] + result["engine"])
     assert all(r["ttft_p50_s"] is not None for r in result["http"] + result["engine"])
+    assert all(len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] in r["tokens_per_s_rounds"]
+               for r in result["http"] + result["engine"])
+    assert all(r["server_cpu_share"] > 0 and r["client_cpu_share"] > 0 for r in result["http"])
     assert (out / "throughput.png").stat().st_size > 0
     assert "http/eng" in done.stdout
