@@ -6,8 +6,9 @@ bound by how fast the weights stream from memory. On the x86 CPU build of torch 
 `F.linear` with 1-3 rows reaches well under half of the memory bandwidth, and costs nearly one
 full pass over the weight per row; `torch.mm(weight, x.t())` with 2-3 rows streams the weight
 once at close to the bandwidth, and a single row padded to two runs at that same speed
-(measured with `xlserve`'s decode profiles: a (32000, 768) product 8.7 ms for one row by
-`F.linear`, 5.2 ms by the padded product; twelve (2048, 512) products 11 ms against 5 ms).
+(measured on this project's 2-core machine, weights larger than the cache: a (32000, 768)
+product 8.7 ms for one row by `F.linear`, 5.2 ms by the padded product; twelve (2048, 512)
+products 11 ms against 5 ms).
 Matrices wider in than out (the feed-forward's second product) keep `F.linear` for one row
 and for four, where it measured as fast or faster.
 
@@ -49,7 +50,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, streaming: boo
     ):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, in_features).contiguous()  # the kernels are fast for row-major rows only
-    if rows == 1:  # a lone row runs at half speed in every kernel; a second copy costs nothing
+    if rows == 1:  # a lone row runs at half speed through either kernel; a second copy costs nothing
         flat = flat.expand(2, in_features).contiguous()
     out = torch.mm(weight, flat.t())[:, :rows].t().contiguous()  # (rows, out_features), row-major as F.linear's
     if bias is not None:
