@@ -25,8 +25,9 @@ The memory carried to the next segment is this segment's content stream, compute
 Serving (`forward`) uses the left-to-right order, one of the orders training covers. The content
 stream of each new token is computed once (it sees the memory and the tokens before it) and
 its keys and values per layer join the memory (`XLMemory`, the same value type as
-Transformer-XL's, appended in place into head-major buffers by the same `extend_memory`). The query stream of the position after each token predicts the next token
-from the memory and the tokens up to it; one generated token is one incremental step. The top
+Transformer-XL's, appended in place into head-major buffers by the same `extend_memory`). The
+query stream of the position after each token predicts the next token from the memory and the
+tokens up to it; one generated token is one incremental step. The top
 layer's content stream is never read (nothing attends to it and it predicts nothing), so only
 its keys and values are computed.
 
