@@ -178,7 +178,8 @@ def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
     B, M, H, D = memory.shape
     T = new.shape[1]
     storage = memory.untyped_storage()
-    if getattr(storage, "_xl_filled", None) is not None and memory.dtype == new.dtype and memory.device == new.device:
+    reusable = getattr(storage, "_xl_filled", None) is not None and memory.dtype == new.dtype and memory.device == new.device
+    if reusable and B * H * D > 0:
         capacity = storage.nbytes() // (B * H * D * memory.element_size())
         offset = memory.storage_offset()
         if (
