@@ -672,6 +672,7 @@ class Submission:
 
     async def events(self) -> AsyncIterator[object]:
         name, metrics = self.engine.name, self.engine.metrics
+        inter_token = metrics.inter_token_latency.labels(name)  # looked up once: observed at every token
         first_token_at, last_token_at = None, {}
         try:
             while True:
@@ -685,7 +686,7 @@ class Submission:
                         metrics.time_to_first_token.labels(name).observe(now - self.submitted_at)
                     previous = last_token_at.get(event.index)
                     if previous is not None:
-                        metrics.inter_token_latency.labels(name).observe(now - previous)
+                        inter_token.observe(now - previous)
                     last_token_at[event.index] = now
                 yield event
                 if isinstance(event, (Finished, Appended)):
