@@ -163,7 +163,8 @@ _CLAIM = threading.Lock()  # two threads continuing the same state must not both
 
 def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
     """torch.cat([memory, new], dim=1) for (B, M, H, D) + (B, T, H, D), without copying `memory`
-    when it can be avoided (inference only; the caller checks).
+    when it can be avoided. With autograd on (training) it is torch.cat itself: a buffer written
+    in place would break the graph.
 
     The result is a (B, M + T, H, D) view of a head-major buffer (B, H, capacity, D) with
     MEMORY_ROOM spare positions after it. Head-major because decoding reads each head's keys and
@@ -175,11 +176,13 @@ def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
     written, so every earlier state stays valid: a second continuation of the same state (a
     retry, a fork) finds the room taken and copies instead.
     """
+    if torch.is_grad_enabled():
+        return torch.cat([memory, new], dim=1)
     B, M, H, D = memory.shape
     T = new.shape[1]
     storage = memory.untyped_storage()
-    reusable = getattr(storage, "_xl_filled", None) is not None and memory.dtype == new.dtype and memory.device == new.device
-    if reusable and B * H * D > 0:
+    ours = getattr(storage, "_xl_filled", None) is not None  # a buffer this function made
+    if ours and memory.dtype == new.dtype and memory.device == new.device and B * H * D > 0:
         capacity = storage.nbytes() // (B * H * D * memory.element_size())
         offset = memory.storage_offset()
         if (
@@ -251,9 +254,8 @@ class RelativeAttentionLayer(nn.Module):
         h = self.attn_norm(x) if c.pre_norm else x
         q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
         inference = not torch.is_grad_enabled()
-        extend = extend_memory if inference else lambda m, new: torch.cat([m, new], dim=1)
-        keys = extend(mem_keys, k)  # (B, K, H, D)
-        values = extend(mem_values, v)
+        keys = extend_memory(mem_keys, k)  # (B, K, H, D)
+        values = extend_memory(mem_values, v)
         K = keys.shape[1]
 
         # decode (one new position): the memory lies head-major (see extend_memory), so each

@@ -300,12 +300,10 @@ class XLNet(LanguageModel):
         g = self.drop(self.mask_emb.expand(B, P, -1))  # (B, P, d)
         new_keys, new_values = [], []
         last = len(self.layers) - 1
-        # serving appends to the memory in place where it can (see extend_memory); training concatenates
-        extend = extend_memory if not torch.is_grad_enabled() else lambda m, new: torch.cat([m, new], dim=1)
         for i, layer in enumerate(self.layers):
             k, v = layer.keys_values(h)
-            keys = extend(state.keys[i], k)  # (B, K, H, D)
-            values = extend(state.values[i], v)
+            keys = extend_memory(state.keys[i], k)  # (B, K, H, D); in place when serving
+            values = extend_memory(state.values[i], v)
             new_keys.append(keys[:, keep:].detach())
             new_values.append(values[:, keep:].detach())
             if i < last:  # both streams at once: content rows first, then query rows

@@ -14,9 +14,10 @@ and each level reports its median round. Reported per level: aggregate generated
 every round's), p50/p99 time to first token (request sent -> first token received), p50/p99
 inter-token latency (gap between consecutive tokens of one stream, as received) and, over HTTP,
 the CPU the server and the load generator used (in cores: the server near 1.0 means its engine
-thread and event loop take turns on one interpreter lock). Results go to bench-results/throughput.json and throughput.png, and a
-table is printed. Goals (issue 4, 2 CPU cores, the shipped transformer-xl-stdlib): 16 streams
->= 6x the tokens/s of one stream; http >= 90% of engine throughput.
+thread and event loop take turns on one interpreter lock). Results go to
+bench-results/throughput.json and throughput.png, and a table is printed. Goals (issue 4, 2 CPU
+cores, the shipped transformer-xl-stdlib): 16 streams >= 6x the tokens/s of one stream; http >=
+90% of engine throughput.
 
 Run it alone: on 2 cores a second torch-heavy process (a training run, a test suite) slows
 both about 5x and the numbers mean nothing. Speed does not depend on the weights, so before

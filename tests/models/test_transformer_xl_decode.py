@@ -70,6 +70,7 @@ def test_split_rows_continue_like_the_batch():
     assert torch.equal(again, batched)
 
 
+@torch.inference_mode()
 def test_extend_memory_is_a_concatenation():
     memory = torch.randn(2, 5, 3, 4)
     for _ in range(MEMORY_ROOM + 3):
@@ -77,6 +78,14 @@ def test_extend_memory_is_a_concatenation():
         extended = extend_memory(memory, new)
         assert torch.equal(extended, torch.cat([memory, new], dim=1))
         memory = extended[:, 1:]  # keep a sliding window, as the model does
+
+
+def test_extend_memory_under_autograd_is_torch_cat():
+    memory, new = torch.randn(2, 5, 3, 4, requires_grad=True), torch.randn(2, 1, 3, 4)
+    extended = extend_memory(memory, new)
+    assert torch.equal(extended, torch.cat([memory, new], dim=1)) and extended.is_contiguous()
+    extended.sum().backward()
+    assert torch.equal(memory.grad, torch.ones_like(memory))
 
 
 def test_training_still_gets_gradients_through_the_segment():
