@@ -1,8 +1,10 @@
 """The FastAPI application: `build_app(settings)` and its lifespan.
 
-The lifespan loads every configured checkpoint onto the device, creates the session cache,
-one engine per model and the metrics registry; on shutdown it stops admitting, closes the
-engines and lets the cache write its sessions down.
+The lifespan starts the engine process (server/engine_process.py: every configured checkpoint
+on the device, one engine per model, the session cache) and waits until it is ready; this
+process keeps the HTTP side: routing, validation, authentication, streaming, and the metrics a
+client sees. On shutdown it stops admitting, then tells the engine process to close its engines
+and let the cache write its sessions down.
 """
 
 from __future__ import annotations
@@ -12,52 +14,27 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI
 
-from models.checkpoint import load_checkpoint, read_config
+from models.checkpoint import read_config
 from models.tokenizer import tokenizer_for_checkpoint
 from server.api import completions, health, models, sessions, ws
 from server.api.admission import AdmissionMiddleware
 from server.api.deps import AppState, ServedModel
-from server.cache import SessionCache
-from server.engine import Engine
+from server.engine_client import EngineClient
 from server.errors import install_error_handlers
 from server.metrics import Metrics
 from server.settings import Settings
 
 
-def pick_device(setting: str) -> torch.device:
-    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("XLSERVE_DEVICE=cuda but torch sees no CUDA device")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
-    # CPUs without native bfloat16 run it ~50x slower, so bfloat16 is only ever used on CUDA
-    if setting == "bfloat16" and device.type == "cuda":
-        return torch.bfloat16
-    return torch.float32
-
-
-def load_models(settings: Settings, metrics: Metrics) -> dict[str, ServedModel]:
-    device = pick_device(settings.device)
-    dtype = pick_dtype(settings.dtype, device)
+def served_models(engine: EngineClient) -> dict[str, ServedModel]:
+    """What the engine process loaded, with a tokenizer here for prompts and logprob names."""
     served = {}
-    for directory in settings.model_dirs():
-        directory = Path(directory)
-        model = load_checkpoint(directory, device=device).to(dtype)
-        name = directory.name
+    for described in engine.models:
+        directory = Path(described["directory"])
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
-        served[name] = ServedModel(
-            name=name, model=model, tokenizer=tokenizer,
-            engine=Engine(name, model, tokenizer, metrics, settings.prefill_chunk_tokens,
-                          max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests),
-            created=int((directory / "config.json").stat().st_mtime),
-            parameters=sum(p.numel() for p in model.parameters()),
-        )
+        served[described["name"]] = ServedModel(described["name"], tokenizer, described["vocab_size"],
+                                                described["card"])
     return served
 
 
@@ -69,10 +46,13 @@ async def drain(app: FastAPI, grace_seconds: float) -> None:
     if state is None:
         return
     state.draining, state.ready = True, False
-    for served in state.models.values():
-        served.engine.stop_admitting()
+    if state.engine is None or not state.engine.alive:
+        return
+    await state.engine.stop_admitting()
     deadline = time.monotonic() + grace_seconds
-    while (state.inflight > 0 or not all(s.engine.idle for s in state.models.values())) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and state.engine.alive:
+        if state.inflight == 0 and await state.engine.idle():
+            break
         await asyncio.sleep(0.05)
 
 
@@ -81,23 +61,18 @@ def build_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if settings.torch_threads > 0:
-            torch.set_num_threads(settings.torch_threads)
         metrics = Metrics()
-        cache = SessionCache.from_settings(settings, metrics)
-        state = AppState(settings=settings, metrics=metrics, cache=cache, api_keys=settings.api_key_list())
+        state = AppState(settings=settings, metrics=metrics, api_keys=settings.api_key_list())
         app.state.xlserve = state
-        state.models = await asyncio.to_thread(load_models, settings, metrics)
-        # sessions written down by an earlier run (graceful or killed) are found again here
-        await asyncio.to_thread(cache.open, {name: served.model for name, served in state.models.items()})
+        # loads the models and finds the sessions an earlier run wrote down (graceful or killed)
+        state.engine = await EngineClient(settings, metrics).start()
+        state.models = served_models(state.engine)
         state.ready = True
         try:
             yield
         finally:
             state.ready = False
-            for served in state.models.values():
-                served.engine.close()
-            state.cache.close()
+            await state.engine.close()
 
     app = FastAPI(title="xlserve", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

@@ -153,7 +153,7 @@ class _Row:
 
 class _Job:
     def __init__(self, kind: str, prompt: list[int], start: SessionData, params: SamplingParams,
-                 keep_state: bool, score: bool, cancelled: threading.Event, tokenizer, submission: "Submission"):
+                 keep_state: bool, score: bool, cancelled: threading.Event, tokenizer, submission: object):
         self.kind = kind  # "generate" or "append"
         self.prompt = prompt
         self.params = params
@@ -200,7 +200,7 @@ def _state_tensors(state: State) -> list[torch.Tensor]:
 
 class Engine:
     def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, prefill_chunk: int = 512,
-                 max_batch_size: int = 64, max_queued: int = 256):
+                 max_batch_size: int = 64, max_queued: int = 256, sink=None):
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -216,7 +216,10 @@ class Engine:
         self._closed = False
         self._groups: list[_Group] = []
         self._ragged_ok: dict[type, bool] = {}  # state class -> its concat handles rows of different shapes
-        self._outbox: list[tuple[Submission, object]] = []  # events of the current step
+        self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
+        # where events go: by default to the asyncio loop of each request's Submission; the engine
+        # process (server/engine_process.py) passes a sink that writes them to the API process
+        self._sink = sink
         self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # handed over, not yet delivered
         self._delivery_lock = threading.Lock()
         self._m_waiting = metrics.requests_waiting.labels(name)
@@ -240,9 +243,14 @@ class Engine:
         if job.params.max_tokens > 0 and not job.prompt and job.start.next_log_probs is None:
             raise ValueError("nothing to continue from: give a prompt")
         submission = Submission(self, job.cancelled)
-        self._enqueue(_Job("generate", list(job.prompt), job.start, job.params, job.keep_state, False,
-                           job.cancelled, self.tokenizer, submission))
+        self.enqueue("generate", job.prompt, job.start, job.params, job.keep_state, False, job.cancelled, submission)
         return submission
+
+    def enqueue(self, kind: str, prompt: list[int], start: SessionData, params: SamplingParams, keep_state: bool,
+                score: bool, cancelled: threading.Event, handle: object) -> None:
+        """Queue a "generate" or "append" job whose events go, as (handle, event) pairs, to the
+        sink (or, without one, to `handle`, a Submission). Raises QueueFull or ShuttingDown."""
+        self._enqueue(_Job(kind, list(prompt), start, params, keep_state, score, cancelled, self.tokenizer, handle))
 
     def _enqueue(self, job: _Job) -> None:
         with self._cond:
@@ -285,8 +293,7 @@ class Engine:
         scored (a first token with no context is not)."""
         cancelled = cancelled or threading.Event()
         submission = Submission(self, cancelled)
-        self._enqueue(_Job("append", list(tokens), start, SamplingParams(max_tokens=0), False, score,
-                           cancelled, self.tokenizer, submission))
+        self.enqueue("append", tokens, start, SamplingParams(max_tokens=0), False, score, cancelled, submission)
         events = submission.events()
         try:
             async for event in events:
@@ -625,6 +632,10 @@ class Engine:
         takes them all in one go, so a loaded loop costs the worker no system calls."""
         if not self._outbox:
             return
+        if self._sink is not None:
+            outbox, self._outbox = self._outbox, []
+            self._sink(outbox)
+            return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for submission, event in self._outbox:
             by_loop.setdefault(submission.loop, []).append((submission, event))
@@ -653,10 +664,12 @@ class Engine:
 
 
 class Submission:
-    """The consumer's side of a request: an event queue filled by the worker thread."""
+    """The consumer's side of a request: an event queue filled by the worker thread (or, for
+    an engine in the engine process, by server/engine_client.py's reader: `RemoteSubmission`)."""
 
     def __init__(self, engine: Engine, cancelled: threading.Event):
         self.engine = engine
+        self.name, self.metrics = engine.name, engine.metrics
         self.cancelled = cancelled
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -666,12 +679,16 @@ class Submission:
         """Stop the request: the engine drops it at its next step; `events()` raises Cancelled
         at once. Nothing is committed."""
         if not self.cancelled.is_set():
-            self.cancelled.set()
+            self._stop()
             self.queue.put_nowait(Cancelled())
-            self.engine.wake()
+
+    def _stop(self) -> None:
+        """Tell the engine to drop the request (a no-op for one that has finished)."""
+        self.cancelled.set()
+        self.engine.wake()
 
     async def events(self) -> AsyncIterator[object]:
-        name, metrics = self.engine.name, self.engine.metrics
+        name, metrics = self.name, self.metrics
         inter_token = metrics.inter_token_latency.labels(name)  # looked up once: observed at every token
         first_token_at, last_token_at = None, {}
         try:
@@ -693,5 +710,4 @@ class Submission:
                     metrics.e2e_latency.labels(name).observe(time.monotonic() - self.submitted_at)
                     return
         finally:
-            self.cancelled.set()  # no-op when finished; the engine drops the job when the consumer left
-            self.engine.wake()
+            self._stop()  # no-op when finished; the engine drops the job when the consumer left

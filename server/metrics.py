@@ -1,6 +1,12 @@
 """Every Prometheus metric xlserve exports, on a registry created per app.
 
 Names follow vLLM's style (xlserve_<what>_<unit>), all labelled by model.
+
+The server runs two processes (server/engine_process.py) and each creates a `Metrics`. Each
+family is recorded by exactly one of them: the API process records what a client sees (time to
+first token, inter-token and end-to-end latency as streamed, errors by type, memory reuse and
+state size at commit: `API_FAMILIES`); the engine process records the rest (tokens, queue,
+batch sizes, outcomes, the session cache). /metrics renders both halves into one exposition.
 """
 
 from __future__ import annotations
@@ -9,6 +15,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
+
+
+API_FAMILIES = frozenset({
+    "xlserve_time_to_first_token_seconds", "xlserve_inter_token_latency_seconds",
+    "xlserve_e2e_request_latency_seconds", "xlserve_request_errors", "xlserve_memory_reused_tokens",
+    "xlserve_state_bytes_per_session",
+})
+
+
+class _Families:
+    """A registry seen through a filter on family names (for generate_latest)."""
+
+    def __init__(self, registry: CollectorRegistry, keep):
+        self.registry, self.keep = registry, keep
+
+    def collect(self):
+        return [family for family in self.registry.collect() if self.keep(family.name)]
 
 
 class Metrics:
@@ -70,5 +93,9 @@ class Metrics:
             ["model", "tier"], buckets=(0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS, registry=r,
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, engine_side: bool | None = None) -> bytes:
+        """The exposition: every family (None), the engine process's half (True) or the API
+        process's half (False)."""
+        if engine_side is None:
+            return generate_latest(self.registry)
+        return generate_latest(_Families(self.registry, lambda name: (name in API_FAMILIES) != engine_side))

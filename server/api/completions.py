@@ -18,6 +18,7 @@ stream started is sent in the stream as `data: {"error": {...}}`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.deps import AppState, app_state, owner_of, session_errors
 from server.cache import CacheError
-from server.engine import Cancelled, ChoiceFinished, Finished, GenerationJob, PromptLogprobs, Submission, TokenEvent
+from server.engine import Cancelled, ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
 from server.errors import InvalidRequest, as_api_error
 from server.sampling import SamplingParams
 
@@ -96,7 +97,7 @@ def prompt_tokens(state: AppState, served, prompt: str | list[int]) -> list[int]
     if len(tokens) > limit:
         raise InvalidRequest(f"prompt is {len(tokens)} tokens; the limit is {limit} (XLSERVE_MAX_PROMPT_BYTES)",
                              param="prompt", code="prompt_too_long")
-    vocab = served.model.vocab_size
+    vocab = served.vocab_size
     bad = next((t for t in tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
@@ -109,24 +110,24 @@ def error_for(error: BaseException):
 
 
 async def acquire_lease(state: AppState, session_id: str, owner: str | None):
-    """Take a session's lease off the event loop (the state may come back from disk or Redis).
-    If the caller is cancelled meanwhile (client gone), the lease is released when it arrives,
-    so it never stays pinned."""
-    work = asyncio.ensure_future(asyncio.to_thread(state.cache.acquire, session_id, owner))
+    """Take a session's lease (in the engine process, where the state may come back from disk
+    or Redis). If the caller is cancelled meanwhile (client gone), the lease is released when it
+    arrives, so it never stays pinned."""
+    work = asyncio.ensure_future(state.engine.acquire(session_id, owner))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
         work.add_done_callback(
-            lambda done: done.cancelled() or done.exception() is not None or state.cache.release(done.result()))
+            lambda done: done.cancelled() or done.exception() is not None or state.engine.release(done.result()))
         raise
     except CacheError as error:
         raise session_errors(error, session_id) from None
 
 
 class Generation:
-    """One generation in flight (HTTP or websocket): validated parameters, the session lease,
-    the engine job. `await start()` takes the lease, `submit()` queues the job, `commit()` /
-    `release()` end the lease."""
+    """One generation in flight (HTTP or websocket): validated parameters, the session lease.
+    `await start()` takes the lease, `await submit()` queues the generation in the engine
+    process, `commit()` / `release()` end the lease."""
 
     def __init__(self, state: AppState, body: SamplingFields, owner: str | None, echo: bool = False, n: int = 1):
         self.state, self.body, self.owner, self.echo = state, body, owner, echo
@@ -141,11 +142,9 @@ class Generation:
                                  param="n")
         self.tokens = prompt_tokens(state, self.served, body.prompt)
         self.lease = None
-        self.job: GenerationJob | None = None
 
     async def start(self) -> "Generation":
-        """Take the session's lease (its state may come back from host RAM, disk or Redis) and
-        build the engine job."""
+        """Take the session's lease (its state may come back from host RAM, disk or Redis)."""
         body, state = self.body, self.state
         if body.session_id:
             self.lease = await acquire_lease(state, body.session_id, self.owner)
@@ -153,18 +152,16 @@ class Generation:
                 self.release()
                 raise InvalidRequest(f"session '{body.session_id}' belongs to model '{self.lease.info.model}'",
                                      param="model")
-            start = self.lease.data
-        else:
-            start = self.served.engine.fresh_data()
-        if not self.tokens and start.next_log_probs is None and (body.max_tokens > 0 or self.echo):
+        has_history = self.lease is not None and self.lease.has_history
+        if not self.tokens and not has_history and (body.max_tokens > 0 or self.echo):
             self.release()
             raise InvalidRequest("prompt is empty and there is no session history to continue", param="prompt")
-        self.job = GenerationJob(prompt=self.tokens, params=self.params, start=start, keep_state=self.lease is not None)
         return self
 
-    def submit(self) -> Submission:
+    async def submit(self) -> Submission:
         try:
-            return self.served.engine.submit(self.job)
+            return await self.state.engine.submit(self.served.name, self.tokens, dataclasses.asdict(self.params),
+                                                  self.lease)
         except BaseException as error:
             self.release()
             self.count_error(error)
@@ -178,7 +175,7 @@ class Generation:
 
     def release(self) -> None:
         if self.lease is not None:
-            self.state.cache.release(self.lease)
+            self.state.engine.release(self.lease)
 
     async def commit(self, finished: Finished):
         """Make the request's effect on its session permanent (durable when this returns);
@@ -187,7 +184,7 @@ class Generation:
         if self.lease is None:
             return None
         try:
-            info = await asyncio.to_thread(self.state.cache.commit, self.lease, finished.data)
+            info = await self.state.engine.commit(self.lease)
         except CacheError as error:
             self.release()
             raise session_errors(error, self.lease.session_id) from None
@@ -244,7 +241,7 @@ class _Completion(Generation):
         self.name = self.served.tokenizer.token_text
 
     def echo_text(self) -> str:
-        return self.served.tokenizer.decode(self.job.prompt)
+        return self.served.tokenizer.decode(self.tokens)
 
     def echo_pieces(self, event: PromptLogprobs) -> list[str]:
         detokenizer = self.served.tokenizer.detokenizer()
@@ -273,7 +270,7 @@ async def _watch_disconnect(request: Request, submission: Submission) -> None:
 async def create_completion(body: CompletionRequest, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
     call = await _Completion(state, body, owner).start()
-    submission = call.submit()  # 429 / 503 here, before any response has started
+    submission = await call.submit()  # 429 / 503 here, before any response has started
     if body.stream:
         return EventStream(_stream(call, submission), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -354,7 +351,7 @@ async def _stream(call: _Completion, submission: Submission):
 
     out: list[bytes] = []
     try:
-        if call.body.echo and call.body.logprobs is None and call.job.prompt:
+        if call.body.echo and call.body.logprobs is None and call.tokens:
             for choice in call.choices:
                 out.append(chunk(choice.index, call.echo_text()))
         async for event in submission.events():

@@ -8,16 +8,14 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from models.interface import LanguageModel
 from server.cache import (
     CacheFull,
-    SessionCache,
     SessionConflict,
     SessionLocked,
     SessionNotFound,
     SessionUnavailable,
 )
-from server.engine import Engine
+from server.engine_client import EngineClient
 from server.errors import AuthenticationFailed, Conflict, NotFound, SessionBusy, Unavailable
 from server.metrics import Metrics
 from server.settings import Settings
@@ -25,19 +23,19 @@ from server.settings import Settings
 
 @dataclass
 class ServedModel:
+    """A model as the API process knows it: the model itself runs in the engine process."""
+
     name: str
-    model: LanguageModel
     tokenizer: object
-    engine: Engine
-    created: int
-    parameters: int
+    vocab_size: int
+    card: dict  # what /v1/models says about it
 
 
 @dataclass
 class AppState:
     settings: Settings
     metrics: Metrics
-    cache: SessionCache
+    engine: EngineClient | None = None  # the engine process: engines and the session cache
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: bool = False
     api_keys: list[str] = field(default_factory=list)

@@ -7,14 +7,17 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health():
+async def health(request: Request):
+    engine = app_state(request).engine
+    if engine is not None and not engine.alive and engine.process is not None:
+        return JSONResponse({"status": "failed", "reason": engine.exit_reason}, status_code=503)
     return {"status": "ok"}
 
 
 @router.get("/ready")
 async def ready(request: Request):
     state = app_state(request)
-    if not state.ready:
+    if not state.ready or state.engine is None or not state.engine.alive:
         return JSONResponse({"status": "starting or stopping"}, status_code=503)
     return {"status": "ready", "models": sorted(state.models)}
 
@@ -24,4 +27,7 @@ async def metrics(request: Request):
     state = app_state(request)
     if state.settings.metrics_require_key:
         owner_of(request)
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    text = state.metrics.render(engine_side=False)
+    if state.engine is not None and state.engine.alive:
+        text += await state.engine.metrics_text()
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

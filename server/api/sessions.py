@@ -25,7 +25,6 @@ name, architecture, token count and version; the owner is left out.
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 from fastapi import APIRouter, Depends, Request
@@ -34,8 +33,8 @@ from pydantic import BaseModel, ConfigDict
 
 from server.api.completions import prompt_tokens
 from server.api.deps import app_state, owner_of, session_errors
-from server.cache import CacheError, CorruptState, SessionData
-from server.cache.codec import decode, session_data
+from server.cache import CacheError
+from server.engine_client import appended
 from server.errors import InvalidRequest, RequestTooLarge
 
 router = APIRouter()
@@ -52,10 +51,10 @@ class AppendRequest(BaseModel):
     score: bool = False
 
 
-async def _cache_call(fn, *args, session_id: str = ""):
-    """Run a cache operation off the event loop (it may read or fsync a file, or ask Redis)."""
+async def _session_call(coroutine, session_id: str = ""):
+    """Await a session operation of the engine process, its cache errors as API errors."""
     try:
-        return await asyncio.to_thread(fn, *args)
+        return await coroutine
     except CacheError as error:
         raise session_errors(error, session_id) from None
 
@@ -63,47 +62,47 @@ async def _cache_call(fn, *args, session_id: str = ""):
 @router.post("/v1/sessions")
 async def create_session(body: CreateSession, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    served = state.served(body.model)
-    info = await _cache_call(state.cache.create, body.model, owner, served.engine.fresh_data())
+    state.served(body.model)
+    info = await _session_call(state.engine.session_call("create", model=body.model, owner=owner))
     return info.public()
 
 
 @router.post("/v1/sessions/import")
 async def import_new_session(request: Request, model: str | None = None, owner: str | None = Depends(owner_of)):
+    """The engine process decodes the body and checks that it fits the model (400 otherwise)."""
     state = app_state(request)
+    if model is not None:
+        state.served(model)
     blob = await _read_body(request, state.settings.max_request_body_bytes)
-    meta = _decoded(blob)
-    name = model or meta[0].get("model", "")
-    served = state.served(name)
-    data = _validated(served, *meta)
-    info = await _cache_call(state.cache.import_new, served.name, owner, data)
+    info = await _session_call(state.engine.session_call("import_new", blob, model=model, owner=owner))
     return info.public()
 
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    return (await _cache_call(state.cache.info, session_id, owner, session_id=session_id)).public()
+    info = await _session_call(state.engine.session_call("info", session_id=session_id, owner=owner), session_id)
+    return info.public()
 
 
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    await _cache_call(state.cache.delete, session_id, owner, session_id=session_id)
+    await _session_call(state.engine.call("delete", session_id=session_id, owner=owner), session_id)
     return {"id": session_id, "object": "session", "deleted": True}
 
 
 @router.post("/v1/sessions/{session_id}/fork")
 async def fork_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    info = await _cache_call(state.cache.fork, session_id, owner, session_id=session_id)
+    info = await _session_call(state.engine.session_call("fork", session_id=session_id, owner=owner), session_id)
     return {**info.public(), "forked_from": session_id}
 
 
 @router.get("/v1/sessions/{session_id}/state")
 async def export_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    info, blob = await _cache_call(state.cache.export, session_id, owner, session_id=session_id)
+    info, blob = await _session_call(state.engine.export(session_id, owner), session_id)
     return Response(content=blob, media_type="application/octet-stream", headers={
         "Content-Disposition": f'attachment; filename="{session_id}.safetensors"',
         "X-Session-Version": str(info.version), "X-Session-Tokens": str(info.tokens),
@@ -113,28 +112,28 @@ async def export_state(session_id: str, request: Request, owner: str | None = De
 @router.put("/v1/sessions/{session_id}/state")
 async def import_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    current = await _cache_call(state.cache.info, session_id, owner, session_id=session_id)
+    # 404 for a session that is not yours before reading a body that may be large
+    await _session_call(state.engine.session_call("info", session_id=session_id, owner=owner), session_id)
     blob = await _read_body(request, state.settings.max_request_body_bytes)
-    served = state.served(current.model)
-    data = _validated(served, *_decoded(blob))
-    info = await _cache_call(state.cache.replace, session_id, owner, data, session_id=session_id)
+    info = await _session_call(state.engine.session_call("replace", blob, session_id=session_id, owner=owner),
+                               session_id)
     return info.public()
 
 
 @router.post("/v1/sessions/{session_id}/append")
 async def append(session_id: str, body: AppendRequest, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
-    lease = await _cache_call(state.cache.acquire, session_id, owner, session_id=session_id)
+    lease = await _session_call(state.engine.acquire(session_id, owner), session_id)
     try:
         served = state.served(lease.info.model)
         tokens = prompt_tokens(state, served, body.text)
         if not tokens:
             raise InvalidRequest("text is empty", param="text")
-        cached = lease.data.tokens
-        data, logprob, scored = await served.engine.append(lease.data, tokens, body.score)
-        info = await _cache_call(state.cache.commit, lease, data, session_id=session_id)
+        cached = lease.tokens
+        logprob, scored = await appended(await state.engine.append(lease, tokens, body.score))
+        info = await _session_call(state.engine.commit(lease), session_id)
     finally:
-        state.cache.release(lease)  # no-op after the commit
+        state.engine.release(lease)  # no-op after the commit
     state.metrics.memory_reused_tokens.labels(info.model).inc(cached)
     state.metrics.state_bytes_per_session.labels(info.model).observe(info.state_bytes)
     result = {"id": session_id, "tokens": len(tokens), "session_tokens": info.tokens, "version": info.version,
@@ -148,7 +147,7 @@ async def append(session_id: str, body: AppendRequest, request: Request, owner: 
     return result
 
 
-# -- import validation ---------------------------------------------------------------------------
+# -- bodies -------------------------------------------------------------------------------------
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -160,37 +159,3 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise RequestTooLarge(f"request body is over {limit} bytes (XLSERVE_MAX_REQUEST_BODY_BYTES)")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _decoded(blob: bytes):
-    try:
-        return decode(blob, require_checksum=False)  # a checksum, when present, must match
-    except CorruptState as error:
-        raise InvalidRequest(f"the body is not an xlserve session state: {error}", param="body",
-                             code="invalid_state") from None
-
-
-def _validated(served, meta: dict[str, str], tensors, next_log_probs) -> SessionData:
-    model = served.model
-
-    def refuse(message: str):
-        return InvalidRequest(message, param="body", code="invalid_state")
-
-    if meta.get("model") != served.name:
-        raise refuse(f"the state belongs to model '{meta.get('model')}', not '{served.name}'")
-    if meta.get("architecture") and meta["architecture"] != model.architecture:
-        raise refuse(f"the state is of architecture '{meta['architecture']}', '{served.name}' is {model.architecture}")
-    try:
-        data = session_data(model.state_class, meta, tensors, next_log_probs)
-        if data.state.batch_size != 1:
-            raise ValueError(f"a session state has batch size 1, this one has {data.state.batch_size}")
-        model.check_state(data.state)
-    except (ValueError, IndexError) as error:
-        raise refuse(f"the state does not fit model '{served.name}': {error}") from None
-    if next_log_probs is not None and (next_log_probs.dim() != 1 or next_log_probs.shape[0] != model.vocab_size
-                                       or not next_log_probs.is_floating_point()):
-        raise refuse(f"next_log_probs must be a float vector of {model.vocab_size} values, "
-                     f"got {next_log_probs.dtype} {tuple(next_log_probs.shape)}")
-    if data.tokens > 0 and next_log_probs is None:
-        raise refuse("a state that has seen tokens needs next_log_probs")
-    return data.to(model.device)

@@ -22,6 +22,7 @@ from server.api.completions import Generation, SamplingFields, acquire_lease, er
 from server.api.deps import AppState, app_state, owner_of, session_errors
 from server.cache import CacheError
 from server.engine import Cancelled, ChoiceFinished, Finished, Submission, TokenEvent
+from server.engine_client import appended
 from server.errors import APIError, Conflict, InvalidRequest
 
 router = APIRouter()
@@ -77,8 +78,8 @@ class _Operation:
 
     def __init__(self, request_id: str | None):
         self.id = request_id
-        self.submission: Submission | None = None  # a generation
-        self.cancelled = threading.Event()  # an append
+        self.submission: Submission | None = None  # the generation or append in the engine
+        self.cancelled = threading.Event()
         self.task: asyncio.Task | None = None
 
     def cancel(self) -> None:
@@ -149,7 +150,7 @@ class _Connection:
             operation = _Operation(frame.id)
             if isinstance(frame, GenerateFrame):
                 call = await Generation(self.state, frame, self.owner).start()
-                operation.submission = call.submit()
+                operation.submission = await call.submit()
                 work = self._generate(operation, call)
             else:
                 work = self._append(operation, frame)
@@ -193,8 +194,8 @@ class _Connection:
             call.release()
             self._finished_with(operation)
             await self.send({"type": "done", "id": operation.id, "finish_reason": "cancelled", "text": "",
-                             "usage": {"prompt_tokens": len(call.job.prompt), "completion_tokens": generated,
-                                       "total_tokens": len(call.job.prompt) + generated},
+                             "usage": {"prompt_tokens": len(call.tokens), "completion_tokens": generated,
+                                       "total_tokens": len(call.tokens) + generated},
                              "session_id": call.body.session_id})
         except Exception as error:
             call.release()
@@ -214,10 +215,13 @@ class _Connection:
             tokens = prompt_tokens(state, served, frame.text)
             if not tokens:
                 raise InvalidRequest("text is empty", param="text")
-            cached = lease.data.tokens
-            data, logprob, scored = await served.engine.append(lease.data, tokens, frame.score, operation.cancelled)
+            cached = lease.tokens
+            if operation.cancelled.is_set():  # cancelled while the session was being fetched
+                raise Cancelled()
+            operation.submission = await state.engine.append(lease, tokens, frame.score)
+            logprob, scored = await appended(operation.submission)
             try:
-                info = await asyncio.to_thread(state.cache.commit, lease, data)
+                info = await state.engine.commit(lease)
             except CacheError as error:
                 raise session_errors(error, frame.session_id) from None
             state.metrics.memory_reused_tokens.labels(info.model).inc(cached)
@@ -242,7 +246,7 @@ class _Connection:
             await self.send_error(operation.id, error)
         finally:
             if lease is not None:
-                state.cache.release(lease)  # no-op after the commit
+                state.engine.release(lease)  # no-op after the commit
             self._finished_with(operation)
 
 

@@ -1,0 +1,117 @@
+"""The framing between the API process and the engine process (server/engine_process.py).
+
+A frame is a 4-byte big-endian length, a JSON header of that length, and, when the header says
+`"blob": n`, n raw bytes (a safetensors session state). JSON and raw bytes only: nothing that
+crosses the socket is ever unpickled.
+
+Errors cross as `error_to_wire` dicts and come back as the same exception classes, so the one
+exception -> status map (server/errors.py) keeps working on the API side.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+
+import server.errors as errors_module
+from server.cache import CacheError, CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound, SessionUnavailable
+from server.errors import APIError
+
+HEADER = struct.Struct(">I")
+MAX_HEADER_BYTES = 64 << 20
+
+
+def encode_frame(header: dict, blob: bytes | None = None) -> bytes:
+    if blob is not None:
+        header = {**header, "blob": len(blob)}
+    body = json.dumps(header, separators=(",", ":")).encode()
+    return HEADER.pack(len(body)) + body + (blob or b"")
+
+
+class FrameWriter:
+    """Writes whole frames to a blocking socket from any thread (one frame at a time)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, header: dict, blob: bytes | None = None) -> None:
+        frame = encode_frame(header, blob)
+        with self.lock:
+            self.sock.sendall(frame)
+
+
+def read_frame(stream) -> tuple[dict, bytes | None] | None:
+    """One frame from a blocking binary file object; None at end of stream."""
+    head = stream.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return None
+    (length,) = HEADER.unpack(head)
+    if length > MAX_HEADER_BYTES:
+        raise ValueError(f"frame header of {length} bytes")
+    header = json.loads(stream.read(length))
+    blob = stream.read(header["blob"]) if "blob" in header else None
+    return header, blob
+
+
+async def read_frame_async(reader) -> tuple[dict, bytes | None] | None:
+    """One frame from an asyncio StreamReader; None at end of stream."""
+    try:
+        (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        header = json.loads(await reader.readexactly(length))
+        blob = await reader.readexactly(header["blob"]) if "blob" in header else None
+    except Exception as error:
+        if isinstance(error, (EOFError, ConnectionError)) or type(error).__name__ == "IncompleteReadError":
+            return None
+        raise
+    return header, blob
+
+
+# -- exceptions --------------------------------------------------------------------------------
+
+_CACHE_ERRORS = {cls.__name__: cls for cls in (CacheError, CacheFull, SessionUnavailable)}
+_SESSION_ERRORS = {cls.__name__: cls for cls in (SessionNotFound, SessionLocked, SessionConflict)}
+
+
+def error_to_wire(error: BaseException) -> dict:
+    wire = {"class": type(error).__name__, "message": str(error)}
+    if isinstance(error, APIError):
+        wire.update(message=error.message, param=error.param, code=error.code, headers=error.headers,
+                    api_class=_api_base(type(error)).__name__)
+    if isinstance(error, CacheError):
+        wire["session_id"] = error.session_id
+    return wire
+
+
+def _api_base(cls: type) -> type:
+    """The server.errors class an APIError subclass (QueueFull, ShuttingDown, ...) derives from."""
+    for base in cls.__mro__:
+        if getattr(errors_module, base.__name__, None) is base:
+            return base
+    return APIError
+
+
+def error_from_wire(wire: dict) -> BaseException:
+    name, message = wire.get("class", ""), wire.get("message", "")
+    if "api_class" in wire:
+        from server import engine
+
+        cls = getattr(engine, name, None) or getattr(errors_module, wire["api_class"], APIError)
+        if not (isinstance(cls, type) and issubclass(cls, APIError)):
+            cls = APIError
+        return cls(message, param=wire.get("param"), code=wire.get("code"), headers=wire.get("headers") or {})
+    if name in _SESSION_ERRORS:
+        return _SESSION_ERRORS[name](wire.get("session_id") or message)
+    if name in _CACHE_ERRORS:
+        return _CACHE_ERRORS[name](message, wire.get("session_id"))
+    if name == "CorruptState":
+        return CorruptState(message)
+    if name == "Cancelled":
+        from server.engine import Cancelled
+
+        return Cancelled()
+    if name == "ValueError":
+        return ValueError(message)
+    return RuntimeError(f"{name}: {message}" if message else name)

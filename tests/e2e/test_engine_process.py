@@ -1,0 +1,108 @@
+"""The server is two processes (server/engine_process.py): they live and die together, and
+/metrics shows both halves once."""
+
+import os
+import re
+import signal
+import time
+
+import httpx
+
+from tests.e2e.server_process import ServerProcess
+
+GENERATE = {"prompt": "def main(", "max_tokens": 8, "temperature": 0}
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def engine_pid(server: ServerProcess) -> int:
+    pids = children(server.process.pid)
+    assert len(pids) == 1, f"expected one engine process under the server, found {pids}"
+    return pids[0]
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_kill_9_of_the_server_takes_the_engine_process_with_it(tiny_checkpoint):
+    server = ServerProcess([tiny_checkpoint]).start()
+    engine = engine_pid(server)
+    server.stop(signal.SIGKILL)
+    assert gone_within(engine, 10)
+
+
+def test_a_dead_engine_process_turns_health_and_requests_into_503(tiny_checkpoint):
+    server = ServerProcess([tiny_checkpoint]).start()
+    try:
+        with server.client() as client:
+            assert client.post("/v1/completions", json={"model": tiny_checkpoint.name, **GENERATE}).status_code == 200
+            os.kill(engine_pid(server), signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while client.get("/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "failed"
+            assert client.get("/ready").status_code == 503
+            response = client.post("/v1/completions", json={"model": tiny_checkpoint.name, **GENERATE})
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "engine_gone"
+            response = client.post("/v1/sessions", json={"model": tiny_checkpoint.name})
+            assert response.status_code == 503
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_reaches_only_the_api_process_which_drains_and_stops_both(tiny_checkpoint):
+    """A terminal's Ctrl-C signals the whole process group: the engine process ignores it and
+    keeps serving until the API process has drained and tells it to stop."""
+    server = ServerProcess([tiny_checkpoint]).start()
+    engine = engine_pid(server)
+    os.kill(engine, signal.SIGINT)
+    os.kill(engine, signal.SIGTERM)
+    with server.client() as client:
+        assert client.post("/v1/completions", json={"model": tiny_checkpoint.name, **GENERATE}).status_code == 200
+    assert server.stop(signal.SIGINT) == 0
+    assert gone_within(engine, 10)
+
+
+def test_metrics_show_each_family_once_with_both_processes_counting(server):
+    with server.client() as client:
+        body = {"model": server.models[0].name, **GENERATE, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            assert "[DONE]" in "".join(response.iter_text())
+        text = client.get("/metrics").text
+    types = re.findall(r"^# TYPE (\S+) ", text, flags=re.MULTILINE)
+    assert len(types) == len(set(types)), "a family is rendered twice"
+
+    def value(sample: str) -> float:
+        match = re.search(rf"^{re.escape(sample)}\{{[^}}]*\}} (\S+)$", text, flags=re.MULTILINE)
+        assert match, f"{sample} missing from /metrics"
+        return float(match.group(1))
+
+    assert value("xlserve_generation_tokens_total") >= 8  # counted in the engine process
+    assert value("xlserve_batch_size_count") >= 1
+    assert value("xlserve_time_to_first_token_seconds_count") >= 1  # counted in the API process
+    assert value("xlserve_inter_token_latency_seconds_count") >= 1

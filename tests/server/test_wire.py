@@ -1,0 +1,64 @@
+"""The framing and error transport between the API process and the engine process."""
+
+import asyncio
+import io
+
+from server.cache import CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound
+from server.engine import Cancelled, QueueFull, ShuttingDown
+from server.errors import InvalidRequest, NotFound, as_api_error
+from server.wire import encode_frame, error_from_wire, error_to_wire, read_frame, read_frame_async
+
+
+def test_frames_round_trip_with_and_without_a_blob():
+    frames = [({"op": "events", "events": [[1, "t", 65, "A", -0.5, [[65, -0.5]], 0]]}, None),
+              ({"op": "answer", "id": 7, "ok": {"id": "sess_x"}}, b"\x00\x01safetensors bytes\xff"),
+              ({"op": "answer", "id": 8, "ok": {}}, b"")]
+    stream = io.BytesIO(b"".join(encode_frame(header, blob) for header, blob in frames))
+    for header, blob in frames:
+        got_header, got_blob = read_frame(stream)
+        assert {k: v for k, v in got_header.items() if k != "blob"} == header
+        assert got_blob == blob
+    assert read_frame(stream) is None  # end of stream
+
+
+def test_async_reader_reads_the_same_frames_and_sees_the_end():
+    async def main():
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode_frame({"op": "ready"}) + encode_frame({"op": "x"}, b"abc"))
+        reader.feed_data(encode_frame({"op": "cut"})[:-2])  # a frame cut short by the process dying
+        reader.feed_eof()
+        return [await read_frame_async(reader) for _ in range(3)]
+
+    first, second, third = asyncio.run(main())
+    assert first == ({"op": "ready"}, None)
+    assert second == ({"op": "x", "blob": 3}, b"abc")
+    assert third is None
+
+
+def test_errors_come_back_as_the_classes_the_status_map_knows():
+    queue_full = QueueFull("3 waiting, limit 2", code="queue_full", headers={"Retry-After": "1"})
+    back = error_from_wire(error_to_wire(queue_full))
+    assert type(back) is QueueFull and back.status == 429 and back.headers == {"Retry-After": "1"}
+    assert back.message == queue_full.message and back.code == "queue_full"
+
+    back = error_from_wire(error_to_wire(ShuttingDown("draining", code="shutting_down")))
+    assert type(back) is ShuttingDown and back.status == 503
+
+    back = error_from_wire(error_to_wire(InvalidRequest("bad state", param="body", code="invalid_state")))
+    assert type(back) is InvalidRequest and back.param == "body" and back.status == 400
+    assert type(error_from_wire(error_to_wire(NotFound("no model")))) is NotFound
+
+    for error in (SessionNotFound("sess_a"), SessionLocked("sess_a"), SessionConflict("sess_a")):
+        back = error_from_wire(error_to_wire(error))
+        assert type(back) is type(error) and back.session_id == "sess_a"
+        assert as_api_error(back).status == as_api_error(error).status
+    back = error_from_wire(error_to_wire(CacheFull("device tier full", "sess_b")))
+    assert type(back) is CacheFull and as_api_error(back).status == 503
+
+    assert type(error_from_wire(error_to_wire(Cancelled()))) is Cancelled
+    assert isinstance(error_from_wire(error_to_wire(CorruptState("checksum"))), ValueError)
+    back = error_from_wire(error_to_wire(ValueError("nothing to continue from")))
+    assert type(back) is ValueError and str(back) == "nothing to continue from"
+    # anything else is an internal error: a 500 that does not leak the message
+    back = error_from_wire(error_to_wire(ZeroDivisionError("secret detail")))
+    assert as_api_error(back).status == 500 and "secret" not in as_api_error(back).message
