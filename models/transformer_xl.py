@@ -260,11 +260,14 @@ class RelativeAttentionLayer(nn.Module):
 
         # decode (one new position): the memory lies head-major (see extend_memory), so each
         # head's keys and values are one contiguous (K, D) matrix: scores and values are one
-        # batched matrix-vector product each, where an einsum would copy the memory first.
+        # batched vector-matrix product each, where an einsum would copy the memory first. The
+        # query goes on the left, (1, D) @ (D, K): the (K, D) @ (D, 1) orientation of the same
+        # product measured 1.4-1.7x slower on the CPU (shipped model, 190 positions: 25 against
+        # 17 us at batch 1, 200 against 115 us at batch 16, per layer).
         decode = inference and T == 1
         if decode:
-            qw = (q + r_w_bias).permute(0, 2, 3, 1)  # (B, H, D, 1)
-            content = (keys.transpose(1, 2) @ qw).transpose(2, 3)  # (B, H, 1, K)
+            qw = (q + r_w_bias).transpose(1, 2)  # (B, H, 1, D)
+            content = qw @ keys.permute(0, 2, 3, 1)  # (B, H, 1, D) @ (B, H, D, K) -> (B, H, 1, K)
         else:
             content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
         if rel_keys is None:
