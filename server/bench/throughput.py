@@ -3,21 +3,22 @@
 For 1, 4, 16 and 64 concurrent streams (each stream sends its requests one after another),
 greedy generation of --max-tokens tokens after a short code prompt, measured twice:
 
-- http: a real server (`xlserve serve`, in a subprocess) over real HTTP + SSE, driven by a
-  minimal asyncio HTTP/1.1 client in this process (which never imports torch, so the client
-  costs as little CPU as possible beside the server on a small machine);
-- engine: the same load submitted straight to an in-process `Engine` (in another subprocess),
-  no HTTP: the ceiling, so http / engine is what the HTTP layer costs.
+- http: a real server (`xlserve serve`, in a subprocess: its API process and its engine
+  process) over real HTTP + SSE, driven by a minimal asyncio HTTP/1.1 client in this process
+  (which never imports torch, so the client costs as little CPU as possible beside the server
+  on a small machine);
+- engine: the same load queued straight into an `Engine` (in another subprocess), its events
+  taken by a sink in the engine's own thread: no HTTP, no event loop, no consumer. The ceiling,
+  so http / engine is what everything above the engine costs.
 
 The two alternate in --rounds rounds (default 3; single runs drift by 20-30% on this machine)
 and each level reports its median round. Reported per level: aggregate generated tokens/s (and
 every round's), p50/p99 time to first token (request sent -> first token received), p50/p99
 inter-token latency (gap between consecutive tokens of one stream, as received) and, over HTTP,
-the CPU the server and the load generator used (in cores: the server near 1.0 means its engine
-thread and event loop take turns on one interpreter lock). Results go to
-bench-results/throughput.json and throughput.png, and a table is printed. Goals (issue 4, 2 CPU
-cores, the shipped transformer-xl-stdlib): 16 streams >= 6x the tokens/s of one stream; http >=
-90% of engine throughput.
+the CPU (in cores) that the API process, the engine process and the load generator used.
+Results go to bench-results/throughput.json and throughput.png, and a table is printed. Goals
+(issue 4, 2 CPU cores, the shipped transformer-xl-stdlib): 16 streams >= 6x the tokens/s of one
+stream; http >= 90% of engine throughput.
 
 Run it alone: on 2 cores a second torch-heavy process (a training run, a test suite) slows
 both about 5x and the numbers mean nothing. Speed does not depend on the weights, so before
@@ -118,14 +119,18 @@ async def http_level(host: str, port: int, model: str, concurrency: int, per_str
             total += await http_request(host, port, body, ttft, itl)
         return total
 
-    start, client_cpu, server_cpu = time.perf_counter(), time.process_time(), process_cpu_seconds(server_pid)
+    engine_pid = next(iter(child_processes(server_pid)), None) if server_pid else None
+    start, client_cpu = time.perf_counter(), time.process_time()
+    server_cpu, engine_cpu = process_cpu_seconds(server_pid), process_cpu_seconds(engine_pid)
     tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
     wall = time.perf_counter() - start
     result = summarise(concurrency, wall, tokens, ttft, itl)
-    # the load generator shares the machine's cores with the server: say how much it took
+    # the load generator shares the machine's cores with the server: say how much each took
     result["client_cpu_share"] = round((time.process_time() - client_cpu) / wall, 3)
-    if server_cpu is not None:
+    if server_cpu is not None:  # the API process (HTTP, SSE)
         result["server_cpu_share"] = round((process_cpu_seconds(server_pid) - server_cpu) / wall, 3)
+    if engine_cpu is not None:  # the engine process (server/engine_process.py)
+        result["engine_process_cpu_share"] = round((process_cpu_seconds(engine_pid) - engine_cpu) / wall, 3)
     return result
 
 
@@ -136,6 +141,18 @@ def process_cpu_seconds(pid: int | None) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, TypeError):
         return None
+
+
+def child_processes(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc; none where there is no /proc)."""
+    children = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return children
 
 
 def start_server(model_dir: Path, env: dict, timeout: float = 180) -> tuple[subprocess.Popen, int]:
@@ -209,52 +226,70 @@ def measure(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int
 
 
 def engine_worker(args: dict) -> list[dict]:
+    """The same load on an `Engine` alone: requests are queued straight into it and its events
+    go to a sink in its own worker thread, which stamps each token and queues a stream's next
+    request when one finishes. No event loop and no consumer compete with the step loop: this is
+    the most the engine gives, the ceiling the server over HTTP is compared with."""
+    import threading
+
     import torch
 
-    from server.app import load_models
-    from server.engine import GenerationJob, TokenEvent
+    from server.engine import Finished, TokenEvent
+    from server.engine_process import load_models
     from server.metrics import Metrics
     from server.sampling import SamplingParams
     from server.settings import Settings
 
     torch.set_num_threads(args["threads"])
     settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]))
-    served = next(iter(load_models(settings, Metrics()).values()))
-    engine, tokenizer = served.engine, served.tokenizer
+    current = {"sink": None}
+    loaded = next(iter(load_models(settings, Metrics(), sink=lambda items: current["sink"](items)).values()))
+    engine, tokenizer = loaded.engine, loaded.tokenizer
 
-    async def level(concurrency: int, per_stream: int, max_tokens: int) -> dict:
-        ttft, itl = [], []
+    def level(concurrency: int, per_stream: int, max_tokens: int) -> dict:
+        ttft, itl, done, failures = [], [], threading.Event(), []
+        left = {index: per_stream for index in range(concurrency)}
+        sent, last, total = {}, {}, [0]
 
-        async def stream(index: int) -> int:
-            total = 0
-            for r in range(per_stream):
-                job = GenerationJob(prompt=tokenizer.encode(PROMPTS[(index + r) % len(PROMPTS)]),
-                                    params=SamplingParams(max_tokens=max_tokens, temperature=0),
-                                    start=engine.fresh_data(), keep_state=False)
-                sent, last = time.perf_counter(), None
-                async for event in engine.generate(job):
-                    if isinstance(event, TokenEvent):
-                        now = time.perf_counter()
-                        (ttft.append(now - sent) if last is None else itl.append(now - last))
-                        last = now
-                        total += 1
-            return total
+        def start(index: int) -> None:
+            prompt = tokenizer.encode(PROMPTS[(index + per_stream - left[index]) % len(PROMPTS)])
+            sent[index], last[index] = time.perf_counter(), None
+            engine.enqueue("generate", prompt, engine.fresh_data(), SamplingParams(max_tokens=max_tokens, temperature=0),
+                           False, False, threading.Event(), index)
 
-        start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
-        return summarise(concurrency, time.perf_counter() - start, tokens, ttft, itl)
+        def sink(items: list) -> None:  # the engine's worker thread
+            now = time.perf_counter()
+            for index, event in items:
+                if isinstance(event, TokenEvent):
+                    (ttft.append(now - sent[index]) if last[index] is None else itl.append(now - last[index]))
+                    last[index] = now
+                    total[0] += 1
+                elif isinstance(event, Finished):
+                    left[index] -= 1
+                    if left[index]:
+                        start(index)
+                    elif not any(left.values()):
+                        done.set()
+                elif isinstance(event, BaseException):
+                    failures.append(event)
+                    done.set()
 
-    async def main() -> list[dict]:
-        await level(1, 1, 8)  # warm-up
+        current["sink"] = sink
+        begin = time.perf_counter()
+        for index in range(concurrency):
+            start(index)
+        if not done.wait(timeout=600) or failures:
+            raise RuntimeError(f"engine level {concurrency} failed: {failures[:1] or 'timed out'}")
+        return summarise(concurrency, time.perf_counter() - begin, total[0], ttft, itl)
+
+    try:
+        level(1, 1, 8)  # warm-up
         results = []
         for concurrency in args["levels"]:
-            results.append(await level(concurrency, args["per_stream"], args["max_tokens"]))
+            results.append(level(concurrency, args["per_stream"], args["max_tokens"]))
             print(f"  engine {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s", file=sys.stderr,
                   flush=True)
         return results
-
-    try:
-        return asyncio.run(main())
     finally:
         engine.close()
 

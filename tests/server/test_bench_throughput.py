@@ -26,6 +26,7 @@ def test_throughput_bench_smoke(tmp_path):
     assert all(len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] in r["tokens_per_s_rounds"]
                for r in result["http"] + result["engine"])
     # CPU is counted in clock ticks (10 ms): a smoke run this short may use none of either
-    assert all(r["server_cpu_share"] >= 0 and r["client_cpu_share"] >= 0 for r in result["http"])
+    assert all(r["server_cpu_share"] >= 0 and r["engine_process_cpu_share"] >= 0 and r["client_cpu_share"] >= 0
+               for r in result["http"])
     assert (out / "throughput.png").stat().st_size > 0
     assert "http/eng" in done.stdout
