@@ -1,17 +1,19 @@
 """`xlserve bench throughput`: what continuous batching buys, and what HTTP costs.
 
 For 1, 4, 16 and 64 concurrent streams (each stream sends its requests one after another),
-greedy generation of --max-tokens tokens after a short code prompt, measured twice:
+greedy generation of --max-tokens tokens after a short code prompt, measured three ways:
 
 - http: a real server (`xlserve serve`, in a subprocess: its API process and its engine
   process) over real HTTP + SSE, driven by a minimal asyncio HTTP/1.1 client in this process
   (which never imports torch, so the client costs as little CPU as possible beside the server
   on a small machine);
-- engine: the same load queued straight into an `Engine` (in another subprocess), its events
-  taken by a sink in the engine's own thread: no HTTP, no event loop, no consumer. The ceiling,
-  so http / engine is what everything above the engine costs.
+- engine: the same load on an in-process `Engine` (in another subprocess), no HTTP, consumed
+  through its asyncio API (`Engine.generate`) as code embedding the engine would: the
+  comparison issue 4 asks for, so http / engine is what serving over HTTP costs;
+- engine ceiling: the same again, its events taken by a sink in the engine's own worker thread:
+  no event loop, no consumer, the most the step loop gives.
 
-The two alternate in --rounds rounds (default 3; single runs drift by 20-30% on this machine)
+The three alternate in --rounds rounds (default 3; single runs drift by 20-30% on this machine)
 and each level reports its median round. Reported per level: aggregate generated tokens/s (and
 every round's), p50/p99 time to first token (request sent -> first token received), p50/p99
 inter-token latency (gap between consecutive tokens of one stream, as received) and, over HTTP,
@@ -194,18 +196,20 @@ def median_rows(rounds: list[list[dict]]) -> list[dict]:
 
 
 def measure(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int, device: str,
-            rounds: int) -> tuple[list[dict], list[dict]]:
-    """(engine rows, http rows): the in-process engine and the server over HTTP, measured in
-    alternating rounds (engine, then HTTP, `rounds` times), so that the machine's drift, which
-    moves single runs by 20-30% here, falls on both alike; each level reports its median round."""
+            rounds: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """(engine rows, engine ceiling rows, http rows): the in-process engine driven through its
+    asyncio API, the same with a sink in its worker thread, and the server over HTTP, measured
+    in alternating rounds (all three, `rounds` times), so that the machine's drift, which moves
+    single runs by 20-30% here, falls on all alike; each level reports its median round."""
     env = {"XLSERVE_TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads), "XLSERVE_DEVICE": device,
            "XLSERVE_MAX_BATCH_SIZE": str(max(levels)), "XLSERVE_MAX_TOKENS_LIMIT": str(max(4096, max_tokens))}
     process, port = start_server(model_dir, env)  # idle while the engine runs
-    engine_rounds, http_rounds = [], []
+    engine_rounds, ceiling_rounds, http_rounds = [], [], []
     try:
         asyncio.run(http_level("127.0.0.1", port, model_dir.name, 1, 1, 8))  # warm-up
         for round_index in range(rounds):
-            engine_rounds.append(run_engine(model_dir, levels, per_stream, max_tokens, threads, device))
+            engine_rounds.append(run_engine(model_dir, levels, per_stream, max_tokens, threads, device, "asyncio"))
+            ceiling_rounds.append(run_engine(model_dir, levels, per_stream, max_tokens, threads, device, "sink"))
             results = []
             for concurrency in levels:
                 results.append(asyncio.run(http_level("127.0.0.1", port, model_dir.name, concurrency,
@@ -219,22 +223,27 @@ def measure(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
-    return median_rows(engine_rounds), median_rows(http_rounds)
+    return median_rows(engine_rounds), median_rows(ceiling_rounds), median_rows(http_rounds)
 
 
 # -- the in-process engine (a subprocess, with torch) ----------------------------------------
 
 
 def engine_worker(args: dict) -> list[dict]:
-    """The same load on an `Engine` alone: requests are queued straight into it and its events
-    go to a sink in its own worker thread, which stamps each token and queues a stream's next
-    request when one finishes. No event loop and no consumer compete with the step loop: this is
-    the most the engine gives, the ceiling the server over HTTP is compared with."""
+    """The same load on an `Engine` in this process, with no HTTP, consumed one of two ways:
+
+    - "asyncio": through its asyncio API (`Engine.generate`), as code that embeds the engine
+      would drive it; the consumers run on an event loop that shares this interpreter's lock
+      with the engine's worker thread;
+    - "sink": its events go to a sink in the worker thread itself, which stamps each token and
+      queues a stream's next request when one finishes. No event loop, no consumer: the most the
+      step loop gives (the ceiling).
+    """
     import threading
 
     import torch
 
-    from server.engine import Finished, TokenEvent
+    from server.engine import Finished, GenerationJob, TokenEvent
     from server.engine_process import load_models
     from server.metrics import Metrics
     from server.sampling import SamplingParams
@@ -243,21 +252,48 @@ def engine_worker(args: dict) -> list[dict]:
     torch.set_num_threads(args["threads"])
     settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]))
     current = {"sink": None}
-    loaded = next(iter(load_models(settings, Metrics(), sink=lambda items: current["sink"](items)).values()))
+    sink = (lambda items: current["sink"](items)) if args["consumer"] == "sink" else None
+    loaded = next(iter(load_models(settings, Metrics(), sink=sink).values()))
     engine, tokenizer = loaded.engine, loaded.tokenizer
 
-    def level(concurrency: int, per_stream: int, max_tokens: int) -> dict:
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+    def prompt(index: int, request: int) -> list[int]:
+        return tokenizer.encode(PROMPTS[(index + request) % len(PROMPTS)])
+
+    async def level_asyncio(concurrency: int, per_stream: int, max_tokens: int) -> dict:
+        ttft, itl = [], []
+
+        async def stream(index: int) -> int:
+            total = 0
+            for request in range(per_stream):
+                job = GenerationJob(prompt=prompt(index, request), params=params(max_tokens), start=engine.fresh_data(),
+                                    keep_state=False)
+                sent, last = time.perf_counter(), None
+                async for event in engine.generate(job):
+                    if isinstance(event, TokenEvent):
+                        now = time.perf_counter()
+                        (ttft.append(now - sent) if last is None else itl.append(now - last))
+                        last = now
+                        total += 1
+            return total
+
+        begin = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
+        return summarise(concurrency, time.perf_counter() - begin, tokens, ttft, itl)
+
+    def level_sink(concurrency: int, per_stream: int, max_tokens: int) -> dict:
         ttft, itl, done, failures = [], [], threading.Event(), []
         left = {index: per_stream for index in range(concurrency)}
         sent, last, total = {}, {}, [0]
 
         def start(index: int) -> None:
-            prompt = tokenizer.encode(PROMPTS[(index + per_stream - left[index]) % len(PROMPTS)])
             sent[index], last[index] = time.perf_counter(), None
-            engine.enqueue("generate", prompt, engine.fresh_data(), SamplingParams(max_tokens=max_tokens, temperature=0),
-                           False, False, threading.Event(), index)
+            engine.enqueue("generate", prompt(index, per_stream - left[index]), engine.fresh_data(),
+                           params(max_tokens), False, False, threading.Event(), index)
 
-        def sink(items: list) -> None:  # the engine's worker thread
+        def take(items: list) -> None:  # the engine's worker thread
             now = time.perf_counter()
             for index, event in items:
                 if isinstance(event, TokenEvent):
@@ -274,7 +310,7 @@ def engine_worker(args: dict) -> list[dict]:
                     failures.append(event)
                     done.set()
 
-        current["sink"] = sink
+        current["sink"] = take
         begin = time.perf_counter()
         for index in range(concurrency):
             start(index)
@@ -282,22 +318,27 @@ def engine_worker(args: dict) -> list[dict]:
             raise RuntimeError(f"engine level {concurrency} failed: {failures[:1] or 'timed out'}")
         return summarise(concurrency, time.perf_counter() - begin, total[0], ttft, itl)
 
+    def level(concurrency: int, per_stream: int, max_tokens: int) -> dict:
+        if args["consumer"] == "sink":
+            return level_sink(concurrency, per_stream, max_tokens)
+        return asyncio.run(level_asyncio(concurrency, per_stream, max_tokens))
+
     try:
         level(1, 1, 8)  # warm-up
         results = []
         for concurrency in args["levels"]:
             results.append(level(concurrency, args["per_stream"], args["max_tokens"]))
-            print(f"  engine {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s", file=sys.stderr,
-                  flush=True)
+            print(f"  engine ({args['consumer']}) {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s",
+                  file=sys.stderr, flush=True)
         return results
     finally:
         engine.close()
 
 
 def run_engine(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int,
-               device: str) -> list[dict]:
+               device: str, consumer: str) -> list[dict]:
     args = {"model_dir": str(model_dir), "levels": levels, "per_stream": per_stream, "max_tokens": max_tokens,
-            "threads": threads, "device": device}
+            "threads": threads, "device": device, "consumer": consumer}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run([sys.executable, "-m", "server.bench.throughput", "--engine-worker", json.dumps(args)],
                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
@@ -311,36 +352,44 @@ def fmt(value, scale: float = 1000.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
-def table(http: list[dict], engine: list[dict]) -> str:
-    lines = [f"{'streams':>7} | {'http tok/s':>10} {'engine tok/s':>12} {'http/eng':>8} | "
-             f"{'TTFT p50/p99 ms':>16} | {'ITL p50/p99 ms':>15} | {'engine TTFT p50/p99':>19} | {'engine ITL p50/p99':>18}"]
-    for h, e in zip(http, engine):
-        ratio = h["tokens_per_s"] / e["tokens_per_s"] if h["tokens_per_s"] and e["tokens_per_s"] else None
+def table(http: list[dict], engine: list[dict], ceiling: list[dict]) -> str:
+    lines = [f"{'streams':>7} | {'http tok/s':>10} {'engine':>8} {'ceiling':>8} {'http/eng':>8} {'http/ceil':>9} | "
+             f"{'TTFT p50/p99 ms':>16} | {'ITL p50/p99 ms':>15} | {'ceiling TTFT p50/p99':>20} | {'ceiling ITL p50/p99':>19}"]
+    for h, e, c in zip(http, engine, ceiling):
         lines.append(
-            f"{h['concurrency']:>7} | {h['tokens_per_s']:>10.1f} {e['tokens_per_s']:>12.1f} "
-            f"{fmt(ratio, 100, 0) + '%':>8} | "
+            f"{h['concurrency']:>7} | {h['tokens_per_s']:>10.1f} {e['tokens_per_s']:>8.1f} {c['tokens_per_s']:>8.1f} "
+            f"{fmt(share(h, e), 100, 0) + '%':>8} {fmt(share(h, c), 100, 0) + '%':>9} | "
             f"{fmt(h['ttft_p50_s']) + ' / ' + fmt(h['ttft_p99_s']):>16} | "
             f"{fmt(h['itl_p50_s']) + ' / ' + fmt(h['itl_p99_s']):>15} | "
-            f"{fmt(e['ttft_p50_s']) + ' / ' + fmt(e['ttft_p99_s']):>19} | "
-            f"{fmt(e['itl_p50_s']) + ' / ' + fmt(e['itl_p99_s']):>18}")
+            f"{fmt(c['ttft_p50_s']) + ' / ' + fmt(c['ttft_p99_s']):>20} | "
+            f"{fmt(c['itl_p50_s']) + ' / ' + fmt(c['itl_p99_s']):>19}")
     return "\n".join(lines)
 
 
-def goals(http: list[dict], engine: list[dict]) -> dict:
+def share(row: dict, base: dict) -> float | None:
+    return row["tokens_per_s"] / base["tokens_per_s"] if row["tokens_per_s"] and base["tokens_per_s"] else None
+
+
+def goals(http: list[dict], engine: list[dict], ceiling: list[dict]) -> dict:
+    """Issue 4's goals: 16 streams >= 6x one stream over HTTP, HTTP >= 90% of the in-process
+    engine; the share of the ceiling is reported beside it."""
     by = {r["concurrency"]: r for r in http}
     eng = {r["concurrency"]: r for r in engine}
+    top = {r["concurrency"]: r for r in ceiling}
     result = {}
     if 1 in by and 16 in by:
         result["speedup_16_vs_1_http"] = round(by[16]["tokens_per_s"] / by[1]["tokens_per_s"], 2)
         result["speedup_16_vs_1_engine"] = round(eng[16]["tokens_per_s"] / eng[1]["tokens_per_s"], 2)
+        result["speedup_16_vs_1_ceiling"] = round(top[16]["tokens_per_s"] / top[1]["tokens_per_s"], 2)
         result["speedup_goal_met"] = result["speedup_16_vs_1_http"] >= 6
-    shares = {c: round(by[c]["tokens_per_s"] / eng[c]["tokens_per_s"], 3) for c in by if c in eng}
+    shares = {c: round(share(by[c], eng[c]), 3) for c in by if c in eng}
     result["http_share_of_engine"] = shares
+    result["http_share_of_ceiling"] = {c: round(share(by[c], top[c]), 3) for c in by if c in top}
     result["http_overhead_goal_met"] = all(s >= 0.9 for s in shares.values())
     return result
 
 
-def plot(http: list[dict], engine: list[dict], path: Path, title: str) -> None:
+def plot(http: list[dict], engine: list[dict], ceiling: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -349,7 +398,8 @@ def plot(http: list[dict], engine: list[dict], path: Path, title: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     levels = [r["concurrency"] for r in http]
     left.plot(levels, [r["tokens_per_s"] for r in http], "o-", label="HTTP + SSE")
-    left.plot(levels, [r["tokens_per_s"] for r in engine], "s--", label="engine in process")
+    left.plot(levels, [r["tokens_per_s"] for r in engine], "s--", label="engine in process (asyncio)")
+    left.plot(levels, [r["tokens_per_s"] for r in ceiling], "^:", label="engine ceiling (sink in its thread)")
     left.set(xscale="log", xlabel="concurrent streams", ylabel="generated tokens / s", title="throughput")
     left.set_xticks(levels, [str(c) for c in levels])
     left.legend()
@@ -405,18 +455,19 @@ def main(argv: list[str]) -> None:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     print(f"throughput of {model_dir.name}: {levels} streams x {args.requests_per_stream} requests x "
           f"{args.max_tokens} tokens, {args.threads} torch threads", flush=True)
-    engine, http = measure(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device,
+    engine, ceiling, http = measure(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device,
                            args.rounds)
 
     payload = {
         "benchmark": "throughput", "model": str(model_dir), "random_weights": args.random_small,
         "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream, "rounds": args.rounds,
         "threads": args.threads,
-        "device": args.device, "cpu_count": os.cpu_count(), "http": http, "engine": engine, "goals": goals(http, engine),
+        "device": args.device, "cpu_count": os.cpu_count(), "http": http, "engine": engine,
+        "engine_ceiling": ceiling, "goals": goals(http, engine, ceiling),
     }
     (out / "throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
-    plot(http, engine, out / "throughput.png", f"{model_dir.name}, {args.threads} threads, {args.max_tokens} tokens/request")
-    print(table(http, engine))
+    plot(http, engine, ceiling, out / "throughput.png", f"{model_dir.name}, {args.threads} threads, {args.max_tokens} tokens/request")
+    print(table(http, engine, ceiling))
     print(json.dumps(payload["goals"]))
     print(f"wrote {out / 'throughput.json'} and {out / 'throughput.png'}")
 

@@ -20,11 +20,13 @@ def test_throughput_bench_smoke(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "throughput.json").read_text())
-    assert [r["concurrency"] for r in result["http"]] == [1, 2] == [r["concurrency"] for r in result["engine"]]
-    assert all(r["generated_tokens"] == 4 * r["concurrency"] for r in result["http"] + result["engine"])
-    assert all(r["ttft_p50_s"] is not None for r in result["http"] + result["engine"])
-    assert all(len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] in r["tokens_per_s_rounds"]
-               for r in result["http"] + result["engine"])
+    rows = result["http"] + result["engine"] + result["engine_ceiling"]
+    for kind in ("http", "engine", "engine_ceiling"):
+        assert [r["concurrency"] for r in result[kind]] == [1, 2]
+    assert all(r["generated_tokens"] == 4 * r["concurrency"] for r in rows)
+    assert all(r["ttft_p50_s"] is not None for r in rows)
+    assert all(len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] in r["tokens_per_s_rounds"] for r in rows)
+    assert set(result["goals"]["http_share_of_ceiling"]) == {"1", "2"}
     # CPU is counted in clock ticks (10 ms): a smoke run this short may use none of either
     assert all(r["server_cpu_share"] >= 0 and r["engine_process_cpu_share"] >= 0 and r["client_cpu_share"] >= 0
                for r in result["http"])
