@@ -1,7 +1,6 @@
 """The engine: one scheduler per model, continuous batching, tokens streamed back.
 
-Each loaded model gets one `Engine`. Its step loop runs in a worker thread (torch releases the
-GIL, so the event loop stays responsive) and, at every step:
+Each loaded model gets one `Engine`. Its step loop runs in a worker thread and, at every step:
 
 1. admits waiting requests into the running batch, up to `max_batch_size` rows (a request with
    n choices takes n rows), and drops cancelled ones (client gone, explicit cancel): a cancelled
@@ -24,6 +23,11 @@ row. The batched state is kept between steps and only re-formed when rows join o
 A request never touches the session it came from: it starts from the committed `SessionData`
 and ends with a new one in `Finished.data`, which the caller commits only when it has the whole
 answer. Cancel, disconnect or error -> nothing to commit, the session is as it was.
+
+Where the events go: in the server, the engine lives in the engine process
+(server/engine_process.py) and a `sink` given at construction writes each step's events to the
+API process in one frame; without a sink (tests, benchmarks, code embedding the engine) they go
+to the asyncio loop of each request's `Submission`.
 
 The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait;
 `submit` refuses more with `QueueFull` (429 + Retry-After). After `stop_admitting` (graceful
