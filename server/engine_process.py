@@ -54,7 +54,7 @@ from models.tokenizer import tokenizer_for_checkpoint
 from server.cache import CorruptState, Lease, SessionCache, SessionData
 from server.cache.codec import decode, session_data
 from server.engine import Appended, ChoiceFinished, Engine, Finished, PromptLogprobs, TokenEvent
-from server.errors import InvalidRequest, NotFound
+from server.errors import InvalidRequest, model_not_found
 from server.metrics import Metrics
 from server.sampling import SamplingParams
 from server.settings import Settings
@@ -253,8 +253,7 @@ class EngineProcess:
         try:
             return self.models[name]
         except KeyError:
-            raise NotFound(f"model '{name}' does not exist; served: {sorted(self.models)}", param="model",
-                           code="model_not_found") from None
+            raise model_not_found(name, self.models) from None
 
     def lease(self, lease_id: int) -> Lease:
         with self.lock:

@@ -62,6 +62,11 @@ class Unavailable(APIError):
     status, type = 503, "service_unavailable"
 
 
+def model_not_found(name: str, served) -> NotFound:
+    """The 404 for a model that is not loaded (the API and the engine process both raise it)."""
+    return NotFound(f"model '{name}' does not exist; served: {sorted(served)}", param="model", code="model_not_found")
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

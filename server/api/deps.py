@@ -16,7 +16,7 @@ from server.cache import (
     SessionUnavailable,
 )
 from server.engine_client import EngineClient
-from server.errors import AuthenticationFailed, Conflict, NotFound, SessionBusy, Unavailable
+from server.errors import AuthenticationFailed, Conflict, NotFound, SessionBusy, Unavailable, model_not_found
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -46,8 +46,7 @@ class AppState:
         try:
             return self.models[name]
         except KeyError:
-            raise NotFound(f"model '{name}' does not exist; served: {sorted(self.models)}", param="model",
-                           code="model_not_found") from None
+            raise model_not_found(name, self.models) from None
 
 
 def app_state(request: Request) -> AppState:
