@@ -219,6 +219,8 @@ class _Connection:
             if operation.cancelled.is_set():  # cancelled while the session was being fetched
                 raise Cancelled()
             operation.submission = await state.engine.append(lease, tokens, frame.score)
+            if operation.cancelled.is_set():  # cancelled while the append was being queued
+                operation.submission.cancel()
             logprob, scored = await appended(operation.submission)
             try:
                 info = await state.engine.commit(lease)

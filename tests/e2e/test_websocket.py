@@ -122,6 +122,26 @@ def test_cancel_mid_stream_leaves_the_session_unchanged(server, client):
         assert answer(ws)[1]["finish_reason"] == "length"
 
 
+def test_cancelling_an_append_leaves_the_session_unchanged(server, client):
+    """A cancel right behind an append commits nothing (where it lands, while the session is
+    fetched, queued or fed, is up to timing; each of those checks it)."""
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    client.post(f"/v1/sessions/{session}/append", json={"text": "import os\n"})
+    before = client.get(f"/v1/sessions/{session}").json()
+    document = "def f(x):\n    return x * 2\n\n" * 600  # about 40 prefill chunks: many engine steps
+    with connect(ws_url(server)) as ws:
+        for attempt in range(3):
+            send(ws, type="append", id=f"doc{attempt}", session_id=session, text=document)
+            send(ws, type="cancel", id=f"doc{attempt}")
+            _, done = answer(ws)
+            assert done["type"] == "done" and done["id"] == f"doc{attempt}"
+            assert done["finish_reason"] == "cancelled"
+        after = client.get(f"/v1/sessions/{session}").json()
+        assert (after["tokens"], after["version"]) == (before["tokens"], before["version"])
+        send(ws, type="append", id="small", session_id=session, text="x = 1\n")
+        assert answer(ws)[1]["session_tokens"] == before["tokens"] + 6
+
+
 def test_session_continuation_equals_one_request_over_the_whole_text(server, client):
     session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
     document = "import sys\n\ndef main(argv):\n    return len(argv)\n\n"
