@@ -16,7 +16,6 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from models.checkpoint import read_config
 from models.tokenizer import tokenizer_for_checkpoint
 from server.api import completions, health, models, sessions, ws
 from server.api.admission import AdmissionMiddleware
@@ -32,7 +31,7 @@ def served_models(engine: EngineClient) -> dict[str, ServedModel]:
     served = {}
     for described in engine.models:
         directory = Path(described["directory"])
-        tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
+        tokenizer = tokenizer_for_checkpoint(described["checkpoint_config"], directory)
         served[described["name"]] = ServedModel(described["name"], tokenizer, described["vocab_size"],
                                                 described["card"])
     return served

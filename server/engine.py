@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -48,78 +47,20 @@ import torch
 
 from models.interface import LanguageModel, State
 from server.cache import SessionData
-from server.errors import TooManyRequests, Unavailable
+from server.engine_types import (  # noqa: F401  (importable from here too)
+    Appended,
+    Cancelled,
+    ChoiceFinished,
+    Finished,
+    PromptLogprobs,
+    QueueFull,
+    SamplingParams,
+    ShuttingDown,
+    Submission,
+    TokenEvent,
+)
 from server.metrics import Metrics
-from server.sampling import Sampler, SamplingParams, StopChecker, top_alternatives
-
-
-class Cancelled(Exception):
-    """The request was cancelled before it completed; nothing is committed."""
-
-
-class QueueFull(TooManyRequests):
-    """More requests wait for this model than XLSERVE_MAX_QUEUED_REQUESTS allows."""
-
-
-class ShuttingDown(Unavailable):
-    """The server is draining for shutdown and admits no new work."""
-
-
-# -- events a request's consumer receives ---------------------------------------------------
-
-
-@dataclass
-class PromptLogprobs:
-    """Log-probabilities of the prompt's own tokens (for echo + logprobs)."""
-
-    tokens: list[int]
-    logprobs: list[float | None]  # None for a first token that had no context
-    top: list[list[tuple[int, float]]]
-
-
-@dataclass
-class TokenEvent:
-    token: int
-    text: str  # text released by this token ("" while a character or stop string is incomplete)
-    logprob: float  # the model's log-probability of the token (before any sampling transform)
-    top: list[tuple[int, float]]
-    index: int = 0  # which choice (n > 1)
-
-
-@dataclass
-class ChoiceFinished:
-    index: int
-    finish_reason: str  # "length" or "stop"
-    text_tail: str  # text held back until the end of the stream
-    completion_tokens: int
-
-
-@dataclass
-class Finished:
-    """The last event of a request; `choices` are in index order."""
-
-    choices: list[ChoiceFinished]
-    prompt_tokens: int
-    completion_tokens: int  # all choices together
-    cached_tokens: int  # context that came from the session's memory
-    data: SessionData  # the session as it stands after this request (choice 0)
-
-    @property
-    def finish_reason(self) -> str:
-        return self.choices[0].finish_reason if self.choices else "length"
-
-    @property
-    def text_tail(self) -> str:
-        return self.choices[0].text_tail if self.choices else ""
-
-
-@dataclass
-class Appended:
-    """The result of feeding a document chunk (`Engine.append`)."""
-
-    data: SessionData
-    logprob: float  # summed natural-log probability of the scored tokens
-    scored: int  # how many were scored (a first token with no context is not)
+from server.sampling import Sampler, StopChecker, top_alternatives
 
 
 @dataclass
@@ -665,53 +606,3 @@ class Engine:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify()
-
-
-class Submission:
-    """The consumer's side of a request: an event queue filled by the worker thread (or, for
-    an engine in the engine process, by server/engine_client.py's reader: `RemoteSubmission`)."""
-
-    def __init__(self, engine: Engine, cancelled: threading.Event):
-        self.engine = engine
-        self.name, self.metrics = engine.name, engine.metrics
-        self.cancelled = cancelled
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.submitted_at = time.monotonic()
-
-    def cancel(self) -> None:
-        """Stop the request: the engine drops it at its next step; `events()` raises Cancelled
-        at once. Nothing is committed."""
-        if not self.cancelled.is_set():
-            self._stop()
-            self.queue.put_nowait(Cancelled())
-
-    def _stop(self) -> None:
-        """Tell the engine to drop the request (a no-op for one that has finished)."""
-        self.cancelled.set()
-        self.engine.wake()
-
-    async def events(self) -> AsyncIterator[object]:
-        name, metrics = self.name, self.metrics
-        inter_token = metrics.inter_token_latency.labels(name)  # looked up once: observed at every token
-        first_token_at, last_token_at = None, {}
-        try:
-            while True:
-                event = await self.queue.get()
-                if isinstance(event, BaseException):
-                    raise event
-                if isinstance(event, TokenEvent):
-                    now = time.monotonic()
-                    if first_token_at is None:
-                        first_token_at = now
-                        metrics.time_to_first_token.labels(name).observe(now - self.submitted_at)
-                    previous = last_token_at.get(event.index)
-                    if previous is not None:
-                        inter_token.observe(now - previous)
-                    last_token_at[event.index] = now
-                yield event
-                if isinstance(event, (Finished, Appended)):
-                    metrics.e2e_latency.labels(name).observe(time.monotonic() - self.submitted_at)
-                    return
-        finally:
-            self._stop()  # no-op when finished; the engine drops the job when the consumer left

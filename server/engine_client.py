@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from server.cache import SessionInfo
-from server.engine import Appended, Cancelled, ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
+from server.engine_types import Appended, Cancelled, ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
 from server.errors import Unavailable
 from server.metrics import Metrics
 from server.settings import REPO_ROOT, Settings

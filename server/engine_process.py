@@ -188,7 +188,7 @@ class EngineProcess:
         for name, loaded in self.models.items():
             created = int((loaded.directory / "config.json").stat().st_mtime)
             models.append({"name": name, "directory": str(loaded.directory), "vocab_size": loaded.model.vocab_size,
-                           "card": model_card(loaded, created)})
+                           "checkpoint_config": read_config(loaded.directory), "card": model_card(loaded, created)})
         return {"op": "ready", "models": models, "pid": os.getpid()}
 
     def serve(self) -> None:

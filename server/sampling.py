@@ -19,30 +19,9 @@ Penalties act on log-probabilities (which are all <= 0):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = no limit
-    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one's probability
-    repetition_penalty: float = 1.0  # 1 = off; multiplies log-probs of tokens seen in prompt or output
-    presence_penalty: float = 0.0  # subtracted once from tokens generated at least once
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated text
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None = none; k = the chosen token's and the k most likely
-    echo: bool = False
-    n: int = 1  # independent choices sharing one prompt (prefilled once)
-
-    @property
-    def penalised(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+from server.engine_types import SamplingParams  # noqa: F401  (importable from here too)
 
 
 class Sampler:

@@ -15,6 +15,7 @@ import socket
 import struct
 import threading
 
+import server.engine_types as engine_types
 import server.errors as errors_module
 from server.cache import CacheError, CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound, SessionUnavailable
 from server.errors import APIError
@@ -96,9 +97,7 @@ def _api_base(cls: type) -> type:
 def error_from_wire(wire: dict) -> BaseException:
     name, message = wire.get("class", ""), wire.get("message", "")
     if "api_class" in wire:
-        from server import engine
-
-        cls = getattr(engine, name, None) or getattr(errors_module, wire["api_class"], APIError)
+        cls = getattr(engine_types, name, None) or getattr(errors_module, wire["api_class"], APIError)
         if not (isinstance(cls, type) and issubclass(cls, APIError)):
             cls = APIError
         return cls(message, param=wire.get("param"), code=wire.get("code"), headers=wire.get("headers") or {})
@@ -109,9 +108,7 @@ def error_from_wire(wire: dict) -> BaseException:
     if name == "CorruptState":
         return CorruptState(message)
     if name == "Cancelled":
-        from server.engine import Cancelled
-
-        return Cancelled()
+        return engine_types.Cancelled()
     if name == "ValueError":
         return ValueError(message)
     return RuntimeError(f"{name}: {message}" if message else name)

@@ -30,9 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.deps import AppState, app_state, owner_of, session_errors
 from server.cache import CacheError
-from server.engine import Cancelled, ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
+from server.engine_types import Cancelled, ChoiceFinished, Finished, PromptLogprobs, SamplingParams, Submission, TokenEvent
 from server.errors import InvalidRequest, as_api_error
-from server.sampling import SamplingParams
 
 router = APIRouter()
 

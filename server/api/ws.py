@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from server.api.completions import Generation, SamplingFields, acquire_lease, error_for, prompt_tokens
 from server.api.deps import AppState, app_state, owner_of, session_errors
 from server.cache import CacheError
-from server.engine import Cancelled, ChoiceFinished, Finished, Submission, TokenEvent
+from server.engine_types import Cancelled, ChoiceFinished, Finished, Submission, TokenEvent
 from server.engine_client import appended
 from server.errors import APIError, Conflict, InvalidRequest
 

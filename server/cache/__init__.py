@@ -1,18 +1,31 @@
-"""Session state: the bookkeeping manager, the stores that move bytes, and the cache the API uses."""
+"""Session state: the bookkeeping manager, the stores that move bytes, and the cache the API uses.
 
-from server.cache.codec import CorruptState, SessionData
-from server.cache.manager import TIERS, CacheManager
-from server.cache.session_cache import (
+The exceptions and `SessionInfo` (server/cache/errors.py) are imported at once; the rest, which
+needs torch, on first use, so that the API process never loads torch.
+"""
+
+from importlib import import_module
+
+from server.cache.errors import (
     CacheError,
     CacheFull,
-    Lease,
-    SessionCache,
+    CorruptState,
     SessionConflict,
     SessionInfo,
     SessionLocked,
     SessionNotFound,
     SessionUnavailable,
 )
+
+_LAZY = {"SessionData": "codec", "TIERS": "manager", "CacheManager": "manager", "Lease": "session_cache",
+         "SessionCache": "session_cache"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"server.cache.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'server.cache' has no attribute {name!r}")
+
 
 __all__ = [
     "TIERS", "CacheError", "CacheFull", "CacheManager", "CorruptState", "Lease", "SessionCache", "SessionConflict",

@@ -29,15 +29,12 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from models.interface import State
+from server.cache.errors import CorruptState
 
 FORMAT = "xlserve-session"
 FORMAT_VERSION = "1"
 STATE_PREFIX = "state."
 MAX_HEADER_BYTES = 64 << 20  # a sanity bound while parsing an untrusted header
-
-
-class CorruptState(ValueError):
-    """A blob that is not a readable xlserve session (bad header, failed checksum)."""
 
 
 @dataclass

@@ -56,66 +56,18 @@ import time
 from dataclasses import dataclass, field
 
 from server.cache.codec import CorruptState, SessionData, decode, encode, session_data
+from server.cache.errors import (
+    CacheFull,
+    SessionConflict,
+    SessionInfo,
+    SessionLocked,
+    SessionNotFound,
+    SessionUnavailable,
+)
 from server.cache.manager import CacheManager, Move, Record
 from server.cache.stores import SESSION_ID, DiskStore, MemoryStore, RedisStore, StoreFull, StoreUnavailable
 
 log = logging.getLogger("xlserve.cache")
-
-
-class CacheError(Exception):
-    """Base of every error the session cache raises to the API (mapped to statuses in one
-    place: server/api/deps.py `session_errors`)."""
-
-    def __init__(self, message: str, session_id: str | None = None):
-        super().__init__(message)
-        self.session_id = session_id
-
-
-class _SessionError(CacheError):
-    def __init__(self, session_id: str):
-        super().__init__(session_id, session_id)
-
-
-class SessionNotFound(_SessionError, LookupError):
-    pass
-
-
-class SessionLocked(_SessionError):
-    """The session is in use by another request."""
-
-
-class SessionConflict(_SessionError):
-    """Another replica committed the session since this request started; nothing was written."""
-
-
-class CacheFull(CacheError):
-    """No room: every session that could move out of the way is in use, or storage is full."""
-
-
-class SessionUnavailable(CacheError):
-    """The session exists but cannot be served now (its model is not loaded, its state is
-    corrupt, or a store is unreachable)."""
-
-
-@dataclass
-class SessionInfo:
-    id: str
-    model: str
-    owner: str | None
-    tokens: int
-    version: int
-    state_bytes: int
-    tier: str
-    created_at: float
-    last_used_at: float
-    in_use: bool = False
-
-    def public(self) -> dict:
-        return {
-            "id": self.id, "object": "session", "model": self.model, "tokens": self.tokens,
-            "state_bytes": self.state_bytes, "tier": self.tier, "version": self.version,
-            "in_use": self.in_use, "created_at": self.created_at, "last_used_at": self.last_used_at,
-        }
 
 
 @dataclass

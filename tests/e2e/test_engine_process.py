@@ -106,3 +106,16 @@ def test_metrics_show_each_family_once_with_both_processes_counting(server):
     assert value("xlserve_batch_size_count") >= 1
     assert value("xlserve_time_to_first_token_seconds_count") >= 1  # counted in the API process
     assert value("xlserve_inter_token_latency_seconds_count") >= 1
+
+
+def test_the_api_process_never_loads_torch():
+    """The API process holds no model: importing the app and serving must not pull in torch
+    (a second copy costs about a second of every start and a few hundred MB)."""
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import REPO
+
+    code = "import sys, server.app, server.cli; assert 'torch' not in sys.modules, 'torch was imported'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,158 @@
+"""The engine's vocabulary, free of torch: what a request asks for (`SamplingParams`), the
+events its consumer receives, the errors it may raise and the consumer's side (`Submission`).
+
+The engine (server/engine.py) and the engine process use them with torch around them; the API
+process, which never holds a model, uses them without importing torch at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from server.errors import TooManyRequests, Unavailable
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = no limit
+    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one's probability
+    repetition_penalty: float = 1.0  # 1 = off; multiplies log-probs of tokens seen in prompt or output
+    presence_penalty: float = 0.0  # subtracted once from tokens generated at least once
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated text
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None = none; k = the chosen token's and the k most likely
+    echo: bool = False
+    n: int = 1  # independent choices sharing one prompt (prefilled once)
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+
+class Cancelled(Exception):
+    """The request was cancelled before it completed; nothing is committed."""
+
+
+class QueueFull(TooManyRequests):
+    """More requests wait for this model than XLSERVE_MAX_QUEUED_REQUESTS allows."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is draining for shutdown and admits no new work."""
+
+
+# -- events a request's consumer receives ---------------------------------------------------
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of the prompt's own tokens (for echo + logprobs)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]  # None for a first token that had no context
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str  # text released by this token ("" while a character or stop string is incomplete)
+    logprob: float  # the model's log-probability of the token (before any sampling transform)
+    top: list[tuple[int, float]]
+    index: int = 0  # which choice (n > 1)
+
+
+@dataclass
+class ChoiceFinished:
+    index: int
+    finish_reason: str  # "length" or "stop"
+    text_tail: str  # text held back until the end of the stream
+    completion_tokens: int
+
+
+@dataclass
+class Finished:
+    """The last event of a request; `choices` are in index order."""
+
+    choices: list[ChoiceFinished]
+    prompt_tokens: int
+    completion_tokens: int  # all choices together
+    cached_tokens: int  # context that came from the session's memory
+    data: object  # SessionData: the session as it stands after this request (choice 0); None in the API process
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason if self.choices else "length"
+
+    @property
+    def text_tail(self) -> str:
+        return self.choices[0].text_tail if self.choices else ""
+
+
+@dataclass
+class Appended:
+    """The result of feeding a document chunk (`Engine.append`)."""
+
+    data: object  # SessionData; None in the API process
+    logprob: float  # summed natural-log probability of the scored tokens
+    scored: int  # how many were scored (a first token with no context is not)
+
+
+
+class Submission:
+    """The consumer's side of a request: an event queue filled by the worker thread (or, for
+    an engine in the engine process, by server/engine_client.py's reader: `RemoteSubmission`)."""
+
+    def __init__(self, engine, cancelled: threading.Event):
+        self.engine = engine
+        self.name, self.metrics = engine.name, engine.metrics
+        self.cancelled = cancelled
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.submitted_at = time.monotonic()
+
+    def cancel(self) -> None:
+        """Stop the request: the engine drops it at its next step; `events()` raises Cancelled
+        at once. Nothing is committed."""
+        if not self.cancelled.is_set():
+            self._stop()
+            self.queue.put_nowait(Cancelled())
+
+    def _stop(self) -> None:
+        """Tell the engine to drop the request (a no-op for one that has finished)."""
+        self.cancelled.set()
+        self.engine.wake()
+
+    async def events(self) -> AsyncIterator[object]:
+        name, metrics = self.name, self.metrics
+        inter_token = metrics.inter_token_latency.labels(name)  # looked up once: observed at every token
+        first_token_at, last_token_at = None, {}
+        try:
+            while True:
+                event = await self.queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, TokenEvent):
+                    now = time.monotonic()
+                    if first_token_at is None:
+                        first_token_at = now
+                        metrics.time_to_first_token.labels(name).observe(now - self.submitted_at)
+                    previous = last_token_at.get(event.index)
+                    if previous is not None:
+                        inter_token.observe(now - previous)
+                    last_token_at[event.index] = now
+                yield event
+                if isinstance(event, (Finished, Appended)):
+                    metrics.e2e_latency.labels(name).observe(time.monotonic() - self.submitted_at)
+                    return
+        finally:
+            self._stop()  # no-op when finished; the engine drops the job when the consumer left
