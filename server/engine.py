@@ -299,7 +299,7 @@ class Engine:
             job = self._waiting[0]
             if job.cancelled.is_set():
                 self._waiting.popleft()
-                self._m_cancelled.inc()
+                self._dropped(job)
                 continue
             if self._running_rows + job.width > self.max_batch_size and self._running_rows > 0:
                 break
@@ -317,7 +317,7 @@ class Engine:
     def _step(self) -> None:
         for job in [j for j in self._running if j.cancelled.is_set()]:
             self._remove(job)  # its rows drop out of their group at the next forward
-            self._m_cancelled.inc()
+            self._dropped(job)
         self._prefill()
         self._decode()
         if not any(job.rows for job in self._running):
@@ -560,6 +560,12 @@ class Engine:
         for choice in choices:
             self.metrics.requests.labels(self.name, choice.finish_reason).inc()
         self._remove(job)
+
+    def _dropped(self, job: _Job) -> None:
+        """A cancelled job leaves: like every job it ends with one last event (Cancelled), so
+        whoever tracks it (the engine process, its sink) can forget it."""
+        self._m_cancelled.inc()
+        self._emit(job, Cancelled())
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         job.failed = True

@@ -5,6 +5,7 @@ batch; chunked prefill interleaves with decoding; cancel, queue bound and shutdo
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -252,6 +253,42 @@ def test_cancel_frees_the_slot_and_queue_is_bounded():
 
     try:
         assert run(main())
+    finally:
+        engine.close()
+
+
+def test_a_cancelled_job_ends_with_one_cancelled_event_at_the_sink():
+    """Every job ends with exactly one last event, also when it is cancelled running or waiting:
+    the engine process forgets a request (and the API process its submission) only then."""
+    import threading
+
+    received, ended = [], threading.Event()
+
+    def sink(items):
+        received.extend(items)
+        if sum(isinstance(event, Cancelled) for _, event in received) == 2:
+            ended.set()
+
+    engine = Engine("m", xl_model(), ByteTokenizer(), Metrics(), max_batch_size=1, sink=sink)
+    running, waiting = threading.Event(), threading.Event()
+    try:
+        engine.enqueue("generate", list(b"a"), engine.fresh_data(), SamplingParams(max_tokens=100000, temperature=0),
+                       False, False, running, "running")
+        engine.enqueue("generate", list(b"b"), engine.fresh_data(), SamplingParams(max_tokens=3, temperature=0),
+                       False, False, waiting, "waiting")
+        deadline = time.monotonic() + 30
+        while not any(handle == "running" and isinstance(e, TokenEvent) for handle, e in list(received)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        waiting.set()  # cancelled while it waits for the slot
+        running.set()  # cancelled while it decodes
+        engine.wake()
+        assert ended.wait(30)
+        time.sleep(0.1)  # nothing may follow
+        last = {handle: event for handle, event in received}
+        assert isinstance(last["running"], Cancelled) and isinstance(last["waiting"], Cancelled)
+        assert [handle for handle, event in received if isinstance(event, Cancelled)].count("running") == 1
+        assert engine.idle
     finally:
         engine.close()
 
