@@ -58,6 +58,7 @@ from server.engine_types import (  # noqa: F401  (importable from here too)
     ShuttingDown,
     Submission,
     TokenEvent,
+    appended,
 )
 from server.metrics import Metrics
 from server.sampling import Sampler, StopChecker, top_alternatives
@@ -239,14 +240,8 @@ class Engine:
         cancelled = cancelled or threading.Event()
         submission = Submission(self, cancelled)
         self.enqueue("append", tokens, start, SamplingParams(max_tokens=0), False, score, cancelled, submission)
-        events = submission.events()
-        try:
-            async for event in events:
-                if isinstance(event, Appended):
-                    return event.data, event.logprob, event.scored
-        finally:
-            await events.aclose()
-        raise Cancelled()
+        event = await appended(submission)
+        return event.data, event.logprob, event.scored
 
     def stop_admitting(self) -> None:
         with self._cond:

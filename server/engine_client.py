@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from server.cache import SessionInfo
-from server.engine_types import Appended, Cancelled, ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
+from server.engine_types import Appended, ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
 from server.errors import Unavailable
 from server.metrics import Metrics
 from server.settings import REPO_ROOT, Settings
@@ -43,8 +43,7 @@ class RemoteLease:
 
     id: int
     session_id: str
-    info: SessionInfo
-    tokens: int  # tokens the session's memory holds
+    info: SessionInfo  # as of the acquire: info.tokens is what the session's memory holds
     has_history: bool  # it has a next-token distribution to continue from
     released: bool = False
 
@@ -144,7 +143,7 @@ class EngineClient:
     def _gone(self, reason: str) -> None:
         self.alive = False
         self.exit_reason = reason
-        error = EngineGone(f"{reason}; the server cannot serve requests", code="engine_gone")
+        error = self._gone_error()
         for future in self.calls.values():
             if not future.done():
                 future.set_exception(error)
@@ -153,6 +152,9 @@ class EngineClient:
             submission.ended = True
             submission.queue.put_nowait(error)
         self.submissions.clear()
+
+    def _gone_error(self) -> EngineGone:
+        return EngineGone(f"{self.exit_reason}; the server cannot serve requests", code="engine_gone")
 
     def _route(self, events: list) -> None:
         """One engine step's events into their requests' queues."""
@@ -191,7 +193,7 @@ class EngineClient:
         """Send an operation, wait for its answer: (result, blob). Raises what the engine process
         raised (the same exception classes, through server/wire.py)."""
         if not self.alive:
-            raise EngineGone(f"{self.exit_reason}; the server cannot serve requests", code="engine_gone")
+            raise self._gone_error()
         call_id = next(self.ids) if request_id is None else request_id
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
@@ -202,23 +204,20 @@ class EngineClient:
 
     async def submit(self, model: str, prompt: list[int], params: dict, lease: RemoteLease | None) -> RemoteSubmission:
         """Queue a generation; raises QueueFull / ShuttingDown / ValueError before anything started."""
-        submission = RemoteSubmission(self, model, next(self.ids))
-        self.submissions[submission.id] = submission
-        try:
-            await self.call("generate", request_id=submission.id, model=model, prompt=prompt, params=params,
-                            lease=None if lease is None else lease.id)
-        except BaseException:
-            self.submissions.pop(submission.id, None)
-            raise
-        return submission
+        return await self._queue("generate", model, model=model, prompt=prompt, params=params,
+                                 lease=None if lease is None else lease.id)
 
     async def append(self, lease: RemoteLease, tokens: list[int], score: bool) -> RemoteSubmission:
         """Queue a document chunk for a leased session (its new state waits for `commit`); the
-        submission's last event is an `Appended`. See `appended`."""
-        submission = RemoteSubmission(self, lease.info.model, next(self.ids))
+        submission's last event is an `Appended` (see `engine_types.appended`)."""
+        return await self._queue("append", lease.info.model, lease=lease.id, tokens=tokens, score=score)
+
+    async def _queue(self, op: str, served_model: str, **fields) -> RemoteSubmission:
+        """Register the request's submission before asking: its events may arrive before the answer."""
+        submission = RemoteSubmission(self, served_model, next(self.ids))
         self.submissions[submission.id] = submission
         try:
-            await self.call("append", request_id=submission.id, lease=lease.id, tokens=tokens, score=score)
+            await self.call(op, request_id=submission.id, **fields)
         except BaseException:
             self.submissions.pop(submission.id, None)
             raise
@@ -226,8 +225,7 @@ class EngineClient:
 
     async def acquire(self, session_id: str, owner: str | None) -> RemoteLease:
         result, _ = await self.call("acquire", session_id=session_id, owner=owner)
-        return RemoteLease(result["lease"], session_id, SessionInfo(**result["info"]), result["tokens"],
-                           result["has_history"])
+        return RemoteLease(result["lease"], session_id, SessionInfo(**result["info"]), result["has_history"])
 
     async def commit(self, lease: RemoteLease) -> SessionInfo:
         result, _ = await self.call("commit", lease=lease.id)
@@ -256,19 +254,6 @@ class EngineClient:
     async def metrics_text(self) -> bytes:
         result, _ = await self.call("metrics")
         return result["text"].encode()
-
-
-async def appended(submission: Submission) -> tuple[float, int]:
-    """Wait for an append: the summed natural-log probability of its scored tokens and how many
-    were scored (a session's first token has no context). Raises Cancelled if it was cancelled."""
-    events = submission.events()
-    try:
-        async for event in events:
-            if isinstance(event, Appended):
-                return event.logprob, event.scored
-    finally:
-        await events.aclose()
-    raise Cancelled()
 
 
 def _python_path() -> str:

@@ -337,8 +337,7 @@ class EngineProcess:
         with self.lock:
             lease_id = next(self.lease_ids)
             self.leases[lease_id] = lease
-        return {"lease": lease_id, "info": asdict(lease.info), "tokens": lease.data.tokens,
-                "has_history": lease.data.next_log_probs is not None}
+        return {"lease": lease_id, "info": asdict(lease.info), "has_history": lease.data.next_log_probs is not None}
 
     def op_commit(self, header: dict, blob) -> dict:
         lease = self.lease(header["lease"])

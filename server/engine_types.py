@@ -156,3 +156,16 @@ class Submission:
                     return
         finally:
             self._stop()  # no-op when finished; the engine drops the job when the consumer left
+
+
+async def appended(submission: Submission) -> Appended:
+    """Wait for an append (in process or in the engine process) and return its `Appended`
+    event. Raises Cancelled if it was cancelled, or what the append raised."""
+    events = submission.events()
+    try:
+        async for event in events:
+            if isinstance(event, Appended):
+                return event
+    finally:
+        await events.aclose()
+    raise Cancelled()

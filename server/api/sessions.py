@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from server.api.completions import prompt_tokens
 from server.api.deps import app_state, owner_of, session_errors
 from server.cache import CacheError
-from server.engine_client import appended
+from server.engine_types import appended
 from server.errors import InvalidRequest, RequestTooLarge
 
 router = APIRouter()
@@ -129,8 +129,9 @@ async def append(session_id: str, body: AppendRequest, request: Request, owner: 
         tokens = prompt_tokens(state, served, body.text)
         if not tokens:
             raise InvalidRequest("text is empty", param="text")
-        cached = lease.tokens
-        logprob, scored = await appended(await state.engine.append(lease, tokens, body.score))
+        cached = lease.info.tokens
+        fed = await appended(await state.engine.append(lease, tokens, body.score))
+        logprob, scored = fed.logprob, fed.scored
         info = await _session_call(state.engine.commit(lease), session_id)
     finally:
         state.engine.release(lease)  # no-op after the commit

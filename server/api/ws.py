@@ -22,7 +22,7 @@ from server.api.completions import Generation, SamplingFields, acquire_lease, er
 from server.api.deps import AppState, app_state, owner_of, session_errors
 from server.cache import CacheError
 from server.engine_types import Cancelled, ChoiceFinished, Finished, Submission, TokenEvent
-from server.engine_client import appended
+from server.engine_types import appended
 from server.errors import APIError, Conflict, InvalidRequest
 
 router = APIRouter()
@@ -215,13 +215,14 @@ class _Connection:
             tokens = prompt_tokens(state, served, frame.text)
             if not tokens:
                 raise InvalidRequest("text is empty", param="text")
-            cached = lease.tokens
+            cached = lease.info.tokens
             if operation.cancelled.is_set():  # cancelled while the session was being fetched
                 raise Cancelled()
             operation.submission = await state.engine.append(lease, tokens, frame.score)
             if operation.cancelled.is_set():  # cancelled while the append was being queued
                 operation.submission.cancel()
-            logprob, scored = await appended(operation.submission)
+            fed = await appended(operation.submission)
+            logprob, scored = fed.logprob, fed.scored
             try:
                 info = await state.engine.commit(lease)
             except CacheError as error:
