@@ -10,6 +10,7 @@ exception -> status map (server/errors.py) keeps working on the API side.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import struct
@@ -63,10 +64,8 @@ async def read_frame_async(reader) -> tuple[dict, bytes | None] | None:
         (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
         header = json.loads(await reader.readexactly(length))
         blob = await reader.readexactly(header["blob"]) if "blob" in header else None
-    except Exception as error:
-        if isinstance(error, (EOFError, ConnectionError)) or type(error).__name__ == "IncompleteReadError":
-            return None
-        raise
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
     return header, blob
 
 

@@ -6,29 +6,14 @@ import re
 import signal
 import time
 
-import httpx
-
+from server.bench.throughput import child_processes
 from tests.e2e.server_process import ServerProcess
 
 GENERATE = {"prompt": "def main(", "max_tokens": 8, "temperature": 0}
 
 
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def engine_pid(server: ServerProcess) -> int:
-    pids = children(server.process.pid)
+    pids = child_processes(server.process.pid)
     assert len(pids) == 1, f"expected one engine process under the server, found {pids}"
     return pids[0]
 
