@@ -188,7 +188,7 @@ class Engine:
         has started. Iterate `Submission.events()` for the answer."""
         if job.params.max_tokens > 0 and not job.prompt and job.start.next_log_probs is None:
             raise ValueError("nothing to continue from: give a prompt")
-        submission = Submission(self, job.cancelled)
+        submission = Submission(self.name, self.metrics, job.cancelled, self.wake)
         self.enqueue("generate", job.prompt, job.start, job.params, job.keep_state, False, job.cancelled, submission)
         return submission
 
@@ -238,7 +238,7 @@ class Engine:
         new data, the summed natural-log probability of the scored tokens, and how many were
         scored (a first token with no context is not)."""
         cancelled = cancelled or threading.Event()
-        submission = Submission(self, cancelled)
+        submission = Submission(self.name, self.metrics, cancelled, self.wake)
         self.enqueue("append", tokens, start, SamplingParams(max_tokens=0), False, score, cancelled, submission)
         event = await appended(submission)
         return event.data, event.logprob, event.scored

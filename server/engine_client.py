@@ -20,15 +20,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 from server.cache import SessionInfo
-from server.engine_types import Appended, ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
+from server.engine_types import Submission
 from server.errors import Unavailable
 from server.metrics import Metrics
 from server.settings import REPO_ROOT, Settings
-from server.wire import encode_frame, error_from_wire, read_frame_async
+from server.wire import encode_frame, error_from_wire, event_from_wire, is_last, read_frame_async
 
 log = logging.getLogger("xlserve.engine_client")
 
@@ -52,12 +51,8 @@ class RemoteSubmission(Submission):
     """A request running in the engine process; its events arrive through the reader task."""
 
     def __init__(self, client: "EngineClient", model: str, request_id: int):
+        super().__init__(model, client.metrics, threading.Event())
         self.client, self.id = client, request_id
-        self.name, self.metrics = model, client.metrics
-        self.cancelled = threading.Event()
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.submitted_at = time.monotonic()
         self.ended = False  # the engine sent its last event
 
     def _stop(self) -> None:
@@ -159,28 +154,15 @@ class EngineClient:
     def _route(self, events: list) -> None:
         """One engine step's events into their requests' queues."""
         submissions = self.submissions
-        for event in events:
-            submission = submissions.get(event[0])
-            if submission is None:
+        for item in events:
+            submission = submissions.get(item[0])
+            if submission is None:  # a request this side already gave up on
                 continue
-            kind = event[1]
-            if kind == "t":
-                item = TokenEvent(event[2], event[3], event[4], event[5], event[6])
-            elif kind == "c":
-                item = ChoiceFinished(*event[2:])
-            elif kind == "p":
-                item = PromptLogprobs(event[2], event[3], event[4])
-            else:
+            request_id, event = event_from_wire(item)
+            if is_last(event):
                 submission.ended = True
-                del submissions[event[0]]
-                if kind == "f":
-                    item = Finished(choices=[ChoiceFinished(*c) for c in event[2]], prompt_tokens=event[3],
-                                    completion_tokens=event[4], cached_tokens=event[5], data=None)
-                elif kind == "a":
-                    item = Appended(data=None, logprob=event[2], scored=event[3])
-                else:
-                    item = error_from_wire(event[2])
-            submission.queue.put_nowait(item)
+                del submissions[request_id]
+            submission.queue.put_nowait(event)
 
     # -- calls -------------------------------------------------------------------------------
 

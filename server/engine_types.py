@@ -112,10 +112,10 @@ class Submission:
     """The consumer's side of a request: an event queue filled by the worker thread (or, for
     an engine in the engine process, by server/engine_client.py's reader: `RemoteSubmission`)."""
 
-    def __init__(self, engine, cancelled: threading.Event):
-        self.engine = engine
-        self.name, self.metrics = engine.name, engine.metrics
+    def __init__(self, name: str, metrics, cancelled: threading.Event, wake=None):
+        self.name, self.metrics = name, metrics  # the model, and where its latencies are recorded
         self.cancelled = cancelled
+        self.wake = wake  # tells the in-process engine to look at its jobs now
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submitted_at = time.monotonic()
@@ -130,7 +130,7 @@ class Submission:
     def _stop(self) -> None:
         """Tell the engine to drop the request (a no-op for one that has finished)."""
         self.cancelled.set()
-        self.engine.wake()
+        self.wake()
 
     async def events(self) -> AsyncIterator[object]:
         name, metrics = self.name, self.metrics
