@@ -53,12 +53,12 @@ from models.interface import LanguageModel
 from models.tokenizer import tokenizer_for_checkpoint
 from server.cache import CorruptState, Lease, SessionCache, SessionData
 from server.cache.codec import decode, session_data
-from server.engine import Appended, ChoiceFinished, Engine, Finished, PromptLogprobs, TokenEvent
+from server.engine import Engine
 from server.errors import InvalidRequest, model_not_found
 from server.metrics import Metrics
 from server.sampling import SamplingParams
 from server.settings import Settings
-from server.wire import FrameWriter, error_to_wire, read_frame
+from server.wire import FrameWriter, error_to_wire, event_to_wire, is_last, read_frame
 
 log = logging.getLogger("xlserve.engine_process")
 
@@ -301,24 +301,9 @@ class EngineProcess:
         """The engines' sink (their worker threads): one frame per step."""
         events = []
         for request, event in items:
-            if isinstance(event, TokenEvent):
-                events.append([request.id, "t", event.token, event.text, event.logprob, event.top, event.index])
-            elif isinstance(event, ChoiceFinished):
-                events.append([request.id, "c", event.index, event.finish_reason, event.text_tail,
-                               event.completion_tokens])
-            elif isinstance(event, PromptLogprobs):
-                events.append([request.id, "p", event.tokens, event.logprobs, event.top])
-            elif isinstance(event, Finished):
-                self._ended(request, event.data)
-                choices = [[c.index, c.finish_reason, c.text_tail, c.completion_tokens] for c in event.choices]
-                events.append([request.id, "f", choices, event.prompt_tokens, event.completion_tokens,
-                               event.cached_tokens])
-            elif isinstance(event, Appended):
-                self._ended(request, event.data)
-                events.append([request.id, "a", event.logprob, event.scored])
-            elif isinstance(event, BaseException):
-                self._ended(request, None)
-                events.append([request.id, "e", error_to_wire(event)])
+            if is_last(event):  # forget the request; keep a finished one's state for its commit
+                self._ended(request, getattr(event, "data", None))
+            events.append(event_to_wire(request.id, event))
         try:
             self.writer.send({"op": "events", "events": events})
         except OSError:  # the API process is gone; the reader thread sees it too and shuts down

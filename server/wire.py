@@ -4,8 +4,9 @@ A frame is a 4-byte big-endian length, a JSON header of that length, and, when t
 `"blob": n`, n raw bytes (a safetensors session state). JSON and raw bytes only: nothing that
 crosses the socket is ever unpickled.
 
-Errors cross as `error_to_wire` dicts and come back as the same exception classes, so the one
-exception -> status map (server/errors.py) keeps working on the API side.
+A request's events (server/engine_types.py) cross as compact lists (`event_to_wire`), one step's
+worth per frame. Errors cross as `error_to_wire` dicts and come back as the same exception
+classes, so the one exception -> status map (server/errors.py) keeps working on the API side.
 """
 
 from __future__ import annotations
@@ -67,6 +68,50 @@ async def read_frame_async(reader) -> tuple[dict, bytes | None] | None:
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
     return header, blob
+
+
+# -- events --------------------------------------------------------------------------------------
+
+
+def is_last(event: object) -> bool:
+    """A request's last event: it finished, its append was fed, or it failed (cancel included)."""
+    return isinstance(event, (engine_types.Finished, engine_types.Appended, BaseException))
+
+
+def event_to_wire(request_id: int, event: object) -> list:
+    """[request id, kind, fields...]; a finished request's session state stays behind (data)."""
+    if isinstance(event, engine_types.TokenEvent):
+        return [request_id, "t", event.token, event.text, event.logprob, event.top, event.index]
+    if isinstance(event, engine_types.ChoiceFinished):
+        return [request_id, "c", event.index, event.finish_reason, event.text_tail, event.completion_tokens]
+    if isinstance(event, engine_types.PromptLogprobs):
+        return [request_id, "p", event.tokens, event.logprobs, event.top]
+    if isinstance(event, engine_types.Finished):
+        choices = [[c.index, c.finish_reason, c.text_tail, c.completion_tokens] for c in event.choices]
+        return [request_id, "f", choices, event.prompt_tokens, event.completion_tokens, event.cached_tokens]
+    if isinstance(event, engine_types.Appended):
+        return [request_id, "a", event.logprob, event.scored]
+    if isinstance(event, BaseException):
+        return [request_id, "e", error_to_wire(event)]
+    raise TypeError(f"not an engine event: {type(event).__name__}")
+
+
+def event_from_wire(item: list) -> tuple[int, object]:
+    """(request id, event) back from `event_to_wire`; Finished and Appended carry data=None."""
+    request_id, kind, fields = item[0], item[1], item[2:]
+    if kind == "t":
+        return request_id, engine_types.TokenEvent(*fields)
+    if kind == "c":
+        return request_id, engine_types.ChoiceFinished(*fields)
+    if kind == "p":
+        return request_id, engine_types.PromptLogprobs(*fields)
+    if kind == "f":
+        choices, prompt_tokens, completion_tokens, cached_tokens = fields
+        return request_id, engine_types.Finished([engine_types.ChoiceFinished(*c) for c in choices], prompt_tokens,
+                                                 completion_tokens, cached_tokens, data=None)
+    if kind == "a":
+        return request_id, engine_types.Appended(data=None, logprob=fields[0], scored=fields[1])
+    return request_id, error_from_wire(fields[0])
 
 
 # -- exceptions --------------------------------------------------------------------------------

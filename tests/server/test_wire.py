@@ -4,9 +4,14 @@ import asyncio
 import io
 
 from server.cache import CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound
-from server.engine import Cancelled, QueueFull, ShuttingDown
+from server.engine import (
+    Appended, Cancelled, ChoiceFinished, Finished, PromptLogprobs, QueueFull, ShuttingDown, TokenEvent,
+)
 from server.errors import InvalidRequest, NotFound, as_api_error
-from server.wire import encode_frame, error_from_wire, error_to_wire, read_frame, read_frame_async
+from server.wire import (
+    encode_frame, error_from_wire, error_to_wire, event_from_wire, event_to_wire, is_last, read_frame,
+    read_frame_async,
+)
 
 
 def test_frames_round_trip_with_and_without_a_blob():
@@ -62,3 +67,28 @@ def test_errors_come_back_as_the_classes_the_status_map_knows():
     # anything else is an internal error: a 500 that does not leak the message
     back = error_from_wire(error_to_wire(ZeroDivisionError("secret detail")))
     assert as_api_error(back).status == 500 and "secret" not in as_api_error(back).message
+
+
+def test_events_round_trip_through_json_and_the_last_one_is_known():
+    import json
+
+    events = [
+        PromptLogprobs([97, 98], [None, -1.5], [[], [(98, -1.5), (99, -2.0)]]),
+        TokenEvent(65, "A", -0.25, [(65, -0.25)], 1),
+        TokenEvent(0xE2, "", float("-inf"), [], 0),  # part of a character: no text yet
+        ChoiceFinished(1, "stop", "", 3),
+        Finished([ChoiceFinished(0, "length", "x", 2), ChoiceFinished(1, "stop", "", 3)], 5, 5, 40, data="state"),
+        Appended(data="state", logprob=-12.5, scored=7),
+    ]
+    for event in events:
+        request_id, back = event_from_wire(json.loads(json.dumps(event_to_wire(9, event))))
+        assert request_id == 9
+        if isinstance(event, (Finished, Appended)):  # the session state stays in the engine process
+            assert back.data is None and back == type(event)(**{**event.__dict__, "data": None})
+        else:
+            assert back == type(event)(*[json.loads(json.dumps(v)) for v in event.__dict__.values()])
+        assert is_last(back) == isinstance(event, (Finished, Appended))
+    _, back = event_from_wire(event_to_wire(3, QueueFull("full", code="queue_full")))
+    assert isinstance(back, QueueFull) and is_last(back)
+    _, back = event_from_wire(event_to_wire(3, Cancelled()))
+    assert isinstance(back, Cancelled) and is_last(back)
