@@ -29,6 +29,10 @@ Where the events go: in the server, the engine lives in the engine process
 API process in one frame; without a sink (tests, benchmarks, code embedding the engine) they go
 to the asyncio loop of each request's `Submission`.
 
+Threads: the worker thread runs the model with `threads` intra-op threads of its own (see
+`Engine._take_threads`); server/engine_process.py's `load_models` gives every other thread of
+the process one, for the reason given there.
+
 The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait;
 `submit` refuses more with `QueueFull` (429 + Retry-After). After `stop_admitting` (graceful
 shutdown) it refuses everything with `ShuttingDown` (503) while running requests finish.
@@ -146,7 +150,7 @@ def _state_tensors(state: State) -> list[torch.Tensor]:
 
 class Engine:
     def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, prefill_chunk: int = 512,
-                 max_batch_size: int = 64, max_queued: int = 256, sink=None):
+                 max_batch_size: int = 64, max_queued: int = 256, sink=None, threads: int = 0):
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -166,6 +170,8 @@ class Engine:
         # where events go: by default to the asyncio loop of each request's Submission; the engine
         # process (server/engine_process.py) passes a sink that writes them to the API process
         self._sink = sink
+        self.threads = threads  # the worker thread's intra-op threads; 0 = the process's current setting
+        self._thread_ready = threading.Event()
         self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # handed over, not yet delivered
         self._delivery_lock = threading.Lock()
         self._m_waiting = metrics.requests_waiting.labels(name)
@@ -176,6 +182,7 @@ class Engine:
         self._m_cancelled = metrics.requests.labels(name, "cancelled")  # outcomes: finish_reason
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
+        self._thread_ready.wait()  # its thread count is its own before the caller changes the default
 
     # -- admission (event loop) --------------------------------------------------------------
 
@@ -262,7 +269,19 @@ class Engine:
 
     # -- the step loop (worker thread) -------------------------------------------------------
 
+    def _take_threads(self) -> None:
+        """Give this worker thread its own intra-op thread count. torch sets a thread's count from
+        the process-wide default on the thread's first parallel op, so a thread that only called
+        torch.set_num_threads would later be reset to whatever the default is by then; asking for
+        the count first settles it, and the value set after it stays this thread's."""
+        torch.get_num_threads()
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        self.threads = torch.get_num_threads()
+        self._thread_ready.set()
+
     def _loop(self) -> None:
+        self._take_threads()
         while True:
             with self._cond:
                 while not self._closed and not self._waiting and not self._running:

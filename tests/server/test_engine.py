@@ -347,3 +347,42 @@ def test_batched_greedy_equals_alone_on_cuda():
         engine.close()
     assert together == alone
     assert all(len(s["tokens"][0]) == 8 for s in sampled)
+
+
+def test_the_worker_thread_keeps_its_own_torch_threads():
+    """torch sets a thread's intra-op count from the process default on first use: the engine's
+    worker settles its own, so the default going back to one (as load_models does for every
+    other thread) never reaches the model's forward."""
+    before = torch.get_num_threads()
+    model = xl_model()
+    seen = []
+    forward = model.forward
+    model.forward = lambda tokens, state: (seen.append(torch.get_num_threads()), forward(tokens, state))[1]
+    engine = Engine("xl", model, ByteTokenizer(), Metrics(), threads=2)
+    try:
+        torch.set_num_threads(1)
+        assert engine.threads == 2
+        run(collect(engine, job(engine, "def main():\n", max_tokens=3)))
+        assert seen and set(seen) == {2}
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
+
+
+def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp_path):
+    from server.engine_process import load_models
+    from server.settings import Settings
+    from tests.e2e.server_process import make_checkpoint
+
+    for name in ("first", "second"):
+        make_checkpoint(tmp_path / name)
+    before = torch.get_num_threads()
+    loaded = load_models(Settings(models=f"{tmp_path / 'first'},{tmp_path / 'second'}", device="cpu",
+                                  torch_threads=4), Metrics())
+    try:
+        assert [model.engine.threads for model in loaded.values()] == [2, 2]
+        assert torch.get_num_threads() == 1  # loading, and every thread that is not an engine's
+    finally:
+        for model in loaded.values():
+            model.engine.close()
+        torch.set_num_threads(before)
