@@ -13,8 +13,10 @@ greedy generation of --max-tokens tokens after a short code prompt, measured thr
 - engine ceiling: the same again, its events taken by a sink in the engine's own worker thread:
   no event loop, no consumer, the most the step loop gives.
 
-The three alternate in --rounds rounds (default 3; single runs drift by 20-30% on this machine)
-and each level reports its median round. Reported per level: aggregate generated tokens/s (and
+The three alternate in --rounds rounds (default 5; single runs drift by 20-30% on this machine)
+and each level reports its median round. Each level sends at least --min-requests requests (16),
+so that one stream is timed for seconds, not for under one. The engine runs with the server's
+default threads (every core; --threads to change it) in all three. Reported per level: aggregate generated tokens/s (and
 every round's), p50/p99 time to first token (request sent -> first token received), p50/p99
 inter-token latency (gap between consecutive tokens of one stream, as received) and, over HTTP,
 the CPU (in cores) that the API process, the engine process and the load generator used.
@@ -195,13 +197,20 @@ def median_rows(rounds: list[list[dict]]) -> list[dict]:
     return rows
 
 
-def measure(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int, device: str,
+def requests_per_stream(levels: list[int], per_stream: int, min_requests: int) -> dict[int, int]:
+    """Requests each stream sends at each level: at least `per_stream`, and enough that the level
+    as a whole sends `min_requests` (one stream alone would otherwise be timed for under a second,
+    where this machine's drift decides the result)."""
+    return {c: max(per_stream, -(-min_requests // c)) for c in levels}
+
+
+def measure(model_dir: Path, levels: list[int], per_stream: dict[int, int], max_tokens: int, threads: int, device: str,
             rounds: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(engine rows, engine ceiling rows, http rows): the in-process engine driven through its
     asyncio API, the same with a sink in its worker thread, and the server over HTTP, measured
     in alternating rounds (all three, `rounds` times), so that the machine's drift, which moves
     single runs by 20-30% here, falls on all alike; each level reports its median round."""
-    env = {"XLSERVE_TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads), "XLSERVE_DEVICE": device,
+    env = {"XLSERVE_TORCH_THREADS": str(threads), "XLSERVE_DEVICE": device,
            "XLSERVE_MAX_BATCH_SIZE": str(max(levels)), "XLSERVE_MAX_TOKENS_LIMIT": str(max(4096, max_tokens))}
     process, port = start_server(model_dir, env)  # idle while the engine runs
     engine_rounds, ceiling_rounds, http_rounds = [], [], []
@@ -213,7 +222,7 @@ def measure(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int
             results = []
             for concurrency in levels:
                 results.append(asyncio.run(http_level("127.0.0.1", port, model_dir.name, concurrency,
-                                                      per_stream, max_tokens, process.pid)))
+                                                      per_stream[concurrency], max_tokens, process.pid)))
                 print(f"  http   {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s "
                       f"(round {round_index + 1} of {rounds})", flush=True)
             http_rounds.append(results)
@@ -241,16 +250,15 @@ def engine_worker(args: dict) -> list[dict]:
     """
     import threading
 
-    import torch
-
     from server.engine import Finished, GenerationJob, TokenEvent
     from server.engine_process import load_models
     from server.metrics import Metrics
     from server.sampling import SamplingParams
     from server.settings import Settings
 
-    torch.set_num_threads(args["threads"])
-    settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]))
+    # threads as in the server: load_models gives the engine's worker thread its own
+    settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]),
+                        torch_threads=args["threads"])
     current = {"sink": None}
     sink = (lambda items: current["sink"](items)) if args["consumer"] == "sink" else None
     loaded = next(iter(load_models(settings, Metrics(), sink=sink).values()))
@@ -327,7 +335,7 @@ def engine_worker(args: dict) -> list[dict]:
         level(1, 1, 8)  # warm-up
         results = []
         for concurrency in args["levels"]:
-            results.append(level(concurrency, args["per_stream"], args["max_tokens"]))
+            results.append(level(concurrency, args["per_stream"][str(concurrency)], args["max_tokens"]))
             print(f"  engine ({args['consumer']}) {concurrency:>3} streams: {results[-1]['tokens_per_s']} tokens/s",
                   file=sys.stderr, flush=True)
         return results
@@ -335,13 +343,12 @@ def engine_worker(args: dict) -> list[dict]:
         engine.close()
 
 
-def run_engine(model_dir: Path, levels: list[int], per_stream: int, max_tokens: int, threads: int,
+def run_engine(model_dir: Path, levels: list[int], per_stream: dict[int, int], max_tokens: int, threads: int,
                device: str, consumer: str) -> list[dict]:
     args = {"model_dir": str(model_dir), "levels": levels, "per_stream": per_stream, "max_tokens": max_tokens,
             "threads": threads, "device": device, "consumer": consumer}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run([sys.executable, "-m", "server.bench.throughput", "--engine-worker", json.dumps(args)],
-                          cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
+                          cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -435,11 +442,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma list of concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--requests-per-stream", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="requests per level at least (low levels send more per stream, so that each is timed "
+                             "for seconds)")
+    parser.add_argument("--rounds", type=int, default=5,
                         help="alternating engine/HTTP rounds; each level reports its median round")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="torch threads of the server and the engine (default: one core left to the event loop "
-                             "and the client)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op torch threads of the engine, over HTTP and in process (XLSERVE_TORCH_THREADS); "
+                             "default 0: the server's default, every core")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
@@ -453,20 +463,22 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"no checkpoint at {model_dir}; pass --model DIR, or --random-small for a random "
                          "checkpoint of the shipped shape (speed does not depend on the weights)")
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    print(f"throughput of {model_dir.name}: {levels} streams x {args.requests_per_stream} requests x "
-          f"{args.max_tokens} tokens, {args.threads} torch threads", flush=True)
-    engine, ceiling, http = measure(model_dir, levels, args.requests_per_stream, args.max_tokens, args.threads, args.device,
-                           args.rounds)
+    per_stream = requests_per_stream(levels, args.requests_per_stream, args.min_requests)
+    threads = args.threads or "all"
+    print(f"throughput of {model_dir.name}: streams x requests {per_stream}, {args.max_tokens} tokens each, "
+          f"{threads} torch threads", flush=True)
+    engine, ceiling, http = measure(model_dir, levels, per_stream, args.max_tokens, args.threads, args.device,
+                                    args.rounds)
 
     payload = {
         "benchmark": "throughput", "model": str(model_dir), "random_weights": args.random_small,
-        "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream, "rounds": args.rounds,
-        "threads": args.threads,
+        "max_tokens": args.max_tokens, "requests_per_stream": {str(c): n for c, n in per_stream.items()},
+        "rounds": args.rounds, "threads": args.threads,
         "device": args.device, "cpu_count": os.cpu_count(), "http": http, "engine": engine,
         "engine_ceiling": ceiling, "goals": goals(http, engine, ceiling),
     }
     (out / "throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
-    plot(http, engine, ceiling, out / "throughput.png", f"{model_dir.name}, {args.threads} threads, {args.max_tokens} tokens/request")
+    plot(http, engine, ceiling, out / "throughput.png", f"{model_dir.name}, {threads} threads, {args.max_tokens} tokens/request")
     print(table(http, engine, ceiling))
     print(json.dumps(payload["goals"]))
     print(f"wrote {out / 'throughput.json'} and {out / 'throughput.png'}")

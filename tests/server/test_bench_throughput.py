@@ -15,7 +15,8 @@ def test_throughput_bench_smoke(tmp_path):
     out = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "server.cli", "bench", "throughput", "--model", str(checkpoint), "--concurrency", "1,2",
-         "--max-tokens", "4", "--requests-per-stream", "1", "--rounds", "2", "--threads", "1", "--out", str(out)],
+         "--max-tokens", "4", "--requests-per-stream", "1", "--min-requests", "3", "--rounds", "2", "--threads", "1",
+         "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -23,7 +24,10 @@ def test_throughput_bench_smoke(tmp_path):
     rows = result["http"] + result["engine"] + result["engine_ceiling"]
     for kind in ("http", "engine", "engine_ceiling"):
         assert [r["concurrency"] for r in result[kind]] == [1, 2]
-    assert all(r["generated_tokens"] == 4 * r["concurrency"] for r in rows)
+    # one stream alone sends three requests (--min-requests), two streams two each
+    assert result["requests_per_stream"] == {"1": 3, "2": 2}
+    assert all(r["generated_tokens"] == 4 * r["requests"] for r in rows)
+    assert [r["requests"] for r in result["http"]] == [3, 4]
     assert all(r["ttft_p50_s"] is not None for r in rows)
     assert all(len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] in r["tokens_per_s_rounds"] for r in rows)
     assert set(result["goals"]["http_share_of_ceiling"]) == {"1", "2"}
