@@ -81,6 +81,14 @@ def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def _one_torch_thread() -> None:
+    """A thread that is not an engine's runs torch on one thread (see load_models), whatever the
+    process default is when it starts: engines switch their own count step by step, and torch
+    starts a new thread from the process-wide value."""
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -93,9 +101,9 @@ class LoadedModel:
 def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, LoadedModel]:
     """Every configured checkpoint on the device, each with its engine (events to `sink`).
 
-    Threads: each engine's worker thread runs its model on `settings.torch_threads` intra-op
-    threads (0: the cores torch sees, shared out among the models); every other thread of this
-    process, this one included, gets one. Why: with torch's OpenMP (libgomp) every thread that
+    Threads: each engine's worker thread runs its model on up to `settings.torch_threads`
+    intra-op threads (0: the cores torch sees, shared out among the models; see also
+    Engine._forward); every other thread of this process, this one included, gets one. Why: with torch's OpenMP (libgomp) every thread that
     starts a parallel region gets a team of helper threads of its own, and once a process holds
     more OpenMP threads than there are cores, libgomp stops spinning between regions and every
     parallel op waits for its helpers to be woken. Loading the model on two threads here and
@@ -196,7 +204,7 @@ class EngineProcess:
         self.lease_ids = itertools.count(1)
         # session operations may read files or ask Redis: off the reader thread, so a cancel
         # is never stuck behind them (the cache serialises them on its own lock anyway)
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="session-op")
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="session-op", initializer=_one_torch_thread)
 
     def ready_frame(self) -> dict:
         models = []

@@ -17,7 +17,8 @@ from models.interface import ArchConfig, LanguageModel, State
 from models.tokenizer import ByteTokenizer
 from models.transformer_xl import TransformerXL, TransformerXLConfig
 from server.engine import (
-    Cancelled, ChoiceFinished, Engine, Finished, GenerationJob, PromptLogprobs, QueueFull, ShuttingDown, TokenEvent,
+    PARALLEL_MIN_TOKENS, Cancelled, ChoiceFinished, Engine, Finished, GenerationJob, PromptLogprobs, QueueFull,
+    ShuttingDown, TokenEvent,
 )
 from server.metrics import Metrics
 from server.sampling import SamplingParams
@@ -349,21 +350,27 @@ def test_batched_greedy_equals_alone_on_cuda():
     assert all(len(s["tokens"][0]) == 8 for s in sampled)
 
 
-def test_the_worker_thread_keeps_its_own_torch_threads():
+def test_the_worker_thread_keeps_its_own_torch_threads_and_decodes_few_rows_on_one():
     """torch sets a thread's intra-op count from the process default on first use: the engine's
     worker settles its own, so the default going back to one (as load_models does for every
-    other thread) never reaches the model's forward."""
+    other thread) never reaches the model's forward. A forward of fewer than
+    PARALLEL_MIN_TOKENS tokens (decoding one row) runs on one thread, a prompt on all."""
     before = torch.get_num_threads()
     model = xl_model()
     seen = []
     forward = model.forward
-    model.forward = lambda tokens, state: (seen.append(torch.get_num_threads()), forward(tokens, state))[1]
+    model.forward = lambda tokens, state: (seen.append((tokens.numel(), torch.get_num_threads())),
+                                           forward(tokens, state))[1]
     engine = Engine("xl", model, ByteTokenizer(), Metrics(), threads=2)
     try:
         torch.set_num_threads(1)
         assert engine.threads == 2
         run(collect(engine, job(engine, "def main():\n", max_tokens=3)))
-        assert seen and set(seen) == {2}
+        assert seen[0] == (12, 2)  # the prompt
+        assert seen[1:] and all(call == (1, 1) for call in seen[1:])  # decoding one row
+        assert PARALLEL_MIN_TOKENS <= 12
+        run(collect(engine, job(engine, "import os\nimport sys\n", max_tokens=1)))
+        assert seen[-1] == (21, 2)  # back to two for the next prompt
     finally:
         engine.close()
         torch.set_num_threads(before)
