@@ -103,12 +103,14 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
 
     Threads: each engine's worker thread runs its model on up to `settings.torch_threads`
     intra-op threads (0: the cores torch sees, shared out among the models; see also
-    Engine._forward); every other thread of this process, this one included, gets one. Why: with torch's OpenMP (libgomp) every thread that
-    starts a parallel region gets a team of helper threads of its own, and once a process holds
-    more OpenMP threads than there are cores, libgomp stops spinning between regions and every
-    parallel op waits for its helpers to be woken. Loading the model on two threads here and
-    decoding on two in the worker made decode steps about 2x slower on the shipped model (2 cores,
-    batch 16: a median 6.6-6.8 ms per step, against 2.9-3.4 ms with all torch work in one thread).
+    Engine._forward); every other thread of this process, this one included, gets one.
+
+    Why: with torch's OpenMP (libgomp) every thread that starts a parallel region gets a team of
+    helper threads of its own, and once a process holds more OpenMP threads than there are
+    cores, libgomp stops spinning between regions and every parallel op waits for its helpers
+    to be woken. Loading the model on two threads here and decoding on two in the worker made
+    decode steps about 2x slower on the shipped model (2 cores, batch 16: a median 6.6-6.8 ms
+    per step, against 2.9-3.4 ms with all torch work in one thread).
     """
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
