@@ -24,8 +24,8 @@ Serving notes
   length in eval mode and reused by every request (it depends on the weights only). A single
   decoding row instead projects its query by W_kR and scores it against R itself, which all
   layers share: the same sum in another order, reading d_model^2 weights instead of a table.
-- The memory's buffers lie head-major in memory (`extend_memory`), so decoding reads each
-  head's keys and values as contiguous rows.
+- The memory's buffers are laid out for decoding (`extend_memory`): each head's keys as one
+  contiguous (positions, D) matrix, each head's values as one contiguous (D, positions) matrix.
 - Training keeps the same memory of keys and values. In the paper the memory's keys are
   re-projected from the stored hidden states at every step; with the memory's gradient stopped,
   the only difference is that W_kE and W_v see no gradient through memory positions and the
@@ -161,50 +161,60 @@ MEMORY_ROOM = 64  # spare positions after a memory buffer: decoding copies the m
 _CLAIM = threading.Lock()  # two threads continuing the same state must not both take its room
 
 
-def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
+def extend_memory(memory: Tensor, new: Tensor, positions_last: bool = False) -> Tensor:
     """torch.cat([memory, new], dim=1) for (B, M, H, D) + (B, T, H, D), without copying `memory`
     when it can be avoided. With autograd on (training) it is torch.cat itself: a buffer written
     in place would break the graph.
 
-    The result is a (B, M + T, H, D) view of a head-major buffer (B, H, capacity, D) with
-    MEMORY_ROOM spare positions after it. Head-major because decoding reads each head's keys and
-    values as one contiguous (positions, D) matrix, which the matrix-product kernels stream
-    several times faster than rows strided by H * D; the view keeps the (B, M, H, D) shape every
-    caller works with. The buffer's storage records how far it has been written (`_xl_filled`);
-    when `memory` is a full-batch view that ends exactly there and the room suffices, `new` is
-    written into the room and the longer view returned. The positions `memory` covers are never
-    written, so every earlier state stays valid: a second continuation of the same state (a
-    retry, a fork) finds the room taken and copies instead.
+    The result is a (B, M + T, H, D) view of a buffer with MEMORY_ROOM spare positions after it,
+    laid out for the decoding product that reads it: (B, H, capacity, D) by default, so each
+    head's keys are one contiguous (positions, D) matrix, or with `positions_last`
+    (B, H, D, capacity), so each head's values are one contiguous (D, positions) matrix (see
+    RelativeAttentionLayer.forward for why). Either way the matrix-product kernels stream whole
+    rows instead of rows strided by H * D, and the view keeps the (B, M, H, D) shape every caller
+    works with. The buffer's storage records its layout and how far it has been written
+    (`_xl_positions_last`, `_xl_filled`); when `memory` is a full-batch view of such a buffer that
+    ends exactly there and the room suffices, `new` is written into the room and the longer view
+    returned. The positions `memory` covers are never written, so every earlier state stays
+    valid: a second continuation of the same state (a retry, a fork) finds the room taken and
+    copies instead.
     """
     if torch.is_grad_enabled():
         return torch.cat([memory, new], dim=1)
     B, M, H, D = memory.shape
     T = new.shape[1]
+    positions = 3 if positions_last else 2  # the buffer's position dimension
+    to_view = (0, 3, 1, 2) if positions_last else (0, 2, 1, 3)  # buffer (B, H, ., .) -> (B, M, H, D)
+    to_buffer = (0, 2, 3, 1) if positions_last else (0, 2, 1, 3)  # (B, T, H, D) -> buffer order
     storage = memory.untyped_storage()
-    ours = getattr(storage, "_xl_filled", None) is not None  # a buffer this function made
+    ours = getattr(storage, "_xl_positions_last", None) == positions_last  # a buffer of this layout made here
     if ours and memory.dtype == new.dtype and memory.device == new.device and B * H * D > 0:
         capacity = storage.nbytes() // (B * H * D * memory.element_size())
+        shape = (B, H, D, capacity) if positions_last else (B, H, capacity, D)
+        buffer = memory.as_strided(shape, (H * D * capacity, D * capacity, shape[3], 1), 0)
+        step = buffer.stride(positions)  # storage elements between two positions
         offset = memory.storage_offset()
         if (
-            memory.stride() == (H * capacity * D, D, capacity * D, 1)  # a head-major view ...
-            and B * H * capacity * D * memory.element_size() == storage.nbytes()  # ... of every batch row
-            and offset % D == 0
-            and offset < capacity * D  # starting in batch row 0, head 0
+            memory.stride() == buffer.permute(*to_view).stride()  # a view of this buffer ...
+            and buffer.numel() * memory.element_size() == storage.nbytes()  # ... of every batch row
+            and offset % step == 0
+            and offset < capacity * step  # starting in batch row 0, head 0
         ):
-            start = offset // D
+            start = offset // step
             with _CLAIM:
                 claimed = storage._xl_filled == start + M and start + M + T <= capacity
                 if claimed:
                     storage._xl_filled = start + M + T
             if claimed:
-                buffer = memory.as_strided((B, H, capacity, D), (H * capacity * D, capacity * D, D, 1), 0)
-                buffer[:, :, start + M : start + M + T] = new.transpose(1, 2)
-                return buffer[:, :, start : start + M + T].transpose(1, 2)
-    buffer = memory.new_empty(B, H, M + T + MEMORY_ROOM, D)
-    buffer[:, :, :M] = memory.transpose(1, 2)
-    buffer[:, :, M : M + T] = new.transpose(1, 2)
+                buffer.narrow(positions, start + M, T).copy_(new.permute(*to_buffer))
+                return buffer.narrow(positions, start, M + T).permute(*to_view)
+    shape = (B, H, D, M + T + MEMORY_ROOM) if positions_last else (B, H, M + T + MEMORY_ROOM, D)
+    buffer = memory.new_empty(shape)
+    buffer.narrow(positions, 0, M).copy_(memory.permute(*to_buffer))
+    buffer.narrow(positions, M, T).copy_(new.permute(*to_buffer))
+    buffer.untyped_storage()._xl_positions_last = positions_last
     buffer.untyped_storage()._xl_filled = M + T
-    return buffer[:, :, : M + T].transpose(1, 2)  # (B, M + T, H, D)
+    return buffer.narrow(positions, 0, M + T).permute(*to_view)  # (B, M + T, H, D)
 
 
 def sinusoid_encoding(distances: Tensor, d_model: int) -> Tensor:
@@ -254,20 +264,21 @@ class RelativeAttentionLayer(nn.Module):
         h = self.attn_norm(x) if c.pre_norm else x
         q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
         inference = not torch.is_grad_enabled()
-        keys = extend_memory(mem_keys, k)  # (B, K, H, D)
-        values = extend_memory(mem_values, v)
+        keys = extend_memory(mem_keys, k)  # (B, K, H, D) over a (B, H, capacity, D) buffer
+        values = extend_memory(mem_values, v, positions_last=True)  # (B, K, H, D) over (B, H, D, capacity)
         K = keys.shape[1]
 
-        # decode (one new position): the memory lies head-major (see extend_memory), so each
-        # head's keys and values are one contiguous (K, D) matrix: scores and values are one
-        # batched vector-matrix product each, where an einsum would copy the memory first. The
-        # query goes on the left, (1, D) @ (D, K): the (K, D) @ (D, 1) orientation of the same
-        # product measured 1.4-1.7x slower on the CPU (shipped model, 190 positions: 25 against
-        # 17 us at batch 1, 200 against 115 us at batch 16, per layer).
+        # decode (one new position): scores and attended values are one batched matrix-vector
+        # product each, over the memory as it lies (see extend_memory), where an einsum would
+        # copy the memory first: each head's keys are a contiguous (K, D) matrix times the query,
+        # each head's values a contiguous (D, K) matrix times the probabilities. In a batch the
+        # memory comes from beyond the cache, and this orientation streams it fastest (shipped
+        # model, memory full, one thread: a batch-16 step took a median 4.93 ms against 5.43 with
+        # the query and the probabilities on the left over (K, D) rows; batch 1 unchanged).
         decode = inference and T == 1
         if decode:
             qw = (q + r_w_bias).transpose(1, 2)  # (B, H, 1, D)
-            content = qw @ keys.permute(0, 2, 3, 1)  # (B, H, 1, D) @ (B, H, D, K) -> (B, H, 1, K)
+            content = (keys.transpose(1, 2) @ qw.transpose(2, 3)).transpose(2, 3)  # (B, H, K, D) @ (B, H, D, 1) -> (B, H, 1, K)
         else:
             content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
         if rel_keys is None:
@@ -284,8 +295,8 @@ class RelativeAttentionLayer(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = self.dropatt(torch.softmax(scores, dim=-1))
         if decode:
-            attended = torch.matmul(probs, values.transpose(1, 2))  # (B, H, 1, D)
-            attended = attended.transpose(1, 2).reshape(B, T, -1)
+            attended = values.permute(0, 2, 3, 1) @ probs.transpose(2, 3)  # (B, H, D, K) @ (B, H, K, 1) -> (B, H, D, 1)
+            attended = attended.permute(0, 3, 1, 2).reshape(B, T, -1)
         else:
             attended = torch.einsum("bhtk,bkhd->bthd", probs, values).reshape(B, T, -1)
         out = self.drop(self.o_net(attended))

@@ -1,6 +1,7 @@
 """Transformer-XL's inference decode path: memory buffers with room to grow (extend_memory) and
 per-row attention products. States must stay values: continuing a state never changes it."""
 
+import pytest
 import torch
 
 from models.transformer_xl import MEMORY_ROOM, TransformerXL, TransformerXLConfig, XLMemory, extend_memory
@@ -70,14 +71,28 @@ def test_split_rows_continue_like_the_batch():
     assert torch.equal(again, batched)
 
 
+@pytest.mark.parametrize("positions_last", [False, True])
 @torch.inference_mode()
-def test_extend_memory_is_a_concatenation():
+def test_extend_memory_is_a_concatenation(positions_last):
     memory = torch.randn(2, 5, 3, 4)
+    storages = set()
     for _ in range(MEMORY_ROOM + 3):
         new = torch.randn(2, 1, 3, 4)
-        extended = extend_memory(memory, new)
+        extended = extend_memory(memory, new, positions_last)
         assert torch.equal(extended, torch.cat([memory, new], dim=1))
+        storages.add(extended.untyped_storage().data_ptr())
         memory = extended[:, 1:]  # keep a sliding window, as the model does
+    assert len(storages) == 2  # one copy when the first buffer's room ran out
+
+
+@torch.inference_mode()
+def test_extend_memory_never_appends_into_a_buffer_of_the_other_layout():
+    memory = extend_memory(torch.randn(2, 5, 3, 4), torch.randn(2, 1, 3, 4), positions_last=True)
+    new = torch.randn(2, 1, 3, 4)
+    extended = extend_memory(memory, new)  # keys' layout: must copy into a buffer of its own
+    assert extended.untyped_storage().data_ptr() != memory.untyped_storage().data_ptr()
+    assert torch.equal(extended, torch.cat([memory, new], dim=1))
+    assert torch.equal(extend_memory(memory, new, positions_last=True), extended)  # its room is still free
 
 
 def test_extend_memory_under_autograd_is_torch_cat():
@@ -97,15 +112,17 @@ def test_training_still_gets_gradients_through_the_segment():
 
 
 @torch.inference_mode()
-def test_decoding_appends_in_place_to_one_head_major_buffer():
+def test_decoding_appends_in_place_to_one_buffer_per_layer_laid_out_for_the_products():
     model = small_model()
     _, state = model(torch.randint(0, 256, (1, 5)), model.init_state(1))
-    buffer = state.keys[0].untyped_storage().data_ptr()
-    for _ in range(MEMORY_ROOM // 2):  # the memory slides (mem_len 16) inside the same buffer
+    buffers = [t.untyped_storage().data_ptr() for t in (state.keys[0], state.values[0])]
+    for _ in range(MEMORY_ROOM // 2):  # the memory slides (mem_len 16) inside the same buffers
         _, state = model(torch.randint(0, 256, (1, 1)), state)
-    assert state.keys[0].untyped_storage().data_ptr() == buffer
-    assert state.keys[0].shape == (1, 16, 2, 16)
-    assert all(state.keys[0][0, :, h].is_contiguous() for h in range(2))  # each head: (M, D) rows together
+    assert [t.untyped_storage().data_ptr() for t in (state.keys[0], state.values[0])] == buffers
+    assert state.keys[0].shape == state.values[0].shape == (1, 16, 2, 16)
+    assert all(state.keys[0][0, :, h].is_contiguous() for h in range(2))  # each head's keys: (M, D) rows
+    # each head's values: (D, positions) rows, the positions of one dimension side by side
+    assert all(state.values[0][0, :, h].t().stride(1) == 1 for h in range(2))
 
 
 @torch.inference_mode()
