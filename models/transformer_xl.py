@@ -25,7 +25,8 @@ Serving notes
   decoding row instead projects its query by W_kR and scores it against R itself, which all
   layers share: the same sum in another order, reading d_model^2 weights instead of a table.
 - The memory's buffers are laid out for decoding (`extend_memory`): each head's keys as one
-  contiguous (positions, D) matrix, each head's values as one contiguous (D, positions) matrix.
+  contiguous (positions, D) matrix, each head's values the same for one row and as one
+  contiguous (D, positions) matrix in a batch (see RelativeAttentionLayer.forward for why).
 - Training keeps the same memory of keys and values. In the paper the memory's keys are
   re-projected from the stored hidden states at every step; with the memory's gradient stopped,
   the only difference is that W_kE and W_v see no gradient through memory positions and the
@@ -264,21 +265,27 @@ class RelativeAttentionLayer(nn.Module):
         h = self.attn_norm(x) if c.pre_norm else x
         q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
         inference = not torch.is_grad_enabled()
+        # decode (one new position): scores and attended values are one batched product each,
+        # over the memory as it lies (see extend_memory), where an einsum would copy it first.
+        # Which orientation is fastest depends on where the memory is. A batch's memory comes
+        # from beyond the cache: there a contiguous matrix times a vector streams best, so a
+        # batch keeps its values as (D, K) rows and multiplies (K, D) keys and (D, K) values by
+        # the query and the probabilities (shipped model, memory full, one thread: a batch-16
+        # step took a median 4.93 ms against 5.43; mem_len 1,600, 12 layers of d_model 512, two
+        # threads: batch 8 71-82 against 104-109 ms). One row's memory is mostly still in cache,
+        # where the vector on the left over (K, D) rows is faster (that model at batch 1: a
+        # median 24.3 against 26.8 ms the other way).
+        batched = B > 1
         keys = extend_memory(mem_keys, k)  # (B, K, H, D) over a (B, H, capacity, D) buffer
-        values = extend_memory(mem_values, v, positions_last=True)  # (B, K, H, D) over (B, H, D, capacity)
+        values = extend_memory(mem_values, v, positions_last=batched)  # a batch: over (B, H, D, capacity)
         K = keys.shape[1]
-
-        # decode (one new position): scores and attended values are one batched matrix-vector
-        # product each, over the memory as it lies (see extend_memory), where an einsum would
-        # copy the memory first: each head's keys are a contiguous (K, D) matrix times the query,
-        # each head's values a contiguous (D, K) matrix times the probabilities. In a batch the
-        # memory comes from beyond the cache, and this orientation streams it fastest (shipped
-        # model, memory full, one thread: a batch-16 step took a median 4.93 ms against 5.43 with
-        # the query and the probabilities on the left over (K, D) rows; batch 1 unchanged).
         decode = inference and T == 1
         if decode:
             qw = (q + r_w_bias).transpose(1, 2)  # (B, H, 1, D)
-            content = (keys.transpose(1, 2) @ qw.transpose(2, 3)).transpose(2, 3)  # (B, H, K, D) @ (B, H, D, 1) -> (B, H, 1, K)
+            if batched:
+                content = (keys.transpose(1, 2) @ qw.transpose(2, 3)).transpose(2, 3)  # (B, H, K, D) @ (B, H, D, 1)
+            else:
+                content = qw @ keys.permute(0, 2, 3, 1)  # (B, H, 1, D) @ (B, H, D, K) -> (B, H, 1, K)
         else:
             content = torch.einsum("bthd,bkhd->bhtk", q + r_w_bias, keys)  # (B, H, T, K)
         if rel_keys is None:
@@ -295,8 +302,11 @@ class RelativeAttentionLayer(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = self.dropatt(torch.softmax(scores, dim=-1))
         if decode:
-            attended = values.permute(0, 2, 3, 1) @ probs.transpose(2, 3)  # (B, H, D, K) @ (B, H, K, 1) -> (B, H, D, 1)
-            attended = attended.permute(0, 3, 1, 2).reshape(B, T, -1)
+            if values.stride(1) == 1:  # (D, K) rows, as a batch keeps them (any layout gives the same sum)
+                attended = (values.permute(0, 2, 3, 1) @ probs.transpose(2, 3)).permute(0, 3, 1, 2)  # (B, 1, H, D)
+            else:
+                attended = (probs @ values.transpose(1, 2)).transpose(1, 2)  # (B, H, 1, K) @ (B, H, K, D)
+            attended = attended.reshape(B, T, -1)
         else:
             attended = torch.einsum("bhtk,bkhd->bthd", probs, values).reshape(B, T, -1)
         out = self.drop(self.o_net(attended))

@@ -111,18 +111,22 @@ def test_training_still_gets_gradients_through_the_segment():
     assert model.layers[0].qkv_net.weight.grad is not None
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @torch.inference_mode()
-def test_decoding_appends_in_place_to_one_buffer_per_layer_laid_out_for_the_products():
+def test_decoding_appends_in_place_to_one_buffer_per_layer_laid_out_for_the_products(batch):
     model = small_model()
-    _, state = model(torch.randint(0, 256, (1, 5)), model.init_state(1))
+    _, state = model(torch.randint(0, 256, (batch, 5)), model.init_state(batch))
     buffers = [t.untyped_storage().data_ptr() for t in (state.keys[0], state.values[0])]
     for _ in range(MEMORY_ROOM // 2):  # the memory slides (mem_len 16) inside the same buffers
-        _, state = model(torch.randint(0, 256, (1, 1)), state)
+        _, state = model(torch.randint(0, 256, (batch, 1)), state)
     assert [t.untyped_storage().data_ptr() for t in (state.keys[0], state.values[0])] == buffers
-    assert state.keys[0].shape == state.values[0].shape == (1, 16, 2, 16)
-    assert all(state.keys[0][0, :, h].is_contiguous() for h in range(2))  # each head's keys: (M, D) rows
-    # each head's values: (D, positions) rows, the positions of one dimension side by side
-    assert all(state.values[0][0, :, h].t().stride(1) == 1 for h in range(2))
+    assert state.keys[0].shape == state.values[0].shape == (batch, 16, 2, 16)
+    for row in range(batch):
+        assert all(state.keys[0][row, :, h].is_contiguous() for h in range(2))  # each head's keys: (M, D) rows
+        if batch == 1:  # one row's values like its keys
+            assert all(state.values[0][row, :, h].is_contiguous() for h in range(2))
+        else:  # a batch's values: (D, positions) rows, the positions of one dimension side by side
+            assert all(state.values[0][row, :, h].t().stride(1) == 1 for h in range(2))
 
 
 @torch.inference_mode()
