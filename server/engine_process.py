@@ -102,8 +102,12 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     """Every configured checkpoint on the device, each with its engine (events to `sink`).
 
     Threads: each engine's worker thread runs its model on up to `settings.torch_threads`
-    intra-op threads (0: the cores torch sees, shared out among the models; see also
-    Engine._forward); every other thread of this process, this one included, gets one.
+    intra-op threads (see also Engine._forward); every other thread of this process, this one
+    included, gets one. The default (0) is the cores torch sees less one, which the API process
+    needs for every step's tokens, shared out among the models. On the shipped model and 2 cores,
+    an engine on both cores batched better, but lost about twice the CPU the API process and
+    its clients took from it: 16 streams over HTTP ran at 68-83% of the in-process engine in
+    four runs, against 99-108% with one engine thread, and 64 streams gained 3-13% over one.
 
     Why: with torch's OpenMP (libgomp) every thread that starts a parallel region gets a team of
     helper threads of its own, and once a process holds more OpenMP threads than there are
@@ -115,7 +119,7 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     directories = [Path(directory) for directory in settings.model_dirs()]
-    cores = settings.torch_threads or torch.get_num_threads()
+    cores = settings.torch_threads or max(1, torch.get_num_threads() - 1)
     per_engine = max(1, cores // max(1, len(directories)))
     torch.set_num_threads(1)  # loading here, and every thread that is not an engine's
     loaded = {}

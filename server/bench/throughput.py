@@ -16,7 +16,7 @@ greedy generation of --max-tokens tokens after a short code prompt, measured thr
 The three alternate in --rounds rounds (default 5; single runs drift by 20-30% on this machine)
 and each level reports its median round. Each level sends at least --min-requests requests (16),
 so that one stream is timed for seconds, not for under one. The engine runs with the server's
-default threads (every core; --threads to change it) in all three. Reported per level: aggregate generated tokens/s (and
+default threads (the cores less one; --threads to change it) in all three. Reported per level: aggregate generated tokens/s (and
 every round's), p50/p99 time to first token (request sent -> first token received), p50/p99
 inter-token latency (gap between consecutive tokens of one stream, as received) and, over HTTP,
 the CPU (in cores) that the API process, the engine process and the load generator used.
@@ -481,7 +481,7 @@ def main(argv: list[str]) -> None:
                         help="alternating engine/HTTP rounds; each level reports its median round")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op torch threads of the engine, over HTTP and in process (XLSERVE_TORCH_THREADS); "
-                             "default 0: the server's default, every core")
+                             "default 0: the server's default, the cores less one")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
