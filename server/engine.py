@@ -31,8 +31,8 @@ to the asyncio loop of each request's `Submission`.
 
 Threads: the worker thread runs the model with up to `threads` intra-op threads of its own (see
 `Engine._take_threads`), and with one for forwards too small to gain from more (`_forward`);
-server/engine_process.py's `load_models` gives every other thread of the process one, for the
-reason given there.
+the engine process runs every other thread of its own on one (server/engine_process.py,
+`load_models`, which says why).
 
 The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait;
 `submit` refuses more with `QueueFull` (429 + Retry-After). After `stop_admitting` (graceful
@@ -70,6 +70,19 @@ from server.sampling import Sampler, StopChecker, top_alternatives
 
 
 PARALLEL_MIN_TOKENS = 8  # forwards of fewer tokens run on one intra-op thread (Engine._forward)
+
+
+def own_torch_threads(count: int) -> int:
+    """Make `count` intra-op threads (0: those it has) the calling thread's own, and return its
+    count. torch sets a thread's count from the process-wide default on the thread's first
+    parallel op, and every torch.set_num_threads moves that default (engines move it as they
+    switch, see Engine._forward); so a thread that only called torch.set_num_threads could later
+    be reset to whatever the default is by then. Asking for the count first settles it; the value
+    set after it stays this thread's."""
+    torch.get_num_threads()
+    if count > 0:
+        torch.set_num_threads(count)
+    return torch.get_num_threads()
 
 
 @dataclass
@@ -274,14 +287,8 @@ class Engine:
     # -- the step loop (worker thread) -------------------------------------------------------
 
     def _take_threads(self) -> None:
-        """Give this worker thread its own intra-op thread count. torch sets a thread's count from
-        the process-wide default on the thread's first parallel op, so a thread that only called
-        torch.set_num_threads would later be reset to whatever the default is by then; asking for
-        the count first settles it, and the value set after it stays this thread's."""
-        torch.get_num_threads()
-        if self.threads > 0:
-            torch.set_num_threads(self.threads)
-        self.threads = self._threads_now = torch.get_num_threads()
+        """Give this worker thread its own intra-op thread count (`own_torch_threads`)."""
+        self.threads = self._threads_now = own_torch_threads(self.threads)
         self._thread_ready.set()
 
     def _forward(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:

@@ -53,7 +53,7 @@ from models.interface import LanguageModel
 from models.tokenizer import tokenizer_for_checkpoint
 from server.cache import CorruptState, Lease, SessionCache, SessionData
 from server.cache.codec import decode, session_data
-from server.engine import Engine
+from server.engine import Engine, own_torch_threads
 from server.errors import InvalidRequest, model_not_found
 from server.metrics import Metrics
 from server.sampling import SamplingParams
@@ -81,14 +81,6 @@ def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _one_torch_thread() -> None:
-    """A thread that is not an engine's runs torch on one thread (see load_models), whatever the
-    process default is when it starts: engines switch their own count step by step, and torch
-    starts a new thread from the process-wide value."""
-    torch.get_num_threads()
-    torch.set_num_threads(1)
-
-
 @dataclass
 class LoadedModel:
     name: str
@@ -102,8 +94,8 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     """Every configured checkpoint on the device, each with its engine (events to `sink`).
 
     Threads: each engine's worker thread runs its model on up to `settings.torch_threads`
-    intra-op threads (see also Engine._forward); every other thread of this process, this one
-    included, gets one. The default (0) is the cores torch sees less one, which the API process
+    intra-op threads (see also Engine._forward); this thread and the engine process's
+    session-op threads run torch on one. The default (0) is the cores torch sees less one, which the API process
     needs for every step's tokens, shared out among the models. On the shipped model and 2 cores,
     an engine on both cores batched better, but lost about twice the CPU the API process and
     its clients took from it: 16 streams over HTTP ran at 68-83% of the in-process engine in
@@ -121,7 +113,7 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     directories = [Path(directory) for directory in settings.model_dirs()]
     cores = settings.torch_threads or max(1, torch.get_num_threads() - 1)
     per_engine = max(1, cores // max(1, len(directories)))
-    torch.set_num_threads(1)  # loading here, and every thread that is not an engine's
+    own_torch_threads(1)  # loading here; the session-op threads take one each too (EngineProcess)
     loaded = {}
     for directory in directories:
         model = load_checkpoint(directory, device=device).to(dtype)
@@ -130,7 +122,6 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests, sink=sink,
                         threads=per_engine)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine)
-    torch.set_num_threads(1)  # each engine took its count (Engine._take_threads); the default is one again
     return loaded
 
 
@@ -210,7 +201,8 @@ class EngineProcess:
         self.lease_ids = itertools.count(1)
         # session operations may read files or ask Redis: off the reader thread, so a cancel
         # is never stuck behind them (the cache serialises them on its own lock anyway)
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="session-op", initializer=_one_torch_thread)
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="session-op",
+                                       initializer=own_torch_threads, initargs=(1,))
 
     def ready_frame(self) -> dict:
         models = []
