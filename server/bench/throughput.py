@@ -16,10 +16,11 @@ greedy generation of --max-tokens tokens after a short code prompt, measured thr
 The three alternate in --rounds rounds (default 5; single runs drift by 20-30% on this machine)
 and each level reports its median round. Each level sends at least --min-requests requests (16),
 so that one stream is timed for seconds, not for under one. The engine runs with the server's
-default threads (the cores less one; --threads to change it) in all three. Reported per level: aggregate generated tokens/s (and
-every round's), p50/p99 time to first token (request sent -> first token received), p50/p99
-inter-token latency (gap between consecutive tokens of one stream, as received) and, over HTTP,
-the CPU (in cores) that the API process, the engine process and the load generator used.
+default threads (the cores less one; --threads to change it) in all three. Reported per level:
+aggregate generated tokens/s (and every round's), p50/p99 time to first token (request sent ->
+first token received), p50/p99 inter-token latency (gap between consecutive tokens of one
+stream, as received) and, over HTTP, the CPU (in cores) that the API process, the engine
+process and the load generator used.
 Results go to bench-results/throughput.json and throughput.png, and a table is printed. Goals
 (issue 4, 2 CPU cores, the shipped transformer-xl-stdlib): 16 streams >= 6x the tokens/s of one
 stream; http >= 90% of engine throughput.
@@ -74,6 +75,16 @@ def summarise(concurrency: int, wall: float, tokens: int, ttft: list[float], itl
     }
 
 
+def stamp(now: float, sent: float, last: float | None, ttft: list, itl: list) -> float:
+    """Record a token received at `now`: its time to first token (from `sent`) if it is the
+    stream's first, else the gap since the `last` one. Returns `now`, the stream's new last."""
+    if last is None:
+        ttft.append(now - sent)
+    else:
+        itl.append(now - last)
+    return now
+
+
 # -- the HTTP side (no torch in this process) -------------------------------------------------
 
 
@@ -101,11 +112,7 @@ class _StreamedCompletion(asyncio.Protocol):
         self.tail = window[-(len(TOKEN_CHUNK) - 1):]
         self.received.append(data)
         for _ in range(tokens):  # chunks that arrived together: gaps of 0 after the first
-            if self.last is None:
-                self.ttft.append(now - self.sent)
-            else:
-                self.itl.append(now - self.last)
-            self.last = now
+            self.last = stamp(now, self.sent, self.last, self.ttft, self.itl)
 
     def connection_lost(self, error) -> None:
         if not self.done.done():
@@ -170,10 +177,16 @@ async def http_level(host: str, port: int, model: str, concurrency: int, per_str
     return result
 
 
+def stat_fields(process: Path) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces): the
+    state is [0], the parent [1], user and system CPU ticks [11] and [12]."""
+    return (process / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu_seconds(pid: int | None) -> float | None:
     """CPU time (user + system) of process `pid` so far, from /proc (None where there is none)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(Path(f"/proc/{pid}"))
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, TypeError):
         return None
@@ -184,7 +197,7 @@ def child_processes(pid: int) -> list[int]:
     children = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat_fields(entry)[1]) == pid:
                 children.append(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue
@@ -313,9 +326,7 @@ def engine_worker(args: dict) -> list[dict]:
                 sent, last = time.perf_counter(), None
                 async for event in engine.generate(job):
                     if isinstance(event, TokenEvent):
-                        now = time.perf_counter()
-                        (ttft.append(now - sent) if last is None else itl.append(now - last))
-                        last = now
+                        last = stamp(time.perf_counter(), sent, last, ttft, itl)
                         total += 1
             return total
 
@@ -337,8 +348,7 @@ def engine_worker(args: dict) -> list[dict]:
             now = time.perf_counter()
             for index, event in items:
                 if isinstance(event, TokenEvent):
-                    (ttft.append(now - sent[index]) if last[index] is None else itl.append(now - last[index]))
-                    last[index] = now
+                    last[index] = stamp(now, sent[index], last[index], ttft, itl)
                     total[0] += 1
                 elif isinstance(event, Finished):
                     left[index] -= 1

@@ -5,8 +5,9 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
-from server.bench.throughput import child_processes
+from server.bench.throughput import child_processes, stat_fields
 from tests.e2e.server_process import ServerProcess
 
 GENERATE = {"prompt": "def main(", "max_tokens": 8, "temperature": 0}
@@ -22,9 +23,8 @@ def gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
-                    return True
+            if stat_fields(Path(f"/proc/{pid}"))[0] == "Z":  # exited, not yet reaped
+                return True
         except OSError:
             return True
         time.sleep(0.05)
