@@ -105,6 +105,12 @@ class State:
         """One batch-1 state per batch row."""
         return [self._map(lambda t, i=i: t[i : i + 1]) for i in range(self.batch_size)]
 
+    def take(self, rows: list[int]) -> "State":
+        """The batch rows at `rows`, in that order, as a new batch: what a batch keeps when some
+        of its rows leave. A class may do it in fewer copies than splitting and concatenating."""
+        parts = self.split()
+        return type(self).concat([parts[i] for i in rows])
+
     @classmethod
     def concat(cls, states: list["State"]) -> "State":
         """Stack batch rows; the default needs equal shapes."""

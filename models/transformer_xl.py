@@ -27,6 +27,8 @@ Serving notes
 - The memory's buffers are laid out for decoding (`extend_memory`): each head's keys as one
   contiguous (positions, D) matrix, each head's values the same for one row and as one
   contiguous (D, positions) matrix in a batch (see RelativeAttentionLayer.forward for why).
+  Batching rows (`XLMemory.concat`) and keeping some of a batch's rows (`XLMemory.take`) write
+  straight into such buffers, so a batch that changes does not copy its memory a second time.
 - Training keeps the same memory of keys and values. In the paper the memory's keys are
   re-projected from the stored hidden states at every step; with the memory's gradient stopped,
   the only difference is that W_kE and W_v see no gradient through memory positions and the
@@ -127,7 +129,11 @@ class XLMemory(State):
 
     @classmethod
     def concat(cls, states: list["XLMemory"]) -> "XLMemory":
+        """Rows of every state, left-padded to the longest memory. Serving (autograd off) writes
+        them straight into buffers with room, laid out as a batch decodes them (`memory_buffer`):
+        the batch's first step then appends in place instead of copying every memory again."""
         longest = max(s.length for s in states)
+        batch = sum(s.valid.shape[0] for s in states)
 
         def pad(t: Tensor, fill) -> Tensor:  # left-pad dim 1 up to `longest`
             missing = longest - t.shape[1]
@@ -136,11 +142,55 @@ class XLMemory(State):
             filler = t.new_full((t.shape[0], missing, *t.shape[2:]), fill)
             return torch.cat([filler, t], dim=1)
 
+        def stack(parts: list[Tensor], positions_last: bool) -> Tensor:  # (b_i, M_i, H, D) each -> (B, longest, H, D)
+            if torch.is_grad_enabled():
+                return torch.cat([pad(t, 0) for t in parts])
+            out = memory_buffer(parts[0], batch, longest, positions_last)
+            start = 0
+            for t in parts:
+                rows, missing = t.shape[0], longest - t.shape[1]
+                target = out.narrow(0, start, rows)
+                if missing:
+                    target.narrow(1, 0, missing).zero_()  # masked, but 0 * garbage could be nan
+                target.narrow(1, missing, t.shape[1]).copy_(t)
+                start += rows
+            return out
+
         n_layer = len(states[0].keys)
         return cls(
-            keys=[torch.cat([pad(s.keys[i], 0) for s in states]) for i in range(n_layer)],
-            values=[torch.cat([pad(s.values[i], 0) for s in states]) for i in range(n_layer)],
+            keys=[stack([s.keys[i] for s in states], False) for i in range(n_layer)],
+            values=[stack([s.values[i] for s in states], batch > 1) for i in range(n_layer)],
             valid=torch.cat([pad(s.valid, False) for s in states]),
+        )
+
+    def take(self, rows: list[int]) -> "XLMemory":
+        """The rows at `rows` (see State.take), less the padding none of them needs, in buffers
+        with room like concat's: one copy per run of neighbouring rows, where splitting and
+        concatenating would copy row by row and then once more at the first step."""
+        if torch.is_grad_enabled():
+            return super().take(rows)
+        valid = self.valid[rows]  # (B', M)
+        needed = valid.any(dim=0)
+        start = int(needed.long().argmax()) if bool(needed.any()) else self.length  # padding only before it
+        length = self.length - start
+        runs: list[tuple[int, int, int]] = []  # (first row, row count, where in the result)
+        for at, row in enumerate(rows):
+            if runs and runs[-1][0] + runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+            else:
+                runs.append((row, 1, at))
+
+        def gather(t: Tensor, positions_last: bool) -> Tensor:
+            out = memory_buffer(t, len(rows), length, positions_last)
+            for first, count, at in runs:
+                out.narrow(0, at, count).copy_(t.narrow(0, first, count).narrow(1, start, length))
+            return out
+
+        batched = len(rows) > 1
+        return XLMemory(
+            keys=[gather(k, False) for k in self.keys],
+            values=[gather(v, batched) for v in self.values],
+            valid=valid[:, start:],
         )
 
     def split(self) -> list["XLMemory"]:
@@ -209,13 +259,25 @@ def extend_memory(memory: Tensor, new: Tensor, positions_last: bool = False) -> 
             if claimed:
                 buffer.narrow(positions, start + M, T).copy_(new.permute(*to_buffer))
                 return buffer.narrow(positions, start, M + T).permute(*to_view)
-    shape = (B, H, D, M + T + MEMORY_ROOM) if positions_last else (B, H, M + T + MEMORY_ROOM, D)
-    buffer = memory.new_empty(shape)
-    buffer.narrow(positions, 0, M).copy_(memory.permute(*to_buffer))
-    buffer.narrow(positions, M, T).copy_(new.permute(*to_buffer))
+    out = memory_buffer(memory, B, M + T, positions_last)
+    out.narrow(1, 0, M).copy_(memory)
+    out.narrow(1, M, T).copy_(new)
+    return out
+
+
+def memory_buffer(like: Tensor, batch: int, length: int, positions_last: bool = False) -> Tensor:
+    """A new, unwritten (batch, length, H, D) memory (H, D, dtype and device as `like`'s) at the
+    start of a buffer with MEMORY_ROOM spare positions after it, in `extend_memory`'s layout and
+    recorded as filled up to `length`: the caller writes it, and extend_memory then appends into
+    its room."""
+    _, _, H, D = like.shape
+    capacity = length + MEMORY_ROOM
+    buffer = like.new_empty((batch, H, D, capacity) if positions_last else (batch, H, capacity, D))
     buffer.untyped_storage()._xl_positions_last = positions_last
-    buffer.untyped_storage()._xl_filled = M + T
-    return buffer.narrow(positions, 0, M + T).permute(*to_view)  # (B, M + T, H, D)
+    buffer.untyped_storage()._xl_filled = length
+    if positions_last:
+        return buffer.narrow(3, 0, length).permute(0, 3, 1, 2)  # (B, length, H, D)
+    return buffer.narrow(2, 0, length).permute(0, 2, 1, 3)
 
 
 def sinusoid_encoding(distances: Tensor, d_model: int) -> Tensor:

@@ -159,6 +159,18 @@ def test_batched_rows_at_different_positions_match_single_rows():
     assert max_state_difference(split_b, next_b) < 1e-5
 
 
+def test_take_keeps_the_rows_asked_for():
+    """State.take's default (split, then concat): the kept rows, in the order asked."""
+    model = small_model()
+    with torch.no_grad():
+        states = [model(tokens_for(1, 7, seed), model.init_state(1))[1] for seed in (1, 2, 3)]
+        batch = ContinuousMemory.concat(states)
+        taken = batch.take([2, 0])
+    assert taken.batch_size == 2
+    assert max_state_difference(taken.split()[0], states[2]) == 0
+    assert max_state_difference(taken.split()[1], states[0]) == 0
+
+
 def test_state_round_trips_and_restores_bit_identically():
     model = small_model()
     tokens = tokens_for(1, 30, 12)

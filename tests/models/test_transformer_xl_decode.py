@@ -130,6 +130,51 @@ def test_decoding_appends_in_place_to_one_buffer_per_layer_laid_out_for_the_prod
 
 
 @torch.inference_mode()
+def test_concatenated_rows_decode_in_place_from_their_first_step():
+    """Batching rows (XLMemory.concat) writes them into buffers with room in the batch's layout,
+    so the batch's first step appends instead of copying every memory a second time; the rows'
+    own states are untouched and the padding is zeros."""
+    model = small_model()
+    _, short = model(torch.randint(0, 256, (1, 3)), model.init_state(1))
+    _, long = model(torch.randint(0, 256, (1, 9)), model.init_state(1))
+    before = [snapshot(short), snapshot(long)]
+    batch = XLMemory.concat([short, long])
+    assert batch.length == 9 and batch.valid.tolist() == [[False] * 6 + [True] * 3, [True] * 9]
+    for layer in range(2):
+        padded = torch.cat([torch.zeros(1, 6, 2, 16), short.keys[layer]], dim=1)
+        assert torch.equal(batch.keys[layer], torch.cat([padded, long.keys[layer]]))
+    buffers = [t.untyped_storage().data_ptr() for t in (*batch.keys, *batch.values)]
+    _, after = model(torch.randint(0, 256, (2, 1)), batch)
+    assert [t.untyped_storage().data_ptr() for t in (*after.keys, *after.values)] == buffers
+    assert same(snapshot(short), before[0]) and same(snapshot(long), before[1])
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 3], [1, 3], [3, 0]])
+@torch.inference_mode()
+def test_take_keeps_rows_like_split_and_concat_and_decodes_in_place(rows):
+    """XLMemory.take (the rows a batch keeps when others leave) equals concatenating those rows'
+    splits, drops padding that no kept row needs, leaves the batch as it was, and the result's
+    first step appends in place."""
+    model = small_model()
+    rows_in = [torch.randint(0, 256, (1, n)) for n in (4, 12, 7, 9)]
+    states = [model(tokens, model.init_state(1))[1] for tokens in rows_in]
+    batch = XLMemory.concat(states)
+    _, batch = model(torch.randint(0, 256, (4, 1)), batch)
+    before = snapshot(batch)
+    taken = batch.take(rows)
+    parts = batch.split()
+    expected = XLMemory.concat([parts[i] for i in rows])
+    assert same(snapshot(taken), snapshot(expected))
+    assert taken.length == max(parts[i].length for i in rows)
+    assert same(snapshot(batch), before)
+    buffers = [t.untyped_storage().data_ptr() for t in (*taken.keys, *taken.values)]
+    step = torch.randint(0, 256, (len(rows), 1))
+    log_probs, after = model(step, taken)
+    assert [t.untyped_storage().data_ptr() for t in (*after.keys, *after.values)] == buffers
+    torch.testing.assert_close(log_probs, model(step, expected)[0], rtol=0, atol=1e-6)
+
+
+@torch.inference_mode()
 def test_one_row_decode_scores_positions_like_the_tables():
     """A single decoding row takes the shared-encoding path; a batch of two takes the per-layer
     tables. Both rows of the batch must agree with the single row."""
