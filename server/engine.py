@@ -18,7 +18,8 @@ Batching goes through the model's `State` interface only: rows are concatenated 
 class that overrides `concat` (Transformer-XL pads memories of different lengths and masks the
 padding) batches any rows together; one that keeps the default (equal shapes) is batched in
 groups of rows whose state shapes agree, and a class whose concat turns out to fail runs row by
-row. The batched state is kept between steps and only re-formed when rows join or leave.
+row. The batched state is kept between steps: rows that join are concatenated onto it, and when
+rows leave, the rows that stay are taken out of it in one `State.take`.
 
 A request never touches the session it came from: it starts from the committed `SessionData`
 and ends with a new one in `Finished.data`, which the caller commits only when it has the whole
@@ -489,14 +490,13 @@ class Engine:
         wanted = {id(row) for row in rows}
         groups, loose = [], []
         for group in self._groups:
-            if all(id(row) in wanted for row in group.rows):
+            staying = [row for row in group.rows if id(row) in wanted]
+            if len(staying) < len(group.rows):  # someone left (cancelled, failed, finished unforwarded)
+                if not self._shrink(group, staying):
+                    loose += staying  # this class could not take rows out: they batch afresh below
+                    continue
+            if group.rows:
                 groups.append(group)
-                continue
-            # someone left: take the group apart, keep the rows still decoding
-            for row, state in zip(group.rows, self._split(group)):
-                row.state = state
-                if id(row) in wanted:
-                    loose.append(row)
         grouped = {id(row) for group in groups for row in group.rows}
         loose_ids = {id(row) for row in loose}
         loose += [row for row in rows if id(row) not in grouped and id(row) not in loose_ids]
@@ -535,11 +535,33 @@ class Engine:
                 row.next_log_probs, row.host_log_probs, row.greedy = last[i], host[i], choice
                 row.tokens += 1
                 row.pending = None
-            if any(row.finish_reason is not None for row in group.rows):
-                for row, state in zip(group.rows, self._split(group)):  # finished rows need their state
-                    row.state = state
-            else:
+            staying = [row for row in group.rows if row.finish_reason is None]
+            if len(staying) == len(group.rows) or (self._shrink(group, staying) and staying):
                 self._groups.append(group)
+            # else: every row holds its own state; those still decoding batch afresh next step
+
+    def _shrink(self, group: _Group, staying: list[_Row]) -> bool:
+        """Take the rows not in `staying` out of `group`, handing each its own state (views into
+        the group's, which the group no longer writes), and keep the others as the group's new
+        state, in one `State.take`. False, with every row holding its state, when the class
+        cannot take rows out."""
+        states = self._split(group)
+        for row, state in zip(group.rows, states):
+            row.state = state
+        if not staying:
+            group.rows = []
+            return True
+        kept = {id(row) for row in staying}
+        indices = [i for i, row in enumerate(group.rows) if id(row) in kept]
+        try:
+            state = states[indices[0]] if len(indices) == 1 else group.state.take(indices)
+        except (RuntimeError, ValueError):
+            return False
+        for row in staying:
+            row.state = None
+        group.rows, group.state = list(staying), state
+        group.key = self._key(state)
+        return True
 
     def _split(self, group: _Group) -> list[State]:
         return [group.state] if len(group.rows) == 1 else group.state.split()

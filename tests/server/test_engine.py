@@ -149,6 +149,38 @@ def test_rows_join_and_leave_a_running_batch():
         engine.close()
 
 
+def test_rows_that_leave_are_taken_out_of_the_batch_without_reforming_it():
+    """When rows finish, the rows that stay keep decoding as one batch, taken out with
+    State.take (one copy), not split apart and concatenated again."""
+    from models.transformer_xl import XLMemory
+
+    engine = make_engine(xl_model(), prefill_chunk=64)
+    log, concat, take = [], XLMemory.concat.__func__, XLMemory.take
+
+    def logged_concat(cls, states):
+        log.append(("concat", len(states)))
+        return concat(cls, states)
+
+    def logged_take(self, rows):
+        log.append(("take", len(rows)))
+        return take(self, rows)
+
+    async def together():
+        return await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=n))
+                                      for p, n in zip(PROMPTS[1:4], (5, 12, 20))])
+
+    try:
+        alone = [run(collect(engine, job(engine, p, max_tokens=n)))["tokens"] for p, n in zip(PROMPTS[1:4], (5, 12, 20))]
+        XLMemory.concat, XLMemory.take = classmethod(logged_concat), logged_take
+        batched = [r["tokens"] for r in run(together())]
+    finally:
+        XLMemory.concat, XLMemory.take = classmethod(concat), take
+        engine.close()
+    assert batched == alone
+    assert log.count(("take", 2)) == 1  # 3 -> 2 rows; the last row then runs on its own view
+    assert "concat" not in [name for name, _ in log[log.index(("take", 2)):]]
+
+
 def test_seeded_sampling_is_the_same_batched_or_not_and_n_choices():
     engine = make_engine(xl_model())
     params = dict(temperature=1.0, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
