@@ -111,6 +111,14 @@ class State:
         parts = self.split()
         return type(self).concat([parts[i] for i in rows])
 
+    def put_row(self, index: int, row: "State") -> bool:
+        """Overwrite batch row `index` with the batch-1 state `row` in place and return True, or
+        return False and change nothing where the class cannot (the default) or not for this
+        row. Writing in place breaks the rule that states are values, so only the owner of a
+        batch that nobody else can see may call it: the engine does, to give a row that joins
+        the place a finished row left, instead of copying the whole batch."""
+        return False
+
     @classmethod
     def concat(cls, states: list["State"]) -> "State":
         """Stack batch rows; the default needs equal shapes."""

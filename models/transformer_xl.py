@@ -193,6 +193,22 @@ class XLMemory(State):
             valid=valid[:, start:],
         )
 
+    def put_row(self, index: int, row: "XLMemory") -> bool:
+        """State.put_row: the row's memory, left-padded to this batch's length, written into
+        place `index` (its buffers' other places and room untouched). Not for a row with a
+        longer memory than the batch's, nor under autograd."""
+        if torch.is_grad_enabled() or row.valid.shape[0] != 1 or row.length > self.length:
+            return False
+        missing = self.length - row.length
+        for mine, theirs in zip([*self.keys, *self.values], [*row.keys, *row.values]):
+            place = mine[index]  # (M, H, D), a view into the batch's buffer
+            if missing:
+                place[:missing].zero_()  # masked, but 0 * garbage could be nan
+            place[missing:].copy_(theirs[0])
+        self.valid[index, :missing] = False
+        self.valid[index, missing:] = row.valid[0]
+        return True
+
     def split(self) -> list["XLMemory"]:
         rows = []
         for row in super().split():

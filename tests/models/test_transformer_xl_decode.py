@@ -175,6 +175,29 @@ def test_take_keeps_rows_like_split_and_concat_and_decodes_in_place(rows):
 
 
 @torch.inference_mode()
+def test_put_row_gives_a_new_row_the_place_of_another_in_place():
+    """XLMemory.put_row writes a row into one place of a batch (left-padded to the batch's
+    length) without touching the other rows or moving the buffers; the batch then decodes that
+    row as it would alone. A row with a longer memory than the batch's does not fit."""
+    model = small_model()
+    _, batch = model(torch.randint(0, 256, (3, 10)), model.init_state(3))
+    _, batch = model(torch.randint(0, 256, (3, 1)), XLMemory.concat(batch.split()))
+    _, newcomer = model(torch.randint(0, 256, (1, 4)), model.init_state(1))
+    others = [snapshot(row) for row in batch.split()]
+    buffers = [t.untyped_storage().data_ptr() for t in (*batch.keys, *batch.values)]
+    assert batch.put_row(1, newcomer)
+    assert [t.untyped_storage().data_ptr() for t in (*batch.keys, *batch.values)] == buffers
+    rows = batch.split()
+    assert same(snapshot(rows[0]), others[0]) and same(snapshot(rows[2]), others[2])
+    assert same(snapshot(rows[1]), snapshot(newcomer))
+    step = torch.randint(0, 256, (3, 1))
+    batched, _ = model(step, batch)
+    torch.testing.assert_close(batched[1], model(step[1:2], newcomer)[0][0], rtol=0, atol=1e-5)
+    _, longer = model(torch.randint(0, 256, (1, 14)), model.init_state(1))
+    assert not batch.put_row(0, longer)
+
+
+@torch.inference_mode()
 def test_one_row_decode_scores_positions_like_the_tables():
     """A single decoding row takes the shared-encoding path; a batch of two takes the per-layer
     tables. Both rows of the batch must agree with the single row."""
