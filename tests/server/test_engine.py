@@ -149,13 +149,12 @@ def test_rows_join_and_leave_a_running_batch():
         engine.close()
 
 
-def test_rows_that_leave_are_taken_out_of_the_batch_without_reforming_it():
-    """When rows finish, the rows that stay keep decoding as one batch, taken out with
-    State.take (one copy), not split apart and concatenated again."""
+@pytest.fixture
+def batch_log(monkeypatch):
+    """Every XLMemory concat, take and put_row, in order, as (name, rows or place)."""
     from models.transformer_xl import XLMemory
 
-    engine = make_engine(xl_model(), prefill_chunk=64)
-    log, concat, take = [], XLMemory.concat.__func__, XLMemory.take
+    log, concat, take, put_row = [], XLMemory.concat.__func__, XLMemory.take, XLMemory.put_row
 
     def logged_concat(cls, states):
         log.append(("concat", len(states)))
@@ -165,20 +164,65 @@ def test_rows_that_leave_are_taken_out_of_the_batch_without_reforming_it():
         log.append(("take", len(rows)))
         return take(self, rows)
 
+    def logged_put_row(self, index, row):
+        log.append(("put_row", index))
+        return put_row(self, index, row)
+
+    monkeypatch.setattr(XLMemory, "concat", classmethod(logged_concat))
+    monkeypatch.setattr(XLMemory, "take", logged_take)
+    monkeypatch.setattr(XLMemory, "put_row", logged_put_row)
+    return log
+
+
+def test_a_joining_row_takes_the_place_a_finished_row_left(batch_log, monkeypatch):
+    """A row that finishes leaves an idle place in the running batch; the next row to join is
+    written into it (State.put_row) instead of the batch being copied on the way out and again
+    on the way in, and every answer is still the one it gets alone."""
+    import server.engine
+
+    monkeypatch.setattr(server.engine, "IDLE_PLACE_STEPS", 10**9)  # keep the place however slow the test
+    engine = make_engine(xl_model(), prefill_chunk=64)
+    requests = [(PROMPTS[1], 5), (PROMPTS[2], 60), (PROMPTS[3], 60)]
+    late = (PROMPTS[4], 8)
+
     async def together():
-        return await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=n))
-                                      for p, n in zip(PROMPTS[1:4], (5, 12, 20))])
+        first = asyncio.create_task(collect(engine, job(engine, *requests[0][:1], max_tokens=requests[0][1])))
+        others = [asyncio.create_task(collect(engine, job(engine, p, max_tokens=n))) for p, n in requests[1:]]
+        answers = [await first]
+        joined = await collect(engine, job(engine, late[0], max_tokens=late[1]))
+        return [r["tokens"] for r in [*answers, *[await t for t in others], joined]]
 
     try:
-        alone = [run(collect(engine, job(engine, p, max_tokens=n)))["tokens"] for p, n in zip(PROMPTS[1:4], (5, 12, 20))]
-        XLMemory.concat, XLMemory.take = classmethod(logged_concat), logged_take
-        batched = [r["tokens"] for r in run(together())]
+        alone = [run(collect(engine, job(engine, p, max_tokens=n)))["tokens"] for p, n in [*requests, late]]
+        batch_log.clear()
+        batched = run(together())
     finally:
-        XLMemory.concat, XLMemory.take = classmethod(concat), take
         engine.close()
     assert batched == alone
-    assert log.count(("take", 2)) == 1  # 3 -> 2 rows; the last row then runs on its own view
-    assert "concat" not in [name for name, _ in log[log.index(("take", 2)):]]
+    assert [name for name, _ in batch_log].count("put_row") == 1
+    after = batch_log[[name for name, _ in batch_log].index("put_row") + 1 :]
+    assert after == []  # nothing copied the batch after: the late row left an idle place too
+
+
+def test_idle_places_are_dropped_once_they_cost_a_copy_of_the_batch(batch_log, monkeypatch):
+    import server.engine
+
+    monkeypatch.setattr(server.engine, "IDLE_PLACE_STEPS", 4)
+    engine = make_engine(xl_model(), prefill_chunk=64)
+    requests = [(PROMPTS[1], 3), (PROMPTS[2], 30), (PROMPTS[3], 30)]
+
+    async def together():
+        return await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=n)) for p, n in requests])
+
+    try:
+        alone = [run(collect(engine, job(engine, p, max_tokens=n)))["tokens"] for p, n in requests]
+        batch_log.clear()
+        batched = [r["tokens"] for r in run(together())]
+    finally:
+        engine.close()
+    assert batched == alone
+    assert ("take", 2) in batch_log  # 3 places, one idle for 4 steps -> the 2 live rows taken out
+    assert "put_row" not in [name for name, _ in batch_log]
 
 
 def test_seeded_sampling_is_the_same_batched_or_not_and_n_choices():
