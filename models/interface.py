@@ -144,6 +144,11 @@ class LanguageModel(nn.Module):
     state_class: ClassVar[type[State]]
     state_kind: ClassVar[str]  # "segment-recurrence", "continuous", "window", "linear", "none"
     state_grows_with_context: ClassVar[bool]
+    # True: forward also takes `lengths` (B,), for a batch of chunks of different lengths, each
+    # row right-padded to T: row b's tokens are tokens[b, :lengths[b]], its log-probabilities
+    # past that are meaningless, and the state returned holds each row after its own tokens
+    # only. The engine then prefills prompts of different lengths in one forward.
+    ragged_chunks: ClassVar[bool] = False
 
     config: ArchConfig
 

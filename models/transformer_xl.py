@@ -404,6 +404,7 @@ class TransformerXL(LanguageModel):
     state_class = XLMemory
     state_kind = "segment-recurrence"
     state_grows_with_context = False  # bounded by mem_len
+    ragged_chunks = True  # forward(tokens, state, lengths): see the end of forward
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
@@ -486,7 +487,11 @@ class TransformerXL(LanguageModel):
             self._rel_key_cache[(length, dtype, device)] = (encoding, tables)
         return encoding, tables
 
-    def forward(self, tokens: Tensor, state: XLMemory) -> tuple[Tensor, XLMemory]:
+    def forward(self, tokens: Tensor, state: XLMemory, lengths: Tensor | None = None) -> tuple[Tensor, XLMemory]:
+        """tokens (B, T) -> log-probs (B, T, V) and the memory after them. With `lengths` (B,),
+        row b's chunk is tokens[b, :lengths[b]], right-padded: the padding comes after every
+        real token, so causality already hides it from them, and only the memory kept needs
+        care (each row's window ends at its own last token)."""
         c = self.config
         B, T = tokens.shape
         M = state.length
@@ -518,8 +523,8 @@ class TransformerXL(LanguageModel):
                 x, state.keys[i], state.values[i], rel_keys[i], encoding, distance, allowed,
                 self.r_w_bias[bias], self.r_r_bias[bias],
             )
-            new_keys.append(keys[:, keep:].detach())
-            new_values.append(values[:, keep:].detach())
+            new_keys.append(keys.detach())  # (B, K, H, D); trimmed to the memory below
+            new_values.append(values.detach())
         if self.final_norm is not None:
             x = self.final_norm(x)
         x = self.drop(x)
@@ -527,7 +532,29 @@ class TransformerXL(LanguageModel):
             log_probs = self.head(x)  # (B, T, V)
         else:
             log_probs = F.log_softmax(self.head(x).float(), dim=-1)  # (B, T, V)
-        return log_probs, XLMemory(keys=new_keys, values=new_values, valid=valid[:, keep:])
+        if lengths is not None and bool((lengths < T).any()):
+            return log_probs, self._ragged_memory(new_keys, new_values, valid, T - lengths.to(tokens.device), K - keep)
+        return log_probs, XLMemory(keys=[k[:, keep:] for k in new_keys], values=[v[:, keep:] for v in new_values],
+                                   valid=valid[:, keep:])
+
+    @staticmethod
+    def _ragged_memory(keys: list[Tensor], values: list[Tensor], valid: Tensor, padding: Tensor, W: int) -> XLMemory:
+        """The W-position memory kept after a right-padded batch, from the (B, K, H, D) keys and
+        values of every position: row b's last `padding[b]` positions are not its own, so its
+        window is the W positions before them. Rows are shifted right by their padding, so that
+        each row's last real position is the memory's last (the next token's distances count
+        from there); what is shifted in from before position 0 is marked as padding, on the
+        left, where XLMemory keeps a batch's padding."""
+        B, K = valid.shape
+        source = torch.arange(K - W, K, device=valid.device)[None, :] - padding[:, None]  # (B, W)
+        inside = source >= 0
+        source = source.clamp(min=0)
+        index = source[:, :, None, None].expand(B, W, *keys[0].shape[2:])  # (B, W, H, D)
+        return XLMemory(
+            keys=[k.gather(1, index) for k in keys],
+            values=[v.gather(1, index) for v in values],
+            valid=valid.gather(1, source) & inside,
+        )
 
     def with_mem_len(self, mem_len: int) -> "TransformerXL":
         """A view of this model (same parameters) that keeps `mem_len` positions of memory."""

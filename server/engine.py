@@ -7,7 +7,8 @@ Each loaded model gets one `Engine`. Its step loop runs in a worker thread and, 
    request leaves the batch within one step;
 2. prefills prompts in chunks of at most `prefill_chunk` tokens, about one chunk's worth per
    step in all, so a long prompt delays running streams by one chunk per step instead of
-   stalling them; prompt chunks of the same length are run as one batch;
+   stalling them; prompt chunks run as one batch, right-padded, where the model takes rows of
+   different lengths (`LanguageModel.ragged_chunks`), else one batch per chunk length;
 3. samples one token for every decoding row (each with its own generator, penalties and stop
    strings), sends the tokens out, and then runs all those tokens through the model in one
    batched forward of shape (B, 1): decoding is incremental, each row's state carries its
@@ -300,7 +301,7 @@ class Engine:
         self.threads = self._threads_now = own_torch_threads(self.threads)
         self._thread_ready.set()
 
-    def _forward(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+    def _forward(self, tokens: torch.Tensor, state: State, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         """The model's forward, on one thread when it feeds fewer than PARALLEL_MIN_TOKENS tokens
         (a decode step of a few rows), else on all of `threads`. A second thread barely speeds up
         such a step (shipped model, median per step: batch 1 1.40 against 1.47 ms on one, batch 4
@@ -310,6 +311,8 @@ class Engine:
         if want != self._threads_now:  # about 0.1 us
             torch.set_num_threads(want)
             self._threads_now = want
+        if lengths is not None:  # rows of different lengths, right-padded (LanguageModel.ragged_chunks)
+            return self.model(tokens, state, lengths=lengths)
         return self.model(tokens, state)
 
     def _loop(self) -> None:
@@ -386,11 +389,13 @@ class Engine:
             size = min(remaining, self.prefill_chunk)
             budget -= size
             chunks.append((job, job.prompt[job.fed : job.fed + size]))
-        # one forward per (chunk length, batch key): prompts of equal length batch together
-        by_shape: dict[tuple, list[tuple[_Job, list[int]]]] = {}
+        # one forward per batch key, and per chunk length unless the model takes chunks of
+        # different lengths in one batch (LanguageModel.ragged_chunks)
+        ragged = getattr(self.model, "ragged_chunks", False)
+        by_length: dict[int, list[tuple[_Job, list[int]]]] = {}
         for job, chunk in chunks:
-            by_shape.setdefault(len(chunk), []).append((job, chunk))
-        for members in by_shape.values():
+            by_length.setdefault(0 if ragged else len(chunk), []).append((job, chunk))
+        for members in by_length.values():
             for batch in self._batches(members, lambda m: m[0].state):
                 self._prefill_batch(batch)
 
@@ -402,19 +407,25 @@ class Engine:
                 self._prefill_batch([member])
             return
         try:
-            tokens = torch.tensor([chunk for _, chunk in batch], device=self.model.device)  # (B, T)
-            log_probs, state = self._forward(tokens, state)  # (B, T, V)
+            lengths = [len(chunk) for _, chunk in batch]
+            longest = max(lengths)
+            tokens = torch.tensor([chunk + [0] * (longest - len(chunk)) for _, chunk in batch],
+                                  device=self.model.device)  # (B, T), right-padded when lengths differ
+            if longest == min(lengths):
+                log_probs, state = self._forward(tokens, state)  # (B, T, V)
+            else:
+                log_probs, state = self._forward(tokens, state, torch.tensor(lengths, device=self.model.device))
             states = [state] if len(jobs) == 1 else state.split()
         except Exception as error:
             for job in jobs:
                 self._fail(job, error)
             return
-        self._m_prompt.inc(int(tokens.numel()))
+        self._m_prompt.inc(sum(lengths))
         for i, (job, chunk) in enumerate(batch):
             if job.echo_k is not None or job.score:
-                self._record_prompt_logprobs(job, chunk, log_probs[i])
+                self._record_prompt_logprobs(job, chunk, log_probs[i, : len(chunk)])
             job.state = states[i]
-            job.next_log_probs = log_probs[i, -1]
+            job.next_log_probs = log_probs[i, len(chunk) - 1]
             job.tokens += len(chunk)
             job.fed += len(chunk)
             if job.fed == len(job.prompt):

@@ -112,6 +112,40 @@ def test_batched_rows_of_different_lengths_match_single_rows():
     assert (split_a.keys[0] - next_a.keys[0]).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("same_length", [True, False])
+@pytest.mark.parametrize("history", [(0, 0, 0), (0, 7, 40)])  # memory each row has seen (mem_len 16)
+def test_ragged_chunks_in_one_batch_match_each_row_alone(same_length, history):
+    """forward(tokens, state, lengths): rows of different lengths, right-padded, in one call
+    give each row's own log-probabilities at its real positions and a memory that continues
+    exactly as that row's alone would (the prompt prefill of rows of different lengths)."""
+    model = small_model(same_length=same_length)
+    chunks = [torch.randint(0, 256, (1, n)) for n in (5, 20, 12)]  # 20 > mem_len: the window shifts
+    with torch.no_grad():
+        alone = []
+        for seen, chunk in zip(history, chunks):
+            state = model.init_state(1)
+            if seen:
+                _, state = model(torch.randint(0, 256, (1, seen)), state)
+            alone.append(state)
+        longest = max(c.shape[1] for c in chunks)
+        tokens = torch.zeros(3, longest, dtype=torch.long)
+        for row, chunk in enumerate(chunks):
+            tokens[row, : chunk.shape[1]] = chunk[0]
+        lengths = torch.tensor([c.shape[1] for c in chunks])
+        batched, batch_state = model(tokens, XLMemory.concat(alone), lengths=lengths)
+        step = torch.randint(0, 256, (3, 2))
+        batched_next, _ = model(step, batch_state)
+        for row, (chunk, state) in enumerate(zip(chunks, alone)):
+            own, own_state = model(chunk, state)
+            n = chunk.shape[1]
+            torch.testing.assert_close(batched[row, :n], own[0], rtol=0, atol=1e-5)
+            own_next, _ = model(step[row : row + 1], own_state)
+            torch.testing.assert_close(batched_next[row], own_next[0], rtol=0, atol=1e-5)
+            split = batch_state.split()[row]
+            assert split.length == own_state.length
+            torch.testing.assert_close(split.keys[1], own_state.keys[1], rtol=0, atol=1e-5)
+
+
 def test_state_round_trips_through_flat_tensors():
     model = small_model()
     _, state = model(torch.randint(0, 256, (1, 9)), model.init_state(1))

@@ -5,6 +5,7 @@ batch; chunked prefill interleaves with decoding; cancel, queue bound and shutdo
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -248,6 +249,52 @@ def test_seeded_sampling_is_the_same_batched_or_not_and_n_choices():
     assert isinstance(finished, Finished)
     assert [c.index for c in finished.choices] == [0, 1, 2]
     assert finished.completion_tokens == 3 * 24 and finished.prompt_tokens == len("def f(x):\n")
+
+
+def test_prompts_of_different_lengths_are_prefilled_in_one_forward():
+    """A model that takes ragged chunks (Transformer-XL) gets prompts of different lengths that
+    arrive together as one right-padded forward; answers and echoed prompt log-probs are each
+    prompt's own."""
+    model = xl_model()
+    calls, gate = [], threading.Event()
+    forward = model.forward
+
+    def recording(tokens, state, lengths=None):
+        calls.append((tuple(tokens.shape), None if lengths is None else lengths.tolist()))
+        gate.wait(timeout=30)
+        return forward(tokens, state, lengths=lengths)
+
+    model.forward = recording
+    engine = make_engine(model, prefill_chunk=512)
+    prompts = PROMPTS[1:5]  # 12, 75, 54 and 18 bytes
+
+    async def main():
+        alone = [await collect(engine, job(engine, p, max_tokens=6, echo=True, logprobs=1)) for p in prompts]
+        gate.clear()
+        calls.clear()
+        first = asyncio.create_task(collect(engine, job(engine, "x", max_tokens=3)))
+        while not calls:  # the worker is held inside the first forward of "x"
+            await asyncio.sleep(0.001)
+        together = [asyncio.create_task(collect(engine, job(engine, p, max_tokens=6, echo=True, logprobs=1)))
+                    for p in prompts]
+        await asyncio.sleep(0.05)  # all four are queued before the held step ends
+        gate.set()
+        await first
+        return alone, [await t for t in together]
+
+    gate.set()
+    try:
+        alone, together = run(main())
+    finally:
+        engine.close()
+    lengths = [len(p.encode()) for p in prompts]
+    assert ((len(prompts), max(lengths)), lengths) in calls  # one forward for the four prompts
+    for one, batched in zip(alone, together):
+        assert batched["tokens"] == one["tokens"]
+        echoed = [next(e for e in r["events"] if isinstance(e, PromptLogprobs)) for r in (one, batched)]
+        assert echoed[0].logprobs[0] is None and echoed[1].logprobs[0] is None
+        assert echoed[1].logprobs[1:] == pytest.approx(echoed[0].logprobs[1:], abs=1e-4)
+        assert [t[0][0] for t in echoed[1].top[1:]] == [t[0][0] for t in echoed[0].top[1:]]
 
 
 def test_session_continuation_equals_one_pass_and_prompt_logprobs_match_append():
