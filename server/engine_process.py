@@ -94,9 +94,10 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     """Every configured checkpoint on the device, each with its engine (events to `sink`).
 
     Threads: each engine's worker thread runs its model on up to `settings.torch_threads`
-    intra-op threads (see also Engine._forward); this thread and the engine process's
-    session-op threads run torch on one. The default (0) is the cores torch sees less one, which the API process
-    needs for every step's tokens, shared out among the models. On the shipped model and 2 cores,
+    intra-op threads, and big prompt batches on `settings.prompt_threads` (see Engine._forward);
+    this thread and the engine process's session-op threads run torch on one. The defaults (0)
+    are the cores torch sees less one, which the API process needs for every step's tokens, and
+    every core, each shared out among the models. On the shipped model and 2 cores,
     an engine on both cores batched better, but lost about twice the CPU the API process and
     its clients took from it: 16 streams over HTTP ran at 68-83% of the in-process engine in
     four runs, against 99-108% with one engine thread, and 64 streams gained 3-13% over one.
@@ -113,6 +114,8 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     directories = [Path(directory) for directory in settings.model_dirs()]
     cores = settings.torch_threads or max(1, torch.get_num_threads() - 1)
     per_engine = max(1, cores // max(1, len(directories)))
+    prompt_cores = settings.prompt_threads or torch.get_num_threads()
+    per_engine_prompts = max(1, prompt_cores // max(1, len(directories)))
     own_torch_threads(1)  # loading here; the session-op threads take one each too (EngineProcess)
     loaded = {}
     for directory in directories:
@@ -120,7 +123,7 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         engine = Engine(directory.name, model, tokenizer, metrics, settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests, sink=sink,
-                        threads=per_engine)
+                        threads=per_engine, prompt_threads=per_engine_prompts)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine)
     return loaded
 

@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 (bfloat16 is opt-in on CUDA)
     torch_threads: int = 0  # intra-op threads of the engines' model work; 0 = the cores less one (the API process's), shared by the models
+    prompt_threads: int = 0  # the same for forwards of 256 tokens or more (prompts); 0 = every core, shared by the models
 
     # access
     api_keys: str = ""  # comma list, or "@/path/to/file" with one key per line; "" = open

@@ -18,7 +18,7 @@ from models.interface import ArchConfig, LanguageModel, State
 from models.tokenizer import ByteTokenizer
 from models.transformer_xl import TransformerXL, TransformerXLConfig
 from server.engine import (
-    PARALLEL_MIN_TOKENS, Cancelled, ChoiceFinished, Engine, Finished, GenerationJob, PromptLogprobs, QueueFull,
+    PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS, Cancelled, ChoiceFinished, Engine, Finished, GenerationJob, PromptLogprobs, QueueFull,
     ShuttingDown, TokenEvent,
 )
 from server.metrics import Metrics
@@ -499,6 +499,27 @@ def test_the_worker_thread_keeps_its_own_torch_threads_and_decodes_few_rows_on_o
         torch.set_num_threads(before)
 
 
+def test_big_prompt_forwards_run_on_the_prompt_threads():
+    """A forward of PROMPT_PARALLEL_TOKENS tokens or more (prompts, batched) runs on
+    `prompt_threads`, smaller prompts on `threads`, decode steps of a few rows on one."""
+    before = torch.get_num_threads()
+    model = xl_model()
+    seen = []
+    forward = model.forward
+    model.forward = lambda tokens, state, lengths=None: (seen.append((tokens.numel(), torch.get_num_threads())),
+                                                          forward(tokens, state, lengths=lengths))[1]
+    engine = Engine("xl", model, ByteTokenizer(), Metrics(), threads=1, prompt_threads=3, prefill_chunk=1024)
+    try:
+        assert (engine.threads, engine.prompt_threads) == (1, 3)
+        run(collect(engine, job(engine, "x = 1\n" * 50, max_tokens=2)))  # 300 prompt tokens
+        run(collect(engine, job(engine, "def main():\n", max_tokens=1)))
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
+    assert PROMPT_PARALLEL_TOKENS <= 300
+    assert seen == [(300, 3), (1, 1), (12, 1)]
+
+
 def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp_path):
     from server.engine_process import load_models
     from server.settings import Settings
@@ -508,9 +529,10 @@ def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp
         make_checkpoint(tmp_path / name)
     before = torch.get_num_threads()
     loaded = load_models(Settings(models=f"{tmp_path / 'first'},{tmp_path / 'second'}", device="cpu",
-                                  torch_threads=4), Metrics())
+                                  torch_threads=4, prompt_threads=6), Metrics())
     try:
         assert [model.engine.threads for model in loaded.values()] == [2, 2]
+        assert [model.engine.prompt_threads for model in loaded.values()] == [3, 3]
         assert torch.get_num_threads() == 1  # loading, and every thread that is not an engine's
     finally:
         for model in loaded.values():
