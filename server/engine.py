@@ -594,13 +594,14 @@ class Engine:
         rows that leave keep views into the old state, which the group no longer writes.
         False when the class cannot take rows out either: the group is broken up and every
         row holds its own state."""
-        states = self._split(group)
         going = {id(row) for row in leaving}
         places = type(group.state).put_row is not State.put_row and len(group.rows) > 1
+        kept = [row for row in leaving if row.job.keep_state and not row.job.failed]
+        states = self._split(group) if kept or not places else None  # views, one per place
         for i, row in enumerate(group.rows):
             if row is not None and id(row) in going:
                 if places:
-                    row.state = states[i].clone() if row.job.keep_state and not row.job.failed else None
+                    row.state = states[i].clone() if row in kept else None
                 else:
                     row.state = states[i]
                 group.rows[i] = None

@@ -205,6 +205,38 @@ def test_a_joining_row_takes_the_place_a_finished_row_left(batch_log, monkeypatc
     assert after == []  # nothing copied the batch after: the late row left an idle place too
 
 
+def test_a_session_that_finishes_keeps_its_state_when_its_place_is_taken(batch_log, monkeypatch):
+    """A session's final state survives the next row being written into its old place: it is
+    unchanged, and continues exactly like the same text fed in one pass."""
+    import server.engine
+
+    monkeypatch.setattr(server.engine, "IDLE_PLACE_STEPS", 10**9)
+    engine = make_engine(xl_model(), prefill_chunk=64)
+
+    async def main():
+        session = asyncio.create_task(collect(engine, job(engine, PROMPTS[1], keep_state=True, max_tokens=5)))
+        other = asyncio.create_task(collect(engine, job(engine, PROMPTS[2], max_tokens=60)))
+        first = await session
+        data = first["finished"].data
+        kept = {name: t.clone() for name, t in data.state.to_tensors().items()}
+        joined = await collect(engine, job(engine, PROMPTS[3], max_tokens=20))  # takes the session's place
+        await other
+        after = data.state.to_tensors()
+        assert all(torch.equal(kept[name], after[name]) for name in kept)
+        continued = await collect(engine, job(engine, "x", start=data, keep_state=True, max_tokens=6))
+        tokens = [*PROMPTS[1].encode(), *first["tokens"][0], *b"x"]
+        one_pass = await collect(engine, GenerationJob(prompt=tokens, params=SamplingParams(temperature=0, max_tokens=6),
+                                                       start=engine.fresh_data(), keep_state=False))
+        return joined, continued, one_pass
+
+    try:
+        joined, continued, one_pass = run(main())
+    finally:
+        engine.close()
+    assert ("put_row", 0) in batch_log or ("put_row", 1) in batch_log
+    assert continued["tokens"] == one_pass["tokens"]
+
+
 def test_idle_places_are_dropped_once_they_cost_a_copy_of_the_batch(batch_log, monkeypatch):
     import server.engine
 
