@@ -1,7 +1,6 @@
 """∞-former invariants: chunking semantics, incremental decoding, constant state, state I/O."""
 
 import dataclasses
-import io
 
 import pytest
 import torch
