@@ -148,12 +148,8 @@ class XLMemory(State):
             out = memory_buffer(parts[0], batch, longest, positions_last)
             start = 0
             for t in parts:
-                rows, missing = t.shape[0], longest - t.shape[1]
-                target = out.narrow(0, start, rows)
-                if missing:
-                    target.narrow(1, 0, missing).zero_()  # masked, but 0 * garbage could be nan
-                target.narrow(1, missing, t.shape[1]).copy_(t)
-                start += rows
+                _write_left_padded(out.narrow(0, start, t.shape[0]), t)
+                start += t.shape[0]
             return out
 
         n_layer = len(states[0].keys)
@@ -164,34 +160,22 @@ class XLMemory(State):
         )
 
     def take(self, rows: list[int]) -> "XLMemory":
-        """The rows at `rows` (see State.take), less the padding none of them needs, in buffers
-        with room like concat's: one copy per run of neighbouring rows, where splitting and
-        concatenating would copy row by row and then once more at the first step."""
-        if torch.is_grad_enabled():
-            return super().take(rows)
-        valid = self.valid[rows]  # (B', M)
-        needed = valid.any(dim=0)
+        """The rows at `rows` (see State.take), less the padding none of them needs: `concat` of
+        one slice per run of neighbouring rows, where splitting would hand it one row at a time."""
+        needed = self.valid[rows].any(dim=0)  # (M,)
         start = int(needed.long().argmax()) if bool(needed.any()) else self.length  # padding only before it
-        length = self.length - start
-        runs: list[tuple[int, int, int]] = []  # (first row, row count, where in the result)
-        for at, row in enumerate(rows):
-            if runs and runs[-1][0] + runs[-1][1] == row:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        runs: list[list[int]] = []  # [first row, row count]
+        for row in rows:
+            if runs and sum(runs[-1]) == row:
+                runs[-1][1] += 1
             else:
-                runs.append((row, 1, at))
-
-        def gather(t: Tensor, positions_last: bool) -> Tensor:
-            out = memory_buffer(t, len(rows), length, positions_last)
-            for first, count, at in runs:
-                out.narrow(0, at, count).copy_(t.narrow(0, first, count).narrow(1, start, length))
-            return out
-
-        batched = len(rows) > 1
-        return XLMemory(
-            keys=[gather(k, False) for k in self.keys],
-            values=[gather(v, batched) for v in self.values],
-            valid=valid[:, start:],
-        )
+                runs.append([row, 1])
+        return XLMemory.concat([
+            XLMemory(keys=[k.narrow(0, first, count)[:, start:] for k in self.keys],
+                     values=[v.narrow(0, first, count)[:, start:] for v in self.values],
+                     valid=self.valid.narrow(0, first, count)[:, start:])
+            for first, count in runs
+        ])
 
     def put_row(self, index: int, row: "XLMemory") -> bool:
         """State.put_row: the row's memory, left-padded to this batch's length, written into
@@ -199,12 +183,9 @@ class XLMemory(State):
         longer memory than the batch's, nor under autograd."""
         if torch.is_grad_enabled() or row.valid.shape[0] != 1 or row.length > self.length:
             return False
-        missing = self.length - row.length
         for mine, theirs in zip([*self.keys, *self.values], [*row.keys, *row.values]):
-            place = mine[index]  # (M, H, D), a view into the batch's buffer
-            if missing:
-                place[:missing].zero_()  # masked, but 0 * garbage could be nan
-            place[missing:].copy_(theirs[0])
+            _write_left_padded(mine.narrow(0, index, 1), theirs)
+        missing = self.length - row.length
         self.valid[index, :missing] = False
         self.valid[index, missing:] = row.valid[0]
         return True
@@ -222,6 +203,15 @@ class XLMemory(State):
                 )
             )
         return rows
+
+
+def _write_left_padded(target: Tensor, rows: Tensor) -> None:
+    """Write (b, M, H, D) `rows` into the end of the (b, M', H, D) `target`, M <= M', and zeros
+    before them: the padding is masked, but 0 * garbage could be nan."""
+    missing = target.shape[1] - rows.shape[1]
+    if missing:
+        target.narrow(1, 0, missing).zero_()
+    target.narrow(1, missing, rows.shape[1]).copy_(rows)
 
 
 MEMORY_ROOM = 64  # spare positions after a memory buffer: decoding copies the memory once per 64 steps
