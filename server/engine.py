@@ -306,7 +306,8 @@ class Engine:
         self.prompt_threads = self.prompt_threads or self.threads
         self._thread_ready.set()
 
-    def _forward(self, tokens: torch.Tensor, state: State, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+    def _forward(self, tokens: torch.Tensor, state: State,
+                 lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         """The model's forward: on one thread when it feeds fewer than PARALLEL_MIN_TOKENS tokens
         (a decode step of a few rows), on `prompt_threads` when it feeds PROMPT_PARALLEL_TOKENS
         or more (prompts, batched), else on `threads`, like llama.cpp's --threads-batch and
@@ -317,7 +318,7 @@ class Engine:
         threads nearly halve (16 prompts of 45 tokens: 25 against 45 ms), and it comes when
         prompts arrive, not while the API process streams every step's tokens."""
         size = tokens.numel()
-        want = self.prompt_threads if size >= PROMPT_PARALLEL_TOKENS else self.threads if size >= PARALLEL_MIN_TOKENS else 1
+        want = 1 if size < PARALLEL_MIN_TOKENS else self.threads if size < PROMPT_PARALLEL_TOKENS else self.prompt_threads
         if want != self._threads_now:  # about 0.1 us
             torch.set_num_threads(want)
             self._threads_now = want

@@ -112,10 +112,11 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     directories = [Path(directory) for directory in settings.model_dirs()]
-    cores = settings.torch_threads or max(1, torch.get_num_threads() - 1)
-    per_engine = max(1, cores // max(1, len(directories)))
-    prompt_cores = settings.prompt_threads or torch.get_num_threads()
-    per_engine_prompts = max(1, prompt_cores // max(1, len(directories)))
+    def shared(cores: int) -> int:  # each engine's part of `cores`
+        return max(1, cores // max(1, len(directories)))
+
+    per_engine = shared(settings.torch_threads or max(1, torch.get_num_threads() - 1))
+    per_engine_prompts = shared(settings.prompt_threads or torch.get_num_threads())
     own_torch_threads(1)  # loading here; the session-op threads take one each too (EngineProcess)
     loaded = {}
     for directory in directories:

@@ -18,8 +18,8 @@ from models.interface import ArchConfig, LanguageModel, State
 from models.tokenizer import ByteTokenizer
 from models.transformer_xl import TransformerXL, TransformerXLConfig
 from server.engine import (
-    PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS, Cancelled, ChoiceFinished, Engine, Finished, GenerationJob, PromptLogprobs, QueueFull,
-    ShuttingDown, TokenEvent,
+    PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS, Cancelled, ChoiceFinished, Engine, Finished, GenerationJob,
+    PromptLogprobs, QueueFull, ShuttingDown, TokenEvent,
 )
 from server.metrics import Metrics
 from server.sampling import SamplingParams
