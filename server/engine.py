@@ -19,8 +19,10 @@ Batching goes through the model's `State` interface only: rows are concatenated 
 class that overrides `concat` (Transformer-XL pads memories of different lengths and masks the
 padding) batches any rows together; one that keeps the default (equal shapes) is batched in
 groups of rows whose state shapes agree, and a class whose concat turns out to fail runs row by
-row. The batched state is kept between steps: rows that join are concatenated onto it, and when
-rows leave, the rows that stay are taken out of it in one `State.take`.
+row. The batched state is kept between steps: a row that leaves leaves its place idle where the
+class can write a row in place (`State.put_row`), and the next row to join is written there;
+otherwise, and once idle places have cost about a copy, the rows that stay are taken out in one
+`State.take`, and rows that join are concatenated onto it (`Engine._leave`).
 
 A request never touches the session it came from: it starts from the committed `SessionData`
 and ends with a new one in `Finished.data`, which the caller commits only when it has the whole
