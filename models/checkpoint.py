@@ -18,8 +18,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.interface import LanguageModel
-from models.registry import ARCHITECTURES, build_model
+from xlserve.models.interface import LanguageModel
+from xlserve.models.registry import ARCHITECTURES, build_model
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -64,10 +64,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.interface import ArchConfig, LanguageModel, State
-from models.layers.continuous import RBFMemory, kl_to_gaussian
-from models.layers.linear import Linear
-from models.transformer_xl import sinusoid_encoding
+from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.continuous import RBFMemory, kl_to_gaussian
+from xlserve.models.layers.linear import Linear
+from xlserve.models.transformer_xl import sinusoid_encoding
 
 
 @dataclass

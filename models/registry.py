@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import importlib
 
-from models.interface import LanguageModel
-from models.layers.linear import choose_kernels
+from xlserve.models.interface import LanguageModel
+from xlserve.models.layers.linear import choose_kernels
 
 ARCHITECTURES: dict[str, str] = {
-    "transformer-xl": "models.transformer_xl:TransformerXL",
-    "infinity-former": "models.infinity_former:InfinityFormer",
-    "vanilla": "models.vanilla:VanillaTransformer",
-    "xlnet": "models.xlnet:XLNet",
+    "transformer-xl": "xlserve.models.transformer_xl:TransformerXL",
+    "infinity-former": "xlserve.models.infinity_former:InfinityFormer",
+    "vanilla": "xlserve.models.vanilla:VanillaTransformer",
+    "xlnet": "xlserve.models.xlnet:XLNet",
 }
 
 

@@ -65,9 +65,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.interface import ArchConfig, LanguageModel, State
-from models.layers.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from models.layers.linear import Linear
+from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from xlserve.models.layers.linear import Linear
 
 
 @dataclass

@@ -61,9 +61,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.interface import ArchConfig, LanguageModel, State
-from models.layers.linear import Linear
-from models.transformer_xl import XLMemory, extend_memory, sinusoid_encoding
+from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.linear import Linear
+from xlserve.models.transformer_xl import XLMemory, extend_memory, sinusoid_encoding
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),

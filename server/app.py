@@ -16,14 +16,14 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from models.tokenizer import tokenizer_for_checkpoint
-from server.api import completions, health, models, sessions, ws
-from server.api.admission import AdmissionMiddleware
-from server.api.deps import AppState, ServedModel
-from server.engine_client import EngineClient
-from server.errors import install_error_handlers
-from server.metrics import Metrics
-from server.settings import Settings
+from xlserve.models.tokenizer import tokenizer_for_checkpoint
+from xlserve.server.api import completions, health, models, sessions, ws
+from xlserve.server.api.admission import AdmissionMiddleware
+from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.engine.client import EngineClient
+from xlserve.server.api.errors import install_error_handlers
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
 
 
 def served_models(engine: EngineClient) -> dict[str, ServedModel]:

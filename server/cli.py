@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _resolve_model_dir(name_or_path: str) -> Path:
-    from server.settings import WEIGHTS_DIR, checkpoint_dir
+    from xlserve.server.settings import WEIGHTS_DIR, checkpoint_dir
 
     path = checkpoint_dir(name_or_path)
     if not path.is_dir():
@@ -22,14 +22,18 @@ def cmd_serve(args) -> None:
 
     import uvicorn
 
-    from server.app import build_app, drain
-    from server.settings import Settings
+    from xlserve.server.app import build_app, drain
+    from xlserve.server.settings import Settings
 
     overrides = {}
     if args.models:
         overrides["models"] = args.models
     if args.device:
         overrides["device"] = args.device
+    if args.weights_dir:
+        overrides["weights_dir"] = args.weights_dir
+    if args.state_dir:
+        overrides["state_dir"] = args.state_dir
     settings = Settings(**overrides)
 
     app = build_app(settings)
@@ -67,7 +71,7 @@ def cmd_serve(args) -> None:
 def cmd_train(args) -> None:
     from dataclasses import replace
 
-    from models.training.train import STANDARD_RECIPE, train
+    from xlserve.models.training.train import STANDARD_RECIPE, train
 
     recipe = STANDARD_RECIPE
     if args.train_bytes:
@@ -78,9 +82,9 @@ def cmd_train(args) -> None:
 def cmd_new(args) -> None:
     import torch
 
-    from models.checkpoint import save_checkpoint
-    from models.registry import build_model
-    from models.training.train import preset_config
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.train import preset_config
 
     torch.manual_seed(args.seed)
     model = build_model(args.arch, preset_config(args.arch, args.preset))
@@ -89,7 +93,7 @@ def cmd_new(args) -> None:
 
 
 def cmd_store(args) -> None:
-    from models.checkpoint import load_checkpoint, read_config, save_checkpoint
+    from xlserve.models.checkpoint import load_checkpoint, read_config, save_checkpoint
 
     directory = _resolve_model_dir(args.model)
     config = read_config(directory)
@@ -103,15 +107,15 @@ def cmd_store(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from models.checkpoint import load_checkpoint
-    from models.training.data import stdlib_corpus
-    from models.training.evaluate import bits_per_byte
-    from models.training.train import held_out_documents
+    from xlserve.models.checkpoint import load_checkpoint
+    from xlserve.models.training.data import stdlib_corpus
+    from xlserve.models.training.evaluate import bits_per_byte
+    from xlserve.models.training.train import held_out_documents
 
     directory = _resolve_model_dir(args.model)
     model = load_checkpoint(directory)
     if args.write_card:
-        from models.training.card import evaluate_for_card, sample, write_card
+        from xlserve.models.training.card import evaluate_for_card, sample, write_card
 
         evaluations = evaluate_for_card(model, segment_len=args.segment_len)
         print(json.dumps(evaluations))
@@ -137,15 +141,15 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     import importlib
 
-    from server.bench import BENCHMARKS
+    from xlserve.server.bench import BENCHMARKS
 
     if args.name not in BENCHMARKS:
         raise SystemExit(f"unknown benchmark '{args.name}' (have: {', '.join(sorted(BENCHMARKS))})")
-    importlib.import_module(f"server.bench.{BENCHMARKS[args.name]}").main(args.args)
+    importlib.import_module(f"xlserve.server.bench.{BENCHMARKS[args.name]}").main(args.args)
 
 
 def cmd_convert(args) -> None:
-    from models.convert import ConversionError, convert
+    from xlserve.models.convert import ConversionError, convert
 
     try:
         summary = convert(args.source, args.out, symbols=args.symbols)
@@ -166,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--models", default=None,
                        help="comma list of names under weights/ or checkpoint paths (default: all under weights/)")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    serve.add_argument("--weights-dir", default=None,
+                       help="where checkpoints named by --models live (default XLSERVE_WEIGHTS_DIR, ./weights)")
+    serve.add_argument("--state-dir", default=None,
+                       help="where sessions are written down (default XLSERVE_STATE_DIR, ./state)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--grace-seconds", type=float, default=None,
                        help="how long running requests may finish on shutdown (default XLSERVE_SHUTDOWN_GRACE_SECONDS, 30)")

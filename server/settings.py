@@ -12,8 +12,11 @@ from typing import Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-WEIGHTS_DIR = REPO_ROOT / "weights"
+# Data directories are relative to the working directory (where `make serve` runs: the
+# repository), never to this file: an installed package lives in site-packages.
+WEIGHTS_DIR = Path("weights")
+STATE_DIR = Path("state")
+BENCH_RESULTS_DIR = Path("bench-results")
 
 
 def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
@@ -48,7 +51,7 @@ class Settings(BaseSettings):
     shutdown_grace_seconds: float = 30  # on SIGTERM, how long running requests may finish
 
     # session state
-    state_dir: Path = REPO_ROOT / "state"  # where sessions are written down
+    state_dir: Path = STATE_DIR  # where sessions are written down
     device_state_bytes: int = 1 << 30
     host_state_bytes: int = 4 << 30
     disk_state_bytes: int = 64 << 30

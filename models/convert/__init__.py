@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from models.interface import LanguageModel
+from xlserve.models.interface import LanguageModel
 
 # Hugging Face `model_type` -> module under models.convert implementing `import_checkpoint`
 IMPORTERS: dict[str, str] = {
-    "transfo-xl": "models.convert.transfo_xl",
-    "xlnet": "models.convert.xlnet",
+    "transfo-xl": "xlserve.models.convert.transfo_xl",
+    "xlnet": "xlserve.models.convert.xlnet",
 }
 
 
@@ -192,7 +192,7 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
     `out_dir` must not exist or be empty. Everything is checked and written into a temporary
     directory beside it first, so on any error `out_dir` is untouched.
     """
-    from models.checkpoint import save_checkpoint
+    from xlserve.models.checkpoint import save_checkpoint
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):

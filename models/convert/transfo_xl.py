@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
-from models.layers.adaptive import cluster_bounds
-from models.tokenizer import WordTokenizer
-from models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
+from xlserve.models.layers.adaptive import cluster_bounds
+from xlserve.models.tokenizer import WordTokenizer
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
 ARCHITECTURE = "TransfoXLLMHeadModel"
 

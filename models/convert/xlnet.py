@@ -41,8 +41,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
-from models.xlnet import ACTIVATIONS, XLNet, XLNetConfig
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
+from xlserve.models.xlnet import ACTIVATIONS, XLNet, XLNetConfig
 
 ARCHITECTURE = "XLNetLMHeadModel"
 
@@ -143,7 +143,7 @@ def _tokenizer_files(directory: Path, vocab_size: int) -> tuple[dict[str, bytes]
         except json.JSONDecodeError as e:
             raise ConversionError(f"{tokenizer_config} is not valid JSON: {e}") from None
         options.update({k: bool(saved[k]) for k in TOKENIZER_OPTIONS if k in saved})
-    from models.tokenizer import SentencePieceTokenizer
+    from xlserve.models.tokenizer import SentencePieceTokenizer
 
     content = path.read_bytes()
     try:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.layers.linear import linear
+from xlserve.models.layers.linear import linear
 
 
 def cluster_bounds(vocab_size: int, cutoffs: list[int]) -> list[int]:

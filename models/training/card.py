@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from models.interface import LanguageModel
-from models.training.data import stdlib_corpus
-from models.training.evaluate import bits_per_byte, permutation_bits_per_byte
-from models.training.train import held_out_documents, machine_summary
+from xlserve.models.interface import LanguageModel
+from xlserve.models.training.data import stdlib_corpus
+from xlserve.models.training.evaluate import bits_per_byte, permutation_bits_per_byte
+from xlserve.models.training.train import held_out_documents, machine_summary
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from models.interface import LanguageModel
+from xlserve.models.interface import LanguageModel
 
 
 @torch.no_grad()

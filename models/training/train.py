@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import save_checkpoint
-from models.interface import LanguageModel
-from models.registry import build_model
-from models.training.data import SegmentStream, stdlib_corpus
-from models.training.evaluate import bits_per_byte
+from xlserve.models.checkpoint import save_checkpoint
+from xlserve.models.interface import LanguageModel
+from xlserve.models.registry import build_model
+from xlserve.models.training.data import SegmentStream, stdlib_corpus
+from xlserve.models.training.evaluate import bits_per_byte
 
 
 @dataclass

@@ -17,7 +17,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import RequestTooLarge, Unavailable
+from xlserve.server.api.errors import RequestTooLarge, Unavailable
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 

@@ -28,10 +28,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.api.deps import AppState, app_state, owner_of, session_errors
-from server.cache import CacheError
-from server.engine_types import Cancelled, ChoiceFinished, Finished, PromptLogprobs, SamplingParams, Submission, TokenEvent
-from server.errors import InvalidRequest, as_api_error
+from xlserve.server.api.deps import AppState, app_state, owner_of
+from xlserve.server.cache import CacheError
+from xlserve.server.engine.types import Cancelled, ChoiceFinished, Finished, PromptLogprobs, SamplingParams, Submission, TokenEvent
+from xlserve.server.api.errors import InvalidRequest, as_api_error
 
 router = APIRouter()
 
@@ -120,7 +120,7 @@ async def acquire_lease(state: AppState, session_id: str, owner: str | None):
             lambda done: done.cancelled() or done.exception() is not None or state.engine.release(done.result()))
         raise
     except CacheError as error:
-        raise session_errors(error, session_id) from None
+        raise as_api_error(error) from None
 
 
 class Generation:
@@ -186,7 +186,7 @@ class Generation:
             info = await self.state.engine.commit(self.lease)
         except CacheError as error:
             self.release()
-            raise session_errors(error, self.lease.session_id) from None
+            raise as_api_error(error) from None
         self.state.metrics.state_bytes_per_session.labels(self.body.model).observe(info.state_bytes)
         return info
 

@@ -8,17 +8,11 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from server.cache import (
-    CacheFull,
-    SessionConflict,
-    SessionLocked,
-    SessionNotFound,
-    SessionUnavailable,
-)
-from server.engine_client import EngineClient
-from server.errors import AuthenticationFailed, Conflict, NotFound, SessionBusy, Unavailable, model_not_found
-from server.metrics import Metrics
-from server.settings import Settings
+from xlserve.server.engine.client import EngineClient
+from xlserve.server.api.errors import AuthenticationFailed
+from xlserve.server.engine.errors import ModelNotFound
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
 
 
 @dataclass
@@ -46,7 +40,7 @@ class AppState:
         try:
             return self.models[name]
         except KeyError:
-            raise model_not_found(name, self.models) from None
+            raise ModelNotFound.named(name, self.models) from None
 
 
 def app_state(request: Request) -> AppState:
@@ -70,21 +64,3 @@ def owner_of(request: Request) -> str | None:
     if not matched:
         raise AuthenticationFailed("invalid API key", code="invalid_api_key")
     return hashlib.sha256(token.encode()).hexdigest()[:32]
-
-
-def session_errors(error: Exception, session_id: str) -> Exception:
-    """The one place cache exceptions become API errors."""
-    if isinstance(error, SessionNotFound):
-        return NotFound(f"session '{session_id}' does not exist", param="session_id", code="session_not_found")
-    if isinstance(error, SessionLocked):
-        return SessionBusy(f"session '{session_id}' is busy with another request; retry when it finishes",
-                           param="session_id", code="session_busy")
-    if isinstance(error, SessionConflict):
-        return Conflict(f"session '{session_id}' was changed by another request (another replica) since this one "
-                        "started; nothing was written. Retry from the current version",
-                        param="session_id", code="session_version_conflict")
-    if isinstance(error, CacheFull):
-        return Unavailable(f"{error}", param="session_id", code="session_cache_full", headers={"Retry-After": "1"})
-    if isinstance(error, SessionUnavailable):
-        return Unavailable(f"{error}", param="session_id", code="session_unavailable")
-    return error

@@ -1,7 +1,7 @@
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.api.deps import app_state, owner_of
+from xlserve.server.api.deps import app_state, owner_of
 
 router = APIRouter()
 

@@ -1,6 +1,6 @@
 from fastapi import APIRouter, Depends, Request
 
-from server.api.deps import app_state, owner_of
+from xlserve.server.api.deps import app_state, owner_of
 
 router = APIRouter()
 

@@ -31,11 +31,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from server.api.completions import prompt_tokens
-from server.api.deps import app_state, owner_of, session_errors
-from server.cache import CacheError
-from server.engine_types import appended
-from server.errors import InvalidRequest, RequestTooLarge
+from xlserve.server.api.completions import prompt_tokens
+from xlserve.server.api.deps import app_state, owner_of
+from xlserve.server.cache import CacheError
+from xlserve.server.engine.types import appended
+from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, as_api_error
 
 router = APIRouter()
 
@@ -56,7 +56,7 @@ async def _session_call(coroutine, session_id: str = ""):
     try:
         return await coroutine
     except CacheError as error:
-        raise session_errors(error, session_id) from None
+        raise as_api_error(error) from None
 
 
 @router.post("/v1/sessions")

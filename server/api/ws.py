@@ -18,12 +18,12 @@ from typing import Annotated, Literal, Union
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from server.api.completions import Generation, SamplingFields, acquire_lease, error_for, prompt_tokens
-from server.api.deps import AppState, app_state, owner_of, session_errors
-from server.cache import CacheError
-from server.engine_types import Cancelled, ChoiceFinished, Finished, Submission, TokenEvent
-from server.engine_types import appended
-from server.errors import APIError, Conflict, InvalidRequest
+from xlserve.server.api.completions import Generation, SamplingFields, acquire_lease, error_for, prompt_tokens
+from xlserve.server.api.deps import AppState, app_state, owner_of
+from xlserve.server.cache import CacheError
+from xlserve.server.engine.types import Cancelled, ChoiceFinished, Finished, Submission, TokenEvent
+from xlserve.server.engine.types import appended
+from xlserve.server.api.errors import APIError, Conflict, InvalidRequest, as_api_error
 
 router = APIRouter()
 
@@ -226,7 +226,7 @@ class _Connection:
             try:
                 info = await state.engine.commit(lease)
             except CacheError as error:
-                raise session_errors(error, frame.session_id) from None
+                raise as_api_error(error) from None
             state.metrics.memory_reused_tokens.labels(info.model).inc(cached)
             state.metrics.state_bytes_per_session.labels(info.model).observe(info.state_bytes)
             self._finished_with(operation)

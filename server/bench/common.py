@@ -49,8 +49,8 @@ def environment(with_transformers: bool = False) -> dict:
 def convert_reference(reference):
     """Our model converted from `reference`: saved with save_pretrained, run through `xlserve
     convert` and loaded back, in a temporary directory."""
-    from models.checkpoint import load_checkpoint
-    from models.convert import convert
+    from xlserve.models.checkpoint import load_checkpoint
+    from xlserve.models.convert import convert
 
     with tempfile.TemporaryDirectory() as tmp:
         with warnings.catch_warnings():

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import load_checkpoint
-from models.training.data import stdlib_corpus
-from server.settings import REPO_ROOT, checkpoint_dir
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.training.data import stdlib_corpus
+from xlserve.server.settings import BENCH_RESULTS_DIR, checkpoint_dir
 
 
 def held_out_text(length: int) -> list[int]:
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk length")
     parser.add_argument("--repeats", type=int, default=9, help="rounds of reused appends (recomputation: a quarter)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--out", default=str(BENCH_RESULTS_DIR))
     args = parser.parse_args(argv)
 
     results = []

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from server.bench.common import add_run_arguments, environment, figure, fill_defaults, save_results
+from xlserve.server.bench.common import add_run_arguments, environment, figure, fill_defaults, save_results
 
 WIDTHS = dict(n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768)
 QUICK_WIDTHS = dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128)
@@ -52,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def held_out_document(length: int) -> tuple[torch.Tensor, str]:
     """The longest held-out file (continued by the next longest ones if it is too short)."""
-    from models.training.data import stdlib_corpus
+    from xlserve.models.training.data import stdlib_corpus
 
     corpus = stdlib_corpus()
     by_size = sorted(corpus.held_out, key=lambda p: -(corpus.root / p).stat().st_size)
@@ -81,8 +81,8 @@ def time_forward(model, document: torch.Tensor, warm: int, timed: int, chunk: in
 
 @torch.inference_mode()
 def run(args) -> dict:
-    from models.transformer_xl import TransformerXL, TransformerXLConfig
-    from models.vanilla import VanillaConfig, VanillaTransformer
+    from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+    from xlserve.models.vanilla import VanillaConfig, VanillaTransformer
 
     if args.threads:
         torch.set_num_threads(args.threads)

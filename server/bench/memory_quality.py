@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import load_checkpoint
-from models.training.data import stdlib_corpus
-from models.training.evaluate import bits_per_byte
-from server.bench.common import environment, figure, save_results
-from server.settings import REPO_ROOT, checkpoint_dir
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.training.data import stdlib_corpus
+from xlserve.models.training.evaluate import bits_per_byte
+from xlserve.server.bench.common import environment, figure, save_results
+from xlserve.server.settings import BENCH_RESULTS_DIR, checkpoint_dir
 
 
 def long_held_out_files(min_bytes: int, max_files: int | None) -> list[tuple[str, bytes]]:
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-files", type=int, default=None, help="only the first N long files (a quick look)")
     parser.add_argument("--chunk", type=int, default=512, help="bytes fed per forward call")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=str(REPO_ROOT / "bench-results" / "memory-quality.json"))
+    parser.add_argument("--out", default=str(BENCH_RESULTS_DIR / "memory-quality.json"))
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

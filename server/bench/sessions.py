@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import load_checkpoint
-from server.bench.continuation import feed, held_out_text, sync
-from server.cache import SessionCache, SessionData
-from server.settings import REPO_ROOT, WEIGHTS_DIR, checkpoint_dir
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.server.bench.continuation import feed, held_out_text, sync
+from xlserve.server.cache import SessionCache, SessionData
+from xlserve.server.settings import BENCH_RESULTS_DIR, WEIGHTS_DIR, checkpoint_dir
 
 TIERS = ("device", "host", "disk", "redis")
 
@@ -51,8 +51,8 @@ def models_to_run(args) -> list[tuple[str, object]]:
     for path in paths:
         chosen.append((path.name, load_checkpoint(path, device=args.device).eval()))
     for item in filter(None, args.presets.split(",")):
-        from models.registry import build_model
-        from models.training.train import preset_config
+        from xlserve.models.registry import build_model
+        from xlserve.models.training.train import preset_config
 
         architecture, _, preset = item.partition(":")
         model = build_model(architecture, preset_config(architecture, preset or "small")).to(args.device).eval()
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--redis-url", default="", help="default: a temporary redis-server when installed")
     parser.add_argument("--no-redis", action="store_true")
-    parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--out", default=str(BENCH_RESULTS_DIR))
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.settings import REPO_ROOT, WEIGHTS_DIR, checkpoint_dir
+from xlserve.server.settings import BENCH_RESULTS_DIR, WEIGHTS_DIR, checkpoint_dir
 
 DEFAULT_MODEL = WEIGHTS_DIR / "transformer-xl-stdlib"
 PROMPTS = [
@@ -213,9 +213,8 @@ def start_server(model_dir: Path, env: dict, timeout: float = 180) -> tuple[subp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--models", str(model_dir), "--log-level", "warning"],
-        cwd=REPO_ROOT, env={**os.environ, **env},
+        [sys.executable, "-m", "xlserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--models", str(model_dir), "--log-level", "warning"], env={**os.environ, **env},
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -295,11 +294,11 @@ def engine_worker(args: dict) -> list[dict]:
     """
     import threading
 
-    from server.engine import Finished, GenerationJob, TokenEvent
-    from server.engine_process import load_models
-    from server.metrics import Metrics
-    from server.sampling import SamplingParams
-    from server.settings import Settings
+    from xlserve.server.engine.scheduler import Finished, GenerationJob, TokenEvent
+    from xlserve.server.engine.process import load_models
+    from xlserve.server.metrics import Metrics
+    from xlserve.server.engine.sampling import SamplingParams
+    from xlserve.server.settings import Settings
 
     # threads as in the server: load_models gives the engine's worker thread its own
     settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]),
@@ -389,8 +388,7 @@ def run_engine(model_dir: Path, levels: list[int], per_stream: dict[int, int], m
                device: str, consumer: str) -> list[dict]:
     args = {"model_dir": str(model_dir), "levels": levels, "per_stream": per_stream, "max_tokens": max_tokens,
             "threads": threads, "device": device, "consumer": consumer}
-    done = subprocess.run([sys.executable, "-m", "server.bench.throughput", "--engine-worker", json.dumps(args)],
-                          cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, check=True)
+    done = subprocess.run([sys.executable, "-m", "xlserve.server.bench.throughput", "--engine-worker", json.dumps(args)], stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -467,8 +465,8 @@ def plot(http: list[dict], engine: list[dict], ceiling: list[dict], path: Path, 
 def random_checkpoint(out: Path) -> Path:
     directory = out / "transformer-xl-small-random"
     if not (directory / "model.safetensors").is_file():
-        subprocess.run([sys.executable, "-m", "server.cli", "new", "--arch", "transformer-xl", "--preset", "small",
-                        "--out", str(directory)], cwd=REPO_ROOT, check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "xlserve.server.cli", "new", "--arch", "transformer-xl", "--preset", "small",
+                        "--out", str(directory)], check=True, capture_output=True)
     return directory
 
 
@@ -493,7 +491,7 @@ def main(argv: list[str]) -> None:
                         help="intra-op torch threads of the engine, over HTTP and in process (XLSERVE_TORCH_THREADS); "
                              "default 0: the server's default, the cores less one")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--out", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--out", default=str(BENCH_RESULTS_DIR))
     args = parser.parse_args(argv)
 
     out = Path(args.out)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from server.bench.common import (
+from xlserve.server.bench.common import (
     add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy, save_results,
 )
 

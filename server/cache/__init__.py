@@ -6,7 +6,7 @@ needs torch, on first use, so that the API process never loads torch.
 
 from importlib import import_module
 
-from server.cache.errors import (
+from xlserve.server.cache.errors import (
     CacheError,
     CacheFull,
     CorruptState,
@@ -23,8 +23,8 @@ _LAZY = {"SessionData": "codec", "TIERS": "manager", "CacheManager": "manager", 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(import_module(f"server.cache.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'server.cache' has no attribute {name!r}")
+        return getattr(import_module(f"xlserve.server.cache.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'xlserve.server.cache' has no attribute {name!r}")
 
 
 __all__ = [

@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from models.interface import State
-from server.cache.errors import CorruptState
+from xlserve.models.interface import State
+from xlserve.server.cache.errors import CorruptState
 
 FORMAT = "xlserve-session"
 FORMAT_VERSION = "1"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 class CacheError(Exception):
     """Base of every error the session cache raises to the API (mapped to statuses in one
-    place: server/api/deps.py `session_errors`)."""
+    place: server/api/errors.py `ERROR_KINDS`)."""
 
     def __init__(self, message: str, session_id: str | None = None):
         super().__init__(message)

@@ -55,8 +55,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from server.cache.codec import CorruptState, SessionData, decode, encode, session_data
-from server.cache.errors import (
+from xlserve.server.cache.codec import CorruptState, SessionData, decode, encode, session_data
+from xlserve.server.cache.errors import (
     CacheFull,
     SessionConflict,
     SessionInfo,
@@ -64,8 +64,8 @@ from server.cache.errors import (
     SessionNotFound,
     SessionUnavailable,
 )
-from server.cache.manager import CacheManager, Move, Record
-from server.cache.stores import SESSION_ID, DiskStore, MemoryStore, RedisStore, StoreFull, StoreUnavailable
+from xlserve.server.cache.manager import CacheManager, Move, Record
+from xlserve.server.cache.stores import SESSION_ID, DiskStore, MemoryStore, RedisStore, StoreFull, StoreUnavailable
 
 log = logging.getLogger("xlserve.cache")
 

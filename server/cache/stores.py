@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from server.cache.codec import CorruptState, SessionData, metadata_of, parse_header
+from xlserve.server.cache.codec import CorruptState, SessionData, metadata_of, parse_header
 
 log = logging.getLogger("xlserve.cache")
 

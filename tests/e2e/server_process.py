@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 def make_checkpoint(directory: Path, arch: str = "transformer-xl", preset: str = "tiny", seed: int = 0) -> Path:
-    subprocess.run([sys.executable, "-m", "server.cli", "new", "--arch", arch, "--preset", preset,
+    subprocess.run([sys.executable, "-m", "xlserve.server.cli", "new", "--arch", arch, "--preset", preset,
                     "--out", str(directory), "--seed", str(seed)], check=True, cwd=REPO, capture_output=True)
     return directory
 
@@ -46,7 +46,7 @@ class ServerProcess:
     def start(self, timeout: float = 60) -> "ServerProcess":
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "xlserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--models", ",".join(str(m) for m in self.models), "--log-level", "warning"],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
         )

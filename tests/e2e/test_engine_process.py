@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from server.bench.throughput import child_processes, stat_fields
+from xlserve.server.bench.throughput import child_processes, stat_fields
 from tests.e2e.server_process import ServerProcess
 
 GENERATE = {"prompt": "def main(", "max_tokens": 8, "temperature": 0}

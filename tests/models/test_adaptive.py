@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from models.layers.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from models.tokenizer import WordTokenizer
-from models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.models.layers.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from xlserve.models.tokenizer import WordTokenizer
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
 
 def adaptive(div_val=4, d_embed=16, d_model=16, cutoffs=(10, 30), tie_weight=True, tie_projs=()):
@@ -69,7 +69,7 @@ def test_bad_cutoffs_are_refused():
 
 
 def test_adaptive_transformer_xl_saves_and_loads_with_ties(tmp_path):
-    from models.checkpoint import load_checkpoint, save_checkpoint
+    from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 
     config = TransformerXLConfig(
         vocab_size=50, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=8,

@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from models.layers.continuous import (
+from xlserve.models.layers.continuous import (
     RBFMemory,
     counter_uniforms,
     evaluate_basis,

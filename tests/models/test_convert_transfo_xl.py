@@ -20,11 +20,11 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers==4.37.2 (pip install -e '.[test]')")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel  # noqa: E402
 
-from models.checkpoint import load_checkpoint  # noqa: E402
-from models.convert import ConversionError, convert  # noqa: E402
-from models.tokenizer import WordTokenizer, tokenizer_for_checkpoint  # noqa: E402
-from models.transformer_xl import TransformerXL  # noqa: E402
-from server.cli import main as cli  # noqa: E402
+from xlserve.models.checkpoint import load_checkpoint  # noqa: E402
+from xlserve.models.convert import ConversionError, convert  # noqa: E402
+from xlserve.models.tokenizer import WordTokenizer, tokenizer_for_checkpoint  # noqa: E402
+from xlserve.models.transformer_xl import TransformerXL  # noqa: E402
+from xlserve.server.cli import main as cli  # noqa: E402
 from tests.models.helpers import run_in_chunks  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The output of TransfoXL will be updated:DeprecationWarning")
@@ -312,8 +312,8 @@ def test_without_a_symbol_list_the_weights_convert_and_serving_says_what_is_miss
 def test_the_server_serves_a_converted_word_level_model(tmp_path):
     from fastapi.testclient import TestClient
 
-    from server.app import build_app
-    from server.settings import Settings
+    from xlserve.server.app import build_app
+    from xlserve.server.settings import Settings
 
     hf = save_reference(build_reference(), tmp_path / "hf")
     (hf / "symbols.json").write_text(json.dumps(_symbols(BASE["vocab_size"])))

@@ -11,10 +11,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 sentencepiece = pytest.importorskip("sentencepiece")
 
-from models.checkpoint import load_checkpoint, read_config  # noqa: E402
-from models.convert import ConversionError, convert  # noqa: E402
-from models.tokenizer import SentencePieceTokenizer, tokenizer_for_checkpoint  # noqa: E402
-from models.xlnet import permutation_masks  # noqa: E402
+from xlserve.models.checkpoint import load_checkpoint, read_config  # noqa: E402
+from xlserve.models.convert import ConversionError, convert  # noqa: E402
+from xlserve.models.tokenizer import SentencePieceTokenizer, tokenizer_for_checkpoint  # noqa: E402
+from xlserve.models.xlnet import permutation_masks  # noqa: E402
 
 VOCAB = 120
 

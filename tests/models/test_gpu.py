@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
 pytestmark = [
     pytest.mark.gpu,

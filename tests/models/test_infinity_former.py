@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.infinity_former import ContinuousMemory, InfinityFormer, InfinityFormerConfig
-from models.registry import build_model
-from models.training.train import preset_config, training_loss
+from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
+from xlserve.models.infinity_former import ContinuousMemory, InfinityFormer, InfinityFormerConfig
+from xlserve.models.registry import build_model
+from xlserve.models.training.train import preset_config, training_loss
 
 SEGMENT = 8
 

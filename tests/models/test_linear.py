@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers.linear import MAX_ROWS, Linear, choose_kernels, linear
+from xlserve.models.layers.linear import MAX_ROWS, Linear, choose_kernels, linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
@@ -64,8 +64,8 @@ def test_layers_stay_on_f_linear_unless_switched_on():
 def test_choose_kernels_by_model_size():
     """Small models stay in the cache and keep F.linear; large ones stream and switch over, in
     every layer that has the switch (the adaptive softmax included)."""
-    from models.registry import build_model
-    from models.transformer_xl import TransformerXL, TransformerXLConfig
+    from xlserve.models.registry import build_model
+    from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
     small = build_model("transformer-xl", {"n_layer": 1, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64})
     assert not any(getattr(m, "streaming", False) for m in small.modules())

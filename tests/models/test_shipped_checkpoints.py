@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.checkpoint import load_checkpoint
-from models.training.data import stdlib_corpus
-from models.training.evaluate import bits_per_byte
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.training.data import stdlib_corpus
+from xlserve.models.training.evaluate import bits_per_byte
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
 SHIPPED = sorted(p for p in WEIGHTS.glob("*-stdlib") if (p / "model.safetensors").is_file())

@@ -1,4 +1,4 @@
-from models.tokenizer import ByteTokenizer
+from xlserve.models.tokenizer import ByteTokenizer
 
 
 def test_round_trip_of_any_text():

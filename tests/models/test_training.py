@@ -2,10 +2,10 @@ from dataclasses import replace
 
 import torch
 
-from models.checkpoint import load_checkpoint
-from models.training.data import is_held_out, stdlib_corpus
-from models.training.evaluate import bits_per_byte
-from models.training.train import STANDARD_RECIPE, train
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.training.data import is_held_out, stdlib_corpus
+from xlserve.models.training.evaluate import bits_per_byte
+from xlserve.models.training.train import STANDARD_RECIPE, train
 
 
 def test_split_rule_is_the_design_rule():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.transformer_xl import TransformerXL, TransformerXLConfig, XLMemory
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig, XLMemory
 from tests.models.helpers import run_in_chunks
 
 

@@ -4,7 +4,7 @@ per-row attention products. States must stay values: continuing a state never ch
 import pytest
 import torch
 
-from models.transformer_xl import MEMORY_ROOM, TransformerXL, TransformerXLConfig, XLMemory, extend_memory
+from xlserve.models.transformer_xl import MEMORY_ROOM, TransformerXL, TransformerXLConfig, XLMemory, extend_memory
 
 
 def small_model(**overrides) -> TransformerXL:

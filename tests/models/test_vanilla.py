@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.training.train import training_loss as standard_training_loss
-from models.vanilla import ByteWindow, VanillaConfig, VanillaTransformer, intermediate_layer_weights
+from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
+from xlserve.models.training.train import training_loss as standard_training_loss
+from xlserve.models.vanilla import ByteWindow, VanillaConfig, VanillaTransformer, intermediate_layer_weights
 from tests.models.helpers import run_in_chunks, tokens
 
 L = 12  # context of the test model
@@ -229,7 +229,7 @@ def test_save_and_load_give_identical_log_probs(tmp_path):
 
 
 def test_strided_window_evaluation_at_stride_one_is_the_sliding_evaluation():
-    from models.training.evaluate import document_nll, windowed_document_nll
+    from xlserve.models.training.evaluate import document_nll, windowed_document_nll
 
     model = small_model()
     data = bytes(tokens(1, 3 * L + 5, 11)[0].tolist())

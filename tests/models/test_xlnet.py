@@ -6,9 +6,9 @@ import itertools
 import pytest
 import torch
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.transformer_xl import XLMemory
-from models.xlnet import XLNet, XLNetConfig, permutation_masks
+from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
+from xlserve.models.transformer_xl import XLMemory
+from xlserve.models.xlnet import XLNet, XLNetConfig, permutation_masks
 from tests.models.helpers import run_in_chunks, tokens
 
 

@@ -14,7 +14,7 @@ def test_throughput_bench_smoke(tmp_path):
     checkpoint = make_checkpoint(tmp_path / "txl-tiny")
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, "-m", "server.cli", "bench", "throughput", "--model", str(checkpoint), "--concurrency", "1,2",
+        [sys.executable, "-m", "xlserve.server.cli", "bench", "throughput", "--model", str(checkpoint), "--concurrency", "1,2",
          "--max-tokens", "4", "--requests-per-stream", "1", "--min-requests", "3", "--rounds", "2", "--threads", "1",
          "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -4,10 +4,10 @@ that the model continues bit-identically: the cache only uses the State interfac
 import pytest
 import torch
 
-from models.registry import ARCHITECTURES, build_model
-from models.training.train import preset_config
-from server.cache import SessionCache, SessionData
-from server.cache.codec import decode, encode, session_data
+from xlserve.models.registry import ARCHITECTURES, build_model
+from xlserve.models.training.train import preset_config
+from xlserve.server.cache import SessionCache, SessionData
+from xlserve.server.cache.codec import decode, encode, session_data
 
 
 def tiny_model(architecture: str):

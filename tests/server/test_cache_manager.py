@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.cache.manager import CacheManager, Move, Record
+from xlserve.server.cache.manager import CacheManager, Move, Record
 
 
 def record(sid: str, nbytes: int, copies=("device", "disk"), **kw) -> Record:

@@ -4,11 +4,11 @@ import pytest
 
 import redis
 
-from server.cache import CacheFull, SessionConflict, SessionNotFound
-from server.cache.stores import RedisStore
+from xlserve.server.cache import CacheFull, SessionConflict, SessionNotFound
+from xlserve.server.cache.stores import RedisStore
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.test_cache_sessions import MODEL, data, same, size
-from server.cache import SessionCache
+from xlserve.server.cache import SessionCache
 
 
 def replica(tmp_path, name, url, **budgets) -> SessionCache:

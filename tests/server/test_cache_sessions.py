@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from models.interface import State
-from server.cache import (
+from xlserve.models.interface import State
+from xlserve.server.cache import (
     CacheFull,
     SessionCache,
     SessionData,
@@ -16,8 +16,8 @@ from server.cache import (
     SessionNotFound,
     SessionUnavailable,
 )
-from server.cache.codec import decode
-from server.metrics import Metrics
+from xlserve.server.cache.codec import decode
+from xlserve.server.metrics import Metrics
 
 V = 8
 

@@ -14,15 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.interface import ArchConfig, LanguageModel, State
-from models.tokenizer import ByteTokenizer
-from models.transformer_xl import TransformerXL, TransformerXLConfig
-from server.engine import (
+from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.tokenizer import ByteTokenizer
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.server.engine.scheduler import (
     PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS, Cancelled, ChoiceFinished, Engine, Finished, GenerationJob,
     PromptLogprobs, QueueFull, ShuttingDown, TokenEvent,
 )
-from server.metrics import Metrics
-from server.sampling import SamplingParams
+from xlserve.server.metrics import Metrics
+from xlserve.server.engine.sampling import SamplingParams
 
 
 def xl_model() -> TransformerXL:
@@ -153,7 +153,7 @@ def test_rows_join_and_leave_a_running_batch():
 @pytest.fixture
 def batch_log(monkeypatch):
     """Every XLMemory concat, take and put_row, in order, as (name, rows or place)."""
-    from models.transformer_xl import XLMemory
+    from xlserve.models.transformer_xl import XLMemory
 
     log, concat, take, put_row = [], XLMemory.concat.__func__, XLMemory.take, XLMemory.put_row
 
@@ -179,9 +179,9 @@ def test_a_joining_row_takes_the_place_a_finished_row_left(batch_log, monkeypatc
     """A row that finishes leaves an idle place in the running batch; the next row to join is
     written into it (State.put_row) instead of the batch being copied on the way out and again
     on the way in, and every answer is still the one it gets alone."""
-    import server.engine
+    import xlserve.server.engine.scheduler
 
-    monkeypatch.setattr(server.engine, "IDLE_PLACE_STEPS", 10**9)  # keep the place however slow the test
+    monkeypatch.setattr(xlserve.server.engine.scheduler, "IDLE_PLACE_STEPS", 10**9)  # keep the place however slow the test
     engine = make_engine(xl_model(), prefill_chunk=64)
     requests = [(PROMPTS[1], 5), (PROMPTS[2], 60), (PROMPTS[3], 60)]
     late = (PROMPTS[4], 8)
@@ -208,9 +208,9 @@ def test_a_joining_row_takes_the_place_a_finished_row_left(batch_log, monkeypatc
 def test_a_session_that_finishes_keeps_its_state_when_its_place_is_taken(batch_log, monkeypatch):
     """A session's final state survives the next row being written into its old place: it is
     unchanged, and continues exactly like the same text fed in one pass."""
-    import server.engine
+    import xlserve.server.engine.scheduler
 
-    monkeypatch.setattr(server.engine, "IDLE_PLACE_STEPS", 10**9)
+    monkeypatch.setattr(xlserve.server.engine.scheduler, "IDLE_PLACE_STEPS", 10**9)
     engine = make_engine(xl_model(), prefill_chunk=64)
 
     async def main():
@@ -238,9 +238,9 @@ def test_a_session_that_finishes_keeps_its_state_when_its_place_is_taken(batch_l
 
 
 def test_idle_places_are_dropped_once_they_cost_a_copy_of_the_batch(batch_log, monkeypatch):
-    import server.engine
+    import xlserve.server.engine.scheduler
 
-    monkeypatch.setattr(server.engine, "IDLE_PLACE_STEPS", 4)
+    monkeypatch.setattr(xlserve.server.engine.scheduler, "IDLE_PLACE_STEPS", 4)
     engine = make_engine(xl_model(), prefill_chunk=64)
     requests = [(PROMPTS[1], 3), (PROMPTS[2], 30), (PROMPTS[3], 30)]
 
@@ -394,7 +394,7 @@ def test_cancel_frees_the_slot_and_queue_is_bounded():
         second = engine.submit(job(engine, "b", max_tokens=3))  # waits for the slot
         with pytest.raises(QueueFull) as refused:
             engine.submit(job(engine, "c", max_tokens=3))
-        assert refused.value.status == 429 and refused.value.headers["Retry-After"]
+        assert refused.value.code == "queue_full"
         assert "XLSERVE_MAX_QUEUED_REQUESTS" in refused.value.message
         first.cancel()
         with pytest.raises(Cancelled):
@@ -553,8 +553,8 @@ def test_big_prompt_forwards_run_on_the_prompt_threads():
 
 
 def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp_path):
-    from server.engine_process import load_models
-    from server.settings import Settings
+    from xlserve.server.engine.process import load_models
+    from xlserve.server.settings import Settings
     from tests.e2e.server_process import make_checkpoint
 
     for name in ("first", "second"):

@@ -1,6 +1,6 @@
 import torch
 
-from server.sampling import Sampler, SamplingParams, StopChecker
+from xlserve.server.engine.sampling import Sampler, SamplingParams, StopChecker
 
 
 def log_probs(values):

@@ -3,12 +3,13 @@
 import asyncio
 import io
 
-from server.cache import CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound
-from server.engine import (
-    Appended, Cancelled, ChoiceFinished, Finished, PromptLogprobs, QueueFull, ShuttingDown, TokenEvent,
+from xlserve.server.cache import CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound
+from xlserve.server.api.errors import as_api_error
+from xlserve.server.engine.errors import (
+    Cancelled, EngineGone, InvalidInput, ModelNotFound, QueueFull, ShuttingDown,
 )
-from server.errors import InvalidRequest, NotFound, as_api_error
-from server.wire import (
+from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, PromptLogprobs, TokenEvent
+from xlserve.server.engine.wire import (
     encode_frame, error_from_wire, error_to_wire, event_from_wire, event_to_wire, is_last, read_frame,
     read_frame_async,
 )
@@ -40,33 +41,43 @@ def test_async_reader_reads_the_same_frames_and_sees_the_end():
     assert third is None
 
 
-def test_errors_come_back_as_the_classes_the_status_map_knows():
-    queue_full = QueueFull("3 waiting, limit 2", code="queue_full", headers={"Retry-After": "1"})
+def test_errors_come_back_as_the_classes_the_status_table_knows():
+    queue_full = QueueFull("3 waiting, limit 2", code="queue_full")
     back = error_from_wire(error_to_wire(queue_full))
-    assert type(back) is QueueFull and back.status == 429 and back.headers == {"Retry-After": "1"}
-    assert back.message == queue_full.message and back.code == "queue_full"
+    assert type(back) is QueueFull and back.message == queue_full.message and back.code == "queue_full"
+    mapped = as_api_error(back)
+    assert mapped.status == 429 and mapped.headers == {"Retry-After": "1"} and mapped.type == "rate_limit_error"
 
     back = error_from_wire(error_to_wire(ShuttingDown("draining", code="shutting_down")))
-    assert type(back) is ShuttingDown and back.status == 503
+    assert type(back) is ShuttingDown and as_api_error(back).status == 503
+    back = error_from_wire(error_to_wire(EngineGone("the engine process exited", code="engine_gone")))
+    assert type(back) is EngineGone and as_api_error(back).code == "engine_gone"
 
-    back = error_from_wire(error_to_wire(InvalidRequest("bad state", param="body", code="invalid_state")))
-    assert type(back) is InvalidRequest and back.param == "body" and back.status == 400
-    assert type(error_from_wire(error_to_wire(NotFound("no model")))) is NotFound
+    back = error_from_wire(error_to_wire(InvalidInput("bad state", param="body", code="invalid_state")))
+    assert type(back) is InvalidInput and back.param == "body"
+    assert as_api_error(back).status == 400 and as_api_error(back).param == "body"
+    back = error_from_wire(error_to_wire(ModelNotFound.named("gpt", ["a", "b"])))
+    assert type(back) is ModelNotFound and as_api_error(back).status == 404
+    assert as_api_error(back).code == "model_not_found" and "gpt" in as_api_error(back).message
 
     for error in (SessionNotFound("sess_a"), SessionLocked("sess_a"), SessionConflict("sess_a")):
         back = error_from_wire(error_to_wire(error))
         assert type(back) is type(error) and back.session_id == "sess_a"
-        assert as_api_error(back).status == as_api_error(error).status
+        assert as_api_error(back).body() == as_api_error(error).body()
+        assert "sess_a" in as_api_error(back).message
+    assert [as_api_error(e).status for e in (SessionNotFound("s"), SessionLocked("s"), SessionConflict("s"))] == \
+        [404, 409, 409]
     back = error_from_wire(error_to_wire(CacheFull("device tier full", "sess_b")))
     assert type(back) is CacheFull and as_api_error(back).status == 503
+    assert as_api_error(back).headers == {"Retry-After": "1"}
 
     assert type(error_from_wire(error_to_wire(Cancelled()))) is Cancelled
-    assert isinstance(error_from_wire(error_to_wire(CorruptState("checksum"))), ValueError)
-    back = error_from_wire(error_to_wire(ValueError("nothing to continue from")))
-    assert type(back) is ValueError and str(back) == "nothing to continue from"
-    # anything else is an internal error: a 500 that does not leak the message
-    back = error_from_wire(error_to_wire(ZeroDivisionError("secret detail")))
-    assert as_api_error(back).status == 500 and "secret" not in as_api_error(back).message
+    assert isinstance(error_from_wire(error_to_wire(CorruptState("checksum"))), CorruptState)
+    # a class outside the registry is an internal error: a 500 that does not leak the message
+    for error in (ZeroDivisionError("secret detail"), ValueError("secret detail")):
+        back = error_from_wire(error_to_wire(error))
+        assert type(back) is RuntimeError
+        assert as_api_error(back).status == 500 and "secret" not in as_api_error(back).message
 
 
 def test_events_round_trip_through_json_and_the_last_one_is_known():

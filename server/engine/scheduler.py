@@ -55,23 +55,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.interface import LanguageModel, State
-from server.cache import SessionData
-from server.engine_types import (  # noqa: F401  (importable from here too)
+from xlserve.models.interface import LanguageModel, State
+from xlserve.server.cache import SessionData
+from xlserve.server.engine.types import (  # noqa: F401  (importable from here too)
     Appended,
-    Cancelled,
     ChoiceFinished,
     Finished,
     PromptLogprobs,
-    QueueFull,
     SamplingParams,
-    ShuttingDown,
     Submission,
     TokenEvent,
     appended,
 )
-from server.metrics import Metrics
-from server.sampling import Sampler, StopChecker, top_alternatives
+from xlserve.server.engine.errors import Cancelled, InvalidInput, QueueFull, ShuttingDown
+from xlserve.server.metrics import Metrics
+from xlserve.server.engine.sampling import Sampler, StopChecker, top_alternatives
 
 
 PARALLEL_MIN_TOKENS = 8  # forwards of fewer tokens run on one intra-op thread (Engine._forward)
@@ -227,7 +225,7 @@ class Engine:
         """Queue a generation; raises QueueFull or ShuttingDown at once, before any response
         has started. Iterate `Submission.events()` for the answer."""
         if job.params.max_tokens > 0 and not job.prompt and job.start.next_log_probs is None:
-            raise ValueError("nothing to continue from: give a prompt")
+            raise InvalidInput("nothing to continue from: give a prompt", param="prompt")
         submission = Submission(self.name, self.metrics, job.cancelled, self.wake)
         self.enqueue("generate", job.prompt, job.start, job.params, job.keep_state, False, job.cancelled, submission)
         return submission
@@ -255,7 +253,7 @@ class Engine:
                 raise QueueFull(
                     f"model '{self.name}' has {queued - 1} requests waiting, the limit is {self.max_queued} "
                     "(XLSERVE_MAX_QUEUED_REQUESTS); retry later",
-                    code="queue_full", headers={"Retry-After": "1"},
+                    code="queue_full",
                 )
             self._waiting.append(job)
             self._m_waiting.set(len(self._waiting))
@@ -477,7 +475,7 @@ class Engine:
             self._finish(job, data, [ChoiceFinished(i, "length", "", 0) for i in range(job.params.n)])
             return
         if job.next_log_probs is None:
-            self._fail(job, ValueError("nothing to continue from: give a prompt"))
+            self._fail(job, InvalidInput("nothing to continue from: give a prompt", param="prompt"))
             return
         # choices share the prompt's state: states are values, a forward never changes its input
         job.rows = [_Row(job, i, job.state, data.next_log_probs) for i in range(job.params.n)]

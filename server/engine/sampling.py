@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from server.engine_types import SamplingParams  # noqa: F401  (importable from here too)
+from xlserve.server.engine.types import SamplingParams  # noqa: F401  (importable from here too)
 
 
 class Sampler:

@@ -6,7 +6,8 @@ crosses the socket is ever unpickled.
 
 A request's events (server/engine_types.py) cross as compact lists (`event_to_wire`), one step's
 worth per frame. Errors cross as `error_to_wire` dicts and come back as the same exception
-classes, so the one exception -> status map (server/errors.py) keeps working on the API side.
+classes (an explicit registry, below), so the one exception -> status table
+(server/api/errors.py) works on the API side.
 """
 
 from __future__ import annotations
@@ -17,10 +18,25 @@ import socket
 import struct
 import threading
 
-import server.engine_types as engine_types
-import server.errors as errors_module
-from server.cache import CacheError, CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound, SessionUnavailable
-from server.errors import APIError
+import xlserve.server.engine.types as engine_types
+from xlserve.server.cache.errors import (
+    CacheError,
+    CacheFull,
+    CorruptState,
+    SessionConflict,
+    SessionLocked,
+    SessionNotFound,
+    SessionUnavailable,
+)
+from xlserve.server.engine.errors import (
+    Cancelled,
+    EngineError,
+    EngineGone,
+    InvalidInput,
+    ModelNotFound,
+    QueueFull,
+    ShuttingDown,
+)
 
 HEADER = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 << 20
@@ -115,44 +131,37 @@ def event_from_wire(item: list) -> tuple[int, object]:
 
 
 # -- exceptions --------------------------------------------------------------------------------
+# Errors cross by name, through this registry only: a class not in it arrives as a RuntimeError
+# (an internal error, 500) that names it.
 
-_CACHE_ERRORS = {cls.__name__: cls for cls in (CacheError, CacheFull, SessionUnavailable)}
-_SESSION_ERRORS = {cls.__name__: cls for cls in (SessionNotFound, SessionLocked, SessionConflict)}
+ENGINE_ERRORS: dict[str, type[EngineError]] = {
+    cls.__name__: cls for cls in (EngineError, InvalidInput, ModelNotFound, QueueFull, ShuttingDown, EngineGone)
+}
+CACHE_ERRORS: dict[str, type[CacheError]] = {cls.__name__: cls for cls in (CacheError, CacheFull, SessionUnavailable)}
+SESSION_ERRORS: dict[str, type[CacheError]] = {
+    cls.__name__: cls for cls in (SessionNotFound, SessionLocked, SessionConflict)
+}
 
 
 def error_to_wire(error: BaseException) -> dict:
     wire = {"class": type(error).__name__, "message": str(error)}
-    if isinstance(error, APIError):
-        wire.update(message=error.message, param=error.param, code=error.code, headers=error.headers,
-                    api_class=_api_base(type(error)).__name__)
+    if isinstance(error, EngineError):
+        wire.update(message=error.message, param=error.param, code=error.code)
     if isinstance(error, CacheError):
         wire["session_id"] = error.session_id
     return wire
 
 
-def _api_base(cls: type) -> type:
-    """The server.errors class an APIError subclass (QueueFull, ShuttingDown, ...) derives from."""
-    for base in cls.__mro__:
-        if getattr(errors_module, base.__name__, None) is base:
-            return base
-    return APIError
-
-
 def error_from_wire(wire: dict) -> BaseException:
     name, message = wire.get("class", ""), wire.get("message", "")
-    if "api_class" in wire:
-        cls = getattr(engine_types, name, None) or getattr(errors_module, wire["api_class"], APIError)
-        if not (isinstance(cls, type) and issubclass(cls, APIError)):
-            cls = APIError
-        return cls(message, param=wire.get("param"), code=wire.get("code"), headers=wire.get("headers") or {})
-    if name in _SESSION_ERRORS:
-        return _SESSION_ERRORS[name](wire.get("session_id") or message)
-    if name in _CACHE_ERRORS:
-        return _CACHE_ERRORS[name](message, wire.get("session_id"))
+    if name in ENGINE_ERRORS:
+        return ENGINE_ERRORS[name](message, param=wire.get("param"), code=wire.get("code"))
+    if name in SESSION_ERRORS:
+        return SESSION_ERRORS[name](wire.get("session_id") or message)
+    if name in CACHE_ERRORS:
+        return CACHE_ERRORS[name](message, wire.get("session_id"))
     if name == "CorruptState":
         return CorruptState(message)
     if name == "Cancelled":
-        return engine_types.Cancelled()
-    if name == "ValueError":
-        return ValueError(message)
+        return Cancelled()
     return RuntimeError(f"{name}: {message}" if message else name)

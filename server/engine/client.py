@@ -15,25 +15,20 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 
-from server.cache import SessionInfo
-from server.engine_types import Submission
-from server.errors import Unavailable
-from server.metrics import Metrics
-from server.settings import REPO_ROOT, Settings
-from server.wire import encode_frame, error_from_wire, event_from_wire, is_last, read_frame_async
+from xlserve.server.cache import SessionInfo
+from xlserve.server.engine.types import Submission
+from xlserve.server.engine.errors import EngineGone
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
+from xlserve.server.engine.wire import encode_frame, error_from_wire, event_from_wire, is_last, read_frame_async
 
 log = logging.getLogger("xlserve.engine_client")
-
-
-class EngineGone(Unavailable):
-    """The engine process exited; nothing more can be served."""
 
 
 @dataclass
@@ -81,8 +76,8 @@ class EngineClient:
         ours, theirs = socket.socketpair()
         settings = self.settings.model_dump(mode="json", exclude={"api_keys"})
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server.engine_process", str(theirs.fileno()), json.dumps(settings)],
-            pass_fds=[theirs.fileno()], cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": _python_path()},
+            [sys.executable, "-m", "xlserve.server.engine.process", str(theirs.fileno()), json.dumps(settings)],
+            pass_fds=[theirs.fileno()],
         )
         theirs.close()
         self.reader, self.writer = await asyncio.open_connection(sock=ours)
@@ -236,10 +231,3 @@ class EngineClient:
     async def metrics_text(self) -> bytes:
         result, _ = await self.call("metrics")
         return result["text"].encode()
-
-
-def _python_path() -> str:
-    """The engine process imports `server` and `models` as this one does, also from a checkout
-    that is not installed."""
-    current = os.environ.get("PYTHONPATH", "")
-    return str(REPO_ROOT) + (os.pathsep + current if current else "")

@@ -48,17 +48,17 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import load_checkpoint, read_config
-from models.interface import LanguageModel
-from models.tokenizer import tokenizer_for_checkpoint
-from server.cache import CorruptState, Lease, SessionCache, SessionData
-from server.cache.codec import decode, session_data
-from server.engine import Engine, own_torch_threads
-from server.errors import InvalidRequest, model_not_found
-from server.metrics import Metrics
-from server.sampling import SamplingParams
-from server.settings import Settings
-from server.wire import FrameWriter, error_to_wire, event_to_wire, is_last, read_frame
+from xlserve.models.checkpoint import load_checkpoint, read_config
+from xlserve.models.interface import LanguageModel
+from xlserve.models.tokenizer import tokenizer_for_checkpoint
+from xlserve.server.cache import CorruptState, Lease, SessionCache, SessionData
+from xlserve.server.cache.codec import decode, session_data
+from xlserve.server.engine.errors import InvalidInput, ModelNotFound
+from xlserve.server.engine.scheduler import Engine, own_torch_threads
+from xlserve.server.metrics import Metrics
+from xlserve.server.engine.sampling import SamplingParams
+from xlserve.server.settings import Settings
+from xlserve.server.engine.wire import FrameWriter, error_to_wire, event_to_wire, is_last, read_frame
 
 log = logging.getLogger("xlserve.engine_process")
 
@@ -146,15 +146,15 @@ def decode_import(blob: bytes):
     try:
         return decode(blob, require_checksum=False)  # a checksum, when present, must match
     except CorruptState as error:
-        raise InvalidRequest(f"the body is not an xlserve session state: {error}", param="body",
+        raise InvalidInput(f"the body is not an xlserve session state: {error}", param="body",
                              code="invalid_state") from None
 
 
 def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tensors, next_log_probs) -> SessionData:
-    """A decoded state that fits model `name`, on its device; InvalidRequest (400) otherwise."""
+    """A decoded state that fits model `name`, on its device; InvalidInput otherwise."""
 
     def refuse(message: str):
-        return InvalidRequest(message, param="body", code="invalid_state")
+        return InvalidInput(message, param="body", code="invalid_state")
 
     if meta.get("model") != name:
         raise refuse(f"the state belongs to model '{meta.get('model')}', not '{name}'")
@@ -278,7 +278,7 @@ class EngineProcess:
         try:
             return self.models[name]
         except KeyError:
-            raise model_not_found(name, self.models) from None
+            raise ModelNotFound.named(name, self.models) from None
 
     def lease(self, lease_id: int) -> Lease:
         with self.lock:

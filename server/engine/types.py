@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from server.errors import TooManyRequests, Unavailable
+from xlserve.server.engine.errors import Cancelled
 
 
 @dataclass
@@ -36,18 +36,6 @@ class SamplingParams:
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-
-
-class Cancelled(Exception):
-    """The request was cancelled before it completed; nothing is committed."""
-
-
-class QueueFull(TooManyRequests):
-    """More requests wait for this model than XLSERVE_MAX_QUEUED_REQUESTS allows."""
-
-
-class ShuttingDown(Unavailable):
-    """The server is draining for shutdown and admits no new work."""
 
 
 # -- events a request's consumer receives ---------------------------------------------------

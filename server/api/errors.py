@@ -5,6 +5,8 @@ Every error body is {"error": {"message", "type", "param", "code"}}, as OpenAI's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,7 +14,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.cache import CacheError
+from xlserve.server.cache.errors import (
+    CacheError,
+    CacheFull,
+    SessionConflict,
+    SessionLocked,
+    SessionNotFound,
+    SessionUnavailable,
+)
+from xlserve.server.engine.errors import EngineError, EngineGone, InvalidInput, ModelNotFound, QueueFull, ShuttingDown
 
 
 class APIError(Exception):
@@ -62,24 +72,62 @@ class Unavailable(APIError):
     status, type = 503, "service_unavailable"
 
 
-def model_not_found(name: str, served) -> NotFound:
-    """The 404 for a model that is not loaded (the API and the engine process both raise it)."""
-    return NotFound(f"model '{name}' does not exist; served: {sorted(served)}", param="model", code="model_not_found")
-
-
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# -- the one table: engine and cache exceptions -> what a client sees ----------------------------
+
+
+def _session_message(text: str):
+    return lambda error: text.format(session=error.session_id or "")
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    status: int
+    type: str
+    code: str | None = None  # when the exception carries none of its own
+    param: str | None = None  # likewise
+    headers: dict[str, str] = field(default_factory=dict)
+    message: Callable[[BaseException], str] = str
+
+
+ERROR_KINDS: dict[type[BaseException], ErrorKind] = {
+    InvalidInput: ErrorKind(InvalidRequest.status, InvalidRequest.type),
+    ModelNotFound: ErrorKind(NotFound.status, NotFound.type, code="model_not_found", param="model"),
+    QueueFull: ErrorKind(TooManyRequests.status, TooManyRequests.type, code="queue_full",
+                         headers={"Retry-After": "1"}),
+    ShuttingDown: ErrorKind(Unavailable.status, Unavailable.type, code="shutting_down"),
+    EngineGone: ErrorKind(Unavailable.status, Unavailable.type, code="engine_gone"),
+    SessionNotFound: ErrorKind(NotFound.status, NotFound.type, code="session_not_found", param="session_id",
+                               message=_session_message("session '{session}' does not exist")),
+    SessionLocked: ErrorKind(SessionBusy.status, SessionBusy.type, code="session_busy", param="session_id",
+                             message=_session_message("session '{session}' is busy with another request; "
+                                                      "retry when it finishes")),
+    SessionConflict: ErrorKind(Conflict.status, Conflict.type, code="session_version_conflict", param="session_id",
+                               message=_session_message(
+                                   "session '{session}' was changed by another request (another replica) since "
+                                   "this one started; nothing was written. Retry from the current version")),
+    CacheFull: ErrorKind(Unavailable.status, Unavailable.type, code="session_cache_full", param="session_id",
+                         headers={"Retry-After": "1"}),
+    SessionUnavailable: ErrorKind(Unavailable.status, Unavailable.type, code="session_unavailable",
+                                  param="session_id"),
+}
+
+
 def as_api_error(error: BaseException) -> APIError:
-    """Map any exception to the APIError a client sees (internal ones become a plain 500)."""
+    """The APIError a client sees for any exception: API errors as they are, engine and cache
+    errors through ERROR_KINDS, anything else a plain 500 that names only the class."""
     if isinstance(error, APIError):
         return error
-    if isinstance(error, CacheError):  # mapped in one place, next to the other session errors
-        from server.api.deps import session_errors
-
-        return session_errors(error, error.session_id or "")
-    return APIError(f"internal error: {type(error).__name__}")
+    kind = next((ERROR_KINDS[cls] for cls in type(error).__mro__ if cls in ERROR_KINDS), None)
+    if kind is None:
+        return APIError(f"internal error: {type(error).__name__}")
+    mapped = APIError(kind.message(error), param=getattr(error, "param", None) or kind.param,
+                      code=getattr(error, "code", None) or kind.code, headers=dict(kind.headers))
+    mapped.status, mapped.type = kind.status, kind.type
+    return mapped
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -88,7 +136,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(CacheError)
-    async def _cache_error(request: Request, error: CacheError):
+    @app.exception_handler(EngineError)
+    async def _mapped(request: Request, error: Exception):
         api_error = as_api_error(error)
         return JSONResponse(api_error.body(), status_code=api_error.status, headers=api_error.headers)
 
