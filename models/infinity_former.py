@@ -7,7 +7,8 @@ Every layer attends to two memories and sums the two results before the residual
 
 - Short-term memory (Transformer-XL style): ordinary multi-head attention over the previous
   segment and the current segment up to the query, with relative positions
-  (q_i + u)·k_j + (q_i + v)·W_kR R_{i-j} exactly as in models/transformer_xl.py.
+  (q_i + u)·k_j + (q_i + v)·W_kR R_{i-j} exactly as in models/transformer_xl.py
+  (models/layers/relative.py).
 - Long-term memory: the layer's (normalised) inputs of every earlier segment, kept as a
   continuous signal X̄(t) = Bᵀψ(t) over t ∈ [0, 1] with N Gaussian radial basis functions ψ
   (models/layers/continuous.py). Per head, keys K = B W_K and values V = B W_V are projections
@@ -26,7 +27,7 @@ densities put their mass, so what was attended to keeps more resolution. Trainin
 regulariser KL(N(μ, σ²) || N(μ₀, σ₀²)) on every density, averaged, times `kl_weight`.
 
 Serving notes
-- The state (`ContinuousMemory`) has a fixed size whatever the history: per layer B (N × d),
+- The state (`ContinuousMemory`, models/layers/memory.py) has a fixed size whatever the history: per layer B (N × d),
   the long-term keys and values derived from it, a 2L-slot buffer of short-term keys and values
   (previous segment | current segment), the current segment's inputs (to be appended to the
   long-term memory at its end), the sticky-memory histogram of the current segment, and one
@@ -57,6 +58,8 @@ Chunking semantics (what `forward` promises about splitting a text into calls)
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -66,8 +69,162 @@ from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
 from xlserve.models.layers.continuous import RBFMemory, kl_to_gaussian
+from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.transformer_xl import sinusoid_encoding
+from xlserve.models.layers.memory import ContinuousMemory, LayerMemory
+from xlserve.models.layers.relative import RelativeKeys, relative_scores
+
+
+class InfinityLayer(nn.Module):
+    """One ∞-former layer: short-term relative attention + continuous long-term attention,
+    summed, then a position-wise feed-forward; pre-norm residual blocks."""
+
+    def __init__(self, config: InfinityFormerConfig, memory: RBFMemory):
+        super().__init__()
+        self.config = config
+        c = config
+        hd = c.n_head * c.d_head
+        self.memory = [memory]  # shared geometry; a list so it is not registered twice
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        # short-term (Transformer-XL) attention
+        self.qkv_net = Linear(c.d_model, 3 * hd, bias=False)  # W_q, W_kE, W_v
+        self.r_net = Linear(c.d_model, hd, bias=False)  # W_kR
+        self.o_net = Linear(hd, c.d_model, bias=False)
+        # continuous long-term attention (its queries are the short-term attention's)
+        self.ltm_k = Linear(c.d_model, hd, bias=False)  # W_K, applied to B
+        self.ltm_v = Linear(c.d_model, hd, bias=False)  # W_V, applied to B
+        self.ltm_density = nn.Parameter(torch.zeros(c.n_head, 2, c.n_basis))  # w_μ, w_σ per head
+        self.ltm_o = Linear(hd, c.d_model, bias=False)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
+        self.drop = nn.Dropout(c.dropout)
+        self.dropatt = nn.Dropout(c.dropatt)
+        self.scale = 1.0 / math.sqrt(c.d_head)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, d_model), T <= L - offset for every row (one segment)
+        memory: LayerMemory,
+        offset: Tensor,  # (B,) position of x[:, 0] within its segment
+        has_previous: Tensor,  # (B,) bool: a previous segment exists
+        rel_keys: Tensor,  # (2L, H, D) W_kR R_d for distances 0 .. 2L-1
+        r_w_bias: Tensor,  # (H, D) u
+        r_r_bias: Tensor,  # (H, D) v
+    ) -> tuple[Tensor, LayerMemory, Tensor | None, Tensor | None]:
+        """The layer's output (B, T, d_model), its memory after x, and the long-term attention
+        densities' μ and σ² (B, H, T) (None without long-term memory)."""
+        c = self.config
+        B, T, _ = x.shape
+        L = c.segment_len
+        h = self.attn_norm(x)
+        q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).permute(2, 0, 3, 1, 4)  # (B, H, T, D)
+        q = q * self.scale  # the 1/√D of every score, folded into the queries
+        # the short-term memory's slots: [previous segment | current segment], this piece written in
+        query_pos = offset[:, None] + torch.arange(T, device=x.device)  # (B, T) within the segment
+        slots = (L + query_pos)[:, None, :, None].expand(B, c.n_head, T, c.d_head)
+        keys = memory.stm_keys.scatter(2, slots, k)  # (B, H, 2L, D)
+        values = memory.stm_values.scatter(2, slots, v)
+        attended = self._short_term(q, keys, values, query_pos, has_previous, rel_keys, r_w_bias, r_r_bias)
+        out = self.o_net(attended)
+
+        histogram, mu, sigma_sq = memory.histogram, None, None
+        if c.long_term_memory:
+            context, mu, sigma_sq = self._long_term(q, memory)
+            out = out + self.ltm_o(context)
+            if c.sticky_memories:
+                with torch.no_grad():
+                    histogram = histogram + self.memory[0].bin_mass(mu.detach(), sigma_sq.detach()).sum(dim=(1, 2))
+
+        x = x + self.drop(out)
+        x = x + self.ff(self.ff_norm(x))
+        return x, self._remember(memory, keys, values, h, query_pos, histogram), mu, sigma_sq
+
+    def _short_term(self, q: Tensor, keys: Tensor, values: Tensor, query_pos: Tensor, has_previous: Tensor,
+                    rel_keys: Tensor, r_w_bias: Tensor, r_r_bias: Tensor) -> Tensor:
+        """Relative attention of queries q (B, H, T, D), scaled by 1/√D, over the short-term
+        slots (B, H, 2L, D): slot s holds segment position s - L, so the query at segment
+        position p sees the slots up to L + p, and those before L only when a previous segment
+        exists. -> (B, T, H*D)"""
+        B, H, T, _ = q.shape
+        L = self.config.segment_len
+        key_pos = torch.arange(-L, L, device=q.device)  # segment coordinate of each slot
+        distance = query_pos[:, :, None] - key_pos  # (B, T, 2L)
+        allowed = (distance >= 0) & ((key_pos >= 0) | has_previous[:, None, None])
+        distance = distance.clamp(0, 2 * L - 1)
+        # q holds the 1/√D of the scores, so u and v must hold it too
+        scores = relative_scores(q.transpose(1, 2), keys.transpose(1, 2), rel_keys, distance[:, None],
+                                 r_w_bias * self.scale, r_r_bias * self.scale)  # (B, H, T, 2L)
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        probs = self.dropatt(torch.softmax(scores, dim=-1))
+        return (probs @ values).transpose(1, 2).reshape(B, T, -1)
+
+    @staticmethod
+    def _remember(memory: LayerMemory, keys: Tensor, values: Tensor, h: Tensor, query_pos: Tensor,
+                  histogram: Tensor) -> LayerMemory:
+        """The layer's memory after this piece: the short-term slots with its keys and values
+        (B, H, 2L, D), its normalised inputs h (B, T, d_model) at their segment positions (the
+        long-term memory takes them in at the segment's end), and the updated histogram."""
+        B, T, d_model = h.shape
+        inputs_slots = query_pos[..., None].expand(B, T, d_model)
+        return dataclasses.replace(
+            memory,
+            stm_keys=keys.detach(),
+            stm_values=values.detach(),
+            segment_inputs=memory.segment_inputs.scatter(1, inputs_slots, h.detach()),
+            histogram=histogram,
+        )
+
+    def _long_term(self, q: Tensor, memory: LayerMemory) -> tuple[Tensor, Tensor, Tensor]:
+        """Continuous attention of queries q (B, H, T, D), scaled by 1/√D: each query's density
+        N(μ, σ²) over [0, 1] and what it reads, z = E[ψ(t)]ᵀ V. -> z (B, T, H*D), μ, σ² (B, H, T)."""
+        c = self.config
+        B, _, T, _ = q.shape
+        if self.training:  # recompute from B so that W_K, W_V and w_μ, w_σ learn
+            ltm_values, density_keys = self.long_term_projections(memory.coefficients)
+        else:
+            ltm_values, density_keys = memory.ltm_values, memory.ltm_density_keys
+        logits = q @ density_keys.transpose(2, 3)  # (B, H, T, 2): w_μᵀ K q / √D and w_σᵀ K q / √D
+        mu = torch.sigmoid(logits[..., 0])  # (B, H, T)
+        sigma_sq = F.softplus(logits[..., 1]) + c.sigma_sq_min
+        weights = self.memory[0].expectation(mu, sigma_sq)  # (B, H, T, N)
+        return (weights @ ltm_values).transpose(1, 2).reshape(B, T, -1), mu, sigma_sq
+
+    def long_term_projections(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
+        """From B (R, N, d): values B W_V (R, H, N, D) and density keys (R, H, 2, D), the
+        vectors K_hᵀw_μ,h and K_hᵀw_σ,h with K = B W_K, computed as W_K,hᵀ(Bᵀw) so that K itself
+        is never formed (w_μᵀ K q = (Kᵀw_μ)·q)."""
+        c = self.config
+        R, N, _ = coefficients.shape
+        values = self.ltm_v(coefficients).view(R, N, c.n_head, c.d_head).transpose(1, 2).contiguous()
+        mixed = torch.einsum("hsn,rnd->rhsd", self.ltm_density, coefficients)  # (R, H, 2, d_model)
+        w_k = self.ltm_k.weight.view(c.n_head, c.d_head, c.d_model)
+        density_keys = torch.einsum("rhsd,hed->rhse", mixed, w_k)
+        return values, density_keys
+
+    @torch.no_grad()
+    def end_segment(self, memory: LayerMemory, segment_index: Tensor, layer_index: int) -> LayerMemory:
+        """The boundary update for rows whose segment is complete (all rows of `memory`):
+        contract and refit the long-term signal, shift the short-term memory, clear the rest."""
+        c = self.config
+        L = c.segment_len
+        geometry = self.memory[0]
+        if c.sticky_memories:
+            points = geometry.sticky_points(memory.histogram, segment_index, stream=layer_index)
+        else:
+            points = geometry.even_points.expand(memory.histogram.shape[0], -1)
+        coefficients = geometry.update(memory.coefficients, memory.segment_inputs, points)
+        ltm_values, density_keys = self.long_term_projections(coefficients)
+        shift = lambda t: torch.cat([t[:, :, L:], torch.zeros_like(t[:, :, L:])], dim=2)  # noqa: E731
+        return LayerMemory(
+            coefficients=coefficients,
+            ltm_values=ltm_values,
+            ltm_density_keys=density_keys,
+            stm_keys=shift(memory.stm_keys),
+            stm_values=shift(memory.stm_values),
+            segment_inputs=torch.zeros_like(memory.segment_inputs),
+            histogram=torch.zeros_like(memory.histogram),
+        )
 
 
 @dataclass
@@ -97,181 +254,6 @@ class InfinityFormerConfig(ArchConfig):
     layer_norm_epsilon: float = 1e-5
 
 
-@dataclass
-class ContinuousMemory(State):
-    """Per layer (lists indexed by layer), every tensor with the batch on dimension 0:
-
-    coefficients[l]: (B, N, d_model) B, the long-term signal of layer l's inputs
-    ltm_values[l]: (B, H, N, D) B W_V per head
-    ltm_density_keys[l]: (B, H, 2, D) K_hᵀ w_μ,h and K_hᵀ w_σ,h (μ and σ² are linear in q)
-    stm_keys[l], stm_values[l]: (B, H, 2L, D) slots 0..L-1 the previous segment, L..2L-1 the
-        current one (filled up to position % L; the rest zero)
-    segment_inputs[l]: (B, L, d_model) the current segment's normalised layer inputs
-    histogram[l]: (B, sticky_bins) attention mass of the current segment's queries per bin
-    position: (B,) int64, tokens seen
-
-    Shapes never change, so sessions at different positions batch with the default concat.
-    """
-
-    coefficients: list[Tensor]
-    ltm_values: list[Tensor]
-    ltm_density_keys: list[Tensor]
-    stm_keys: list[Tensor]
-    stm_values: list[Tensor]
-    segment_inputs: list[Tensor]
-    histogram: list[Tensor]
-    position: Tensor
-
-
-@dataclass
-class _LayerMemory:
-    """One layer's slice of the state (a plain bundle, not a State)."""
-
-    coefficients: Tensor
-    ltm_values: Tensor
-    ltm_density_keys: Tensor
-    stm_keys: Tensor
-    stm_values: Tensor
-    segment_inputs: Tensor
-    histogram: Tensor
-
-
-class InfinityLayer(nn.Module):
-    """One ∞-former layer: short-term relative attention + continuous long-term attention,
-    summed, then a position-wise feed-forward; pre-norm residual blocks."""
-
-    def __init__(self, config: InfinityFormerConfig, memory: RBFMemory):
-        super().__init__()
-        self.config = config
-        c = config
-        hd = c.n_head * c.d_head
-        self.memory = [memory]  # shared geometry; a list so it is not registered twice
-        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        # short-term (Transformer-XL) attention
-        self.qkv_net = Linear(c.d_model, 3 * hd, bias=False)  # W_q, W_kE, W_v
-        self.r_net = Linear(c.d_model, hd, bias=False)  # W_kR
-        self.o_net = Linear(hd, c.d_model, bias=False)
-        # continuous long-term attention (its queries are the short-term attention's)
-        self.ltm_k = Linear(c.d_model, hd, bias=False)  # W_K, applied to B
-        self.ltm_v = Linear(c.d_model, hd, bias=False)  # W_V, applied to B
-        self.ltm_density = nn.Parameter(torch.zeros(c.n_head, 2, c.n_basis))  # w_μ, w_σ per head
-        self.ltm_o = Linear(hd, c.d_model, bias=False)
-        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff = nn.Sequential(
-            Linear(c.d_model, c.d_inner),
-            nn.ReLU(),
-            nn.Dropout(c.dropout),
-            Linear(c.d_inner, c.d_model),
-            nn.Dropout(c.dropout),
-        )
-        self.drop = nn.Dropout(c.dropout)
-        self.dropatt = nn.Dropout(c.dropatt)
-        self.scale = 1.0 / math.sqrt(c.d_head)
-
-    def long_term_projections(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
-        """From B (R, N, d): values B W_V (R, H, N, D) and density keys (R, H, 2, D), the
-        vectors K_hᵀw_μ,h and K_hᵀw_σ,h with K = B W_K, computed as W_K,hᵀ(Bᵀw) so that K itself
-        is never formed (w_μᵀ K q = (Kᵀw_μ)·q)."""
-        c = self.config
-        R, N, _ = coefficients.shape
-        values = self.ltm_v(coefficients).view(R, N, c.n_head, c.d_head).transpose(1, 2).contiguous()
-        mixed = torch.einsum("hsn,rnd->rhsd", self.ltm_density, coefficients)  # (R, H, 2, d_model)
-        w_k = self.ltm_k.weight.view(c.n_head, c.d_head, c.d_model)
-        density_keys = torch.einsum("rhsd,hed->rhse", mixed, w_k)
-        return values, density_keys
-
-    def forward(
-        self,
-        x: Tensor,  # (B, T, d_model), T <= L - offset for every row (one segment)
-        memory: _LayerMemory,
-        offset: Tensor,  # (B,) position of x[:, 0] within its segment
-        has_previous: Tensor,  # (B,) bool: a previous segment exists
-        rel_keys: Tensor,  # (2L, H, D) W_kR R_d for distances 0 .. 2L-1
-        r_w_bias: Tensor,  # (H, D) u
-        r_r_bias: Tensor,  # (H, D) v
-    ) -> tuple[Tensor, _LayerMemory, Tensor | None, Tensor | None]:
-        c = self.config
-        B, T, _ = x.shape
-        L = c.segment_len
-        h = self.attn_norm(x)
-
-        # short-term attention over [previous segment | current segment so far + this piece]
-        # (B, H, T, ·) layouts throughout
-        q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).permute(2, 0, 3, 1, 4)  # (B, H, T, D)
-        query_pos = offset[:, None] + torch.arange(T, device=x.device)  # (B, T) within the segment
-        slots = (L + query_pos)[:, None, :, None].expand(B, c.n_head, T, c.d_head)
-        keys = memory.stm_keys.scatter(2, slots, k)  # (B, H, 2L, D)
-        values = memory.stm_values.scatter(2, slots, v)
-        key_pos = torch.arange(-L, L, device=x.device)  # segment coordinate of each slot
-        distance = query_pos[:, :, None] - key_pos  # (B, T, 2L)
-        allowed = (distance >= 0) & ((key_pos >= 0) | has_previous[:, None, None])
-        distance = distance.clamp(0, 2 * L - 1)
-        q = q * self.scale  # the 1/√D of every score, folded into the queries
-        content = (q + r_w_bias[:, None] * self.scale) @ keys.transpose(2, 3)  # (B, H, T, 2L)
-        by_distance = (q + r_r_bias[:, None] * self.scale) @ rel_keys.permute(1, 2, 0)  # (B, H, T, 2L)
-        position = torch.gather(by_distance, 3, distance[:, None].expand(B, c.n_head, T, 2 * L))
-        scores = (content + position).masked_fill(~allowed[:, None], float("-inf"))
-        probs = self.dropatt(torch.softmax(scores, dim=-1))
-        attended = (probs @ values).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
-        out = self.o_net(attended)
-
-        histogram = memory.histogram
-        mu = sigma_sq = None
-        if c.long_term_memory:
-            if self.training:  # recompute from B so that W_K, W_V and w_μ, w_σ learn
-                ltm_values, density_keys = self.long_term_projections(memory.coefficients)
-            else:
-                ltm_values, density_keys = memory.ltm_values, memory.ltm_density_keys
-            logits = q @ density_keys.transpose(2, 3)  # (B, H, T, 2); q holds the 1/√D
-            mu = torch.sigmoid(logits[..., 0])  # (B, H, T)
-            sigma_sq = F.softplus(logits[..., 1]) + c.sigma_sq_min
-            weights = self.memory[0].expectation(mu, sigma_sq)  # (B, H, T, N)
-            context = (weights @ ltm_values).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
-            out = out + self.ltm_o(context)
-            if c.sticky_memories:
-                with torch.no_grad():
-                    histogram = histogram + self.memory[0].bin_mass(mu.detach(), sigma_sq.detach()).sum(dim=(1, 2))
-
-        x = x + self.drop(out)
-        x = x + self.ff(self.ff_norm(x))
-
-        inputs_slots = query_pos[..., None].expand(B, T, c.d_model)
-        new_memory = _LayerMemory(
-            coefficients=memory.coefficients,
-            ltm_values=memory.ltm_values,
-            ltm_density_keys=memory.ltm_density_keys,
-            stm_keys=keys.detach(),
-            stm_values=values.detach(),
-            segment_inputs=memory.segment_inputs.scatter(1, inputs_slots, h.detach()),
-            histogram=histogram,
-        )
-        return x, new_memory, mu, sigma_sq
-
-    @torch.no_grad()
-    def end_segment(self, memory: _LayerMemory, segment_index: Tensor, layer_index: int) -> _LayerMemory:
-        """The boundary update for rows whose segment is complete (all rows of `memory`):
-        contract and refit the long-term signal, shift the short-term memory, clear the rest."""
-        c = self.config
-        L = c.segment_len
-        geometry = self.memory[0]
-        if c.sticky_memories:
-            points = geometry.sticky_points(memory.histogram, segment_index, stream=layer_index)
-        else:
-            points = geometry.even_points.expand(memory.histogram.shape[0], -1)
-        coefficients = geometry.update(memory.coefficients, memory.segment_inputs, points)
-        ltm_values, density_keys = self.long_term_projections(coefficients)
-        shift = lambda t: torch.cat([t[:, :, L:], torch.zeros_like(t[:, :, L:])], dim=2)  # noqa: E731
-        return _LayerMemory(
-            coefficients=coefficients,
-            ltm_values=ltm_values,
-            ltm_density_keys=density_keys,
-            stm_keys=shift(memory.stm_keys),
-            stm_values=shift(memory.stm_values),
-            segment_inputs=torch.zeros_like(memory.segment_inputs),
-            histogram=torch.zeros_like(memory.histogram),
-        )
-
-
 class InfinityFormer(LanguageModel):
     architecture = "infinity-former"
     config_class = InfinityFormerConfig
@@ -289,25 +271,15 @@ class InfinityFormer(LanguageModel):
         self.embedding = nn.Embedding(c.vocab_size, c.d_model)
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(InfinityLayer(c, self.geometry) for _ in range(c.n_layer))
+        # W_kR R_d for the 2L distances the short-term memory spans, no more
+        self.relative_keys = RelativeKeys(c.d_model, c.n_head, c.d_head, c.dropout, min_length=0)
         self.r_w_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # u
         self.r_r_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # v
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.head = Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
-        self.apply(self._init_weights)
-        nn.init.normal_(self.r_w_bias, std=0.02)
-        nn.init.normal_(self.r_r_bias, std=0.02)
-        for layer in self.layers:
-            nn.init.normal_(layer.ltm_density, std=0.02)
-        self._rel_key_cache: dict[tuple, list[Tensor]] = {}  # eval-mode W_kR R_d per layer
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        init_weights(self, [self.r_w_bias, self.r_r_bias, *(layer.ltm_density for layer in self.layers)])
 
     # --- state -------------------------------------------------------------------------------
 
@@ -333,62 +305,8 @@ class InfinityFormer(LanguageModel):
         if (state.position < 0).any():
             raise ValueError("state position must be non-negative")
 
-    @staticmethod
-    def _layer_memory(state: ContinuousMemory, i: int) -> _LayerMemory:
-        return _LayerMemory(
-            coefficients=state.coefficients[i],
-            ltm_values=state.ltm_values[i],
-            ltm_density_keys=state.ltm_density_keys[i],
-            stm_keys=state.stm_keys[i],
-            stm_values=state.stm_values[i],
-            segment_inputs=state.segment_inputs[i],
-            histogram=state.histogram[i],
-        )
-
-    @staticmethod
-    def _assemble(layers: list[_LayerMemory], position: Tensor) -> ContinuousMemory:
-        return ContinuousMemory(
-            coefficients=[m.coefficients for m in layers],
-            ltm_values=[m.ltm_values for m in layers],
-            ltm_density_keys=[m.ltm_density_keys for m in layers],
-            stm_keys=[m.stm_keys for m in layers],
-            stm_values=[m.stm_values for m in layers],
-            segment_inputs=[m.segment_inputs for m in layers],
-            histogram=[m.histogram for m in layers],
-            position=position,
-        )
-
-    # --- weights-derived caches ----------------------------------------------------------------
-
-    def train(self, mode: bool = True):
-        self._rel_key_cache.clear()  # weights are about to change
-        return super().train(mode)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._rel_key_cache.clear()
-        return super()._load_from_state_dict(*args, **kwargs)
-
-    def relative_keys(self) -> list[Tensor]:
-        """Per layer, W_kR R_d for d = 0 .. 2L-1, as (2L, H, D)."""
-        c = self.config
-        dtype, device = self.embedding.weight.dtype, self.embedding.weight.device
-        key = (dtype, device)
-        cacheable = not self.training and not torch.is_grad_enabled()
-        if cacheable and key in self._rel_key_cache:
-            return self._rel_key_cache[key]
-        length = 2 * c.segment_len
-        encoding = sinusoid_encoding(torch.arange(length, device=device), c.d_model).to(dtype)
-        encoding = self.drop(encoding)
-        tables = [layer.r_net(encoding).view(length, c.n_head, c.d_head) for layer in self.layers]
-        if cacheable:
-            self._rel_key_cache = {key: tables}
-        return tables
-
     def with_long_term_memory(self, enabled: bool) -> "InfinityFormer":
         """A view of this model (same parameters) with the continuous attention on or off."""
-        import copy
-        import dataclasses
-
         view = copy.copy(self)
         view.config = dataclasses.replace(self.config, long_term_memory=enabled)
         view._modules = dict(self._modules)
@@ -410,24 +328,20 @@ class InfinityFormer(LanguageModel):
         return nll + self.config.kl_weight * kl, state
 
     def _run(self, tokens: Tensor, state: ContinuousMemory, with_kl: bool):
+        """Log-probabilities (B, T, V), the state after `tokens` and, with `with_kl`, the mean KL
+        regulariser over every density (None without)."""
         c = self.config
         L = c.segment_len
         B, T = tokens.shape
         if T == 0:
             return self.embedding.weight.new_zeros(B, 0, c.vocab_size).float(), state, None
-        # cut the call wherever any row reaches a segment boundary (one host sync per call)
-        seen = state.position.tolist()
-        cuts = {0, T}
-        for p in seen:
-            cuts.update(range(L - p % L, T, L))
-        cuts = sorted(cuts)
-
-        rel_keys = self.relative_keys()
+        seen = state.position.tolist()  # tokens seen per row (one host sync per call)
+        _, rel_keys = self.relative_keys([layer.r_net for layer in self.layers], 0, 2 * L - 1, like=self.embedding.weight)
         x_all = self.drop(self.embedding(tokens) * math.sqrt(c.d_model))  # (B, T, d_model)
-        memories = [self._layer_memory(state, i) for i in range(c.n_layer)]
+        memories = [state.layer(i) for i in range(c.n_layer)]
         position = state.position
         outputs, kl_sum, kl_count = [], 0.0, 0
-        for start, end in zip(cuts[:-1], cuts[1:]):
+        for start, end in self._pieces(seen, T):
             offset = position % L
             has_previous = position >= L
             x = x_all[:, start:end]
@@ -450,18 +364,28 @@ class InfinityFormer(LanguageModel):
         kl_mean = kl_sum / kl_count if kl_count else None
         if with_kl and kl_mean is None:
             kl_mean = x.new_zeros(())
-        return log_probs, self._assemble(memories, position), kl_mean
+        return log_probs, ContinuousMemory.from_layers(memories, position), kl_mean
 
-    def _end_segment(self, memories: list[_LayerMemory], done: list[bool], segment_index: Tensor) -> list[_LayerMemory]:
+    def _pieces(self, seen: list[int], T: int) -> list[tuple[int, int]]:
+        """(start, end) of the pieces of a call of T tokens cut wherever any row, having seen
+        `seen[b]` tokens before, reaches a segment boundary: no piece crosses one."""
+        L = self.config.segment_len
+        cuts = {0, T}
+        for p in seen:
+            cuts.update(range(L - p % L, T, L))
+        cuts = sorted(cuts)
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def _end_segment(self, memories: list[LayerMemory], done: list[bool], segment_index: Tensor) -> list[LayerMemory]:
         """Apply the boundary update to the rows where `done`, leave the others as they are."""
         if all(done):
             return [layer.end_segment(m, segment_index, i) for i, (layer, m) in enumerate(zip(self.layers, memories))]
         rows = torch.tensor([b for b, d in enumerate(done) if d], device=segment_index.device)
         updated = []
         for i, (layer, memory) in enumerate(zip(self.layers, memories)):
-            picked = _LayerMemory(**{k: v[rows] for k, v in vars(memory).items()})
+            picked = LayerMemory(**{k: v[rows] for k, v in vars(memory).items()})
             result = layer.end_segment(picked, segment_index[rows], i)
-            updated.append(_LayerMemory(**{
+            updated.append(LayerMemory(**{
                 k: getattr(memory, k).index_copy(0, rows, getattr(result, k).to(getattr(memory, k).dtype))
                 for k in vars(memory)
             }))

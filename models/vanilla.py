@@ -27,7 +27,8 @@ for models without auxiliary losses).
 Serving (`forward`) gives each byte the prediction the model makes from the window of the last L
 bytes ending at it, with positions counted from the window's start (the paper's evaluation):
 - While fewer than L bytes have been seen, the window starts at byte 0, so positions never
-  shift: decoding is incremental, against a key/value cache kept in the state (`ByteWindow`).
+  shift: decoding is incremental, against a key/value cache kept in the state (`ByteWindow`,
+  models/layers/memory.py).
 - Once the window slides, every byte has moved to a new position and every layer's input
   changed with it, so nothing cached is reusable: each new byte costs one full forward pass over
   its window of L bytes (batched over the new bytes of one call, about `window_batch_positions`
@@ -45,7 +46,65 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
+from xlserve.models.layers.memory import ByteWindow
+
+
+class CausalLayer(nn.Module):
+    """Pre-norm causal self-attention + feed-forward, with this layer's learned positions added
+    to its input."""
+
+    def __init__(self, config: VanillaConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.position = nn.Parameter(torch.zeros(c.context_len, c.d_model))  # this layer's positions
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, d_model)
+        start: int,  # position (within the window) of x's first row
+        cache_keys: Tensor | None,  # (B, C, H, D) with C == start, or None when start == 0
+        cache_values: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The layer's output (B, T, d_model) and its keys and values over cache + x
+        (B, start + T, H, D)."""
+        c = self.config
+        B, T, _ = x.shape
+        x = x + self.position[start : start + T]
+        q, k, v = self.qkv_net(self.attn_norm(x)).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
+        if cache_keys is not None and cache_keys.shape[1] > 0:
+            keys, values = torch.cat([cache_keys, k], dim=1), torch.cat([cache_values, v], dim=1)
+        else:
+            keys, values = k, v
+        attended = self._causal_attention(q, keys, values)  # (B, T, H, D)
+        x = x + self.drop(self.o_net(attended.reshape(B, T, -1)))
+        x = x + self.ff(self.ff_norm(x))
+        return x, keys, values
+
+    def _causal_attention(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """softmax(q kᵀ / √D) v for queries q (B, T, H, D) at the window's last T positions over
+        keys and values (B, K, H, D) at positions 0 .. K-1: query i sees keys 0 .. K - T + i.
+        -> (B, T, H, D)"""
+        T, K = q.shape[1], keys.shape[1]
+        dropatt = self.config.dropatt if self.training else 0.0
+        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # (B, H, ., D)
+        if K == T:  # no cache: plain causal attention
+            attended = F.scaled_dot_product_attention(q, keys, values, dropout_p=dropatt, is_causal=True)
+        else:
+            mask = None  # one query sees every key
+            if T > 1:
+                mask = torch.arange(K, device=q.device)[None, :] <= torch.arange(K - T, K, device=q.device)[:, None]
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropatt)
+        return attended.transpose(1, 2)
 
 
 @dataclass
@@ -66,144 +125,6 @@ class VanillaConfig(ArchConfig):
     aux_layers: bool = True  # intermediate layers predict too, dropped on the l/(2n) schedule
     aux_targets: bool = True  # a second classifier predicts the byte two steps ahead
     second_target_weight: float = 0.5  # weight of the two-steps-ahead loss
-
-
-@dataclass
-class ByteWindow(State):
-    """The last (at most L) bytes seen, and the key/value cache of the window while it has not
-    slid yet.
-
-    tokens (B, W) int64 with W <= L; `valid` (B, W) is False where a row of a batch was
-    left-padded because its session has seen fewer bytes. keys[l], values[l]: (B, C, H, D), the
-    layer-l keys and values of the window's positions, aligned with `tokens` (C == W), or C == 0
-    when no row has a cache; `cached` (B,) says whose cache is valid. A cache exists only while
-    the window still starts at byte 0 (W < L); it is dropped once the window is full, since the
-    next byte shifts every position.
-    """
-
-    tokens: Tensor
-    valid: Tensor
-    cached: Tensor
-    keys: list[Tensor]
-    values: list[Tensor]
-
-    @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
-
-    @property
-    def cache_length(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
-
-    @property
-    def fully_cached(self) -> bool:
-        """Every row's cache covers its whole window (trivially so for an empty window)."""
-        return self.length == 0 or (self.cache_length == self.length and bool(self.cached.all()))
-
-    def _without_cache(self) -> "ByteWindow":
-        empty = lambda t: t[:, :0]  # noqa: E731
-        return ByteWindow(self.tokens, self.valid, torch.zeros_like(self.cached),
-                          [empty(k) for k in self.keys], [empty(v) for v in self.values])
-
-    @classmethod
-    def concat(cls, states: list["ByteWindow"]) -> "ByteWindow":
-        longest = max(s.length for s in states)
-
-        def pad(t: Tensor, fill) -> Tensor:  # left-pad dim 1 up to `longest`
-            missing = longest - t.shape[1]
-            if missing == 0:
-                return t
-            return torch.cat([t.new_full((t.shape[0], missing, *t.shape[2:]), fill), t], dim=1)
-
-        any_cache = any(s.cache_length > 0 and bool(s.cached.any()) for s in states)
-
-        def cache(s: ByteWindow, which: str, layer: int) -> Tensor:
-            t = getattr(s, which)[layer]
-            if t.shape[1] != s.length:  # no cache in this state: zeros, flagged as not cached
-                t = t.new_zeros(t.shape[0], s.length, *t.shape[2:])
-            return pad(t, 0)
-
-        n_layer = len(states[0].keys)
-        if not any_cache:
-            states = [s._without_cache() for s in states]
-        return cls(
-            tokens=torch.cat([pad(s.tokens, 0) for s in states]),
-            valid=torch.cat([pad(s.valid, False) for s in states]),
-            cached=torch.cat([s.cached & (s.cache_length == s.length) for s in states]),
-            keys=[torch.cat([cache(s, "keys", i) if any_cache else s.keys[i] for s in states]) for i in range(n_layer)],
-            values=[torch.cat([cache(s, "values", i) if any_cache else s.values[i] for s in states])
-                    for i in range(n_layer)],
-        )
-
-    def split(self) -> list["ByteWindow"]:
-        rows = []
-        for row in super().split():
-            start = int((~row.valid[0]).sum())  # padding only ever sits on the left
-            trimmed = ByteWindow(row.tokens[:, start:], row.valid[:, start:], row.cached,
-                                 [k[:, start:] for k in row.keys], [v[:, start:] for v in row.values])
-            rows.append(trimmed if trimmed.fully_cached and trimmed.length > 0 else trimmed._without_cache())
-        return rows
-
-
-def intermediate_layer_weights(n_layer: int, fraction_done: float) -> list[float]:
-    """Weight of each layer's loss (index 0 = layer 1) at `fraction_done` of training: the top
-    layer always 1; layer l < n is 1 until the fraction l / (2n) of training, then 0."""
-    return [1.0 if l == n_layer or fraction_done < l / (2 * n_layer) else 0.0 for l in range(1, n_layer + 1)]
-
-
-class CausalLayer(nn.Module):
-    """Pre-norm causal self-attention + feed-forward, with this layer's learned positions added
-    to its input."""
-
-    def __init__(self, config: VanillaConfig):
-        super().__init__()
-        c = config
-        self.config = c
-        self.position = nn.Parameter(torch.zeros(c.context_len, c.d_model))  # this layer's positions
-        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
-        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff = nn.Sequential(
-            Linear(c.d_model, c.d_inner),
-            nn.ReLU(),
-            nn.Dropout(c.dropout),
-            Linear(c.d_inner, c.d_model),
-            nn.Dropout(c.dropout),
-        )
-        self.drop = nn.Dropout(c.dropout)
-
-    def forward(
-        self,
-        x: Tensor,  # (B, T, d_model)
-        start: int,  # position (within the window) of x's first row
-        cache_keys: Tensor | None,  # (B, C, H, D) with C == start, or None when start == 0
-        cache_values: Tensor | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        c = self.config
-        B, T, _ = x.shape
-        x = x + self.position[start : start + T]
-        q, k, v = self.qkv_net(self.attn_norm(x)).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
-        if cache_keys is not None and cache_keys.shape[1] > 0:
-            keys, values = torch.cat([cache_keys, k], dim=1), torch.cat([cache_values, v], dim=1)
-        else:
-            keys, values = k, v
-        K = keys.shape[1]
-        dropatt = c.dropatt if self.training else 0.0
-        if K == T:  # no cache: plain causal attention
-            attended = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), dropout_p=dropatt, is_causal=True
-            )
-        else:  # query i (at window position start + i) sees keys 0 .. start + i
-            mask = None
-            if T > 1:
-                mask = torch.arange(K, device=x.device)[None, :] <= torch.arange(K - T, K, device=x.device)[:, None]
-            attended = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, dropout_p=dropatt
-            )
-        x = x + self.drop(self.o_net(attended.transpose(1, 2).reshape(B, T, -1)))
-        x = x + self.ff(self.ff_norm(x))
-        return x, keys, values
 
 
 class VanillaTransformer(LanguageModel):
@@ -229,16 +150,7 @@ class VanillaTransformer(LanguageModel):
             self.head.weight = self.embedding.weight
         # the multiple-targets classifier (two steps ahead); separate from `head`, training only
         self.second_head = Linear(c.d_model, c.vocab_size) if c.aux_targets else None
-        self.apply(self._init_weights)
-        for layer in self.layers:
-            nn.init.normal_(layer.position, std=0.02)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        init_weights(self, [layer.position for layer in self.layers])
 
     @property
     def max_context(self) -> int | None:
@@ -380,3 +292,9 @@ class VanillaTransformer(LanguageModel):
                     )
             total = total + weight * loss
         return total
+
+
+def intermediate_layer_weights(n_layer: int, fraction_done: float) -> list[float]:
+    """Weight of each layer's loss (index 0 = layer 1) at `fraction_done` of training: the top
+    layer always 1; layer l < n is 1 until the fraction l / (2n) of training, then 0."""
+    return [1.0 if l == n_layer or fraction_done < l / (2 * n_layer) else 0.0 for l in range(1, n_layer + 1)]

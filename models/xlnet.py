@@ -9,7 +9,8 @@ Two streams run through the same layers (same weights):
 - the query stream g_i starts from a learned mask embedding w (`mask_emb`) and attends to the
   positions before i in the order, never to i itself, so it knows where it is (through the
   relative positions) but not what is there. The top layer's g_i predicts token i.
-Attention is Transformer-XL's relative attention, score (q_i + u).k_j + (q_i + v).W_r R_{i-j},
+Attention is Transformer-XL's relative attention (models/layers/relative.py), score
+(q_i + u).k_j + (q_i + v).W_r R_{i-j},
 plus XLNet's segment term (q_i + b).s_ij, where s_ij is one of two learned vectors telling
 whether i and j lie in the same segment (only meaningful for sentence pairs: for one text every
 pair is "same", the term is a per-query constant and softmax removes it, so it is computed only
@@ -25,7 +26,8 @@ The memory carried to the next segment is this segment's content stream, compute
 Serving (`forward`) uses the left-to-right order, one of the orders training covers. The content
 stream of each new token is computed once (it sees the memory and the tokens before it) and
 its keys and values per layer join the memory (`XLMemory`, the same value type as
-Transformer-XL's, appended in place into head-major buffers by the same `extend_memory`). The
+Transformer-XL's, appended in place into head-major buffers by the same `extend_memory`,
+models/layers/memory.py and buffers.py). The
 query stream of the position after each token predicts the next token from the memory and the
 tokens up to it; one generated token is one incremental step. The top
 layer's content stream is never read (nothing attends to it and it predicts nothing), so only
@@ -62,36 +64,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.buffers import extend_memory
+from xlserve.models.layers.feedforward import ACTIVATIONS
+from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.transformer_xl import XLMemory, extend_memory, sinusoid_encoding
-
-ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
-
-
-@dataclass
-class XLNetConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream (both streams)
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    ff_activation: str = "gelu"  # gelu | gelu_new | relu | silu
-    dropout: float = 0.0  # on embeddings, positional encodings, attention output and feed-forward
-    dropatt: float = 0.0  # on attention probabilities
-    mem_len: int | None = 128  # positions of content memory kept per layer; None = all
-    same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
-    clamp_len: int = -1  # |distances| beyond clamp_len share its encoding; -1 = no clamping
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the softmax shares the input embedding matrix (plus its own bias)
-    seg_len: int = 128  # training segment length (serving accepts any chunk length)
-    partial_prediction_k: int = 6  # training predicts the last 1/K of each factorisation order
+from xlserve.models.layers.memory import XLMemory
+from xlserve.models.layers.relative import RelativeKeys, rel_shift, relative_scores, scores_by_distance
 
 
 class TwoStreamLayer(nn.Module):
@@ -113,6 +91,8 @@ class TwoStreamLayer(nn.Module):
         self.r_s_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # b (segment)
         self.seg_embed = nn.Parameter(torch.zeros(2, c.n_head, c.d_head))  # s+ (same), s- (different)
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        # the feed-forward's two projections under the names of the reference's layer_1 and
+        # layer_2, which checkpoints store them by (models/convert/xlnet.py)
         self.ff_in = Linear(c.d_model, c.d_inner)
         self.ff_out = Linear(c.d_inner, c.d_model)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
@@ -139,15 +119,10 @@ class TwoStreamLayer(nn.Module):
     ) -> Tensor:
         c = self.config
         B, Q, _ = x.shape
-        K = keys.shape[1]
-        q = self.q_net(x).view(B, Q, c.n_head, c.d_head)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q + self.r_w_bias, keys)
-        # score every query against every distance once, then pick the distance of each (i, j)
-        by_distance = torch.einsum("bqhd,rhd->bhqr", q + self.r_r_bias, rel_keys)  # (B, H, Q, R)
-        scores = scores + torch.gather(by_distance, 3, distance[:, None].expand(B, c.n_head, Q, K))
+        q = self.q_net(x).view(B, Q, c.n_head, c.d_head)  # (B, Q, H, D)
+        scores = relative_scores(q, keys, rel_keys, distance[:, None], self.r_w_bias, self.r_r_bias)  # (B, H, Q, K)
         if different_segment is not None:
-            by_segment = torch.einsum("bqhd,shd->bhqs", q + self.r_s_bias, self.seg_embed)  # (B, H, Q, 2)
-            scores = scores + torch.gather(by_segment, 3, different_segment[:, None].expand(B, c.n_head, Q, K))
+            scores = scores + self._segment_scores(q, different_segment)
         scores = (scores * self.scale).masked_fill(~allowed, torch.finfo(scores.dtype).min)
         probs = self.dropatt(torch.softmax(scores, dim=-1))
         attended = torch.einsum("bhqk,bkhd->bqhd", probs, values).reshape(B, Q, -1)
@@ -155,19 +130,31 @@ class TwoStreamLayer(nn.Module):
         inner = self.drop(self.activation(self.ff_in(x)))
         return self.ff_norm(x + self.drop(self.ff_out(inner)))
 
+    def _segment_scores(self, q: Tensor, different_segment: Tensor) -> Tensor:
+        """(q_i + b) . s_ij, (B, H, Q, K): the position term's two steps with two "distances",
+        same segment (s+) or not (s-)."""
+        by_segment = scores_by_distance(q + self.r_s_bias, self.seg_embed)  # (B, H, Q, 2)
+        return rel_shift(by_segment, different_segment[:, None])
 
-def permutation_masks(order: Tensor, n_predict: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Masks of permutation language modeling for factorisation orders `order` (B, T) (order[b, k]
-    = the position at step k).
 
-    Returns content (B, T, T) with content[b, i, j] = position i's content stream may see
-    position j (rank(j) <= rank(i)), query (B, T, T) with rank(j) < rank(i), and the predicted
-    positions (B, n_predict): the last n_predict of each order, in order."""
-    B, T = order.shape
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=order.device).expand(B, T))
-    content = rank[:, None, :] <= rank[:, :, None]
-    query = rank[:, None, :] < rank[:, :, None]
-    return content, query, order[:, T - n_predict :]
+@dataclass
+class XLNetConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream (both streams)
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    ff_activation: str = "gelu"  # gelu | gelu_new | relu | silu
+    dropout: float = 0.0  # on embeddings, positional encodings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    mem_len: int | None = 128  # positions of content memory kept per layer; None = all
+    same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
+    clamp_len: int = -1  # |distances| beyond clamp_len share its encoding; -1 = no clamping
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the softmax shares the input embedding matrix (plus its own bias)
+    seg_len: int = 128  # training segment length (serving accepts any chunk length)
+    partial_prediction_k: int = 6  # training predicts the last 1/K of each factorisation order
 
 
 class XLNet(LanguageModel):
@@ -192,23 +179,12 @@ class XLNet(LanguageModel):
         self.mask_emb = nn.Parameter(torch.zeros(c.d_model))  # w: the query stream's input
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(TwoStreamLayer(c) for _ in range(c.n_layer))
+        self.relative_keys = RelativeKeys(c.d_model, c.n_head, c.d_head, c.dropout, c.clamp_len)
         self.head = Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
-        self.apply(self._init_weights)
-        nn.init.normal_(self.mask_emb, std=0.02)
-        for layer in self.layers:
-            for p in (layer.r_w_bias, layer.r_r_bias, layer.r_s_bias, layer.seg_embed):
-                nn.init.normal_(p, std=0.02)
-        # eval-mode cache of W_r R_d per layer for d = 0, 1, ...; derived from the weights only
-        self._rel_key_cache: dict[tuple, list[Tensor]] = {}
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        init_weights(self, [self.mask_emb, *(p for layer in self.layers
+                                             for p in (layer.r_w_bias, layer.r_r_bias, layer.r_s_bias, layer.seg_embed))])
 
     @property
     def state_grows_with_context(self) -> bool:  # type: ignore[override]
@@ -231,36 +207,6 @@ class XLNet(LanguageModel):
         super().check_state(state)
         state.check_within(self.config.mem_len)
 
-    def train(self, mode: bool = True):
-        self._rel_key_cache.clear()  # weights are about to change
-        return super().train(mode)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._rel_key_cache.clear()
-        return super()._load_from_state_dict(*args, **kwargs)
-
-    # -- relative positions -------------------------------------------------------------------
-
-    def relative_keys(self, low: int, high: int) -> list[Tensor]:
-        """Per layer, W_r R_d for d = low .. high, as (high - low + 1, H, D)."""
-        c = self.config
-        dtype, device = self.mask_emb.dtype, self.mask_emb.device
-        cacheable = low == 0 and not self.training and not torch.is_grad_enabled()
-        if cacheable:
-            for (cached_len, cached_dtype, cached_device), tables in self._rel_key_cache.items():
-                if cached_len > high and cached_dtype == dtype and cached_device == device:
-                    return [t[: high + 1] for t in tables]
-            high = max(high + 1, 2 * max((k[0] for k in self._rel_key_cache), default=0), 512) - 1
-        distances = torch.arange(low, high + 1, device=device)
-        if c.clamp_len > 0:
-            distances = distances.clamp(-c.clamp_len, c.clamp_len)
-        encoding = self.drop(sinusoid_encoding(distances, c.d_model).to(device=device, dtype=dtype))
-        tables = [layer.r_net(encoding).view(-1, c.n_head, c.d_head) for layer in self.layers]
-        if cacheable:
-            self._rel_key_cache.clear()
-            self._rel_key_cache[(high + 1, dtype, device)] = tables
-        return tables
-
     # -- the two streams ----------------------------------------------------------------------
 
     def _two_stream(
@@ -276,21 +222,17 @@ class XLNet(LanguageModel):
     ) -> tuple[Tensor, XLMemory]:
         """Top-layer query stream (B, P, d) and the new memory."""
         B, T = tokens.shape
-        M = state.length
-        K = M + T
+        K = state.length + T
         P = query_positions.shape[1]
-        key_pos = torch.arange(K, device=tokens.device)
-        content_dist = torch.arange(M, K, device=tokens.device)[:, None] - key_pos  # (T, K)
-        query_dist = query_positions[..., None] - key_pos  # (B or 1, P, K)
-        if left_to_right:  # every visible distance is >= 0; one table from 0 serves every call
-            content_dist, query_dist = content_dist.clamp(min=0), query_dist.clamp(min=0)
+        content_dist, query_dist = self._distances(state.length, T, query_positions, left_to_right)
         low = min(int(content_dist.min()), int(query_dist.min())) if K > 0 else 0
         high = max(int(content_dist.max()), int(query_dist.max())) if K > 0 else 0
-        rel_keys = self.relative_keys(low, high)
+        _, rel_keys = self.relative_keys([layer.r_net for layer in self.layers], low, high, like=self.mask_emb)
 
         valid = torch.cat([state.valid, state.valid.new_ones(B, T)], dim=1)[:, None, :]  # (B, 1, K)
         content_allowed = content_allowed & valid
         query_allowed = query_allowed & valid
+        # below the top layer both streams go through a layer at once: content rows, then query rows
         both_dist = torch.cat([content_dist.expand(query_dist.shape[0], T, K), query_dist], dim=1) - low
         both_allowed = torch.cat([content_allowed.expand(B, T, K), query_allowed.expand(B, P, K)], dim=1)[:, None]
         q_dist, q_allowed = query_dist - low, query_allowed[:, None]
@@ -306,13 +248,25 @@ class XLNet(LanguageModel):
             values = extend_memory(state.values[i], v)
             new_keys.append(keys[:, keep:].detach())
             new_values.append(values[:, keep:].detach())
-            if i < last:  # both streams at once: content rows first, then query rows
+            if i < last:
                 out = layer(torch.cat([h, g], dim=1), keys, values, rel_keys[i], both_dist, both_allowed,
                             different_segment)
                 h, g = out[:, :T], out[:, T:]
             else:  # nothing reads the top content stream
                 g = layer(g, keys, values, rel_keys[i], q_dist, q_allowed, q_segment)
         return self.drop(g), XLMemory(keys=new_keys, values=new_values, valid=valid[:, 0, keep:])
+
+    @staticmethod
+    def _distances(M: int, T: int, query_positions: Tensor, left_to_right: bool) -> tuple[Tensor, Tensor]:
+        """Distances i - j from each content position i (absolute M .. M+T-1) to each key j,
+        (T, K), and from each query stream position, (B or 1, P, K). Left to right, no visible
+        distance is negative, so the masked ones clamp to 0 and one table from 0 serves every call."""
+        key_pos = torch.arange(M + T, device=query_positions.device)
+        content_dist = torch.arange(M, M + T, device=query_positions.device)[:, None] - key_pos  # (T, K)
+        query_dist = query_positions[..., None] - key_pos  # (B or 1, P, K)
+        if left_to_right:
+            return content_dist.clamp(min=0), query_dist.clamp(min=0)
+        return content_dist, query_dist
 
     def _log_probs(self, g: Tensor) -> Tensor:
         return F.log_softmax(self.head(g).float(), dim=-1)
@@ -394,3 +348,17 @@ class XLNet(LanguageModel):
         log_probs, predicted, new_state = self.permuted(inputs, state, order, n_predict)
         loss = -log_probs.gather(-1, inputs.gather(1, predicted)[..., None]).mean()
         return loss, new_state
+
+
+def permutation_masks(order: Tensor, n_predict: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Masks of permutation language modeling for factorisation orders `order` (B, T) (order[b, k]
+    = the position at step k).
+
+    Returns content (B, T, T) with content[b, i, j] = position i's content stream may see
+    position j (rank(j) <= rank(i)), query (B, T, T) with rank(j) < rank(i), and the predicted
+    positions (B, n_predict): the last n_predict of each order, in order."""
+    B, T = order.shape
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=order.device).expand(B, T))
+    content = rank[:, None, :] <= rank[:, :, None]
+    query = rank[:, None, :] < rank[:, :, None]
+    return content, query, order[:, T - n_predict :]

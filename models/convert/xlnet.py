@@ -42,7 +42,8 @@ from pathlib import Path
 from torch import Tensor
 
 from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
-from xlserve.models.xlnet import ACTIVATIONS, XLNet, XLNetConfig
+from xlserve.models.layers.feedforward import ACTIVATIONS
+from xlserve.models.xlnet import XLNet, XLNetConfig
 
 ARCHITECTURE = "XLNetLMHeadModel"
 

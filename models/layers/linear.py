@@ -5,18 +5,15 @@ Why: decoding one token multiplies one row (or a handful) by every weight matrix
 bound by how fast the weights stream from memory. On the x86 CPU build of torch we ship on,
 `F.linear` with 1-3 rows reaches well under half of the memory bandwidth, and costs nearly one
 full pass over the weight per row; `torch.mm(weight, x.t())` with 2-3 rows streams the weight
-once at close to the bandwidth, and a single row padded to two runs at that same speed
-(measured on this project's 2-core machine, weights larger than the cache: a (32000, 768)
-product 8.7 ms for one row by `F.linear`, 5.2 ms by the padded product; twelve (2048, 512)
-products 11 ms against 5 ms).
+once at close to the bandwidth, and a single row padded to two runs at that same speed.
 Matrices wider in than out (the feed-forward's second product) keep `F.linear` for one row
-and for four, where it measured as fast or faster.
+and for four, where it is as fast or faster.
 
 That holds only while the weights stream from RAM. Weights that stay in the cache (our own
-2M-parameter checkpoints, 8 MB) are multiplied faster by `F.linear` itself, and the extra
-calls of this path cost more than they save (a (576, 192) product: 17 us by `F.linear`, 61 us
-here). So the path is switched on per model, by `choose_kernels`, only when the model's weights
-are larger than STREAMING_BYTES; `build_model` calls it.
+2M-parameter checkpoints, 8 MB) are multiplied faster by `F.linear` itself, and the extra calls
+of this path cost more than they save. So the path is switched on per model, by
+`choose_kernels`, only when the model's weights are larger than STREAMING_BYTES; `build_model`
+calls it.
 
 The result is the same product summed in another order: equal to `F.linear` to float32
 rounding, not bit for bit. Training, autograd, other devices, other dtypes, more than four rows
@@ -29,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-MAX_ROWS = 4  # beyond this F.linear's own kernel is as good as any (measured at 4, 8, 16 rows)
+MAX_ROWS = 4  # beyond this F.linear's own kernel is as good as any
 STREAMING_BYTES = 48 << 20  # weights beyond this cannot stay in the cache (32 MB last level here)
 
 

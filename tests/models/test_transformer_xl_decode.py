@@ -4,7 +4,9 @@ per-row attention products. States must stay values: continuing a state never ch
 import pytest
 import torch
 
-from xlserve.models.transformer_xl import MEMORY_ROOM, TransformerXL, TransformerXLConfig, XLMemory, extend_memory
+from xlserve.models.layers.buffers import MEMORY_ROOM, extend_memory
+from xlserve.models.layers.memory import XLMemory
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
 
 def small_model(**overrides) -> TransformerXL:

@@ -1,0 +1,102 @@
+"""Relative positional attention, the score of Transformer-XL that XLNet and the ∞-former reuse.
+
+Paper: Zihang Dai et al., "Transformer-XL: Attentive Language Models Beyond a Fixed-Length
+Context", ACL 2019, section 3.3. With content keys k_j = W_kE h_j, R the sinusoid encoding of
+a distance and W_kR its own projection, the score of query i against key j is
+
+    (a) + (c) = (q_i + u) . k_j               content: what is at j
+    (b) + (d) = (q_i + v) . W_kR R_{i-j}      position: how far back j is
+
+with u, v learned vectors shared by all positions (`r_w_bias`, `r_r_bias` in the reference
+code). Nothing depends on absolute positions, which is what lets a memory of earlier positions
+be reused as is.
+
+The position term is computed as the paper suggests: every query is scored once against every
+distance (`scores_by_distance`), and each (i, j) then picks the score of its distance i - j
+(`rel_shift`; the reference code shifts a padded matrix, a gather reads the same entries).
+The table W_kR R_d depends on the weights only, so in eval mode `RelativeKeys` keeps it for
+every request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoid_encoding(distances: Tensor, d_model: int) -> Tensor:
+    """distances (K,) -> (K, d_model): [sin(d * w_i) ..., cos(d * w_i) ...] as in the paper."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, dtype=torch.float32, device=distances.device) / d_model))
+    angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d_model / 2)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+def relative_scores(q: Tensor, k: Tensor, rel_keys: Tensor, distance: Tensor, u: Tensor, v: Tensor) -> Tensor:
+    """(a) + (b) + (c) + (d), unscaled: queries q (B, T, H, D), keys k (B, K, H, D), W_kR R_r
+    for R distances as rel_keys (R, H, D), `distance` (T, K) or (B or 1, 1, T, K) the index into
+    rel_keys of each (query, key) pair, u and v (H, D) -> scores (B, H, T, K)."""
+    content = torch.einsum("bthd,bkhd->bhtk", q + u, k)  # (B, H, T, K)
+    position = rel_shift(scores_by_distance(q + v, rel_keys), distance)  # (B, H, T, K)
+    return content + position
+
+
+def scores_by_distance(q: Tensor, rel_keys: Tensor) -> Tensor:
+    """Every query (B, T, H, D) against every distance's key (R, H, D) -> (B, H, T, R)."""
+    return torch.einsum("bthd,rhd->bhtr", q, rel_keys)
+
+
+def rel_shift(by_distance: Tensor, distance: Tensor) -> Tensor:
+    """(B, H, T, R) scores per distance -> (B, H, T, K) scores per key: pair (i, j) takes the
+    score of its distance index distance[..., i, j] ((T, K) or (B or 1, 1, T, K))."""
+    B, H, T, _ = by_distance.shape
+    return torch.gather(by_distance, 3, distance.expand(B, H, T, distance.shape[-1]))
+
+
+class RelativeKeys(nn.Module):
+    """Per layer, the relative keys W_kR R_d for the distances d = low .. high.
+
+    In eval mode without autograd the tables for d = 0, 1, ... are kept and sliced for every
+    later request; they are computed for at least `min_length` distances and at least twice the
+    length kept before, so a growing context recomputes them rarely. The tables depend on the
+    weights only: switching between train and eval mode and loading weights drop them. No
+    parameters of its own (the projections W_kR belong to the layers and are passed in).
+    """
+
+    def __init__(self, d_model: int, n_head: int, d_head: int, dropout: float, clamp_len: int = -1,
+                 min_length: int = 512):
+        super().__init__()
+        self.d_model, self.n_head, self.d_head = d_model, n_head, d_head
+        self.clamp_len = clamp_len  # |distances| beyond clamp_len share its encoding; <= 0: no clamping
+        self.min_length = min_length
+        self.drop = nn.Dropout(dropout)  # on the encodings R, as in the reference code
+        self._kept: tuple[int, torch.dtype, torch.device, Tensor, list[Tensor]] | None = None
+
+    def forward(self, projections: Sequence[nn.Module], low: int, high: int, like: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The encodings R_d as (high - low + 1, d_model) and per projection W_kR R_d as
+        (high - low + 1, H, D), in the dtype and on the device of `like`."""
+        dtype, device = like.dtype, like.device
+        cacheable = low == 0 and not self.training and not torch.is_grad_enabled()
+        if cacheable:
+            if self._kept is not None:
+                length, kept_dtype, kept_device, encoding, tables = self._kept
+                if length > high and kept_dtype == dtype and kept_device == device:
+                    return encoding[: high + 1], [t[: high + 1] for t in tables]
+            high = max(high + 1, self.min_length, 2 * (self._kept[0] if self._kept else 0)) - 1
+        distances = torch.arange(low, high + 1, device=device)
+        if self.clamp_len > 0:
+            distances = distances.clamp(-self.clamp_len, self.clamp_len)
+        encoding = self.drop(sinusoid_encoding(distances, self.d_model).to(device=device, dtype=dtype))
+        tables = [w_kr(encoding).view(-1, self.n_head, self.d_head) for w_kr in projections]
+        if cacheable:
+            self._kept = (high + 1, dtype, device, encoding, tables)
+        return encoding, tables
+
+    def train(self, mode: bool = True):
+        self._kept = None  # the weights are about to change
+        return super().train(mode)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._kept = None
+        return super()._load_from_state_dict(*args, **kwargs)
