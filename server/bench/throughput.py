@@ -8,25 +8,26 @@ greedy generation of --max-tokens tokens after a short code prompt, measured thr
   (which never imports torch, so the client costs as little CPU as possible beside the server
   on a small machine);
 - engine: the same load on an in-process `Engine` (in another subprocess), no HTTP, consumed
-  through its asyncio API (`Engine.generate`) as code embedding the engine would: the
-  comparison issue 4 asks for, so http / engine is what serving over HTTP costs;
+  through its asyncio front (server/engine/local.py) as code embedding the engine would, so
+  http / engine is what serving over HTTP costs;
 - engine ceiling: the same again, its events taken by a sink in the engine's own worker thread:
   no event loop, no consumer, the most the step loop gives.
 
-The three alternate in --rounds rounds (default 5; single runs drift by 20-30% on this machine)
-and each level reports its median round. Each level sends at least --min-requests requests (16),
+The three alternate in --rounds rounds (default 5; a shared machine's speed drifts between
+single runs) and each level reports its median round. Each level sends at least --min-requests requests (16),
 so that one stream is timed for seconds, not for under one. The engine runs with the server's
 default threads (the cores less one; --threads to change it) in all three. Reported per level:
 aggregate generated tokens/s (and every round's), p50/p99 time to first token (request sent ->
 first token received), p50/p99 inter-token latency (gap between consecutive tokens of one
 stream, as received) and, over HTTP, the CPU (in cores) that the API process, the engine
 process and the load generator used.
-Results go to bench-results/throughput.json and throughput.png, and a table is printed. Goals
-(issue 4, 2 CPU cores, the shipped transformer-xl-stdlib): 16 streams >= 6x the tokens/s of one
-stream; http >= 90% of engine throughput.
+Results go to bench-results/throughput.json and throughput.png, and a table is printed. The goals
+it reports (2 CPU cores, the shipped transformer-xl-stdlib): 16 streams >= 6x the tokens/s of
+one stream; http >= 90% of engine throughput. docs/benchmarks.md has the method and the latest
+numbers.
 
-Run it alone: on 2 cores a second torch-heavy process (a training run, a test suite) slows
-both about 5x and the numbers mean nothing. Speed does not depend on the weights, so before
+Run it alone: on a small machine a second torch-heavy process (a training run, a test suite)
+slows both and the numbers mean nothing. Speed does not depend on the weights, so before
 the shipped checkpoint exists, `--random-small` benchmarks a random one of the same shape.
 """
 
@@ -39,9 +40,11 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from xlserve.server.engine.types import Finished, SamplingParams, TokenEvent  # torch-free
 from xlserve.server.settings import BENCH_RESULTS_DIR, WEIGHTS_DIR, checkpoint_dir
 
 DEFAULT_MODEL = WEIGHTS_DIR / "transformer-xl-stdlib"
@@ -172,7 +175,7 @@ async def http_level(host: str, port: int, model: str, concurrency: int, per_str
     result["client_cpu_share"] = round((time.process_time() - client_cpu) / wall, 3)
     if server_cpu is not None:  # the API process (HTTP, SSE)
         result["server_cpu_share"] = round((process_cpu_seconds(server_pid) - server_cpu) / wall, 3)
-    if engine_cpu is not None:  # the engine process (server/engine_process.py)
+    if engine_cpu is not None:  # the engine process (server/engine/process.py)
         result["engine_process_cpu_share"] = round((process_cpu_seconds(engine_pid) - engine_cpu) / wall, 3)
     return result
 
@@ -252,8 +255,8 @@ def measure(model_dir: Path, levels: list[int], per_stream: dict[int, int], max_
             rounds: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(engine rows, engine ceiling rows, http rows): the in-process engine driven through its
     asyncio API, the same with a sink in its worker thread, and the server over HTTP, measured
-    in alternating rounds (all three, `rounds` times), so that the machine's drift, which moves
-    single runs by 20-30% here, falls on all alike; each level reports its median round."""
+    in alternating rounds (all three, `rounds` times), so that the machine's drift between
+    single runs falls on all alike; each level reports its median round."""
     env = {"XLSERVE_TORCH_THREADS": str(threads), "XLSERVE_DEVICE": device,
            "XLSERVE_MAX_BATCH_SIZE": str(max(levels)), "XLSERVE_MAX_TOKENS_LIMIT": str(max(4096, max_tokens))}
     process, port = start_server(model_dir, env)  # idle while the engine runs
@@ -285,92 +288,28 @@ def measure(model_dir: Path, levels: list[int], per_stream: dict[int, int], max_
 def engine_worker(args: dict) -> list[dict]:
     """The same load on an `Engine` in this process, with no HTTP, consumed one of two ways:
 
-    - "asyncio": through its asyncio API (`Engine.generate`), as code that embeds the engine
-      would drive it; the consumers run on an event loop that shares this interpreter's lock
-      with the engine's worker thread;
+    - "asyncio": through its asyncio front (server/engine/local.py), as code that embeds the
+      engine would drive it; the consumers run on an event loop that shares this interpreter's
+      lock with the engine's worker thread (`engine_level_asyncio`);
     - "sink": its events go to a sink in the worker thread itself, which stamps each token and
       queues a stream's next request when one finishes. No event loop, no consumer: the most the
-      step loop gives (the ceiling).
+      step loop gives, the ceiling (`engine_level_sink`).
     """
-    import threading
-
-    from xlserve.server.engine.scheduler import Finished, GenerationJob, TokenEvent
     from xlserve.server.engine.process import load_models
     from xlserve.server.metrics import Metrics
-    from xlserve.server.engine.sampling import SamplingParams
     from xlserve.server.settings import Settings
 
     # threads as in the server: load_models gives the engine's worker thread its own
     settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]),
                         torch_threads=args["threads"])
-    current = {"sink": None}
-    sink = (lambda items: current["sink"](items)) if args["consumer"] == "sink" else None
-    loaded = next(iter(load_models(settings, Metrics(), sink=sink).values()))
-    engine, tokenizer = loaded.engine, loaded.tokenizer
-
-    def params(max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=0)
-
-    def prompt(index: int, request: int) -> list[int]:
-        return tokenizer.encode(PROMPTS[(index + request) % len(PROMPTS)])
-
-    async def level_asyncio(concurrency: int, per_stream: int, max_tokens: int) -> dict:
-        ttft, itl = [], []
-
-        async def stream(index: int) -> int:
-            total = 0
-            for request in range(per_stream):
-                job = GenerationJob(prompt=prompt(index, request), params=params(max_tokens), start=engine.fresh_data(),
-                                    keep_state=False)
-                sent, last = time.perf_counter(), None
-                async for event in engine.generate(job):
-                    if isinstance(event, TokenEvent):
-                        last = stamp(time.perf_counter(), sent, last, ttft, itl)
-                        total += 1
-            return total
-
-        begin = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
-        return summarise(concurrency, time.perf_counter() - begin, tokens, ttft, itl)
-
-    def level_sink(concurrency: int, per_stream: int, max_tokens: int) -> dict:
-        ttft, itl, done, failures = [], [], threading.Event(), []
-        left = {index: per_stream for index in range(concurrency)}
-        sent, last, total = {}, {}, [0]
-
-        def start(index: int) -> None:
-            sent[index], last[index] = time.perf_counter(), None
-            engine.enqueue("generate", prompt(index, per_stream - left[index]), engine.fresh_data(),
-                           params(max_tokens), False, False, threading.Event(), index)
-
-        def take(items: list) -> None:  # the engine's worker thread
-            now = time.perf_counter()
-            for index, event in items:
-                if isinstance(event, TokenEvent):
-                    last[index] = stamp(now, sent[index], last[index], ttft, itl)
-                    total[0] += 1
-                elif isinstance(event, Finished):
-                    left[index] -= 1
-                    if left[index]:
-                        start(index)
-                    elif not any(left.values()):
-                        done.set()
-                elif isinstance(event, BaseException):
-                    failures.append(event)
-                    done.set()
-
-        current["sink"] = take
-        begin = time.perf_counter()
-        for index in range(concurrency):
-            start(index)
-        if not done.wait(timeout=600) or failures:
-            raise RuntimeError(f"engine level {concurrency} failed: {failures[:1] or 'timed out'}")
-        return summarise(concurrency, time.perf_counter() - begin, total[0], ttft, itl)
+    relay = SinkRelay() if args["consumer"] == "sink" else None
+    loaded = next(iter(load_models(settings, Metrics(), sink=relay).values()))
+    load = EngineLoad(loaded.engine, loaded.tokenizer)
 
     def level(concurrency: int, per_stream: int, max_tokens: int) -> dict:
-        if args["consumer"] == "sink":
-            return level_sink(concurrency, per_stream, max_tokens)
-        return run_loop(level_asyncio(concurrency, per_stream, max_tokens))
+        if relay is not None:
+            return engine_level_sink(load, relay, concurrency, per_stream, max_tokens)
+        return run_loop(engine_level_asyncio(load, concurrency, per_stream, max_tokens))
 
     try:
         level(1, 1, 8)  # warm-up
@@ -381,7 +320,86 @@ def engine_worker(args: dict) -> list[dict]:
                   file=sys.stderr, flush=True)
         return results
     finally:
-        engine.close()
+        loaded.engine.close()
+
+
+class SinkRelay:
+    """The engine's sink, passing each step's events to the level being measured."""
+
+    def __init__(self):
+        self.target = None
+
+    def __call__(self, items: list) -> None:
+        self.target(items)
+
+
+class EngineLoad:
+    """The requests the in-process engine is given: stream `index`'s request number `request`
+    is greedy generation after one of PROMPTS, from a fresh session."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def request(self, index: int, request: int, max_tokens: int, handle: object = None):
+        from xlserve.server.engine.request import EngineRequest  # torch: only in the engine's subprocess
+
+        prompt = self.tokenizer.encode(PROMPTS[(index + request) % len(PROMPTS)])
+        return EngineRequest("generate", prompt, self.engine.fresh_data(),
+                             SamplingParams(max_tokens=max_tokens, temperature=0), handle=handle)
+
+
+async def engine_level_asyncio(load: EngineLoad, concurrency: int, per_stream: int, max_tokens: int) -> dict:
+    from xlserve.server.engine import local
+
+    ttft, itl = [], []
+
+    async def stream(index: int) -> int:
+        total = 0
+        for request in range(per_stream):
+            sent, last = time.perf_counter(), None
+            async for event in local.generate(load.engine, load.request(index, request, max_tokens)):
+                if isinstance(event, TokenEvent):
+                    last = stamp(time.perf_counter(), sent, last, ttft, itl)
+                    total += 1
+        return total
+
+    begin = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
+    return summarise(concurrency, time.perf_counter() - begin, tokens, ttft, itl)
+
+
+def engine_level_sink(load: EngineLoad, relay: SinkRelay, concurrency: int, per_stream: int, max_tokens: int) -> dict:
+    ttft, itl, done, failures = [], [], threading.Event(), []
+    left = {index: per_stream for index in range(concurrency)}
+    sent, last, total = {}, {}, [0]
+
+    def start(index: int) -> None:
+        sent[index], last[index] = time.perf_counter(), None
+        load.engine.enqueue(load.request(index, per_stream - left[index], max_tokens, handle=index))
+
+    def take(items: list) -> None:  # the engine's worker thread
+        now = time.perf_counter()
+        for index, event in items:
+            if isinstance(event, TokenEvent):
+                last[index] = stamp(now, sent[index], last[index], ttft, itl)
+                total[0] += 1
+            elif isinstance(event, Finished):
+                left[index] -= 1
+                if left[index]:
+                    start(index)
+                elif not any(left.values()):
+                    done.set()
+            elif isinstance(event, BaseException):
+                failures.append(event)
+                done.set()
+
+    relay.target = take
+    begin = time.perf_counter()
+    for index in range(concurrency):
+        start(index)
+    if not done.wait(timeout=600) or failures:
+        raise RuntimeError(f"engine level {concurrency} failed: {failures[:1] or 'timed out'}")
+    return summarise(concurrency, time.perf_counter() - begin, total[0], ttft, itl)
 
 
 def run_engine(model_dir: Path, levels: list[int], per_stream: dict[int, int], max_tokens: int, threads: int,
@@ -418,7 +436,7 @@ def share(row: dict, base: dict) -> float | None:
 
 
 def goals(http: list[dict], engine: list[dict], ceiling: list[dict]) -> dict:
-    """Issue 4's goals: 16 streams >= 6x one stream over HTTP, HTTP >= 90% of the in-process
+    """The throughput goals: 16 streams >= 6x one stream over HTTP, HTTP >= 90% of the in-process
     engine; the share of the ceiling is reported beside it."""
     by = {r["concurrency"]: r for r in http}
     eng = {r["concurrency"]: r for r in engine}

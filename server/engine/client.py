@@ -1,4 +1,5 @@
-"""The API process's side of the engine process (server/engine_process.py).
+"""The API process's side of the engine process (server/engine/process.py); runs in the API
+process and never imports torch.
 
 `EngineClient.start` spawns the engine process with one end of a socketpair and waits until it
 has loaded every model and opened the session cache. Then one reader task routes what comes
@@ -168,7 +169,7 @@ class EngineClient:
 
     async def call(self, op: str, blob: bytes | None = None, request_id: int | None = None, **fields):
         """Send an operation, wait for its answer: (result, blob). Raises what the engine process
-        raised (the same exception classes, through server/wire.py)."""
+        raised (the same exception classes, through server/engine/wire.py)."""
         if not self.alive:
             raise self._gone_error()
         call_id = next(self.ids) if request_id is None else request_id
@@ -186,7 +187,7 @@ class EngineClient:
 
     async def append(self, lease: RemoteLease, tokens: list[int], score: bool) -> RemoteSubmission:
         """Queue a document chunk for a leased session (its new state waits for `commit`); the
-        submission's last event is an `Appended` (see `engine_types.appended`)."""
+        submission's last event is an `Appended` (see `types.appended`)."""
         return await self._queue("append", lease.info.model, lease=lease.id, tokens=tokens, score=score)
 
     async def _queue(self, op: str, served_model: str, **fields) -> RemoteSubmission:

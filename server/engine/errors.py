@@ -1,4 +1,4 @@
-"""What the engine tells its callers when it cannot do what was asked.
+"""What the engine tells its callers when it cannot do what was asked (used in both processes).
 
 Plain Python exceptions: the engine process never imports the HTTP stack. The API layer maps
 each of them to a status, an error type and headers in one table (server/api/errors.py); the

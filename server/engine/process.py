@@ -1,16 +1,16 @@
-"""The engine process: the models, their engines and the session cache, beside the HTTP front.
+"""The engine process: the models, their engines and the session cache, beside the HTTP front
+(this module is that process's main).
 
 `xlserve serve` runs two processes. The API process (uvicorn, FastAPI, server/api/) parses
 requests, authenticates, streams SSE and websocket frames. This process owns everything below
 it in the design (engine -> session cache -> models). They talk over a socketpair in frames of
-JSON plus raw safetensors bytes (server/wire.py): nothing is pickled.
+JSON plus raw safetensors bytes (server/engine/wire.py): nothing is pickled.
 
 Why two processes: in one, the engine's worker thread and the event loop share one interpreter
-lock. For our small models a decode step is mostly Python (many small torch calls), so every
-SSE write the event loop makes is time the engine does not step: measured with the engine in a
-thread, 16 streams over HTTP ran at 84% of the engine's own throughput and the server never
-used more than one core. Here the engine steps while the API process formats and writes the
-previous step's tokens, as vLLM splits its engine core from its API server.
+lock. For small models a decode step is mostly Python (many small torch calls), so every SSE
+write the event loop makes is time the engine does not step, and the server never uses more
+than one core. Here the engine steps while the API process formats and writes the previous
+step's tokens, as vLLM splits its engine core from its API server.
 
 What crosses the socket, API -> engine (each with an `id` the answer carries back):
   generate {model, prompt, params, lease?}   queue a generation (events follow)
@@ -26,8 +26,8 @@ A request's new session state never leaves this process: a finished generation o
 leaves it waiting under its lease, and the API's `commit` (sent when the client has the whole
 answer) makes it the session's state; `release` without a commit drops it.
 
-Started by server/engine_client.py as `python -m server.engine_process FD SETTINGS_JSON`. On
-Linux it dies with the API process (a kill -9 of the server stops both, as one process would
+Started by server/engine/client.py as `python -m xlserve.server.engine.process FD SETTINGS_JSON`.
+On Linux it dies with the API process (a kill -9 of the server stops both, as one process would
 stop); elsewhere it notices the socket close, writes its sessions down and exits.
 """
 
@@ -43,7 +43,7 @@ import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -54,11 +54,13 @@ from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.cache import CorruptState, Lease, SessionCache, SessionData
 from xlserve.server.cache.codec import decode, session_data
 from xlserve.server.engine.errors import InvalidInput, ModelNotFound
-from xlserve.server.engine.scheduler import Engine, own_torch_threads
-from xlserve.server.metrics import Metrics
-from xlserve.server.engine.sampling import SamplingParams
-from xlserve.server.settings import Settings
+from xlserve.server.engine.request import EngineRequest
+from xlserve.server.engine.scheduler import Engine
+from xlserve.server.engine.threads import own_torch_threads, threads_per_engine
+from xlserve.server.engine.types import SamplingParams
 from xlserve.server.engine.wire import FrameWriter, error_to_wire, event_to_wire, is_last, read_frame
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
 
 log = logging.getLogger("xlserve.engine_process")
 
@@ -75,7 +77,7 @@ def pick_device(setting: str) -> torch.device:
 
 
 def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
-    # CPUs without native bfloat16 run it ~50x slower, so bfloat16 is only ever used on CUDA
+    # CPUs without native bfloat16 emulate it, many times slower: bfloat16 is only ever used on CUDA
     if setting == "bfloat16" and device.type == "cuda":
         return torch.bfloat16
     return torch.float32
@@ -93,38 +95,21 @@ class LoadedModel:
 def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, LoadedModel]:
     """Every configured checkpoint on the device, each with its engine (events to `sink`).
 
-    Threads: each engine's worker thread runs its model on up to `settings.torch_threads`
-    intra-op threads, and big prompt batches on `settings.prompt_threads` (see Engine._forward);
-    this thread and the engine process's session-op threads run torch on one. The defaults (0)
-    are the cores torch sees less one, which the API process needs for every step's tokens, and
-    every core, each shared out among the models. On the shipped model and 2 cores,
-    an engine on both cores batched better, but lost about twice the CPU the API process and
-    its clients took from it: 16 streams over HTTP ran at 68-83% of the in-process engine in
-    four runs, against 99-108% with one engine thread, and 64 streams gained 3-13% over one.
-
-    Why: with torch's OpenMP (libgomp) every thread that starts a parallel region gets a team of
-    helper threads of its own, and once a process holds more OpenMP threads than there are
-    cores, libgomp stops spinning between regions and every parallel op waits for its helpers
-    to be woken. Loading the model on two threads here and decoding on two in the worker made
-    decode steps about 2x slower on the shipped model (2 cores, batch 16: a median 6.6-6.8 ms
-    per step, against 2.9-3.4 ms with all torch work in one thread).
-    """
+    Each engine's worker thread runs its model on its share of `settings.torch_threads` and,
+    for big prompt batches, of `settings.prompt_threads`; this thread, which loads the models,
+    and the session-op threads run torch on one (server/engine/threads.py says why)."""
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     directories = [Path(directory) for directory in settings.model_dirs()]
-    def shared(cores: int) -> int:  # each engine's part of `cores`
-        return max(1, cores // max(1, len(directories)))
-
-    per_engine = shared(settings.torch_threads or max(1, torch.get_num_threads() - 1))
-    per_engine_prompts = shared(settings.prompt_threads or torch.get_num_threads())
-    own_torch_threads(1)  # loading here; the session-op threads take one each too (EngineProcess)
+    threads, prompt_threads = threads_per_engine(settings.torch_threads, settings.prompt_threads, len(directories))
+    own_torch_threads(1)
     loaded = {}
     for directory in directories:
         model = load_checkpoint(directory, device=device).to(dtype)
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         engine = Engine(directory.name, model, tokenizer, metrics, settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests, sink=sink,
-                        threads=per_engine, prompt_threads=per_engine_prompts)
+                        threads=threads, prompt_threads=prompt_threads)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine)
     return loaded
 
@@ -179,17 +164,10 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
 # -- the process -------------------------------------------------------------------------------
 
 
-@dataclass
-class _Request:
-    """A generation or append in an engine: how to cancel it, which lease its result is for."""
-
-    id: int
-    engine: Engine
-    lease: int | None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
 class EngineProcess:
+    """Answers the API process's frames, one `op_<name>` method per operation, and sends the
+    engines' events back as they come."""
+
     def __init__(self, settings: Settings, sock: socket.socket):
         self.settings = settings
         self.sock = sock
@@ -201,7 +179,8 @@ class EngineProcess:
         self.lock = threading.Lock()  # guards the three tables below
         self.leases: dict[int, Lease] = {}
         self.results: dict[int, SessionData] = {}  # lease -> the state its request ended with, until commit
-        self.requests: dict[int, _Request] = {}
+        # request id -> (the request, its engine, the lease its result is for) while it runs
+        self.requests: dict[int, tuple[EngineRequest, Engine, int | None]] = {}
         self.lease_ids = itertools.count(1)
         # session operations may read files or ask Redis: off the reader thread, so a cancel
         # is never stuck behind them (the cache serialises them on its own lock anyway)
@@ -293,52 +272,54 @@ class EngineProcess:
         engine = self.loaded(header["model"]).engine
         lease_id = header.get("lease")
         start = engine.fresh_data() if lease_id is None else self.lease(lease_id).data
-        return self._enqueue(header, engine, "generate", header["prompt"], start, SamplingParams(**header["params"]),
-                             lease_id, score=False)
+        request = EngineRequest("generate", header["prompt"], start, SamplingParams(**header["params"]),
+                                keep_state=lease_id is not None, handle=header["id"])
+        return self._enqueue(request, engine, lease_id)
 
     def op_append(self, header: dict, blob) -> dict:
         lease = self.lease(header["lease"])
         engine = self.loaded(lease.info.model).engine
-        return self._enqueue(header, engine, "append", header["tokens"], lease.data, SamplingParams(max_tokens=0),
-                             header["lease"], score=header["score"])
+        request = EngineRequest("append", header["tokens"], lease.data, SamplingParams(max_tokens=0),
+                                score=header["score"], handle=header["id"])
+        return self._enqueue(request, engine, header["lease"])
 
-    def _enqueue(self, header, engine, kind, tokens, start, params, lease_id, score) -> dict:
-        request = _Request(header["id"], engine, lease_id)
+    def _enqueue(self, request: EngineRequest, engine: Engine, lease_id: int | None) -> dict:
+        """Queue `request` (its handle is its id), registered first: its events may come at once."""
         with self.lock:
-            self.requests[request.id] = request
+            self.requests[request.handle] = (request, engine, lease_id)
         try:
-            engine.enqueue(kind, tokens, start, params, kind == "generate" and lease_id is not None, score,
-                           request.cancelled, request)
+            engine.enqueue(request)
         except BaseException:
             with self.lock:
-                self.requests.pop(request.id, None)
+                self.requests.pop(request.handle, None)
             raise
         return {"accepted": True}  # the request's events may already be on their way
 
     def op_cancel(self, header: dict, blob) -> None:
         with self.lock:
-            request = self.requests.get(header["request"])
-        if request is not None:
+            running = self.requests.get(header["request"])
+        if running is not None:
+            request, engine, _ = running
             request.cancelled.set()
-            request.engine.wake()
+            engine.wake()
 
-    def _send_events(self, items: list[tuple[_Request, object]]) -> None:
+    def _send_events(self, items: list[tuple[int, object]]) -> None:
         """The engines' sink (their worker threads): one frame per step."""
         events = []
-        for request, event in items:
+        for request_id, event in items:
             if is_last(event):  # forget the request; keep a finished one's state for its commit
-                self._ended(request, getattr(event, "data", None))
-            events.append(event_to_wire(request.id, event))
+                self._ended(request_id, getattr(event, "data", None))
+            events.append(event_to_wire(request_id, event))
         try:
             self.writer.send({"op": "events", "events": events})
         except OSError:  # the API process is gone; the reader thread sees it too and shuts down
             pass
 
-    def _ended(self, request: _Request, data: SessionData | None) -> None:
+    def _ended(self, request_id: int, data: SessionData | None) -> None:
         with self.lock:
-            self.requests.pop(request.id, None)
-            if data is not None and request.lease is not None and request.lease in self.leases:
-                self.results[request.lease] = data
+            _, _, lease_id = self.requests.pop(request_id, (None, None, None))
+            if data is not None and lease_id is not None and lease_id in self.leases:
+                self.results[lease_id] = data
 
     # -- sessions ----------------------------------------------------------------------------
 

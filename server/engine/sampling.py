@@ -1,5 +1,5 @@
 """Choosing the next token: penalties, temperature, top-k, top-p, min-p, seeds, stop strings,
-logprobs.
+logprobs (engine process, the engine's worker thread).
 
 Everything here works on one row of log-probabilities (V,) on the CPU or the model's device.
 Each choice of each request draws from its own generator, so the same seed gives the same text
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from xlserve.server.engine.types import SamplingParams  # noqa: F401  (importable from here too)
+from xlserve.server.engine.types import SamplingParams
 
 
 class Sampler:

@@ -1,8 +1,9 @@
-"""The engine's vocabulary, free of torch: what a request asks for (`SamplingParams`), the
-events its consumer receives, the errors it may raise and the consumer's side (`Submission`).
+"""The engine's vocabulary, free of torch (used in both processes): what a request asks for
+(`SamplingParams`), the events its consumer receives, and the consumer's side of a request
+(`Submission`).
 
-The engine (server/engine.py) and the engine process use them with torch around them; the API
-process, which never holds a model, uses them without importing torch at all.
+The engine (server/engine/scheduler.py) and the engine process use them with torch around them;
+the API process, which never holds a model, uses them without importing torch at all.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Finished:
 
 @dataclass
 class Appended:
-    """The result of feeding a document chunk (`Engine.append`)."""
+    """The result of feeding a document chunk into a session (an "append" request)."""
 
     data: object  # SessionData; None in the API process
     logprob: float  # summed natural-log probability of the scored tokens
@@ -97,13 +98,14 @@ class Appended:
 
 
 class Submission:
-    """The consumer's side of a request: an event queue filled by the worker thread (or, for
-    an engine in the engine process, by server/engine_client.py's reader: `RemoteSubmission`)."""
+    """The consumer's side of a request: an event queue filled by an engine in this process
+    (server/engine/local.py) or, for an engine in the engine process, by the reader of
+    server/engine/client.py (`RemoteSubmission`)."""
 
     def __init__(self, name: str, metrics, cancelled: threading.Event, wake=None):
         self.name, self.metrics = name, metrics  # the model, and where its latencies are recorded
         self.cancelled = cancelled
-        self.wake = wake  # tells the in-process engine to look at its jobs now
+        self.wake = wake  # tells the in-process engine to look at its requests now
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submitted_at = time.monotonic()
@@ -143,7 +145,7 @@ class Submission:
                     metrics.e2e_latency.labels(name).observe(time.monotonic() - self.submitted_at)
                     return
         finally:
-            self._stop()  # no-op when finished; the engine drops the job when the consumer left
+            self._stop()  # no-op when finished; the engine drops the request when the consumer left
 
 
 async def appended(submission: Submission) -> Appended:

@@ -1,10 +1,11 @@
-"""The framing between the API process and the engine process (server/engine_process.py).
+"""The framing between the API process and the engine process (server/engine/process.py); used
+on both sides, free of torch.
 
 A frame is a 4-byte big-endian length, a JSON header of that length, and, when the header says
 `"blob": n`, n raw bytes (a safetensors session state). JSON and raw bytes only: nothing that
 crosses the socket is ever unpickled.
 
-A request's events (server/engine_types.py) cross as compact lists (`event_to_wire`), one step's
+A request's events (server/engine/types.py) cross as compact lists (`event_to_wire`), one step's
 worth per frame. Errors cross as `error_to_wire` dicts and come back as the same exception
 classes (an explicit registry, below), so the one exception -> status table
 (server/api/errors.py) works on the API side.

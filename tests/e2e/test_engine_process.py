@@ -1,5 +1,5 @@
-"""The server is two processes (server/engine_process.py): they live and die together, and
-/metrics shows both halves once."""
+"""The server is two processes (server/engine/process.py): they live and die together, and
+/metrics shows both halves once. Processes are looked up in /proc (Linux)."""
 
 import os
 import re
@@ -7,23 +7,35 @@ import signal
 import time
 from pathlib import Path
 
-from xlserve.server.bench.throughput import child_processes, stat_fields
 from tests.e2e.server_process import ServerProcess
 
 GENERATE = {"prompt": "def main(", "max_tokens": 8, "temperature": 0}
 
 
+def process_state_and_parent(pid: int | str) -> tuple[str, int]:
+    """From /proc/<pid>/stat: the state letter and the parent's pid (the fields after the
+    command name, which may hold spaces)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
 def engine_pid(server: ServerProcess) -> int:
-    pids = child_processes(server.process.pid)
-    assert len(pids) == 1, f"expected one engine process under the server, found {pids}"
-    return pids[0]
+    children = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if process_state_and_parent(entry.name)[1] == server.process.pid:
+                children.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    assert len(children) == 1, f"expected one engine process under the server, found {children}"
+    return children[0]
 
 
 def gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            if stat_fields(Path(f"/proc/{pid}"))[0] == "Z":  # exited, not yet reaped
+            if process_state_and_parent(pid)[0] == "Z":  # exited, not yet reaped
                 return True
         except OSError:
             return True
@@ -101,6 +113,7 @@ def test_the_api_process_never_loads_torch():
 
     from tests.e2e.server_process import REPO
 
-    code = "import sys, server.app, server.cli; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = ("import sys, xlserve.server.app, xlserve.server.cli; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,6 +1,8 @@
-"""The engine in process: continuous batching gives each request the answer it gets alone,
-for states that pad (Transformer-XL), states batched by shape, and states that refuse to
-batch; chunked prefill interleaves with decoding; cancel, queue bound and shutdown."""
+"""The engine in process, judged by what it answers: continuous batching gives each request
+the tokens and log-probabilities it gets alone, for states that pad (Transformer-XL), states
+batched by shape, and states that refuse to batch, while rows join, leave and are cancelled
+mid-batch; a session's state survives the batch it ran in; chunked prefill interleaves with
+decoding; cancel, queue bound, shutdown and the worker thread's torch threads."""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from torch import Tensor, nn
 from xlserve.models.interface import ArchConfig, LanguageModel, State
 from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
-from xlserve.server.engine.scheduler import (
-    PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS, Cancelled, ChoiceFinished, Engine, Finished, GenerationJob,
-    PromptLogprobs, QueueFull, ShuttingDown, TokenEvent,
-)
+from xlserve.server.engine import local
+from xlserve.server.engine.errors import Cancelled, InvalidInput, QueueFull, ShuttingDown
+from xlserve.server.engine.request import EngineRequest
+from xlserve.server.engine.scheduler import Engine
+from xlserve.server.engine.threads import PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS
+from xlserve.server.engine.types import ChoiceFinished, Finished, PromptLogprobs, SamplingParams, TokenEvent
 from xlserve.server.metrics import Metrics
-from xlserve.server.engine.sampling import SamplingParams
 
 
 def xl_model() -> TransformerXL:
@@ -47,6 +50,15 @@ class StubbornHistory(History):
         if len({s.tokens.shape[1] for s in states}) > 1:
             raise ValueError("rows of different lengths")
         return cls(tokens=torch.cat([s.tokens for s in states]))
+
+
+@dataclass
+class UntakeableHistory(History):
+    """Batches rows of equal shapes, but cannot take rows out of a batch: a batch that rows
+    leave is broken up into rows that each hold their own state."""
+
+    def take(self, rows):
+        raise ValueError("this class cannot take rows out of a batch")
 
 
 class HistoryModel(LanguageModel):
@@ -81,181 +93,194 @@ def make_engine(model, **kwargs) -> Engine:
     return Engine("m", model, ByteTokenizer(), Metrics(), **kwargs)
 
 
-def job(engine, prompt: str, start=None, keep_state=False, **params) -> GenerationJob:
+def generation(engine, prompt: str, start=None, keep_state=False, **params) -> EngineRequest:
+    """A greedy generation unless `params` say otherwise, from a fresh session unless `start`."""
     params.setdefault("temperature", 0)
-    return GenerationJob(prompt=list(prompt.encode()), params=SamplingParams(**params),
-                         start=start or engine.fresh_data(), keep_state=keep_state)
+    return EngineRequest("generate", list(prompt.encode()), start or engine.fresh_data(), SamplingParams(**params),
+                         keep_state=keep_state)
 
 
-async def collect(engine, generation: GenerationJob) -> dict:
-    texts, tokens, events = {}, {}, []
-    async for event in engine.generate(generation):
+async def collect(engine, request: EngineRequest) -> dict:
+    """Run a generation to its end: per choice its text, tokens and their log-probabilities."""
+    texts, tokens, logprobs, events = {}, {}, {}, []
+    async for event in local.generate(engine, request):
         events.append(event)
         if isinstance(event, TokenEvent):
             texts[event.index] = texts.get(event.index, "") + event.text
             tokens.setdefault(event.index, []).append(event.token)
+            logprobs.setdefault(event.index, []).append(event.logprob)
         elif isinstance(event, ChoiceFinished):
             texts[event.index] = texts.get(event.index, "") + event.text_tail
-    return {"texts": [texts[i] for i in sorted(texts)], "tokens": [tokens[i] for i in sorted(tokens)],
-            "finished": events[-1], "events": events}
+    choices = sorted(tokens)
+    return {"texts": [texts[i] for i in choices], "tokens": [tokens[i] for i in choices],
+            "logprobs": [logprobs[i] for i in choices], "finished": events[-1], "events": events}
 
 
 def run(coroutine):
     return asyncio.run(coroutine)
 
 
+def same_answers(batched: list[dict], alone: list[dict]) -> None:
+    """Each request got the tokens it gets alone, with the same log-probabilities (up to the
+    float error of a batched forward)."""
+    assert [answer["tokens"] for answer in batched] == [answer["tokens"] for answer in alone]
+    for together, one in zip(batched, alone):
+        for choice, expected in zip(together["logprobs"], one["logprobs"]):
+            assert choice == pytest.approx(expected, abs=1e-4)
+
+
 PROMPTS = ["d", "def main():\n", "import os\nimport sys\n\n" * 3, "x = 1\n" * 9, "class A:\n    pass\n",
            "# comment\n" * 5, "for i in range(10):\n", "a" * 70]
+SAME_LENGTH = ["def main():\n", "import sys\n\n", "return None\n", "while True:\n"]  # 12 bytes: one shape
+MODELS = {
+    "padded-concat": xl_model,
+    "group-by-shape": HistoryModel,
+    "concat-refuses": lambda: HistoryModel(StubbornHistory),
+    "take-refuses": lambda: HistoryModel(UntakeableHistory),
+}
 
 
-@pytest.mark.parametrize("make_model", [xl_model, HistoryModel, lambda: HistoryModel(StubbornHistory)],
-                         ids=["padded-concat", "group-by-shape", "concat-refuses"])
+def every_model(*names):
+    """Parametrize a test over the models of `names` (all of them by default)."""
+    names = names or tuple(MODELS)
+    return pytest.mark.parametrize("make_model", [MODELS[name] for name in names], ids=names)
+
+
+@every_model()
 def test_batched_greedy_equals_alone(make_model):
     engine = make_engine(make_model(), prefill_chunk=16)
 
     async def main():
-        alone = [(await collect(engine, job(engine, p, max_tokens=20)))["tokens"] for p in PROMPTS]
-        together = await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=20)) for p in PROMPTS])
-        return alone, [t["tokens"] for t in together]
+        alone = [await collect(engine, generation(engine, p, max_tokens=20)) for p in PROMPTS]
+        together = await asyncio.gather(*[collect(engine, generation(engine, p, max_tokens=20)) for p in PROMPTS])
+        return alone, together
 
     try:
         alone, together = run(main())
     finally:
         engine.close()
-    assert together == alone
-    metrics = engine.metrics.render().decode()
-    assert 'xlserve_batch_size_count{model="m"}' in metrics
-    ragged = engine._ragged_ok[type(engine.fresh_data().state)]
-    assert ragged is (make_model is xl_model)  # the stubborn class was found out and grouped by shape
+    same_answers(together, alone)
+    assert 'xlserve_batch_size_count{model="m"}' in engine.metrics.render().decode()
 
 
-def test_rows_join_and_leave_a_running_batch():
+@every_model()
+def test_rows_join_and_leave_a_running_batch(make_model):
     """Requests of different lengths arriving at different times: each gets its solo answer."""
-    engine = make_engine(xl_model(), prefill_chunk=8)
+    engine = make_engine(make_model(), prefill_chunk=8)
 
     async def staggered():
         tasks = []
         for i, prompt in enumerate(PROMPTS):
-            tasks.append(asyncio.create_task(collect(engine, job(engine, prompt, max_tokens=5 + 7 * i))))
+            tasks.append(asyncio.create_task(collect(engine, generation(engine, prompt, max_tokens=5 + 7 * i))))
             await asyncio.sleep(0.003 * i)
-        return [t["tokens"] for t in await asyncio.gather(*tasks)]
+        return await asyncio.gather(*tasks)
 
     async def alone():
-        return [(await collect(engine, job(engine, p, max_tokens=5 + 7 * i)))["tokens"] for i, p in enumerate(PROMPTS)]
+        return [await collect(engine, generation(engine, p, max_tokens=5 + 7 * i)) for i, p in enumerate(PROMPTS)]
 
     try:
         expected = run(alone())
-        assert run(staggered()) == expected
+        same_answers(run(staggered()), expected)
     finally:
         engine.close()
 
 
-@pytest.fixture
-def batch_log(monkeypatch):
-    """Every XLMemory concat, take and put_row, in order, as (name, rows or place)."""
-    from xlserve.models.transformer_xl import XLMemory
-
-    log, concat, take, put_row = [], XLMemory.concat.__func__, XLMemory.take, XLMemory.put_row
-
-    def logged_concat(cls, states):
-        log.append(("concat", len(states)))
-        return concat(cls, states)
-
-    def logged_take(self, rows):
-        log.append(("take", len(rows)))
-        return take(self, rows)
-
-    def logged_put_row(self, index, row):
-        log.append(("put_row", index))
-        return put_row(self, index, row)
-
-    monkeypatch.setattr(XLMemory, "concat", classmethod(logged_concat))
-    monkeypatch.setattr(XLMemory, "take", logged_take)
-    monkeypatch.setattr(XLMemory, "put_row", logged_put_row)
-    return log
-
-
-def test_a_joining_row_takes_the_place_a_finished_row_left(batch_log, monkeypatch):
-    """A row that finishes leaves an idle place in the running batch; the next row to join is
-    written into it (State.put_row) instead of the batch being copied on the way out and again
-    on the way in, and every answer is still the one it gets alone."""
-    import xlserve.server.engine.scheduler
-
-    monkeypatch.setattr(xlserve.server.engine.scheduler, "IDLE_PLACE_STEPS", 10**9)  # keep the place however slow the test
+def test_a_row_that_joins_where_a_finished_row_left_gets_its_answer_alone():
+    """A row finishes while the others decode on; a row that joins later, and the rows that
+    stayed, all answer as they do alone."""
     engine = make_engine(xl_model(), prefill_chunk=64)
     requests = [(PROMPTS[1], 5), (PROMPTS[2], 60), (PROMPTS[3], 60)]
     late = (PROMPTS[4], 8)
 
     async def together():
-        first = asyncio.create_task(collect(engine, job(engine, *requests[0][:1], max_tokens=requests[0][1])))
-        others = [asyncio.create_task(collect(engine, job(engine, p, max_tokens=n))) for p, n in requests[1:]]
+        first = asyncio.create_task(collect(engine, generation(engine, requests[0][0], max_tokens=requests[0][1])))
+        others = [asyncio.create_task(collect(engine, generation(engine, p, max_tokens=n))) for p, n in requests[1:]]
         answers = [await first]
-        joined = await collect(engine, job(engine, late[0], max_tokens=late[1]))
-        return [r["tokens"] for r in [*answers, *[await t for t in others], joined]]
+        joined = await collect(engine, generation(engine, late[0], max_tokens=late[1]))
+        return [*answers, *[await task for task in others], joined]
 
     try:
-        alone = [run(collect(engine, job(engine, p, max_tokens=n)))["tokens"] for p, n in [*requests, late]]
-        batch_log.clear()
+        alone = [run(collect(engine, generation(engine, p, max_tokens=n))) for p, n in [*requests, late]]
         batched = run(together())
     finally:
         engine.close()
-    assert batched == alone
-    assert [name for name, _ in batch_log].count("put_row") == 1
-    after = batch_log[[name for name, _ in batch_log].index("put_row") + 1 :]
-    assert after == []  # nothing copied the batch after: the late row left an idle place too
+    same_answers(batched, alone)
 
 
-def test_a_session_that_finishes_keeps_its_state_when_its_place_is_taken(batch_log, monkeypatch):
-    """A session's final state survives the next row being written into its old place: it is
-    unchanged, and continues exactly like the same text fed in one pass."""
-    import xlserve.server.engine.scheduler
-
-    monkeypatch.setattr(xlserve.server.engine.scheduler, "IDLE_PLACE_STEPS", 10**9)
-    engine = make_engine(xl_model(), prefill_chunk=64)
+@every_model("padded-concat", "group-by-shape", "take-refuses")
+def test_a_session_that_finishes_mid_batch_keeps_its_state(make_model):
+    """A session finishes while another row decodes on beside it, and a third joins after it
+    (where the class allows, into the session's old place): the session's final state does not
+    change, and continues exactly like the same text fed in one pass."""
+    engine = make_engine(make_model(), prefill_chunk=64)
 
     async def main():
-        session = asyncio.create_task(collect(engine, job(engine, PROMPTS[1], keep_state=True, max_tokens=5)))
-        other = asyncio.create_task(collect(engine, job(engine, PROMPTS[2], max_tokens=60)))
+        session = asyncio.create_task(collect(engine, generation(engine, SAME_LENGTH[0], keep_state=True,
+                                                                 max_tokens=5)))
+        other = asyncio.create_task(collect(engine, generation(engine, SAME_LENGTH[1], max_tokens=60)))
         first = await session
         data = first["finished"].data
-        kept = {name: t.clone() for name, t in data.state.to_tensors().items()}
-        joined = await collect(engine, job(engine, PROMPTS[3], max_tokens=20))  # takes the session's place
+        kept = {name: tensor.clone() for name, tensor in data.state.to_tensors().items()}
+        await collect(engine, generation(engine, SAME_LENGTH[2], max_tokens=20))
         await other
         after = data.state.to_tensors()
-        assert all(torch.equal(kept[name], after[name]) for name in kept)
-        continued = await collect(engine, job(engine, "x", start=data, keep_state=True, max_tokens=6))
-        tokens = [*PROMPTS[1].encode(), *first["tokens"][0], *b"x"]
-        one_pass = await collect(engine, GenerationJob(prompt=tokens, params=SamplingParams(temperature=0, max_tokens=6),
-                                                       start=engine.fresh_data(), keep_state=False))
-        return joined, continued, one_pass
+        assert kept.keys() == after.keys() and all(torch.equal(kept[name], after[name]) for name in kept)
+        continued = await collect(engine, generation(engine, "x", start=data, keep_state=True, max_tokens=6))
+        tokens = [*SAME_LENGTH[0].encode(), *first["tokens"][0], *b"x"]
+        one_pass = await collect(engine, EngineRequest("generate", tokens, engine.fresh_data(),
+                                                       SamplingParams(temperature=0, max_tokens=6)))
+        return continued, one_pass
 
     try:
-        joined, continued, one_pass = run(main())
+        continued, one_pass = run(main())
     finally:
         engine.close()
-    assert ("put_row", 0) in batch_log or ("put_row", 1) in batch_log
     assert continued["tokens"] == one_pass["tokens"]
+    assert continued["finished"].data.tokens == len(SAME_LENGTH[0]) + 5 + 1 + 6
 
 
-def test_idle_places_are_dropped_once_they_cost_a_copy_of_the_batch(batch_log, monkeypatch):
-    import xlserve.server.engine.scheduler
-
-    monkeypatch.setattr(xlserve.server.engine.scheduler, "IDLE_PLACE_STEPS", 4)
-    engine = make_engine(xl_model(), prefill_chunk=64)
-    requests = [(PROMPTS[1], 3), (PROMPTS[2], 30), (PROMPTS[3], 30)]
+@every_model()
+def test_rows_that_stay_long_after_others_left_keep_their_answers(make_model):
+    """Rows that leave early leave the batch for good (their places idle a while, then dropped);
+    the rows that stay decode on for many steps and still answer as they do alone."""
+    engine = make_engine(make_model(), prefill_chunk=64)
+    requests = [(SAME_LENGTH[0], 3), (SAME_LENGTH[1], 4), (SAME_LENGTH[2], 50), (SAME_LENGTH[3], 50)]
 
     async def together():
-        return await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=n)) for p, n in requests])
+        return await asyncio.gather(*[collect(engine, generation(engine, p, max_tokens=n)) for p, n in requests])
 
     try:
-        alone = [run(collect(engine, job(engine, p, max_tokens=n)))["tokens"] for p, n in requests]
-        batch_log.clear()
-        batched = [r["tokens"] for r in run(together())]
+        alone = [run(collect(engine, generation(engine, p, max_tokens=n))) for p, n in requests]
+        batched = run(together())
     finally:
         engine.close()
-    assert batched == alone
-    assert ("take", 2) in batch_log  # 3 places, one idle for 4 steps -> the 2 live rows taken out
-    assert "put_row" not in [name for name, _ in batch_log]
+    same_answers(batched, alone)
+
+
+@every_model()
+def test_a_row_cancelled_mid_batch_leaves_the_others_their_answers(make_model):
+    engine = make_engine(make_model(), prefill_chunk=64)
+    stayers = [(SAME_LENGTH[1], 30), (SAME_LENGTH[2], 30)]
+
+    async def together():
+        cancelled = local.submit(engine, generation(engine, SAME_LENGTH[0], max_tokens=100000))
+        others = [asyncio.create_task(collect(engine, generation(engine, p, max_tokens=n))) for p, n in stayers]
+        events = cancelled.events()
+        for _ in range(5):  # decoding beside the others
+            assert isinstance(await events.__anext__(), TokenEvent)
+        cancelled.cancel()
+        with pytest.raises(Cancelled):
+            async for _ in events:
+                pass
+        return [await task for task in others]
+
+    try:
+        alone = [run(collect(engine, generation(engine, p, max_tokens=n))) for p, n in stayers]
+        batched = run(together())
+        assert engine.idle
+    finally:
+        engine.close()
+    same_answers(batched, alone)
 
 
 def test_seeded_sampling_is_the_same_batched_or_not_and_n_choices():
@@ -264,10 +289,10 @@ def test_seeded_sampling_is_the_same_batched_or_not_and_n_choices():
                   frequency_penalty=0.3, seed=11, max_tokens=24)
 
     async def main():
-        alone = await collect(engine, job(engine, "def f(x):\n", **params))
-        crowd = await asyncio.gather(collect(engine, job(engine, "def f(x):\n", **params)),
-                                     *[collect(engine, job(engine, p, max_tokens=24, temperature=1.0)) for p in PROMPTS])
-        many = await collect(engine, job(engine, "def f(x):\n", n=3, **params))
+        alone = await collect(engine, generation(engine, "def f(x):\n", **params))
+        others = [collect(engine, generation(engine, p, max_tokens=24, temperature=1.0)) for p in PROMPTS]
+        crowd = await asyncio.gather(collect(engine, generation(engine, "def f(x):\n", **params)), *others)
+        many = await collect(engine, generation(engine, "def f(x):\n", n=3, **params))
         return alone, crowd[0], many
 
     try:
@@ -275,6 +300,7 @@ def test_seeded_sampling_is_the_same_batched_or_not_and_n_choices():
     finally:
         engine.close()
     assert batched["texts"] == alone["texts"]
+    same_answers([batched], [alone])
     assert len(many["texts"]) == 3 and many["texts"][0] == alone["texts"][0]
     assert len(set(many["texts"])) > 1  # seed + i per choice
     finished = many["finished"]
@@ -301,13 +327,13 @@ def test_prompts_of_different_lengths_are_prefilled_in_one_forward():
     prompts = PROMPTS[1:5]  # 12, 75, 54 and 18 bytes
 
     async def main():
-        alone = [await collect(engine, job(engine, p, max_tokens=6, echo=True, logprobs=1)) for p in prompts]
+        alone = [await collect(engine, generation(engine, p, max_tokens=6, echo=True, logprobs=1)) for p in prompts]
         gate.clear()
         calls.clear()
-        first = asyncio.create_task(collect(engine, job(engine, "x", max_tokens=3)))
+        first = asyncio.create_task(collect(engine, generation(engine, "x", max_tokens=3)))
         while not calls:  # the worker is held inside the first forward of "x"
             await asyncio.sleep(0.001)
-        together = [asyncio.create_task(collect(engine, job(engine, p, max_tokens=6, echo=True, logprobs=1)))
+        together = [asyncio.create_task(collect(engine, generation(engine, p, max_tokens=6, echo=True, logprobs=1)))
                     for p in prompts]
         await asyncio.sleep(0.05)  # all four are queued before the held step ends
         gate.set()
@@ -335,13 +361,18 @@ def test_session_continuation_equals_one_pass_and_prompt_logprobs_match_append()
     history = "import os\nimport sys\n\ndef main(argv):\n    return 0\n"
 
     async def main():
-        first = await collect(engine, job(engine, history[:20], keep_state=True, max_tokens=0))
+        first = await collect(engine, generation(engine, history[:20], keep_state=True, max_tokens=0))
         data = first["finished"].data
         assert data.tokens == 20
-        data, logprob, scored = await engine.append(data, list(history[20:].encode()), score=True)
-        continued = await collect(engine, job(engine, "if x", start=data, keep_state=True, max_tokens=9))
-        one_pass = await collect(engine, job(engine, history + "if x", max_tokens=9))
-        echoed = await collect(engine, job(engine, history, max_tokens=0, echo=True, logprobs=2))
+        fed = await local.append(engine, data, list(history[20:].encode()), score=True)
+        data, logprob, scored = fed.data, fed.logprob, fed.scored
+        continued = await collect(engine, generation(engine, "if x", start=data, keep_state=True, max_tokens=9))
+        one_pass = await collect(engine, generation(engine, history + "if x", max_tokens=9))
+        echoed = await collect(engine, generation(engine, history, max_tokens=0, echo=True, logprobs=2))
+        # no prompt: the session goes on from where it stands
+        resumed = await collect(engine, generation(engine, "", start=data, max_tokens=5))
+        history_only = await collect(engine, generation(engine, history, max_tokens=5))
+        assert resumed["tokens"] == history_only["tokens"]
         return logprob, scored, continued, one_pass, echoed
 
     try:
@@ -358,6 +389,27 @@ def test_session_continuation_equals_one_pass_and_prompt_logprobs_match_append()
     assert logprob == pytest.approx(sum(prompt.logprobs[20:]), rel=1e-4, abs=1e-3)
 
 
+def test_a_stop_string_ends_its_choice_and_is_held_back():
+    """The same seeded text, stopped at a string in its middle: it ends just before it."""
+    engine = make_engine(xl_model())
+    params = dict(temperature=1.0, seed=5, max_tokens=16)
+
+    async def main():
+        text = (await collect(engine, generation(engine, "def main():\n", **params)))["texts"][0]
+        stop = next(text[i : i + 2] for i in range(1, len(text) - 1)
+                    if text[i : i + 2].isascii() and text[i : i + 2].isprintable())
+        stopped = await collect(engine, generation(engine, "def main():\n", stop=[stop], **params))
+        return text, stop, stopped
+
+    try:
+        text, stop, stopped = run(main())
+    finally:
+        engine.close()
+    assert stopped["texts"] == [text[: text.index(stop)]]
+    assert stopped["finished"].finish_reason == "stop"
+    assert len(stopped["tokens"][0]) < 16
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
     engine = make_engine(xl_model(), prefill_chunk=8)
 
@@ -365,7 +417,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
         order = []
 
         async def stream(name, prompt, max_tokens):
-            async for event in engine.generate(job(engine, prompt, max_tokens=max_tokens)):
+            async for event in local.generate(engine, generation(engine, prompt, max_tokens=max_tokens)):
                 if isinstance(event, TokenEvent):
                     order.append(name)
 
@@ -388,12 +440,12 @@ def test_cancel_frees_the_slot_and_queue_is_bounded():
     engine = make_engine(xl_model(), max_batch_size=1, max_queued=1)
 
     async def main():
-        first = engine.submit(job(engine, "a", max_tokens=4000))
+        first = local.submit(engine, generation(engine, "a", max_tokens=4000))
         events = first.events()
         assert isinstance(await events.__anext__(), TokenEvent)  # running
-        second = engine.submit(job(engine, "b", max_tokens=3))  # waits for the slot
+        second = local.submit(engine, generation(engine, "b", max_tokens=3))  # waits for the slot
         with pytest.raises(QueueFull) as refused:
-            engine.submit(job(engine, "c", max_tokens=3))
+            local.submit(engine, generation(engine, "c", max_tokens=3))
         assert refused.value.code == "queue_full"
         assert "XLSERVE_MAX_QUEUED_REQUESTS" in refused.value.message
         first.cancel()
@@ -404,7 +456,7 @@ def test_cancel_frees_the_slot_and_queue_is_bounded():
         assert isinstance(finished, Finished) and finished.completion_tokens == 3
         engine.stop_admitting()
         with pytest.raises(ShuttingDown):
-            engine.submit(job(engine, "d", max_tokens=3))
+            local.submit(engine, generation(engine, "d", max_tokens=3))
         return engine.idle
 
     try:
@@ -413,11 +465,9 @@ def test_cancel_frees_the_slot_and_queue_is_bounded():
         engine.close()
 
 
-def test_a_cancelled_job_ends_with_one_cancelled_event_at_the_sink():
-    """Every job ends with exactly one last event, also when it is cancelled running or waiting:
-    the engine process forgets a request (and the API process its submission) only then."""
-    import threading
-
+def test_a_cancelled_request_ends_with_one_cancelled_event_at_the_sink():
+    """Every request ends with exactly one last event, also when it is cancelled running or
+    waiting: the engine process forgets a request (and the API process its submission) only then."""
     received, ended = [], threading.Event()
 
     def sink(items):
@@ -428,10 +478,11 @@ def test_a_cancelled_job_ends_with_one_cancelled_event_at_the_sink():
     engine = Engine("m", xl_model(), ByteTokenizer(), Metrics(), max_batch_size=1, sink=sink)
     running, waiting = threading.Event(), threading.Event()
     try:
-        engine.enqueue("generate", list(b"a"), engine.fresh_data(), SamplingParams(max_tokens=100000, temperature=0),
-                       False, False, running, "running")
-        engine.enqueue("generate", list(b"b"), engine.fresh_data(), SamplingParams(max_tokens=3, temperature=0),
-                       False, False, waiting, "waiting")
+        engine.enqueue(EngineRequest("generate", list(b"a"), engine.fresh_data(),
+                                     SamplingParams(max_tokens=100000, temperature=0), cancelled=running,
+                                     handle="running"))
+        engine.enqueue(EngineRequest("generate", list(b"b"), engine.fresh_data(),
+                                     SamplingParams(max_tokens=3, temperature=0), cancelled=waiting, handle="waiting"))
         deadline = time.monotonic() + 30
         while not any(handle == "running" and isinstance(e, TokenEvent) for handle, e in list(received)):
             assert time.monotonic() < deadline
@@ -460,11 +511,26 @@ def test_a_model_error_fails_its_request_and_the_engine_keeps_serving():
 
     async def main():
         with pytest.raises(RuntimeError, match="boom"):
-            await collect(engine, job(engine, "bad!", max_tokens=3))
-        return await collect(engine, job(engine, "good", max_tokens=3))
+            await collect(engine, generation(engine, "bad!", max_tokens=3))
+        return await collect(engine, generation(engine, "good", max_tokens=3))
 
     try:
         assert len(run(main())["tokens"][0]) == 3
+    finally:
+        engine.close()
+
+
+def test_nothing_to_continue_from_is_refused_at_once():
+    engine = make_engine(xl_model())
+
+    async def main():
+        with pytest.raises(InvalidInput) as refused:
+            local.submit(engine, generation(engine, "", max_tokens=3))
+        assert refused.value.param == "prompt"
+
+    try:
+        run(main())
+        assert engine.idle
     finally:
         engine.close()
 
@@ -473,7 +539,7 @@ def test_close_fails_what_is_left():
     engine = make_engine(xl_model(), max_batch_size=1)
 
     async def main():
-        running = engine.submit(job(engine, "a", max_tokens=100000))
+        running = local.submit(engine, generation(engine, "a", max_tokens=100000))
         events = running.events()
         await events.__anext__()
         await asyncio.to_thread(engine.close)
@@ -491,10 +557,11 @@ def test_batched_greedy_equals_alone_on_cuda():
     engine = make_engine(xl_model().cuda(), prefill_chunk=16)
 
     async def main():
-        alone = [(await collect(engine, job(engine, p, max_tokens=20)))["tokens"] for p in PROMPTS]
-        together = await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=20)) for p in PROMPTS])
-        sampled = await asyncio.gather(*[collect(engine, job(engine, p, max_tokens=8, temperature=0.8, seed=1,
-                                                             logprobs=2, repetition_penalty=1.1)) for p in PROMPTS])
+        alone = [(await collect(engine, generation(engine, p, max_tokens=20)))["tokens"] for p in PROMPTS]
+        together = await asyncio.gather(*[collect(engine, generation(engine, p, max_tokens=20)) for p in PROMPTS])
+        sampled = await asyncio.gather(*[collect(engine, generation(engine, p, max_tokens=8, temperature=0.8, seed=1,
+                                                                    logprobs=2, repetition_penalty=1.1))
+                                         for p in PROMPTS])
         return alone, [t["tokens"] for t in together], sampled
 
     try:
@@ -520,11 +587,11 @@ def test_the_worker_thread_keeps_its_own_torch_threads_and_decodes_few_rows_on_o
     try:
         torch.set_num_threads(1)
         assert engine.threads == 2
-        run(collect(engine, job(engine, "def main():\n", max_tokens=3)))
+        run(collect(engine, generation(engine, "def main():\n", max_tokens=3)))
         assert seen[0] == (12, 2)  # the prompt
         assert seen[1:] and all(call == (1, 1) for call in seen[1:])  # decoding one row
         assert PARALLEL_MIN_TOKENS <= 12
-        run(collect(engine, job(engine, "import os\nimport sys\n", max_tokens=1)))
+        run(collect(engine, generation(engine, "import os\nimport sys\n", max_tokens=1)))
         assert seen[-1] == (21, 2)  # back to two for the next prompt
     finally:
         engine.close()
@@ -543,8 +610,8 @@ def test_big_prompt_forwards_run_on_the_prompt_threads():
     engine = Engine("xl", model, ByteTokenizer(), Metrics(), threads=1, prompt_threads=3, prefill_chunk=1024)
     try:
         assert (engine.threads, engine.prompt_threads) == (1, 3)
-        run(collect(engine, job(engine, "x = 1\n" * 50, max_tokens=2)))  # 300 prompt tokens
-        run(collect(engine, job(engine, "def main():\n", max_tokens=1)))
+        run(collect(engine, generation(engine, "x = 1\n" * 50, max_tokens=2)))  # 300 prompt tokens
+        run(collect(engine, generation(engine, "def main():\n", max_tokens=1)))
     finally:
         engine.close()
         torch.set_num_threads(before)

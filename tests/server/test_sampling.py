@@ -1,6 +1,7 @@
 import torch
 
-from xlserve.server.engine.sampling import Sampler, SamplingParams, StopChecker
+from xlserve.server.engine.sampling import Sampler, StopChecker
+from xlserve.server.engine.types import SamplingParams
 
 
 def log_probs(values):

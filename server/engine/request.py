@@ -1,0 +1,88 @@
+"""A request in the engine: what its caller asks, and how far the scheduler has come with it
+(engine process, or any process that runs an `Engine` itself).
+
+`EngineRequest` is the one way into an engine (`Engine.enqueue`): a generation, or an append that
+feeds a document chunk into a session. Its caller fills in the first fields; the scheduler fills
+in the rest while the request runs, in its worker thread only. A request is queued once.
+
+A generation decodes `params.n` choices, each a `Row` of the running batch: its sampler, its
+stop strings, its text and, between steps, its state.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from xlserve.models.interface import State
+from xlserve.server.cache import SessionData
+from xlserve.server.engine.sampling import Sampler, StopChecker
+from xlserve.server.engine.types import ChoiceFinished, SamplingParams
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    kind: str  # "generate" or "append" (feed `prompt` into the session, generate nothing)
+    prompt: list[int]
+    start: SessionData  # the session as committed; the request never changes it
+    params: SamplingParams = field(default_factory=SamplingParams)
+    keep_state: bool = False  # a session generation: every generated token goes into the new state
+    score: bool = False  # an append that sums the log-probabilities of its tokens
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set: drop it at the next step
+    handle: object = None  # the caller's name for it, handed back with each of its events
+
+    # -- the scheduler's bookkeeping (worker thread) --
+    state: State = field(init=False, repr=False)  # the state after the prompt tokens fed so far
+    tokens: int = field(init=False)  # tokens that state has seen
+    next_log_probs: torch.Tensor | None = field(init=False, repr=False)  # predicts the next token; None: no context
+    fed: int = field(init=False, default=0)  # prompt tokens run through the model so far
+    prompt_top_k: int | None = field(init=False)  # echo with logprobs: alternatives per prompt token
+    prompt_logprobs: list[float | None] = field(init=False, default_factory=list)
+    prompt_top: list[list[tuple[int, float]]] = field(init=False, default_factory=list)
+    rows: list[Row] = field(init=False, default_factory=list)  # its choices, once the prompt is in
+    done: list[ChoiceFinished] = field(init=False, default_factory=list)
+    failed: bool = field(init=False, default=False)
+
+    def __post_init__(self):
+        self.prompt = list(self.prompt)
+        self.state, self.tokens, self.next_log_probs = self.start.state, self.start.tokens, self.start.next_log_probs
+        echo = self.kind == "generate" and self.params.echo and self.params.logprobs is not None
+        self.prompt_top_k = self.params.logprobs if echo else None
+
+    @property
+    def width(self) -> int:
+        """Batch rows it takes."""
+        return self.params.n if self.kind == "generate" else 1
+
+    @property
+    def cached_tokens(self) -> int:
+        """Context that came from the session's memory."""
+        return self.start.tokens
+
+
+class Row:
+    """One choice being decoded. `state` is its own state between steps, or None while it lives
+    inside a batch (server/engine/batch.py); `pending` is the sampled token still to be fed."""
+
+    def __init__(self, request: EngineRequest, index: int, detokenizer, state: State, next_log_probs: torch.Tensor):
+        params = request.params
+        self.request, self.index = request, index
+        self.sampler = Sampler(params, request.prompt, index)
+        self.detokenizer = detokenizer
+        self.stops = StopChecker(params.stop)
+        self.state: State | None = state
+        self.next_log_probs = next_log_probs  # (V,) on the model's device: predicts the next token
+        self.host_log_probs = next_log_probs.float().cpu()  # the same on the CPU, for sampling
+        self.greedy: tuple[int, float] | None = None  # (argmax, its log-prob) when computed for the batch
+        self.tokens = request.tokens  # tokens the state has seen
+        self.plain_greedy = params.temperature == 0 and not params.penalised
+        self.generated = 0
+        self.pending: int | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def keeps_state(self) -> bool:
+        """Its final state outlives the batch: it is a session's new state."""
+        return self.request.keep_state and not self.request.failed

@@ -1,0 +1,78 @@
+"""How many torch threads the engine process uses, and where (engine process only).
+
+Each engine's worker thread runs the model on intra-op threads of its own: `threads` for most
+forwards, `prompt_threads` for big prompt batches, and a single one for decode steps too small to
+gain from more (`ForwardThreads`). Every other thread of the engine process that runs torch
+(loading, session operations) runs it on one (`own_torch_threads(1)`).
+
+Why so few. On a small machine the API process needs a core of its own to turn every step's
+tokens into SSE and websocket frames, so by default an engine takes the cores less one. A
+second thread barely speeds up a decode step of a few rows, and between its parallel ops it
+spins on the core the API process needs; a big forward is mostly matrix products that more
+threads do speed up, and it comes when prompts arrive, not while tokens stream, so it may use
+every core. With torch's OpenMP (libgomp) every thread that starts a parallel region gets a team
+of helper threads of its own, and once a process holds more OpenMP threads than there are
+cores, libgomp stops spinning between regions and every parallel op waits for its helpers to be
+woken: so the threads that are not an engine's worker keep to one, and the engines share the
+cores among themselves instead of each taking them all. (Measurements: docs/benchmarks.md.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+PARALLEL_MIN_TOKENS = 8  # forwards of fewer tokens (a decode step of a few rows) run on one thread
+PROMPT_PARALLEL_TOKENS = 256  # forwards of at least this many tokens (prompts, batched) run on `prompt_threads`
+
+
+def own_torch_threads(count: int) -> int:
+    """Make `count` intra-op threads (0: those it has) the calling thread's own, and return its
+    count. torch sets a thread's count from the process-wide default on the thread's first
+    parallel op, and every torch.set_num_threads moves that default (engines move it as they
+    switch, see `ForwardThreads.use_for`); so a thread that only called torch.set_num_threads
+    could later be reset to whatever the default is by then. Asking for the count first settles
+    it; the value set after it stays this thread's."""
+    torch.get_num_threads()
+    if count > 0:
+        torch.set_num_threads(count)
+    return torch.get_num_threads()
+
+
+def threads_per_engine(torch_threads: int, prompt_threads: int, engines: int) -> tuple[int, int]:
+    """(threads, prompt_threads) of each of `engines` engines, from the server's settings (0:
+    the default, the cores torch sees less one, and every core), shared out among the engines."""
+
+    def shared(cores: int) -> int:
+        return max(1, cores // max(1, engines))
+
+    cores = torch.get_num_threads()
+    return shared(torch_threads or max(1, cores - 1)), shared(prompt_threads or cores)
+
+
+class ForwardThreads:
+    """The thread counts of one engine's worker thread: `threads` (0: the count the thread
+    finds) and `prompt_threads` (0: `threads`), settled by `take` in the worker thread itself,
+    like llama.cpp's --threads and --threads-batch."""
+
+    def __init__(self, threads: int = 0, prompt_threads: int = 0):
+        self.threads = threads
+        self.prompt_threads = prompt_threads
+        self.current = 0  # the count the worker thread runs on now
+
+    def take(self) -> None:
+        """In the worker thread, before its first forward: make its count its own."""
+        self.threads = self.current = own_torch_threads(self.threads)
+        self.prompt_threads = self.prompt_threads or self.threads
+
+    def use_for(self, tokens: int) -> None:
+        """Set the worker thread's count for a forward of `tokens` tokens: one below
+        PARALLEL_MIN_TOKENS, `prompt_threads` from PROMPT_PARALLEL_TOKENS, else `threads`."""
+        if tokens < PARALLEL_MIN_TOKENS:
+            wanted = 1
+        elif tokens < PROMPT_PARALLEL_TOKENS:
+            wanted = self.threads
+        else:
+            wanted = self.prompt_threads
+        if wanted != self.current:  # a cheap call, but only made when the count changes
+            torch.set_num_threads(wanted)
+            self.current = wanted
