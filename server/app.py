@@ -1,6 +1,6 @@
 """The FastAPI application: `build_app(settings)` and its lifespan.
 
-The lifespan starts the engine process (server/engine_process.py: every configured checkpoint
+The lifespan starts the engine process (server/engine/process.py: every configured checkpoint
 on the device, one engine per model, the session cache) and waits until it is ready; this
 process keeps the HTTP side: routing, validation, authentication, streaming, and the metrics a
 client sees. On shutdown it stops admitting, then tells the engine process to close its engines
@@ -17,11 +17,11 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
-from xlserve.server.api import completions, health, models, sessions, ws
 from xlserve.server.api.admission import AdmissionMiddleware
 from xlserve.server.api.deps import AppState, ServedModel
-from xlserve.server.engine.client import EngineClient
 from xlserve.server.api.errors import install_error_handlers
+from xlserve.server.api.routers import completions, health, models, sessions, ws
+from xlserve.server.engine.client import EngineClient
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
 

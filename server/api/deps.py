@@ -1,4 +1,6 @@
-"""What every router needs: the app's shared objects, authentication, model lookup."""
+"""The app's shared state (`AppState`: settings, metrics, the engine client, the served models),
+authentication (`owner_of`) and model lookup. The routers reach them through
+server/api/serving.py; server/app.py fills the state in its lifespan."""
 
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
-"""One error schema for every endpoint and stream, and one map from exceptions to statuses.
+"""One error schema for every endpoint and stream, one map from exceptions to statuses, and one
+message format for requests that fail validation.
 
 Every error body is {"error": {"message", "type", "param", "code"}}, as OpenAI's API does it.
+The engine process and the session cache raise plain Python exceptions; `ERROR_KINDS` is the one
+place that says what a client sees for each of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +79,23 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# -- request validation: one message format for HTTP bodies and websocket frames -----------------
+
+REQUEST_PARTS = frozenset({"body", "query", "path"})  # where FastAPI found a field: not part of its name
+
+
+def validation_error(errors: Sequence[Mapping], containers: Collection[str] = (),
+                     code: str | None = None) -> InvalidRequest:
+    """The InvalidRequest for pydantic's validation errors: the first of them, named by the path
+    of the field at fault ("stream_options.include_usage"), without the location parts in
+    `containers`, which say where the field sat rather than what it is."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part not in containers]
+    param = ".".join(location) or None
+    reason = str(first.get("msg", "invalid request"))
+    return InvalidRequest(f"{param}: {reason}" if param else reason, param=param, code=code)
+
+
 # -- the one table: engine and cache exceptions -> what a client sees ----------------------------
 
 
@@ -131,6 +151,10 @@ def as_api_error(error: BaseException) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Whatever a route lets out becomes the one error body: API errors as raised, engine and
+    cache errors through ERROR_KINDS, invalid requests in the one validation format, unknown
+    paths and methods as their HTTP status, anything else a 500 that names only the class."""
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
@@ -143,11 +167,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(part) for part in first.get("loc", []) if part not in ("body", "query", "path")]
-        param = ".".join(location) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
-        return JSONResponse(error_body(message, InvalidRequest.type, param), status_code=400)
+        invalid = validation_error(error.errors(), containers=REQUEST_PARTS)
+        return JSONResponse(invalid.body(), status_code=invalid.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException):

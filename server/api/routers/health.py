@@ -1,7 +1,14 @@
+"""GET /health, /ready and /metrics: what orchestrators and Prometheus watch.
+
+`/health` fails (503) only when the engine process has died, so an orchestrator restarts the
+server; `/ready` is 503 while the server starts or drains, so no new traffic is routed to it.
+Admission leaves these three open while the server drains (server/api/admission.py).
+"""
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from xlserve.server.api.deps import app_state, owner_of
+from xlserve.server.api.serving import app_state, owner_of
 
 router = APIRouter()
 
@@ -24,6 +31,7 @@ async def ready(request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
+    """Prometheus exposition: this process's metrics, then the engine process's."""
     state = app_state(request)
     if state.settings.metrics_require_key:
         owner_of(request)

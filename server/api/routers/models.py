@@ -1,6 +1,9 @@
+"""GET /v1/models and /v1/models/{name}: the served models, as OpenAI lists them (each card also
+says what kind of state its sessions hold)."""
+
 from fastapi import APIRouter, Depends, Request
 
-from xlserve.server.api.deps import app_state, owner_of
+from xlserve.server.api.serving import app_state, owner_of
 
 router = APIRouter()
 

@@ -1,0 +1,32 @@
+"""POST /v1/completions: OpenAI's completions API, plus `session_id`, `top_k`, `min_p` and
+`repetition_penalty`.
+
+With `session_id` the prompt continues the session's memory instead of starting from nothing:
+the history is not recomputed, and `usage.prompt_tokens_details.cached_tokens` says how many
+tokens of context came from memory. The session's memory afterwards holds the prompt and every
+generated token (a stop string included, since the model produced it), committed only when the
+request completes: a client that disconnects (streamed or not), an error or a cancel leaves the
+session as it was. `n > 1` cannot be combined with `session_id` (which choice would the session
+keep?).
+
+Streaming is SSE as OpenAI does it: `data: {chunk}` events, one per released piece of text per
+choice, a last chunk per choice with its `finish_reason`, with `stream_options.include_usage`
+a final chunk with empty `choices` and the `usage`, then `data: [DONE]`. An error after the
+stream started is sent in the stream as `data: {"error": {...}}`; one before it (an invalid
+request, a busy session, a full queue) is an HTTP error status, as without streaming.
+"""
+
+from fastapi import APIRouter, Depends, Request
+
+from xlserve.server.api.protocol import CompletionRequest
+from xlserve.server.api.serving import Completion, app_state, complete, owner_of, stream_completion
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, owner: str | None = Depends(owner_of)):
+    completion = Completion(app_state(request), body, owner)
+    if body.stream:
+        return await stream_completion(completion)
+    return await complete(completion, request)

@@ -1,0 +1,98 @@
+"""/v1/sessions: long-lived model memory that requests continue.
+
+    POST   /v1/sessions                  {"model"} -> a new, empty session
+    GET    /v1/sessions/{id}             tokens, version, state_bytes, tier, in_use, timestamps
+    DELETE /v1/sessions/{id}
+    POST   /v1/sessions/{id}/append      {"text" | token ids, "score"}: feed a document chunk
+    POST   /v1/sessions/{id}/fork        a new session starting from this one's committed state
+    GET    /v1/sessions/{id}/state       export: safetensors bytes (see server/cache/codec.py)
+    PUT    /v1/sessions/{id}/state       import into this session: its state is replaced (one commit)
+    POST   /v1/sessions/import           import as a new session (?model= optional, else the file's)
+
+A session belongs to the API key that created it (another key sees 404) and its id is 128
+random bits. `append` feeds a document chunk into the memory and, with `score`, returns its
+log-probability: appending a document chunk by chunk scores it exactly as one pass would,
+which is how users evaluate long documents.
+
+Import never creates a session under an id the client picked: ids stay random and an
+existing id of another key stays invisible, so PUT replaces the state of a session you own
+and a new session comes from POST /v1/sessions/import. Fork, export and import take the session
+like any request does: while another request holds it they answer 409 `session_busy`. An
+imported state must be of the same model (metadata `model`) and fit it
+(`LanguageModel.check_state`: state class, tensor names, dtypes, fixed dimensions); anything
+else is a 400. The exported metadata carries the model name, architecture, token count and
+version; the owner is left out.
+
+The session operations run in the engine process, where the cache is; what the cache refuses
+reaches the client through the app's error handlers (server/api/errors.py).
+"""
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from xlserve.server.api.protocol import AppendRequest, CreateSession
+from xlserve.server.api.serving import app_state, append_to_session, owner_of, read_body
+
+router = APIRouter()
+
+
+@router.post("/v1/sessions")
+async def create_session(body: CreateSession, request: Request, owner: str | None = Depends(owner_of)):
+    state = app_state(request)
+    state.served(body.model)
+    info = await state.engine.session_call("create", model=body.model, owner=owner)
+    return info.public()
+
+
+@router.post("/v1/sessions/import")
+async def import_new_session(request: Request, model: str | None = None, owner: str | None = Depends(owner_of)):
+    """The engine process decodes the body and checks that it fits the model (400 otherwise)."""
+    state = app_state(request)
+    if model is not None:
+        state.served(model)
+    blob = await read_body(request)
+    info = await state.engine.session_call("import_new", blob, model=model, owner=owner)
+    return info.public()
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    info = await app_state(request).engine.session_call("info", session_id=session_id, owner=owner)
+    return info.public()
+
+
+@router.delete("/v1/sessions/{session_id}")
+async def delete_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    await app_state(request).engine.call("delete", session_id=session_id, owner=owner)
+    return {"id": session_id, "object": "session", "deleted": True}
+
+
+@router.post("/v1/sessions/{session_id}/fork")
+async def fork_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    info = await app_state(request).engine.session_call("fork", session_id=session_id, owner=owner)
+    return {**info.public(), "forked_from": session_id}
+
+
+@router.get("/v1/sessions/{session_id}/state")
+async def export_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    info, blob = await app_state(request).engine.export(session_id, owner)
+    return Response(content=blob, media_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="{session_id}.safetensors"',
+        "X-Session-Version": str(info.version), "X-Session-Tokens": str(info.tokens),
+    })
+
+
+@router.put("/v1/sessions/{session_id}/state")
+async def import_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
+    engine = app_state(request).engine
+    # 404 for a session that is not yours before reading a body that may be large
+    await engine.session_call("info", session_id=session_id, owner=owner)
+    blob = await read_body(request)
+    info = await engine.session_call("replace", blob, session_id=session_id, owner=owner)
+    return info.public()
+
+
+@router.post("/v1/sessions/{session_id}/append")
+async def append(session_id: str, body: AppendRequest, request: Request, owner: str | None = Depends(owner_of)):
+    result = await append_to_session(app_state(request), owner, session_id, body.text, body.score)
+    return result.body()

@@ -1,0 +1,132 @@
+"""Websocket /v1/stream: generation and document feeding over one long-lived connection.
+
+The protocol (JSON text frames, one request at a time per connection) is documented in
+docs/websocket.md. In short: the client sends `generate`, `append` or `cancel`; the server
+answers a request with `token` frames and one `done` frame, or with an `error` frame. A frame
+the server cannot use gets an `error` frame and the connection stays open. Closing the
+connection cancels the request in flight within one engine step; its session stays as it was.
+
+This router keeps the connection: it reads frames, runs one request at a time and sends what
+serving answers. What a request does, and the frames of its answer, are server/api/serving.py's.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+
+from xlserve.server.api.protocol import CancelFrame, GenerateFrame, frame_id, parse_frame
+from xlserve.server.api.serving import (
+    APIError,
+    AppState,
+    Cancellation,
+    Conflict,
+    app_state,
+    append_frames,
+    error_frame,
+    generation_frames,
+    owner_of,
+)
+
+router = APIRouter()
+
+
+class _RunningRequest:
+    """The request running on a connection."""
+
+    def __init__(self, request_id: str | None):
+        self.id = request_id
+        self.cancellation = Cancellation()
+        self.task: asyncio.Task | None = None
+
+
+class _Connection:
+    """One client's connection: reads its frames, runs one request at a time, sends the answers."""
+
+    def __init__(self, websocket: WebSocket, state: AppState, owner: str | None):
+        self.websocket, self.state, self.owner = websocket, state, owner
+        self.send_lock = asyncio.Lock()
+        self.current: _RunningRequest | None = None
+
+    async def send(self, frame: dict) -> None:
+        """Send a frame; a connection that is gone is noticed by the receive loop, which cancels."""
+        async with self.send_lock:
+            try:
+                await self.websocket.send_text(json.dumps(frame))
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                pass
+
+    async def run(self) -> None:
+        try:
+            while True:
+                message = await self.websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                await self.handle(message.get("text"))  # None: a binary frame
+        finally:  # the client left (or the server is stopping): cancel what runs, nothing is committed
+            running = self.current
+            if running is not None:
+                running.cancellation.cancel()
+                if running.task is not None:
+                    running.task.cancel()
+                    await asyncio.gather(running.task, return_exceptions=True)
+
+    async def handle(self, text: str | None) -> None:
+        request_id = None
+        try:
+            request_id = frame_id(text)
+            frame = parse_frame(text)
+            if isinstance(frame, CancelFrame):
+                running = self.current
+                if running is None or (frame.id is not None and frame.id != running.id):
+                    raise Conflict("nothing to cancel: no request with that id is running", code="nothing_to_cancel")
+                running.cancellation.cancel()
+                return
+            if self.current is not None:
+                raise Conflict(f"request {self.current.id!r} is still running; send one request at a time "
+                               "(or cancel it first)", code="request_in_progress")
+            request = _RunningRequest(frame.id)
+            if isinstance(frame, GenerateFrame):
+                # validated, holding its session and queued before this returns: a refusal is answered here
+                frames = await generation_frames(self.state, frame, self.owner, request.cancellation)
+            else:
+                frames = append_frames(self.state, frame, self.owner, request.cancellation)
+            self.current = request
+            self.state.inflight += 1
+            request.task = asyncio.create_task(self._answer(request, frames))
+        except Exception as error:  # refused before it started: an error frame, the connection stays
+            await self.send(error_frame(request_id, error))
+
+    def _finished_with(self, request: _RunningRequest) -> None:
+        """Let the connection take its next request (at once when the client can see the answer's end)."""
+        if self.current is request:
+            self.current = None
+            self.state.inflight -= 1
+
+    async def _answer(self, request: _RunningRequest, frames: AsyncGenerator) -> None:
+        try:
+            async with aclosing(frames):
+                async for frame in frames:
+                    if frame["type"] == "done":
+                        self._finished_with(request)
+                    await self.send(frame)
+        except Exception as error:
+            self._finished_with(request)
+            await self.send(error_frame(request.id, error))
+        finally:
+            self._finished_with(request)
+
+
+@router.websocket("/v1/stream")
+async def stream(websocket: WebSocket):
+    state = app_state(websocket)
+    await websocket.accept()
+    try:
+        owner = owner_of(websocket)
+    except APIError as error:
+        await websocket.send_text(json.dumps(error_frame(None, error)))
+        await websocket.close(code=1008, reason="authentication failed")
+        return
+    await _Connection(websocket, state, owner).run()
