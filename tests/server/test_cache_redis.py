@@ -4,11 +4,10 @@ import pytest
 
 import redis
 
-from xlserve.server.cache import CacheFull, SessionConflict, SessionNotFound
+from xlserve.server.cache import CacheFull, SessionCache, SessionConflict, SessionNotFound
 from xlserve.server.cache.stores import RedisStore
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
-from tests.server.test_cache_sessions import MODEL, data, same, size
-from xlserve.server.cache import SessionCache
+from tests.server.cache_helpers import MODEL, data, same, size
 
 
 def replica(tmp_path, name, url, **budgets) -> SessionCache:

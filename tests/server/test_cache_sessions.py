@@ -1,54 +1,18 @@
 """The session cache with real stores (memory, disk) and a toy state: no model runs."""
 
-from dataclasses import dataclass
-from types import SimpleNamespace
-
 import pytest
 import torch
-from torch import Tensor
 
-from xlserve.models.interface import State
 from xlserve.server.cache import (
     CacheFull,
     SessionCache,
-    SessionData,
     SessionLocked,
     SessionNotFound,
     SessionUnavailable,
 )
 from xlserve.server.cache.codec import decode
 from xlserve.server.metrics import Metrics
-
-V = 8
-
-
-@dataclass
-class ToyState(State):
-    memory: Tensor  # (B, n) float32
-    layers: list[Tensor]  # (B, 3) int64 each
-
-
-def check_toy(state):
-    if not isinstance(state, ToyState) or len(state.layers) != 2:
-        raise ValueError("not a toy state")
-
-
-MODEL = SimpleNamespace(device=torch.device("cpu"), state_class=ToyState, architecture="toy", check_state=check_toy)
-
-
-def data(n: int, seed: int, tokens: int = 5) -> SessionData:
-    g = torch.Generator().manual_seed(seed)
-    state = ToyState(memory=torch.randn(1, n, generator=g), layers=[torch.randint(0, 9, (1, 3), generator=g) for _ in range(2)])
-    return SessionData(state=state, tokens=tokens, next_log_probs=torch.randn(V, generator=g).log_softmax(-1))
-
-
-def size(n: int) -> int:
-    return n * 4 + 2 * 3 * 8 + V * 4  # memory + two int64 layers + next_log_probs
-
-
-def same(a: SessionData, b: SessionData) -> bool:
-    return (a.tokens == b.tokens and torch.equal(a.next_log_probs, b.next_log_probs)
-            and all(torch.equal(x, y) for x, y in zip(a.state.to_tensors().values(), b.state.to_tensors().values())))
+from tests.server.cache_helpers import MODEL, data, same, size
 
 
 def make_cache(tmp_path, device=None, host=None, disk=None, metrics=None) -> SessionCache:
