@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test bench gpu-check redis clean
+.PHONY: serve test bench gpu-check clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

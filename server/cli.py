@@ -9,11 +9,12 @@ from pathlib import Path
 
 
 def _resolve_model_dir(name_or_path: str) -> Path:
-    from xlserve.server.settings import WEIGHTS_DIR, checkpoint_dir
+    from xlserve.server.settings import Settings, checkpoint_dir
 
-    path = checkpoint_dir(name_or_path)
+    weights_dir = Settings().weights_dir  # XLSERVE_WEIGHTS_DIR, as `serve` uses it
+    path = checkpoint_dir(name_or_path, weights_dir)
     if not path.is_dir():
-        raise SystemExit(f"no checkpoint directory '{name_or_path}' (looked in . and {WEIGHTS_DIR})")
+        raise SystemExit(f"no checkpoint directory '{name_or_path}' (looked in . and {weights_dir})")
     return path
 
 

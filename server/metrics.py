@@ -2,11 +2,12 @@
 
 Names follow vLLM's style (xlserve_<what>_<unit>), all labelled by model.
 
-The server runs two processes (server/engine_process.py) and each creates a `Metrics`. Each
-family is recorded by exactly one of them: the API process records what a client sees (time to
-first token, inter-token and end-to-end latency as streamed, errors by type, memory reuse and
-state size at commit: `API_FAMILIES`); the engine process records the rest (tokens, queue,
-batch sizes, outcomes, the session cache). /metrics renders both halves into one exposition.
+The server runs two processes (server/engine/process.py, docs/design.md section 8) and each
+creates a `Metrics`. Each family is recorded by exactly one of them: the API process records
+what a client sees (time to first token, inter-token and end-to-end latency as streamed, errors
+by type, memory reuse and state size at commit: `API_FAMILIES`); the engine process records the
+rest (tokens, queue, batch sizes, outcomes, the session cache). /metrics renders both halves
+into one exposition.
 """
 
 from __future__ import annotations

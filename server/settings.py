@@ -1,7 +1,8 @@
 """Server settings, read from the environment (prefix XLSERVE_) by pydantic-settings.
 
 Created in the app factory (or by `xlserve serve`), never at import time, so tests build apps
-with their own settings.
+with their own settings. The engine process gets the API process's settings as JSON (without the
+API keys) and rebuilds them; every setting is listed in the README.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def sample(model: LanguageModel, prompt: str, length: int, temperature: float = 
 
 
 # fixed-context models: windows this far apart over the whole held-out set (each byte predicted
-# from at least L - 64 bytes); a window per byte would take hours on 2 cores
+# from at least L - 64 bytes); a window per byte costs a full forward per byte (evaluate.py)
 CARD_WINDOW_STRIDE = 64
 PERMUTATION_BYTES = 300_000  # held-out bytes XLNet is also scored on with its training objective
 STRIDE_ONE_BYTES = 20_000  # held-out bytes a fixed-context model is also scored on at stride 1

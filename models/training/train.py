@@ -1,4 +1,4 @@
-"""The training loop: the standard recipe of design.md section 5, resumable.
+"""The training loop: the standard recipe of docs/design.md section 5, resumable.
 
 Every shipped `*-stdlib` checkpoint is trained with `STANDARD_RECIPE` (same corpus, split, byte
 budget and optimiser schedule) and a preset of about 1-3M parameters, so held-out bits per byte

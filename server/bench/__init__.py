@@ -1,8 +1,9 @@
-"""Benchmarks: `xlserve bench NAME [args]` runs `server.bench.<name>.main(args)`.
+"""Benchmarks: `xlserve bench NAME [args]` runs `xlserve.server.bench.<name>.main(args)`.
 
 Each benchmark writes its results as JSON (and a plot where it has one) under bench-results/
-unless told otherwise, and prints a table. Benchmarks run alone: on 2 cores a second
-torch-heavy process slows both about 5x.
+unless told otherwise, and prints a table. Benchmarks run alone: on a small machine a
+second torch-heavy process slows both and makes the numbers meaningless. docs/benchmarks.md
+describes each one and holds the latest numbers.
 """
 
 BENCHMARKS = {

@@ -9,7 +9,7 @@ For each model and each history length H, on held-out stdlib text:
 - append_time_spread per model: slowest append over fastest across the histories, minus 1 (a
   constant-state model such as the ∞-former should stay within 0.2 from 1k to 100k tokens).
 Medians over repeats; the reused appends of all history lengths are timed round-robin. Results go to bench-results/continuation.json and continuation.png.
-Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
+Run it alone: a second torch-heavy process on the same cores slows both and skews the numbers.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ window full, the memory full), --vanilla-bytes (default: about 64k positions' wo
 server run them.
 
 Results: bench-results/eval-speed.json and .png (--quick: eval-speed-quick.*), and a table.
-Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
+Run it alone: a second torch-heavy process on the same cores slows both and skews the numbers.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ length H (held-out stdlib text):
 
 Redis: --redis-url, or a temporary redis-server on a free loopback port when the binary is
 installed (no persistence), or skipped with --no-redis. Results go to bench-results/sessions.json
-and sessions.png. Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
+and sessions.png. Run it alone: a second torch-heavy process on the same cores slows both and skews
+the numbers.
 """
 
 from __future__ import annotations

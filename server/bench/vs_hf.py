@@ -8,7 +8,7 @@ randomly initialised reference model is saved with save_pretrained, converted wi
 `xlserve convert`, and both generate greedily, at each batch size:
 - prefill: a random prompt of --prompt-len tokens (default mem_len, so the memory is full),
   fed in chunks of --chunk tokens, both starting from EMPTY memories (the reference's default
-  `init_mems` would add mem_len zero vectors; see design.md §3);
+  `init_mems` would add mem_len zero vectors; see docs/design.md section 3);
 - decode: --new-tokens steps of argmax + one forward call of the chosen token.
 The reference is driven by the same plain loop (its forward with `mems`), which is the work its
 `generate()` does per step minus generate's own overhead: each step re-projects every layer's
@@ -16,8 +16,9 @@ memory of hidden states into keys and values, where xlserve keeps them projected
 The generated tokens must be identical; the log-probabilities of the chosen tokens are compared.
 
 Results: bench-results/vs-hf.json and vs-hf.png (--quick: vs-hf-quick.*), and a printed table.
-Run it alone: on 2 cores a second torch-heavy process slows both about 5x. The full setting
-takes about 15-20 minutes on 2 cores, almost all of it in the reference at batch 8.
+Run it alone: a second torch-heavy process on the same cores slows both and skews the ratio.
+The full setting spends almost all of its time in the reference at batch 8 (how long it takes:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Tokens/s count generated tokens over the whole call, prompt included, for `gener
 xlserve ("end to end"); the per-step decode rate is reported beside it.
 
 Results: bench-results/vs-hf-xlnet.json and .png (--quick: vs-hf-xlnet-quick.*), and a table.
-Run it alone: on 2 cores a second torch-heavy process slows both about 5x.
+Run it alone: a second torch-heavy process on the same cores slows both and skews the numbers.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Session state: the bookkeeping manager, the stores that move bytes, and the cache the API uses.
+"""Session state: the bookkeeping manager, the stores that move bytes, and the session cache
+(which runs in the engine process; docs/design.md section 6).
 
 The exceptions and `SessionInfo` (server/cache/errors.py) are imported at once; the rest, which
 needs torch, on first use, so that the API process never loads torch.

@@ -1,8 +1,9 @@
 """The session cache: every session's model state, across tiers, durable at every commit.
 
 A session is (model, state, token count, version, owner). The `CacheManager` (manager.py) keeps
-the books and plans; this class carries the plans out through the stores (stores.py) and is
-what the API calls:
+the books and plans; this class carries the plans out through the stores (stores.py). It runs
+in the engine process, which calls it for the API process's session operations (the wire ops of
+server/engine/process.py; docs/design.md section 6):
 
     create / fork / import_new      a new session (random 128-bit id, version 0)
     acquire -> Lease                one request at a time (else SessionLocked -> 409): the
