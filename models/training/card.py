@@ -111,10 +111,10 @@ def _storage_lines(directory: Path, storage: str | None) -> list[str]:
 
 
 def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], text_sample: str) -> None:
+    """card.md and evaluation.json of the checkpoint in `directory` (its training.json and
+    config.json must be there): what was trained on what, held-out bits per byte, a sample."""
     training = json.loads((directory / "training.json").read_text())
-    recipe = training["recipe"]
     storage = json.loads((directory / "config.json").read_text()).get("storage_dtype")
-    corpus = stdlib_corpus()
     params = sum(p.numel() for p in model.parameters())
     lines = [
         f"# {directory.name}",
@@ -123,6 +123,18 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         "recipe on the Python standard library source, shipped so that `make serve` has a real model to serve.",
         "",
         *_storage_lines(directory, storage),
+        *_training_lines(model, training),
+        *_held_out_lines(model, training, evaluations),
+        *_sample_lines(directory, model, training, storage, text_sample),
+    ]
+    (directory / "card.md").write_text("\n".join(lines))
+    (directory / "evaluation.json").write_text(json.dumps(evaluations, indent=2) + "\n")
+
+
+def _training_lines(model: LanguageModel, training: dict) -> list[str]:
+    recipe = training["recipe"]
+    corpus = stdlib_corpus()
+    return [
         "## Training",
         "",
         f"- Corpus: every `.py` file under the stdlib root of the training interpreter, outside `site-packages` "
@@ -139,6 +151,12 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         f"- Preset `{training['preset']}`: `{json.dumps(training['config'])}`",
         f"- Wall time: {training['elapsed_s'] / 60:.1f} minutes on {machine_summary()}.",
         "",
+    ]
+
+
+def _held_out_lines(model: LanguageModel, training: dict, evaluations: list[dict]) -> list[str]:
+    recipe = training["recipe"]
+    lines = [
         "## Held-out bits per byte",
         "",
         "Each held-out file is scored on its own from an empty state, carried across the whole file "
@@ -182,7 +200,12 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         "|---|---|",
     ]
     lines += [f"| {e['step']} | {e['held_out_bits_per_byte_quick']:.4f} |" for e in training["evaluations"]]
-    lines += [
+    return lines
+
+
+def _sample_lines(directory: Path, model: LanguageModel, training: dict, storage: str | None,
+                  text_sample: str) -> list[str]:
+    return [
         "",
         "## Sample",
         "",
@@ -198,5 +221,3 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
             store=f"`xlserve store --model {directory.name} --dtype {storage}`, " if storage else ""),
         "",
     ]
-    (directory / "card.md").write_text("\n".join(lines))
-    (directory / "evaluation.json").write_text(json.dumps(evaluations, indent=2) + "\n")
