@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test bench gpu-check clean
+.PHONY: serve test fuzz bench gpu-check clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ serve: $(INSTALLED)
 test: $(INSTALLED)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	$(PY) -m pytest -q
+
+# the fuzz run of `make test` (tests/e2e/test_fuzz.py) with a larger budget: examples per operation and kind
+FUZZ_EXAMPLES ?= 300
+fuzz: $(INSTALLED)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/e2e/test_fuzz.py
 
 bench: $(INSTALLED)
 	$(VENV)/bin/xlserve bench continuation

@@ -300,10 +300,15 @@ class InfinityFormer(LanguageModel):
             position=torch.zeros(batch_size, dtype=torch.int64, device=p.device),
         )
 
-    def check_state(self, state: State) -> None:
-        super().check_state(state)
+    def check_state(self, state: State, tokens: int | None = None) -> None:
+        super().check_state(state, tokens)
         if (state.position < 0).any():
             raise ValueError("state position must be non-negative")
+
+    def _check_tokens(self, state: ContinuousMemory, tokens: int) -> None:
+        """The state counts the tokens it has seen (`position`): the same count as the session's."""
+        if int(state.position[0]) != tokens:
+            raise ValueError(f"state tensor 'position' says {int(state.position[0])} tokens seen, the session {tokens}")
 
     def with_long_term_memory(self, enabled: bool) -> "InfinityFormer":
         """A view of this model (same parameters) with the continuous attention on or off."""

@@ -16,6 +16,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+# how far from 0 the logsumexp of an imported next-token row may be (float32 rounding over a
+# large vocabulary stays far below it; a row that is not log-probabilities is far above it)
+LOG_PROBS_SUM_TOLERANCE = 1e-3
+
 
 @dataclass
 class ArchConfig:
@@ -111,6 +115,11 @@ class State:
         parts = self.split()
         return type(self).concat([parts[i] for i in rows])
 
+    def check_consistent(self) -> None:
+        """Raise ValueError, naming the tensor, where this state's tensors disagree with each
+        other (lengths of keys, values and masks). Nothing to check by default: a class whose
+        tensors share a varying length overrides it."""
+
     def put_row(self, index: int, row: "State") -> bool:
         """Overwrite batch row `index` with the batch-1 state `row` in place and return True, or
         return False and change nothing where the class cannot (the default) or not for this
@@ -169,13 +178,49 @@ class LanguageModel(nn.Module):
         raise NotImplementedError
 
     def forward(self, tokens: Tensor, state: State) -> tuple[Tensor, State]:
-        """tokens (B, T) int64 -> log-probabilities (B, T, V) of the next token after each
-        position, and the state after these T tokens."""
+        """tokens (B, T) int64 -> float32 log-probabilities (B, T, V) of the next token after
+        each position, and the state after these T tokens."""
         raise NotImplementedError
 
-    def check_state(self, state: State) -> None:
-        """Raise ValueError when `state` could not have come from this model (wrong class,
-        tensor count, per-row shape or dtype). Sequence lengths may differ from a fresh state."""
+    # -- checking states that come from outside (imports, restores) ----------------------------
+    # A state or a next-token row that the model could not have produced must be refused before
+    # anything runs on it: a NaN in one session's memory would otherwise reach every request
+    # batched with it. Each check raises ValueError naming the tensor at fault.
+
+    def check_session(self, state: State, tokens: int, next_log_probs: Tensor | None) -> None:
+        """Everything a session holds, checked together: its state (`check_state`, also against
+        the number of tokens it has seen) and its next-token row (`check_next_log_probs`)."""
+        self.check_state(state, tokens)
+        self.check_next_log_probs(next_log_probs, tokens)
+
+    def check_next_log_probs(self, next_log_probs: Tensor | None, tokens: int) -> None:
+        """Raise ValueError unless `next_log_probs` is what this model's forward leaves after
+        `tokens` tokens: None before the first token, else a finite float32 vector of vocab_size
+        log-probabilities whose probabilities sum to 1."""
+        if next_log_probs is None:
+            if tokens > 0:
+                raise ValueError("a state that has seen tokens needs next_log_probs")
+            return
+        if tokens == 0:
+            raise ValueError("a state that has seen no tokens has no next_log_probs")
+        if next_log_probs.dim() != 1 or next_log_probs.shape[0] != self.vocab_size \
+                or next_log_probs.dtype != torch.float32:
+            raise ValueError(f"next_log_probs must be a float32 vector of {self.vocab_size} values, "
+                             f"got {next_log_probs.dtype} {tuple(next_log_probs.shape)}")
+        if not bool(torch.isfinite(next_log_probs).all()):
+            raise ValueError("next_log_probs holds NaN or infinite values")
+        total = float(torch.logsumexp(next_log_probs.double(), dim=0))
+        if abs(total) > LOG_PROBS_SUM_TOLERANCE:
+            raise ValueError(f"next_log_probs is not a log-distribution: its probabilities sum to "
+                             f"exp({total:.4g}), not 1")
+
+    def check_state(self, state: State, tokens: int | None = None) -> None:
+        """Raise ValueError, naming the tensor at fault, when `state` could not have come from
+        this model: wrong class or tensor names; a dtype, or a fixed dimension
+        (`_fixed_state_dims`), other than a fresh state's; a floating tensor holding NaN or
+        infinities; tensors whose lengths disagree (`State.check_consistent`); and, given
+        `tokens`, a batch-1 state whose lengths do not fit having seen that many tokens
+        (`_check_tokens`). Sequence lengths may differ from a fresh state."""
         if not isinstance(state, self.state_class):
             raise ValueError(f"expected a {self.state_class.__name__}, got {type(state).__name__}")
         fresh = dict(self.init_state(1)._named_tensors())
@@ -195,6 +240,23 @@ class LanguageModel(nn.Module):
                         f"state tensor '{name}' has shape {tuple(actual.shape)}, "
                         f"dimension {dim} must be {expected.shape[dim]}"
                     )
+        batch = state.batch_size
+        for name, actual in given.items():
+            if actual.shape[0] != batch:
+                raise ValueError(f"state tensor '{name}' holds {actual.shape[0]} batch rows, the others {batch}")
+            if actual.is_floating_point() and not bool(torch.isfinite(actual).all()):
+                raise ValueError(f"state tensor '{name}' holds NaN or infinite values")
+        state.check_consistent()
+        if tokens is not None:
+            if tokens < 0:
+                raise ValueError(f"a state cannot have seen {tokens} tokens")
+            if batch != 1:
+                raise ValueError(f"a session state has batch size 1, this one has {batch}")
+            self._check_tokens(state, tokens)
+
+    def _check_tokens(self, state: State, tokens: int) -> None:
+        """Raise ValueError when the batch-1 `state` does not fit having seen `tokens` tokens
+        (an architecture whose state records its history's length overrides it)."""
 
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         """Dimensions of a state tensor that never change (all but batch by default)."""

@@ -245,9 +245,16 @@ class TransformerXL(LanguageModel):
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # memory length (dim 1) varies
 
-    def check_state(self, state: State) -> None:
-        super().check_state(state)
+    def check_state(self, state: State, tokens: int | None = None) -> None:
+        super().check_state(state, tokens)
         state.check_within(self.config.mem_len)
+
+    def _check_tokens(self, state: XLMemory, tokens: int) -> None:
+        """After t tokens the memory holds the last min(t, mem_len) positions."""
+        expected = min(tokens, self.config.mem_len)
+        if state.seen_positions() != expected:
+            raise ValueError(f"state tensor 'valid' marks {state.seen_positions()} positions; after {tokens} tokens "
+                             f"a memory of mem_len {self.config.mem_len} holds {expected}")
 
     def forward(self, tokens: Tensor, state: XLMemory, lengths: Tensor | None = None) -> tuple[Tensor, XLMemory]:
         """tokens (B, T) -> log-probs (B, T, V) and the memory after them. With `lengths` (B,),

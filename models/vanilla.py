@@ -173,22 +173,25 @@ class VanillaTransformer(LanguageModel):
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # window and cache lengths (dim 1) vary
 
-    def check_state(self, state: State) -> None:
-        super().check_state(state)
+    def check_state(self, state: State, tokens: int | None = None) -> None:
+        super().check_state(state, tokens)  # valid, cached and the cache fit tokens: ByteWindow.check_consistent
         L = self.config.context_len
-        if state.valid.shape != state.tokens.shape:
-            raise ValueError(f"state 'valid' has shape {tuple(state.valid.shape)}, tokens {tuple(state.tokens.shape)}")
         if state.length > L:
             raise ValueError(f"window holds {state.length} bytes, more than context_len {L}")
-        if state.cached.shape != state.tokens.shape[:1]:
-            raise ValueError(
-                f"state 'cached' has shape {tuple(state.cached.shape)}, expected ({state.tokens.shape[0]},)"
-            )
         if state.tokens.numel() and (int(state.tokens.min()) < 0 or int(state.tokens.max()) >= self.vocab_size):
             raise ValueError(f"state 'tokens' holds ids outside 0..{self.vocab_size - 1}")
-        for k, v in zip(state.keys, state.values):
-            if k.shape != v.shape or k.shape[1] not in (0, state.length):
-                raise ValueError(f"key/value cache of {k.shape[1]} positions does not fit a window of {state.length}")
+
+    def _check_tokens(self, state: ByteWindow, tokens: int) -> None:
+        """After t bytes the window holds the last min(t, L), and once it has slid (t > L) it
+        keeps no key/value cache (every position shifted)."""
+        L = self.config.context_len
+        held = int(state.valid.sum())
+        if held != min(tokens, L):
+            raise ValueError(f"state tensor 'valid' marks {held} bytes; after {tokens} bytes a window of "
+                             f"context_len {L} holds {min(tokens, L)}")
+        if tokens > L and state.cache_length > 0 and bool(state.cached.any()):
+            raise ValueError(f"state tensor 'cached' claims a key/value cache for a window that has slid "
+                             f"({tokens} bytes seen, context_len {L})")
 
     # -- the network --------------------------------------------------------------------------
 

@@ -203,9 +203,18 @@ class XLNet(LanguageModel):
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # memory length (dim 1) varies
 
-    def check_state(self, state: State) -> None:
-        super().check_state(state)
+    def check_state(self, state: State, tokens: int | None = None) -> None:
+        super().check_state(state, tokens)
         state.check_within(self.config.mem_len)
+
+    def _check_tokens(self, state: XLMemory, tokens: int) -> None:
+        """After t tokens the memory holds the last min(t, mem_len) positions (all t with
+        mem_len None)."""
+        mem_len = self.config.mem_len
+        expected = tokens if mem_len is None else min(tokens, mem_len)
+        if state.seen_positions() != expected:
+            raise ValueError(f"state tensor 'valid' marks {state.seen_positions()} positions; after {tokens} tokens "
+                             f"a memory of mem_len {mem_len} holds {expected}")
 
     # -- the two streams ----------------------------------------------------------------------
 

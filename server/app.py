@@ -1,29 +1,89 @@
 """The FastAPI application: `build_app(settings)` and its lifespan.
 
 The lifespan starts the engine process (server/engine/process.py: every configured checkpoint
-on the device, one engine per model, the session cache) and waits until it is ready; this
-process keeps the HTTP side: routing, validation, authentication, streaming, and the metrics a
-client sees. On shutdown it stops admitting, then tells the engine process to close its engines
-and let the cache write its sessions down.
+on the device, one engine per model, the session cache); this process keeps the HTTP side:
+routing, validation, authentication, streaming, and the metrics a client sees. `xlserve serve`
+lets the port open at once and loads in the background: until the models are loaded `/ready`
+is 503 (`loading`) and every request gets 503 `loading` with Retry-After (`LoadingGate`), which
+is what the README promises instead of "connection refused". When the models are loaded one
+block of INFO lines says what the server is using (`log_startup`).
+
+If the engine process dies, its client (server/engine/client.py) starts a new one; when it
+cannot, `on_fatal` is told and `xlserve serve` exits non-zero.
+
+On shutdown it stops admitting and waits for requests in flight (`drain`); those still running
+when the grace period ends are cut with an error that says so (`server_shutting_down`), never
+silently. Then it tells the engine process to close its engines and let the cache write its
+sessions down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
-from xlserve.server.api.admission import AdmissionMiddleware
+from xlserve.server.api.admission import OPEN_PATHS, AdmissionMiddleware
+from xlserve.server.api.chat import load_chat_template
 from xlserve.server.api.deps import AppState, ServedModel
-from xlserve.server.api.errors import install_error_handlers
-from xlserve.server.api.routers import completions, health, models, sessions, ws
+from xlserve.server.api.errors import as_api_error, install_error_handlers
+from xlserve.server.api.routers import chat, completions, health, models, sessions, tokenize, ws
+from xlserve.server.api.serving import error_frame
 from xlserve.server.engine.client import EngineClient
+from xlserve.server.engine.errors import EngineError, ShuttingDown
 from xlserve.server.metrics import Metrics
-from xlserve.server.settings import Settings
+from xlserve.server.settings import Settings, checkpoint_dir, masked_url
+from xlserve.server.version import package_version
+
+log = logging.getLogger("xlserve.server")
+
+# after the grace period, how long cut requests may take to send their error and let go of
+# their sessions before the server closes the connections
+CUT_SECONDS = 5
+
+
+class StartupRefused(Exception):
+    """The settings cannot give a working server (no checkpoint to serve, a named one missing):
+    `xlserve serve` says why in one line and exits non-zero, before opening the port."""
+
+
+def checkpoints_to_serve(settings: Settings) -> list[Path]:
+    """The checkpoint directories the settings name (each a directory with a config.json), or
+    StartupRefused saying what is missing. Only the file system is read: no torch here."""
+    weights_dir = Path(settings.weights_dir)
+    available = sorted(p.name for p in weights_dir.iterdir() if (p / "config.json").exists()) \
+        if weights_dir.is_dir() else []
+    where = (f"{weights_dir.resolve()} does not exist" if not weights_dir.is_dir() else
+             f"{weights_dir.resolve()} has no checkpoint directory (one with a config.json)")
+    names = [name.strip() for name in settings.models.split(",") if name.strip()]
+    if not names:
+        if not available:
+            raise StartupRefused(f"no checkpoint to serve: {where}; name checkpoints with --models / XLSERVE_MODELS "
+                                 "or point --weights-dir / XLSERVE_WEIGHTS_DIR at them")
+        return settings.model_dirs()
+    directories = []
+    for name in names:
+        directory = checkpoint_dir(name, weights_dir)
+        if not (directory / "config.json").exists():
+            have = f"; checkpoints in {weights_dir}: {', '.join(available)}" if available else f"; {where}"
+            raise StartupRefused(f"no checkpoint '{name}': neither a checkpoint directory nor one under "
+                                 f"{weights_dir}{have}")
+        directories.append(directory)
+    seen: dict[str, Path] = {}
+    for directory in directories:  # a model is served under its directory's name
+        if directory.name in seen:
+            raise StartupRefused(f"two checkpoints would be served as '{directory.name}': {seen[directory.name]} "
+                                 f"and {directory}")
+        seen[directory.name] = directory
+    return directories
 
 
 def served_models(engine: EngineClient) -> dict[str, ServedModel]:
@@ -33,29 +93,116 @@ def served_models(engine: EngineClient) -> dict[str, ServedModel]:
         directory = Path(described["directory"])
         tokenizer = tokenizer_for_checkpoint(described["checkpoint_config"], directory)
         served[described["name"]] = ServedModel(described["name"], tokenizer, described["vocab_size"],
-                                                described["card"])
+                                                described["card"],
+                                                load_chat_template(described["checkpoint_config"], directory))
     return served
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.3g} GiB"
+
+
+def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
+    """One block of INFO lines: what this server runs and where its sessions go."""
+    ready = engine.ready_frame
+    settings = state.settings
+    lines = [f"xlserve {package_version()} ready in {seconds:.1f}s (engine process pid {ready.get('pid')})"]
+    for described in engine.models:
+        card = described["card"]
+        lines.append(f"  model {described['name']}: {card['architecture']}, {card['parameters']:,} parameters, "
+                     f"{described.get('device')} {described.get('dtype')}, loaded in "
+                     f"{described.get('load_seconds', 0):.2f}s from {described['directory']}")
+    threads = ready.get("threads", {})
+    lines.append(f"  threads per model: {threads.get('forward')} for forwards, {threads.get('prompt')} for prompts "
+                 f"of 256 tokens or more ({threads.get('cores')} cores; XLSERVE_TORCH_THREADS, "
+                 "XLSERVE_PROMPT_THREADS)")
+    store = ready.get("session_store", {})
+    lines.append(f"  state directory: {store.get('state_dir')} ({store.get('sessions')} sessions found)")
+    tiers = (f"device {_gib(store.get('device_bytes', 0))} -> host {_gib(store.get('host_bytes', 0))} -> "
+             f"disk {_gib(store.get('disk_bytes', 0))}")
+    redis = store.get("redis") or (masked_url(settings.redis_url) if settings.redis_url else None)
+    lines.append(f"  session store: {tiers} -> Redis {redis}" if redis else
+                 f"  session store: {tiers} (no Redis: the disk is the last tier)")
+    keys = len(state.api_keys)
+    lines.append(f"  API keys: {keys}" if keys else "  API keys: none, the API is open (XLSERVE_API_KEYS)")
+    for line in lines:
+        log.info("%s", line)
+
+
+class LoadingGate:
+    """Until the engine process has loaded the models, every request but the open paths gets
+    503 `loading` with Retry-After (a websocket: an error frame, then close code 1013, "try
+    again later"), rather than a 404 for a model that is not loaded yet."""
+
+    def __init__(self, app: ASGIApp, open_paths: frozenset[str]):
+        self.app, self.open_paths = app, open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = getattr(scope["app"].state, "xlserve", None) if scope["type"] in ("http", "websocket") else None
+        if state is None or state.models or state.engine is None or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        error = state.engine.unavailable_error()
+        if scope["type"] == "websocket":
+            if (await receive())["type"] == "websocket.connect":
+                await send({"type": "websocket.accept"})
+                await send({"type": "websocket.send", "text": json.dumps(error_frame(None, error))})
+                await send({"type": "websocket.close", "code": 1013, "reason": "not ready"})
+            return
+        api_error = as_api_error(error)
+        body = json.dumps(api_error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(name.lower().encode(), value.encode()) for name, value in api_error.headers.items()]
+        await send({"type": "http.response.start", "status": api_error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def cut_streams(app: FastAPI) -> int:
+    """End every generation and append still running with `server_shutting_down`: a stream gets
+    it as its error event (then [DONE]), a websocket as an error frame, a plain request as a 503.
+    Nothing of a cut request is committed. Returns how many were cut."""
+    state = getattr(app.state, "xlserve", None)
+    if state is None or state.engine is None:
+        return 0
+    return state.engine.cut(lambda: ShuttingDown(
+        "the server is shutting down and this request did not finish within its grace period "
+        "(XLSERVE_SHUTDOWN_GRACE_SECONDS); nothing of it was committed: send it again", code="server_shutting_down"))
 
 
 async def drain(app: FastAPI, grace_seconds: float) -> None:
     """Graceful shutdown, first half: stop admitting (new requests get 503, /ready turns 503)
-    and wait up to `grace_seconds` for requests in flight to finish and commit their sessions.
-    The server then stops and the lifespan closes the engines and the cache (which persists)."""
+    and wait up to `grace_seconds` for requests in flight to finish and commit their sessions;
+    then cut those still running, each with an error that says why (`cut_streams`). The server
+    then stops and the lifespan closes the engines and the cache (which persists)."""
     state = getattr(app.state, "xlserve", None)
     if state is None:
         return
     state.draining, state.ready = True, False
-    if state.engine is None or not state.engine.alive:
+    engine = state.engine
+    if engine is None or not engine.alive:
         return
-    await state.engine.stop_admitting()
     deadline = time.monotonic() + grace_seconds
-    while time.monotonic() < deadline and state.engine.alive:
-        if state.inflight == 0 and await state.engine.idle():
-            break
+    try:
+        await engine.stop_admitting()
+        while time.monotonic() < deadline and engine.alive:
+            if state.inflight == 0 and await engine.idle():
+                return
+            await asyncio.sleep(0.05)
+    except EngineError:  # the engine process died meanwhile: what ran has had its error
+        return
+    if cut_streams(app):
+        log.warning("the grace period (%gs) is over: requests still running were stopped", grace_seconds)
+    deadline = time.monotonic() + CUT_SECONDS
+    while state.inflight > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
 
 
-def build_app(settings: Settings | None = None) -> FastAPI:
+def build_app(settings: Settings | None = None, *, load_in_background: bool = False,
+              on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app. `load_in_background`: start serving at once and load the models meanwhile
+    (`xlserve serve`); otherwise the lifespan's start-up waits for them (tests, embedding).
+    `on_fatal(reason)`: the engine process cannot be started or restarted (else it is logged,
+    and /health turns 503)."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -63,21 +210,34 @@ def build_app(settings: Settings | None = None) -> FastAPI:
         metrics = Metrics()
         state = AppState(settings=settings, metrics=metrics, api_keys=settings.api_key_list())
         app.state.xlserve = state
+        started = time.monotonic()
+
+        def ready(engine: EngineClient, restarted: bool) -> None:
+            if not restarted:
+                state.models = served_models(engine)
+                log_startup(state, engine, time.monotonic() - started)
+            state.ready = not state.draining
+
         # loads the models and finds the sessions an earlier run wrote down (graceful or killed)
-        state.engine = await EngineClient(settings, metrics).start()
-        state.models = served_models(state.engine)
-        state.ready = True
+        state.engine = EngineClient(settings, metrics, on_ready=ready, on_fatal=on_fatal)
+        if load_in_background:
+            state.engine.start_in_background()
+        else:
+            await state.engine.start()
         try:
             yield
         finally:
             state.ready = False
             await state.engine.close()
 
-    app = FastAPI(title="xlserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="xlserve", version=package_version(), lifespan=lifespan)
     install_error_handlers(app)
 
+    open_paths = OPEN_PATHS | {path for path in (app.openapi_url, app.docs_url, app.redoc_url) if path}
+    app.add_middleware(LoadingGate, open_paths=frozenset(open_paths))
     app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.max_request_body_bytes)
 
-    for router in (health.router, models.router, completions.router, sessions.router, ws.router):
+    for router in (health.router, models.router, completions.router, chat.router, tokenize.router,
+                   sessions.router, ws.router):
         app.include_router(router)
     return app

@@ -1,4 +1,8 @@
-"""`xlserve serve | train | new | store | eval | bench | convert`."""
+"""`xlserve serve | train | new | store | eval | bench | convert`, and `xlserve --version`.
+
+`serve` refuses settings that cannot work (no checkpoint to serve, a named one missing, an
+invalid value) in one line before it opens the port, and exits non-zero when the engine process
+cannot be started or restarted (server/engine/client.py), so that a supervisor takes over."""
 
 from __future__ import annotations
 
@@ -18,12 +22,31 @@ def _resolve_model_dir(name_or_path: str) -> Path:
     return path
 
 
+def _log_to_stderr(level: str) -> None:
+    """xlserve's own loggers (the start-up block, engine restarts) next to uvicorn's, at its level."""
+    import logging
+
+    class UvicornStyle(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            record.levelprefix = f"{record.levelname}:".ljust(9)  # "INFO:     ..." as uvicorn's lines
+            return super().format(record)
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(UvicornStyle("%(levelprefix)s %(message)s"))
+    logger = logging.getLogger("xlserve")
+    logger.addHandler(handler)
+    number = logging.getLevelName(level.upper())  # uvicorn's "trace" is below logging's levels
+    logger.setLevel(number if isinstance(number, int) else logging.DEBUG)
+    logger.propagate = False
+
+
 def cmd_serve(args) -> None:
     import asyncio
 
+    import pydantic
     import uvicorn
 
-    from xlserve.server.app import build_app, drain
+    from xlserve.server.app import StartupRefused, build_app, checkpoints_to_serve, cut_streams, drain
     from xlserve.server.settings import Settings
 
     overrides = {}
@@ -35,15 +58,30 @@ def cmd_serve(args) -> None:
         overrides["weights_dir"] = args.weights_dir
     if args.state_dir:
         overrides["state_dir"] = args.state_dir
-    settings = Settings(**overrides)
+    # refuse what cannot work in one line, before the port opens (no traceback: nothing is broken)
+    try:
+        settings = Settings(**overrides)
+        checkpoints_to_serve(settings)
+        settings.api_key_list()  # a key file that cannot be read
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise SystemExit(f"xlserve serve: setting {field} (XLSERVE_{field.upper()}): {first['msg']}") from None
+    except StartupRefused as error:
+        raise SystemExit(f"xlserve serve: {error}") from None
+    except OSError as error:
+        raise SystemExit(f"xlserve serve: XLSERVE_API_KEYS names a file that cannot be read: {error}") from None
+    _log_to_stderr(args.log_level)
 
-    app = build_app(settings)
     grace = settings.shutdown_grace_seconds if args.grace_seconds is None else args.grace_seconds
+    failure: list[str] = []  # why the engine process is gone for good, when it is
 
     class GracefulServer(uvicorn.Server):
         """The first SIGTERM/SIGINT drains: new requests get 503 while running ones finish (up
-        to the grace period) and commit; then uvicorn stops and the lifespan closes the engines
-        and the cache. A second signal stops at once. Exits 0 either way."""
+        to the grace period) and commit; those still running then get an error event
+        `server_shutting_down`; then uvicorn stops and the lifespan closes the engines and the
+        cache. A second signal cuts what runs (with the same error) and stops at once. Exits 0
+        either way; exits 1 when the engine process cannot be started or restarted."""
 
         draining = False
 
@@ -60,13 +98,24 @@ def cmd_serve(args) -> None:
 
                 self._drain_task = loop.create_task(drain_then_exit())
                 return
+            if self.started:  # on the loop, not inside this handler: it may have interrupted the loop anywhere
+                asyncio.get_running_loop().call_soon_threadsafe(cut_streams, app)
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal after shutting down; a graceful stop should exit 0
             self._captured_signals.clear()
 
+    def engine_lost(reason: str) -> None:
+        """The engine process cannot be (re)started: stop, so that a supervisor takes over."""
+        failure.append(reason)
+        server.should_exit = True
+
+    app = build_app(settings, load_in_background=True, on_fatal=engine_lost)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    GracefulServer(config).run()
+    server = GracefulServer(config)
+    server.run()
+    if failure:
+        raise SystemExit(f"xlserve serve: {failure[0]}")
 
 
 def cmd_train(args) -> None:
@@ -162,7 +211,10 @@ def cmd_convert(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from xlserve.server.version import package_version
+
     parser = argparse.ArgumentParser(prog="xlserve")
+    parser.add_argument("--version", action="version", version=f"xlserve {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the HTTP server")

@@ -5,9 +5,9 @@ Names follow vLLM's style (xlserve_<what>_<unit>), all labelled by model.
 The server runs two processes (server/engine/process.py, docs/design.md section 8) and each
 creates a `Metrics`. Each family is recorded by exactly one of them: the API process records
 what a client sees (time to first token, inter-token and end-to-end latency as streamed, errors
-by type, memory reuse and state size at commit: `API_FAMILIES`); the engine process records the
-rest (tokens, queue, batch sizes, outcomes, the session cache). /metrics renders both halves
-into one exposition.
+by type, memory reuse and state size at commit) and the engine process's restarts
+(`API_FAMILIES`); the engine process records the rest (tokens, queue, batch sizes, outcomes, the
+session cache). /metrics renders both halves into one exposition.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
 API_FAMILIES = frozenset({
     "xlserve_time_to_first_token_seconds", "xlserve_inter_token_latency_seconds",
     "xlserve_e2e_request_latency_seconds", "xlserve_request_errors", "xlserve_memory_reused_tokens",
-    "xlserve_state_bytes_per_session",
+    "xlserve_state_bytes_per_session", "xlserve_engine_restarts",
 })
 
 
@@ -48,6 +48,11 @@ class Metrics:
         )
         self.requests = Counter(
             "xlserve_requests", "Finished requests by finish reason", ["model", "finish_reason"], registry=r
+        )
+        # the API process starts a new engine process when one dies: every model it served is
+        # counted, so the series follows the dashboard's model filter like every other
+        self.engine_restarts = Counter(
+            "xlserve_engine_restarts", "Times the engine process died and a new one was started", ["model"], registry=r
         )
         self.request_errors = Counter("xlserve_request_errors", "Failed requests by error type", ["model", "type"], registry=r)
         self.requests_running = Gauge("xlserve_requests_running", "Requests being processed", ["model"], registry=r)

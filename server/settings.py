@@ -2,13 +2,16 @@
 
 Created in the app factory (or by `xlserve serve`), never at import time, so tests build apps
 with their own settings. The engine process gets the API process's settings as JSON (without the
-API keys) and rebuilds them; every setting is listed in the README.
+API keys) in the first frame over its socket, never on its command line (which `ps` shows to
+every user), and rebuilds them; every setting is listed in the README.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,6 +28,23 @@ def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
     otherwise the directory of that name under `weights_dir` (which may not exist)."""
     path = Path(name_or_path)
     return path if path.is_dir() else weights_dir / name_or_path
+
+
+def masked_url(url: str) -> str:
+    """`url` with its password (if any) replaced by ***, for logs and error messages: a Redis URL
+    may carry one (redis://user:password@host:port/db)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:  # an IPv6 address goes back into brackets
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port is not None else ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    except ValueError:  # not a URL urllib can take apart (a bad port): hide all the credentials
+        return re.sub(r"//[^/]*@", "//***@", url)
 
 
 class Settings(BaseSettings):
@@ -50,6 +70,10 @@ class Settings(BaseSettings):
     max_batch_size: int = 64  # rows decoded together per model step (a request with n choices takes n)
     max_queued_requests: int = 256  # requests waiting for a batch slot per model; beyond: 429
     shutdown_grace_seconds: float = 30  # on SIGTERM, how long running requests may finish
+    # the engine process is restarted when it dies; more than this many restarts within the window
+    # and the server exits non-zero instead, so a supervisor (systemd, Kubernetes) takes over
+    engine_restart_limit: int = 3  # 0 = never restart: the first death stops the server
+    engine_restart_window_seconds: float = 600
 
     # session state
     state_dir: Path = STATE_DIR  # where sessions are written down
@@ -57,6 +81,13 @@ class Settings(BaseSettings):
     host_state_bytes: int = 4 << 30
     disk_state_bytes: int = 64 << 30
     redis_url: str = ""
+    store_timeout_seconds: float = 5.0  # each call to the session store (Redis) gives up after this long
+    # a store write that timed out: how long to keep asking the store whether it landed before
+    # answering 503 commit_outcome_unknown
+    commit_settle_seconds: float = 15.0
+
+    # memory: the engine process hands freed memory back to the system when idle (server/engine/memory.py)
+    return_memory: bool = True
 
     @field_validator("api_keys")
     @classmethod

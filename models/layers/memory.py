@@ -29,6 +29,22 @@ def _left_padding(valid: Tensor) -> int:
     return int((~valid[0]).sum())
 
 
+def _check_padding_on_the_left(valid: Tensor) -> None:
+    """ValueError unless every row's padding (False in `valid` (B, M)) comes before its own
+    positions, which is what splitting a batch relies on."""
+    if valid.shape[1] > 1 and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        raise ValueError("state tensor 'valid' has padding after a valid position (padding only ever comes first)")
+
+
+def _check_same_positions(named: list[tuple[str, Tensor]], reference: str, like: Tensor) -> None:
+    """ValueError naming the first tensor whose batch rows and positions (dims 0, 1) are not
+    those of the state tensor `reference`, `like` (B, M)."""
+    for name, tensor in named:
+        if tuple(tensor.shape[:2]) != tuple(like.shape[:2]):
+            raise ValueError(f"state tensor '{name}' has shape {tuple(tensor.shape)}: it must cover the "
+                             f"{like.shape[1]} positions of '{reference}' for each of its {like.shape[0]} rows")
+
+
 @dataclass
 class XLMemory(State):
     """Per layer, the projected keys and values of the last positions seen.
@@ -58,6 +74,19 @@ class XLMemory(State):
     def check_within(self, mem_len: int | None) -> None:
         if mem_len is not None and self.length > mem_len:
             raise ValueError(f"memory holds {self.length} positions, more than mem_len {mem_len}")
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: as many layers of keys as of values, and every one covering
+        the positions of `valid`, padding first."""
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"state has keys for {len(self.keys)} layers and values for {len(self.values)}")
+        _check_same_positions([*((f"keys.{i}", k) for i, k in enumerate(self.keys)),
+                               *((f"values.{i}", v) for i, v in enumerate(self.values))], "valid", self.valid)
+        _check_padding_on_the_left(self.valid)
+
+    def seen_positions(self) -> int:
+        """Positions a batch-1 memory holds (its valid ones)."""
+        return int(self.valid.sum())
 
     @classmethod
     def concat(cls, states: list["XLMemory"]) -> "XLMemory":
@@ -160,6 +189,24 @@ class ByteWindow(State):
     def fully_cached(self) -> bool:
         """Every row's cache covers its whole window (trivially so for an empty window)."""
         return self.length == 0 or (self.cache_length == self.length and bool(self.cached.all()))
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: `valid` and `cached` fit `tokens`, padding comes first, and
+        each layer's cached keys and values cover the whole window or nothing."""
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"state has keys for {len(self.keys)} layers and values for {len(self.values)}")
+        _check_same_positions([("valid", self.valid)], "tokens", self.tokens)
+        if tuple(self.cached.shape) != tuple(self.tokens.shape[:1]):
+            raise ValueError(f"state tensor 'cached' has shape {tuple(self.cached.shape)}, "
+                             f"expected ({self.tokens.shape[0]},)")
+        _check_padding_on_the_left(self.valid)
+        for i, (keys, values) in enumerate(zip(self.keys, self.values)):
+            if keys.shape != values.shape:
+                raise ValueError(f"state tensors 'keys.{i}' {tuple(keys.shape)} and 'values.{i}' "
+                                 f"{tuple(values.shape)} differ in shape")
+            if keys.shape[1] not in (0, self.length) or keys.shape[1] != self.cache_length:
+                raise ValueError(f"state tensor 'keys.{i}' caches {keys.shape[1]} positions, the window holds "
+                                 f"{self.length} and layer 0 caches {self.cache_length}")
 
     def _without_cache(self) -> "ByteWindow":
         empty = lambda t: t[:, :0]  # noqa: E731

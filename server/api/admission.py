@@ -6,7 +6,11 @@ chunk, unlike a BaseHTTPMiddleware):
 - while the server drains for shutdown, new requests get 503 (`/health`, `/ready` and
   `/metrics` stay open so orchestrators can watch the drain);
 - requests in flight are counted on the app state, so shutdown can wait for them to finish
-  and commit their sessions before the cache closes.
+  and commit their sessions before the cache closes;
+- text at the edges: a URL path or query string that is not UTF-8 once percent-decoded (an
+  encoded surrogate such as %ED%A0%80 included) gets 400, and so does a JSON body nested deeper
+  than MAX_JSON_DEPTH (server/api/protocol.py), before any parser recurses into it. Both are
+  plain answers on a connection that stays open for the next request.
 
 Websocket connections pass through: `/v1/stream` admits (and counts) each request it runs.
 """
@@ -14,12 +18,14 @@ Websocket connections pass through: `/v1/stream` admits (and counts) each reques
 from __future__ import annotations
 
 import json
+from urllib.parse import unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from xlserve.server.api.errors import RequestTooLarge, Unavailable
+from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, Unavailable
+from xlserve.server.api.protocol import json_depth_exceeded, too_deep
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 
 
 async def _send_error(send: Send, error) -> None:
@@ -28,6 +34,24 @@ async def _send_error(send: Send, error) -> None:
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def unreadable_target(scope: Scope) -> InvalidRequest | None:
+    """The 400 for a path or query string that is not UTF-8 once percent-decoded, or None."""
+    for part, raw in (("path", scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")),
+                      ("query string", scope.get("query_string", b""))):
+        try:
+            unquote_to_bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as error:
+            return InvalidRequest(f"the URL {part} is not valid UTF-8 once percent-decoded ({error.reason} at "
+                                  f"byte {error.start}): text must be Unicode that can be encoded as UTF-8",
+                                  code="invalid_text")
+    return None
+
+
+def is_json(headers: dict[bytes, bytes]) -> bool:
+    media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    return media_type == b"application/json" or media_type.endswith(b"+json")
 
 
 class AdmissionMiddleware:
@@ -44,6 +68,10 @@ class AdmissionMiddleware:
             await _send_error(send, Unavailable("the server is shutting down and admits no new requests",
                                                 code="shutting_down"))
             return
+        unreadable = unreadable_target(scope)
+        if unreadable is not None:
+            await _send_error(send, unreadable)
+            return
         limit = self.max_body_bytes
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
@@ -52,8 +80,10 @@ class AdmissionMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             await _send_error(send, too_large(int(length)))
             return
-        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            # no length announced: read (at most limit + 1 bytes of) the body here, then replay it
+        json_body = is_json(headers)
+        if scope["method"] in ("POST", "PUT", "PATCH") and (length is None or json_body):
+            # read (at most limit + 1 bytes of) the body here, then replay it: a body sent
+            # without a length is measured, a JSON body's nesting checked
             messages, size = [], 0
             while True:
                 message = await receive()
@@ -66,10 +96,14 @@ class AdmissionMiddleware:
                     return
                 if not message.get("more_body", False):
                     break
-            replay = iter(messages)
+            if json_body and json_depth_exceeded(b"".join(m.get("body", b"") for m in messages)):
+                await _send_error(send, too_deep("the body"))
+                return
+            replay, receive_from_client = iter(messages), receive
 
             async def receive_replayed():
-                return next(replay, None) or await receive()
+                # the buffered messages first, then the client's (a disconnect, later)
+                return next(replay, None) or await receive_from_client()
 
             receive = receive_replayed
         if state is not None:

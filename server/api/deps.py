@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from xlserve.server.engine.client import EngineClient
+from xlserve.server.api.chat import ChatTemplate
 from xlserve.server.api.errors import AuthenticationFailed
 from xlserve.server.engine.errors import ModelNotFound
 from xlserve.server.metrics import Metrics
@@ -25,6 +26,7 @@ class ServedModel:
     tokenizer: object
     vocab_size: int
     card: dict  # what /v1/models says about it
+    chat_template: ChatTemplate | None = None  # for /v1/chat/completions (server/api/chat.py)
 
 
 @dataclass

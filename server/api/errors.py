@@ -8,6 +8,7 @@ place that says what a client sees for each of them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +21,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from xlserve.server.cache.errors import (
     CacheError,
     CacheFull,
+    CommitOutcomeUnknown,
+    IdempotencyKeyReused,
     SessionConflict,
     SessionLocked,
     SessionNotFound,
+    SessionTooLarge,
     SessionUnavailable,
 )
-from xlserve.server.engine.errors import EngineError, EngineGone, InvalidInput, ModelNotFound, QueueFull, ShuttingDown
+from xlserve.server.engine.errors import (
+    EngineError,
+    EngineGone,
+    EngineLoading,
+    EngineRestarting,
+    InvalidInput,
+    ModelNotFound,
+    QueueFull,
+    RequestFailed,
+    ShuttingDown,
+)
 
 
 class APIError(Exception):
@@ -82,17 +96,50 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 # -- request validation: one message format for HTTP bodies and websocket frames -----------------
 
 REQUEST_PARTS = frozenset({"body", "query", "path"})  # where FastAPI found a field: not part of its name
+BODY_NOT_AN_OBJECT = "the body must be a JSON object, sent with 'Content-Type: application/json'"
+# pydantic's words for a string (a field name, say) that holds an unpaired surrogate
+NOT_UTF8 = "text must be valid Unicode that can be encoded as UTF-8; a string holds an unpaired surrogate"
+
+
+def json_syntax_message(what: str, reason: str, document: str, position: int) -> str:
+    """"body is not valid JSON: Expecting ',' delimiter at line 1, column 9": where a JSON text
+    went wrong, by line and column (1-based) as an editor shows them."""
+    line = document.count("\n", 0, position) + 1
+    column = position - document.rfind("\n", 0, position)
+    return f"{what} is not valid JSON: {reason} at line {line}, column {column}"
 
 
 def validation_error(errors: Sequence[Mapping], containers: Collection[str] = (),
-                     code: str | None = None) -> InvalidRequest:
+                     code: str | None = None, document: Any = None) -> InvalidRequest:
     """The InvalidRequest for pydantic's validation errors: the first of them, named by the path
     of the field at fault ("stream_options.include_usage"), without the location parts in
-    `containers`, which say where the field sat rather than what it is."""
+    `containers`, which say where the field sat rather than what it is. FastAPI reports a body
+    that is not JSON as an error at ("body", position) of `document`: that becomes a message
+    with its line and column, and no param."""
     first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part not in containers]
-    param = ".".join(location) or None
-    reason = str(first.get("msg", "invalid request"))
+    location = tuple(first.get("loc", ()))
+    kind = first.get("type")
+    if kind == "json_invalid" and len(location) == 2 and isinstance(location[1], int):
+        reason = str((first.get("ctx") or {}).get("error", "invalid JSON"))
+        text = document if isinstance(document, str) else ""
+        return InvalidRequest(json_syntax_message("body", reason, text, location[1]), code=code)
+    if kind == "string_unicode":
+        location = tuple(part for part in location if part not in containers)
+        return InvalidRequest(NOT_UTF8, param=".".join(str(part) for part in location) or None, code=code)
+    if location == ("body",):  # the body as a whole
+        reason = "the request needs a JSON body" if kind == "missing" else BODY_NOT_AN_OBJECT
+        return InvalidRequest(reason, code=code)
+    parts = [str(part) for part in location if part not in containers]
+    key = None
+    if len(parts) >= 2 and parts[-1] == "[key]":  # a mapping's key is at fault, not a field
+        key, parts = parts[-2], parts[:-2]
+    param = ".".join(parts) or None
+    if key is not None:
+        reason = f"key '{key}': {first.get('msg', 'invalid key')}"
+    elif kind == "extra_forbidden":
+        reason = "unknown or unsupported field: this endpoint does not take it (no field is ignored silently)"
+    else:
+        reason = str(first.get("msg", "invalid request"))
     return InvalidRequest(f"{param}: {reason}" if param else reason, param=param, code=code)
 
 
@@ -120,6 +167,11 @@ ERROR_KINDS: dict[type[BaseException], ErrorKind] = {
                          headers={"Retry-After": "1"}),
     ShuttingDown: ErrorKind(Unavailable.status, Unavailable.type, code="shutting_down"),
     EngineGone: ErrorKind(Unavailable.status, Unavailable.type, code="engine_gone"),
+    EngineRestarting: ErrorKind(Unavailable.status, Unavailable.type, code="engine_restarting",
+                                headers={"Retry-After": "2"}),
+    EngineLoading: ErrorKind(Unavailable.status, Unavailable.type, code="loading", headers={"Retry-After": "2"}),
+    # one request's row could not be computed (its code says which part); the others went on
+    RequestFailed: ErrorKind(APIError.status, APIError.type, code="sampling_failed"),
     SessionNotFound: ErrorKind(NotFound.status, NotFound.type, code="session_not_found", param="session_id",
                                message=_session_message("session '{session}' does not exist")),
     SessionLocked: ErrorKind(SessionBusy.status, SessionBusy.type, code="session_busy", param="session_id",
@@ -133,6 +185,14 @@ ERROR_KINDS: dict[type[BaseException], ErrorKind] = {
                          headers={"Retry-After": "1"}),
     SessionUnavailable: ErrorKind(Unavailable.status, Unavailable.type, code="session_unavailable",
                                   param="session_id"),
+    # never fits: unlike CacheFull no retry can help, so no Retry-After
+    SessionTooLarge: ErrorKind(RequestTooLarge.status, RequestTooLarge.type, code="session_too_large",
+                               param="session_id"),
+    # no Retry-After either: a blind retry could apply twice; the message says how to check
+    CommitOutcomeUnknown: ErrorKind(Unavailable.status, Unavailable.type, code="commit_outcome_unknown",
+                                    param="session_id"),
+    IdempotencyKeyReused: ErrorKind(422, InvalidRequest.type, code="idempotency_key_reused",
+                                    param="Idempotency-Key"),
 }
 
 
@@ -150,6 +210,14 @@ def as_api_error(error: BaseException) -> APIError:
     return mapped
 
 
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON (non-ASCII escaped): whatever a message or param quotes,
+    even text that cannot become UTF-8, can be sent, so an error never turns into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Whatever a route lets out becomes the one error body: API errors as raised, engine and
     cache errors through ERROR_KINDS, invalid requests in the one validation format, unknown
@@ -157,26 +225,34 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(CacheError)
     @app.exception_handler(EngineError)
     async def _mapped(request: Request, error: Exception):
         api_error = as_api_error(error)
-        return JSONResponse(api_error.body(), status_code=api_error.status, headers=api_error.headers)
+        return ErrorResponse(api_error.body(), status_code=api_error.status, headers=api_error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):
-        invalid = validation_error(error.errors(), containers=REQUEST_PARTS)
-        return JSONResponse(invalid.body(), status_code=invalid.status)
+        invalid = validation_error(error.errors(), containers=REQUEST_PARTS, document=error.body)
+        return ErrorResponse(invalid.body(), status_code=invalid.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException):
-        kinds = {404: NotFound.type, 405: InvalidRequest.type, 413: RequestTooLarge.type}
-        return JSONResponse(error_body(str(error.detail), kinds.get(error.status_code, "http_error")),
-                            status_code=error.status_code)
+        kinds = {400: InvalidRequest.type, 404: NotFound.type, 405: InvalidRequest.type, 413: RequestTooLarge.type}
+        message = str(error.detail)
+        # FastAPI answers a body its JSON parser choked on with a bare "error parsing the body":
+        # say what it was
+        cause = error.__cause__
+        if isinstance(cause, RecursionError):
+            message = "the body nests arrays and objects too deeply"
+        elif isinstance(cause, UnicodeDecodeError):
+            message = f"the body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+        return ErrorResponse(error_body(message, kinds.get(error.status_code, "http_error")),
+                             status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):
         api_error = as_api_error(error)
-        return JSONResponse(api_error.body(), status_code=api_error.status)
+        return ErrorResponse(api_error.body(), status_code=api_error.status)

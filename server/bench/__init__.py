@@ -15,4 +15,5 @@ BENCHMARKS = {
     "vs-hf-xlnet": "vs_hf_xlnet",
     "eval-speed": "eval_speed",
     "memory-quality": "memory_quality",
+    "soak": "soak",
 }

@@ -10,11 +10,14 @@ from importlib import import_module
 from xlserve.server.cache.errors import (
     CacheError,
     CacheFull,
+    CommitOutcomeUnknown,
     CorruptState,
+    IdempotencyKeyReused,
     SessionConflict,
     SessionInfo,
     SessionLocked,
     SessionNotFound,
+    SessionTooLarge,
     SessionUnavailable,
 )
 
@@ -29,6 +32,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "TIERS", "CacheError", "CacheFull", "CacheManager", "CorruptState", "Lease", "SessionCache", "SessionConflict",
-    "SessionData", "SessionInfo", "SessionLocked", "SessionNotFound", "SessionUnavailable",
+    "TIERS", "CacheError", "CacheFull", "CacheManager", "CommitOutcomeUnknown", "CorruptState", "IdempotencyKeyReused",
+    "Lease", "SessionCache", "SessionConflict", "SessionData", "SessionInfo", "SessionLocked", "SessionNotFound",
+    "SessionTooLarge", "SessionUnavailable",
 ]

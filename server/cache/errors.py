@@ -43,6 +43,22 @@ class SessionUnavailable(CacheError):
     corrupt, or a store is unreachable)."""
 
 
+class SessionTooLarge(CacheError):
+    """The session's state is larger than the whole budget of a tier it must live in (the
+    model's device, or the last tier): no retry can make it fit, unlike CacheFull."""
+
+
+class CommitOutcomeUnknown(CacheError):
+    """A store did not answer a write in time, nor, within the settle wait, the question whether
+    the write landed: the change may or may not be in the session. The client checks the
+    session's version and tokens (or retries with the same Idempotency-Key, which applies at most
+    once)."""
+
+
+class IdempotencyKeyReused(CacheError):
+    """An Idempotency-Key already used on this session for a different request."""
+
+
 @dataclass
 class SessionInfo:
     id: str

@@ -42,6 +42,9 @@ class Record:
     last_used_at: float  # wall time, reported to users
     copies: set[str] = field(default_factory=set)  # tiers holding the committed state
     pinned: bool = False  # a request holds a lease
+    # Idempotency-Key entries, newest first, as in the durable copy (without Redis; with Redis,
+    # Redis holds them and they are read from there when a request carries a key)
+    remembered: list[dict] = field(default_factory=list)
     use_seq: int = 0  # monotonic use counter: the LRU order (wall clocks can tie or step back)
 
     @property

@@ -43,13 +43,34 @@ last tier holds every session). An acquire is a hit on the tier it found the ses
 miss on every faster tier.
 
 Budgets count the bytes of committed states (`SessionData.nbytes()`: state tensors plus the
-next-token distribution). A running request's working copy is the engine's business. Every
-operation runs under one lock, I/O included: simple and exact, at the price of serialising
-commits (one fsync or Redis round trip each).
+next-token distribution). A running request's working copy is the engine's business. A session
+whose state is larger than the whole budget of the device or of the last tier can never be
+served: that is SessionTooLarge (→ 413), never the retryable CacheFull.
+
+Locking: the books and the local tiers (device, host, disk) are guarded by one lock, their I/O
+included: simple and exact, at the price of serialising local commits (one fsync each). Redis
+is never called under that lock: a hung Redis must not queue every other request behind one
+that waits on it. A request that talks to Redis pins its session first (acquire does; a
+commit's lease already has), so no other request of this replica changes that session in the
+meantime, and each Redis call is bounded by the store's timeout (stores.py).
+
+Certain commits: a client is never told that a commit failed when it landed, nor that it landed
+when it did not. When a Redis write times out, the commit asks Redis, for up to the settle wait,
+whether that write landed, and fences it if it has not (stores.py `settle`): then the answer is
+final either way. Only when Redis stays silent for the whole settle wait is the answer
+CommitOutcomeUnknown (→ 503 `commit_outcome_unknown`), which says how to find out.
+
+Idempotency-Keys: a request that changes a session may carry a key (with a fingerprint of the
+request). The session remembers the most recent IDEMPOTENCY_KEYS_PER_SESSION keys with each
+one's first result, in its durable copy, written in the same atomic write as the change they
+belong to (the file's metadata; Redis's hash). The same key again returns that result instead of
+applying twice (a Lease with `replay`, or a `Replay`); the same key with another request is
+IdempotencyKeyReused (→ 422). A delete with a key leaves a tombstone for a day.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -58,32 +79,74 @@ from dataclasses import dataclass, field
 
 from xlserve.server.cache.codec import CorruptState, SessionData, decode, encode, session_data
 from xlserve.server.cache.errors import (
+    CacheError,
     CacheFull,
+    CommitOutcomeUnknown,
+    IdempotencyKeyReused,
     SessionConflict,
     SessionInfo,
     SessionLocked,
     SessionNotFound,
+    SessionTooLarge,
     SessionUnavailable,
 )
 from xlserve.server.cache.manager import CacheManager, Move, Record
-from xlserve.server.cache.stores import SESSION_ID, DiskStore, MemoryStore, RedisStore, StoreFull, StoreUnavailable
+from xlserve.server.cache.stores import (
+    SESSION_ID,
+    DiskStore,
+    Head,
+    MemoryStore,
+    RedisStore,
+    StoreFull,
+    StoreUnavailable,
+    entries_from_lines,
+    entry_line,
+)
 
 log = logging.getLogger("xlserve.cache")
+
+IDEMPOTENCY_KEYS_PER_SESSION = 32  # the most recent Idempotency-Keys a session remembers (README)
+TOMBSTONE_SECONDS = 24 * 3600  # how long a delete's Idempotency-Key is remembered
 
 
 @dataclass
 class Lease:
-    """A request's hold on a session: `data` is the committed state it starts from."""
+    """A request's hold on a session: `data` is the committed state it starts from. A lease with
+    `replay` holds nothing: the request's Idempotency-Key was seen before, and `replay` is that
+    request's remembered entry (its first `result`, and the session's version and tokens after it)."""
 
     session_id: str
     version: int
-    data: SessionData
+    data: SessionData | None
     info: SessionInfo
     done: bool = field(default=False)
+    replay: dict | None = None
+
+
+@dataclass
+class Replay:
+    """The answer of an operation whose Idempotency-Key was seen before: its remembered entry."""
+
+    entry: dict
 
 
 def new_session_id() -> str:
     return "sess_" + secrets.token_hex(16)  # 128 random bits
+
+
+def remembered_entry(remembered: list[dict], idempotency: dict | None, session_id: str) -> dict | None:
+    """The entry of `idempotency`'s key among a session's remembered ones; IdempotencyKeyReused
+    when the key was used for a different request (another fingerprint)."""
+    if idempotency is None:
+        return None
+    for entry in remembered:
+        if entry.get("key") == idempotency["key"]:
+            if entry.get("fingerprint") != idempotency["fingerprint"]:
+                raise IdempotencyKeyReused(
+                    f"Idempotency-Key '{idempotency['key']}' was already used on session '{session_id}' for a "
+                    "different request; send a new key with a new request", session_id)
+            return entry
+    return None
 
 
 def _info(record: Record) -> SessionInfo:
@@ -96,9 +159,12 @@ def _info(record: Record) -> SessionInfo:
 
 class SessionCache:
     def __init__(self, state_dir, device_bytes: int | None, host_bytes: int | None, disk_bytes: int | None,
-                 redis_url: str = "", metrics=None):
+                 redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0):
+        """`store_timeout_s` bounds each Redis call; `settle_s` is how long a commit whose write
+        timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown."""
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
-        self.redis = RedisStore(redis_url) if redis_url else None
+        self.redis = RedisStore(redis_url, timeout_s=store_timeout_s) if redis_url else None
+        self.settle_s = settle_s
         if self.redis is not None:
             budgets["redis"] = None  # bounded by Redis's own maxmemory
         self.manager = CacheManager(budgets)
@@ -107,14 +173,15 @@ class SessionCache:
         self.host = MemoryStore("cpu")
         self.disk = DiskStore(state_dir)
         self.metrics = metrics
-        self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, check_state)
+        self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, check_session)
         self._lock = threading.RLock()
         self._published: set[tuple[str, str]] = set()
 
     @classmethod
     def from_settings(cls, settings, metrics=None) -> "SessionCache":
         return cls(settings.state_dir, settings.device_state_bytes, settings.host_state_bytes,
-                   settings.disk_state_bytes, settings.redis_url, metrics)
+                   settings.disk_state_bytes, settings.redis_url, metrics,
+                   store_timeout_s=settings.store_timeout_seconds, settle_s=settings.commit_settle_seconds)
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -125,6 +192,7 @@ class SessionCache:
             self.models.update(models)
             if self.redis is not None:
                 self.redis.ping()
+            self.disk.prune_tombstones(TOMBSTONE_SECONDS)
             found = sorted(self.disk.scan(), key=lambda item: float(item[1].get("last_used_at", 0)))
             for session_id, meta in found:
                 if self.manager.get(session_id) is not None:
@@ -157,38 +225,95 @@ class SessionCache:
     # -- the API ----------------------------------------------------------------------------
 
     def create(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
-        with self._lock:
-            return self._admit_new(model, owner, data)
+        return self._admit_new(model, owner, data)
 
     def info(self, session_id: str, owner: str | None) -> SessionInfo:
+        head = self._head(session_id)  # outside the lock: Redis may be slow
         with self._lock:
-            record = self._lookup(session_id, owner)
-            self._sync_with_redis(record)
+            record = self._lookup(session_id, owner, head)
+            if head is not None and head.version > record.version:
+                if record.pinned:  # a request holds it (its commit may be landing): report, change nothing
+                    return dataclasses.replace(_info(record), version=head.version, tokens=int(head.meta["tokens"]),
+                                               state_bytes=int(head.meta["nbytes"]))
+                self._catch_up(record, head)
             return _info(record)
 
     def sessions(self) -> list[SessionInfo]:
         with self._lock:
             return [_info(r) for r in self.manager.records.values()]
 
-    def acquire(self, session_id: str, owner: str | None) -> Lease:
+    def list_sessions(self, owner: str | None, limit: int = 20, after: str | None = None) -> tuple[list[SessionInfo], bool]:
+        """`owner`'s sessions, newest first (created_at, then id), from the one after `after`
+        (a session id; ValueError when it is none of the owner's), at most `limit`; and whether
+        more follow. With Redis, Redis is the truth: every replica's sessions are listed."""
+        heads = self._redis(self.redis.heads) if self.redis is not None else None  # outside the lock
+        with self._lock:
+            if heads is None:
+                infos = [_info(r) for r in self.manager.records.values() if r.owner == owner]
+            else:
+                infos = []
+                for session_id, (version, meta) in heads.items():
+                    if (meta.get("owner") or None) != owner:
+                        continue
+                    record = self.manager.get(session_id)
+                    if record is not None and record.version >= version:
+                        infos.append(_info(record))
+                        continue
+                    infos.append(SessionInfo(
+                        id=session_id, model=str(meta["model"]), owner=owner, tokens=int(meta["tokens"]),
+                        version=version, state_bytes=int(meta["nbytes"]), tier="redis",
+                        created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
+                        in_use=record is not None and record.pinned))
+        infos.sort(key=lambda info: (info.created_at, info.id), reverse=True)
+        start = 0
+        if after is not None:
+            start = next((i + 1 for i, info in enumerate(infos) if info.id == after), -1)
+            if start < 0:
+                raise ValueError(f"'after' is not one of your sessions: {after!r}")
+        return infos[start : start + limit], start + limit < len(infos)
+
+    def acquire(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> Lease:
         """Take the session for one request; its committed state comes back on its model's
         device. SessionLocked when another request holds it, CacheFull when the device has no
-        room even after moving every idle session out of the way."""
+        room even after moving every idle session out of the way, SessionTooLarge when it never
+        could. With `idempotency` ({key, fingerprint}) seen before on this session, nothing is
+        taken: the lease carries the remembered entry as `replay`."""
+        want_keys = idempotency is not None
+        head = self._head(session_id, want_keys)  # outside the lock: Redis may be slow
         with self._lock:
-            record = self._lookup(session_id, owner)
+            record = self._lookup(session_id, owner, head)
             if record.pinned:
                 raise SessionLocked(session_id)
-            self._sync_with_redis(record)
-            data = self._promote(record)
-            self.manager.pin(session_id)
-            self.manager.touch(session_id, time.time())
-            self._publish()
-            info = _info(record)
-            return Lease(session_id, record.version, data, info)
+            self.manager.pin(session_id)  # from here on no other request of this replica changes it
+        try:
+            if head is not None and head.version < record.version:
+                # a commit here went in between that read and the pin: read again (it cannot change now)
+                head = self._head(session_id, want_keys)
+            with self._lock:
+                record = self._lookup(session_id, owner, head)
+                self._catch_up(record, head)
+                remembered = head.remembered if head is not None else record.remembered
+                entry = remembered_entry(remembered or [], idempotency, session_id)
+                if entry is not None:
+                    self.manager.unpin(session_id)
+                    return Lease(session_id, record.version, None, _info(record), done=True, replay=entry)
+                if record.tier != "redis":
+                    return self._leased(record, self._promote(record))
+            data, seconds = self._fetch(record)  # the only copy is in Redis: outside the lock
+            with self._lock:
+                return self._leased(record, self._place(record, data, seconds))
+        except BaseException:
+            with self._lock:
+                if self.manager.get(session_id) is record:
+                    self.manager.unpin(session_id)
+            raise
 
-    def commit(self, lease: Lease, data: SessionData) -> SessionInfo:
+    def commit(self, lease: Lease, data: SessionData, remember: dict | None = None) -> SessionInfo:
         """Make `data` the session's state: durable when this returns, version + 1, lease ended.
-        On CacheFull or SessionConflict nothing changed and the lease is still held (release it)."""
+        `remember` ({key, fingerprint, result}) is an Idempotency-Key to remember with it, in the
+        same write (`result` None: the commit's own info). On CacheFull, SessionTooLarge or
+        SessionConflict nothing changed and the lease is still held (release it); on
+        CommitOutcomeUnknown the change may land or not, the lease is still held."""
         with self._lock:
             if lease.done:
                 raise RuntimeError("this lease has already ended")
@@ -197,33 +322,30 @@ class SessionCache:
                 raise SessionNotFound(lease.session_id)
             data = data.compact()
             nbytes = data.nbytes()
+            self._refuse_never_fits(record.model, nbytes, record.id, committing=True)
             if self.manager.plan_room(self.durable, nbytes - record.nbytes) is None:
                 raise self._full(self.durable, record.model, nbytes - record.nbytes, record.id)
             now = time.time()
             committed = Record(
                 id=record.id, model=record.model, owner=record.owner, nbytes=nbytes, tokens=data.tokens,
                 version=lease.version + 1, created_at=record.created_at, last_used_at=now,
+                remembered=list(record.remembered),
             )
-            try:
+            entry = None if remember is None else self._entry(remember, committed, now)
+            if self.redis is None:  # the durable copy is local: written under the lock
+                if entry is not None:
+                    committed.remembered = ([entry] + record.remembered)[:IDEMPOTENCY_KEYS_PER_SESSION]
                 self._write_durable(committed, data, expected=lease.version)
-            except SessionConflict:
-                # another replica committed first: our local copies are stale too
+                return self._committed(lease, record, committed, data)
+        # Redis, outside the lock: the lease's pin keeps every other request of this replica off it
+        try:
+            self._write_durable(committed, data, expected=lease.version, entry=entry)
+        except (SessionConflict, CommitOutcomeUnknown):
+            with self._lock:  # another replica committed first, or perhaps did we: local copies may be stale
                 self._forget_local(record)
-                raise
-            # the old copies are stale: only the durable one (just overwritten) and the device one remain
-            for tier in [t for t in record.copies if t != self.durable]:
-                self._drop_tier(record, tier)
-                self.manager.drop_copy(record.id, tier)
-            self.manager.resize(record.id, nbytes)
-            record.tokens, record.version, record.last_used_at = data.tokens, committed.version, now
-            self._put_tier(record, "device", data)
-            self.manager.add_copy(record.id, "device")
-            self.manager.touch(record.id)
-            self.manager.unpin(record.id)
-            lease.done = True
-            self._rebalance("device")
-            self._publish()
-            return _info(record)
+            raise
+        with self._lock:
+            return self._committed(lease, record, committed, data)
 
     def release(self, lease: Lease) -> None:
         """End a lease without changing the session (cancel, disconnect, error). Idempotent."""
@@ -236,44 +358,82 @@ class SessionCache:
                 self.manager.touch(lease.session_id, time.time())
                 self._publish()
 
-    def delete(self, session_id: str, owner: str | None) -> None:
-        with self._lock:
-            record = self._lookup(session_id, owner)
-            if record.pinned:
-                raise SessionLocked(session_id)
+    def delete(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> Replay | None:
+        """Delete the session. With `idempotency`, a tombstone remembers the key for
+        TOMBSTONE_SECONDS, and the same delete again returns a Replay instead of 404."""
+        try:
+            head = self._head(session_id, idempotency is not None)
+            with self._lock:
+                record = self._lookup(session_id, owner, head)
+                if record.pinned:
+                    raise SessionLocked(session_id)
+                remembered = head.remembered if head is not None else record.remembered
+                remembered_entry(remembered or [], idempotency, session_id)  # a key used for another request: 422
+                self.manager.pin(session_id)  # while Redis is asked, outside the lock
+        except SessionNotFound:
+            replay = self._deleted_before(session_id, owner, idempotency)
+            if replay is None:
+                raise
+            return replay
+        entry = None
+        if idempotency is not None:
+            entry = {**idempotency, "result": {}, "version": record.version, "tokens": record.tokens, "at": time.time()}
+        try:
             if self.redis is not None:
-                self._redis(lambda: self.redis.delete(session_id))
-            self._forget(record)
-
-    def fork(self, session_id: str, owner: str | None) -> SessionInfo:
-        """A new session starting from this one's committed state; the two diverge independently."""
+                self._redis(lambda: self.redis.delete(session_id, owner, entry, IDEMPOTENCY_KEYS_PER_SESSION))
+            elif entry is not None:
+                kept = ([entry] + record.remembered)[:IDEMPOTENCY_KEYS_PER_SESSION]
+                with self._lock:
+                    self._wrap_io(lambda: self.disk.write_tombstone(session_id, owner, kept))
+        except BaseException:
+            with self._lock:
+                if self.manager.get(session_id) is record:
+                    self.manager.unpin(session_id)
+            raise
         with self._lock:
-            lease = self.acquire(session_id, owner)
-            try:
-                return self._admit_new(lease.info.model, owner, lease.data.clone())
-            finally:
-                self.release(lease)
+            if self.manager.get(session_id) is record:
+                self._forget(record)
+        return None
+
+    def fork(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> SessionInfo | Replay:
+        """A new session starting from this one's committed state; the two diverge independently.
+        With `idempotency`, the key is remembered on the source (after the fork is written: a
+        failure in between leaves a fork nobody was told of, listed in GET /v1/sessions)."""
+        lease = self.acquire(session_id, owner, idempotency)
+        if lease.replay is not None:
+            return Replay(lease.replay)
+        try:
+            info = self._admit_new(lease.info.model, owner, lease.data.clone())
+            if idempotency is not None:
+                self._remember(lease, {**idempotency, "result": dataclasses.asdict(info), "version": lease.version,
+                                       "tokens": lease.info.tokens, "at": time.time()})
+            return info
+        finally:
+            self.release(lease)
 
     def export(self, session_id: str, owner: str | None) -> tuple[SessionInfo, bytes]:
-        """The committed state as safetensors bytes (metadata: model, tokens, version, ...; no owner)."""
-        with self._lock:
-            lease = self.acquire(session_id, owner)
-            try:
-                record = self.manager.get(session_id)
-                meta = self._metadata(record)
-                meta["owner"] = ""
-                return lease.info, encode(lease.data, meta)
-            finally:
-                self.release(lease)
+        """The committed state as safetensors bytes (metadata: model, tokens, version, ...; no
+        owner, no remembered Idempotency-Keys)."""
+        lease = self.acquire(session_id, owner)
+        try:
+            with self._lock:
+                meta = self._metadata(self.manager.get(session_id))
+            meta["owner"] = ""
+            meta.pop("idempotency", None)
+            return lease.info, encode(lease.data, meta)
+        finally:
+            self.release(lease)
 
-    def replace(self, session_id: str, owner: str | None, data: SessionData) -> SessionInfo:
+    def replace(self, session_id: str, owner: str | None, data: SessionData,
+                idempotency: dict | None = None) -> SessionInfo | Replay:
         """Import into an existing session: its state becomes `data`, as one commit."""
-        with self._lock:
-            lease = self.acquire(session_id, owner)
-            try:
-                return self.commit(lease, data)
-            finally:
-                self.release(lease)
+        lease = self.acquire(session_id, owner, idempotency)
+        if lease.replay is not None:
+            return Replay(lease.replay)
+        try:
+            return self.commit(lease, data, None if idempotency is None else {**idempotency, "result": None})
+        finally:
+            self.release(lease)
 
     def import_new(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
         return self.create(model, owner, data)
@@ -301,9 +461,18 @@ class SessionCache:
         now = time.time()
         record = Record(id=new_session_id(), model=model, owner=owner, nbytes=data.nbytes(), tokens=data.tokens,
                         version=0, created_at=now, last_used_at=now)
-        if self.manager.plan_room(self.durable, record.nbytes) is None:
-            raise self._full(self.durable, model, record.nbytes)
-        self._write_durable(record, data, expected=None)
+        with self._lock:
+            self._refuse_never_fits(model, record.nbytes)
+            if self.manager.plan_room(self.durable, record.nbytes) is None:
+                raise self._full(self.durable, model, record.nbytes)
+            if self.redis is None:
+                self._write_durable(record, data, expected=None)
+                return self._admitted(record, data)
+        self._write_durable(record, data, expected=None)  # to Redis, outside the lock
+        with self._lock:
+            return self._admitted(record, data)
+
+    def _admitted(self, record: Record, data: SessionData) -> SessionInfo:
         record.copies = {self.durable}
         self.manager.add(record)
         self._put_tier(record, "device", data)
@@ -312,35 +481,127 @@ class SessionCache:
         self._publish()
         return _info(record)
 
-    def _lookup(self, session_id: str, owner: str | None) -> Record:
+    def _committed(self, lease: Lease, record: Record, committed: Record, data: SessionData) -> SessionInfo:
+        """The books after a commit's durable write."""
+        # the old copies are stale: only the durable one (just overwritten) and the device one remain
+        for tier in [t for t in record.copies if t != self.durable]:
+            self._drop_tier(record, tier)
+            self.manager.drop_copy(record.id, tier)
+        self.manager.add_copy(record.id, self.durable)
+        self.manager.resize(record.id, committed.nbytes)
+        record.tokens, record.version, record.last_used_at = committed.tokens, committed.version, committed.last_used_at
+        record.remembered = committed.remembered
+        self._put_tier(record, "device", data)
+        self.manager.add_copy(record.id, "device")
+        self.manager.touch(record.id)
+        self.manager.unpin(record.id)
+        lease.done = True
+        self._rebalance("device")
+        self._publish()
+        return _info(record)
+
+    def _leased(self, record: Record, data: SessionData) -> Lease:
+        self.manager.touch(record.id, time.time())
+        self._publish()
+        return Lease(record.id, record.version, data, _info(record))
+
+    def _entry(self, remember: dict, committed: Record, now: float) -> dict:
+        """What a session remembers of an Idempotency-Key: the request's fingerprint, its first
+        result, and the session's version and tokens after it."""
+        result = remember.get("result")
+        if result is None:  # the commit's own info, as the client got it
+            result = dataclasses.asdict(dataclasses.replace(_info(committed), tier="device"))
+        return {"key": remember["key"], "fingerprint": remember["fingerprint"], "result": result,
+                "version": committed.version, "tokens": committed.tokens, "at": now}
+
+    def _remember(self, lease: Lease, entry: dict) -> None:
+        """Remember an Idempotency-Key on a leased session without changing its state (a fork's)."""
+        if self.redis is not None:
+            if not self._redis(lambda: self.redis.remember(lease.session_id, lease.version, entry,
+                                                           IDEMPOTENCY_KEYS_PER_SESSION)):
+                log.warning("session %s changed before its fork's Idempotency-Key could be remembered", lease.session_id)
+            return
+        with self._lock:
+            record = self.manager.get(lease.session_id)
+            record.remembered = ([entry] + record.remembered)[:IDEMPOTENCY_KEYS_PER_SESSION]
+            self._write_durable(record, lease.data, expected=None)
+
+    def _deleted_before(self, session_id: str, owner: str | None, idempotency: dict | None) -> Replay | None:
+        """A delete retried with its Idempotency-Key: the tombstone's entry, or None."""
+        if idempotency is None or not SESSION_ID.match(session_id):
+            return None
+        if self.redis is not None:
+            tombstone = self._redis(lambda: self.redis.tombstone(session_id))
+        else:
+            tombstone = self.disk.read_tombstone(session_id)
+        if tombstone is None or tombstone[0] != owner:
+            return None
+        entry = remembered_entry(tombstone[1], idempotency, session_id)
+        return None if entry is None else Replay(entry)
+
+    def _head(self, session_id: str, remembered: bool = False) -> Head | None:
+        """Redis's view of the session, or None without Redis. Never called under the lock."""
+        if self.redis is None:
+            return None
+        if not SESSION_ID.match(session_id):
+            raise SessionNotFound(session_id)
+        head = self._redis(lambda: self.redis.head(session_id, remembered))
+        if head is None:
+            return Head(-1, {}, None)  # Redis has no such session (deleted, perhaps by another replica)
+        return head
+
+    def _lookup(self, session_id: str, owner: str | None, head: Head | None = None) -> Record:
+        """The session's record (under the lock). With Redis, `head` is what Redis holds: a
+        session it has not is gone, one this replica has not seen is taken into the books."""
         if not SESSION_ID.match(session_id):
             raise SessionNotFound(session_id)
         record = self.manager.get(session_id)
-        if record is None and self.redis is not None:
-            head = self._redis(lambda: self.redis.head(session_id))
-            if head is not None:  # created by another replica
-                version, meta = head
-                record = self._record_from_meta(session_id, {**meta, "version": version}, {"redis"})
+        if head is not None:
+            if head.version < 0:
+                if record is not None and not record.pinned:
+                    self._forget(record)
+                raise SessionNotFound(session_id)
+            if record is None:  # created by another replica
+                record = self._record_from_meta(session_id, {**head.meta, "version": head.version}, {"redis"})
                 self.manager.add(record)
         if record is None or record.owner != owner:  # another key's session does not exist for you
             raise SessionNotFound(session_id)
         return record
 
-    def _sync_with_redis(self, record: Record) -> None:
-        """With Redis: catch up with commits made by other replicas (or a delete)."""
-        if self.redis is None:
+    def _catch_up(self, record: Record, head: Head | None) -> None:
+        """With Redis: take in a version another replica committed since (the local copies are
+        stale). A head older than the record is a read that a local commit overtook: ignored."""
+        if head is None or head.version <= record.version:
             return
-        head = self._redis(lambda: self.redis.head(record.id))
-        if head is None:
-            if not record.pinned:
-                self._forget(record)
+        self._forget_local(record)
+        self.manager.resize(record.id, int(head.meta["nbytes"]))
+        record.version, record.tokens = head.version, int(head.meta["tokens"])
+        record.last_used_at = float(head.meta.get("last_used_at", record.last_used_at))
+
+    def _fetch(self, record: Record) -> tuple[SessionData, float]:
+        """The committed state from Redis, checked, and the seconds it took (outside the lock;
+        the caller holds the session's pin)."""
+        started = time.perf_counter()
+        got = self._redis(lambda: self.redis.get(record.id))
+        if got is None:
             raise SessionNotFound(record.id)
-        version, meta = head
-        if version != record.version:
-            self._forget_local(record)
-            self.manager.resize(record.id, int(meta["nbytes"]))
-            record.version, record.tokens = version, int(meta["tokens"])
-            record.last_used_at = float(meta.get("last_used_at", record.last_used_at))
+        if got[0] != record.version:  # another replica committed a moment ago
+            raise SessionConflict(record.id)
+        return self._decode(record, "redis", got[2]), time.perf_counter() - started
+
+    def _place(self, record: Record, data: SessionData, seconds: float) -> SessionData:
+        """Put a state fetched from Redis on its device, making room there (under the lock)."""
+        moves = self.manager.plan_room("device", record.nbytes, exclude={record.id})
+        if moves is None:
+            raise self._full("device", record.model, record.nbytes, record.id)
+        self._execute(moves)
+        self._put_tier(record, "device", data)
+        self.manager.add_copy(record.id, "device")
+        self._count_hit(record.model, "redis")
+        if self.metrics is not None:
+            self.metrics.session_restore_latency.labels(record.model, "redis").observe(seconds)
+            self.metrics.session_promotions.labels(record.model, "redis").inc()
+        return self.device.get(record.id)
 
     def _promote(self, record: Record) -> SessionData:
         source = record.tier
@@ -413,17 +674,27 @@ class SessionCache:
             if got[0] != record.version:  # another replica committed a moment ago
                 raise SessionConflict(record.id)
             blob = got[2]
+        data = self._decode(record, tier, blob)
+        return data.to(spec.device) if to_device else data
+
+    def _decode(self, record: Record, tier: str, blob: bytes) -> SessionData:
+        """A stored blob back into the session's state, checked against the record and its model."""
+        spec = self.models.get(record.model)
+        if spec is None:
+            raise SessionUnavailable(f"session '{record.id}' belongs to model '{record.model}', "
+                                     "which this server does not serve", record.id)
         try:
             meta, tensors, next_log_probs = decode(blob)
             if meta.get("session_id") != record.id or int(meta.get("version", -1)) != record.version:
                 raise CorruptState(f"{tier} holds session {meta.get('session_id')} version {meta.get('version')}, "
                                    f"expected version {record.version}")
             data = session_data(spec.state_class, meta, tensors, next_log_probs)
-            spec.check_state(data.state)
+            # the model's whole check, as an import gets it (finite, consistent, fits the token count)
+            spec.check_session(data.state, data.tokens, data.next_log_probs)
         except (CorruptState, ValueError) as error:
             log.error("session %s: %s copy is unusable: %s", record.id, tier, error)
             raise SessionUnavailable(f"session '{record.id}': the stored state is unusable ({error})", record.id) from None
-        return data.to(spec.device) if to_device else data
+        return data
 
     def _put_tier(self, record: Record, tier: str, data: SessionData) -> None:
         if tier == "device":
@@ -445,15 +716,58 @@ class SessionCache:
             self.disk.delete(record.id)
         # a Redis copy is dropped only by delete()
 
-    def _write_durable(self, record: Record, data: SessionData, expected: int | None) -> None:
+    def _write_durable(self, record: Record, data: SessionData, expected: int | None,
+                       entry: dict | None = None) -> None:
+        """Write `record`'s state to the last tier: the disk file (its metadata carries
+        `record.remembered`), or Redis, compare-and-set on `expected`, with `entry` added to the
+        remembered Idempotency-Keys. A Redis write that times out is settled (`_settle`)."""
         blob = encode(data, self._metadata(record))
         if self.redis is None:
             self._wrap_io(lambda: self.disk.write(record.id, blob))
             return
         meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
                 "created_at": record.created_at, "last_used_at": record.last_used_at}
-        if not self._redis(lambda: self.redis.put(record.id, expected, record.version, meta, blob)):
+        write_id = secrets.token_hex(8)
+        try:
+            written = self.redis.put(record.id, expected, record.version, meta, blob, write_id, entry,
+                                     IDEMPOTENCY_KEYS_PER_SESSION)
+        except StoreFull as error:  # refused before anything was written
+            raise CacheFull(f"session storage is full: {error}") from None
+        except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
+            written = self._settle(record, write_id, error)
+        if written == -1:  # cannot happen before a settle; as settled, it was not written
+            raise SessionUnavailable(f"session '{record.id}': the write was refused as settled; nothing was "
+                                     "written", record.id)
+        if written != 1:
             raise SessionConflict(record.id)
+
+    def _settle(self, record: Record, write_id: str, error: StoreUnavailable) -> int:
+        """After a Redis write failed without an answer: ask Redis, for up to `settle_s`, whether
+        it landed (1), fencing it when it has not, so that it never will (then SessionUnavailable:
+        nothing was written). CommitOutcomeUnknown when Redis stays silent all along."""
+        deadline = time.monotonic() + self.settle_s
+        delay = 0.05
+        while True:
+            try:
+                landed = self.redis.settle(record.id, write_id)
+            except StoreUnavailable:
+                if time.monotonic() + delay >= deadline:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if landed:
+                log.warning("session %s: version %d was written although Redis did not answer in time (%s)",
+                            record.id, record.version, error)
+                return 1
+            raise SessionUnavailable(f"session '{record.id}': the session store did not answer in time ({error}); "
+                                     "nothing was written", record.id)
+        log.error("session %s: whether version %d was written is unknown: Redis did not answer for %.1fs (%s)",
+                  record.id, record.version, self.settle_s, error)
+        raise CommitOutcomeUnknown(
+            f"session '{record.id}': the session store did not answer in time, and whether this change was written "
+            f"(as version {record.version}) is not known yet. GET /v1/sessions/{record.id} and compare its version "
+            "and tokens, or retry with the same Idempotency-Key, which applies at most once", record.id)
 
     def _forget_local(self, record: Record) -> None:
         """Drop every local copy (they are stale); Redis keeps the truth."""
@@ -475,7 +789,7 @@ class SessionCache:
             "architecture": getattr(spec, "architecture", "") if spec is not None else "",
             "owner": record.owner or "", "version": str(record.version),
             "created_at": repr(record.created_at), "last_used_at": repr(record.last_used_at),
-        }
+        } | ({"idempotency": "\n".join(entry_line(entry) for entry in record.remembered)} if record.remembered else {})
 
     @staticmethod
     def _record_from_meta(session_id: str, meta: dict, copies: set[str]) -> Record:
@@ -483,13 +797,33 @@ class SessionCache:
             id=session_id, model=str(meta["model"]), owner=meta.get("owner") or None,
             nbytes=int(meta["nbytes"]), tokens=int(meta["tokens"]), version=int(meta["version"]),
             created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
-            copies=set(copies),
+            copies=set(copies), remembered=entries_from_lines(meta.get("idempotency")),
         )
 
-    def _full(self, tier: str, model: str, nbytes: int, session_id: str | None = None) -> CacheFull:
+    def _refuse_never_fits(self, model: str, nbytes: int, session_id: str | None = None,
+                           committing: bool = False) -> None:
+        """SessionTooLarge when `nbytes` of state exceed the whole budget of the device (where
+        every request runs it) or of the last tier (where it is kept): no wait could help."""
+        for tier in dict.fromkeys(("device", self.durable)):
+            budget = self.manager.budgets.get(tier)
+            if budget is not None and nbytes > budget:
+                if self.metrics is not None:
+                    self.metrics.session_refusals.labels(model, tier).inc()
+                subject = (f"this request would make session '{session_id}' hold" if committing
+                           else f"session '{session_id}' holds" if session_id else "the new session would hold")
+                raise SessionTooLarge(
+                    f"{subject} {nbytes} bytes of state, more than the whole {tier} budget of {budget} bytes "
+                    f"(XLSERVE_{tier.upper()}_STATE_BYTES): it could never be served, so nothing was changed. A "
+                    "retry cannot help; the server's operator can raise the budget", session_id)
+
+    def _full(self, tier: str, model: str, nbytes: int, session_id: str | None = None) -> CacheError:
+        """CacheFull (503, retry later), or SessionTooLarge (413) when `nbytes` exceed the tier's
+        whole budget."""
+        budget = self.manager.budgets[tier]
+        if budget is not None and nbytes > budget and tier in ("device", self.durable):
+            self._refuse_never_fits(model, nbytes, session_id)
         if self.metrics is not None:
             self.metrics.session_refusals.labels(model, tier).inc()
-        budget = self.manager.budgets[tier]
         if tier == self.durable:
             return CacheFull(f"session storage is full: {tier} holds {self.manager.used(tier)} of {budget} bytes "
                              f"(XLSERVE_{tier.upper()}_STATE_BYTES) and {nbytes} more are needed; delete sessions", session_id)

@@ -5,10 +5,28 @@
 - `DiskStore(directory)`: one safetensors file per session, `<id>.safetensors`, written to a
   temporary name in the same directory, fsynced, renamed over the old file, and the directory
   fsynced, so a crash at any point leaves either the old file or the new one. Stray temporary
-  files are removed when the directory is opened.
+  files are removed when the directory is opened. A session deleted with an Idempotency-Key
+  leaves `<id>.deleted` (JSON: owner, remembered keys), removed when the directory is opened a
+  day later.
 - `RedisStore(url)`: one hash per session, `xlserve:session:<id>` = {version, meta (JSON),
-  blob (the same safetensors bytes)}. Writes are compare-and-set on `version` in a Lua script,
-  so a replica holding a stale version can never overwrite a newer one.
+  blob (the same safetensors bytes), idempotency (the remembered Idempotency-Keys), writes (the
+  ids of the latest writes)}. Writes are compare-and-set on `version` in a Lua script, so a
+  replica holding a stale version can never overwrite a newer one.
+
+Every Redis call is bounded by the store's timeout (socket, connect, and the wait for one of
+the pool's connections), and nothing is retried blindly: redis-py's own retries are off, since a
+write retried after a timeout may be a second write. Reads, which are safe to repeat, are retried
+with backoff while the timeout lasts when a connection fails outright.
+
+A write that timed out may still land (its command waits in a paused server's socket). So each
+write carries a random write id, kept in the session's `writes`; `settle(id)` answers, atomically
+on the server, whether that write landed, and if it has not, fences it (a `...fence:<write id>`
+key kept for a day) so that it never will: after `settle` the outcome is final either way.
+
+The Idempotency-Keys a session remembers are lines of JSON, newest first, at most a given number;
+the write scripts add a line and drop the oldest on the server, within the same atomic write as
+the state they belong to. A delete that carries a key leaves a tombstone (`deleted` = owner, and
+the keys) that expires after a day, so that its retry can be answered.
 """
 
 from __future__ import annotations
@@ -19,8 +37,10 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +80,7 @@ class MemoryStore:
 
 class DiskStore:
     SUFFIX = ".safetensors"
+    TOMBSTONE_SUFFIX = ".deleted"
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -73,7 +94,9 @@ class DiskStore:
         return self.directory / (session_id + self.SUFFIX)
 
     def write(self, session_id: str, blob: bytes) -> None:
-        final = self.path(session_id)
+        self._write_file(self.path(session_id), session_id, blob)
+
+    def _write_file(self, final: Path, session_id: str, blob: bytes) -> None:
         temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
         try:
             with open(temporary, "wb") as f:
@@ -95,6 +118,32 @@ class DiskStore:
 
     def exists(self, session_id: str) -> bool:
         return self.path(session_id).is_file()
+
+    # A deleted session's tombstone: its owner and remembered Idempotency-Keys, so that a delete
+    # retried with its key gets the first answer. JSON, removed by `prune_tombstones`.
+
+    def tombstone_path(self, session_id: str) -> Path:
+        return self.path(session_id).with_suffix(self.TOMBSTONE_SUFFIX)
+
+    def write_tombstone(self, session_id: str, owner: str | None, remembered: list[dict]) -> None:
+        body = json.dumps({"owner": owner, "idempotency": remembered, "deleted_at": time.time()})
+        self._write_file(self.tombstone_path(session_id), session_id, body.encode())
+
+    def read_tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
+        try:
+            body = json.loads(self.tombstone_path(session_id).read_text())
+            return body.get("owner"), list(body.get("idempotency") or [])
+        except (OSError, ValueError, AttributeError):  # none, or unreadable: as good as none
+            return None
+
+    def prune_tombstones(self, older_than_s: float) -> None:
+        cutoff = time.time() - older_than_s
+        for path in self.directory.glob("sess_*" + self.TOMBSTONE_SUFFIX):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+            except OSError:
+                pass
 
     def _sync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
@@ -126,37 +175,129 @@ class DiskStore:
             yield session_id, meta
 
 
-_CAS_SCRIPT = """
+# Lua shared by the scripts: `list` (lines, newest first) with `item` in front, at most `limit` lines.
+_PREPEND = """
+local function prepend(list, item, limit)
+  local out = {item}
+  if list then
+    for line in string.gmatch(list, '[^\\n]+') do
+      if #out >= limit then break end
+      out[#out + 1] = line
+    end
+  end
+  return table.concat(out, '\\n')
+end
+"""
+
+# KEYS: the session's hash, this write's fence. ARGV: the version expected ('' = none: a new
+# session), the new version, meta, blob, the write id, an Idempotency-Key entry ('' = none), how
+# many keys and write ids to keep. Returns 1 written, 0 another writer got there first, -1 this
+# write was settled as not written (fenced) before it arrived.
+_CAS_SCRIPT = _PREPEND + """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local current = redis.call('HGET', KEYS[1], 'version')
 if ARGV[1] == '' then
   if current then return 0 end
 elseif current ~= ARGV[1] then
   return 0
 end
-redis.call('HSET', KEYS[1], 'version', ARGV[2], 'meta', ARGV[3], 'blob', ARGV[4])
+local fields = {'version', ARGV[2], 'meta', ARGV[3], 'blob', ARGV[4],
+                'writes', prepend(redis.call('HGET', KEYS[1], 'writes'), ARGV[5], tonumber(ARGV[8]))}
+if ARGV[6] ~= '' then
+  fields[#fields + 1] = 'idempotency'
+  fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]))
+end
+redis.call('HSET', KEYS[1], unpack(fields))
+return 1
+"""
+
+# KEYS: the session's hash, the write's fence. ARGV: the write id, the fence's lifetime (s).
+# 1: the write landed. 0: it did not, and now never will.
+_SETTLE_SCRIPT = """
+local writes = redis.call('HGET', KEYS[1], 'writes')
+if writes and string.find('\\n' .. writes .. '\\n', '\\n' .. ARGV[1] .. '\\n', 1, true) then return 1 end
+redis.call('SET', KEYS[2], '1', 'EX', tonumber(ARGV[2]))
+return 0
+"""
+
+# Remember an Idempotency-Key without a new version (a fork remembers its key on its source).
+# KEYS: the session's hash. ARGV: the version expected, the entry, how many keys to keep.
+_REMEMBER_SCRIPT = _PREPEND + """
+if redis.call('HGET', KEYS[1], 'version') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'idempotency', prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[2], tonumber(ARGV[3])))
+return 1
+"""
+
+# Delete a session, leaving a tombstone with its keys and this delete's. KEYS: the session's
+# hash. ARGV: the owner ('' = none), the entry, how many keys to keep, the tombstone's lifetime (s).
+_TOMBSTONE_SCRIPT = _PREPEND + """
+local remembered = redis.call('HGET', KEYS[1], 'idempotency')
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'deleted', ARGV[1], 'idempotency', prepend(remembered, ARGV[2], tonumber(ARGV[3])))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 1
 """
 
 
+class Head(NamedTuple):
+    """What Redis holds of a session, without its state: its version, metadata and (when asked
+    for) its remembered Idempotency-Keys, newest first."""
+
+    version: int
+    meta: dict
+    remembered: list[dict] | None
+
+
+def entry_line(entry: dict) -> str:
+    """An Idempotency-Key entry as one line of JSON (JSON escapes every newline inside)."""
+    return json.dumps(entry, separators=(",", ":"))
+
+
+def entries_from_lines(text: bytes | str | None) -> list[dict]:
+    if not text:
+        return []
+    if isinstance(text, bytes):
+        text = text.decode()
+    return [json.loads(line) for line in text.split("\n") if line]
+
+
 class RedisStore:
     """Committed sessions shared by every replica. Values are never written without a version
-    check: `put(expected=v)` succeeds only while Redis still holds version v."""
+    check: `put(expected=v)` succeeds only while Redis still holds version v.
 
-    def __init__(self, url: str, prefix: str = "xlserve:session:", timeout_s: float = 5.0):
+    `timeout_s` bounds each call (connecting, waiting for a pooled connection, each reply);
+    `max_connections` bounds the pool, shared by the threads that call the store at once."""
+
+    WRITES_KEPT = 16  # write ids a session keeps, for `settle` (more than can land within one settle wait)
+    FENCE_SECONDS = 24 * 3600  # how long a fenced write stays refused (a paused server may hold it that long)
+    TOMBSTONE_SECONDS = 24 * 3600  # how long a delete's Idempotency-Key is remembered
+
+    def __init__(self, url: str, prefix: str = "xlserve:session:", timeout_s: float = 5.0, max_connections: int = 64):
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError:  # pragma: no cover - an install without the client
             raise RuntimeError("XLSERVE_REDIS_URL is set but the 'redis' package is not installed") from None
         self._exceptions = redis.exceptions
         self.url = url
         self.prefix = prefix
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.fence_prefix = prefix + "fence:"
+        self.timeout_s = timeout_s
+        # no retries inside the client: a write retried after a timeout could land twice
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        self.client = redis.Redis(connection_pool=pool)
         self._cas = self.client.register_script(_CAS_SCRIPT)
+        self._settle = self.client.register_script(_SETTLE_SCRIPT)
+        self._remember = self.client.register_script(_REMEMBER_SCRIPT)
+        self._tombstone = self.client.register_script(_TOMBSTONE_SCRIPT)
 
     def _key(self, session_id: str) -> str:
         return self.prefix + session_id
 
-    def _call(self, fn, *args):
+    def _call(self, fn: Callable, *args):
         try:
             return fn(*args)
         except self._exceptions.ResponseError as error:
@@ -166,33 +307,102 @@ class RedisStore:
         except self._exceptions.RedisError as error:
             raise StoreUnavailable(f"Redis at {self._safe_url()} is unreachable: {error}") from error
 
+    def _read(self, fn: Callable, *args):
+        """A call that is safe to repeat: retried with backoff (20 ms, doubling, at most 0.5 s)
+        while the store's timeout lasts, when a connection fails (a timed-out attempt has used
+        the time up, so it is not repeated)."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.02
+        while True:
+            try:
+                return self._call(fn, *args)
+            except StoreFull:
+                raise
+            except StoreUnavailable:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
     def _safe_url(self) -> str:
         return re.sub(r"//[^@/]*@", "//***@", self.url)  # never print a password
 
     def ping(self) -> None:
-        self._call(self.client.ping)
+        self._read(self.client.ping)
 
-    def head(self, session_id: str) -> tuple[int, dict] | None:
-        """(version, meta) without the blob, or None when Redis has no such session."""
-        version, meta = self._call(self.client.hmget, self._key(session_id), "version", "meta")
-        if version is None:
+    def head(self, session_id: str, remembered: bool = False) -> Head | None:
+        """Version and metadata without the state (and the remembered keys when asked), or None
+        when Redis has no such session."""
+        fields = ["version", "meta"] + (["idempotency"] if remembered else [])
+        values = self._read(self.client.hmget, self._key(session_id), *fields)
+        if values[0] is None:
             return None
-        return int(version), json.loads(meta)
+        return Head(int(values[0]), json.loads(values[1]), entries_from_lines(values[2]) if remembered else None)
 
     def get(self, session_id: str) -> tuple[int, dict, bytes] | None:
-        version, meta, blob = self._call(self.client.hmget, self._key(session_id), "version", "meta", "blob")
+        version, meta, blob = self._read(self.client.hmget, self._key(session_id), "version", "meta", "blob")
         if version is None:
             return None
         return int(version), json.loads(meta), blob
 
-    def put(self, session_id: str, expected: int | None, version: int, meta: dict, blob: bytes) -> bool:
-        """Store `blob` as `version` if Redis holds `expected` (None: holds nothing). Returns
-        False, changing nothing, when another writer got there first."""
-        args = ["" if expected is None else str(expected), str(version), json.dumps(meta), blob]
-        return bool(self._call(lambda: self._cas(keys=[self._key(session_id)], args=args)))
+    def heads(self) -> dict[str, tuple[int, dict]]:
+        """(version, meta) of every session Redis holds (tombstones and fences left out)."""
 
-    def delete(self, session_id: str) -> None:
-        self._call(self.client.delete, self._key(session_id))
+        def scan() -> dict[str, tuple[int, dict]]:
+            keys = list(self.client.scan_iter(match=self.prefix + "sess_*", count=1000))
+            found = {}
+            for start in range(0, len(keys), 500):
+                pipeline = self.client.pipeline(transaction=False)
+                for key in keys[start : start + 500]:
+                    pipeline.hmget(key, "version", "meta")
+                for key, (version, meta) in zip(keys[start : start + 500], pipeline.execute()):
+                    session_id = (key.decode() if isinstance(key, bytes) else key)[len(self.prefix):]
+                    if version is not None and SESSION_ID.match(session_id):
+                        found[session_id] = (int(version), json.loads(meta))
+            return found
+
+        return self._read(scan)
+
+    def put(self, session_id: str, expected: int | None, version: int, meta: dict, blob: bytes,
+            write_id: str = "", entry: dict | None = None, keys_kept: int = 32) -> int:
+        """Store `blob` as `version` if Redis holds `expected` (None: holds nothing), with
+        `entry` added to the remembered Idempotency-Keys. Returns 1 when written, 0 (changing
+        nothing) when another writer got there first, -1 when this write id was fenced by
+        `settle`. A StoreUnavailable leaves the outcome open: ask `settle(write_id)`."""
+        write_id = write_id or secrets.token_hex(8)
+        args = ["" if expected is None else str(expected), str(version), json.dumps(meta), blob, write_id,
+                "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT)]
+        keys = [self._key(session_id), self.fence_prefix + write_id]
+        return int(self._call(lambda: self._cas(keys=keys, args=args)))
+
+    def settle(self, session_id: str, write_id: str) -> bool:
+        """Whether the write `write_id` landed; when it has not, it never will (it is fenced).
+        Safe to repeat."""
+        keys = [self._key(session_id), self.fence_prefix + write_id]
+        return bool(self._read(lambda: self._settle(keys=keys, args=[write_id, str(self.FENCE_SECONDS)])))
+
+    def remember(self, session_id: str, version: int, entry: dict, keys_kept: int = 32) -> bool:
+        """Add an Idempotency-Key entry to a session still at `version` (False when it is not)."""
+        args = [str(version), entry_line(entry), str(keys_kept)]
+        return bool(self._call(lambda: self._remember(keys=[self._key(session_id)], args=args)))
+
+    def delete(self, session_id: str, owner: str | None = None, entry: dict | None = None,
+               keys_kept: int = 32) -> None:
+        """Delete a session; with `entry` (a delete's Idempotency-Key) leave a tombstone that
+        remembers its keys for TOMBSTONE_SECONDS."""
+        if entry is None:
+            self._call(self.client.delete, self._key(session_id))
+            return
+        args = [owner or "", entry_line(entry), str(keys_kept), str(self.TOMBSTONE_SECONDS)]
+        self._call(lambda: self._tombstone(keys=[self._key(session_id)], args=args))
+
+    def tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
+        """(owner, remembered keys) of a session deleted with a key, or None."""
+        owner, remembered = self._read(self.client.hmget, self._key(session_id), "deleted", "idempotency")
+        if owner is None:
+            return None
+        return (owner.decode() if isinstance(owner, bytes) else owner) or None, entries_from_lines(remembered)
 
     def close(self) -> None:
         self.client.close()
+        self.client.connection_pool.disconnect()

@@ -1,35 +1,64 @@
 """The API process's side of the engine process (server/engine/process.py); runs in the API
 process and never imports torch.
 
-`EngineClient.start` spawns the engine process with one end of a socketpair and waits until it
-has loaded every model and opened the session cache. Then one reader task routes what comes
-back: answers to the awaiting call, each step's events to the queues of their requests.
+`EngineClient` spawns the engine process with one end of a socketpair, sends it its settings as
+the first frame (never on its command line: `ps` shows that to every user, and a Redis URL may
+hold a password) and waits until it has loaded every model and opened the session cache. Then
+one reader task routes what comes back: answers to the awaiting call, each step's events to the
+queues of their requests.
 
 A generation is a `RemoteSubmission`: the same consumer side as an in-process `Submission`
 (`events()`, `cancel()`, the queue), so the routers do not care where the engine runs. A session
 held by a request is a `RemoteLease`; its state stays in the engine process.
+
+**The engine process heals.** Its life as seen from here (`status`): loading -> ready, and when
+it dies, restarting -> ready again. Requests in flight when it dies get `EngineRestarting` (a
+503 with Retry-After, or the error event of a stream that had started); new ones get the same
+until the new process is ready. Nothing committed is lost: the session cache writes every
+commit through to disk (or Redis) before it answers, and the new process indexes those files.
+A lease belongs to the process that granted it (`generation`): one from a process that died is
+never sent to its successor, whose lease ids start again at 1. More than
+XLSERVE_ENGINE_RESTART_LIMIT restarts within XLSERVE_ENGINE_RESTART_WINDOW_SECONDS, or a first
+start that fails, and the status is `failed` for good: `on_fatal` is told why, and
+`xlserve serve` then exits non-zero so that a supervisor takes over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
-import json
 import logging
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from xlserve.server.cache import SessionInfo
+from xlserve.server.engine.errors import EngineGone, EngineLoading, EngineRestarting, ShuttingDown
+from xlserve.server.engine.memory import engine_environment
 from xlserve.server.engine.types import Submission
-from xlserve.server.engine.errors import EngineGone
+from xlserve.server.engine.wire import encode_frame, error_from_wire, event_from_wire, is_last, read_frame_async
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
-from xlserve.server.engine.wire import encode_frame, error_from_wire, event_from_wire, is_last, read_frame_async
 
 log = logging.getLogger("xlserve.engine_client")
+
+# how long a dead (or closing) engine process may take to be reaped before it is killed
+REAP_SECONDS = 10
+
+
+class EngineStartFailed(RuntimeError):
+    """The engine process could not load its models or open the session cache."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details  # the engine process's traceback, for a debug log
 
 
 @dataclass
@@ -41,6 +70,9 @@ class RemoteLease:
     info: SessionInfo  # as of the acquire: info.tokens is what the session's memory holds
     has_history: bool  # it has a next-token distribution to continue from
     released: bool = False
+    generation: int = 0  # the engine process that granted it (EngineClient.generation)
+    idempotency: dict | None = None  # the request's Idempotency-Key and fingerprint, remembered at commit
+    replay: dict | None = None  # that key was seen before: its remembered entry (this lease holds nothing)
 
 
 class RemoteSubmission(Submission):
@@ -49,7 +81,7 @@ class RemoteSubmission(Submission):
     def __init__(self, client: "EngineClient", model: str, request_id: int):
         super().__init__(model, client.metrics, threading.Event())
         self.client, self.id = client, request_id
-        self.ended = False  # the engine sent its last event
+        self.ended = False  # the engine sent its last event (or this side gave it one)
 
     def _stop(self) -> None:
         if not self.ended and not self.cancelled.is_set():
@@ -57,48 +89,96 @@ class RemoteSubmission(Submission):
             self.client.send({"op": "cancel", "request": self.id})
 
 
+def describe_exit(code: int | None) -> str:
+    """How a process ended, in words: "was killed by SIGKILL", "exited with code 1"."""
+    if code is None:
+        return "closed its socket"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class EngineClient:
-    def __init__(self, settings: Settings, metrics: Metrics):
+    def __init__(self, settings: Settings, metrics: Metrics,
+                 on_ready: Callable[["EngineClient", bool], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None):
         self.settings, self.metrics = settings, metrics
+        self.on_ready = on_ready  # after every start: (this client, whether it was a restart)
+        self.on_fatal = on_fatal  # once, when the engine cannot be (re)started: the server should stop
         self.process: subprocess.Popen | None = None
         self.models: list[dict] = []
-        self.alive = False
-        self.ids = itertools.count(1)
+        self.ready_frame: dict = {}  # what the engine process said when it was ready (the start-up log)
+        self.status = "stopped"  # -> loading -> ready (-> restarting -> ready)* -> failed | closed
+        self.reason = "the engine process has not started"
+        self.generation = 0  # which engine process is the current one (counted from 1)
+        self.ids = itertools.count(1)  # request and call ids: unique across engine processes
         self.calls: dict[int, asyncio.Future] = {}
         self.submissions: dict[int, RemoteSubmission] = {}
         self.reader_task: asyncio.Task | None = None
-        self.exit_reason = "the engine process has not started"
+        self.supervisor: asyncio.Task | None = None  # the background start, then any restart
+        self.restarted_at: collections.deque[float] = collections.deque()  # within the window
+        self.writer: asyncio.StreamWriter | None = None
+        self.closing = False
+
+    @property
+    def alive(self) -> bool:
+        """The engine process is up and answering."""
+        return self.status == "ready"
+
+    @property
+    def exit_reason(self) -> str:  # the name /health used before restarts existed
+        return self.reason
 
     # -- life --------------------------------------------------------------------------------
 
     async def start(self) -> "EngineClient":
         """Spawn the engine process and wait until it has loaded the models (from the running
-        event loop's thread: on Linux the engine process dies with the thread that spawned it)."""
-        ours, theirs = socket.socketpair()
-        settings = self.settings.model_dump(mode="json", exclude={"api_keys"})
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "xlserve.server.engine.process", str(theirs.fileno()), json.dumps(settings)],
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
-        self.reader, self.writer = await asyncio.open_connection(sock=ours)
-        first = await read_frame_async(self.reader)
-        if first is None or first[0].get("op") != "ready":
-            reason = first[0].get("error") if first else None
-            code = await asyncio.to_thread(self.process.wait, 60)
-            raise RuntimeError(f"the engine process failed to start (exit code {code})"
-                               + (f": {reason}" if reason else ""))
-        self.models = first[0]["models"]
-        self.alive = True
-        self.reader_task = asyncio.create_task(self._read())
+        event loop's thread: on Linux the engine process dies with the thread that spawned it).
+        Raises EngineStartFailed when it cannot start."""
+        self.status, self.reason = "loading", "the engine process is loading the models"
+        try:
+            await self._spawn()
+        except EngineStartFailed as error:
+            self.status, self.reason = "failed", f"the engine process failed to start: {error}"
+            raise
+        self._ready(restarted=False)
         return self
 
+    def start_in_background(self) -> None:
+        """Start as `start` does, without waiting (the port can open meanwhile: requests get
+        503 `loading`). A failure is `on_fatal`'s."""
+        self.status, self.reason = "loading", "the engine process is loading the models"
+        self.supervisor = asyncio.create_task(self._start_in_background())
+
+    async def _start_in_background(self) -> None:
+        try:
+            await self.start()
+        except EngineStartFailed as error:
+            if not self.closing:
+                log.debug("the engine process's traceback:\n%s", error.details)
+                self._fatal(self.reason)
+        except Exception as error:  # on_ready could not use what the engine process loaded
+            log.debug("starting failed", exc_info=True)
+            self._fatal(f"the server could not start: {type(error).__name__}: {error}")
+
     async def close(self, timeout: float = 120) -> int | None:
-        """Stop the engines, let the cache write its sessions down, wait for the process."""
+        """Stop the engines, let the cache write its sessions down, wait for the process. An
+        engine process still loading (or restarting) has served nothing yet: it is killed."""
+        self.closing = True
+        if self.supervisor is not None and not self.supervisor.done():
+            self.supervisor.cancel()
+            await asyncio.gather(self.supervisor, return_exceptions=True)
         if self.process is None:
+            self.status = "closed"
             return None
         if self.alive:
             self.send({"op": "shutdown"})
+        elif self.process.poll() is None:
+            self.process.kill()
+        self.status, self.reason = "closed", "the server is shutting down"
         try:
             code = await asyncio.to_thread(self.process.wait, timeout)
         except subprocess.TimeoutExpired:
@@ -108,13 +188,79 @@ class EngineClient:
         if self.reader_task is not None:
             self.reader_task.cancel()
             await asyncio.gather(self.reader_task, return_exceptions=True)
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+        self._fail_in_flight(lambda: ShuttingDown("the server is shutting down", code="shutting_down"))
         return code
 
-    async def _read(self) -> None:
+    async def _spawn(self) -> None:
+        """One engine process, up to its `ready` frame; EngineStartFailed if it says `failed`
+        or dies first."""
+        ours, theirs = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "xlserve.server.engine.process", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=engine_environment(),  # fewer malloc arenas (memory.py)
+            )
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        settings = self.settings.model_dump(mode="json", exclude={"api_keys"})
+        writer.write(encode_frame({"op": "settings", "settings": settings}))
+        try:
+            first = await read_frame_async(reader)
+        except BaseException:  # cancelled by close(), which kills the process
+            writer.close()
+            raise
+        if first is None or first[0].get("op") != "ready":
+            writer.close()
+            header = first[0] if first else {}
+            code = await self._reap(self.process)
+            reason = header.get("error") or f"it {describe_exit(code)} before it was ready"
+            raise EngineStartFailed(self._masked(reason), header.get("traceback", ""))
+        self.reader, self.writer = reader, writer
+        self.generation += 1
+        self.models = first[0]["models"]
+        self.ready_frame = first[0]
+        self.reader_task = asyncio.create_task(self._read(reader, self.generation))
+
+    async def _reap(self, process: subprocess.Popen) -> int | None:
+        """Wait for an engine process that is ending (killing it if it lingers); its exit code."""
+        try:
+            return await asyncio.to_thread(process.wait, REAP_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return await asyncio.to_thread(process.wait)
+
+    def _ready(self, restarted: bool) -> None:
+        self.status, self.reason = "ready", "the engine process is ready"
+        for described in self.models:  # every model's restart count exists from the start, at 0
+            self.metrics.engine_restarts.labels(described["name"])
+        if self.on_ready is not None:
+            self.on_ready(self, restarted)
+
+    def _fatal(self, reason: str) -> None:
+        self.status, self.reason = "failed", reason
+        self._fail_in_flight(self.unavailable_error)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+        else:
+            log.error("%s", reason)
+
+    def _masked(self, text: str) -> str:
+        """`text` without the Redis password, should the engine process have quoted it."""
+        try:
+            password = urlsplit(self.settings.redis_url).password
+        except ValueError:  # a URL urllib cannot take apart: Redis would not have taken it either
+            password = None
+        return text.replace(password, "***") if password else text
+
+    # -- when the engine process dies ---------------------------------------------------------
+
+    async def _read(self, reader: asyncio.StreamReader, generation: int) -> None:
         try:
             while True:
-                frame = await read_frame_async(self.reader)
+                frame = await read_frame_async(reader)
                 if frame is None:
                     break
                 header, blob = frame
@@ -129,23 +275,85 @@ class EngineClient:
                         else:
                             future.set_result((header["ok"], blob))
         finally:
-            self._gone("the engine process exited")
+            if not self.closing and generation == self.generation and self.status == "ready":
+                self._lost()
 
-    def _gone(self, reason: str) -> None:
-        self.alive = False
-        self.exit_reason = reason
-        error = self._gone_error()
-        for future in self.calls.values():
+    def _lost(self) -> None:
+        """The engine process is gone without being asked to stop: fail what was in flight,
+        then start a new one (or give up), in the background."""
+        self.status, self.reason = "restarting", "the engine process died; a new one is starting"
+        self._fail_in_flight(lambda: EngineRestarting(
+            "the engine process died while this request ran; nothing of it was committed. A new engine "
+            "process is starting: send the request again shortly", code="engine_restarting"))
+        self.supervisor = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        settings = self.settings
+        dead = self.process
+        code = await self._reap(dead) if dead is not None else None
+        what = f"the engine process (pid {dead.pid if dead else '?'}) {describe_exit(code)}"
+        failures = 0
+        while True:
+            now = time.monotonic()
+            while self.restarted_at and now - self.restarted_at[0] > settings.engine_restart_window_seconds:
+                self.restarted_at.popleft()
+            if len(self.restarted_at) >= settings.engine_restart_limit:
+                self._fatal(f"{what}; it was restarted {len(self.restarted_at)} times within "
+                            f"{settings.engine_restart_window_seconds:g}s (XLSERVE_ENGINE_RESTART_LIMIT="
+                            f"{settings.engine_restart_limit}): giving up")
+                return
+            self.restarted_at.append(now)
+            for described in self.models:
+                self.metrics.engine_restarts.labels(described["name"]).inc()
+            log.error("%s; starting a new one (restart %d of at most %d within %gs)", what, len(self.restarted_at),
+                      settings.engine_restart_limit, settings.engine_restart_window_seconds)
+            self.reason = f"{what}; a new one is starting"
+            started = time.monotonic()
+            try:
+                await self._spawn()
+            except EngineStartFailed as error:
+                log.debug("the engine process's traceback:\n%s", error.details)
+                what = f"the new engine process could not start ({error})"
+                failures += 1
+                await asyncio.sleep(min(failures, 5))  # a cause that persists is not retried at full speed
+                continue
+            log.warning("the engine process is back (pid %d, %.1fs); sessions are as last committed",
+                        self.process.pid, time.monotonic() - started)
+            self._ready(restarted=True)
+            return
+
+    def _fail_in_flight(self, error: Callable[[], BaseException]) -> None:
+        """Every call awaiting an answer and every running request ends with a fresh `error()`."""
+        calls, self.calls = self.calls, {}
+        for future in calls.values():
             if not future.done():
-                future.set_exception(error)
-        self.calls.clear()
-        for submission in self.submissions.values():
+                future.set_exception(error())
+        submissions, self.submissions = self.submissions, {}
+        for submission in submissions.values():
             submission.ended = True
-            submission.queue.put_nowait(error)
-        self.submissions.clear()
+            submission.queue.put_nowait(error())
 
-    def _gone_error(self) -> EngineGone:
-        return EngineGone(f"{self.exit_reason}; the server cannot serve requests", code="engine_gone")
+    def cut(self, error: Callable[[], BaseException]) -> int:
+        """End every generation and append still running with a fresh `error()` as its last
+        event (shutdown, at the end of its grace period): each is cancelled in the engine, and
+        its client is told why instead of seeing its stream stop. Returns how many there were."""
+        submissions, self.submissions = self.submissions, {}
+        for submission in submissions.values():
+            submission.ended = True
+            submission.cancelled.set()
+            self.send({"op": "cancel", "request": submission.id})
+            submission.queue.put_nowait(error())
+        return len(submissions)
+
+    def unavailable_error(self) -> BaseException:
+        """What a request gets while the engine process cannot take it."""
+        if self.status in ("loading", "stopped"):
+            return EngineLoading("the server is still loading its models; retry shortly", code="loading")
+        if self.status == "restarting":
+            return EngineRestarting(f"{self.reason}: retry shortly", code="engine_restarting")
+        if self.status == "closed":
+            return ShuttingDown("the server is shutting down", code="shutting_down")
+        return EngineGone(f"{self.reason}; the server cannot serve requests", code="engine_gone")
 
     def _route(self, events: list) -> None:
         """One engine step's events into their requests' queues."""
@@ -171,7 +379,7 @@ class EngineClient:
         """Send an operation, wait for its answer: (result, blob). Raises what the engine process
         raised (the same exception classes, through server/engine/wire.py)."""
         if not self.alive:
-            raise self._gone_error()
+            raise self.unavailable_error()
         call_id = next(self.ids) if request_id is None else request_id
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
@@ -180,18 +388,31 @@ class EngineClient:
             await self.writer.drain()
         return await future
 
+    def _check(self, lease: RemoteLease | None) -> int | None:
+        """The lease's id, if the current engine process granted it; a lease of one that died
+        means nothing to its successor."""
+        if lease is None:
+            return None
+        if lease.generation != self.generation:
+            raise EngineRestarting(f"the engine process was restarted while this request held session "
+                                   f"'{lease.session_id}'; nothing of it was committed: send it again",
+                                   code="engine_restarting")
+        return lease.id
+
     async def submit(self, model: str, prompt: list[int], params: dict, lease: RemoteLease | None) -> RemoteSubmission:
         """Queue a generation; raises QueueFull / ShuttingDown / ValueError before anything started."""
         return await self._queue("generate", model, model=model, prompt=prompt, params=params,
-                                 lease=None if lease is None else lease.id)
+                                 lease=self._check(lease))
 
     async def append(self, lease: RemoteLease, tokens: list[int], score: bool) -> RemoteSubmission:
         """Queue a document chunk for a leased session (its new state waits for `commit`); the
         submission's last event is an `Appended` (see `types.appended`)."""
-        return await self._queue("append", lease.info.model, lease=lease.id, tokens=tokens, score=score)
+        return await self._queue("append", lease.info.model, lease=self._check(lease), tokens=tokens, score=score)
 
     async def _queue(self, op: str, served_model: str, **fields) -> RemoteSubmission:
         """Register the request's submission before asking: its events may arrive before the answer."""
+        if not self.alive:
+            raise self.unavailable_error()
         submission = RemoteSubmission(self, served_model, next(self.ids))
         self.submissions[submission.id] = submission
         try:
@@ -201,22 +422,50 @@ class EngineClient:
             raise
         return submission
 
-    async def acquire(self, session_id: str, owner: str | None) -> RemoteLease:
-        result, _ = await self.call("acquire", session_id=session_id, owner=owner)
-        return RemoteLease(result["lease"], session_id, SessionInfo(**result["info"]), result["has_history"])
+    async def acquire(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> RemoteLease:
+        """Hold a session for a request. With `idempotency` ({key, fingerprint}) seen before on
+        the session, nothing is held: the lease's `replay` is the remembered entry."""
+        generation = self.generation
+        fields = {} if idempotency is None else {"idempotency": idempotency}
+        result, _ = await self.call("acquire", session_id=session_id, owner=owner, **fields)
+        if "replay" in result:
+            return RemoteLease(0, session_id, SessionInfo(**result["info"]), False, released=True,
+                               generation=generation, replay=result["replay"])
+        return RemoteLease(result["lease"], session_id, SessionInfo(**result["info"]), result["has_history"],
+                           generation=generation, idempotency=idempotency)
 
-    async def commit(self, lease: RemoteLease) -> SessionInfo:
-        result, _ = await self.call("commit", lease=lease.id)
-        return SessionInfo(**result)
+    async def commit(self, lease: RemoteLease, result: dict | None = None) -> SessionInfo:
+        """Make the request's effect permanent; with the lease's Idempotency-Key, `result` (what
+        the client is answered) is remembered with it, in the same write."""
+        fields = {} if lease.idempotency is None else {"remember": {**lease.idempotency, "result": result}}
+        answer, _ = await self.call("commit", lease=self._check(lease), **fields)
+        return SessionInfo(**answer)
 
     def release(self, lease: RemoteLease) -> None:
         if not lease.released:
             lease.released = True
-            self.send({"op": "release", "lease": lease.id})
+            if lease.generation == self.generation:  # the process that granted it is gone otherwise
+                self.send({"op": "release", "lease": lease.id})
 
     async def session_call(self, op: str, blob: bytes | None = None, **fields) -> SessionInfo:
         result, _ = await self.call(op, blob, **fields)
         return SessionInfo(**result)
+
+    async def session_change(self, op: str, blob: bytes | None = None, idempotency: dict | None = None,
+                             **fields) -> tuple[dict, bool]:
+        """A session operation that may carry an Idempotency-Key (fork, replace, delete): its
+        answer, and whether that is the remembered answer of an earlier request with the key."""
+        if idempotency is not None:
+            fields["idempotency"] = idempotency
+        result, _ = await self.call(op, blob, **fields)
+        if "replay" in result:
+            return result["replay"]["result"], True
+        return result, False
+
+    async def list_sessions(self, owner: str | None, limit: int, after: str | None) -> tuple[list[SessionInfo], bool]:
+        """`owner`'s sessions, newest first, after the session `after`; and whether more follow."""
+        result, _ = await self.call("list_sessions", owner=owner, limit=limit, after=after)
+        return [SessionInfo(**info) for info in result["data"]], result["has_more"]
 
     async def export(self, session_id: str, owner: str | None) -> tuple[SessionInfo, bytes]:
         result, blob = await self.call("export", session_id=session_id, owner=owner)

@@ -21,6 +21,12 @@ class InvalidInput(EngineError):
     """The request cannot run as asked (nothing to continue from, a state that does not fit)."""
 
 
+class RequestFailed(EngineError):
+    """This request alone could not be computed: its row of log-probabilities is not finite
+    (code "sampling_failed"), or the model's forward raised for its row alone ("forward_failed").
+    Every other request in the batch goes on."""
+
+
 class ModelNotFound(EngineError):
     """No model of that name is loaded."""
 
@@ -39,6 +45,15 @@ class ShuttingDown(EngineError):
 
 class EngineGone(EngineError):
     """The engine process exited; nothing more can be served."""
+
+
+class EngineRestarting(EngineError):
+    """The engine process died and a new one is being started (its sessions are on disk, so
+    nothing committed is lost); the request may be sent again shortly."""
+
+
+class EngineLoading(EngineError):
+    """The server has started but the engine process is still loading its models."""
 
 
 class Cancelled(Exception):

@@ -17,7 +17,9 @@ What crosses the socket, API -> engine (each with an `id` the answer carries bac
   append {lease, tokens, score}              feed a document chunk into a leased session
   cancel {id}                                drop a request at the next step
   acquire / commit / release                 a request's hold on a session (leases stay here)
-  create / info / delete / fork / export / replace / import_new   the other session operations
+  create / info / delete / fork / export / replace / import_new / list_sessions   the other session operations
+                                             (an `idempotency` {key, fingerprint} on acquire, fork, replace,
+                                             delete; `remember` on commit: the request's Idempotency-Key)
   stop_admitting / idle / metrics / shutdown
 and engine -> API: `ready` (the models) once; answers {id, ok | error}; and, once per engine
 step, `events`: every token, choice end, finish and error of that step in one frame.
@@ -26,25 +28,29 @@ A request's new session state never leaves this process: a finished generation o
 leaves it waiting under its lease, and the API's `commit` (sent when the client has the whole
 answer) makes it the session's state; `release` without a commit drops it.
 
-Started by server/engine/client.py as `python -m xlserve.server.engine.process FD SETTINGS_JSON`.
-On Linux it dies with the API process (a kill -9 of the server stops both, as one process would
-stop); elsewhere it notices the socket close, writes its sessions down and exits.
+Started by server/engine/client.py as `python -m xlserve.server.engine.process FD`; its settings
+come as the first frame on the socket (`settings`), never on the command line, which every user
+sees in `ps` (a Redis URL may hold a password). On Linux it dies with the API process (a kill -9
+of the server stops both, as one process would stop); elsewhere it notices the socket close,
+writes its sessions down and exits. If it dies on its own, the API process starts a new one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
+import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -52,17 +58,21 @@ from xlserve.models.checkpoint import load_checkpoint, read_config
 from xlserve.models.interface import LanguageModel
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.cache import CorruptState, Lease, SessionCache, SessionData
+from xlserve.server.cache.session_cache import Replay
 from xlserve.server.cache.codec import decode, session_data
 from xlserve.server.engine.errors import InvalidInput, ModelNotFound
+from xlserve.server.engine.memory import MemoryReturner
 from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine
 from xlserve.server.engine.threads import own_torch_threads, threads_per_engine
 from xlserve.server.engine.types import SamplingParams
 from xlserve.server.engine.wire import FrameWriter, error_to_wire, event_to_wire, is_last, read_frame
 from xlserve.server.metrics import Metrics
-from xlserve.server.settings import Settings
+from xlserve.server.settings import Settings, masked_url
 
 log = logging.getLogger("xlserve.engine_process")
+
+SESSION_OP_THREADS = 32  # session operations in flight at once (most of their time is spent waiting on I/O)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -90,6 +100,7 @@ class LoadedModel:
     model: LanguageModel
     tokenizer: object
     engine: Engine
+    load_seconds: float = 0.0  # reading and placing its weights (said in the start-up log)
 
 
 def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, LoadedModel]:
@@ -105,12 +116,14 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
     own_torch_threads(1)
     loaded = {}
     for directory in directories:
+        started = time.perf_counter()
         model = load_checkpoint(directory, device=device).to(dtype)
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         engine = Engine(directory.name, model, tokenizer, metrics, settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests, sink=sink,
                         threads=threads, prompt_threads=prompt_threads)
-        loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine)
+        loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine,
+                                             time.perf_counter() - started)
     return loaded
 
 
@@ -136,7 +149,11 @@ def decode_import(blob: bytes):
 
 
 def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tensors, next_log_probs) -> SessionData:
-    """A decoded state that fits model `name`, on its device; InvalidInput otherwise."""
+    """A decoded state that fits model `name`, on its device; InvalidInput (code "invalid_state",
+    naming the tensor at fault) otherwise. Everything the model could not have produced is
+    refused here (`LanguageModel.check_session`: finite tensors, lengths that agree with each
+    other and with the token count, a next-token row that is a log-distribution), before the
+    state replaces anything or runs beside another request."""
 
     def refuse(message: str):
         return InvalidInput(message, param="body", code="invalid_state")
@@ -147,17 +164,9 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
         raise refuse(f"the state is of architecture '{meta['architecture']}', '{name}' is {model.architecture}")
     try:
         data = session_data(model.state_class, meta, tensors, next_log_probs)
-        if data.state.batch_size != 1:
-            raise ValueError(f"a session state has batch size 1, this one has {data.state.batch_size}")
-        model.check_state(data.state)
-    except (ValueError, IndexError) as error:
+        model.check_session(data.state, data.tokens, data.next_log_probs)
+    except (ValueError, IndexError, RuntimeError) as error:  # RuntimeError: torch on a malformed tensor
         raise refuse(f"the state does not fit model '{name}': {error}") from None
-    if next_log_probs is not None and (next_log_probs.dim() != 1 or next_log_probs.shape[0] != model.vocab_size
-                                       or not next_log_probs.is_floating_point()):
-        raise refuse(f"next_log_probs must be a float vector of {model.vocab_size} values, "
-                     f"got {next_log_probs.dtype} {tuple(next_log_probs.shape)}")
-    if data.tokens > 0 and next_log_probs is None:
-        raise refuse("a state that has seen tokens needs next_log_probs")
     return data.to(model.device)
 
 
@@ -175,7 +184,7 @@ class EngineProcess:
         self.metrics = Metrics()
         self.cache = SessionCache.from_settings(settings, self.metrics)
         self.models = load_models(settings, self.metrics, sink=self._send_events)
-        self.cache.open({name: loaded.model for name, loaded in self.models.items()})
+        self.sessions_found = self.cache.open({name: loaded.model for name, loaded in self.models.items()})
         self.lock = threading.Lock()  # guards the three tables below
         self.leases: dict[int, Lease] = {}
         self.results: dict[int, SessionData] = {}  # lease -> the state its request ended with, until commit
@@ -183,22 +192,42 @@ class EngineProcess:
         self.requests: dict[int, tuple[EngineRequest, Engine, int | None]] = {}
         self.lease_ids = itertools.count(1)
         # session operations may read files or ask Redis: off the reader thread, so a cancel
-        # is never stuck behind them (the cache serialises them on its own lock anyway)
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="session-op",
+        # is never stuck behind them. Enough threads that requests waiting on a slow Redis (each
+        # for at most its own store timeout) do not queue the others behind them; the cache
+        # serialises its local work on its own lock and never holds it while Redis is asked
+        self.pool = ThreadPoolExecutor(max_workers=SESSION_OP_THREADS, thread_name_prefix="session-op",
                                        initializer=own_torch_threads, initargs=(1,))
+        # freed memory goes back to the system once the engines idle (server/engine/memory.py)
+        self.memory = MemoryReturner.for_engine_process(
+            lambda: all(loaded.engine.idle for loaded in self.models.values()), settings.return_memory)
 
     def ready_frame(self) -> dict:
+        """The models (what /v1/models says, and what the API process needs to tokenise for
+        them) and what the start-up log says about this process."""
         models = []
         for name, loaded in self.models.items():
             created = int((loaded.directory / "config.json").stat().st_mtime)
+            weights = next(loaded.model.parameters(), None)
             models.append({"name": name, "directory": str(loaded.directory), "vocab_size": loaded.model.vocab_size,
-                           "checkpoint_config": read_config(loaded.directory), "card": model_card(loaded, created)})
-        return {"op": "ready", "models": models, "pid": os.getpid()}
+                           "checkpoint_config": read_config(loaded.directory), "card": model_card(loaded, created),
+                           "device": str(loaded.model.device),
+                           "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else "none",
+                           "load_seconds": round(loaded.load_seconds, 3)})
+        settings = self.settings
+        threads, prompt_threads = threads_per_engine(settings.torch_threads, settings.prompt_threads, len(self.models))
+        store = {"state_dir": str(Path(settings.state_dir).resolve()), "device_bytes": settings.device_state_bytes,
+                 "host_bytes": settings.host_state_bytes, "disk_bytes": settings.disk_state_bytes,
+                 "redis": masked_url(settings.redis_url) if settings.redis_url else None,
+                 "sessions": self.sessions_found}
+        return {"op": "ready", "models": models, "pid": os.getpid(),
+                "threads": {"forward": threads, "prompt": prompt_threads, "cores": os.cpu_count()},
+                "session_store": store}
 
-    def serve(self) -> None:
-        """Answer frames until `shutdown` or until the API process is gone."""
+    def serve(self, stream=None) -> None:
+        """Answer frames until `shutdown` or until the API process is gone (`stream`: the socket's
+        reader, when main() has already read the settings frame from it)."""
         self.writer.send(self.ready_frame())
-        stream = self.sock.makefile("rb")
+        stream = stream if stream is not None else self.sock.makefile("rb")
         graceful = False
         while True:
             frame = read_frame(stream)
@@ -214,6 +243,7 @@ class EngineProcess:
             self.writer.send({"op": "closed"})
 
     def close(self) -> None:
+        self.memory.close()
         for loaded in self.models.values():
             loaded.engine.close()
         self.pool.shutdown(wait=True)
@@ -239,6 +269,8 @@ class EngineProcess:
         except Exception as error:
             self.answer(header, error=error)
             return
+        finally:
+            self.memory.freed()  # a delete, release or commit may have let go of a state
         if result is not None:
             body, data = result if isinstance(result, tuple) else (result, None)
             self.answer(header, body, data)
@@ -317,14 +349,22 @@ class EngineProcess:
 
     def _ended(self, request_id: int, data: SessionData | None) -> None:
         with self.lock:
-            _, _, lease_id = self.requests.pop(request_id, (None, None, None))
+            request, _, lease_id = self.requests.pop(request_id, (None, None, None))
             if data is not None and lease_id is not None and lease_id in self.leases:
                 self.results[lease_id] = data
+        if request is not None:
+            # a request and its rows refer to each other (Row.request): unlinked, they and the
+            # states they hold (the one it started from, each row's last) go now, not whenever
+            # the cyclic garbage collector runs; the engine is done with them (this is its last event)
+            request.rows = []
+        self.memory.freed()  # the request's batch rows and activations are gone
 
     # -- sessions ----------------------------------------------------------------------------
 
     def op_acquire(self, header: dict, blob) -> dict:
-        lease = self.cache.acquire(header["session_id"], header["owner"])
+        lease = self.cache.acquire(header["session_id"], header["owner"], header.get("idempotency"))
+        if lease.replay is not None:  # the request's Idempotency-Key was seen: its first result, nothing held
+            return {"replay": lease.replay, "info": asdict(lease.info)}
         with self.lock:
             lease_id = next(self.lease_ids)
             self.leases[lease_id] = lease
@@ -336,7 +376,7 @@ class EngineProcess:
             data = self.results.pop(header["lease"], None)
         if data is None:
             raise ValueError("nothing to commit: the request did not finish")
-        return asdict(self.cache.commit(lease, data))
+        return asdict(self.cache.commit(lease, data, header.get("remember")))
 
     def op_release(self, header: dict, blob) -> None:
         with self.lock:
@@ -352,12 +392,19 @@ class EngineProcess:
     def op_info(self, header: dict, blob) -> dict:
         return asdict(self.cache.info(header["session_id"], header["owner"]))
 
+    def op_list_sessions(self, header: dict, blob) -> dict:
+        try:
+            infos, has_more = self.cache.list_sessions(header["owner"], header["limit"], header.get("after"))
+        except ValueError as error:
+            raise InvalidInput(str(error), param="after") from None
+        return {"data": [asdict(info) for info in infos], "has_more": has_more}
+
     def op_delete(self, header: dict, blob) -> dict:
-        self.cache.delete(header["session_id"], header["owner"])
-        return {}
+        replay = self.cache.delete(header["session_id"], header["owner"], header.get("idempotency"))
+        return {} if replay is None else {"replay": replay.entry}
 
     def op_fork(self, header: dict, blob) -> dict:
-        return asdict(self.cache.fork(header["session_id"], header["owner"]))
+        return _maybe_replay(self.cache.fork(header["session_id"], header["owner"], header.get("idempotency")))
 
     def op_export(self, header: dict, blob) -> tuple[dict, bytes]:
         info, data = self.cache.export(header["session_id"], header["owner"])
@@ -373,7 +420,8 @@ class EngineProcess:
         current = self.cache.info(header["session_id"], header["owner"])
         loaded = self.loaded(current.model)
         data = validated_import(loaded.name, loaded.model, *decode_import(blob))
-        return asdict(self.cache.replace(header["session_id"], header["owner"], data))
+        return _maybe_replay(self.cache.replace(header["session_id"], header["owner"], data,
+                                                header.get("idempotency")))
 
     # -- the server's life -------------------------------------------------------------------
 
@@ -389,6 +437,11 @@ class EngineProcess:
         return {"text": self.metrics.render(engine_side=True).decode()}
 
 
+def _maybe_replay(result) -> dict:
+    """A session operation's answer: its info, or {"replay": entry} for an Idempotency-Key seen before."""
+    return {"replay": result.entry} if isinstance(result, Replay) else asdict(result)
+
+
 def _die_with_parent() -> None:
     """Linux: get SIGKILL when the API process dies (a kill -9 of the server stops both)."""
     if sys.platform.startswith("linux"):
@@ -397,6 +450,15 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+
+
+def read_settings(stream) -> Settings:
+    """The first frame from the API process: {"op": "settings", "settings": {...}} (as JSON,
+    without the API keys). Over the socket, not argv: a Redis URL may hold a password."""
+    frame = read_frame(stream)
+    if frame is None or frame[0].get("op") != "settings":
+        raise RuntimeError("the API process sent no settings")
+    return Settings(**frame[0]["settings"])
 
 
 def main(argv: list[str]) -> None:
@@ -409,13 +471,32 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s engine: %(message)s")
     sock = socket.socket(fileno=int(argv[0]))
-    settings = Settings(**json.loads(argv[1]))
+    stream = sock.makefile("rb")  # one buffered reader for the settings and every frame after them
+    settings = None
     try:
+        settings = read_settings(stream)
         process = EngineProcess(settings, sock)
-    except Exception as error:  # tell the API process why it cannot start
-        FrameWriter(sock).send({"op": "failed", "error": f"{type(error).__name__}: {error}"})
-        raise
-    process.serve()
+    except Exception as error:
+        # tell the API process why this process cannot start, in one line (it says it once, as
+        # the reason the server stops); the traceback goes along for its debug log
+        message, details = f"{type(error).__name__}: {error}", traceback.format_exc()
+        password = urlsplit_password(settings.redis_url) if settings is not None else None
+        if password:
+            message, details = message.replace(password, "***"), details.replace(password, "***")
+        try:
+            FrameWriter(sock).send({"op": "failed", "error": message, "traceback": details})
+        except OSError:  # the API process is gone too: this line is all anyone gets
+            print(f"xlserve engine process: {message}", file=sys.stderr)
+        sys.exit(1)
+    process.serve(stream)
+
+
+def urlsplit_password(url: str) -> str | None:
+    """The password in a URL (None without one), to keep it out of what this process reports."""
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 from xlserve.models.interface import State
 from xlserve.server.cache import SessionData
-from xlserve.server.engine.sampling import Sampler, StopChecker
+from xlserve.server.engine.sampling import Sampler, StopChecker, is_plain_greedy, most_likely
 from xlserve.server.engine.types import ChoiceFinished, SamplingParams
 
 
@@ -75,9 +75,11 @@ class Row:
         self.state: State | None = state
         self.next_log_probs = next_log_probs  # (V,) on the model's device: predicts the next token
         self.host_log_probs = next_log_probs.float().cpu()  # the same on the CPU, for sampling
-        self.greedy: tuple[int, float] | None = None  # (argmax, its log-prob) when computed for the batch
+        # (argmax, its log-prob) of host_log_probs, computed for the whole batch after each step:
+        # the token of a plain greedy row, and whether the row can be sampled from at all
+        self.greedy: tuple[int, float] = most_likely(self.host_log_probs)
         self.tokens = request.tokens  # tokens the state has seen
-        self.plain_greedy = params.temperature == 0 and not params.penalised
+        self.plain_greedy = is_plain_greedy(params)
         self.generated = 0
         self.pending: int | None = None
         self.finish_reason: str | None = None

@@ -6,9 +6,20 @@ Each choice of each request draws from its own generator, so the same seed gives
 whether the request runs alone or beside others in a batch (choice i of a request with seed s
 draws from seed s + i, so choice 0 of an n > 1 request is the n = 1 text).
 
-Order of operations (vLLM's): penalties -> temperature (0 = greedy: argmax of the penalised
-row) -> top-k -> top-p -> min-p -> draw. Log-probabilities reported back to the client are
-always the model's own, before any of this.
+Order of operations (vLLM's): logit_bias -> penalties -> temperature (0 = greedy: argmax of the
+biased, penalised row) -> top-k -> top-p -> min-p -> draw. Log-probabilities reported back to
+the client are always the model's own, before any of this. `logit_bias` (OpenAI's) adds its
+value to the log-probability of each token it names; ids outside the vocabulary are refused.
+
+Odd values never make the sampler produce NaN or raise, and one request's trouble stays its
+own (the engine fails that request alone, server/engine/scheduler.py):
+- temperature < GREEDY_TEMPERATURE (1e-5, as vLLM) is greedy; any other temperature divides
+  the row after its largest value is shifted to 0, so the most likely token always survives;
+- top_p < SMALLEST_TOP_P (1e-5) keeps only the most likely token; top-p always keeps one;
+- a seed is taken modulo 2**64 (choice i of seed s draws from (s + i) mod 2**64), so every seed
+  in 0..2**64-1 works (the API refuses others);
+- a row that is not a distribution (NaN, +inf, or no possible token) raises RequestFailed
+  with code "sampling_failed", for that request alone.
 
 Penalties act on log-probabilities (which are all <= 0):
 - repetition_penalty r (HF / vLLM, 1 = off): a token already in the prompt or the generated
@@ -19,9 +30,41 @@ Penalties act on log-probabilities (which are all <= 0):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from xlserve.server.engine.errors import InvalidInput, RequestFailed
 from xlserve.server.engine.types import SamplingParams
+
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy (vLLM's _SAMPLING_EPS)
+SMALLEST_TOP_P = 1e-5  # below this top_p keeps only the most likely token
+SEED_MODULUS = 2**64  # torch's generators take 64-bit seeds
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """The argmax of the model's own row: no transform changes which token is the most likely."""
+    return is_greedy(params) and not params.penalised and not params.logit_bias
+
+
+def most_likely(row: torch.Tensor) -> tuple[int, float]:
+    """(argmax, its value) of a row (V,). A NaN anywhere is what argmax picks, and +inf is the
+    largest, so the value is finite exactly when the row can be sampled from."""
+    token = int(row.argmax())
+    return token, float(row[token])
+
+
+def unusable_row(value: float) -> RequestFailed | None:
+    """The error for a row whose `most_likely` value is `value`, or None when it is usable."""
+    if math.isfinite(value):
+        return None
+    reason = "holds NaN" if math.isnan(value) else ("holds +inf" if value > 0 else "gives no token a chance")
+    return RequestFailed(f"the model's next-token distribution for this request {reason}; "
+                         "its state may be corrupt. Nothing was committed", code="sampling_failed")
 
 
 class Sampler:
@@ -31,12 +74,26 @@ class Sampler:
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed + index)
+            self.generator.manual_seed((int(params.seed) + index) % SEED_MODULUS)
         else:
             self.generator.seed()
         self._prompt = list(prompt or [])
         self._counts: torch.Tensor | None = None  # (V,) float32, how often each token was generated
         self._seen: torch.Tensor | None = None  # (V,) bool, in the prompt or generated
+        self._bias: torch.Tensor | None = None  # (V,) float32, logit_bias laid out over the vocabulary
+
+    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._bias is None:
+            size = logits.numel()
+            outside = sorted(token for token in self.params.logit_bias if not 0 <= token < size)
+            if outside:
+                raise InvalidInput(f"logit_bias names token ids outside the vocabulary 0..{size - 1}: {outside[:5]}",
+                                   param="logit_bias", code="invalid_logit_bias")
+            self._bias = torch.zeros(size)
+            tokens = list(self.params.logit_bias)
+            self._bias[torch.tensor(tokens, dtype=torch.long)] = torch.tensor(
+                [self.params.logit_bias[token] for token in tokens], dtype=torch.float32)
+        return logits + self._bias
 
     def _penalise(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -60,26 +117,36 @@ class Sampler:
             self._seen[token] = True
 
     def choose(self, log_probs: torch.Tensor) -> int:
-        """log_probs (V,) -> token id."""
+        """log_probs (V,) -> token id. Raises RequestFailed for a row that is no distribution,
+        InvalidInput for a logit_bias that does not fit the vocabulary."""
         p = self.params
-        if p.temperature == 0 and not p.penalised:
-            return int(log_probs.argmax())
         logits = log_probs.float().cpu()  # (V,)
+        if p.logit_bias:
+            logits = self._biased(logits)
         if p.penalised:
             logits = self._penalise(logits)
-        if p.temperature == 0:
-            token = int(logits.argmax())
-            self._record(token)
-            return token
-        logits = logits / p.temperature
+        best, value = most_likely(logits)
+        failure = unusable_row(value)
+        if failure is not None:
+            raise failure
+        if is_greedy(p):
+            self._record(best)
+            return best
+        # shifted so that the most likely is 0: dividing by any temperature keeps it at 0, and
+        # the rest only fall (to -inf at worst), so the softmax below is always defined
+        logits = (logits - value) / p.temperature
         if 0 < p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
+        if p.top_p < SMALLEST_TOP_P:
+            logits = torch.full_like(logits, float("-inf"))
+            logits[best] = 0.0
+        elif p.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
             probs = torch.softmax(sorted_logits, dim=-1)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             outside = probs.cumsum(-1) - probs >= p.top_p
+            outside[0] = False
             sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
         probs = torch.softmax(logits, dim=-1)

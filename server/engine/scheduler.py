@@ -28,6 +28,13 @@ included). Each step's events go to the `sink` given at construction, as one lis
 without a sink, they go to the asyncio loop of each request's `Submission`
 (server/engine/local.py).
 
+One request's trouble is its own. A failure while sampling or computing one request's row
+(a row that is no distribution, a sampler that raises, a forward that raises for that row)
+ends that request alone with an error event (RequestFailed, or the EngineError raised), and
+the batch goes on for everyone else: when a batched forward raises, its rows run again one by
+one and only those whose own forward fails are failed. States are values (a forward never
+changes its input), so running a row again is safe.
+
 The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait;
 `enqueue` refuses more with `QueueFull`. After `stop_admitting` (graceful shutdown) it refuses
 everything with `ShuttingDown` while running requests finish.
@@ -43,10 +50,10 @@ import torch
 from xlserve.models.interface import LanguageModel, State
 from xlserve.server.cache import SessionData
 from xlserve.server.engine.batch import BatchLayout, Group
-from xlserve.server.engine.errors import Cancelled, InvalidInput, QueueFull, ShuttingDown
+from xlserve.server.engine.errors import Cancelled, EngineError, InvalidInput, QueueFull, RequestFailed, ShuttingDown
 from xlserve.server.engine.local import SubmissionDelivery
 from xlserve.server.engine.request import EngineRequest, Row
-from xlserve.server.engine.sampling import top_alternatives
+from xlserve.server.engine.sampling import most_likely, top_alternatives, unusable_row
 from xlserve.server.engine.threads import ForwardThreads
 from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, PromptLogprobs, TokenEvent
 from xlserve.server.metrics import Metrics
@@ -271,8 +278,11 @@ class Engine:
                 log_probs, state = self._forward(tokens, state, torch.tensor(lengths, device=self.model.device))
             states = [state] if len(requests) == 1 else state.split()
         except Exception as error:
-            for request in requests:
-                self._fail(request, error)
+            if len(batch) > 1:  # find the culprits: each request's chunk alone
+                for member in batch:
+                    self._prefill_batch([member])
+            else:
+                self._fail(requests[0], request_error(error, "forward_failed"))
             return
         self._prompt_metric.inc(sum(lengths))
         for i, (request, chunk) in enumerate(batch):
@@ -296,7 +306,13 @@ class Engine:
             request.prompt_top.extend([first, *_most_likely(log_probs[:-1], request.prompt_top_k)])
 
     def _prefilled(self, request: EngineRequest) -> None:
-        """The whole prompt is in the state: start decoding (or finish)."""
+        """The whole prompt is in the state: start decoding (or finish). A request whose
+        next-token row is no distribution fails here, before anything of it can be committed."""
+        if request.next_log_probs is not None:
+            failure = unusable_row(most_likely(request.next_log_probs.float().cpu())[1])
+            if failure is not None:
+                self._fail(request, failure)
+                return
         next_log_probs = None if request.next_log_probs is None else request.next_log_probs.clone()
         data = SessionData(state=request.state, tokens=request.tokens, next_log_probs=next_log_probs)
         if request.kind == "append":
@@ -314,8 +330,12 @@ class Engine:
             self._fail(request, InvalidInput("nothing to continue from: give a prompt", param="prompt"))
             return
         # choices share the prompt's state: states are values, a forward never changes its input
-        request.rows = [Row(request, i, self.tokenizer.detokenizer(), request.state, data.next_log_probs)
-                        for i in range(request.params.n)]
+        try:
+            request.rows = [Row(request, i, self.tokenizer.detokenizer(), request.state, data.next_log_probs)
+                            for i in range(request.params.n)]
+        except Exception as error:
+            request.rows = []
+            self._fail(request, request_error(error, "sampling_failed"))
 
     # decode -----------------------------------------------------------------------------------
 
@@ -323,7 +343,16 @@ class Engine:
         rows = [row for request in self._running for row in request.rows if row.finish_reason is None]
         if not rows:
             return
-        forward = [row for row in rows if self._sample(row)]
+        forward = []
+        for row in rows:
+            if row.request.failed:  # another of its choices failed this step
+                continue
+            try:
+                if self._sample(row):
+                    forward.append(row)
+            except Exception as error:  # this request alone: the others sample on
+                self._fail(row.request, request_error(error, "sampling_failed"))
+        forward = [row for row in forward if not row.request.failed]
         self._flush()  # tokens leave before the forward that follows them
         self._generated_metric.inc(len(rows))
         if forward:
@@ -335,9 +364,13 @@ class Engine:
 
     def _sample(self, row: Row) -> bool:
         """Choose the row's next token and send it out; True when it is to be fed to the model
-        (the row goes on, or it is a session's and the state keeps every token generated)."""
+        (the row goes on, or it is a session's and the state keeps every token generated).
+        Raises RequestFailed when the row is no distribution (NaN, +inf, no possible token)."""
         params = row.request.params
-        if row.plain_greedy and row.greedy is not None:  # argmax taken once for the whole batch
+        failure = unusable_row(row.greedy[1])
+        if failure is not None:
+            raise failure
+        if row.plain_greedy:  # argmax taken once for the whole batch
             token, logprob = row.greedy
         else:
             token = row.sampler.choose(row.host_log_probs)
@@ -362,11 +395,30 @@ class Engine:
             try:
                 log_probs, state = self._forward(group.pending_tokens(self.model.device), group.state)  # (B, 1, V)
             except Exception as error:
-                for request in {id(row.request): row.request for row in group.live}.values():
-                    self._fail(request, error)
+                self._forward_one_by_one(group, error)
                 continue
             self._advance(group, log_probs[:, -1])
             self.layout.stepped(group, state)
+
+    def _forward_one_by_one(self, group: Group, error: Exception) -> None:
+        """The group's batched forward raised: each of its rows runs alone, and only the
+        requests of rows whose own forward raises fail. The group is let go (it never goes back
+        through `stepped`); each row that went on holds its own state, and the layout groups
+        those afresh at the next step."""
+        if len(group.rows) == 1:
+            self._fail(group.rows[0].request, request_error(error, "forward_failed"))
+            return
+        for row, state in zip(group.rows, group.split()):
+            if row is None or row.request.failed:
+                continue
+            alone = Group(rows=[row], state=state, key=())
+            try:
+                log_probs, new_state = self._forward(alone.pending_tokens(self.model.device), state)
+            except Exception as row_error:
+                self._fail(row.request, request_error(row_error, "forward_failed"))
+                continue
+            self._advance(alone, log_probs[:, -1])
+            row.state = new_state
 
     def _advance(self, group: Group, last: torch.Tensor) -> None:
         """The group's rows have seen their pending tokens; `last` (B, V) predicts their next."""
@@ -395,6 +447,10 @@ class Engine:
             return
         first = request.rows[0]
         if request.keep_state:
+            failure = unusable_row(first.greedy[1])  # never commit a state that predicts nothing
+            if failure is not None:
+                self._fail(request, failure)
+                return
             data = SessionData(state=first.state, tokens=first.tokens, next_log_probs=first.next_log_probs.clone())
         else:  # nothing to commit; the state after the prompt
             data = SessionData(state=request.state, tokens=request.tokens, next_log_probs=request.next_log_probs)
@@ -429,6 +485,16 @@ class Engine:
         if self._outbox:
             outbox, self._outbox = self._outbox, []
             self._sink(outbox)
+
+
+def request_error(error: BaseException, code: str) -> EngineError:
+    """What a request that failed alone is told: the engine's own refusals as they are, anything
+    else as RequestFailed with `code`, naming what went wrong."""
+    if isinstance(error, EngineError):
+        return error
+    where = "sampling its next token" if code == "sampling_failed" else "running the model on its tokens"
+    return RequestFailed(f"this request failed while {where} ({type(error).__name__}: {error}); "
+                         "the other requests were not affected and nothing was committed", code=code)
 
 
 def _most_likely(rows: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:

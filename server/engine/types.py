@@ -32,6 +32,12 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k = the chosen token's and the k most likely
     echo: bool = False
     n: int = 1  # independent choices sharing one prompt (prefilled once)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (as OpenAI)
+
+    def __post_init__(self):
+        # JSON (the wire, server/engine/process.py) turns the token ids into strings: back to ints
+        if self.logit_bias is not None:
+            self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
 
     @property
     def penalised(self) -> bool:

@@ -23,19 +23,25 @@ import xlserve.server.engine.types as engine_types
 from xlserve.server.cache.errors import (
     CacheError,
     CacheFull,
+    CommitOutcomeUnknown,
     CorruptState,
+    IdempotencyKeyReused,
     SessionConflict,
     SessionLocked,
     SessionNotFound,
+    SessionTooLarge,
     SessionUnavailable,
 )
 from xlserve.server.engine.errors import (
     Cancelled,
     EngineError,
     EngineGone,
+    EngineLoading,
+    EngineRestarting,
     InvalidInput,
     ModelNotFound,
     QueueFull,
+    RequestFailed,
     ShuttingDown,
 )
 
@@ -136,9 +142,13 @@ def event_from_wire(item: list) -> tuple[int, object]:
 # (an internal error, 500) that names it.
 
 ENGINE_ERRORS: dict[str, type[EngineError]] = {
-    cls.__name__: cls for cls in (EngineError, InvalidInput, ModelNotFound, QueueFull, ShuttingDown, EngineGone)
+    cls.__name__: cls for cls in (EngineError, InvalidInput, ModelNotFound, QueueFull, ShuttingDown, EngineGone,
+                                  RequestFailed, EngineRestarting, EngineLoading)
 }
-CACHE_ERRORS: dict[str, type[CacheError]] = {cls.__name__: cls for cls in (CacheError, CacheFull, SessionUnavailable)}
+CACHE_ERRORS: dict[str, type[CacheError]] = {
+    cls.__name__: cls for cls in (CacheError, CacheFull, SessionUnavailable, SessionTooLarge, CommitOutcomeUnknown,
+                                  IdempotencyKeyReused)
+}
 SESSION_ERRORS: dict[str, type[CacheError]] = {
     cls.__name__: cls for cls in (SessionNotFound, SessionLocked, SessionConflict)
 }

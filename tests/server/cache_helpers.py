@@ -27,7 +27,12 @@ def check_toy(state):
         raise ValueError("not a toy state")
 
 
-MODEL = SimpleNamespace(device=torch.device("cpu"), state_class=ToyState, architecture="toy", check_state=check_toy)
+def check_toy_session(state, tokens, next_log_probs):
+    check_toy(state)
+
+
+MODEL = SimpleNamespace(device=torch.device("cpu"), state_class=ToyState, architecture="toy", check_state=check_toy,
+                        check_session=check_toy_session)
 
 
 def data(n: int, seed: int, tokens: int = 5) -> SessionData:

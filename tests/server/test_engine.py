@@ -20,7 +20,7 @@ from xlserve.models.interface import ArchConfig, LanguageModel, State
 from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 from xlserve.server.engine import local
-from xlserve.server.engine.errors import Cancelled, InvalidInput, QueueFull, ShuttingDown
+from xlserve.server.engine.errors import Cancelled, InvalidInput, QueueFull, RequestFailed, ShuttingDown
 from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine
 from xlserve.server.engine.threads import PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS
@@ -510,8 +510,9 @@ def test_a_model_error_fails_its_request_and_the_engine_keeps_serving():
     engine = make_engine(Fragile())
 
     async def main():
-        with pytest.raises(RuntimeError, match="boom"):
+        with pytest.raises(RequestFailed, match="boom") as failed:  # named, as this request's own failure
             await collect(engine, generation(engine, "bad!", max_tokens=3))
+        assert failed.value.code == "forward_failed"
         return await collect(engine, generation(engine, "good", max_tokens=3))
 
     try:

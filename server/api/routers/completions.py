@@ -16,17 +16,30 @@ stream started is sent in the stream as `data: {"error": {...}}`; one before it 
 request, a busy session, a full queue) is an HTTP error status, as without streaming.
 """
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request, Response
 
 from xlserve.server.api.protocol import CompletionRequest
-from xlserve.server.api.serving import Completion, app_state, complete, owner_of, stream_completion
+from xlserve.server.api.serving import (
+    IDEMPOTENCY_KEY_HEADER,
+    Completion,
+    app_state,
+    complete,
+    owner_of,
+    replayed_headers,
+    stream_completion,
+)
 
 router = APIRouter()
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request, owner: str | None = Depends(owner_of)):
-    completion = Completion(app_state(request), body, owner)
+async def create_completion(body: CompletionRequest, request: Request, response: Response,
+                            owner: str | None = Depends(owner_of),
+                            idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
+    # with session_id, an Idempotency-Key makes the request apply at most once (routers/sessions.py)
+    completion = Completion(app_state(request), body, owner, idempotency_key)
     if body.stream:
         return await stream_completion(completion)
-    return await complete(completion, request)
+    answer = await complete(completion, request)
+    response.headers.update(replayed_headers(completion.replayed))
+    return answer

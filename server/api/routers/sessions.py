@@ -1,6 +1,7 @@
 """/v1/sessions: long-lived model memory that requests continue.
 
     POST   /v1/sessions                  {"model"} -> a new, empty session
+    GET    /v1/sessions                  your sessions, newest first (?limit=1..100, default 20; ?after=<id>)
     GET    /v1/sessions/{id}             tokens, version, state_bytes, tier, in_use, timestamps
     DELETE /v1/sessions/{id}
     POST   /v1/sessions/{id}/append      {"text" | token ids, "score"}: feed a document chunk
@@ -23,15 +24,32 @@ imported state must be of the same model (metadata `model`) and fit it
 else is a 400. The exported metadata carries the model name, architecture, token count and
 version; the owner is left out.
 
+Requests that change a session (append, fork, PUT state, delete; and completions with a
+`session_id`) take an `Idempotency-Key` header: the same key on the same session returns the first
+answer (with `Idempotent-Replayed: true`) instead of applying twice, the same key with another
+request is 422 `idempotency_key_reused`. A session remembers its 32 most recent keys, in its
+durable copy; a delete's key is remembered for a day.
+
 The session operations run in the engine process, where the cache is; what the cache refuses
 reaches the client through the app's error handlers (server/api/errors.py).
 """
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 
 from xlserve.server.api.protocol import AppendRequest, CreateSession
-from xlserve.server.api.serving import app_state, append_to_session, owner_of, read_body
+from xlserve.server.api.serving import (
+    IDEMPOTENCY_KEY_HEADER,
+    app_state,
+    append_to_session,
+    delete_session as delete_one,
+    fork_session as fork_one,
+    list_sessions,
+    owner_of,
+    read_body,
+    replace_session_state,
+    replayed_headers,
+)
 
 router = APIRouter()
 
@@ -55,6 +73,13 @@ async def import_new_session(request: Request, model: str | None = None, owner: 
     return info.public()
 
 
+@router.get("/v1/sessions")
+async def list_own_sessions(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                            owner: str | None = Depends(owner_of)):
+    """The caller's sessions across every tier (and, with Redis, every replica), newest first."""
+    return await list_sessions(app_state(request), owner, limit, after)
+
+
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     info = await app_state(request).engine.session_call("info", session_id=session_id, owner=owner)
@@ -62,15 +87,19 @@ async def get_session(session_id: str, request: Request, owner: str | None = Dep
 
 
 @router.delete("/v1/sessions/{session_id}")
-async def delete_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
-    await app_state(request).engine.call("delete", session_id=session_id, owner=owner)
-    return {"id": session_id, "object": "session", "deleted": True}
+async def delete_session(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
+                         idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
+    body, replayed = await delete_one(app_state(request), owner, session_id, idempotency_key)
+    response.headers.update(replayed_headers(replayed))
+    return body
 
 
 @router.post("/v1/sessions/{session_id}/fork")
-async def fork_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
-    info = await app_state(request).engine.session_call("fork", session_id=session_id, owner=owner)
-    return {**info.public(), "forked_from": session_id}
+async def fork_session(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
+                       idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
+    body, replayed = await fork_one(app_state(request), owner, session_id, idempotency_key)
+    response.headers.update(replayed_headers(replayed))
+    return body
 
 
 @router.get("/v1/sessions/{session_id}/state")
@@ -83,16 +112,22 @@ async def export_state(session_id: str, request: Request, owner: str | None = De
 
 
 @router.put("/v1/sessions/{session_id}/state")
-async def import_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
-    engine = app_state(request).engine
+async def import_state(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
+                       idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
+    state = app_state(request)
     # 404 for a session that is not yours before reading a body that may be large
-    await engine.session_call("info", session_id=session_id, owner=owner)
+    await state.engine.session_call("info", session_id=session_id, owner=owner)
     blob = await read_body(request)
-    info = await engine.session_call("replace", blob, session_id=session_id, owner=owner)
-    return info.public()
+    body, replayed = await replace_session_state(state, owner, session_id, blob, idempotency_key)
+    response.headers.update(replayed_headers(replayed))
+    return body
 
 
 @router.post("/v1/sessions/{session_id}/append")
-async def append(session_id: str, body: AppendRequest, request: Request, owner: str | None = Depends(owner_of)):
-    result = await append_to_session(app_state(request), owner, session_id, body.text, body.score)
+async def append(session_id: str, body: AppendRequest, request: Request, response: Response,
+                 owner: str | None = Depends(owner_of),
+                 idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
+    result = await append_to_session(app_state(request), owner, session_id, body.text, body.score,
+                                     idempotency_key=idempotency_key)
+    response.headers.update(replayed_headers(result.replayed))
     return result.body()

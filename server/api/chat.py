@@ -1,0 +1,129 @@
+"""Chat templates: how a checkpoint turns OpenAI chat messages into the prompt text it was
+trained on (API process, no torch).
+
+A checkpoint carries its template as Hugging Face checkpoints do, found in this order:
+
+1. a `chat_template.jinja` file in its directory;
+2. `chat_template` in its `tokenizer_config.json`;
+3. `chat_template` in its `config.json`.
+
+`chat_template` is a Jinja string, or Hugging Face's list of named templates
+(`[{"name": "default", "template": ...}, ...]`, of which "default" is used). It is rendered as
+transformers renders it: in jinja2's sandboxed environment (a template can read its variables
+but call nothing unsafe), with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension,
+the helpers `raise_exception(message)` and `strftime_now(format)`, and the variables `messages`
+(a list of {"role", "content"[, "name"]}), `add_generation_prompt` (True for a chat request:
+the text ends where the assistant's answer begins), and `bos_token` / `eos_token` from
+tokenizer_config.json (empty when it has none).
+
+A checkpoint without a template answers /v1/chat/completions with 400 `no_chat_template`, as
+vLLM does; a template that does not compile is logged at start-up and answered the same way,
+with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger("xlserve.server")
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+class ChatTemplateError(Exception):
+    """The template cannot be used (it does not compile), or it refused the messages
+    (`raise_exception`, an undefined name, a type error in the template)."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(str(message))
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may use."""
+
+    def __init__(self, source: str, origin: str, bos_token: str = "", eos_token: str = ""):
+        self.source, self.origin = source, origin
+        self.bos_token, self.eos_token = bos_token, eos_token
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        self.error: str | None = None
+        try:
+            self.template = environment.from_string(source)
+        except TemplateError as error:
+            self.template = None
+            self.error = f"the chat template in {origin} does not compile: {error}"
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`; ChatTemplateError if the template cannot render them."""
+        if self.template is None:
+            raise ChatTemplateError(self.error)
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except ChatTemplateError:
+            raise
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
+            raise ChatTemplateError(f"{type(error).__name__}: {error}") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _template_text(value) -> str | None:
+    """A `chat_template` value: a string, or a list of named templates ("default" is used)."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        chosen = named.get("default")
+        return chosen if isinstance(chosen, str) and chosen.strip() else None
+    return None
+
+
+def _token_text(value) -> str:
+    """bos_token / eos_token as tokenizer_config.json gives them: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def load_chat_template(config: dict, directory: str | Path | None) -> ChatTemplate | None:
+    """The chat template of the checkpoint with config.json `config` in `directory`, or None."""
+    directory = Path(directory) if directory is not None else None
+    tokenizer_config = _read_json(directory / TOKENIZER_CONFIG) if directory is not None else {}
+    special = {"bos_token": _token_text(tokenizer_config.get("bos_token")),
+               "eos_token": _token_text(tokenizer_config.get("eos_token"))}
+    found: tuple[str, str] | None = None
+    if directory is not None and (directory / TEMPLATE_FILE).is_file():
+        try:
+            found = ((directory / TEMPLATE_FILE).read_text(encoding="utf-8"), str(directory / TEMPLATE_FILE))
+        except (OSError, UnicodeDecodeError) as error:
+            log.warning("cannot read %s: %s", directory / TEMPLATE_FILE, error)
+    if found is None and _template_text(tokenizer_config.get("chat_template")) is not None:
+        found = (_template_text(tokenizer_config["chat_template"]), f"{directory / TOKENIZER_CONFIG}")
+    if found is None and _template_text(config.get("chat_template")) is not None:
+        found = (_template_text(config["chat_template"]), "config.json")
+    if found is None:
+        return None
+    template = ChatTemplate(found[0], found[1], **special)
+    if template.error:
+        log.warning("%s; /v1/chat/completions will refuse requests for this model", template.error)
+    return template

@@ -1,0 +1,25 @@
+"""POST /v1/chat/completions: OpenAI's chat completions API, for checkpoints that carry a chat
+template (server/api/chat.py says where it is found and how it is rendered).
+
+The messages become one prompt through the template (ending where the assistant's answer
+begins), which then runs as a completion: the same sampling fields, limits and errors as
+/v1/completions, answered as OpenAI does (`chat.completion`; streamed, `chat.completion.chunk`s
+whose first delta per choice carries the role, then `data: [DONE]`). A checkpoint without a
+template gets 400 `no_chat_template`, as vLLM answers. Chat keeps no session: the messages are
+the whole history.
+"""
+
+from fastapi import APIRouter, Depends, Request
+
+from xlserve.server.api.protocol import ChatCompletionRequest
+from xlserve.server.api.serving import ChatCompletion, app_state, complete, owner_of, stream_completion
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(owner_of)):
+    completion = ChatCompletion(app_state(request), body, owner)
+    if body.stream:
+        return await stream_completion(completion)
+    return await complete(completion, request)

@@ -1,0 +1,100 @@
+"""The engine process heals: a kill -9 of it under load costs the requests in flight (each told
+so: an SSE error event, a websocket error frame, a 503), never a committed session, and the
+server serves again from a new engine process; one that keeps dying makes the server exit
+non-zero, for a supervisor to take over. Processes are looked up in /proc (Linux)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from websockets.sync.client import connect
+
+from tests.e2e.server_process import ServerProcess
+from tests.e2e.session_tools import append, create, document, info, ok, wait_idle
+from tests.e2e.process_tools import (
+    PlainCompletion, Stream, committed_content, engine_pid, error_of_stream, gone_within, replaced,
+)
+
+LONG = 100_000  # tokens: a generation that is still running whenever the test acts
+
+
+def test_kill_9_of_the_engine_process_under_load_keeps_every_committed_session(tiny_checkpoint):
+    model = tiny_checkpoint.name
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_MAX_TOKENS_LIMIT": str(LONG)}).start()
+    try:
+        with server.client() as client:
+            # committed before the kill: appends, and a generation continuing a session
+            sessions = [create(client, model) for _ in range(3)]
+            for i, session_id in enumerate(sessions):
+                append(client, session_id, document(i))
+            ok(client.post("/v1/completions", json={"model": model, "prompt": "x = ", "max_tokens": 4,
+                                                    "session_id": sessions[0]}))
+            before = {s: committed_content(client.get(f"/v1/sessions/{s}/state").content) for s in sessions}
+            committed = {s: (info(client, s)["tokens"], info(client, s)["version"]) for s in sessions}
+
+            # in flight at the kill: SSE streams (one continuing a session), a websocket
+            # generation and a plain completion
+            long = {"model": model, "prompt": "def main(", "max_tokens": LONG}
+            plain = PlainCompletion(server, long)
+            plain.start()
+            streams = [Stream(server, long), Stream(server, {**long, "session_id": sessions[1]}),
+                       Stream(server, {**long, "temperature": 0})]
+            for stream in streams:
+                stream.start()
+            with connect(server.url.replace("http://", "ws://") + "/v1/stream") as ws:
+                ws.send(json.dumps({"type": "generate", "id": "w", **long}))
+                assert json.loads(ws.recv(timeout=60))["type"] == "token"
+                for stream in streams:
+                    assert stream.started.wait(60) and stream.events, "a stream did not start"
+                dead = engine_pid(server)
+                os.kill(dead, signal.SIGKILL)
+
+                frame = json.loads(ws.recv(timeout=60))
+                while frame["type"] == "token":
+                    frame = json.loads(ws.recv(timeout=60))
+                assert frame["type"] == "error" and frame["id"] == "w", frame
+                assert frame["error"]["code"] == "engine_restarting" and frame["retry_after"] > 0
+            for stream in streams:
+                stream.join(60)
+                assert not stream.is_alive()
+                error = error_of_stream(stream)
+                assert error["code"] == "engine_restarting" and error["type"] == "service_unavailable", error
+            plain.join(60)
+            assert plain.response is not None and plain.response.status_code == 503, plain.response
+            assert plain.response.json()["error"]["code"] == "engine_restarting"
+            assert plain.response.headers["retry-after"]
+
+            replaced(server, dead)
+            assert gone_within(dead, 10)
+            for session_id in sessions:  # as last committed: the cut stream's session too
+                current = wait_idle(client, session_id)
+                assert (current["tokens"], current["version"]) == committed[session_id]
+                assert committed_content(client.get(f"/v1/sessions/{session_id}/state").content) == before[session_id]
+            # and the new engine process serves them
+            continued = ok(client.post("/v1/completions", json={"model": model, "prompt": "y", "max_tokens": 3,
+                                                                "session_id": sessions[1]}))
+            assert continued["usage"]["prompt_tokens_details"]["cached_tokens"] == committed[sessions[1]][0]
+            assert info(client, sessions[1])["version"] == committed[sessions[1]][1] + 1
+    finally:
+        assert server.stop() == 0
+
+
+def test_an_engine_process_that_keeps_dying_makes_the_server_exit_non_zero(tiny_checkpoint, tmp_path):
+    """XLSERVE_ENGINE_RESTART_LIMIT=1: the first death is healed, the second within the window
+    stops the server, non-zero, saying why in one line (no traceback)."""
+    log_path = tmp_path / "server.log"
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_ENGINE_RESTART_LIMIT": "1"}, log_path=log_path).start()
+    try:
+        first = engine_pid(server)
+        os.kill(first, signal.SIGKILL)
+        os.kill(replaced(server, first), signal.SIGKILL)
+        code = server.process.wait(60)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert code not in (0, None)
+    output = log_path.read_text()
+    assert "Traceback" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("xlserve serve: the engine process") and "XLSERVE_ENGINE_RESTART_LIMIT=1" in last, last

@@ -1,0 +1,186 @@
+"""The session cache without Redis (memory and disk stores, a toy state, no model runs):
+Idempotency-Keys remembered in the session's file across restarts, sessions that can never fit,
+and the owner's list of sessions. Redis's side of the same is in test_cache_certainty.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from xlserve.server.cache import (
+    CacheFull,
+    IdempotencyKeyReused,
+    SessionCache,
+    SessionNotFound,
+    SessionTooLarge,
+)
+from xlserve.server.cache.codec import decode
+from xlserve.server.cache.session_cache import IDEMPOTENCY_KEYS_PER_SESSION, Replay
+from tests.redis_server import redis_url  # noqa: F401  (fixture)
+from tests.server.cache_helpers import MODEL, data, same, size
+
+
+def make_cache(tmp_path, device=None, host=None, disk=None) -> SessionCache:
+    cache = SessionCache(tmp_path / "state", device, host, disk)
+    cache.open({"toy": MODEL})
+    return cache
+
+
+def key(name: str, fingerprint: str = "request-a") -> dict:
+    return {"key": name, "fingerprint": fingerprint}
+
+
+def commit_once(cache, sid, new_data, idempotency, result):
+    """What the engine process does for a request with a key: acquire (maybe a replay), commit."""
+    lease = cache.acquire(sid, None, idempotency)
+    if lease.replay is not None:
+        return lease.replay
+    try:
+        return cache.commit(lease, new_data, {**idempotency, "result": result})
+    finally:
+        cache.release(lease)
+
+
+def test_the_same_key_replays_the_first_result_and_another_request_with_it_is_refused(tmp_path):
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", None, data(10, 0)).id
+    first = commit_once(cache, sid, data(10, 1, tokens=8), key("k"), {"answer": "first"})
+    assert first.version == 1
+    again = commit_once(cache, sid, data(10, 2, tokens=99), key("k"), {"answer": "second"})
+    assert again == {**again, "result": {"answer": "first"}, "version": 1, "tokens": 8}
+    assert cache.info(sid, None).version == 1  # applied once
+    assert not cache.info(sid, None).in_use  # a replay holds nothing
+    with pytest.raises(IdempotencyKeyReused):
+        cache.acquire(sid, None, key("k", fingerprint="request-b"))
+    assert not cache.info(sid, None).in_use
+    commit_once(cache, sid, data(10, 3, tokens=11), key("other"), {"answer": "third"})  # a new key applies
+    assert cache.info(sid, None).version == 2
+
+
+def test_keys_live_in_the_sessions_file_survive_a_restart_and_are_bounded(tmp_path):
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", None, data(10, 0)).id
+    for i in range(IDEMPOTENCY_KEYS_PER_SESSION + 3):
+        commit_once(cache, sid, data(10, i, tokens=10 + i), key(f"k{i}"), {"answer": i})
+    del cache  # no close(): as after kill -9
+
+    again = make_cache(tmp_path)
+    last = IDEMPOTENCY_KEYS_PER_SESSION + 2
+    replay = again.acquire(sid, None, key(f"k{last}")).replay
+    assert replay["result"] == {"answer": last} and replay["version"] == last + 1
+    assert again.acquire(sid, None, key("k3")).replay["result"] == {"answer": 3}  # still among the kept
+    lease = again.acquire(sid, None, key("k0"))  # the oldest ones are forgotten: it applies again
+    assert lease.replay is None
+    again.release(lease)
+    _, blob = again.export(sid, None)
+    meta, _, _ = decode(blob)
+    assert "idempotency" not in meta  # an export carries no remembered answers
+
+
+def test_fork_replace_and_delete_with_a_key_answer_their_retry_the_same(tmp_path):
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", "owner", data(10, 0)).id
+    fork = cache.fork(sid, "owner", key("f", "fork"))
+    again = cache.fork(sid, "owner", key("f", "fork"))
+    assert isinstance(again, Replay) and again.entry["result"]["id"] == fork.id
+    assert len(cache.sessions()) == 2  # forked once
+
+    replaced = cache.replace(fork.id, "owner", data(12, 5, tokens=7), key("r", "replace"))
+    assert replaced.version == 1
+    again = cache.replace(fork.id, "owner", data(12, 5, tokens=7), key("r", "replace"))
+    assert isinstance(again, Replay) and again.entry["result"]["version"] == 1
+    assert cache.info(fork.id, "owner").version == 1
+
+    assert cache.delete(fork.id, "owner", key("d", "delete")) is None
+    replay = cache.delete(fork.id, "owner", key("d", "delete"))
+    assert isinstance(replay, Replay)
+    with pytest.raises(SessionNotFound):
+        cache.delete(fork.id, "another-owner", key("d", "delete"))  # another key sees nothing
+    with pytest.raises(SessionNotFound):
+        cache.delete(fork.id, "owner")  # without the key: it is gone
+    del cache
+    restarted = make_cache(tmp_path)  # the tombstone is a file too
+    assert isinstance(restarted.delete(fork.id, "owner", key("d", "delete")), Replay)
+    assert [s.id for s in restarted.sessions()] == [sid]
+
+
+def test_a_session_that_can_never_fit_is_too_large_not_full(tmp_path):
+    n = 100
+    cache = make_cache(tmp_path, device=2 * size(n), disk=10 * size(n))
+    sid = cache.create("toy", None, data(n, 0)).id
+    lease = cache.acquire(sid, None)
+    with pytest.raises(SessionTooLarge, match="XLSERVE_DEVICE_STATE_BYTES"):
+        cache.commit(lease, data(3 * n, 1))  # more than the whole device budget
+    cache.release(lease)
+    assert cache.info(sid, None).version == 0  # nothing changed
+    with pytest.raises(SessionTooLarge, match="XLSERVE_DISK_STATE_BYTES"):
+        make_cache(tmp_path / "disk-bound", disk=10 * size(n)).create("toy", None, data(20 * n, 2))
+    small = make_cache(tmp_path / "other", device=size(n) // 2)
+    with pytest.raises(SessionTooLarge):
+        small.create("toy", None, data(n, 3))
+    del cache
+
+    shrunk = make_cache(tmp_path, device=size(n) // 2)  # restarted with a smaller device budget
+    with pytest.raises(SessionTooLarge, match="never be served"):
+        shrunk.acquire(sid, None)
+    assert not shrunk.info(sid, None).in_use
+
+    busy = make_cache(tmp_path / "busy", device=2 * size(n))  # merely full: the retryable refusal
+    a, b, c = (busy.create("toy", None, data(n, i)).id for i in range(3))
+    held = [busy.acquire(a, None), busy.acquire(b, None)]
+    with pytest.raises(CacheFull) as refused:
+        busy.acquire(c, None)
+    assert not isinstance(refused.value, SessionTooLarge)
+    for lease in held:
+        busy.release(lease)
+
+
+def test_listing_is_the_owners_newest_first_in_pages(tmp_path):
+    cache = make_cache(tmp_path, device=size(10), host=size(10))  # the sessions spread over the tiers
+    theirs = cache.create("toy", "them", data(10, 9)).id
+    mine = [cache.create("toy", "me", data(10, i)).id for i in range(5)]
+    newest_first = list(reversed(mine))
+
+    page, more = cache.list_sessions("me", limit=2)
+    assert [s.id for s in page] == newest_first[:2] and more
+    page, more = cache.list_sessions("me", limit=2, after=page[-1].id)
+    assert [s.id for s in page] == newest_first[2:4] and more
+    page, more = cache.list_sessions("me", limit=2, after=page[-1].id)
+    assert [s.id for s in page] == newest_first[4:] and not more
+    assert {s.tier for s in cache.list_sessions("me", limit=100)[0]} == {"device", "host", "disk"}
+    assert [s.id for s in cache.list_sessions("them", limit=100)[0]] == [theirs]
+    with pytest.raises(ValueError):
+        cache.list_sessions("me", limit=2, after=theirs)  # another owner's id is no cursor
+
+
+def test_listing_with_redis_shows_every_replicas_sessions(tmp_path, redis_url):  # noqa: F811
+    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url)
+    b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url)
+    for cache in (a, b):
+        cache.open({"toy": MODEL})
+    owner = "lister-" + tmp_path.name  # the module's Redis is shared with other tests
+    on_a = a.create("toy", owner, data(10, 0)).id
+    on_b = b.create("toy", owner, data(10, 1)).id
+    lease = a.acquire(on_a, owner)
+    a.commit(lease, data(10, 2, tokens=9))
+    listed, more = b.list_sessions(owner, limit=10)
+    assert [s.id for s in listed] == [on_b, on_a] and not more
+    assert (listed[1].version, listed[1].tokens, listed[1].tier) == (1, 9, "redis")
+    a.delete(on_b, owner)
+    assert [s.id for s in b.list_sessions(owner, limit=10)[0]] == [on_a]
+    assert same(b.acquire(on_a, owner).data, data(10, 2, tokens=9))
+
+
+def test_the_new_refusals_cross_the_wire_and_map_to_their_own_statuses():
+    from xlserve.server.api.errors import as_api_error
+    from xlserve.server.cache import CommitOutcomeUnknown
+    from xlserve.server.engine.wire import error_from_wire, error_to_wire
+
+    expected = {SessionTooLarge: (413, "session_too_large"), CommitOutcomeUnknown: (503, "commit_outcome_unknown"),
+                IdempotencyKeyReused: (422, "idempotency_key_reused")}
+    for cls, (status, code) in expected.items():
+        back = error_from_wire(error_to_wire(cls("what happened", "sess_a")))
+        assert type(back) is cls and back.session_id == "sess_a"
+        api_error = as_api_error(back)
+        assert (api_error.status, api_error.code, api_error.message) == (status, code, "what happened")
+        assert "Retry-After" not in api_error.headers  # none of them is helped by a blind retry
+    assert as_api_error(CacheFull("full", "sess_a")).headers == {"Retry-After": "1"}  # unlike merely full
