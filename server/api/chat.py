@@ -17,8 +17,8 @@ the text ends where the assistant's answer begins), and `bos_token` / `eos_token
 tokenizer_config.json (empty when it has none).
 
 A checkpoint without a template answers /v1/chat/completions with 400 `no_chat_template`, as
-vLLM does; a template that does not compile is logged at start-up and answered the same way,
-with the reason.
+vLLM does; a template that does not compile is logged at start-up and answered with 400
+`chat_template_error`, with the reason (as is a template that refuses the messages).
 """
 
 from __future__ import annotations
