@@ -125,7 +125,8 @@ def validation_error(errors: Sequence[Mapping], containers: Collection[str] = ()
         return InvalidRequest(json_syntax_message("body", reason, text, location[1]), code=code)
     if kind == "string_unicode":
         location = tuple(part for part in location if part not in containers)
-        return InvalidRequest(NOT_UTF8, param=".".join(str(part) for part in location) or None, code=code)
+        return InvalidRequest(NOT_UTF8, param=".".join(str(part) for part in location) or None,
+                              code=code or "invalid_text")
     if location == ("body",):  # the body as a whole
         reason = "the request needs a JSON body" if kind == "missing" else BODY_NOT_AN_OBJECT
         return InvalidRequest(reason, code=code)
@@ -140,6 +141,8 @@ def validation_error(errors: Sequence[Mapping], containers: Collection[str] = ()
         reason = "unknown or unsupported field: this endpoint does not take it (no field is ignored silently)"
     else:
         reason = str(first.get("msg", "invalid request"))
+    if kind == "invalid_text":  # the same code as text that cannot be UTF-8 in a URL (admission.py)
+        code = code or "invalid_text"
     return InvalidRequest(f"{param}: {reason}" if param else reason, param=param, code=code)
 
 

@@ -285,6 +285,7 @@ def test_text_that_cannot_become_utf8_is_400_and_the_connection_stays_usable(ser
             assert status == 400, (path, body, answer)
             assert set(answer["error"]) == ERROR_FIELDS and answer["error"]["param"] == param, answer
             assert "UTF-8" in answer["error"]["message"], answer
+            assert answer["error"]["code"] == "invalid_text", answer  # in a body as in a URL
             # the same connection answers the next request
             status, answer = connection.request("POST", "/v1/completions",
                                                 {"model": MODEL, "prompt": "ok", "max_tokens": 1})
