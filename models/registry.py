@@ -15,6 +15,10 @@ ARCHITECTURES: dict[str, str] = {
     "infinity-former": "xlserve.models.infinity_former:InfinityFormer",
     "vanilla": "xlserve.models.vanilla:VanillaTransformer",
     "xlnet": "xlserve.models.xlnet:XLNet",
+    "logsparse": "xlserve.models.logsparse:LogSparseTransformer",
+    "adaptive-span": "xlserve.models.adaptive_span:AdaptiveSpan",
+    "longformer": "xlserve.models.longformer:Longformer",
+    "performer": "xlserve.models.performer:Performer",
 }
 
 

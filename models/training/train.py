@@ -60,6 +60,15 @@ STANDARD_RECIPE = Recipe()
 
 # architecture -> preset -> model config; "small" is the one shipped as <arch>-stdlib
 PRESETS: dict[str, dict[str, dict]] = {
+    "longformer": {
+        # the paper's character LM: windows widen with depth, a few upper-layer heads dilated
+        "small": dict(
+            n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, window=[32, 64, 64, 96],
+            dilation=[[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 2, 2], [1, 1, 2, 3]], n_global=4, dropout=0.0,
+        ),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, window=[8, 16],
+                     dilation=[[1, 1], [1, 2]], n_global=2),
+    },
     "transformer-xl": {
         "small": dict(
             n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, mem_len=128, tgt_len=128,
@@ -86,6 +95,21 @@ PRESETS: dict[str, dict[str, dict]] = {
             same_length=True, partial_prediction_k=6, dropout=0.0,
         ),
         "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, mem_len=32, seg_len=32),
+    },
+    "logsparse": {
+        "small": dict(n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, local_window=16, restart_len=256,
+                      dropout=0.0),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, local_window=8, restart_len=64),
+    },
+    "adaptive-span": {
+        "small": dict(n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, max_span=512, ramp=32,
+                      span_init=0.0, span_penalty=2e-6, dropout=0.0),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, max_span=48, ramp=8, span_init=0.5),
+    },
+    "performer": {
+        "small": dict(n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, n_features=96, conv_width=4,
+                      dropout=0.0),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, n_features=32, conv_width=4),
     },
 }
 

@@ -11,7 +11,7 @@ from tests.e2e.session_tools import CONTINUATION, append, create, document, info
 
 SHIPPED = sorted(p for p in (REPO / "weights").glob("*-stdlib") if (p / "model.safetensors").is_file())
 
-ARCHITECTURES = {"inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny": "xlnet"}
+ARCHITECTURES = {"inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny": "xlnet", "longformer-tiny": "longformer", "performer-tiny": "performer", "adaptive-span-tiny": "adaptive-span", "logsparse-tiny": "logsparse"}
 # two ∞-former sessions (the largest tiny state, about 116 kB) per tier, not three
 TIER_BYTES = 300_000
 

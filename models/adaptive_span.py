@@ -1,0 +1,298 @@
+"""Adaptive attention span: a byte-level causal transformer in which every head learns how far
+back it looks, and a served session keeps only that far.
+
+Paper: Sainbayar Sukhbaatar, Edouard Grave, Piotr Bojanowski, Armand Joulin, "Adaptive Attention
+Span in Transformers", ACL 2019.
+
+Attention (section 3). Head h of layer l has a learned span z in [0, S] (S = `max_span`). With
+s_tr the score of query t against key r and x = t - r their distance, the weights are
+
+    a_tr = m_z(t - r) exp(s_tr) / sum_q m_z(t - q) exp(s_tq),     m_z(x) = clamp((R + z - x) / R, 0, 1)
+
+(models/layers/span_mask.py): full weight up to distance z, a linear ramp of width R (`ramp`)
+down to nothing at z + R, renormalised over what is left. z = S * p with p a parameter per head
+(`AdaptiveSpanLayer.span_fraction`), kept in [0, 1] as the authors' code does (clamped before
+every training step, `training_loss`). Training adds the L1 penalty (lambda / M) sum_i z_i over
+the M heads of all layers (`span_penalty` = lambda), which shrinks spans a head does not need.
+
+Positions enter only through distances: the score is Transformer-XL's relative score
+(models/layers/relative.py), (q_t + u) . k_r + (q_t + v) . W_kR R_{t-r}, with u, v per layer.
+The authors' released code scores distances with a learned embedding per distance instead; both
+depend on the distance only, which is what lets a head keep nothing beyond its span. Like the
+paper (which uses a Transformer-XL-style cache) the model carries the keys and values of past
+positions from one call to the next, gradient stopped.
+
+State (`SpanMemory`, models/layers/span_state.py). A query reaches ceil(z) + R positions, itself
+included, so the next query can still reach the last n = ceil(z) + R - 1 positions of each head:
+a served session keeps, per layer and head, exactly those keys and values (fewer until it has
+seen n tokens). Heads with short spans keep little; the bytes are
+8 * d_head * sum_(l,h) n_lh + 8 once full (float32; the layout and formula are in span_state.py),
+bounded by the maximum span whatever the history. `spans_report()` gives the learned z and n of
+every head (for the model card). In training mode every head keeps S + R - 1 positions, since z
+moves at every step.
+
+Chunking semantics: the mask, the relative score and the causal rule depend on the distance
+between query and key only, and the state keeps every position any later query can reach (each
+head its whole span + ramp, at every layer). So a text fed in one call, token by token, or in
+chunks of any size (7, 64, ...) gives the same log-probabilities, to float tolerance, from the
+same starting state: what a query sees never depends on where its chunk began. This holds
+because the kept memory covers each head's span + ramp (in training mode, the maximum span +
+ramp for every head); a state that kept less would break it, and `check_state` refuses one.
+
+Decoding one token costs, per layer, attention of every head over the layer's longest head
+memory (the heads' memories are padded to it side by side for one batched product, the padding
+masked), plus copying each head's kept positions into the next state: O(n_head * max_h n_lh *
+d_head) per layer, bounded by the span; nothing is recomputed. (The served bytes follow each
+head's own span; the compute follows the layer's longest.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.buffers import left_pad
+from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.init import init_weights
+from xlserve.models.layers.linear import Linear
+from xlserve.models.layers.relative import RelativeKeys, relative_scores
+from xlserve.models.layers.span_mask import kept_positions, span_log_mask
+from xlserve.models.layers.span_state import SpanMemory
+
+
+class AdaptiveSpanLayer(nn.Module):
+    """Relative multi-head attention with a learned soft span per head, and a feed-forward."""
+
+    def __init__(self, config: AdaptiveSpanConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
+        self.r_net = Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
+        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.drop = nn.Dropout(c.dropout)
+        self.dropatt = nn.Dropout(c.dropatt)
+        self.scale = 1.0 / math.sqrt(c.d_head)
+        # p per head, z = max_span * clamp(p, 0, 1); one-dimensional, so no weight decay (train.py)
+        self.span_fraction = nn.Parameter(torch.full((c.n_head,), float(c.span_init)))
+
+    def spans(self) -> Tensor:
+        """z per head, (H,), in positions."""
+        return self.config.max_span * self.span_fraction.clamp(0.0, 1.0)
+
+    def attention_weights(self, q: Tensor, keys: Tensor, rel_keys: Tensor, distance: Tensor, visible: Tensor,
+                          u: Tensor, v: Tensor) -> Tensor:
+        """a_tr = m_z(t - r) exp(s_tr) / sum_q m_z(t - q) exp(s_tq) over the keys a query may see
+        (causal and `visible`), 0 elsewhere: queries q (B, T, H, D), keys (B, K, H, D), distance
+        (T, K) query minus key position, visible (B, H, K) -> (B, H, T, K)."""
+        scores = relative_scores(q, keys, rel_keys, distance.clamp(min=0), u, v) * self.scale  # (B, H, T, K)
+        log_mask = span_log_mask(distance.clamp(min=0), self.spans(), self.config.ramp)  # (H, T, K): log m_z(x)
+        scores = scores + log_mask.to(scores.dtype)[None]  # exp(s + log m) = m exp(s): softmax renormalises
+        allowed = visible[:, :, None, :] & (distance >= 0)[None, None]  # (B, H, T, K)
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, d_model)
+        memory_keys: list[Tensor],  # per head (B, m_h, D): the last m_h positions before x
+        memory_values: list[Tensor],
+        seen: Tensor,  # (B,) int64: positions each row has seen before x
+        rel_keys: Tensor,  # (>= M + T, H, D): W_kR R_d for distances d = 0, 1, ...
+        u: Tensor,  # (H, D)
+        v: Tensor,  # (H, D)
+        keep: list[int],  # per head: positions to keep for the next call
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """The layer's output (B, T, d_model) and, per head, the keys and values (B, m'_h, D) of
+        the last m'_h = min(keep_h, m_h + T, max seen + T) positions."""
+        c = self.config
+        B, T, _ = x.shape
+        lengths = [k.shape[1] for k in memory_keys]  # m_h
+        M = max(lengths)
+        K = M + T
+        h = self.attn_norm(x) if c.pre_norm else x
+        q, k, v_new = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
+        # heads' memories of different lengths side by side: each left-padded to M (masked below)
+        past_keys = torch.stack([left_pad(m, M, 0) for m in memory_keys], dim=2)  # (B, M, H, D)
+        past_values = torch.stack([left_pad(m, M, 0) for m in memory_values], dim=2)
+        keys = torch.cat([past_keys, k], dim=1)  # (B, K, H, D)
+        values = torch.cat([past_values, v_new], dim=1)
+
+        # which keys each (row, head) may see: its own positions of the head's memory, and the chunk
+        index = torch.arange(K, device=x.device)
+        own_memory = torch.minimum(seen[:, None], torch.tensor(lengths, device=x.device)[None, :])  # (B, H)
+        visible = index[None, None, :] >= (M - own_memory)[:, :, None]  # (B, H, K)
+        distance = (M + torch.arange(T, device=x.device))[:, None] - index[None, :]  # (T, K): query M + t, key j
+        probs = self.dropatt(self.attention_weights(q, keys, rel_keys, distance, visible, u, v))  # (B, H, T, K)
+        attended = torch.einsum("bhtk,bkhd->bthd", probs, values)  # (B, T, H, D)
+        out = self.drop(self.o_net(attended.reshape(B, T, -1)))
+        if c.pre_norm:
+            x = x + out
+            x = x + self.ff(self.ff_norm(x))
+        else:
+            x = self.attn_norm(x + out)
+            x = self.ff_norm(x + self.ff(x))
+
+        longest_row = int(seen.max()) + T if B > 0 else T
+        kept_keys, kept_values = [], []
+        for head, (m, n) in enumerate(zip(lengths, keep)):
+            count = min(n, m + T, longest_row)
+            kept_keys.append(keys[:, K - count :, head].detach().contiguous())  # (B, count, D)
+            kept_values.append(values[:, K - count :, head].detach().contiguous())
+        return x, kept_keys, kept_values
+
+
+@dataclass
+class AdaptiveSpanConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    max_span: int = 512  # S: the longest span z a head may learn
+    ramp: int = 32  # R: width of the soft mask's ramp, in positions
+    span_init: float = 0.0  # z / S of every head at initialisation (the authors' code starts at 0)
+    span_penalty: float = 2e-6  # lambda: weight of the mean span in the training loss (paper, enwik8)
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention weights
+    pre_norm: bool = True  # layer norm before each sub-layer (+ one after the last layer); False = post-norm
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the output softmax shares the input embedding matrix
+
+
+class AdaptiveSpan(LanguageModel):
+    architecture = "adaptive-span"
+    config_class = AdaptiveSpanConfig
+    state_class = SpanMemory
+    state_kind = "window"  # per-head windows of keys and values
+    state_grows_with_context = False  # at most ceil(z) + R - 1 positions per head
+
+    def __init__(self, config: AdaptiveSpanConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        if c.ramp < 1 or c.max_span < 0:
+            raise ValueError("ramp must be at least 1 and max_span at least 0")
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(AdaptiveSpanLayer(c) for _ in range(c.n_layer))
+        self.relative_keys = RelativeKeys(c.d_model, c.n_head, c.d_head, c.dropout)
+        self.r_w_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # u per layer
+        self.r_r_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # v per layer
+        self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon) if c.pre_norm else None
+        self.head = Linear(c.d_model, c.vocab_size)
+        if c.tie_embedding:
+            self.head.weight = self.embedding.weight
+        init_weights(self, [self.r_w_bias, self.r_r_bias])
+
+    # -- spans ----------------------------------------------------------------------------------
+
+    def spans(self) -> Tensor:
+        """The learned spans z, (n_layer, n_head), in positions."""
+        return torch.stack([layer.spans() for layer in self.layers])
+
+    def kept_positions(self) -> list[list[int]]:
+        """Per layer and head, the positions a served state keeps: ceil(z) + R - 1."""
+        return [[kept_positions(z, self.config.ramp) for z in row] for row in self.spans().tolist()]
+
+    def spans_report(self) -> list[dict]:
+        """For the model card: per layer, each head's learned span z, the positions it keeps
+        and the fraction of the maximum (S + R - 1) that is."""
+        c = self.config
+        full = c.max_span + c.ramp - 1
+        report = []
+        for l, (spans, kept) in enumerate(zip(self.spans().tolist(), self.kept_positions())):
+            report.append({"layer": l, "spans": [round(z, 2) for z in spans], "kept_positions": kept,
+                           "kept_fraction": [round(n / full, 4) for n in kept]})
+        return report
+
+    def state_bytes_when_full(self) -> int:
+        """Bytes of one session's state once it has seen at least max kept positions (float32
+        weights: 4 bytes per number): keys and values of every head's kept positions + `position`."""
+        element = self.r_w_bias.element_size()
+        return 2 * element * self.config.d_head * sum(map(sum, self.kept_positions())) + 8
+
+    @property
+    def max_context(self) -> int | None:
+        return None  # any history; each head sees its own span of it
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int) -> SpanMemory:
+        c = self.config
+        return SpanMemory.empty(batch_size, c.n_layer * c.n_head, c.d_head, like=self.r_w_bias)
+
+    def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
+        return range(2, fresh.dim())  # a head's memory length (dim 1) varies
+
+    def check_state(self, state: State, tokens: int | None = None) -> None:
+        """LanguageModel.check_state, and: every head holds min(n, M) positions, n what it keeps
+        (ceil(z) + R - 1), M the longest, and no more positions than the rows have seen."""
+        super().check_state(state, tokens)
+        M = state.length
+        kept = [n for row in self.kept_positions() for n in row]
+        for i, (keys, n) in enumerate(zip(state.keys, kept)):
+            if keys.shape[1] != min(n, M):
+                raise ValueError(f"state tensor 'keys.{i}' holds {keys.shape[1]} positions; head {i} keeps "
+                                 f"min({n}, {M}) = {min(n, M)}")
+        if state.batch_size and M > int(state.position.max()):
+            raise ValueError(f"state holds {M} positions but tensor 'position' says at most "
+                             f"{int(state.position.max())} tokens were seen")
+
+    def _check_tokens(self, state: SpanMemory, tokens: int) -> None:
+        """After t tokens: `position` is t and the longest head memory min(t, max n)."""
+        if int(state.position[0]) != tokens:
+            raise ValueError(f"state tensor 'position' says {int(state.position[0])} tokens, "
+                             f"the session has seen {tokens}")
+        expected = min(tokens, max(n for row in self.kept_positions() for n in row))
+        if state.length != expected:
+            raise ValueError(f"state holds {state.length} positions; after {tokens} tokens it holds {expected}")
+
+    # -- the network ----------------------------------------------------------------------------
+
+    def forward(self, tokens: Tensor, state: SpanMemory) -> tuple[Tensor, SpanMemory]:
+        c = self.config
+        B, T = tokens.shape
+        if T == 0:
+            return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
+        H = c.n_head
+        if self.training:  # z moves every step: keep everything any span could reach
+            keep = [[c.max_span + c.ramp - 1] * H for _ in range(c.n_layer)]
+        else:
+            keep = self.kept_positions()
+        _, rel_keys = self.relative_keys([layer.r_net for layer in self.layers], 0, state.length + T - 1,
+                                         like=self.r_w_bias)
+        x = self.drop(self.embedding(tokens) * math.sqrt(c.d_model))  # (B, T, d_model)
+        new_keys, new_values = [], []
+        for l, layer in enumerate(self.layers):
+            heads = slice(l * H, (l + 1) * H)
+            x, keys, values = layer(x, state.keys[heads], state.values[heads], state.position, rel_keys[l],
+                                    self.r_w_bias[l], self.r_r_bias[l], keep[l])
+            new_keys.extend(keys)
+            new_values.extend(values)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        log_probs = F.log_softmax(self.head(self.drop(x)).float(), dim=-1)  # (B, T, V)
+        return log_probs, SpanMemory(keys=new_keys, values=new_values, position=state.position + T)
+
+    # -- training -------------------------------------------------------------------------------
+
+    def training_loss(self, inputs: Tensor, targets: Tensor, state: SpanMemory, fraction_done: float):
+        """Mean next-byte negative log-likelihood + lambda * the mean span over all heads (the
+        paper's L1 penalty, (lambda / M) sum_i z_i). Each p is first clamped to [0, 1], as the
+        authors' code does after every update: a p pushed past 0 by the penalty would otherwise
+        sit where clamp(p, 0, 1) has no gradient and never grow again."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.span_fraction.clamp_(0.0, 1.0)
+        log_probs, state = self(inputs, state)
+        nll = -log_probs.gather(-1, targets[..., None]).mean()
+        return nll + self.config.span_penalty * self.spans().mean(), state

@@ -1,0 +1,211 @@
+"""LogSparse attention: a causal byte-level transformer whose queries attend to a local window
+and to positions at exponentially growing distances, restarting every R positions.
+
+Paper: Shiyang Li, Xiaoyong Jin, Yao Xuan, Xiyou Zhou, Wenhu Chen, Yu-Xiang Wang, Xifeng Yan,
+"Enhancing the Locality and Breaking the Memory Bottleneck of Transformer on Time Series
+Forecasting", NeurIPS 2019 (section 3.3 and figure 3).
+
+The pattern. The paper's LogSparse self-attention lets cell l attend to itself and to the cells
+at exponentially growing distances before it,
+
+    I_l = { l − 2^⌊log2 l⌋, l − 2^(⌊log2 l⌋−1), ..., l − 2^1, l − 2^0, l },
+
+adds *local attention* (each cell densely attends to a window of its most recent cells, the
+exponential steps resuming beyond it) and *restart attention* (the input is divided into
+subsequences and the LogSparse pattern is applied to each of them, so l counts from the start of
+the query's subsequence). Here, with positions i = 0, 1, 2, ... counted from a session's first
+byte, R = `restart_len` (the subsequence length), w = `local_window`, and r = i mod R the
+query's offset in its subsequence, query i attends to key j exactly when
+
+    0 <= j <= i   and   ( i − j < w                          (local window)
+                          or i − j = 2^k <= r for some k >= 0 )  (LogSparse inside the subsequence)
+
+i.e. to the distances D(r) = {0, ..., w−1} ∪ {2^k : w <= 2^k <= r}
+(`models/layers/sparse_patterns.py`, `logsparse_distances`), with ordinary softmax weights
+softmax(q kᵀ / √d_head) over those keys (no other weighting). The exponential steps stop at the
+subsequence's start (2^k <= r): that is the restart. The local window is not cut at the start of
+a subsequence (the paper does not say; a window cut there would leave the first byte of every
+subsequence with no context at all, and across layers the window is what carries information
+from one subsequence to the next). A query sees at most A = w + #{k : w <= 2^k <= R−1} keys,
+so a layer costs O(T · A · d) for T queries, whatever the history.
+
+Positions. Each byte's input is its embedding plus a learned embedding of its offset r = i mod R
+in its subsequence (one (R, d_model) table). The offset is what the restarting pattern itself
+depends on, it needs only the count of positions seen (a number in the state), and it is the
+same whichever call a byte arrives in; absolute positions would need a table as long as the
+longest session (unbounded) and relative encodings would add nothing the offset and the fixed
+distance set do not already tell the query.
+
+State between calls (`LookbackMemory`, models/layers/lookback_state.py). No future query looks
+further back than S = max(w − 1, 2^⌊log2(R−1)⌋) positions (the local window, or the longest
+exponential step that fits in a subsequence), so the state keeps, per layer, the keys and
+values of the last S positions and the count of positions seen: 2 · n_layer · S · n_head ·
+d_head floats + 8 bytes per session, the same after 4 KB and after 64 KB of history (the
+preset "small": S = 128, 786,440 bytes in float32). Keys and values are position-local
+functions of the layer's input, so keeping them instead of the inputs gives the same result
+without re-projecting them. Some of the S slots are not reachable by any future query (positions
+of an earlier subsequence beyond the local window); the buffer keeps a fixed shape so that rows
+of any histories batch together and a step writes nothing but the new positions.
+
+Chunking. Every query's keys are fixed by its absolute position (the pattern above) and every
+key is a function of the bytes up to it, so feeding a text in one call or in chunks of any size,
+down to one byte at a time, gives the same log-probabilities (to float rounding). A decoding
+step gathers its A keys from the state: its attention costs O(A · d) per layer; forming the new
+state copies the S kept positions once per layer (a memory copy, no arithmetic per position).
+
+Training uses the standard loop: segments of the stream in order, the state carried from one
+segment to the next (detached, as Transformer-XL's memory), so training sees the pattern exactly
+as serving does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.init import init_weights
+from xlserve.models.layers.linear import Linear
+from xlserve.models.layers.lookback_state import LookbackMemory
+from xlserve.models.layers.sparse_patterns import gathered_attention, logsparse_distances, longest_distance
+
+
+class LogSparseLayer(nn.Module):
+    """Pre-norm LogSparse self-attention + feed-forward."""
+
+    def __init__(self, config: LogSparseConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, d_model)
+        past_keys: Tensor,  # (B, S, H, D): the last S positions before x
+        past_values: Tensor,  # (B, S, H, D)
+        index: Tensor,  # (B, T, A): for each query, its keys' indices into past + new (S + T)
+        allowed: Tensor,  # (B, T, A) bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The layer's output (B, T, d_model) and its keys and values over past + x (B, S + T, H, D)."""
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.qkv_net(self.attn_norm(x)).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
+        keys = torch.cat([past_keys, k], dim=1)  # (B, S + T, H, D)
+        values = torch.cat([past_values, v], dim=1)
+        dropatt = c.dropatt if self.training else 0.0
+        attended = gathered_attention(q, keys, values, index, allowed, dropatt)  # (B, T, H, D)
+        x = x + self.drop(self.o_net(attended.reshape(B, T, -1)))
+        x = x + self.ff(self.ff_norm(x))
+        return x, keys, values
+
+
+@dataclass
+class LogSparseConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    local_window: int = 16  # w: each query sees itself and the w-1 positions before it
+    restart_len: int = 256  # R: subsequence length; exponential steps stay inside a query's subsequence
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+
+
+class LogSparseTransformer(LanguageModel):
+    architecture = "logsparse"
+    config_class = LogSparseConfig
+    state_class = LookbackMemory
+    state_kind = "window"
+    state_grows_with_context = False  # the last S positions' keys and values, whatever the history
+
+    def __init__(self, config: LogSparseConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        distances, allowed = logsparse_distances(c.restart_len, c.local_window)
+        # the pattern table, rebuilt from the config: not part of the checkpoint
+        self.register_buffer("distances", distances, persistent=False)  # (R, A)
+        self.register_buffer("pattern_allowed", allowed, persistent=False)  # (R, A)
+        self.reach = longest_distance(distances, allowed)  # S: the positions the state keeps
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.offset_embedding = nn.Parameter(torch.zeros(c.restart_len, c.d_model))  # position r = i mod R
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(LogSparseLayer(c) for _ in range(c.n_layer))
+        self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.head = Linear(c.d_model, c.vocab_size)
+        if c.tie_embedding:
+            self.head.weight = self.embedding.weight
+        init_weights(self, [self.offset_embedding])
+
+    @property
+    def max_context(self) -> int | None:
+        return None  # any history; it conditions on a bounded look-back of it (the pattern, over layers)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int) -> LookbackMemory:
+        c = self.config
+        return LookbackMemory.empty(batch_size, c.n_layer, self.reach, c.n_head, c.d_head, self.embedding.weight)
+
+    def _check_tokens(self, state: LookbackMemory, tokens: int) -> None:
+        """After t tokens the memory's position is t (its empty slots are checked by
+        LookbackMemory.check_consistent from that position)."""
+        seen = int(state.position[0])
+        if seen != tokens:
+            raise ValueError(f"state tensor 'position' says {seen} positions were seen, the session has {tokens}")
+
+    # -- the pattern --------------------------------------------------------------------------
+
+    def visible(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """For queries at absolute `positions` (B, T) (consecutive in each row), the index of
+        each one's keys into the past S positions followed by the T new ones (B, T, A) and
+        whether each entry is attended (B, T, A): the table row of its offset i mod R, less the
+        distances reaching before position 0."""
+        S, T = self.reach, positions.shape[1]
+        distance = self.distances[positions % self.config.restart_len]  # (B, T, A)
+        allowed = self.pattern_allowed[positions % self.config.restart_len] & (distance <= positions[..., None])
+        # query t sits at index S + t; every attended distance is <= S, so indices stay >= 0
+        index = S + torch.arange(T, device=positions.device)[None, :, None] - distance
+        return index.clamp_min(0), allowed
+
+    # -- serving and training -------------------------------------------------------------------
+
+    def forward(self, tokens: Tensor, state: LookbackMemory) -> tuple[Tensor, LookbackMemory]:
+        c = self.config
+        B, T = tokens.shape
+        if T == 0:
+            return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
+        S = self.reach
+        positions = state.position[:, None] + torch.arange(T, device=tokens.device)[None, :]  # (B, T)
+        index, allowed = self.visible(positions)
+        x = self.drop(self.embedding(tokens) + self.offset_embedding[positions % c.restart_len])  # (B, T, d_model)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            x, keys, values = layer(x, state.keys[i], state.values[i], index, allowed)
+            new_keys.append(self._kept(keys, T))
+            new_values.append(self._kept(values, T))
+        log_probs = F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1)
+        return log_probs, LookbackMemory(new_keys, new_values, state.position + T)
+
+    def _kept(self, keys: Tensor, T: int) -> Tensor:
+        """The last S of the S + T positions (B, S + T, H, D) -> (B, S, H, D), detached: the
+        state is carried, never back-propagated through. A copy when the chunk is long, so the
+        state does not hold the whole chunk's keys alive."""
+        kept = keys.detach()[:, T:]
+        return kept.clone() if T > self.reach else kept
+
+    # training: the standard loop's next-byte loss over forward (models/training/train.py)
