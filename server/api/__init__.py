@@ -1,7 +1,7 @@
 """The API process's HTTP and websocket layer, in three parts:
 
 - protocol.py: what clients send (request bodies, websocket frames), as pydantic models;
-- serving.py: what a request does: request building, session leases, answers, appends;
+- serving/: what a request does: request building, session leases, answers, appends;
 - routers/: the routes, which parse a request and hand it to serving.
 
 errors.py maps every failure to one error schema; admission.py admits or refuses each HTTP

@@ -1,6 +1,6 @@
 """The app's shared state (`AppState`: settings, metrics, the engine client, the served models),
 authentication (`owner_of`) and model lookup. The routers reach them through
-server/api/serving.py; server/app.py fills the state in its lifespan."""
+server/api/serving/; server/app.py fills the state in its lifespan."""
 
 from __future__ import annotations
 

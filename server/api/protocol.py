@@ -2,7 +2,7 @@
 
 Pydantic models, plus `parse_frame`, which turns a websocket text frame into one of them, and
 the checks every JSON text gets before it is parsed (`check_json_depth`).
-What a request then does is server/api/serving.py; the routes are server/api/routers/.
+What a request then does is server/api/serving/; the routes are server/api/routers/.
 
 `/v1/completions` takes OpenAI's completion request plus `session_id`, `top_k`, `min_p` and
 `repetition_penalty`; `/v1/chat/completions` OpenAI's chat request (for checkpoints with a chat

@@ -7,7 +7,7 @@ the server cannot use gets an `error` frame and the connection stays open. Closi
 connection cancels the request in flight within one engine step; its session stays as it was.
 
 This router keeps the connection: it reads frames, runs one request at a time and sends what
-serving answers. What a request does, and the frames of its answer, are server/api/serving.py's.
+serving answers. What a request does, and the frames of its answer, are server/api/serving/'s.
 """
 
 import asyncio

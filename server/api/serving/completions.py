@@ -1,0 +1,369 @@
+"""POST /v1/completions and /v1/chat/completions: OpenAI response bodies and SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, Callable
+
+import anyio
+from fastapi import Request
+from pydantic import ValidationError
+from fastapi.responses import StreamingResponse
+
+from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.chat import ChatTemplateError
+from xlserve.server.api.errors import APIError, InvalidRequest, validation_error
+from xlserve.server.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingOptions,
+)
+from xlserve.server.engine.types import (
+    ChoiceFinished,
+    Finished,
+    PromptLogprobs,
+    Submission,
+    TokenEvent,
+)
+from xlserve.server.api.serving.generation import Generation
+from xlserve.server.api.serving.leases import QUEUED, queued
+from xlserve.server.api.serving.requests import error_for, replayed_headers, usage
+
+
+# -- POST /v1/completions -------------------------------------------------------------------------
+
+
+class CompletionChoice:
+    """The pieces of one choice's answer: its text and OpenAI-style logprobs."""
+
+    def __init__(self, index: int, want_logprobs: bool):
+        self.index = index
+        self.text: list[str] = []
+        self.want_logprobs = want_logprobs
+        self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.text_length = 0
+        self.finish_reason: str | None = None
+
+    def add(self, token_name, tokens, logprobs, tops, pieces) -> dict | None:
+        """Record text pieces (one per token) and their logprobs; returns this piece's logprobs."""
+        self.text.extend(pieces)
+        if not self.want_logprobs:
+            self.text_length += sum(len(t) for t in pieces)
+            return None
+        piece = {
+            "tokens": [token_name(t) for t in tokens],
+            "token_logprobs": list(logprobs),
+            "top_logprobs": [None if lp is None else {token_name(t): v for t, v in top}
+                             for top, lp in zip(tops, logprobs)],
+            "text_offset": [],
+        }
+        for text in pieces:
+            piece["text_offset"].append(self.text_length)
+            self.text_length += len(text)
+        for key in self.logprobs:
+            self.logprobs[key].extend(piece[key])
+        return piece
+
+
+class Completion(Generation):
+    """A generation asked for through /v1/completions: its id, and the answer of each choice."""
+
+    body: CompletionRequest
+
+    def __init__(self, state: AppState, body: CompletionRequest, owner: str | None, idempotency_key: str | None = None):
+        super().__init__(state, body, owner, echo=body.echo, n=body.n, idempotency_key=idempotency_key,
+                         kind="completion")
+        self.replayed = False  # the answer is the remembered one of an earlier request with the same key
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        # with several prompts, choice prompt_index * n + choice_index answers prompt prompt_index (as OpenAI)
+        self.choices = [CompletionChoice(i, body.logprobs is not None) for i in range(len(self.prompts) * body.n)]
+        self.token_name = self.served.tokenizer.token_text
+
+    def echo_text(self, index: int = 0) -> str:
+        """The prompt of choice `index`, as text."""
+        return self.served.tokenizer.decode(self.prompts[index // self.body.n])
+
+    def choices_for(self, event: PromptLogprobs) -> list[CompletionChoice]:
+        """The choices that answer the prompt `event` scores (PromptBatch says which)."""
+        prompt = getattr(event, "prompt", 0)
+        return self.choices[prompt * self.body.n:(prompt + 1) * self.body.n]
+
+    def chunk_format(self, extra: dict) -> Callable[..., bytes]:
+        """The SSE event of one chunk of one choice (see `_chunk_format`)."""
+        return _chunk_format(self, extra)
+
+    def echo_pieces(self, event: PromptLogprobs) -> list[str]:
+        detokenizer = self.served.tokenizer.detokenizer()
+        pieces = [detokenizer.push(t) for t in event.tokens]
+        pieces[-1] += detokenizer.flush()
+        return pieces
+
+    def add_token(self, event: TokenEvent) -> dict | None:
+        return self.choices[event.index].add(self.token_name, [event.token], [event.logprob], [event.top],
+                                             [event.text])
+
+    def response(self, finished: Finished) -> dict:
+        """The whole answer, as OpenAI's non-streamed body (also what an Idempotency-Key remembers)."""
+        choices = [{"text": "".join(c.text), "index": c.index, "finish_reason": c.finish_reason,
+                    "logprobs": c.logprobs if self.body.logprobs is not None else None} for c in self.choices]
+        return self.envelope(choices, usage=usage(finished.prompt_tokens, finished.completion_tokens,
+                                                  finished.cached_tokens))
+
+    def envelope(self, choices: list[dict], **extra) -> dict:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
+                "choices": choices, **extra}
+        if self.lease is not None:
+            body["session_id"] = self.lease.session_id
+        return body
+
+
+async def _cancel_on_disconnect(request: Request, submission: Submission) -> None:
+    """Cancel a non-streamed generation whose client went away (nothing is committed)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            submission.cancel()
+            return
+
+
+async def complete(completion: Completion, request: Request) -> dict:
+    """The whole answer of a non-streamed completion, as OpenAI's body."""
+    body = completion.body
+    finished = None
+    async with completion.leased():
+        if completion.replay is not None:
+            completion.replayed = True
+            return completion.replay["result"]
+        submission = await completion.submit()  # 429 / 503 here
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
+        try:
+            if body.echo and body.logprobs is None:
+                for choice in completion.choices:
+                    choice.text.append(completion.echo_text(choice.index))
+            async for event in submission.events():
+                if isinstance(event, TokenEvent):
+                    completion.add_token(event)
+                elif isinstance(event, ChoiceFinished):
+                    completion.choices[event.index].text.append(event.text_tail)
+                    completion.choices[event.index].finish_reason = event.finish_reason
+                elif isinstance(event, PromptLogprobs):
+                    pieces = completion.echo_pieces(event)
+                    for choice in completion.choices_for(event):
+                        choice.add(completion.token_name, event.tokens, event.logprobs, event.top, pieces)
+                elif isinstance(event, Finished):
+                    finished = event
+            watcher.cancel()
+            answer = completion.response(finished)
+            await completion.commit(finished, answer if completion.remembering else None)
+        except BaseException as error:
+            completion.count_error(error)
+            if isinstance(error, ValueError):
+                raise InvalidRequest(str(error)) from None
+            raise
+        finally:
+            watcher.cancel()
+    return answer
+
+
+def sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that notices a client disconnect at once (not only at the next
+    write) and closes the stream, so the generation is cancelled within one engine step."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:  # the client went away mid-write
+                pass
+            finally:
+                task_group.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                task_group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def stream_completion(completion: Completion) -> EventStream:
+    """A streamed completion's response, once the generation is queued (a refusal before then
+    is an HTTP error)."""
+    chunks = await queued(_completion_chunks(completion))
+    return EventStream(chunks, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                **replayed_headers(completion.replayed)})
+
+
+def _replayed_chunks(answer: dict, include_usage: bool) -> bytes:
+    """A remembered completion (Idempotency-Key) as its stream: one chunk per choice with its whole
+    text, the usage chunk when asked for, [DONE]."""
+    envelope = {name: value for name, value in answer.items() if name not in ("choices", "usage")}
+    extra = {"usage": None} if include_usage else {}
+    events = [sse({**envelope, "choices": [choice], **extra}) for choice in answer["choices"]]
+    if include_usage:
+        events.append(sse({**envelope, "choices": [], "usage": answer["usage"]}))
+    return b"".join(events) + sse("[DONE]")
+
+
+def _chunk_format(completion: Completion, extra: dict) -> Callable[..., bytes]:
+    """The SSE event of one chunk of one choice."""
+    # a text-only chunk is the same JSON every time but for its text: format it from a template
+    templates = [json.dumps(completion.envelope([{"text": "\x00", "index": i, "logprobs": None, "finish_reason": None}],
+                                                **extra)).split('"\\u0000"') for i in range(len(completion.choices))]
+
+    def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
+        if logprobs is None and finish_reason is None:
+            head, tail = templates[index]
+            return f"data: {head}{json.dumps(text)}{tail}\n\n".encode()
+        return sse(completion.envelope([{"text": text, "index": index, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}], **extra))
+
+    return chunk
+
+
+async def _completion_chunks(completion: Completion) -> AsyncGenerator:
+    """SSE chunks as OpenAI sends them: one per released piece of text per choice, a last one per
+    choice with its `finish_reason`, with `stream_options.include_usage` a final one with empty
+    `choices` and the `usage`, then `data: [DONE]`. An error after the stream started is sent in
+    the stream. Chunks that are ready together (the client or the loop fell behind) go out in
+    one write."""
+    body = completion.body
+    extra = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+    pending: list[bytes] = []
+    failure: APIError | None = None
+    async with completion.leased():
+        if completion.replay is not None:
+            completion.replayed = True
+            yield QUEUED
+            yield _replayed_chunks(completion.replay["result"], bool(extra))
+            return
+        submission = await completion.submit()
+        yield QUEUED
+        chunk = completion.chunk_format(extra)  # now that the lease is held: chunks name its session
+        try:
+            if body.echo and body.logprobs is None and completion.tokens:
+                for choice in completion.choices:
+                    echoed = completion.echo_text(choice.index)
+                    choice.text.append(echoed)  # the whole answer, for an Idempotency-Key
+                    pending.append(chunk(choice.index, echoed))
+            async for event in submission.events():
+                if isinstance(event, TokenEvent):
+                    logprobs = completion.add_token(event)
+                    if event.text or logprobs:
+                        pending.append(chunk(event.index, event.text, logprobs))
+                elif isinstance(event, ChoiceFinished):
+                    completion.choices[event.index].text.append(event.text_tail)
+                    completion.choices[event.index].finish_reason = event.finish_reason
+                    pending.append(chunk(event.index, event.text_tail, None, event.finish_reason))
+                elif isinstance(event, PromptLogprobs):
+                    pieces = completion.echo_pieces(event)
+                    for choice in completion.choices_for(event):
+                        logprobs = choice.add(completion.token_name, event.tokens, event.logprobs, event.top, pieces)
+                        pending.append(chunk(choice.index, "".join(pieces), logprobs))
+                elif isinstance(event, Finished):
+                    await completion.commit(event, completion.response(event) if completion.remembering else None)
+                    if extra:
+                        pending.append(sse(completion.envelope([], usage=usage(
+                            event.prompt_tokens, event.completion_tokens, event.cached_tokens))))
+                if pending and submission.queue.empty():
+                    yield b"".join(pending)
+                    pending = []
+            pending.append(sse("[DONE]"))
+        except Exception as error:  # not a client that left: that ends the stream with GeneratorExit or CancelledError
+            completion.count_error(error)
+            failure = error_for(error)
+    if failure is not None:  # after the release: the session is free again when the client reads this
+        pending += [sse(failure.body()), sse("[DONE]")]
+    yield b"".join(pending)
+
+
+# -- POST /v1/chat/completions ----------------------------------------------------------------------
+
+
+def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The prompt text the model's chat template makes of `messages` (server/api/chat.py); 400
+    when the model has no template or its template refuses them."""
+    template = served.chat_template
+    if template is None:
+        raise InvalidRequest(f"model '{served.name}' has no chat template, so it cannot take chat messages: use "
+                             "/v1/completions with a prompt, or give the checkpoint a chat template "
+                             "(chat_template.jinja, or chat_template in tokenizer_config.json or config.json)",
+                             param="model", code="no_chat_template")
+    rendered = [{"role": message.role, "content": message.text(),
+                 **({"name": message.name} if message.name is not None else {})} for message in messages]
+    try:
+        return template.render(rendered, add_generation_prompt)
+    except ChatTemplateError as error:
+        raise InvalidRequest(f"the chat template of model '{served.name}' cannot render these messages: {error}",
+                             param="messages", code="chat_template_error") from None
+
+
+class ChatCompletion(Completion):
+    """A chat completion: the messages rendered by the model's chat template into a prompt, run as
+    a completion, answered in OpenAI's chat shapes (`chat.completion`, streamed as
+    `chat.completion.chunk`s whose first delta per choice carries the role)."""
+
+    def __init__(self, state: AppState, body: ChatCompletionRequest, owner: str | None):
+        self.chat = body
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        fields = {name: getattr(body, name) for name in SamplingOptions.model_fields}
+        fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages), n=body.n,
+                      stream=body.stream, stream_options=body.stream_options,
+                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        try:
+            request = CompletionRequest.model_validate(fields)
+        except ValidationError as error:
+            raise validation_error(error.errors()) from None
+        super().__init__(state, request, owner)
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+
+    def envelope(self, choices: list[dict], **extra) -> dict:
+        kind = "chat.completion.chunk" if self.body.stream else "chat.completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.body.model,
+                "choices": choices, **extra}
+
+    def chat_logprobs(self, piece: dict | None) -> dict | None:
+        """Completion-style logprobs (tokens, token_logprobs, top_logprobs) in chat's shape."""
+        if piece is None or not self.chat.logprobs:
+            return None
+        return {"content": [
+            {"token": token, "logprob": logprob, "bytes": None,
+             "top_logprobs": [{"token": name, "logprob": value, "bytes": None} for name, value in (top or {}).items()]}
+            for token, logprob, top in zip(piece["tokens"], piece["token_logprobs"], piece["top_logprobs"])]}
+
+    def response(self, finished: Finished) -> dict:
+        choices = [{"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.text)},
+                    "logprobs": self.chat_logprobs(choice.logprobs), "finish_reason": choice.finish_reason}
+                   for choice in self.choices]
+        return self.envelope(choices, usage=usage(finished.prompt_tokens, finished.completion_tokens,
+                                                  finished.cached_tokens))
+
+    def chunk_format(self, extra: dict) -> Callable[..., bytes]:
+        started: set[int] = set()  # choices whose role went out
+
+        def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
+            delta: dict = {}
+            if index not in started:
+                started.add(index)
+                delta["role"] = "assistant"
+            if text or finish_reason is None:
+                delta["content"] = text
+            return sse(self.envelope([{"index": index, "delta": delta, "logprobs": self.chat_logprobs(logprobs),
+                                       "finish_reason": finish_reason}], **extra))
+
+        return chunk

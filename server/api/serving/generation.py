@@ -1,0 +1,199 @@
+"""One generation, validated and leased (`Generation`), and several prompts in one request
+(OpenAI's batched `prompt`: `PromptBatch`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from xlserve.server.api.deps import AppState
+from xlserve.server.api.errors import InvalidRequest
+from xlserve.server.api.protocol import MAX_PROMPTS, CompletionRequest, SamplingFields
+from xlserve.server.cache.errors import SessionInfo
+from xlserve.server.engine.client import RemoteLease
+from xlserve.server.engine.types import (
+    Cancelled,
+    ChoiceFinished,
+    Finished,
+    PromptLogprobs,
+    SamplingParams,
+    Submission,
+    TokenEvent,
+)
+from xlserve.server.api.serving.leases import session_lease
+from xlserve.server.api.serving.requests import (
+    check_logit_bias,
+    error_for,
+    idempotency,
+    prompt_tokens,
+    sampling_params,
+)
+
+
+# -- generations ----------------------------------------------------------------------------------
+
+
+class Generation:
+    """One generation (HTTP or websocket), validated: the served model, sampling parameters and
+    prompt tokens. `async with leased()` holds its session; within it, `submit()` queues it in the
+    engine process and `commit()` makes its effect on the session permanent."""
+
+    def __init__(self, state: AppState, body: SamplingFields, owner: str | None, echo: bool = False, n: int = 1,
+                 idempotency_key: str | None = None, kind: str = "generate"):
+        self.state, self.body, self.owner, self.echo = state, body, owner, echo
+        self.served = state.served(body.model)
+        self.params = sampling_params(body, echo, n)
+        limit = state.settings.max_tokens_limit
+        if body.max_tokens > limit:
+            raise InvalidRequest(f"max_tokens is {body.max_tokens}; the limit is {limit} (XLSERVE_MAX_TOKENS_LIMIT)",
+                                 param="max_tokens")
+        if n > 1 and body.session_id:
+            raise InvalidRequest("n > 1 cannot be combined with session_id: a session keeps one continuation",
+                                 param="n")
+        check_logit_bias(self.params, self.served)
+        # OpenAI's batched form (completions only): several prompts, each run with n choices
+        batch = body.prompts() if isinstance(body, CompletionRequest) else None
+        if batch is not None:
+            if body.session_id:
+                raise InvalidRequest("a list of prompts cannot be combined with session_id: a session continues "
+                                     "one text", param="prompt")
+            if len(batch) > MAX_PROMPTS:
+                raise InvalidRequest(f"at most {MAX_PROMPTS} prompts in one request; this one has {len(batch)}",
+                                     param="prompt")
+        self.prompts = [prompt_tokens(state, self.served, prompt) for prompt in (batch or [body.prompt])]
+        self.tokens = self.prompts[0]
+        self.lease: RemoteLease | None = None
+        # a key only means something for a request that changes a session
+        request = {**body.model_dump(include=set(SamplingFields.model_fields)), "echo": echo, "n": n}
+        self.key = idempotency(idempotency_key, kind, request) if body.session_id else None
+
+    @property
+    def replay(self) -> dict | None:
+        """The remembered entry when this request's Idempotency-Key was seen before."""
+        return None if self.lease is None else self.lease.replay
+
+    @property
+    def remembering(self) -> bool:
+        """Whether the commit remembers an answer (the request carries an Idempotency-Key)."""
+        return self.lease is not None and self.lease.idempotency is not None
+
+    @asynccontextmanager
+    async def leased(self) -> AsyncIterator["Generation"]:
+        """Hold the generation's session (if it names one) for the block, refusing a session of
+        another model, and an empty prompt with nothing in memory to continue from."""
+        body = self.body
+        async with session_lease(self.state, body.session_id, self.owner, self.key) as lease:
+            self.lease = lease
+            if lease is not None and lease.replay is not None:  # answered before: nothing to check or run
+                yield self
+                return
+            if lease is not None and lease.info.model != body.model:
+                raise InvalidRequest(f"session '{body.session_id}' belongs to model '{lease.info.model}'",
+                                     param="model")
+            has_history = lease is not None and lease.has_history
+            if not all(self.prompts) and not has_history and (body.max_tokens > 0 or self.echo):
+                raise InvalidRequest("prompt is empty and there is no session history to continue", param="prompt")
+            yield self
+
+    async def submit(self) -> Submission:
+        """Queue the generation; raises QueueFull / ShuttingDown / ValueError before anything started."""
+        try:
+            if len(self.prompts) > 1:
+                return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params)
+            return await self.state.engine.submit(self.served.name, self.tokens, dataclasses.asdict(self.params),
+                                                  self.lease)
+        except BaseException as error:
+            self.count_error(error)
+            raise
+
+    def count_error(self, error: BaseException) -> None:
+        """Outcomes: xlserve_requests_total by finish reason (the engine counts stop, length and
+        cancelled), xlserve_request_errors_total by error type (here)."""
+        if not isinstance(error, (Cancelled, asyncio.CancelledError)):
+            self.state.metrics.request_errors.labels(self.body.model, error_for(error).type).inc()
+
+    async def commit(self, finished: Finished, result: dict | None = None) -> SessionInfo | None:
+        """Make the generation's effect on its session permanent (durable when this returns);
+        returns the session's info, or None without a session. On a cache error nothing changed.
+        `result`, the answer, is remembered with the request's Idempotency-Key."""
+        self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
+        if self.lease is None:
+            return None
+        info = await self.state.engine.commit(self.lease, result)
+        self.state.metrics.state_bytes_per_session.labels(self.body.model).observe(info.state_bytes)
+        return info
+
+
+# -- several prompts in one request (OpenAI's batched `prompt`) -----------------------------------
+
+
+@dataclasses.dataclass
+class BatchedPromptLogprobs(PromptLogprobs):
+    """PromptLogprobs of one prompt of a PromptBatch, saying which."""
+
+    prompt: int = 0
+
+
+class PromptBatch:
+    """The prompts of one batched completion, each run as its own engine request and seen as one
+    submission: their events merged into one stream whose choice indexes are OpenAI's
+    (prompt_index * n + choice_index), ending with one Finished that adds up their counts. A
+    failure of any prompt fails the request (the others are dropped); a cancel cancels all."""
+
+    def __init__(self, submissions: list[Submission], n: int):
+        self.submissions, self.n = submissions, n
+        self.queue: asyncio.Queue = asyncio.Queue()  # (prompt index, event or exception)
+        self.forwarders = [asyncio.ensure_future(self._forward(prompt, submission))
+                           for prompt, submission in enumerate(submissions)]
+
+    @classmethod
+    async def submit(cls, state: AppState, model: str, prompts: list[list[int]],
+                     params: SamplingParams) -> "PromptBatch":
+        """Queue every prompt; if one is refused (QueueFull, ...), those queued already are dropped."""
+        submissions: list[Submission] = []
+        try:
+            for tokens in prompts:
+                submissions.append(await state.engine.submit(model, tokens, dataclasses.asdict(params), None))
+        except BaseException:
+            for submission in submissions:
+                submission.cancel()
+            raise
+        return cls(submissions, params.n)
+
+    async def _forward(self, prompt: int, submission: Submission) -> None:
+        try:
+            async for event in submission.events():
+                self.queue.put_nowait((prompt, event))
+        except Exception as error:  # Cancelled, or the prompt's failure: the merged stream raises it
+            self.queue.put_nowait((prompt, error))
+
+    def cancel(self) -> None:
+        for submission in self.submissions:
+            submission.cancel()
+
+    async def events(self) -> AsyncIterator[object]:
+        ends: dict[int, Finished] = {}
+        try:
+            while len(ends) < len(self.submissions):
+                prompt, event = await self.queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                offset = prompt * self.n
+                if isinstance(event, (TokenEvent, ChoiceFinished)):
+                    yield dataclasses.replace(event, index=event.index + offset)
+                elif isinstance(event, PromptLogprobs):
+                    yield BatchedPromptLogprobs(event.tokens, event.logprobs, event.top, prompt=prompt)
+                elif isinstance(event, Finished):
+                    ends[prompt] = event
+            finished = [ends[prompt] for prompt in range(len(self.submissions))]
+            yield Finished(
+                choices=[dataclasses.replace(choice, index=choice.index + prompt * self.n)
+                         for prompt, end in enumerate(finished) for choice in end.choices],
+                prompt_tokens=sum(end.prompt_tokens for end in finished),
+                completion_tokens=sum(end.completion_tokens for end in finished),
+                cached_tokens=sum(end.cached_tokens for end in finished), data=None)
+        finally:  # a prompt still running (after a failure, a cancel, a client that left) is dropped
+            for forwarder in self.forwarders:
+                forwarder.cancel()

@@ -1,0 +1,53 @@
+"""A request's hold on its session: `session_lease`, the one place a lease is released, and
+`queued()`, which runs a streamed answer up to the point where its request holds its session
+and is queued in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+
+from xlserve.server.api.deps import AppState
+from xlserve.server.engine.client import RemoteLease
+
+
+# -- a request's hold on its session --------------------------------------------------------------
+
+
+@asynccontextmanager
+async def session_lease(state: AppState, session_id: str | None, owner: str | None,
+                        key: dict | None = None) -> AsyncIterator[RemoteLease | None]:
+    """Hold a session for the duration of the block (None without a session id). Taking it may
+    bring the state back from host RAM, disk or Redis in the engine process. Leaving the block
+    releases it: after a commit that changes nothing, otherwise the session stays as it was.
+    With `key` (see `idempotency`) seen before on the session, the lease holds nothing and its
+    `replay` is the first request's remembered answer."""
+    if not session_id:
+        yield None
+        return
+    acquiring = asyncio.ensure_future(state.engine.acquire(session_id, owner, key))
+    try:
+        lease = await asyncio.shield(acquiring)
+    except asyncio.CancelledError:
+        # the caller is gone (a client that left) but the lease is on its way: let it go when it
+        # arrives, so the session never stays pinned
+        acquiring.add_done_callback(
+            lambda done: done.cancelled() or done.exception() is not None or state.engine.release(done.result()))
+        raise
+    try:
+        yield lease
+    finally:
+        state.engine.release(lease)
+
+
+QUEUED = object()  # a streamed answer's first item: its request holds its session and is queued
+
+
+async def queued(answer: AsyncGenerator) -> AsyncGenerator:
+    """Run a streamed answer up to its QUEUED mark here: what refuses the request until then
+    (validation, its session missing or busy, a full queue) raises from this call; after it the
+    answer only streams."""
+    if await anext(answer) is not QUEUED:
+        raise RuntimeError("a streamed answer must first yield QUEUED")
+    return answer

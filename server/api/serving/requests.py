@@ -1,0 +1,120 @@
+"""Building what the engine runs from a request: sampling parameters, prompt tokens, the
+server's limits, `usage`, and the Idempotency-Key fingerprint of a session-changing request."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+from fastapi import Request
+
+from xlserve.server.api.deps import AppState, ServedModel, app_state
+from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, as_api_error
+from xlserve.server.api.protocol import (
+    IDEMPOTENCY_KEY_PATTERN,
+    MAX_STOP_CHARACTERS,
+    MAX_STOPS,
+    SamplingFields,
+)
+from xlserve.server.engine.types import SamplingParams
+
+
+# -- building a request ---------------------------------------------------------------------------
+
+
+def sampling_params(body: SamplingFields, echo: bool = False, n: int = 1) -> SamplingParams:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise InvalidRequest(f"at most {MAX_STOPS} stop strings", param="stop")
+    if any(len(stop) > MAX_STOP_CHARACTERS for stop in stops):
+        raise InvalidRequest(f"a stop string has at most {MAX_STOP_CHARACTERS} characters", param="stop")
+    return SamplingParams(
+        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+        min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, seed=body.seed, stop=stops, logprobs=body.logprobs, echo=echo, n=n,
+        logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
+    )
+
+
+def check_logit_bias(params: SamplingParams, served: ServedModel) -> None:
+    """Refuse a logit_bias naming a token the model does not have, before anything is queued."""
+    outside = sorted(token for token in params.logit_bias or {} if token >= served.vocab_size)
+    if outside:
+        raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {served.vocab_size}): "
+                             f"{outside[:5]}", param="logit_bias", code="invalid_logit_bias")
+
+
+def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    """Tokenise a prompt (text or token ids), enforcing XLSERVE_MAX_PROMPT_BYTES; `param` names
+    the field it came in."""
+    limit = state.settings.max_prompt_bytes
+    if isinstance(prompt, str):
+        size = len(prompt.encode("utf-8"))
+        if size > limit:
+            raise InvalidRequest(f"{param} is {size} bytes; the limit is {limit} (XLSERVE_MAX_PROMPT_BYTES)",
+                                 param=param, code="prompt_too_long")
+        try:
+            return served.tokenizer.encode(prompt)
+        except ValueError as error:  # a word-level vocabulary without <unk> meets a word it lacks
+            raise InvalidRequest(str(error), param=param) from None
+    tokens = list(prompt)
+    if len(tokens) > limit:
+        raise InvalidRequest(f"{param} is {len(tokens)} tokens; the limit is {limit} (XLSERVE_MAX_PROMPT_BYTES)",
+                             param=param, code="prompt_too_long")
+    vocab = served.vocab_size
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+    return tokens
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body (a session state), refused past XLSERVE_MAX_REQUEST_BODY_BYTES even when no
+    Content-Length announced it."""
+    limit = app_state(request).settings.max_request_body_bytes
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes (XLSERVE_MAX_REQUEST_BODY_BYTES)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def error_for(error: BaseException) -> APIError:
+    """The APIError a client sees for anything a request raised; a ValueError from the engine
+    is a request it could not run as asked."""
+    return as_api_error(InvalidRequest(str(error)) if isinstance(error, ValueError) else error)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's `usage`; `prompt_tokens_details.cached_tokens`, the context that came from the
+    session's memory instead of being computed, when the request got that far."""
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
+
+
+# -- Idempotency-Key --------------------------------------------------------------------------------
+
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"  # on an answer that is the remembered one of an earlier request
+
+
+def idempotency(key: str | None, kind: str, request: dict) -> dict | None:
+    """A session-changing request's Idempotency-Key with the fingerprint of the request (a hash
+    of its kind and body: the same key with another request is refused, 422), or None."""
+    if key is None:
+        return None
+    if not re.fullmatch(IDEMPOTENCY_KEY_PATTERN, key):
+        raise InvalidRequest(f"{IDEMPOTENCY_KEY_HEADER} must be 1 to 255 visible ASCII characters",
+                             param=IDEMPOTENCY_KEY_HEADER, code="invalid_idempotency_key")
+    canonical = json.dumps({"kind": kind, **request}, sort_keys=True, separators=(",", ":"))
+    return {"key": key, "fingerprint": hashlib.sha256(canonical.encode()).hexdigest()}
+
+
+def replayed_headers(replayed: bool) -> dict[str, str]:
+    return {REPLAYED_HEADER: "true"} if replayed else {}

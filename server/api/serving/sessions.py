@@ -1,0 +1,135 @@
+"""The session operations that change a session: the one append flow (HTTP and websocket),
+fork, replacing a state, delete, and the caller's list."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+from xlserve.server.api.deps import AppState
+from xlserve.server.api.errors import InvalidRequest
+from xlserve.server.cache.errors import SessionInfo
+from xlserve.server.engine.client import RemoteLease
+from xlserve.server.engine.types import Cancelled, Submission, appended
+from xlserve.server.api.serving.leases import session_lease
+from xlserve.server.api.serving.requests import idempotency, prompt_tokens
+
+
+# -- POST /v1/sessions/{id}/append, and the websocket's `append` ----------------------------------
+
+
+@dataclasses.dataclass
+class AppendResult:
+    """A document chunk fed into a session's memory and committed."""
+
+    session_id: str
+    tokens: int  # the chunk's
+    cached_tokens: int  # what the session's memory held before
+    info: SessionInfo  # the session after the commit
+    scores: dict | None  # logprob, scored_tokens, bits_per_byte: when asked for
+    replayed: bool = False  # the remembered answer of an earlier request with the same Idempotency-Key
+
+    @classmethod
+    def remembered(cls, session_id: str, lease: RemoteLease) -> "AppendResult":
+        """The answer an earlier append with the same Idempotency-Key got (its entry: `result`,
+        and the session's version and tokens after it)."""
+        entry = lease.replay
+        result = entry["result"]
+        info = dataclasses.replace(lease.info, tokens=entry["tokens"], version=entry["version"])
+        return cls(session_id, result["tokens"], result["cached_tokens"], info, result["scores"], replayed=True)
+
+    def body(self) -> dict:
+        """The answer of POST /v1/sessions/{id}/append."""
+        return {"id": self.session_id, "tokens": self.tokens, "session_tokens": self.info.tokens,
+                "version": self.info.version, "cached_tokens": self.cached_tokens, **(self.scores or {})}
+
+
+class Cancellation:
+    """A client's wish to stop its request, which may come before the request reaches the engine:
+    the request checks `requested` before it queues, then `track`s its submission, through which
+    a cancel that comes later stops it in the engine."""
+
+    def __init__(self):
+        self.requested = False
+        self.submission: Submission | None = None
+
+    def cancel(self) -> None:
+        self.requested = True
+        if self.submission is not None:
+            self.submission.cancel()
+
+    def track(self, submission: Submission) -> Submission:
+        self.submission = submission
+        if self.requested:
+            submission.cancel()
+        return submission
+
+
+async def append_to_session(state: AppState, owner: str | None, session_id: str, text: str | list[int], score: bool,
+                            cancellation: Cancellation | None = None,
+                            idempotency_key: str | None = None) -> AppendResult:
+    """Feed a document chunk into a session's memory and commit it; with `score`, also its
+    log-probability given the memory. Appending a document chunk by chunk scores it exactly as
+    one pass would. Raises Cancelled when `cancellation` asks for it; nothing is committed then.
+    With an Idempotency-Key seen before on the session, the first answer comes back, nothing runs."""
+    cancellation = cancellation or Cancellation()
+    key = idempotency(idempotency_key, "append", {"text": text, "score": score})
+    async with session_lease(state, session_id, owner, key) as lease:
+        if lease.replay is not None:
+            return AppendResult.remembered(session_id, lease)
+        tokens = prompt_tokens(state, state.served(lease.info.model), text)
+        if not tokens:
+            raise InvalidRequest("text is empty", param="text")
+        cached = lease.info.tokens
+        if cancellation.requested:  # while the session was being fetched
+            raise Cancelled()
+        submission = cancellation.track(await state.engine.append(lease, tokens, score))
+        fed = await appended(submission)
+        scores = None
+        if score:
+            # bits per byte over the scored tokens (a session's very first token has no context)
+            text_bytes = len(tokens) if isinstance(text, list) else len(text.encode("utf-8"))
+            scored_bytes = text_bytes - (len(tokens) - fed.scored)
+            scores = {"logprob": fed.logprob, "scored_tokens": fed.scored,
+                      "bits_per_byte": (-fed.logprob / math.log(2) / scored_bytes) if scored_bytes else None}
+        info = await state.engine.commit(lease, {"tokens": len(tokens), "cached_tokens": cached, "scores": scores})
+    state.metrics.memory_reused_tokens.labels(info.model).inc(cached)
+    state.metrics.state_bytes_per_session.labels(info.model).observe(info.state_bytes)
+    return AppendResult(session_id, len(tokens), cached, info, scores)
+
+
+# -- the other session operations that change a session, and the list -----------------------------
+
+
+async def fork_session(state: AppState, owner: str | None, session_id: str,
+                       idempotency_key: str | None = None) -> tuple[dict, bool]:
+    """POST /v1/sessions/{id}/fork: the new session, and whether that is the remembered answer."""
+    key = idempotency(idempotency_key, "fork", {})
+    result, replayed = await state.engine.session_change("fork", idempotency=key, session_id=session_id, owner=owner)
+    return {**SessionInfo(**result).public(), "forked_from": session_id}, replayed
+
+
+async def replace_session_state(state: AppState, owner: str | None, session_id: str, blob: bytes,
+                                idempotency_key: str | None = None) -> tuple[dict, bool]:
+    """PUT /v1/sessions/{id}/state: the session after its state was replaced (one commit)."""
+    key = idempotency(idempotency_key, "replace", {"body": hashlib.sha256(blob).hexdigest()})
+    result, replayed = await state.engine.session_change("replace", blob, idempotency=key, session_id=session_id,
+                                                         owner=owner)
+    return SessionInfo(**result).public(), replayed
+
+
+async def delete_session(state: AppState, owner: str | None, session_id: str,
+                         idempotency_key: str | None = None) -> tuple[dict, bool]:
+    """DELETE /v1/sessions/{id}. With an Idempotency-Key its retry answers the same, not 404."""
+    key = idempotency(idempotency_key, "delete", {})
+    _, replayed = await state.engine.session_change("delete", idempotency=key, session_id=session_id, owner=owner)
+    return {"id": session_id, "object": "session", "deleted": True}, replayed
+
+
+async def list_sessions(state: AppState, owner: str | None, limit: int, after: str | None) -> dict:
+    """GET /v1/sessions: the caller's sessions, newest first, as OpenAI lists objects."""
+    infos, has_more = await state.engine.list_sessions(owner, limit, after)
+    data = [info.public() for info in infos]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
