@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess, make_checkpoint
-from tests.e2e.session_tools import CONTINUATION, append, create, document, info, ok, score
+from tests.e2e.session_tools import append, create, document, info, ok, score
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
 TXL = "txl-tiny"  # the checkpoint of the shared `tiny_checkpoint` fixture (tests/e2e/conftest.py)
