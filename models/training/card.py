@@ -69,7 +69,9 @@ def card_variants(model: LanguageModel, segment_len: int) -> list[dict]:
 
 
 def describe(model: LanguageModel, permutation: float | None = None) -> str:
-    """The state each variant keeps, in words, for the card's table."""
+    """The state each variant keeps, in words, for the card's table. The four first
+    architectures have their own words (their cards' text); every other one gets
+    `describe_state`, which needs nothing of its config."""
     config = model.config
     if permutation is not None:
         return f"{config.mem_len} positions; last {permutation:.0%} of a random order predicted"
@@ -79,7 +81,64 @@ def describe(model: LanguageModel, permutation: float | None = None) -> str:
         if config.long_term_memory:
             return f"previous segment + continuous memory of {config.n_basis} basis functions"
         return "previous segment only"
-    return f"{config.mem_len} positions"
+    if hasattr(config, "mem_len"):
+        return f"{config.mem_len} positions"
+    return describe_state(model)
+
+
+# what each `state_kind` keeps, in words (models/interface.py)
+STATE_KIND_WORDS = {
+    "segment-recurrence": "keys and values of the latest positions",
+    "continuous": "a continuous memory",
+    "window": "a bounded window of keys and values",
+    "linear": "fixed-size sums over the whole history",
+    "none": "nothing",
+}
+# the history lengths (bytes) after which a card gives a session's state bytes: 4 KB and 64 KB
+STATE_HISTORIES = (4096, 65536)
+
+
+def _history_words(tokens: int) -> str:
+    return f"{tokens // 1024} KB" if tokens % 1024 == 0 else f"{tokens:,} bytes"
+
+
+@torch.no_grad()
+def state_bytes_after(model: LanguageModel, histories: tuple[int, ...] = STATE_HISTORIES, chunk: int = 512,
+                      seed: int = 0) -> dict[int, int]:
+    """`State.nbytes()` of one session (what the session cache counts) after each of `histories`
+    bytes: seeded random bytes fed in chunks of `chunk`, the model in eval mode (a model may keep
+    more while training; adaptive span keeps its maximum span)."""
+    longest = max(histories)
+    tokens = torch.randint(0, model.vocab_size, (1, longest), generator=torch.Generator().manual_seed(seed))
+    marks = sorted(set(histories))
+    was_training = model.training
+    model.eval()
+    try:
+        state, done, found = model.init_state(1), 0, {}
+        for mark in marks:
+            for start in range(done, mark, chunk):
+                piece = tokens[:, start:min(start + chunk, mark)].to(model.device)
+                _, state = model(piece, state)
+            done = mark
+            found[mark] = state.nbytes()
+    finally:
+        model.train(was_training)
+    return {h: found[h] for h in histories}
+
+
+def describe_state(model: LanguageModel, histories: tuple[int, ...] | None = None) -> str:
+    """Any architecture's state in words, from what every model has: its `state_kind` and the
+    bytes of a session after each of `histories` bytes (default STATE_HISTORIES), measured by
+    `state_bytes_after`."""
+    measured = state_bytes_after(model, histories or STATE_HISTORIES)
+    kind = STATE_KIND_WORDS.get(model.state_kind, model.state_kind)
+    sizes = [f"{n:,} bytes after {_history_words(h)}" for h, n in measured.items()]
+    if len(set(measured.values())) == 1 and len(measured) > 1:
+        sizes = [f"{next(iter(measured.values())):,} bytes after {' and '.join(map(_history_words, measured))}"]
+    text = f"{kind} ({model.state_kind}): " + ", ".join(sizes)
+    if hasattr(model, "spans_report"):
+        text += "; each head keeps its learned span + ramp (see Learned spans)"
+    return text
 
 
 def evaluate_for_card(model: LanguageModel, segment_len: int) -> list[dict]:
@@ -125,6 +184,7 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         *_storage_lines(directory, storage),
         *_training_lines(model, training),
         *_held_out_lines(model, training, evaluations),
+        *_span_lines(model),
         *_sample_lines(directory, model, training, storage, text_sample),
     ]
     (directory / "card.md").write_text("\n".join(lines))
@@ -200,6 +260,33 @@ def _held_out_lines(model: LanguageModel, training: dict, evaluations: list[dict
         "|---|---|",
     ]
     lines += [f"| {e['step']} | {e['held_out_bits_per_byte_quick']:.4f} |" for e in training["evaluations"]]
+    return lines
+
+
+def _span_lines(model: LanguageModel) -> list[str]:
+    """Adaptive span only: every head's learned span z and the positions a served session keeps
+    for it (`spans_report`), since these decide the state's bytes."""
+    if not hasattr(model, "spans_report"):
+        return []
+    c = model.config
+    report = model.spans_report()
+    heads = len(report[0]["spans"]) if report else 0
+    kept = sum(sum(row["kept_positions"]) for row in report)
+    full = (c.max_span + c.ramp - 1) * heads * len(report)
+    lines = [
+        "",
+        "## Learned spans",
+        "",
+        f"Each head attends over its learned span z (at most S = {c.max_span}) plus a ramp of R = {c.ramp} positions; "
+        f"a served session keeps, per head, the keys and values of its last ceil(z) + R - 1 positions (`kept` below): "
+        f"{kept:,} positions in all, {kept / full:.1%} of the {full:,} the maximum span would need "
+        f"({model.state_bytes_when_full():,} bytes of state once full).",
+        "",
+        "| layer | " + " | ".join(f"head {h}: z, kept" for h in range(heads)) + " |",
+        "|---|" + "---|" * heads,
+    ]
+    lines += [f"| {row['layer']} | " + " | ".join(f"{z:.1f}, {n}" for z, n in zip(row["spans"], row["kept_positions"]))
+              + " |" for row in report]
     return lines
 
 

@@ -16,4 +16,5 @@ BENCHMARKS = {
     "eval-speed": "eval_speed",
     "memory-quality": "memory_quality",
     "soak": "soak",
+    "models": "models",
 }

@@ -1,0 +1,317 @@
+"""`xlserve bench models`: every shipped checkpoint side by side, whatever its architecture.
+
+One row per checkpoint (by default every directory under --weights-dir with a config.json and a
+card.md; or those named by --models), measured in process through the model's `forward` and its
+`State` (no server):
+- parameters, and held-out bits per byte: the "trained" row of the checkpoint's evaluation.json
+  (`xlserve eval --write-card`: every held-out file scored left to right from an empty state
+  carried across the file); missing (null) when the checkpoint has no evaluation;
+- state bytes of one session (`State.nbytes()`, what the session cache keeps and counts) after
+  4 KB and 64 KB of history (--state-histories);
+- time to append 128 tokens (one forward) to a session holding 1k / 10k / 64k tokens of
+  history (--histories): each timed append starts from a clone of the same state, the histories
+  are timed round-robin (drift falls on each alike), median of --repeats rounds after a warm-up;
+- decode tokens/s at batch 1 and 16 (--batch-sizes): greedy, one token per step, from the state
+  after the first state history, the batch made of copies of that session joined by
+  `State.concat` (as the engine batches rows); generated tokens (all rows) per second, median of
+  a few runs.
+Histories are held-out stdlib text, fed in chunks of --chunk tokens, one pass that keeps the
+state at each length. A model with a fixed context of L bytes (`max_context`, the vanilla
+transformer) keeps nothing older than its last L bytes, so it is fed only those, when
+`check_state` accepts the result as the state of a session of the full length (feeding it 64k
+bytes would cost 64k forwards over its window); `history_fed_tokens` says so in the JSON.
+
+Results: bench-results/models.json (--quick: models-quick.json) and a plot beside it (bits per
+byte against state bytes after the longest state history, log x, one point per checkpoint), and a
+table. Run it alone: a second torch-heavy process on the same cores slows both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.training.card import STATE_HISTORIES
+from xlserve.server.bench.common import environment, figure, save_results
+from xlserve.server.bench.continuation import held_out_text, sync
+from xlserve.server.settings import BENCH_RESULTS_DIR, WEIGHTS_DIR, checkpoint_dir
+
+DEFAULTS = dict(histories="1024,10240,65536", state_histories=",".join(map(str, STATE_HISTORIES)),
+                decode=64, repeats=5)
+QUICK = dict(histories="128,512", state_histories="256,1024", decode=8, repeats=2)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="xlserve bench models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=None,
+                        help="comma list of names under --weights-dir or paths "
+                             "(default: every checkpoint there with a card.md)")
+    parser.add_argument("--weights-dir", default=str(WEIGHTS_DIR))
+    parser.add_argument("--histories", default=None,
+                        help=f"history lengths (tokens) the append is timed after (default {DEFAULTS['histories']})")
+    parser.add_argument("--state-histories", default=None,
+                        help="history lengths (tokens) the state bytes are given after "
+                             f"(default {DEFAULTS['state_histories']})")
+    parser.add_argument("--append", type=int, default=128, help="tokens appended per timed append")
+    parser.add_argument("--decode", type=int, default=None,
+                        help=f"greedy steps timed per decode run (default {DEFAULTS['decode']})")
+    parser.add_argument("--batch-sizes", default="1,16", help="decode batch sizes")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed rounds of appends (default {DEFAULTS['repeats']}); decode: half as many runs")
+    parser.add_argument("--chunk", type=int, default=512, help="tokens per forward call while feeding a history")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small settings for tests ({QUICK}); the numbers say nothing about the full ones")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None, help="results JSON (default bench-results/models[-quick].json)")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.histories = _lengths(args.histories)
+    args.state_histories = _lengths(args.state_histories)
+    args.batch_sizes = _lengths(args.batch_sizes)
+    if args.out is None:
+        args.out = str(BENCH_RESULTS_DIR / f"models{'-quick' if args.quick else ''}.json")
+    return args
+
+
+def _lengths(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise SystemExit(f"expected a comma list of positive integers, got '{text}'")
+    return values
+
+
+def checkpoints(models: str | None, weights_dir: Path) -> list[Path]:
+    """The checkpoints to measure: those named, or every shipped one under `weights_dir` (a
+    directory with a config.json and a card.md)."""
+    if models:
+        paths = [checkpoint_dir(name.strip(), weights_dir) for name in models.split(",") if name.strip()]
+        missing = [str(p) for p in paths if not (p / "config.json").is_file()]
+        if missing:
+            raise SystemExit(f"no checkpoint at {', '.join(missing)}")
+        return paths
+    paths = sorted(p for p in weights_dir.iterdir() if (p / "config.json").is_file() and (p / "card.md").is_file()) \
+        if weights_dir.is_dir() else []
+    if not paths:
+        raise SystemExit(f"no checkpoint with a card.md under {weights_dir}")
+    return paths
+
+
+def held_out_bits_per_byte(directory: Path) -> dict | None:
+    """The "trained" row of the checkpoint's evaluation.json (models/training/card.py), or None."""
+    path = directory / "evaluation.json"
+    if not path.is_file():
+        return None
+    return next((row for row in json.loads(path.read_text()) if row.get("memory") == "trained"), None)
+
+
+def feed(model, tokens: list[int], state, chunk: int):
+    """`tokens` through the model in calls of `chunk`: the last call's next-token row and the state."""
+    log_probs = None
+    for start in range(0, len(tokens), chunk):
+        piece = torch.tensor([tokens[start:start + chunk]], device=model.device)
+        log_probs, state = model(piece, state)
+    return log_probs[0, -1], state
+
+
+def history_states(model, tokens: list[int], marks: list[int], chunk: int) -> dict[int, dict]:
+    """For each history length in `marks`: the session's state, its next-token row, and how many
+    tokens were fed to get it. One pass over the longest history, keeping a copy at each mark;
+    a fixed-context model (see the module docstring) is fed only the last max_context tokens
+    before each mark when its check accepts that as the state after the whole history."""
+    if model.max_context is not None:
+        found = {}
+        for mark in marks:
+            start = max(0, mark - model.max_context)
+            row, state = feed(model, tokens[start:mark], model.init_state(1), chunk)
+            try:
+                model.check_state(state, mark)
+            except ValueError:
+                break
+            found[mark] = {"state": state, "next": row, "fed": mark - start}
+        else:
+            return found
+    found, state, done = {}, model.init_state(1), 0
+    for mark in sorted(set(marks)):
+        row = None
+        for start in range(done, mark, chunk):
+            piece = torch.tensor([tokens[start:min(start + chunk, mark)]], device=model.device)
+            log_probs, state = model(piece, state)
+            row = log_probs[0, -1]
+        done = mark
+        found[mark] = {"state": state.clone(), "next": row.clone(), "fed": mark}
+    return found
+
+
+def time_appends(model, sessions: dict[int, dict], appended: dict[int, list[int]],
+                 repeats: int) -> dict[int, list[float]]:
+    """Seconds to append `appended[h]` (one forward) to the session of each history h, `repeats`
+    rounds round-robin over the histories after a warm-up round; every append starts from a
+    fresh clone of the session's state (the clone is not timed)."""
+    device = model.device
+    pieces = {h: torch.tensor([new], device=device) for h, new in appended.items()}
+    times = {h: [] for h in appended}
+    for round_index in range(repeats + 1):  # round 0 warms up
+        for history, piece in pieces.items():
+            state = sessions[history]["state"].clone()
+            sync(device)
+            start = time.perf_counter()
+            model(piece, state)
+            sync(device)
+            if round_index:
+                times[history].append(time.perf_counter() - start)
+    return times
+
+
+def decode_rate(model, session: dict, batch: int, steps: int, runs: int) -> tuple[float, list[float]]:
+    """Greedy decoding tokens/s (all rows) at `batch` rows that share one history, joined by
+    State.concat; the median of `runs` runs of `steps` steps, each after two untimed steps."""
+    device = model.device
+    rates = []
+    for _ in range(runs):
+        state = session["state"]
+        state = type(state).concat([state.clone() for _ in range(batch)]) if batch > 1 else state.clone()
+        token = session["next"].argmax().view(1, 1).expand(batch, 1).contiguous()
+        for _ in range(2):  # warm-up: the first steps may allocate
+            log_probs, state = model(token, state)
+            token = log_probs[:, -1].argmax(-1, keepdim=True)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            log_probs, state = model(token, state)
+            token = log_probs[:, -1].argmax(-1, keepdim=True)  # (batch, 1)
+        sync(device)
+        rates.append(batch * steps / (time.perf_counter() - start))
+    return statistics.median(rates), rates
+
+
+@torch.inference_mode()
+def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dict:
+    started = time.perf_counter()
+    model = load_checkpoint(directory, device=args.device).eval()
+    evaluation = held_out_bits_per_byte(directory)
+    marks = sorted(set(args.histories) | set(args.state_histories))
+    sessions = history_states(model, tokens, marks, args.chunk)
+    # each history is continued by the text that follows it
+    times = time_appends(model, sessions, {h: tokens[h:h + args.append] for h in args.histories}, args.repeats)
+    append_s = {h: statistics.median(t) for h, t in times.items()}
+    decode = {b: decode_rate(model, sessions[args.state_histories[0]], b, args.decode, max(1, args.repeats // 2))
+              for b in args.batch_sizes}
+    row = {
+        "model": directory.name,
+        "architecture": model.architecture,
+        "state_kind": model.state_kind,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bits_per_byte": evaluation["bits_per_byte"] if evaluation else None,
+        "bits_per_byte_scored_bytes": evaluation.get("scored_bytes") if evaluation else None,
+        "state_bytes": {str(h): sessions[h]["state"].nbytes() for h in args.state_histories},
+        "append_s": {str(h): append_s[h] for h in args.histories},
+        "append_s_rounds": {str(h): times[h] for h in args.histories},
+        "append_time_spread": round(max(append_s.values()) / min(append_s.values()) - 1, 4),
+        "decode_tokens_per_s": {str(b): rate for b, (rate, _) in decode.items()},
+        "decode_tokens_per_s_runs": {str(b): runs for b, (_, runs) in decode.items()},
+        "decode_after_tokens": args.state_histories[0],
+        "history_fed_tokens": {str(h): sessions[h]["fed"] for h in marks},
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    return row
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = checkpoints(args.models, Path(args.weights_dir))
+    longest = max(args.histories + args.state_histories)
+    tokens = held_out_text(longest + args.append)
+    started = time.perf_counter()
+    rows = []
+    for path in paths:
+        row = measure(path, args, tokens)
+        rows.append(row)
+        print(f"{row['model']}: {row['seconds']:.0f} s", flush=True)
+    result = {
+        "benchmark": "models", **environment(), "device": args.device, "quick": args.quick,
+        "weights_dir": args.weights_dir, "history_text": "held-out stdlib files, concatenated",
+        "histories": args.histories, "state_histories": args.state_histories, "append_tokens": args.append,
+        "decode_tokens": args.decode, "batch_sizes": args.batch_sizes, "repeats": args.repeats, "chunk": args.chunk,
+        "results": rows, "seconds": round(time.perf_counter() - started, 1),
+    }
+    save_results(result, args.out, plot, print_table)
+
+
+def _tokens(n: int) -> str:
+    """1024 -> 1k, 10240 -> 10k, 65536 -> 64k; other lengths as they are."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
+def _labels(rows: list[dict]) -> list[str]:
+    """The architecture names, or the checkpoint names where an architecture appears twice."""
+    architectures = [r["architecture"] for r in rows]
+    return [r["architecture"] if architectures.count(r["architecture"]) == 1 else r["model"] for r in rows]
+
+
+def plot(result: dict, path: Path) -> None:
+    last = str(result["state_histories"][-1])
+    rows = result["results"]
+    with figure(path, f"Shipped checkpoints: held-out bits per byte against session state after "
+                      f"{_tokens(int(last))} tokens", size=(7, 4.5)) as ax:
+        shown = 0
+        for row, label in zip(rows, _labels(rows)):
+            if row["bits_per_byte"] is None:
+                continue
+            x, y = row["state_bytes"][last], row["bits_per_byte"]
+            ax.scatter([x], [y], s=45, label=f"{label} ({_bytes(x)})")
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+            shown += 1
+        if not shown:
+            ax.plot([], [], " ", label="no checkpoint has a held-out evaluation (evaluation.json)")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"session state bytes after {_tokens(int(last))} tokens (log scale)")
+        ax.set_ylabel("held-out bits per byte (lower is better)")
+
+
+def print_table(result: dict) -> None:
+    histories, states, batches = result["histories"], result["state_histories"], result["batch_sizes"]
+    header = (["model", "parameters", "bits/byte"] + [f"state @{_tokens(h)}" for h in states]
+              + [f"append {result['append_tokens']} @{_tokens(h)}" for h in histories]
+              + [f"decode b{b} tok/s" for b in batches])
+    lines = []
+    for row in result["results"]:
+        bpb = row["bits_per_byte"]
+        lines.append([row["model"], f"{row['parameters']:,}", "-" if bpb is None else f"{bpb:.4f}"]
+                     + [_bytes(row["state_bytes"][str(h)]) for h in states]
+                     + [f"{row['append_s'][str(h)] * 1000:.1f} ms" for h in histories]
+                     + [f"{row['decode_tokens_per_s'][str(b)]:,.0f}" for b in batches])
+    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
+
+    def fmt(cells: list[str]) -> str:
+        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    print(f"\nthreads {result['threads']}, {result['device']}; append: median of {result['repeats']} rounds; "
+          f"decode: greedy after {_tokens(states[0])} tokens, rows of one history batched with State.concat")
+    print(fmt(header))
+    print("|" + "|".join("-" * (w + 1) + ":" if i else ":" + "-" * (w + 1) for i, w in enumerate(widths)) + "|")
+    for line in lines:
+        print(fmt(line))
+    missing = [r["model"] for r in result["results"] if r["bits_per_byte"] is None]
+    if missing:
+        print(f"bits/byte -: no held-out evaluation (evaluation.json) for {', '.join(missing)}")
+    shortcut = [r["model"] for r in result["results"]
+                if any(int(fed) < int(h) for h, fed in r["history_fed_tokens"].items())]
+    if shortcut:
+        print(f"fed only their last max_context tokens of each history (fixed context): {', '.join(shortcut)}")
