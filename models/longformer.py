@@ -129,7 +129,10 @@ class SlidingWindowAttention(nn.Module):
                                torch.ones(B, T, dtype=torch.bool, device=device)], dim=1)
         kinds = lambda a, b, t: torch.cat([torch.full((n,), flag, dtype=torch.bool, device=device)  # noqa: E731
                                            for n, flag in ((g, a), (C, b), (T, t))])
-        bias = self.pattern(query_positions, key_positions, key_valid,
+        # the pattern depends on positions alone: rows that all stand at one position (training
+        # lanes, a batch of fresh prompts) share one (1, H, T, K) bias instead of B copies of it
+        rows = slice(0, 1) if B > 1 and bool((position == position[0]).all()) else slice(None)
+        bias = self.pattern(query_positions[rows], key_positions[rows], key_valid[rows],
                             windowed=kinds(False, True, True), global_kind=kinds(True, False, True))
         attended = self.attend(q, keys, values, bias.to(q.dtype))  # (B, H, T, D)
         out = self.o_net(attended.transpose(1, 2).reshape(B, T, -1))  # (B, T, d_model)
@@ -139,7 +142,7 @@ class SlidingWindowAttention(nn.Module):
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
         """softmax(q kᵀ / √D + bias) v: q (B, H, T, D), keys and values (B, H, K, D), bias
-        (B, H, T, K) -> (B, H, T, D). Every query sees itself, so no row is all −inf."""
+        (B or 1, H, T, K) -> (B, H, T, D). Every query sees itself, so no row is all −inf."""
         dropatt = self.config.dropatt if self.training else 0.0
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropatt)
 
