@@ -52,6 +52,9 @@ key is a function of the bytes up to it, so feeding a text in one call or in chu
 down to one byte at a time, gives the same log-probabilities (to float rounding). A decoding
 step gathers its A keys from the state: its attention costs O(A · d) per layer; forming the new
 state copies the S kept positions once per layer (a memory copy, no arithmetic per position).
+A chunk of `dense_from_queries` or more queries (a prompt, a training segment) instead scores
+all S + T keys in one matrix product under the same pattern as a mask: gathering A copies of
+keys per query costs more than that once T is large, and both give the same weights.
 
 Training uses the standard loop: segments of the stream in order, the state carried from one
 segment to the next (detached, as Transformer-XL's memory), so training sees the pattern exactly
@@ -71,7 +74,13 @@ from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.lookback_state import LookbackMemory
-from xlserve.models.layers.sparse_patterns import gathered_attention, logsparse_distances, longest_distance
+from xlserve.models.layers.sparse_patterns import (
+    gathered_attention,
+    logsparse_distances,
+    longest_distance,
+    masked_attention,
+    pattern_mask,
+)
 
 
 class LogSparseLayer(nn.Module):
@@ -95,6 +104,7 @@ class LogSparseLayer(nn.Module):
         past_values: Tensor,  # (B, S, H, D)
         index: Tensor,  # (B, T, A): for each query, its keys' indices into past + new (S + T)
         allowed: Tensor,  # (B, T, A) bool
+        mask: Tensor | None,  # (B or 1, 1, T, S + T) the same pattern as a dense mask, for long chunks
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The layer's output (B, T, d_model) and its keys and values over past + x (B, S + T, H, D)."""
         c = self.config
@@ -103,7 +113,10 @@ class LogSparseLayer(nn.Module):
         keys = torch.cat([past_keys, k], dim=1)  # (B, S + T, H, D)
         values = torch.cat([past_values, v], dim=1)
         dropatt = c.dropatt if self.training else 0.0
-        attended = gathered_attention(q, keys, values, index, allowed, dropatt)  # (B, T, H, D)
+        if mask is None:  # a few queries: gather each one's A keys
+            attended = gathered_attention(q, keys, values, index, allowed, dropatt)  # (B, T, H, D)
+        else:  # a long chunk: score all S + T keys at once under the pattern's mask
+            attended = masked_attention(q, keys, values, mask, dropatt)  # (B, T, H, D)
         x = x + self.drop(self.o_net(attended.reshape(B, T, -1)))
         x = x + self.ff(self.ff_norm(x))
         return x, keys, values
@@ -131,6 +144,8 @@ class LogSparseTransformer(LanguageModel):
     state_class = LookbackMemory
     state_kind = "window"
     state_grows_with_context = False  # the last S positions' keys and values, whatever the history
+    # chunks of at least this many queries attend through one dense masked product (see forward)
+    dense_from_queries = 16
 
     def __init__(self, config: LogSparseConfig):
         super().__init__()
@@ -192,10 +207,15 @@ class LogSparseTransformer(LanguageModel):
         S = self.reach
         positions = state.position[:, None] + torch.arange(T, device=tokens.device)[None, :]  # (B, T)
         index, allowed = self.visible(positions)
+        mask = None
+        if T >= self.dense_from_queries:
+            # the pattern depends on positions alone: rows at one position share one mask
+            rows = slice(0, 1) if B > 1 and bool((state.position == state.position[0]).all()) else slice(None)
+            mask = pattern_mask(index[rows], allowed[rows], S + T)
         x = self.drop(self.embedding(tokens) + self.offset_embedding[positions % c.restart_len])  # (B, T, d_model)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
-            x, keys, values = layer(x, state.keys[i], state.values[i], index, allowed)
+            x, keys, values = layer(x, state.keys[i], state.values[i], index, allowed, mask)
             new_keys.append(self._kept(keys, T))
             new_values.append(self._kept(values, T))
         log_probs = F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1)

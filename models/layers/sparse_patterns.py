@@ -11,7 +11,11 @@ results independent of how a text is split into calls).
 - `logsparse_distances`: the LogSparse pattern of Li et al. 2019 (local window + exponential
   steps inside a restarting subsequence; see models/logsparse.py).
 - `longest_distance`: how far back a pattern table ever reaches (what a state has to keep).
-- `gathered_attention`: softmax attention of each query over its own gathered keys.
+- `gathered_attention`: softmax attention of each query over its own gathered keys (decoding:
+  a few queries, each reading A keys).
+- `pattern_mask` and `masked_attention`: the same attention as one dense product under the
+  pattern's mask (long chunks: B·T·A gathered key copies cost far more than scoring all S + T
+  keys of a bounded look-back with one matrix product; the two agree to float rounding).
 """
 
 from __future__ import annotations
@@ -76,3 +80,27 @@ def gathered_attention(
     if dropatt > 0.0:
         weights = F.dropout(weights, p=dropatt, training=True)
     return torch.einsum("btha,btahd->bthd", weights, picked_values)  # (B, T, H, D)
+
+
+def pattern_mask(index: Tensor, allowed: Tensor, n_keys: int) -> Tensor:
+    """The pattern as a dense mask (B, 1, T, n_keys) bool: True where query t attends to key
+    index[b, t, a] with allowed[b, t, a]. index and allowed (B, T, A) as for gathered_attention."""
+    B, T, _ = index.shape
+    target = torch.where(allowed, index, n_keys)  # padding lands in one spare column, dropped below
+    mask = torch.zeros(B, T, n_keys + 1, dtype=torch.bool, device=index.device)
+    mask.scatter_(2, target, True)
+    return mask[:, None, :, :n_keys]
+
+
+def masked_attention(
+    q: Tensor,  # (B, T, H, D) queries
+    keys: Tensor,  # (B, K, H, D)
+    values: Tensor,  # (B, K, H, D)
+    mask: Tensor,  # (B or 1, 1, T, K) bool from pattern_mask
+    dropatt: float = 0.0,
+) -> Tensor:
+    """softmax(q kᵀ / √D) v over the keys `mask` allows, as one dense product -> (B, T, H, D).
+    Equal to gathered_attention over the same pattern (to float rounding)."""
+    attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=mask, dropout_p=dropatt)  # (B, H, T, D)
+    return attended.transpose(1, 2)

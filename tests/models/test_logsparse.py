@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.layers.lookback_state import LookbackMemory
-from xlserve.models.layers.sparse_patterns import logsparse_distances
+from xlserve.models.layers.sparse_patterns import gathered_attention, logsparse_distances, masked_attention, pattern_mask
 from xlserve.models.logsparse import LogSparseConfig, LogSparseTransformer
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
@@ -118,6 +118,22 @@ def test_served_attention_follows_the_pattern():
             if embedded[0].grad[0, u].abs().sum() > 0:
                 seen.add(start + u)
         assert seen == set(expected[start + t].nonzero().flatten().tolist()), t
+
+
+def test_long_chunks_attend_densely_under_the_same_pattern():
+    """A long chunk's dense masked product is the gathered attention of the same pattern: the
+    mask holds exactly the gathered keys, and the outputs agree."""
+    model = small_model()
+    S, T = model.reach, 40
+    positions = (23 + torch.arange(T))[None].expand(2, T)
+    index, allowed = model.visible(positions)
+    mask = pattern_mask(index, allowed, S + T)  # (2, 1, T, S + T)
+    for t in range(T):
+        assert set(mask[0, 0, t].nonzero().flatten().tolist()) == set(index[0, t][allowed[0, t]].tolist())
+    torch.manual_seed(1)
+    q, keys, values = torch.randn(2, T, 2, 16), torch.randn(2, S + T, 2, 16), torch.randn(2, S + T, 2, 16)
+    torch.testing.assert_close(masked_attention(q, keys, values, mask), gathered_attention(q, keys, values, index, allowed),
+                               rtol=0, atol=1e-5)
 
 
 # -- (b) chunking ---------------------------------------------------------------------------------
