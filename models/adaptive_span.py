@@ -28,16 +28,18 @@ a served session keeps, per layer and head, exactly those keys and values (fewer
 seen n tokens). Heads with short spans keep little; the bytes are
 8 * d_head * sum_(l,h) n_lh + 8 once full (float32; the layout and formula are in span_state.py),
 bounded by the maximum span whatever the history. `spans_report()` gives the learned z and n of
-every head (for the model card). In training mode every head keeps S + R - 1 positions, since z
-moves at every step.
+every head (for the model card). In training mode every head of a layer keeps what the layer's
+longest current span reaches plus a margin of 16 positions (z moves by less than 2 positions a
+step with the standard recipe), capped at S + R - 1: the authors' code trims its cache to the
+current spans in the same way, and while spans are short it saves most of the attention.
 
 Chunking semantics: the mask, the relative score and the causal rule depend on the distance
 between query and key only, and the state keeps every position any later query can reach (each
 head its whole span + ramp, at every layer). So a text fed in one call, token by token, or in
 chunks of any size (7, 64, ...) gives the same log-probabilities, to float tolerance, from the
 same starting state: what a query sees never depends on where its chunk began. This holds
-because the kept memory covers each head's span + ramp (in training mode, the maximum span +
-ramp for every head); a state that kept less would break it, and `check_state` refuses one.
+because the kept memory covers each head's span + ramp (in training mode, the layer's longest
+span + ramp + the margin); a state that kept less would break it, and `check_state` refuses one.
 
 Decoding one token costs, per layer, attention of every head over the layer's longest head
 memory (the heads' memories are padded to it side by side for one batched product, the padding
@@ -174,6 +176,7 @@ class AdaptiveSpan(LanguageModel):
     state_class = SpanMemory
     state_kind = "window"  # per-head windows of keys and values
     state_grows_with_context = False  # at most ceil(z) + R - 1 positions per head
+    TRAINING_SPAN_MARGIN = 16  # positions kept in training beyond the layer's longest current span
 
     def __init__(self, config: AdaptiveSpanConfig):
         super().__init__()
@@ -264,8 +267,15 @@ class AdaptiveSpan(LanguageModel):
         if T == 0:
             return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
         H = c.n_head
-        if self.training:  # z moves every step: keep everything any span could reach
-            keep = [[c.max_span + c.ramp - 1] * H for _ in range(c.n_layer)]
+        if self.training:
+            # z moves at every step, by at most about max_span · learning rate (< 2 positions
+            # with the standard recipe): keep what the layer's longest span reaches now plus a
+            # margin of TRAINING_SPAN_MARGIN, never more than the maximum span could. Keeping the
+            # maximum for every head would score ~4x more keys while the spans are short.
+            keep = []
+            for layer in self.layers:
+                reach = kept_positions(float(layer.spans().detach().max()), c.ramp) + self.TRAINING_SPAN_MARGIN
+                keep.append([min(reach, c.max_span + c.ramp - 1)] * H)
         else:
             keep = self.kept_positions()
         _, rel_keys = self.relative_keys([layer.r_net for layer in self.layers], 0, state.length + T - 1,

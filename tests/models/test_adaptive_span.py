@@ -204,14 +204,31 @@ def test_state_keeps_each_heads_span_plus_ramp_and_no_more():
     assert state.nbytes() == full_span
 
 
-def test_spans_report_and_training_mode_keep_everything():
+def test_spans_report():
     model = small_model()
     report = model.spans_report()
     assert [r["spans"] for r in report] == SPANS
     assert [r["kept_positions"] for r in report] == [[6, 16], [3, 23]]
-    model.train()
-    _, state = model(tokens(2, 50), model.init_state(2))
-    assert all(k.shape[1] == MAX_SPAN + RAMP - 1 and not k.requires_grad for k in state.keys)
+
+
+def test_training_keeps_the_layers_longest_span_plus_a_margin(monkeypatch):
+    """In training every head of a layer keeps ceil(max z) + R - 1 + margin positions (capped at
+    S + R - 1), and the loss is what keeping the maximum for every head gives: the trimmed keys
+    had no weight."""
+    spans = [[3.0, 12.5], [0.0, 5.0]]
+    model = small_model(spans=spans, max_span=64).train()
+    margin = AdaptiveSpan.TRAINING_SPAN_MARGIN
+    text = tokens(2, 150)
+    _, state = model(text[:, :100], model.init_state(2))
+    expected = [kept(12.5) + margin] * 2 + [kept(5.0) + margin] * 2
+    assert [k.shape[1] for k in state.keys] == expected and not any(k.requires_grad for k in state.keys)
+    trimmed = model.training_loss(text[:, 100:-1], text[:, 101:], state, 0.5)[0]
+
+    monkeypatch.setattr(AdaptiveSpan, "TRAINING_SPAN_MARGIN", 10_000)  # keep everything any span reaches
+    _, full_state = model(text[:, :100], model.init_state(2))
+    assert all(k.shape[1] == 64 + RAMP - 1 for k in full_state.keys)
+    full = model.training_loss(text[:, 100:-1], text[:, 101:], full_state, 0.5)[0]
+    torch.testing.assert_close(trimmed, full, rtol=0, atol=1e-6)
 
 
 # -- (f) checkpoints -------------------------------------------------------------------------
