@@ -171,6 +171,14 @@ class LanguageModel(nn.Module):
         return None
 
     @property
+    def chunking_invariant(self) -> bool:
+        """True when feeding a text in one call or in chunks of any size (one token at a time
+        included) gives the same log-probabilities, to float tolerance: then a state may be
+        resumed from after any token (sessions, the prefix cache) with the result of one pass.
+        False (the safe default) where the architecture's semantics depend on the chunking."""
+        return False
+
+    @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
 

@@ -147,6 +147,10 @@ class LogSparseTransformer(LanguageModel):
     # chunks of at least this many queries attend through one dense masked product (see forward)
     dense_from_queries = 16
 
+    @property
+    def chunking_invariant(self) -> bool:
+        return True  # the module docstring's chunking semantics
+
     def __init__(self, config: LogSparseConfig):
         super().__init__()
         c = config

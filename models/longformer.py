@@ -208,6 +208,10 @@ class Longformer(LanguageModel):
     state_grows_with_context = False  # per layer C_l + g keys and values, whatever the history
     max_piece_positions = 1024  # a longer call runs in pieces of this many positions (bounds its memory)
 
+    @property
+    def chunking_invariant(self) -> bool:
+        return True  # the module docstring's chunking semantics
+
     def __init__(self, config: LongformerConfig):
         super().__init__()
         c = config

@@ -186,6 +186,10 @@ class Performer(LanguageModel):
     state_kind = "linear"
     state_grows_with_context = False  # S, z and K − 1 inputs per layer, whatever the history
 
+    @property
+    def chunking_invariant(self) -> bool:
+        return True  # the module docstring's chunking semantics
+
     def __init__(self, config: PerformerConfig):
         super().__init__()
         c = config

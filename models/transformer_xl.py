@@ -206,6 +206,10 @@ class TransformerXL(LanguageModel):
     state_grows_with_context = False  # bounded by mem_len
     ragged_chunks = True  # forward(tokens, state, lengths): see the end of forward
 
+    @property
+    def chunking_invariant(self) -> bool:
+        return self.config.same_length  # the module docstring's chunking semantics
+
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.config = config

@@ -163,6 +163,10 @@ class XLNet(LanguageModel):
     state_class = XLMemory
     state_kind = "segment-recurrence"
 
+    @property
+    def chunking_invariant(self) -> bool:
+        return self.config.same_length or self.config.mem_len is None  # the module docstring's chunking semantics
+
     def __init__(self, config: XLNetConfig):
         super().__init__()
         c = config

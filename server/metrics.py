@@ -94,6 +94,20 @@ class Metrics:
         self.session_refusals = Counter(
             "xlserve_session_refusals", "Requests refused because a tier had no room (503)", ["model", "tier"], registry=r
         )
+        # the prefix-state cache (server/cache/prefix_cache.py), named after vLLM's prefix_cache_*
+        self.prefix_cache_queries = Counter(
+            "xlserve_prefix_cache_queries", "Prompt tokens of requests without a session looked up in the prefix cache",
+            ["model"], registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "xlserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not recomputed)", ["model"], registry=r
+        )
+        self.prefix_cache_entries = Gauge("xlserve_prefix_cache_entries", "Prefix-cache entries per tier",
+                                          ["model", "tier"], registry=r)
+        self.prefix_cache_bytes = Gauge("xlserve_prefix_cache_bytes", "Bytes of prefix-cache states per tier",
+                                        ["model", "tier"], registry=r)
+        self.prefix_cache_evictions = Counter("xlserve_prefix_cache_evictions", "Prefix-cache entries evicted (LRU)",
+                                              ["model"], registry=r)
         self.session_restore_latency = Histogram(
             "xlserve_session_restore_latency_seconds", "Time to bring a session's state back to the device",
             ["model", "tier"], buckets=(0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS, registry=r,

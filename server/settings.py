@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     host_state_bytes: int = 4 << 30
     disk_state_bytes: int = 64 << 30
     redis_url: str = ""
+    # the prefix-state cache (server/cache/prefix_cache.py): requests without a session resume
+    # from the longest cached prefix of their prompt; 0 bytes switches it off
+    prefix_cache_bytes: int = 256 << 20
+    prefix_cache_block_tokens: int = 16  # tokens per block of the prefix hash chain
     store_timeout_seconds: float = 5.0  # each call to the session store (Redis) gives up after this long
     # a store write that timed out: how long to keep asking the store whether it landed before
     # answering 503 commit_outcome_unknown

@@ -159,6 +159,11 @@ class SamplingOptions(RequestBody):
     stop: Annotated[Text | list[Text] | None, one_of("a string or a list of strings")] = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logit_bias: LogitBias | None = None
+    # the prefix-state cache, for requests without a session_id (README, "Reuse without sessions"):
+    # states are shared only by requests of one API key and one cache_salt (vLLM's name); with
+    # prefix_cache false a request neither starts from a cached state nor leaves one behind
+    cache_salt: Text | None = Field(None, max_length=256)
+    prefix_cache: bool = True
 
 
 class SamplingFields(SamplingOptions):

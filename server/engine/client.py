@@ -399,10 +399,14 @@ class EngineClient:
                                    code="engine_restarting")
         return lease.id
 
-    async def submit(self, model: str, prompt: list[int], params: dict, lease: RemoteLease | None) -> RemoteSubmission:
-        """Queue a generation; raises QueueFull / ShuttingDown / ValueError before anything started."""
+    async def submit(self, model: str, prompt: list[int], params: dict, lease: RemoteLease | None,
+                     prefix_scope: bytes | None = None) -> RemoteSubmission:
+        """Queue a generation; raises QueueFull / ShuttingDown / ValueError before anything started.
+        Without a lease, `prefix_scope` (server/cache/prefix_cache.py `scope_key`) lets it start
+        from the longest cached prefix of its prompt and offer its own states."""
+        scope = {} if prefix_scope is None or lease is not None else {"prefix_scope": prefix_scope.hex()}
         return await self._queue("generate", model, model=model, prompt=prompt, params=params,
-                                 lease=self._check(lease))
+                                 lease=self._check(lease), **scope)
 
     async def append(self, lease: RemoteLease, tokens: list[int], score: bool) -> RemoteSubmission:
         """Queue a document chunk for a leased session (its new state waits for `commit`); the

@@ -13,7 +13,8 @@ than one core. Here the engine steps while the API process formats and writes th
 step's tokens, as vLLM splits its engine core from its API server.
 
 What crosses the socket, API -> engine (each with an `id` the answer carries back):
-  generate {model, prompt, params, lease?}   queue a generation (events follow)
+  generate {model, prompt, params, lease?, prefix_scope?}   queue a generation (events follow); without
+                                             a lease, prefix_scope (hex) reuses the prefix cache
   append {lease, tokens, score}              feed a document chunk into a leased session
   cancel {id}                                drop a request at the next step
   acquire / commit / release                 a request's hold on a session (leases stay here)
@@ -60,6 +61,7 @@ from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.cache import CorruptState, Lease, SessionCache, SessionData
 from xlserve.server.cache.session_cache import Replay
 from xlserve.server.cache.codec import decode, session_data
+from xlserve.server.cache.prefix_cache import PrefixCache
 from xlserve.server.engine.errors import InvalidInput, ModelNotFound
 from xlserve.server.engine.memory import MemoryReturner
 from xlserve.server.engine.request import EngineRequest
@@ -103,8 +105,10 @@ class LoadedModel:
     load_seconds: float = 0.0  # reading and placing its weights (said in the start-up log)
 
 
-def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, LoadedModel]:
-    """Every configured checkpoint on the device, each with its engine (events to `sink`).
+def load_models(settings: Settings, metrics: Metrics, sink=None,
+                prefix_cache: PrefixCache | None = None) -> dict[str, LoadedModel]:
+    """Every configured checkpoint on the device, each with its engine (events to `sink`),
+    the engines sharing one `prefix_cache` (None: no reuse without sessions).
 
     Each engine's worker thread runs its model on its share of `settings.torch_threads` and,
     for big prompt batches, of `settings.prompt_threads`; this thread, which loads the models,
@@ -121,7 +125,7 @@ def load_models(settings: Settings, metrics: Metrics, sink=None) -> dict[str, Lo
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         engine = Engine(directory.name, model, tokenizer, metrics, settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests, sink=sink,
-                        threads=threads, prompt_threads=prompt_threads)
+                        threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine,
                                              time.perf_counter() - started)
     return loaded
@@ -183,7 +187,9 @@ class EngineProcess:
         self.writer = FrameWriter(sock)
         self.metrics = Metrics()
         self.cache = SessionCache.from_settings(settings, self.metrics)
-        self.models = load_models(settings, self.metrics, sink=self._send_events)
+        self.prefix_cache = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_block_tokens,
+                                        self.metrics) if settings.prefix_cache_bytes > 0 else None
+        self.models = load_models(settings, self.metrics, sink=self._send_events, prefix_cache=self.prefix_cache)
         self.sessions_found = self.cache.open({name: loaded.model for name, loaded in self.models.items()})
         self.lock = threading.Lock()  # guards the three tables below
         self.leases: dict[int, Lease] = {}
@@ -303,9 +309,17 @@ class EngineProcess:
     def op_generate(self, header: dict, blob) -> dict:
         engine = self.loaded(header["model"]).engine
         lease_id = header.get("lease")
-        start = engine.fresh_data() if lease_id is None else self.lease(lease_id).data
-        request = EngineRequest("generate", header["prompt"], start, SamplingParams(**header["params"]),
-                                keep_state=lease_id is not None, handle=header["id"])
+        params = SamplingParams(**header["params"])
+        scope = header.get("prefix_scope")
+        if lease_id is not None:
+            fields = {"start": self.lease(lease_id).data}
+        elif scope is not None:  # no session: reuse the longest cached prefix of the prompt
+            echo_alternatives = params.echo and bool(params.logprobs)
+            fields = engine.start_from_prefix(header["prompt"], bytes.fromhex(scope), echo_alternatives)
+        else:
+            fields = {"start": engine.fresh_data()}
+        request = EngineRequest("generate", header["prompt"], params=params, keep_state=lease_id is not None,
+                                handle=header["id"], **fields)
         return self._enqueue(request, engine, lease_id)
 
     def op_append(self, header: dict, blob) -> dict:

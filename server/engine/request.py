@@ -32,6 +32,12 @@ class EngineRequest:
     score: bool = False  # an append that sums the log-probabilities of its tokens
     cancelled: threading.Event = field(default_factory=threading.Event)  # set: drop it at the next step
     handle: object = None  # the caller's name for it, handed back with each of its events
+    # the prefix-state cache (server/cache/prefix_cache.py): the scope its states are offered
+    # under (None: a session's request, or one that opted out), and how many prompt tokens a
+    # hit already put into `start` (with their log-probs, None for a first token)
+    prefix_scope: bytes | None = None
+    reused: int = 0
+    reused_logprobs: list[float | None] = field(default_factory=list, repr=False)
 
     # -- the scheduler's bookkeeping (worker thread) --
     state: State = field(init=False, repr=False)  # the state after the prompt tokens fed so far
@@ -50,6 +56,13 @@ class EngineRequest:
         self.state, self.tokens, self.next_log_probs = self.start.state, self.start.tokens, self.start.next_log_probs
         echo = self.kind == "generate" and self.params.echo and self.params.logprobs is not None
         self.prompt_top_k = self.params.logprobs if echo else None
+        if self.reused:  # a prefix-cache hit: the prompt's first `reused` tokens are in the state
+            if self.start.tokens != self.reused or len(self.reused_logprobs) != self.reused or self.prompt_top_k:
+                raise ValueError("a prefix hit needs its state, its tokens' log-probs and no prompt alternatives")
+            self.fed = self.reused
+            self.prompt_logprobs = list(self.reused_logprobs)
+            if self.prompt_top_k is not None:
+                self.prompt_top = [[] for _ in range(self.reused)]
 
     @property
     def width(self) -> int:
@@ -58,8 +71,19 @@ class EngineRequest:
 
     @property
     def cached_tokens(self) -> int:
-        """Context that came from the session's memory."""
+        """Context that came from memory: the session's, or a prefix-cache hit's."""
         return self.start.tokens
+
+    @property
+    def offers_final_state(self) -> bool:
+        """Its state after prompt + completion goes to the prefix cache (the next turn of a
+        conversation starts there), so its last generated token is fed too, as a session's is."""
+        return self.prefix_scope is not None and self.kind == "generate" and self.params.n == 1
+
+    @property
+    def feeds_every_token(self) -> bool:
+        """Every generated token, the last one included, goes through the model."""
+        return self.keep_state or self.offers_final_state
 
 
 class Row:
@@ -81,10 +105,12 @@ class Row:
         self.tokens = request.tokens  # tokens the state has seen
         self.plain_greedy = is_plain_greedy(params)
         self.generated = 0
+        self.generated_tokens: list[int] = []  # with their log-probs: a prefix-cache entry's tail
+        self.generated_logprobs: list[float] = []
         self.pending: int | None = None
         self.finish_reason: str | None = None
 
     @property
     def keeps_state(self) -> bool:
-        """Its final state outlives the batch: it is a session's new state."""
-        return self.request.keep_state and not self.request.failed
+        """Its final state outlives the batch: a session's new state, or a prefix-cache entry."""
+        return self.request.feeds_every_token and not self.request.failed

@@ -42,6 +42,7 @@ everything with `ShuttingDown` while running requests finish.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 
@@ -49,6 +50,7 @@ import torch
 
 from xlserve.models.interface import LanguageModel, State
 from xlserve.server.cache import SessionData
+from xlserve.server.cache.prefix_cache import PrefixCache
 from xlserve.server.engine.batch import BatchLayout, Group
 from xlserve.server.engine.errors import Cancelled, EngineError, InvalidInput, QueueFull, RequestFailed, ShuttingDown
 from xlserve.server.engine.local import SubmissionDelivery
@@ -58,14 +60,17 @@ from xlserve.server.engine.threads import ForwardThreads
 from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, PromptLogprobs, TokenEvent
 from xlserve.server.metrics import Metrics
 
+log = logging.getLogger("xlserve.engine")
+
 
 class Engine:
     """One model's scheduler: a queue of `EngineRequest`s and the worker thread that steps them."""
 
     def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, prefill_chunk: int = 512,
                  max_batch_size: int = 64, max_queued: int = 256, sink=None, threads: int = 0,
-                 prompt_threads: int = 0):
+                 prompt_threads: int = 0, prefix_cache: PrefixCache | None = None):
         self.name = name
+        self.prefix_cache = prefix_cache
         self.model = model
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -109,6 +114,20 @@ class Engine:
         """An empty session: the state a request without one starts from."""
         with torch.inference_mode():
             return SessionData(state=self.model.init_state(1), tokens=0, next_log_probs=None)
+
+    def start_from_prefix(self, prompt: list[int], scope: bytes, echo_alternatives: bool) -> dict:
+        """The EngineRequest fields of a request without a session: it offers its states under
+        `scope` and starts from the longest cached prefix of `prompt` (any thread). No lookup
+        when the request wants alternatives for its echoed prompt tokens (an entry keeps only
+        each token's own log-prob) or the model's results depend on chunking and the cache
+        holds no state at a chunk boundary of this prompt (only those are ever offered)."""
+        fields = {"start": self.fresh_data(), "prefix_scope": scope}
+        if self.prefix_cache is None or echo_alternatives:
+            return fields
+        hit = self.prefix_cache.lookup(self.name, scope, prompt)
+        if hit is not None:
+            fields.update(start=hit.data, reused=hit.tokens, reused_logprobs=hit.logprobs)
+        return fields
 
     def enqueue(self, request: EngineRequest) -> None:
         """Queue a request; its events go to the sink as (request.handle, event) pairs. Raises
@@ -286,12 +305,16 @@ class Engine:
             return
         self._prompt_metric.inc(sum(lengths))
         for i, (request, chunk) in enumerate(batch):
-            if request.prompt_top_k is not None or request.score:
+            if request.prompt_top_k is not None or request.score or request.prefix_scope is not None:
                 self._record_prompt_logprobs(request, chunk, log_probs[i, : len(chunk)])
             request.state = states[i]
             request.next_log_probs = log_probs[i, len(chunk) - 1]
             request.tokens += len(chunk)
             request.fed += len(chunk)
+            if not self.model.chunking_invariant and request.fed % self.prefill_chunk == 0:
+                # resuming reproduces one pass only where a cold request's chunks also end
+                self._offer(request, request.prompt[: request.fed], SessionData(
+                    state=request.state, tokens=request.tokens, next_log_probs=request.next_log_probs))
             if request.fed == len(request.prompt):
                 self._prefilled(request)
 
@@ -315,6 +338,8 @@ class Engine:
                 return
         next_log_probs = None if request.next_log_probs is None else request.next_log_probs.clone()
         data = SessionData(state=request.state, tokens=request.tokens, next_log_probs=next_log_probs)
+        if self.model.chunking_invariant and request.fed > request.reused:
+            self._offer(request, request.prompt, data)  # the next request with this prompt starts here
         if request.kind == "append":
             scored = [logprob for logprob in request.prompt_logprobs if logprob is not None]
             self._emit(request, Appended(data=data, logprob=float(sum(scored)), scored=len(scored)))
@@ -376,6 +401,8 @@ class Engine:
             token = row.sampler.choose(row.host_log_probs)
             logprob = float(row.host_log_probs[token])
         row.generated += 1
+        row.generated_tokens.append(token)
+        row.generated_logprobs.append(float(row.host_log_probs[token]))
         text, stopped = row.stops.push(row.detokenizer.push(token))
         top = top_alternatives(row.host_log_probs, params.logprobs) if params.logprobs else []
         self._emit(row.request, TokenEvent(token, text, logprob, top, row.index))
@@ -383,7 +410,7 @@ class Engine:
             row.finish_reason = "stop"
         elif row.generated >= params.max_tokens:
             row.finish_reason = "length"
-        if row.finish_reason is None or row.request.keep_state:
+        if row.finish_reason is None or row.request.feeds_every_token:
             row.pending = token
             return True
         return False
@@ -446,6 +473,11 @@ class Engine:
         if len(request.done) < len(request.rows):
             return
         first = request.rows[0]
+        if request.offers_final_state and self.model.chunking_invariant and unusable_row(first.greedy[1]) is None:
+            # the next turn of a conversation resends exactly prompt + completion
+            self._offer(request, request.prompt + first.generated_tokens,
+                        SessionData(state=first.state, tokens=first.tokens, next_log_probs=first.next_log_probs),
+                        request.prompt_logprobs + first.generated_logprobs)
         if request.keep_state:
             failure = unusable_row(first.greedy[1])  # never commit a state that predicts nothing
             if failure is not None:
@@ -463,6 +495,19 @@ class Engine:
         for choice in choices:
             self.metrics.requests.labels(self.name, choice.finish_reason).inc()
         self._remove(request)
+
+    def _offer(self, request: EngineRequest, tokens: list[int], data: SessionData,
+               logprobs: list[float | None] | None = None) -> None:
+        """Give the state after `tokens` (the request's prompt, or more) to the prefix cache, as
+        a copy of its own: the request's state may be a view into a batch that is written over.
+        A cache that cannot take it changes nothing for the request."""
+        if self.prefix_cache is None or request.prefix_scope is None or request.failed:
+            return
+        logprobs = request.prompt_logprobs[: len(tokens)] if logprobs is None else logprobs
+        try:
+            self.prefix_cache.offer(self.name, request.prefix_scope, list(tokens), data.clone(), logprobs)
+        except Exception:  # a bookkeeping bug must not fail a request that has its answer
+            log.exception("prefix cache: an offer from model %s failed", self.name)
 
     def _dropped(self, request: EngineRequest) -> None:
         """A cancelled request leaves: like every request it ends with one last event

@@ -12,6 +12,7 @@ from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest
 from xlserve.server.api.protocol import MAX_PROMPTS, CompletionRequest, SamplingFields
 from xlserve.server.cache.errors import SessionInfo
+from xlserve.server.cache.prefix_cache import scope_key
 from xlserve.server.engine.client import RemoteLease
 from xlserve.server.engine.types import (
     Cancelled,
@@ -101,12 +102,20 @@ class Generation:
         """Queue the generation; raises QueueFull / ShuttingDown / ValueError before anything started."""
         try:
             if len(self.prompts) > 1:
-                return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params)
+                return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params,
+                                                self.prefix_scope())
             return await self.state.engine.submit(self.served.name, self.tokens, dataclasses.asdict(self.params),
-                                                  self.lease)
+                                                  self.lease, self.prefix_scope())
         except BaseException as error:
             self.count_error(error)
             raise
+
+    def prefix_scope(self) -> bytes | None:
+        """Where a request without a session files and finds cached prefix states: its model, its
+        API key's owner id and its cache_salt; None for a session's request or one that opts out."""
+        if self.lease is not None or self.body.session_id or not self.body.prefix_cache:
+            return None
+        return scope_key(self.served.name, self.owner, self.body.cache_salt)
 
     def count_error(self, error: BaseException) -> None:
         """Outcomes: xlserve_requests_total by finish reason (the engine counts stop, length and
@@ -150,12 +159,13 @@ class PromptBatch:
 
     @classmethod
     async def submit(cls, state: AppState, model: str, prompts: list[list[int]],
-                     params: SamplingParams) -> "PromptBatch":
+                     params: SamplingParams, prefix_scope: bytes | None = None) -> "PromptBatch":
         """Queue every prompt; if one is refused (QueueFull, ...), those queued already are dropped."""
         submissions: list[Submission] = []
         try:
             for tokens in prompts:
-                submissions.append(await state.engine.submit(model, tokens, dataclasses.asdict(params), None))
+                submissions.append(await state.engine.submit(model, tokens, dataclasses.asdict(params), None,
+                                                             prefix_scope))
         except BaseException:
             for submission in submissions:
                 submission.cancel()
