@@ -85,6 +85,7 @@ class Settings(BaseSettings):
     # from the longest cached prefix of their prompt; 0 bytes switches it off
     prefix_cache_bytes: int = 256 << 20
     prefix_cache_block_tokens: int = 16  # tokens per block of the prefix hash chain
+    prefix_cache_redis_ttl_seconds: int = 24 * 3600  # with redis_url: entries shared there expire after this long unused
     store_timeout_seconds: float = 5.0  # each call to the session store (Redis) gives up after this long
     # a store write that timed out: how long to keep asking the store whether it landed before
     # answering 503 commit_outcome_unknown

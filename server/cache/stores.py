@@ -406,3 +406,52 @@ class RedisStore:
     def close(self) -> None:
         self.client.close()
         self.client.connection_pool.disconnect()
+
+
+class RedisPrefixStore(RedisStore):
+    """Prefix-cache entries shared by every replica (server/cache/prefix_cache.py): a string per
+    entry, `xlserve:prefix:entry:<key>` = the entry's safetensors bytes, and a hash per block of
+    the hash chain, `xlserve:prefix:block:<h_k>` = {n: entry key}, both expiring `ttl_s` after
+    they were last written or read (Redis holds a cache here, not the truth: an entry that
+    expired or was evicted by Redis's maxmemory policy is a miss, never an error). Keys are
+    hashes of (scope, tokens): nothing in them names a tenant or a text."""
+
+    def __init__(self, url: str, prefix: str = "xlserve:prefix:", timeout_s: float = 5.0, ttl_s: int = 24 * 3600,
+                 max_connections: int = 16):
+        super().__init__(url, prefix=prefix, timeout_s=timeout_s, max_connections=max_connections)
+        self.ttl_s = max(1, int(ttl_s))
+
+    def put_entry(self, block: str, n: int, key: str, blob: bytes) -> None:
+        """File the entry `key` (hex) for n tokens under block `block` (hex), both with the TTL."""
+
+        def write():
+            pipeline = self.client.pipeline(transaction=False)
+            pipeline.set(self.prefix + "entry:" + key, blob, ex=self.ttl_s)
+            pipeline.hset(self.prefix + "block:" + block, str(n), key)
+            pipeline.expire(self.prefix + "block:" + block, self.ttl_s)
+            pipeline.execute()
+
+        self._call(write)
+
+    def filed(self, blocks: list[str]) -> list[dict[int, str]]:
+        """For each block (hex), its {n: entry key}: one round trip for the whole chain."""
+
+        def read():
+            pipeline = self.client.pipeline(transaction=False)
+            for block in blocks:
+                pipeline.hgetall(self.prefix + "block:" + block)
+            return pipeline.execute()
+
+        found = []
+        for mapping in self._read(read):
+            entries = {}
+            for n, key in (mapping or {}).items():
+                n, key = (v.decode() if isinstance(v, bytes) else v for v in (n, key))
+                if n.isdigit():
+                    entries[int(n)] = key
+            found.append(entries)
+        return found
+
+    def get_entry(self, key: str) -> bytes | None:
+        """The entry's bytes (its TTL renewed), or None when Redis no longer holds it."""
+        return self._read(lambda: self.client.getex(self.prefix + "entry:" + key, ex=self.ttl_s))

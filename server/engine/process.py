@@ -187,8 +187,7 @@ class EngineProcess:
         self.writer = FrameWriter(sock)
         self.metrics = Metrics()
         self.cache = SessionCache.from_settings(settings, self.metrics)
-        self.prefix_cache = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_block_tokens,
-                                        self.metrics) if settings.prefix_cache_bytes > 0 else None
+        self.prefix_cache = PrefixCache.from_settings(settings, self.metrics)
         self.models = load_models(settings, self.metrics, sink=self._send_events, prefix_cache=self.prefix_cache)
         self.sessions_found = self.cache.open({name: loaded.model for name, loaded in self.models.items()})
         self.lock = threading.Lock()  # guards the three tables below
@@ -306,8 +305,19 @@ class EngineProcess:
 
     # -- generation --------------------------------------------------------------------------
 
-    def op_generate(self, header: dict, blob) -> dict:
+    def op_generate(self, header: dict, blob) -> dict | None:
         engine = self.loaded(header["model"]).engine
+        if header.get("lease") is None and header.get("prefix_scope") is not None and engine.prefix_lookup_waits:
+            # the prefix cache asks Redis: not on the reader thread, where it would hold up every
+            # other frame; registered first, so that a cancel sent meanwhile is not lost
+            cancelled = threading.Event()
+            with self.lock:
+                self.requests[header["id"]] = (_PendingLookup(cancelled), engine, None)
+            self.pool.submit(self.run, lambda h, b: self._generate(h, engine, cancelled), header, blob)
+            return None
+        return self._generate(header, engine)
+
+    def _generate(self, header: dict, engine: Engine, cancelled: threading.Event | None = None) -> dict:
         lease_id = header.get("lease")
         params = SamplingParams(**header["params"])
         scope = header.get("prefix_scope")
@@ -318,6 +328,8 @@ class EngineProcess:
             fields = engine.start_from_prefix(header["prompt"], bytes.fromhex(scope), echo_alternatives)
         else:
             fields = {"start": engine.fresh_data()}
+        if cancelled is not None:
+            fields["cancelled"] = cancelled
         request = EngineRequest("generate", header["prompt"], params=params, keep_state=lease_id is not None,
                                 handle=header["id"], **fields)
         return self._enqueue(request, engine, lease_id)
@@ -449,6 +461,15 @@ class EngineProcess:
 
     def op_metrics(self, header: dict, blob) -> dict:
         return {"text": self.metrics.render(engine_side=True).decode()}
+
+
+@dataclass
+class _PendingLookup:
+    """Stands for a generation while its prefix lookup runs: a cancel sets `cancelled`, which the
+    request takes over when it is queued."""
+
+    cancelled: threading.Event
+    rows: list = None
 
 
 def _maybe_replay(result) -> dict:

@@ -50,7 +50,7 @@ import torch
 
 from xlserve.models.interface import LanguageModel, State
 from xlserve.server.cache import SessionData
-from xlserve.server.cache.prefix_cache import PrefixCache
+from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
 from xlserve.server.engine.errors import Cancelled, EngineError, InvalidInput, QueueFull, RequestFailed, ShuttingDown
 from xlserve.server.engine.local import SubmissionDelivery
@@ -124,10 +124,25 @@ class Engine:
         fields = {"start": self.fresh_data(), "prefix_scope": scope}
         if self.prefix_cache is None or echo_alternatives:
             return fields
-        hit = self.prefix_cache.lookup(self.name, scope, prompt)
+        hit = self.prefix_cache.lookup(self.name, scope, prompt, restore=self._restore_prefix)
         if hit is not None:
             fields.update(start=hit.data, reused=hit.tokens, reused_logprobs=hit.logprobs)
         return fields
+
+    @property
+    def prefix_lookup_waits(self) -> bool:
+        """Whether a prefix lookup may wait on a store (Redis) rather than only read memory."""
+        return self.prefix_cache is not None and self.prefix_cache.remote is not None
+
+    def _restore_prefix(self, blob: bytes):
+        """A prefix entry from a shared store, on this model's device and checked as an imported
+        session is (ValueError or CorruptState when this model could not have made it)."""
+        data, logprobs = decode_entry(blob, self.name, self.model.state_class, self.model.device)
+        with torch.inference_mode():
+            self.model.check_session(data.state, data.tokens, data.next_log_probs)
+        if any(lp is None or not lp <= 1e-4 for lp in logprobs[1:]) or (logprobs and logprobs[0] is not None):
+            raise ValueError("a prefix entry's token log-probs are not log-probabilities")
+        return data, logprobs
 
     def enqueue(self, request: EngineRequest) -> None:
         """Queue a request; its events go to the sink as (request.handle, event) pairs. Raises

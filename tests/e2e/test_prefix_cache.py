@@ -5,10 +5,13 @@ and cache_salt."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from openai import OpenAI
 
 from tests.e2e.server_process import ServerProcess
+from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
 MODEL = "txl-tiny"
 KEYS = ("key-a", "key-b")
@@ -99,3 +102,37 @@ def test_prefix_cache_metrics(keyed_server):
     assert values[f'xlserve_prefix_cache_hits_total{{model="{MODEL}"}}'] > 0
     assert values[f'xlserve_prefix_cache_entries{{model="{MODEL}",tier="device"}}'] >= 1
     assert values[f'xlserve_prefix_cache_bytes{{model="{MODEL}",tier="device"}}'] > 0
+
+
+def test_replicas_sharing_redis_hit_on_each_others_prefixes(tiny_checkpoint, tmp_path_factory, redis_url):  # noqa: F811
+    """A prefix stored by replica A is a hit on replica B (through a real redis-server), with the
+    log-probs A computed cold; another API key gets no hit on it, on either replica."""
+    env = {"XLSERVE_API_KEYS": ",".join(KEYS), "XLSERVE_REDIS_URL": redis_url}
+    servers = [ServerProcess([tiny_checkpoint], env={**env, "XLSERVE_STATE_DIR": str(tmp_path_factory.mktemp(name))})
+               for name in "ab"]
+    prompt = "import json\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n"
+    try:
+        for server in servers:
+            server.start()
+        a, b = servers
+        with client(a) as oai:
+            cold, cold_cached = echo_logprobs(oai, prompt)
+        deadline = time.monotonic() + 10  # A's writer thread puts the entry in Redis after answering
+        while True:
+            with client(b) as oai:
+                warm, warm_cached = echo_logprobs(oai, prompt)
+            if warm_cached or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        # another key, on either replica: nothing of key A's prompt (each asks a longer prompt of
+        # its own, so that key B's own entry on one replica is no prefix of its prompt on the other)
+        with client(b, KEYS[1]) as oai:
+            _, other_key_on_b = echo_logprobs(oai, prompt + "x")
+        with client(a, KEYS[1]) as oai:
+            _, other_key_on_a = echo_logprobs(oai, prompt + "y")
+    finally:
+        for server in servers:
+            server.stop()
+    assert cold_cached == 0 and warm_cached == len(prompt.encode())
+    assert warm[1:] == pytest.approx(cold[1:], abs=1e-6)
+    assert other_key_on_b == 0 and other_key_on_a == 0

@@ -21,6 +21,7 @@ from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine
 from xlserve.server.engine.types import PromptLogprobs, SamplingParams, TokenEvent
 from xlserve.server.metrics import Metrics
+from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
 SCOPE = scope_key("m", "owner-a", None)
 
@@ -208,3 +209,55 @@ def test_echo_with_alternatives_computes_its_prompt_and_tiny_budgets_stay_exact(
     assert with_top["cached"] == 0 and plain["cached"] == len(prompt)
     assert plain["echo"][1:] == pytest.approx(with_top["echo"][1:], abs=1e-5)
     assert plain["tokens"] == with_top["tokens"]
+
+
+# -- Redis: shared entries, and a store that fails costs reuse only --------------------------------
+
+
+def restore_for(model):
+    engine = Engine("m", model, ByteTokenizer(), Metrics())
+    try:
+        return engine._restore_prefix
+    finally:
+        engine.close()
+
+
+def test_entries_shared_through_redis_are_checked_and_a_dead_redis_costs_only_reuse(redis_url):  # noqa: F811
+    from xlserve.server.cache.prefix_cache import block_chain, entry_key
+    from xlserve.server.cache.stores import RedisPrefixStore
+
+    model = xl_model()
+    restore = restore_for(model)
+    tokens = list(b"import os\nimport sys\n\ndef main():\n")
+    with torch.inference_mode():
+        log_probs, state = model(torch.tensor([tokens]), model.init_state(1))
+    logprobs = [None] + log_probs[0, :-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+    entry = SessionData(state=state, tokens=len(tokens), next_log_probs=log_probs[0, -1].clone())
+
+    writer = PrefixCache(64 << 20, block_tokens=4, remote=RedisPrefixStore(redis_url, prefix="test:prefix:"))
+    reader = PrefixCache(64 << 20, block_tokens=4, remote=RedisPrefixStore(redis_url, prefix="test:prefix:"))
+    assert writer.offer("m", SCOPE, tokens, entry, logprobs) and writer.flush_remote()
+    hit = reader.lookup("m", SCOPE, tokens + [10, 11], restore=restore)
+    assert hit.tokens == len(tokens) and hit.logprobs[1:] == pytest.approx(logprobs[1:], abs=0)
+    assert torch.equal(hit.data.next_log_probs, entry.next_log_probs)
+    assert reader.lookup("m", scope_key("m", "owner-b", None), tokens, restore=restore) is None
+
+    # an entry whose bytes were altered in Redis is refused: a miss, not an error
+    other = list(b"class Config:\n    debug = True\n")
+    with torch.inference_mode():
+        log_probs, state = model(torch.tensor([other]), model.init_state(1))
+    poisoned = SessionData(state=state._map(lambda t: t * float("nan") if t.is_floating_point() else t),
+                           tokens=len(other), next_log_probs=log_probs[0, -1].clone())
+    assert writer.offer("m", SCOPE, other, poisoned, [None] + [-1.0] * (len(other) - 1)) and writer.flush_remote()
+    assert reader.lookup("m", SCOPE, other, restore=restore) is None
+    key = entry_key(block_chain(SCOPE, other, 4), other, len(other), 4).hex()
+    writer.remote.client.set("test:prefix:entry:" + key, b"not a safetensors blob")
+    assert reader.lookup("m", SCOPE, other, restore=restore) is None
+
+    # Redis gone: lookups answer from memory, offers stay local, nothing raises
+    dead = PrefixCache(64 << 20, block_tokens=4,
+                       remote=RedisPrefixStore("redis://127.0.0.1:1/0", prefix="test:prefix:", timeout_s=0.2))
+    assert dead.lookup("m", SCOPE, tokens, restore=restore) is None
+    assert dead.offer("m", SCOPE, tokens, entry, logprobs)
+    assert dead.lookup("m", SCOPE, tokens, restore=restore).tokens == len(tokens)
+    assert dead.flush_remote()
