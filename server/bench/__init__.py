@@ -17,4 +17,5 @@ BENCHMARKS = {
     "memory-quality": "memory_quality",
     "soak": "soak",
     "models": "models",
+    "multi-turn": "multi_turn",
 }
