@@ -124,7 +124,11 @@ class Engine:
         fields = {"start": self.fresh_data(), "prefix_scope": scope}
         if self.prefix_cache is None or echo_alternatives:
             return fields
-        hit = self.prefix_cache.lookup(self.name, scope, prompt, restore=self._restore_prefix)
+        try:
+            hit = self.prefix_cache.lookup(self.name, scope, prompt, restore=self._restore_prefix)
+        except Exception:  # the cache costs reuse at worst, never the request
+            log.exception("prefix cache: a lookup for model %s failed; computing the prompt", self.name)
+            hit = None
         if hit is not None:
             fields.update(start=hit.data, reused=hit.tokens, reused_logprobs=hit.logprobs)
         return fields
