@@ -35,7 +35,8 @@ from xlserve.server.api.admission import OPEN_PATHS, AdmissionMiddleware
 from xlserve.server.api.chat import load_chat_template
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.errors import as_api_error, install_error_handlers
-from xlserve.server.api.routers import chat, completions, health, models, sessions, tokenize, ws
+from xlserve.server.api.routers import chat, completions, health, models, playground, sessions, tokenize, ws
+from xlserve.server.api.routers.playground import PAGE_PATHS
 from xlserve.server.api.serving import error_frame
 from xlserve.server.engine.client import EngineClient
 from xlserve.server.engine.errors import EngineError, ShuttingDown
@@ -233,11 +234,11 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     app = FastAPI(title="xlserve", version=package_version(), lifespan=lifespan)
     install_error_handlers(app)
 
-    open_paths = OPEN_PATHS | {path for path in (app.openapi_url, app.docs_url, app.redoc_url) if path}
+    open_paths = OPEN_PATHS | PAGE_PATHS | {path for path in (app.openapi_url, app.docs_url, app.redoc_url) if path}
     app.add_middleware(LoadingGate, open_paths=frozenset(open_paths))
     app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.max_request_body_bytes)
 
     for router in (health.router, models.router, completions.router, chat.router, tokenize.router,
-                   sessions.router, ws.router):
+                   sessions.router, ws.router, playground.router):
         app.include_router(router)
     return app

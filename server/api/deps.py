@@ -4,6 +4,7 @@ server/api/serving/; server/app.py fills the state in its lifespan."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 from dataclasses import dataclass, field
@@ -51,14 +52,42 @@ def app_state(request: Request) -> AppState:
     return request.app.state.xlserve
 
 
+# Browsers cannot set headers on a websocket, but they can offer subprotocols: a page sends
+# ["xlserve", "xlserve.key." + base64url(key)] (no padding) and the server accepts "xlserve",
+# never echoing the key (docs/websocket.md, "Authentication").
+WEBSOCKET_SUBPROTOCOL = "xlserve"
+KEY_SUBPROTOCOL_PREFIX = "xlserve.key."
+
+
+def offered_subprotocols(request: Request) -> list[str]:
+    header = request.headers.get("sec-websocket-protocol", "")
+    return [item.strip() for item in header.split(",") if item.strip()]
+
+
+def subprotocol_key(request: Request) -> str | None:
+    """The API key a browser sent as a websocket subprotocol, or None."""
+    for item in offered_subprotocols(request):
+        if item.startswith(KEY_SUBPROTOCOL_PREFIX):
+            encoded = item[len(KEY_SUBPROTOCOL_PREFIX):]
+            try:
+                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+            except (ValueError, UnicodeDecodeError):
+                raise AuthenticationFailed("the key subprotocol is not base64url of a UTF-8 key",
+                                           code="invalid_api_key") from None
+    return None
+
+
 def owner_of(request: Request) -> str | None:
     """Authenticate the request; returns the owner id sessions are filed under (a hash of the
-    API key), or None when the server has no keys."""
+    API key), or None when the server has no keys. The key comes in `Authorization: Bearer`, or,
+    for a websocket from a browser, as the `xlserve.key.` subprotocol."""
     state = app_state(request)
     if not state.api_keys:
         return None
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    if not header and request.scope.get("type") == "websocket":
+        scheme, token = "bearer", subprotocol_key(request) or ""
     if scheme.lower() != "bearer" or not token:
         raise AuthenticationFailed("missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
     # compare against every key in constant time, so timing says nothing about which matched

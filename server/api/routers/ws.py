@@ -19,6 +19,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from xlserve.server.api.protocol import CancelFrame, GenerateFrame, frame_id, parse_frame
 from xlserve.server.api.serving import (
+    WEBSOCKET_SUBPROTOCOL,
     APIError,
     AppState,
     Cancellation,
@@ -27,6 +28,7 @@ from xlserve.server.api.serving import (
     append_frames,
     error_frame,
     generation_frames,
+    offered_subprotocols,
     owner_of,
 )
 
@@ -122,7 +124,9 @@ class _Connection:
 @router.websocket("/v1/stream")
 async def stream(websocket: WebSocket):
     state = app_state(websocket)
-    await websocket.accept()
+    # a browser's page offers "xlserve" (and its key as a second subprotocol, never echoed)
+    offered = WEBSOCKET_SUBPROTOCOL in offered_subprotocols(websocket)
+    await websocket.accept(subprotocol=WEBSOCKET_SUBPROTOCOL if offered else None)
     try:
         owner = owner_of(websocket)
     except APIError as error:

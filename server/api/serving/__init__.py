@@ -32,7 +32,7 @@ websocket.py (the websocket's frames).
 
 from __future__ import annotations
 
-from xlserve.server.api.deps import AppState, app_state, owner_of
+from xlserve.server.api.deps import WEBSOCKET_SUBPROTOCOL, AppState, app_state, offered_subprotocols, owner_of
 from xlserve.server.api.errors import APIError, Conflict, InvalidRequest
 from xlserve.server.api.serving.completions import (
     ChatCompletion,
@@ -80,4 +80,6 @@ __all__ = [
     "replayed_headers",
     "stream_completion",
     "tokenize",
+    "WEBSOCKET_SUBPROTOCOL",
+    "offered_subprotocols",
 ]

@@ -1,0 +1,335 @@
+// xlserve playground: generate over the websocket, read a document into a session with per-byte
+// surprisal, manage the session. Plain browser JavaScript, no build step, no external resources;
+// every request goes to the server that served this page.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { session: null, socket: null, running: null, models: {} };
+
+// -- the API key: typed here, kept in this browser only --------------------------------------------
+
+const keyInput = $("api-key");
+keyInput.value = localStorage.getItem("xlserve-api-key") || "";
+keyInput.addEventListener("change", () => { localStorage.setItem("xlserve-api-key", keyInput.value); loadModels(); });
+
+function headers(extra = {}) {
+  const h = { ...extra };
+  if (keyInput.value) h["Authorization"] = "Bearer " + keyInput.value;
+  return h;
+}
+
+function status(text, isError = false) {
+  const el = $("status");
+  el.textContent = text;
+  el.className = isError ? "error" : "muted";
+}
+
+async function api(method, path, body, raw = false) {
+  const init = { method, headers: headers(body !== undefined && !raw ? { "Content-Type": "application/json" } : {}) };
+  if (body !== undefined) init.body = raw ? body : JSON.stringify(body);
+  const response = await fetch(path, init);
+  if (!response.ok) {
+    let message = response.status + " " + response.statusText;
+    try { message = (await response.json()).error.message; } catch (e) { /* not JSON */ }
+    throw new Error(message);
+  }
+  return response;
+}
+
+const json = async (method, path, body) => (await api(method, path, body)).json();
+
+// -- models ------------------------------------------------------------------------------------
+
+async function loadModels() {
+  try {
+    const listing = await json("GET", "/v1/models");
+    const select = $("model");
+    select.innerHTML = "";
+    for (const model of listing.data) {
+      state.models[model.id] = model;
+      select.add(new Option(model.id, model.id));
+    }
+    showModel();
+    status(`${listing.data.length} model(s)`);
+  } catch (error) {
+    status("models: " + error.message, true);
+  }
+}
+
+function showModel() {
+  const model = state.models[$("model").value];
+  $("model-card").textContent = model ? `${model.architecture} · state ${model.state_kind}` +
+    ` · context ${model.max_context === null ? "unbounded" : model.max_context}` : "";
+}
+$("model").addEventListener("change", showModel);
+
+// -- generate over the websocket -----------------------------------------------------------------
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  let binary = "";
+  for (const b of bytes) binary += String.fromCharCode(b);
+  return btoa(binary).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+function socket() {
+  // browsers cannot set headers on a websocket: the key travels as a subprotocol (docs/websocket.md)
+  if (state.socket && state.socket.readyState <= 1) return Promise.resolve(state.socket);
+  const protocols = ["xlserve"];
+  if (keyInput.value) protocols.push("xlserve.key." + base64url(keyInput.value));
+  const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/stream";
+  const ws = new WebSocket(url, protocols);
+  state.socket = ws;
+  ws.onmessage = (message) => onFrame(JSON.parse(message.data));
+  ws.onclose = () => { if (state.running) finishGeneration("connection closed", true); };
+  return new Promise((resolve, reject) => {
+    ws.onopen = () => resolve(ws);
+    ws.onerror = () => reject(new Error("the websocket could not connect"));
+  });
+}
+
+function number(id) {
+  const value = $(id).value;
+  return value === "" ? null : Number(value);
+}
+
+async function generate(prompt, target, withSession) {
+  if (state.running) return;
+  const frame = { type: "generate", id: "g" + Date.now(), model: $("model").value, prompt,
+                  max_tokens: number("max-tokens"), temperature: number("temperature"), top_p: number("top-p"),
+                  top_k: number("top-k") };
+  if (number("seed") !== null) frame.seed = number("seed");
+  if (withSession) frame.session_id = await ensureSession();
+  state.running = { id: frame.id, target, sent: performance.now(), first: null, tokens: 0 };
+  $("generate").disabled = true; $("continue").disabled = true; $("cancel").disabled = false;
+  $("generation-stats").textContent = "generating…";
+  try {
+    (await socket()).send(JSON.stringify(frame));
+  } catch (error) {
+    finishGeneration(error.message, true);
+  }
+}
+
+function onFrame(frame) {
+  const running = state.running;
+  if (!running || frame.id !== running.id) return;
+  if (frame.type === "token") {
+    if (running.first === null) running.first = performance.now();
+    running.tokens += 1;
+    running.target.textContent += frame.text;
+    showRate(running);
+  } else if (frame.type === "done") {
+    running.target.textContent += frame.text || "";
+    finishGeneration(frame.finish_reason);
+    if (frame.session_id) refreshSession();
+  } else if (frame.type === "error") {
+    finishGeneration(frame.error.message, true);
+  }
+}
+
+function showRate(running) {
+  const ttft = running.first === null ? null : running.first - running.sent;
+  const seconds = (performance.now() - (running.first || running.sent)) / 1000;
+  const rate = running.tokens > 1 && seconds > 0 ? (running.tokens - 1) / seconds : null;
+  $("generation-stats").textContent = `${running.tokens} tokens · time to first token ` +
+    `${ttft === null ? "–" : ttft.toFixed(0) + " ms"} · ${rate === null ? "–" : rate.toFixed(1)} tokens/s`;
+}
+
+function finishGeneration(reason, isError = false) {
+  const running = state.running;
+  state.running = null;
+  $("generate").disabled = false; $("cancel").disabled = true;
+  $("continue").disabled = !state.session;
+  if (running) showRate(running);
+  const el = $("generation-stats");
+  el.textContent += ` · ${isError ? "error: " : "finished: "}${reason}`;
+  el.dataset.finish = isError ? "error" : reason;
+  if (isError) el.className = "error";
+}
+
+$("generate").addEventListener("click", () => {
+  $("output").textContent = "";
+  $("generation-stats").className = "muted";
+  generate($("prompt").value, $("output"), $("use-session").checked);
+});
+$("cancel").addEventListener("click", () => {
+  if (state.running && state.socket) state.socket.send(JSON.stringify({ type: "cancel", id: state.running.id }));
+});
+
+// -- read a document into a session, scored --------------------------------------------------------
+
+const documentArea = $("document");
+documentArea.addEventListener("dragover", (event) => event.preventDefault());
+documentArea.addEventListener("drop", async (event) => {
+  event.preventDefault();
+  const file = event.dataTransfer.files[0];
+  if (file) documentArea.value = await file.text();
+});
+
+function chunksOf(text, bytes) {
+  // cut at character boundaries, about `bytes` UTF-8 bytes each
+  const chunks = [];
+  let current = "", size = 0;
+  for (const character of text) {
+    const width = new TextEncoder().encode(character).length;
+    if (size + width > bytes && current) { chunks.push(current); current = ""; size = 0; }
+    current += character; size += width;
+  }
+  if (current) chunks.push(current);
+  return chunks;
+}
+
+async function scoreChunk(chunk, sessionId) {
+  // echo with per-token log-probs and no new tokens; with a session the chunk joins its memory
+  const body = { model: $("model").value, prompt: chunk, max_tokens: 0, echo: true, logprobs: 0 };
+  if (sessionId) body.session_id = sessionId; else body.prefix_cache = false;
+  const result = await json("POST", "/v1/completions", body);
+  const logprobs = result.choices[0].logprobs;
+  return logprobs.tokens.map((token, i) => ({ token, bits: logprobs.token_logprobs[i] === null ? null
+    : -logprobs.token_logprobs[i] / Math.LN2, bytes: new TextEncoder().encode(token).length || 1 }));
+}
+
+function colour(bitsPerByte) {
+  // 0 bits: white, 8 bits or more: deep red
+  const t = Math.max(0, Math.min(1, bitsPerByte / 8));
+  return `rgb(255, ${Math.round(255 - 200 * t)}, ${Math.round(255 - 220 * t)})`;
+}
+
+const curves = { with: [], without: [] };
+
+function drawCurves() {
+  const canvas = $("curve"), ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  const all = [...curves.with, ...curves.without];
+  if (!all.length) return;
+  const maxX = Math.max(...all.map((p) => p[0])), maxY = Math.max(1, ...all.map((p) => p[1])) * 1.1;
+  const x = (v) => 40 + (canvas.width - 50) * v / maxX, y = (v) => canvas.height - 20 - (canvas.height - 30) * v / maxY;
+  ctx.strokeStyle = "#999"; ctx.fillStyle = "#666"; ctx.font = "11px sans-serif";
+  ctx.beginPath(); ctx.moveTo(40, 10); ctx.lineTo(40, canvas.height - 20); ctx.lineTo(canvas.width - 10, canvas.height - 20); ctx.stroke();
+  ctx.fillText(maxY.toFixed(1) + " bits/byte", 2, 12); ctx.fillText(maxX + " bytes", canvas.width - 70, canvas.height - 5);
+  for (const [name, colourName] of [["with", "#1f77b4"], ["without", "#d62728"]]) {
+    const points = curves[name];
+    if (!points.length) continue;
+    ctx.strokeStyle = colourName; ctx.lineWidth = 2; ctx.beginPath();
+    points.forEach(([px, py], i) => (i ? ctx.lineTo(x(px), y(py)) : ctx.moveTo(x(px), y(py))));
+    ctx.stroke();
+  }
+  canvas.dataset.withPoints = curves.with.length;
+  canvas.dataset.withoutPoints = curves.without.length;
+}
+
+function runningCurve(scored, into) {
+  let bits = 0, bytes = 0, position = 0;
+  for (const item of scored) {
+    position += item.bytes;
+    if (item.bits === null) continue;
+    bits += item.bits; bytes += item.bytes;
+    into.push([position, bits / bytes]);
+  }
+}
+
+$("read").addEventListener("click", async () => {
+  const text = documentArea.value;
+  if (!text) return;
+  const chunks = chunksOf(text, number("chunk-bytes") || 1024);
+  $("read").disabled = true;
+  $("coloured").innerHTML = "";
+  curves.with = []; curves.without = [];
+  const withMemory = [], withoutMemory = [];
+  try {
+    await newSession();
+    for (let i = 0; i < chunks.length; i++) {
+      $("document-stats").textContent = `chunk ${i + 1} of ${chunks.length}…`;
+      const scored = await scoreChunk(chunks[i], state.session.id);
+      withMemory.push(...scored);
+      for (const item of scored) {
+        const span = document.createElement("span");
+        span.textContent = item.token;
+        span.style.background = item.bits === null ? "transparent" : colour(item.bits / item.bytes);
+        span.title = item.bits === null ? "no context" : `${item.bits.toFixed(2)} bits`;
+        $("coloured").appendChild(span);
+      }
+      withoutMemory.push(...await scoreChunk(chunks[i], null));
+      curves.with = []; curves.without = [];
+      runningCurve(withMemory, curves.with); runningCurve(withoutMemory, curves.without);
+      drawCurves();
+    }
+    const total = (items) => { const s = items.filter((t) => t.bits !== null);
+      return s.reduce((a, t) => a + t.bits, 0) / s.reduce((a, t) => a + t.bytes, 0); };
+    const stats = $("document-stats");
+    stats.textContent = `${chunks.length} chunks · with memory ${total(withMemory).toFixed(3)} bits/byte · ` +
+      `without memory ${total(withoutMemory).toFixed(3)} bits/byte`;
+    stats.dataset.done = "true";
+    await refreshSession();
+  } catch (error) {
+    $("document-stats").textContent = "error: " + error.message;
+    $("document-stats").className = "error";
+  } finally {
+    $("read").disabled = false;
+    $("continue").disabled = !state.session;
+  }
+});
+
+$("continue").addEventListener("click", () => {
+  const target = document.createElement("span");
+  target.className = "continuation";
+  target.style.background = "#dff0d8";
+  $("coloured").appendChild(target);
+  generate("", target, true);
+});
+
+// -- the session ---------------------------------------------------------------------------------
+
+function showSession(info) {
+  state.session = info;
+  $("session-id").textContent = info ? info.id : "–";
+  $("session-tokens").textContent = info ? info.tokens : "–";
+  $("session-bytes").textContent = info ? info.state_bytes.toLocaleString() : "–";
+  $("session-tier").textContent = info ? info.tier : "–";
+  $("session-version").textContent = info ? info.version : "–";
+  $("continue").disabled = !info;
+}
+
+async function newSession() {
+  showSession(await json("POST", "/v1/sessions", { model: $("model").value }));
+  return state.session.id;
+}
+
+async function ensureSession() {
+  return state.session ? state.session.id : newSession();
+}
+
+async function refreshSession() {
+  if (state.session) showSession(await json("GET", `/v1/sessions/${state.session.id}`));
+}
+
+function guarded(action) {
+  return async () => { try { await action(); } catch (error) { status(error.message, true); } };
+}
+
+$("new-session").addEventListener("click", guarded(newSession));
+$("refresh-session").addEventListener("click", guarded(refreshSession));
+$("fork-session").addEventListener("click", guarded(async () => {
+  if (state.session) showSession(await json("POST", `/v1/sessions/${state.session.id}/fork`));
+}));
+$("delete-session").addEventListener("click", guarded(async () => {
+  if (state.session) { await api("DELETE", `/v1/sessions/${state.session.id}`); showSession(null); }
+}));
+$("export-session").addEventListener("click", guarded(async () => {
+  if (!state.session) return;
+  const blob = await (await api("GET", `/v1/sessions/${state.session.id}/state`)).blob();
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(blob);
+  link.download = state.session.id + ".safetensors";
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(link.href), 10000);
+}));
+$("import-session").addEventListener("change", guarded(async (event) => {
+  const file = $("import-session").files[0];
+  if (!file) return;
+  const response = await api("POST", "/v1/sessions/import", await file.arrayBuffer(), true);
+  showSession(await response.json());
+  $("import-session").value = "";
+}));
+
+loadModels();
