@@ -92,6 +92,8 @@ def check_wheel_contents(wheel: Path) -> None:
     expected = {f"{prefix}/{p.relative_to(ROOT / folder).as_posix()}"
                 for folder, prefix in SOURCES.items() for p in (ROOT / folder).rglob("*.py")
                 if "__pycache__" not in p.parts}
+    # and the playground's page (package data)
+    expected |= {f"xlserve/server/api/playground/{p.name}" for p in (ROOT / "server/api/playground").iterdir()}
     shipped = {n for n in names if n.startswith("xlserve/")}
     assert SOURCES == {"server": "xlserve/server", "models": "xlserve/models"}
     assert {n.split("/")[1] for n in shipped} == {"server", "models"}, sorted({n.split("/")[1] for n in shipped})
@@ -170,6 +172,11 @@ def test_the_wheel_installs_outside_the_repository_and_serves(tmp_path):
         assert choice["finish_reason"] == "length" and isinstance(choice["text"], str)
         assert result["usage"]["prompt_tokens"] == len("def main():\n")
         assert result["usage"]["completion_tokens"] == 8
+
+        with urllib.request.urlopen(url + "/playground", timeout=10) as response:  # package data installed
+            assert response.status == 200 and b"xlserve playground" in response.read()
+        with urllib.request.urlopen(url + "/playground/playground.js", timeout=10) as response:
+            assert response.status == 200 and b"/v1/stream" in response.read()
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGTERM)

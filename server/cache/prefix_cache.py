@@ -41,13 +41,10 @@ engines' worker threads.
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import queue
-import sys
 import threading
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,47 +52,12 @@ from dataclasses import dataclass, field
 import torch
 
 from xlserve.server.cache.codec import CorruptState, SessionData, decode, encode, session_data
+from xlserve.server.cache.prefix_keys import block_chain, entry_key, scope_key  # noqa: F401  (scope_key: re-exported)
 from xlserve.server.cache.stores import RedisPrefixStore, StoreUnavailable
 
 log = logging.getLogger("xlserve.cache")
 
-DIGEST_BYTES = 16
 REMOTE_WRITES_QUEUED = 64  # entries waiting for the Redis writer; beyond, new ones are not shared
-
-
-def _digest(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    for part in parts:
-        h.update(part)
-    return h.digest()
-
-
-def _token_bytes(tokens: list[int]) -> bytes:
-    """Token ids as 4-byte little-endian words: one conversion for a whole prompt."""
-    words = array("I", tokens)
-    if sys.byteorder != "little":
-        words.byteswap()
-    return words.tobytes()
-
-
-def scope_key(model: str, owner: str | None, salt: str | None) -> bytes:
-    """The seed of a scope's hash chain: entries of one (model, owner, salt) are never another's."""
-    fields = [model, "" if owner is None else owner, "" if salt is None else salt]
-    return _digest(b"xlserve-prefix-v1\0", *(f.encode("utf-8") + b"\0" for f in fields))
-
-
-def block_chain(scope: bytes, tokens: list[int], block_tokens: int) -> list[bytes]:
-    """[h_0, h_1, ..., h_K], h_k the chain hash of the first k full blocks (K = len // B)."""
-    chain, data, width = [scope], _token_bytes(tokens), 4 * block_tokens
-    for start in range(0, 4 * (len(tokens) - block_tokens + 1), width):
-        chain.append(_digest(chain[-1], data[start : start + width]))
-    return chain
-
-
-def entry_key(chain: list[bytes], tokens: list[int], n: int, block_tokens: int) -> bytes:
-    """The key of the entry for tokens[:n] (chain from `block_chain` over at least n tokens)."""
-    k = n // block_tokens
-    return _digest(chain[k], _token_bytes(tokens[k * block_tokens : n]), n.to_bytes(8, "little"))
 
 
 @dataclass

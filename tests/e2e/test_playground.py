@@ -8,6 +8,7 @@ $PLAYGROUND_SCREENSHOTS (default: the test's temporary directory)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -20,17 +21,17 @@ from tests.e2e.server_process import ServerProcess
 
 KEY = "playground-key"
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
-                                reason="chromium and chromium-driver are not installed (Debian packages; `make test` "
-                                       "installs them)")
+needs_browser = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
+                                   reason="chromium and chromium-driver are not installed (Debian packages; "
+                                          "`make test` installs them)")
 DOCUMENT = ("import os\nimport sys\n\n\ndef read_lines(path):\n    with open(path) as handle:\n"
             "        return [line.rstrip() for line in handle]\n\n\n") * 28  # about 3 KB
 
 
 @pytest.fixture(scope="module")
-def page_server(tiny_checkpoint):
-    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_API_KEYS": KEY,
-                                                   "XLSERVE_MAX_TOKENS_LIMIT": "100000"}).start()
+def page_server(tiny_checkpoint, tmp_path_factory):
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_API_KEYS": KEY, "XLSERVE_MAX_TOKENS_LIMIT": "100000"},
+                           log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
     yield server
     server.stop()
 
@@ -68,6 +69,7 @@ def wait_for(condition, timeout: float = 60, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@needs_browser
 def test_the_playground_generates_reads_a_document_and_moves_sessions(page_server, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -143,3 +145,29 @@ def test_the_playground_generates_reads_a_document_and_moves_sessions(page_serve
     paint = browser.execute_script(
         "return performance.getEntriesByType('paint').map(e => [e.name, e.startTime])")
     (shots / "timings.json").write_text(json.dumps({"paint_ms": dict(paint), "resources": resources}, indent=2))
+
+
+def subprotocol(key: str) -> str:
+    return "xlserve.key." + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+def test_a_browser_authenticates_the_websocket_with_a_subprotocol(page_server):
+    """The key as the xlserve.key. subprotocol opens the websocket; the server accepts "xlserve",
+    never echoing the key; a wrong key is refused like a wrong header."""
+    from websockets.sync.client import connect
+
+    url = page_server.url.replace("http://", "ws://") + "/v1/stream"
+    with connect(url, subprotocols=["xlserve", subprotocol(KEY)]) as ws:
+        assert ws.subprotocol == "xlserve"
+        ws.send(json.dumps({"type": "generate", "id": "g", "model": "txl-tiny", "prompt": "x", "max_tokens": 3}))
+        frames = [json.loads(ws.recv(timeout=30)) for _ in range(4)]
+        assert [f["type"] for f in frames] == ["token", "token", "token", "done"]
+    for offered in (["xlserve", subprotocol("wrong")], ["xlserve"], ["xlserve", "xlserve.key.%%%"]):
+        with connect(url, subprotocols=offered) as ws:
+            frame = json.loads(ws.recv(timeout=30))
+            assert frame["type"] == "error" and frame["error"]["type"] == "authentication_error", offered
+    with page_server.client() as http:  # the page itself needs no key; the API behind it does
+        assert http.get("/playground").status_code == 200
+        assert http.get("/v1/models").status_code == 401
+    log = page_server.log_path.read_text()
+    assert KEY not in log and subprotocol(KEY) not in log

@@ -12,7 +12,7 @@ from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest
 from xlserve.server.api.protocol import MAX_PROMPTS, CompletionRequest, SamplingFields
 from xlserve.server.cache.errors import SessionInfo
-from xlserve.server.cache.prefix_cache import scope_key
+from xlserve.server.cache.prefix_keys import scope_key
 from xlserve.server.engine.client import RemoteLease
 from xlserve.server.engine.types import (
     Cancelled,
