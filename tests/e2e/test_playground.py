@@ -30,7 +30,9 @@ DOCUMENT = ("import os\nimport sys\n\n\ndef read_lines(path):\n    with open(pat
 
 @pytest.fixture(scope="module")
 def page_server(tiny_checkpoint, tmp_path_factory):
-    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_API_KEYS": KEY, "XLSERVE_MAX_TOKENS_LIMIT": "100000"},
+    # PLAYGROUND_MODEL: another checkpoint to drive the page with (a shipped one, for screenshots)
+    checkpoint = os.environ.get("PLAYGROUND_MODEL") or tiny_checkpoint
+    server = ServerProcess([checkpoint], env={"XLSERVE_API_KEYS": KEY, "XLSERVE_MAX_TOKENS_LIMIT": "100000"},
                            log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
     yield server
     server.stop()
@@ -159,7 +161,8 @@ def test_a_browser_authenticates_the_websocket_with_a_subprotocol(page_server):
     url = page_server.url.replace("http://", "ws://") + "/v1/stream"
     with connect(url, subprotocols=["xlserve", subprotocol(KEY)]) as ws:
         assert ws.subprotocol == "xlserve"
-        ws.send(json.dumps({"type": "generate", "id": "g", "model": "txl-tiny", "prompt": "x", "max_tokens": 3}))
+        model = Path(os.environ.get("PLAYGROUND_MODEL") or "txl-tiny").name
+        ws.send(json.dumps({"type": "generate", "id": "g", "model": model, "prompt": "x", "max_tokens": 3}))
         frames = [json.loads(ws.recv(timeout=30)) for _ in range(4)]
         assert [f["type"] for f in frames] == ["token", "token", "token", "done"]
     for offered in (["xlserve", subprotocol("wrong")], ["xlserve"], ["xlserve", "xlserve.key.%%%"]):
