@@ -144,6 +144,33 @@ class State:
         return dataclasses.replace(first, **changes)
 
 
+@dataclass
+class FixedShapeState(State):
+    """A State whose every tensor's shape is fixed by the model's config, never by the history
+    (rings, look-back windows, running sums): rows of any histories stack with the default
+    `concat`, `take` is one index per tensor, and any batch-1 row of the same model fits any
+    place of a batch (`put_row`)."""
+
+    def take(self, rows: list[int]) -> "State":
+        """State.take in one indexing per tensor."""
+        index = torch.tensor(rows, dtype=torch.long, device=self._named_tensors()[0][1].device)
+        return self._map(lambda t: t.index_select(0, index))
+
+    def put_row(self, index: int, row: "State") -> bool:
+        """State.put_row: a batch-1 row whose tensors have this batch's names and row shapes is
+        written in place; any other row (another model's) is refused, writing nothing. Not under
+        autograd."""
+        if torch.is_grad_enabled() or row.batch_size != 1:
+            return False
+        mine, theirs = self._named_tensors(), row._named_tensors()
+        if [name for name, _ in mine] != [name for name, _ in theirs] or \
+                any(a.shape[1:] != b.shape[1:] for (_, a), (_, b) in zip(mine, theirs)):
+            return False
+        for (_, a), (_, b) in zip(mine, theirs):
+            a[index].copy_(b[0])
+        return True
+
+
 class LanguageModel(nn.Module):
     """Base class of every architecture. Subclasses set the class attributes and implement
     `init_state` and `forward`."""

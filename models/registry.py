@@ -19,6 +19,9 @@ ARCHITECTURES: dict[str, str] = {
     "adaptive-span": "xlserve.models.adaptive_span:AdaptiveSpan",
     "longformer": "xlserve.models.longformer:Longformer",
     "performer": "xlserve.models.performer:Performer",
+    "linformer": "xlserve.models.linformer:Linformer",
+    "lite-transformer": "xlserve.models.lite_transformer:LiteTransformer",
+    "conformer": "xlserve.models.conformer:Conformer",
 }
 
 

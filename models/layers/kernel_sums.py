@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xlserve.models.interface import State
+from xlserve.models.interface import FixedShapeState
 
 
 @dataclass
-class KernelSums(State):
+class KernelSums(FixedShapeState):
     """Per layer l (lists indexed by layer), batch on dimension 0:
 
     value_sums[l]: (B, H, m, D) float32, S = Σ_j phi(k_j) v_jᵀ over every position seen
@@ -67,16 +67,3 @@ class KernelSums(State):
         if tuple(self.position.shape) != (self.batch_size,):
             raise ValueError(f"state tensor 'position' has shape {tuple(self.position.shape)}, "
                              f"expected ({self.batch_size},)")
-
-    def take(self, rows: list[int]) -> "KernelSums":
-        """State.take in one indexing per tensor (every shape is fixed)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.position.device)
-        return self._map(lambda t: t.index_select(0, index))
-
-    def put_row(self, index: int, row: "KernelSums") -> bool:
-        """State.put_row: every shape is fixed, so any batch-1 row fits in place."""
-        if torch.is_grad_enabled() or row.batch_size != 1:
-            return False
-        for (_, mine), (_, theirs) in zip(self._named_tensors(), row._named_tensors()):
-            mine[index].copy_(theirs[0])
-        return True

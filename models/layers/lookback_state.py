@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xlserve.models.interface import State
+from xlserve.models.interface import FixedShapeState
 
 
 @dataclass
-class LookbackMemory(State):
+class LookbackMemory(FixedShapeState):
     """keys[l], values[l]: (B, S, H, D), layer l's keys and values of the last S positions seen,
     aligned to the end (zeros before the first token). position: (B,) int64, the number of
     positions each row has seen (its next token's absolute position)."""
@@ -71,20 +71,3 @@ class LookbackMemory(State):
                 if name != "position" and bool(tensor[unwritten].ne(0).any()):
                     raise ValueError(f"state tensor '{name}' holds values in slots before the first position "
                                      f"('position' says they were never written)")
-
-    def take(self, rows: list[int]) -> "LookbackMemory":
-        """State.take in one indexing per tensor (every row has the same shape)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.position.device)
-        return self._map(lambda t: t.index_select(0, index))
-
-    def put_row(self, index: int, row: "LookbackMemory") -> bool:
-        """State.put_row: every row has the same shape, so a batch-1 state fits any place. Not
-        under autograd."""
-        if torch.is_grad_enabled() or row.position.shape[0] != 1 or len(row.keys) != len(self.keys):
-            return False
-        pairs = list(zip([t for _, t in self._named_tensors()], [t for _, t in row._named_tensors()]))
-        if any(mine.shape[1:] != theirs.shape[1:] for mine, theirs in pairs):
-            return False
-        for mine, theirs in pairs:
-            mine[index] = theirs[0]
-        return True

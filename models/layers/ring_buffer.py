@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xlserve.models.interface import State
+from xlserve.models.interface import FixedShapeState
 
 
 def ring_positions(seen: Tensor, capacity: int) -> Tensor:
@@ -59,7 +59,7 @@ def prefix_write(prefix: Tensor, seen: Tensor, new: Tensor) -> Tensor:
 
 
 @dataclass
-class SlidingWindowMemory(State):
+class SlidingWindowMemory(FixedShapeState):
     """What a sliding-window model with global prefix positions keeps between calls, per layer
     (lists indexed by layer):
 
@@ -120,11 +120,3 @@ class SlidingWindowMemory(State):
                     if bool((tensor != 0).any(dim=-1).logical_and(unwritten[:, None, :]).any()):
                         raise ValueError(f"state tensor '{name}' holds values in slots that no position has "
                                          f"reached (position {self.position.tolist()})")
-
-    def put_row(self, index: int, row: "SlidingWindowMemory") -> bool:
-        """State.put_row: every shape is fixed, so any row fits; not under autograd."""
-        if torch.is_grad_enabled() or row.position.shape[0] != 1:
-            return False
-        for mine, theirs in zip(self._named_tensors(), row._named_tensors()):
-            mine[1][index] = theirs[1][0]
-        return True

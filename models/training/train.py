@@ -111,6 +111,28 @@ PRESETS: dict[str, dict[str, dict]] = {
                       dropout=0.0),
         "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, n_features=32, conv_width=4),
     },
+    "linformer": {
+        # L = 64: a 128-byte training segment spans two, so E and F learn in the graph (models/linformer.py)
+        "small": dict(n_layer=4, d_model=192, n_head=4, d_head=48, d_inner=768, segment_len=64, compressed_len=16,
+                      memory_segments=8, dropout=0.0),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, segment_len=16, compressed_len=4,
+                     memory_segments=4),
+    },
+    "lite-transformer": {
+        # LSRA: 2 x 96 channels (4 attention heads over a window of 128, 8 groups of a dynamic
+        # convolution of width 15); the feed-forward flattened to 2x d_model: 1.51M parameters
+        "small": dict(n_layer=6, d_model=192, n_head=4, mem_len=128, conv_type="dynamic", n_conv_head=8,
+                      conv_kernel=15, d_inner=384, dropout=0.0),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, mem_len=16, conv_type="dynamic", n_conv_head=2,
+                     conv_kernel=4, d_inner=128),
+    },
+    "conformer": {
+        # the paper's Conformer (S) width (144, 4 heads, feed-forwards 4x wide): two feed-forwards
+        # per block keep it near 2M parameters (2.05M); causal kernel 15, a window of 128 positions
+        "small": dict(n_layer=4, d_model=144, n_head=4, d_head=36, d_inner=576, kernel_size=15, mem_len=128,
+                      dropout=0.0),
+        "tiny": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, kernel_size=7, mem_len=32),
+    },
 }
 
 
