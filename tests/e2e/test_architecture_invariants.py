@@ -28,10 +28,12 @@ TXL = "txl-tiny"  # the checkpoint of the shared `tiny_checkpoint` fixture (test
 NEW = {"longformer-tiny": "longformer", "logsparse-tiny": "logsparse", "adaptive-span-tiny": "adaptive-span",
        "performer-tiny": "performer"}
 OTHERS = {"inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny": "xlnet"}
-ARCHITECTURES = {TXL: "transformer-xl", **OTHERS, **NEW}  # all eight registered architectures
+# the efficient-attention family's second half (issue 19), Reformer still to come
+SECOND = {"linformer-tiny": "linformer", "conformer-tiny": "conformer", "lite-tiny": "lite-transformer"}
+ARCHITECTURES = {TXL: "transformer-xl", **OTHERS, **NEW, **SECOND}  # every registered architecture
 STATE_KINDS = {"transformer-xl": "segment-recurrence", "xlnet": "segment-recurrence", "infinity-former": "continuous",
                "vanilla": "window", "longformer": "window", "logsparse": "window", "adaptive-span": "window",
-               "performer": "linear"}
+               "performer": "linear", "linformer": "window", "conformer": "window", "lite-transformer": "window"}
 # adaptive-span tiny (max_span 48, ramp 8): span fractions per layer and head, none of them
 # giving a whole span, so ceil matters: z = 14.4, 48 | 0, 28.8
 SPAN_FRACTIONS = [[0.3, 1.0], [0.0, 0.6]]
@@ -229,7 +231,7 @@ def test_performer_state_bytes_constant_over_1k_10k_100k(client):
     assert sizes[1_000] == sizes[10_000] == sizes[100_000] > 0, sizes
 
 
-@pytest.mark.parametrize("model", ["longformer-tiny", "logsparse-tiny"])
+@pytest.mark.parametrize("model", ["longformer-tiny", "logsparse-tiny", *SECOND])
 def test_windowed_state_bytes_equal_after_4kb_and_64kb(client, model):
     session = create(client, model)
     sizes, fed = {}, 0
@@ -269,7 +271,7 @@ def test_adaptive_span_state_follows_the_learned_spans(client, checkpoints):
 @pytest.fixture(scope="module")
 def replicas(checkpoints, tmp_path_factory, redis_url):  # noqa: F811
     logs = tmp_path_factory.mktemp("logs")
-    servers = [ServerProcess([checkpoints[n] for n in NEW], env={
+    servers = [ServerProcess([checkpoints[n] for n in {**NEW, **SECOND}], env={
         "XLSERVE_REDIS_URL": redis_url, "XLSERVE_STATE_DIR": str(tmp_path_factory.mktemp(f"state-{name}")),
     }, log_path=logs / f"redis-{name}.log") for name in "ab"]
     try:
@@ -281,7 +283,7 @@ def replicas(checkpoints, tmp_path_factory, redis_url):  # noqa: F811
             server.stop()
 
 
-@pytest.mark.parametrize("model", list(NEW))
+@pytest.mark.parametrize("model", [*NEW, *SECOND])
 def test_session_round_trips_through_redis(replicas, model):
     """A session written on replica A is read back from Redis by replica B, which has never held
     it: the state is bit-identical and the same continuation scores the same on both."""
