@@ -177,10 +177,7 @@ class AdaptiveSpan(LanguageModel):
     state_kind = "window"  # per-head windows of keys and values
     state_grows_with_context = False  # at most ceil(z) + R - 1 positions per head
     TRAINING_SPAN_MARGIN = 16  # positions kept in training beyond the layer's longest current span
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: AdaptiveSpanConfig):
         super().__init__()

@@ -94,6 +94,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel
+from xlserve.models.layers.block import forward_in_pieces
 from xlserve.models.layers.causal_conv import causal_depthwise_conv
 from xlserve.models.layers.conv_window_state import ConvWindowMemory
 from xlserve.models.layers.feedforward import FeedForward
@@ -247,10 +248,7 @@ class Conformer(LanguageModel):
     state_kind = "window"  # a window of keys and values, and of convolution inputs
     state_grows_with_context = False  # per layer K − 1 inputs and mem_len − 1 keys and values
     max_piece_positions = 256  # a longer call runs in pieces of this many positions (bounds its memory)
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: ConformerConfig):
         super().__init__()
@@ -311,17 +309,15 @@ class Conformer(LanguageModel):
                                          like=self.r_w_bias)  # per layer (>= mem_len, H, D)
         rel_keys = [table[: c.mem_len] for table in rel_keys]
         recent, keys, values = list(state.conv_inputs), list(state.keys), list(state.values)
-        position = state.position
-        pieces = []
-        for start in range(0, T, self.max_piece_positions):
-            chunk = tokens[:, start : start + self.max_piece_positions]
+
+        def piece(chunk: Tensor, position: Tensor) -> Tensor:
             x = self.drop(self.embedding(chunk))  # (B, t, d_model)
             for l, layer in enumerate(self.layers):
                 x, recent[l], keys[l], values[l] = layer(x, position, recent[l], keys[l], values[l], rel_keys[l],
                                                          self.r_w_bias[l], self.r_r_bias[l])
-            pieces.append(F.log_softmax(self.head(self.drop(x)).float(), dim=-1))  # (B, t, V)
-            position = position + chunk.shape[1]
-        log_probs = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]  # (B, T, V)
+            return F.log_softmax(self.head(self.drop(x)).float(), dim=-1)  # (B, t, V)
+
+        log_probs, position = forward_in_pieces(tokens, state.position, self.max_piece_positions, piece)
         # a state is a value: no gradient flows into the next call (truncated as in Transformer-XL);
         # the convolution inputs are copied out of the chunk they are a view of, which they would keep alive
         new_state = ConvWindowMemory(

@@ -260,10 +260,7 @@ class InfinityFormer(LanguageModel):
     state_class = ContinuousMemory
     state_kind = "continuous"
     state_grows_with_context = False  # fixed size, whatever the history
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: InfinityFormerConfig):
         super().__init__()

@@ -87,7 +87,7 @@ from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel
 from xlserve.models.layers.compressed_segments import CompressedSegmentMemory
-from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 
@@ -230,25 +230,6 @@ class SegmentCompressedAttention(nn.Module):
         return out, memory
 
 
-class LinformerLayer(nn.Module):
-    """Pre-norm segment-compressed attention + feed-forward."""
-
-    def __init__(self, config: LinformerConfig):
-        super().__init__()
-        c = config
-        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.attention = SegmentCompressedAttention(c)
-        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
-        self.drop = nn.Dropout(c.dropout)
-
-    def forward(self, x: Tensor, layout: PieceLayout, memory: tuple[Tensor, Tensor, Tensor, Tensor]):
-        attended, memory = self.attention(self.attn_norm(x), layout, memory)
-        x = x + self.drop(attended)
-        x = x + self.ff(self.ff_norm(x))
-        return x, memory
-
-
 @dataclass
 class LinformerConfig(ArchConfig):
     vocab_size: int = 256  # bytes
@@ -273,10 +254,7 @@ class Linformer(LanguageModel):
     state_kind = "window"  # the open segment's keys and values, and a bounded window of compressed segments
     state_grows_with_context = False  # per layer L + M·k slots of keys and values, whatever the history
     max_piece_positions = 256  # a longer call runs in pieces of this many positions (bounds its memory)
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: LinformerConfig):
         super().__init__()
@@ -288,7 +266,8 @@ class Linformer(LanguageModel):
         self.embedding = nn.Embedding(c.vocab_size, c.d_model)
         self.offset_embedding = nn.Parameter(torch.zeros(c.segment_len, c.d_model))  # offset i mod L
         self.drop = nn.Dropout(c.dropout)
-        self.layers = nn.ModuleList(LinformerLayer(c) for _ in range(c.n_layer))
+        self.layers = nn.ModuleList(PreNormBlock(SegmentCompressedAttention(c), c.d_model, c.d_inner, c.dropout,
+                                                 c.layer_norm_epsilon) for _ in range(c.n_layer))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.head = Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
@@ -322,10 +301,8 @@ class Linformer(LanguageModel):
         if T == 0:
             return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
         memories = list(zip(state.open_keys, state.open_values, state.slot_keys, state.slot_values))
-        position = state.position
-        pieces = []
-        for start in range(0, T, self.max_piece_positions):
-            chunk = tokens[:, start : start + self.max_piece_positions]
+
+        def piece(chunk: Tensor, position: Tensor) -> Tensor:
             t = chunk.shape[1]
             # the layout depends on positions alone: rows that all stand at one position
             # (training lanes, a batch of fresh prompts) share one
@@ -335,9 +312,9 @@ class Linformer(LanguageModel):
             x = self.drop(self.embedding(chunk) + self.offset_embedding[offsets])  # (B, t, d_model)
             for i, layer in enumerate(self.layers):
                 x, memories[i] = layer(x, layout, memories[i])
-            pieces.append(F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1))
-            position = position + t
-        log_probs = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]  # (B, T, V)
+            return F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1)  # (B, t, V)
+
+        log_probs, position = forward_in_pieces(tokens, state.position, self.max_piece_positions, piece)
         detached = [[m.detach() for m in memory] for memory in memories]  # the next call never backpropagates into this one
         new_state = CompressedSegmentMemory(
             open_keys=[m[0] for m in detached], open_values=[m[1] for m in detached],

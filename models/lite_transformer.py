@@ -41,7 +41,7 @@ Either way position i's kernel depends on u_i alone, never on later inputs, so t
 causal and needs nothing of the past but the last K − 1 values of u. Wu et al.'s DropConnect on
 the normalised kernel is `weight_dropout` (0 in the presets, as every dropout here).
 
-Block: pre-norm residual, x + LSRA(LN(x)), then x + FFN(LN(x)) (models/layers/feedforward.py).
+Block: pre-norm residual, x + LSRA(LN(x)), then x + FFN(LN(x)) (models/layers/block.py).
 
 The flattened feed-forward. A standard block widens its FFN to 4·d (Transformer-base: 512 ->
 2048 -> 512), which at small widths puts most of the block's computation in the FFN and leaves
@@ -102,7 +102,7 @@ from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel
 from xlserve.models.layers.causal_conv import causal_depthwise_conv, causal_windows
-from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.conv_window_state import ConvWindowMemory
@@ -231,25 +231,6 @@ class LongShortRangeAttention(nn.Module):
         return out, (ring_keys, ring_values, recent)
 
 
-class LiteTransformerLayer(nn.Module):
-    """Pre-norm LSRA + flattened feed-forward."""
-
-    def __init__(self, config: LiteTransformerConfig, kernel: int):
-        super().__init__()
-        c = config
-        self.lsra_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.lsra = LongShortRangeAttention(c, kernel)
-        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
-        self.drop = nn.Dropout(c.dropout)
-
-    def forward(self, x: Tensor, position: Tensor, memory: tuple[Tensor, Tensor, Tensor]):
-        mixed, memory = self.lsra(self.lsra_norm(x), position, memory)
-        x = x + self.drop(mixed)
-        x = x + self.ff(self.ff_norm(x))
-        return x, memory
-
-
 @dataclass
 class LiteTransformerConfig(ArchConfig):
     vocab_size: int = 256  # bytes
@@ -285,10 +266,7 @@ class LiteTransformer(LanguageModel):
     state_kind = "window"
     state_grows_with_context = False  # per layer M − 1 keys and values and K − 1 inputs, whatever the history
     max_piece_positions = 1024  # a longer call runs in pieces of this many positions (bounds its memory)
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: LiteTransformerConfig):
         super().__init__()
@@ -304,22 +282,23 @@ class LiteTransformer(LanguageModel):
         kernels = c.layer_kernels()
         self.embedding = nn.Embedding(c.vocab_size, c.d_model)
         self.drop = nn.Dropout(c.dropout)
-        self.layers = nn.ModuleList(LiteTransformerLayer(c, k) for k in kernels)
+        self.layers = nn.ModuleList(PreNormBlock(LongShortRangeAttention(c, k), c.d_model, c.d_inner, c.dropout,
+                                                 c.layer_norm_epsilon) for k in kernels)
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.head = Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         extra = []
         for layer in self.layers:
-            extra.append(layer.lsra.attention.distance_bias)
-            if layer.lsra.convolution.kernel_logits is not None:
-                extra.append(layer.lsra.convolution.kernel_logits)
+            extra.append(layer.attention.attention.distance_bias)
+            if layer.attention.convolution.kernel_logits is not None:
+                extra.append(layer.attention.convolution.kernel_logits)
         init_weights(self, extra)
 
     @property
     def kernels(self) -> list[int]:
         """K_l: each layer's convolution width."""
-        return [layer.lsra.convolution.kernel for layer in self.layers]
+        return [layer.attention.convolution.kernel for layer in self.layers]
 
     @property
     def receptive_field(self) -> int:
@@ -335,8 +314,8 @@ class LiteTransformer(LanguageModel):
 
     def init_state(self, batch_size: int) -> ConvWindowMemory:
         c = self.config
-        attention = self.layers[0].lsra.attention
-        return ConvWindowMemory.empty(batch_size, self.kernels, self.layers[0].lsra.convolution.d_conv,
+        attention = self.layers[0].attention.attention
+        return ConvWindowMemory.empty(batch_size, self.kernels, self.layers[0].attention.convolution.d_conv,
                                       attention.capacity, c.n_head, attention.d_head, like=self.embedding.weight)
 
     def _check_tokens(self, state: ConvWindowMemory, tokens: int) -> None:
@@ -352,16 +331,14 @@ class LiteTransformer(LanguageModel):
         if T == 0:
             return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
         memories = list(zip(state.keys, state.values, state.conv_inputs))
-        position = state.position
-        pieces = []
-        for start in range(0, T, self.max_piece_positions):
-            chunk = tokens[:, start : start + self.max_piece_positions]
+
+        def piece(chunk: Tensor, position: Tensor) -> Tensor:
             x = self.drop(self.embedding(chunk))  # (B, t, d)
             for i, layer in enumerate(self.layers):
                 x, memories[i] = layer(x, position, memories[i])
-            pieces.append(F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1))
-            position = position + chunk.shape[1]
-        log_probs = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]  # (B, T, V)
+            return F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1)  # (B, t, V)
+
+        log_probs, position = forward_in_pieces(tokens, state.position, self.max_piece_positions, piece)
         detached = [[t.detach() for t in m] for m in memories]  # the next call never backpropagates into this one
         new_state = ConvWindowMemory(keys=[m[0] for m in detached], values=[m[1] for m in detached],
                                conv_inputs=[m[2] for m in detached], position=position)

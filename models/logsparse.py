@@ -146,10 +146,7 @@ class LogSparseTransformer(LanguageModel):
     state_grows_with_context = False  # the last S positions' keys and values, whatever the history
     # chunks of at least this many queries attend through one dense masked product (see forward)
     dense_from_queries = 16
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: LogSparseConfig):
         super().__init__()

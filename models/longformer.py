@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel
-from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.ring_buffer import SlidingWindowMemory, prefix_write, ring_positions, ring_write
@@ -147,25 +147,6 @@ class SlidingWindowAttention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropatt)
 
 
-class LongformerLayer(nn.Module):
-    """Pre-norm sliding-window attention + feed-forward."""
-
-    def __init__(self, config: LongformerConfig, window: int, dilations: list[int]):
-        super().__init__()
-        c = config
-        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.attention = SlidingWindowAttention(c, window, dilations)
-        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
-        self.drop = nn.Dropout(c.dropout)
-
-    def forward(self, x: Tensor, position: Tensor, memory: tuple[Tensor, Tensor, Tensor, Tensor]):
-        attended, memory = self.attention(self.attn_norm(x), position, memory)
-        x = x + self.drop(attended)
-        x = x + self.ff(self.ff_norm(x))
-        return x, memory
-
-
 @dataclass
 class LongformerConfig(ArchConfig):
     vocab_size: int = 256  # bytes
@@ -207,10 +188,7 @@ class Longformer(LanguageModel):
     state_kind = "window"
     state_grows_with_context = False  # per layer C_l + g keys and values, whatever the history
     max_piece_positions = 1024  # a longer call runs in pieces of this many positions (bounds its memory)
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: LongformerConfig):
         super().__init__()
@@ -221,7 +199,9 @@ class Longformer(LanguageModel):
         windows, dilations = c.layer_windows(), c.layer_dilations()
         self.embedding = nn.Embedding(c.vocab_size, c.d_model)
         self.drop = nn.Dropout(c.dropout)
-        self.layers = nn.ModuleList(LongformerLayer(c, w, d) for w, d in zip(windows, dilations))
+        self.layers = nn.ModuleList(
+            PreNormBlock(SlidingWindowAttention(c, w, d), c.d_model, c.d_inner, c.dropout, c.layer_norm_epsilon)
+            for w, d in zip(windows, dilations))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.head = Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
@@ -266,16 +246,14 @@ class Longformer(LanguageModel):
         if T == 0:
             return tokens.new_zeros(B, 0, self.vocab_size, dtype=torch.float32), state
         memories = list(zip(state.ring_keys, state.ring_values, state.global_keys, state.global_values))
-        position = state.position
-        pieces = []
-        for start in range(0, T, self.max_piece_positions):
-            chunk = tokens[:, start : start + self.max_piece_positions]
+
+        def piece(chunk: Tensor, position: Tensor) -> Tensor:
             x = self.drop(self.embedding(chunk))  # (B, t, d_model)
             for i, layer in enumerate(self.layers):
                 x, memories[i] = layer(x, position, memories[i])
-            pieces.append(F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1))
-            position = position + chunk.shape[1]
-        log_probs = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]  # (B, T, V)
+            return F.log_softmax(self.head(self.drop(self.final_norm(x))).float(), dim=-1)  # (B, t, V)
+
+        log_probs, position = forward_in_pieces(tokens, state.position, self.max_piece_positions, piece)
         detached = [[t.detach() for t in m] for m in memories]  # the next call never backpropagates into this one
         new_state = SlidingWindowMemory(
             ring_keys=[m[0] for m in detached], ring_values=[m[1] for m in detached],

@@ -185,10 +185,7 @@ class Performer(LanguageModel):
     state_class = KernelSums
     state_kind = "linear"
     state_grows_with_context = False  # S, z and K − 1 inputs per layer, whatever the history
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: PerformerConfig):
         super().__init__()

@@ -134,10 +134,7 @@ class VanillaTransformer(LanguageModel):
     state_kind = "window"
     state_grows_with_context = False  # at most L bytes (+ their keys/values until the window slides)
     window_batch_positions = 8192  # serving, once the window slides: positions recomputed per batched forward
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return True  # the module docstring's chunking semantics
+    chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: VanillaConfig):
         super().__init__()

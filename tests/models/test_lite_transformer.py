@@ -27,8 +27,8 @@ def small_model(conv_type: str = "dynamic", **overrides) -> LiteTransformer:
     model = LiteTransformer(LiteTransformerConfig(**{**settings, **overrides})).eval()
     with torch.no_grad():  # biases and kernels far enough from uniform to matter in the log-probs
         for layer in model.layers:
-            layer.lsra.attention.distance_bias.normal_(std=1.0)
-            convolution = layer.lsra.convolution
+            layer.attention.attention.distance_bias.normal_(std=1.0)
+            convolution = layer.attention.convolution
             if convolution.kernel_net is not None:
                 convolution.kernel_net.weight.normal_(std=0.5)
             else:
@@ -71,14 +71,14 @@ def test_attention_branch_is_dense_attention_under_the_window_mask():
     model = small_model()
     n = 30
     text = tokens(1, n, 2)
-    attention = model.layers[0].lsra.attention
+    attention = model.layers[0].attention.attention
     outputs = []
     hook = attention.register_forward_hook(lambda m, args, out: outputs.append(out[0]))
     run_in_chunks(model, text, 1)
     hook.remove()
     served = torch.cat(outputs, dim=1)  # (1, n, 16)
     with torch.no_grad():
-        x = model.layers[0].lsra_norm(model.embedding(text))[..., :16]  # the attention half
+        x = model.layers[0].attn_norm(model.embedding(text))[..., :16]  # the attention half
         q, k, v = attention.qkv_net(x).view(1, n, 3, H, 8).permute(2, 0, 3, 1, 4)  # (1, H, n, D)
         scores = q @ k.transpose(-1, -2) / 8 ** 0.5 + reference_bias(attention, n)[None]
         expected = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n, -1)
@@ -89,7 +89,7 @@ def test_attention_gradients_reach_exactly_the_window_across_calls():
     """Query i's output depends on the inputs at i − M + 1 .. i and no other, also where they
     come from the previous call through the ring (not detached here: one module, two calls)."""
     model = small_model()
-    attention = model.layers[0].lsra.attention
+    attention = model.layers[0].attention.attention
     first, second = torch.randn(1, 9, 16, requires_grad=True), torch.randn(1, 8, 16, requires_grad=True)
     state = model.init_state(1)
     _, keys, values = attention(first, state.position, state.keys[0], state.values[0])
@@ -104,7 +104,7 @@ def test_attention_gradients_reach_exactly_the_window_across_calls():
 @pytest.mark.parametrize("conv_type", ["dynamic", "lightweight"])
 def test_convolution_is_causal_over_exactly_k_positions(conv_type):
     model = small_model(conv_type)
-    convolution = model.layers[1].lsra.convolution  # K = 5
+    convolution = model.layers[1].attention.convolution  # K = 5
     K = convolution.kernel
     x = torch.randn(1, 12, 16, requires_grad=True)
     out, _ = convolution(x, model.init_state(1).conv_inputs[1])
@@ -118,7 +118,7 @@ def test_convolution_matches_the_definition_and_its_kernels_sum_to_one(conv_type
     """Softmax-normalised kernels (positive, 1 per group over the K taps), shared by the channels
     of a group; the output is the term-by-term sum, in one call or a token at a time."""
     model = small_model(conv_type)
-    convolution = model.layers[1].lsra.convolution
+    convolution = model.layers[1].attention.convolution
     x = torch.randn(2, 10, 16)
     with torch.no_grad():
         u = torch.nn.functional.glu(convolution.glu_net(x), dim=-1)  # (2, 10, 16)
@@ -187,7 +187,7 @@ def test_a_decode_step_reads_only_the_window():
     model = small_model()
     with torch.no_grad():
         _, state = model(tokens(1, 200, 7), model.init_state(1))
-        attention = model.layers[2].lsra.attention
+        attention = model.layers[2].attention.attention
         keys, original = [], attention.attend
         attention.attend = lambda q, k, v, bias: keys.append(k.shape[2]) or original(q, k, v, bias)
         model(tokens(1, 1, 8), state)
@@ -345,8 +345,8 @@ def test_gradients_reach_both_branches(conv_type):
     log_probs, _ = model(inputs, state)
     (-log_probs.gather(-1, targets[..., None]).mean()).backward()
     for layer in model.layers:
-        convolution = layer.lsra.convolution
+        convolution = layer.attention.convolution
         kernel = convolution.kernel_net.weight if convolution.kernel_net is not None else convolution.kernel_logits
-        assert layer.lsra.attention.distance_bias.grad.abs().sum() > 0
-        assert layer.lsra.attention.qkv_net.weight.grad.abs().sum() > 0
+        assert layer.attention.attention.distance_bias.grad.abs().sum() > 0
+        assert layer.attention.attention.qkv_net.weight.grad.abs().sum() > 0
         assert kernel.grad.abs().sum() > 0 and convolution.glu_net.weight.grad.abs().sum() > 0
