@@ -41,8 +41,11 @@ def test_completion_is_openai_shaped_and_greedy_is_deterministic(client):
     choice = first["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["text"] == second["choices"][0]["text"]
-    assert first["usage"] == {"prompt_tokens": 12, "completion_tokens": 12, "total_tokens": 24,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {key: value for key, value in first["usage"].items() if key != "prompt_tokens_details"}
+    assert usage == {"prompt_tokens": 12, "completion_tokens": 12, "total_tokens": 24}
+    # the server is shared by the module's tests: what its prefix cache held before is theirs
+    assert 0 <= first["usage"]["prompt_tokens_details"]["cached_tokens"] <= 12
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 12}  # the first one's prompt
 
 
 def test_seed_reproduces_sampling(client):

@@ -141,6 +141,19 @@ def test_the_playground_generates_reads_a_document_and_moves_sessions(page_serve
     assert text("session-tokens") == tokens
     browser.save_screenshot(str(shots / "06-imported.png"))
 
+    # fork: a new session with the same history; delete: gone, on the server too
+    imported_id = text("session-id")
+    find("fork-session").click()
+    wait_for(lambda: text("session-id") not in ("–", imported_id), what="the fork")
+    forked_id = text("session-id")
+    assert text("session-tokens") == tokens
+    find("delete-session").click()
+    wait_for(lambda: text("session-id") == "–", what="the delete")
+    with page_server.client(headers={"Authorization": f"Bearer {KEY}"}) as http:
+        assert http.get(f"/v1/sessions/{forked_id}").status_code == 404
+        assert http.get(f"/v1/sessions/{imported_id}").json()["tokens"] == int(tokens)
+    browser.save_screenshot(str(shots / "07-forked-and-deleted.png"))
+
     # everything the page loaded came from the server that served it
     resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert resources and all(name.startswith(page_server.url + "/") for name in resources), resources

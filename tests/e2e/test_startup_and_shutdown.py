@@ -207,6 +207,14 @@ def test_a_wrong_redis_password_stops_the_server_without_showing_it(tiny_checkpo
 # -- shutdown -----------------------------------------------------------------------------------
 
 
+def running_requests(client) -> float:
+    """xlserve_requests_running of the served model, from /metrics."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith('xlserve_requests_running{model="txl-tiny"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_sigterm_after_the_grace_period_ends_running_streams_with_server_shutting_down(tiny_checkpoint):
     """Grace 0.5 s, generations far longer: the SSE stream gets an error event then [DONE], the
     websocket an error frame, a plain completion a 503, all `server_shutting_down`; the server
@@ -229,6 +237,11 @@ def test_sigterm_after_the_grace_period_ends_running_streams_with_server_shuttin
                 assert json.loads(ws.recv(timeout=60))["type"] == "token"
                 for stream in streams:
                     assert stream.started.wait(60) and stream.events, "a stream did not start"
+                # the plain completion shows no progress of its own: wait until the engine runs all four
+                deadline = time.monotonic() + 60
+                while running_requests(client) < 4:
+                    assert time.monotonic() < deadline, "the plain completion never started"
+                    time.sleep(0.05)
                 server.process.send_signal(signal.SIGTERM)
                 frame = json.loads(ws.recv(timeout=60))
                 while frame["type"] == "token":
