@@ -42,6 +42,7 @@ everything with `ShuttingDown` while running requests finish.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import deque
@@ -119,8 +120,12 @@ class Engine:
         """The EngineRequest fields of a request without a session: it offers its states under
         `scope` and starts from the longest cached prefix of `prompt` (any thread). No lookup
         when the request wants alternatives for its echoed prompt tokens (an entry keeps only
-        each token's own log-prob) or the model's results depend on chunking and the cache
-        holds no state at a chunk boundary of this prompt (only those are ever offered)."""
+        each token's own log-prob). A model whose results depend on chunking only ever has
+        entries where this engine's prefill chunks end (see _prefill_batch)."""
+        if not self.model.chunking_invariant:
+            # its entries hold only where this prefill chunk size breaks a prompt: a replica with
+            # another size must not find them
+            scope = hashlib.blake2b(scope + b"prefill_chunk=%d" % self.prefill_chunk, digest_size=16).digest()
         fields = {"start": self.fresh_data(), "prefix_scope": scope}
         if self.prefix_cache is None or echo_alternatives:
             return fields
