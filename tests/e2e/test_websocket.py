@@ -186,3 +186,17 @@ def test_disconnect_cancels_and_frees_the_batch_slot(server, client):
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                     "session_id": session})
     assert response.status_code == 200  # the session's lease was released
+
+
+def test_a_connection_routed_by_x_session_id_serves_that_session_only(server, client):
+    """A proxy routed the connection by its X-Session-Id header: frames about another session,
+    or about none, get an error frame (session_id_mismatch) and the connection stays usable."""
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    with connect(ws_url(server), additional_headers={"X-Session-Id": session}) as ws:
+        send(ws, type="generate", id="other", model=MODEL, prompt="x", max_tokens=2)
+        _, frame = answer(ws)
+        assert frame["type"] == "error" and frame["error"]["code"] == "session_id_mismatch", frame
+        assert frame["error"]["param"] == "X-Session-Id"
+        send(ws, type="append", id="mine", session_id=session, text="import os\n")
+        _, done = answer(ws)
+        assert done["type"] == "done" and done["session_id"] == session

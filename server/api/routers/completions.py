@@ -21,8 +21,10 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 from xlserve.server.api.protocol import CompletionRequest
 from xlserve.server.api.serving import (
     IDEMPOTENCY_KEY_HEADER,
+    SESSION_ID_HEADER,
     Completion,
     app_state,
+    check_session_header,
     complete,
     owner_of,
     replayed_headers,
@@ -35,7 +37,9 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, response: Response,
                             owner: str | None = Depends(owner_of),
-                            idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
+                            idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER),
+                            session_header: str | None = Header(None, alias=SESSION_ID_HEADER)):
+    check_session_header(session_header, body.session_id)
     # with session_id, an Idempotency-Key makes the request apply at most once (routers/sessions.py)
     completion = Completion(app_state(request), body, owner, idempotency_key)
     if body.stream:

@@ -49,9 +49,12 @@ from xlserve.server.api.serving import (
     read_body,
     replace_session_state,
     replayed_headers,
+    session_header_matches_path,
 )
 
 router = APIRouter()
+# a route about one session checks that an X-Session-Id header (what a proxy routed it by) names it
+PER_SESSION = [Depends(session_header_matches_path)]
 
 
 @router.post("/v1/sessions")
@@ -80,13 +83,13 @@ async def list_own_sessions(request: Request, limit: int = Query(20, ge=1, le=10
     return await list_sessions(app_state(request), owner, limit, after)
 
 
-@router.get("/v1/sessions/{session_id}")
+@router.get("/v1/sessions/{session_id}", dependencies=PER_SESSION)
 async def get_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     info = await app_state(request).engine.session_call("info", session_id=session_id, owner=owner)
     return info.public()
 
 
-@router.delete("/v1/sessions/{session_id}")
+@router.delete("/v1/sessions/{session_id}", dependencies=PER_SESSION)
 async def delete_session(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                          idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     body, replayed = await delete_one(app_state(request), owner, session_id, idempotency_key)
@@ -94,7 +97,7 @@ async def delete_session(session_id: str, request: Request, response: Response, 
     return body
 
 
-@router.post("/v1/sessions/{session_id}/fork")
+@router.post("/v1/sessions/{session_id}/fork", dependencies=PER_SESSION)
 async def fork_session(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     body, replayed = await fork_one(app_state(request), owner, session_id, idempotency_key)
@@ -102,7 +105,7 @@ async def fork_session(session_id: str, request: Request, response: Response, ow
     return body
 
 
-@router.get("/v1/sessions/{session_id}/state")
+@router.get("/v1/sessions/{session_id}/state", dependencies=PER_SESSION)
 async def export_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     info, blob = await app_state(request).engine.export(session_id, owner)
     return Response(content=blob, media_type="application/octet-stream", headers={
@@ -111,7 +114,7 @@ async def export_state(session_id: str, request: Request, owner: str | None = De
     })
 
 
-@router.put("/v1/sessions/{session_id}/state")
+@router.put("/v1/sessions/{session_id}/state", dependencies=PER_SESSION)
 async def import_state(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     state = app_state(request)
@@ -123,7 +126,7 @@ async def import_state(session_id: str, request: Request, response: Response, ow
     return body
 
 
-@router.post("/v1/sessions/{session_id}/append")
+@router.post("/v1/sessions/{session_id}/append", dependencies=PER_SESSION)
 async def append(session_id: str, body: AppendRequest, request: Request, response: Response,
                  owner: str | None = Depends(owner_of),
                  idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):

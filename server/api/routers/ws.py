@@ -19,6 +19,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from xlserve.server.api.protocol import CancelFrame, GenerateFrame, frame_id, parse_frame
 from xlserve.server.api.serving import (
+    SESSION_ID_HEADER,
     WEBSOCKET_SUBPROTOCOL,
     APIError,
     AppState,
@@ -26,6 +27,7 @@ from xlserve.server.api.serving import (
     Conflict,
     app_state,
     append_frames,
+    check_session_header,
     error_frame,
     generation_frames,
     offered_subprotocols,
@@ -49,6 +51,8 @@ class _Connection:
 
     def __init__(self, websocket: WebSocket, state: AppState, owner: str | None):
         self.websocket, self.state, self.owner = websocket, state, owner
+        # a connection routed by X-Session-Id (deploy/nginx/) serves that session's frames only
+        self.session_header = websocket.headers.get(SESSION_ID_HEADER.lower())
         self.send_lock = asyncio.Lock()
         self.current: _RunningRequest | None = None
 
@@ -89,6 +93,7 @@ class _Connection:
             if self.current is not None:
                 raise Conflict(f"request {self.current.id!r} is still running; send one request at a time "
                                "(or cancel it first)", code="request_in_progress")
+            check_session_header(self.session_header, frame.session_id)
             request = _RunningRequest(frame.id)
             if isinstance(frame, GenerateFrame):
                 # validated, holding its session and queued before this returns: a refusal is answered here

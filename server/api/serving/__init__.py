@@ -41,7 +41,14 @@ from xlserve.server.api.serving.completions import (
     complete,
     stream_completion,
 )
-from xlserve.server.api.serving.requests import IDEMPOTENCY_KEY_HEADER, read_body, replayed_headers
+from xlserve.server.api.serving.requests import (
+    IDEMPOTENCY_KEY_HEADER,
+    SESSION_ID_HEADER,
+    check_session_header,
+    read_body,
+    replayed_headers,
+    session_header_matches_path,
+)
 from xlserve.server.api.serving.sessions import (
     Cancellation,
     append_to_session,
@@ -81,5 +88,8 @@ __all__ = [
     "stream_completion",
     "tokenize",
     "WEBSOCKET_SUBPROTOCOL",
+    "SESSION_ID_HEADER",
+    "check_session_header",
+    "session_header_matches_path",
     "offered_subprotocols",
 ]

@@ -7,7 +7,7 @@ import hashlib
 import json
 import re
 
-from fastapi import Request
+from fastapi import Header, Request
 
 from xlserve.server.api.deps import AppState, ServedModel, app_state
 from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, as_api_error
@@ -80,6 +80,28 @@ async def read_body(request: Request) -> bytes:
             raise RequestTooLarge(f"request body is over {limit} bytes (XLSERVE_MAX_REQUEST_BODY_BYTES)")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+# A proxy routes a session's requests to the replica that holds it warm by this header
+# (deploy/nginx/, the ingress's upstream-hash-by); the server checks that it names the session
+# the request is about, so a client cannot be routed by one session and act on another.
+SESSION_ID_HEADER = "X-Session-Id"
+
+
+def check_session_header(header: str | None, session_id: str | None) -> None:
+    """400 when an X-Session-Id header names another session than the request's body or path
+    (or names one for a request about none)."""
+    if header is not None and header != session_id:
+        about = f"session '{session_id}'" if session_id else "no session"
+        raise InvalidRequest(f"the {SESSION_ID_HEADER} header names session '{header}' but the request is about "
+                             f"{about}; send the same id, or leave the header out", param=SESSION_ID_HEADER,
+                             code="session_id_mismatch")
+
+
+def session_header_matches_path(session_id: str,
+                                header: str | None = Header(None, alias=SESSION_ID_HEADER)) -> None:
+    """A dependency of the /v1/sessions/{session_id}... routes: check_session_header."""
+    check_session_header(header, session_id)
 
 
 def error_for(error: BaseException) -> APIError:

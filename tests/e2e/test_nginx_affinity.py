@@ -1,0 +1,135 @@
+"""Session affinity through a real proxy: Debian's nginx with deploy/nginx/xlserve.conf in front
+of two xlserve replicas sharing one real redis-server. Every request about a session lands on
+one replica (counted by each replica's own prompt-token metric); after that replica is killed
+with SIGKILL, the session goes on on the other one from its last committed state, with the
+log-probabilities a session that never moved gets. A header naming another session than the
+path or body is refused with 400."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server_process import ServerProcess, free_port
+from tests.e2e.session_tools import MODEL, document
+from tests.redis_server import redis_url  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: apt-get install nginx-light; "
+                                                      "`make test` does it)")
+
+
+def nginx_config(directory: Path, listen: int, replicas: list[int]) -> Path:
+    """The shipped config with this test's replicas and port, inside a main config of its own."""
+    shipped = (REPO / "deploy/nginx/xlserve.conf").read_text()
+    servers = "".join(f"    server 127.0.0.1:{port} max_fails=1 fail_timeout=5s;\n" for port in replicas)
+    lines = [line for line in shipped.splitlines(keepends=True) if "# REPLICAS" not in line]
+    site = "".join(lines)
+    site = re.sub(r"(upstream xlserve_\w+ \{\n(?:    \w+[^\n]*\n))", lambda m: m.group(1) + servers, site)
+    site = site.replace("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{listen};")
+    (directory / "xlserve.conf").write_text(site)
+    main = directory / "nginx.conf"
+    main.write_text(f"""user root root;
+worker_processes 1;
+pid {directory}/nginx.pid;
+error_log {directory}/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    access_log {directory}/access.log;
+    client_body_temp_path {directory}/body;
+    proxy_temp_path {directory}/proxy;
+    fastcgi_temp_path {directory}/fastcgi;
+    uwsgi_temp_path {directory}/uwsgi;
+    scgi_temp_path {directory}/scgi;
+    include {directory}/xlserve.conf;
+}}
+""")
+    return main
+
+
+def prompt_tokens(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    match = re.search(r'^xlserve_prompt_tokens_total\{model="%s"\} ([0-9.e+]+)$' % re.escape(MODEL), text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture
+def fleet(tiny_checkpoint, tmp_path, redis_url):  # noqa: F811
+    ports = [free_port(), free_port()]
+    replicas = [ServerProcess([tiny_checkpoint], port=port, env={
+        "XLSERVE_REDIS_URL": redis_url, "XLSERVE_STATE_DIR": str(tmp_path / f"state-{port}")}).start()
+        for port in ports]
+    listen = free_port()
+    proxy_dir = tmp_path / "nginx"
+    proxy_dir.mkdir()
+    config = nginx_config(proxy_dir, listen, ports)
+    proxy = subprocess.Popen([NGINX, "-c", str(config), "-p", str(proxy_dir), "-g", "daemon off;"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{listen}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proxy.poll() is None, proxy.stderr.read().decode()
+        assert time.monotonic() < deadline, "nginx did not come up"
+        time.sleep(0.1)
+    try:
+        yield f"http://127.0.0.1:{listen}", replicas
+    finally:
+        proxy.send_signal(signal.SIGQUIT)
+        try:
+            proxy.wait(10)
+        except subprocess.TimeoutExpired:
+            proxy.kill()
+        for replica in replicas:
+            replica.stop(signal.SIGKILL)
+
+
+def test_a_session_stays_on_one_replica_and_survives_losing_it(fleet):
+    url, replicas = fleet
+    with httpx.Client(base_url=url, timeout=60) as proxy:
+        reference = proxy.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+        expected = [proxy.post(f"/v1/sessions/{reference}/append", headers={"X-Session-Id": reference},
+                               json={"text": document(i), "score": True}).json()["logprob"] for i in range(3)]
+
+        session = proxy.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+        header = {"X-Session-Id": session}
+        before = [prompt_tokens(r.port) for r in replicas]
+        got = [proxy.post(f"/v1/sessions/{session}/append", headers=header,
+                          json={"text": document(i), "score": True}).json()["logprob"] for i in range(2)]
+        for _ in range(3):  # completions name the session in the body and in the header
+            answer = proxy.post("/v1/completions", headers=header, json={
+                "model": MODEL, "prompt": "", "max_tokens": 0, "session_id": session})
+            assert answer.status_code == 200, answer.text
+            assert proxy.get(f"/v1/sessions/{session}").status_code == 200  # routed by the path alone
+        after = [prompt_tokens(r.port) for r in replicas]
+        grew = [b - a for a, b in zip(before, after)]
+        assert got == expected[:2]
+        assert sorted(grew)[0] == 0 and sorted(grew)[1] > 0, grew  # one replica did all of the session's work
+        warm = replicas[grew.index(max(grew))]
+
+        # a header that names another session than the path or the body: refused, nothing done
+        wrong = {"X-Session-Id": reference}
+        refused = proxy.post(f"/v1/sessions/{session}/append", headers=wrong, json={"text": "x"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "session_id_mismatch"
+        refused = proxy.post("/v1/completions", headers=wrong, json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                                    "session_id": session})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Session-Id"
+
+        warm.process.send_signal(signal.SIGKILL)  # the replica holding the session warm is gone
+        warm.process.wait(30)
+        moved = proxy.post(f"/v1/sessions/{session}/append", headers=header,
+                           json={"text": document(2), "score": True})
+        assert moved.status_code == 200, moved.text
+        assert moved.json()["logprob"] == expected[2]  # its last committed state, exactly
+        assert proxy.get(f"/v1/sessions/{session}").json()["version"] == 6  # 3 appends, 3 completions
