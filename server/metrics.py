@@ -16,6 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
+# Batch sizes are whole numbers: each bound n has a bound just below it, so that a quantile
+# falling among steps of exactly n rows reads n (histogram_quantile interpolates inside the
+# (n - 0.001, n] bucket), not a value between n and the bound below (0.5 for steps of one row).
+BATCH_SIZE_BUCKETS = tuple(bound for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) for bound in (n - 0.001, n))
 
 
 API_FAMILIES = frozenset({
@@ -60,8 +64,7 @@ class Metrics:
             "xlserve_requests_waiting", "Requests queued for a place in the running batch", ["model"], registry=r
         )
         self.batch_size = Histogram(
-            "xlserve_batch_size", "Rows in each batched decode step", ["model"],
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+            "xlserve_batch_size", "Rows in each batched decode step", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=r,
         )
         self.e2e_latency = Histogram(
             "xlserve_e2e_request_latency_seconds", "Request latency, arrival to last token", ["model"],

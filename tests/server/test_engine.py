@@ -638,3 +638,40 @@ def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp
         for model in loaded.values():
             model.engine.close()
         torch.set_num_threads(before)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus's histogram_quantile over cumulative (le, count) pairs (the lowest bucket's
+    lower bound is 0), as the dashboard's batch-size panels compute it."""
+    total = buckets[-1][1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def test_batch_size_quantiles_read_the_true_sizes():
+    """Steps of one row read p50 = p99 = 1 (not the 0.5 / 0.99 a bucket starting at 0 gives);
+    steps of 3 and 16 rows read between and at their sizes."""
+    from xlserve.server.metrics import BATCH_SIZE_BUCKETS
+
+    metrics = Metrics()
+    for _ in range(50):
+        metrics.batch_size.labels("one").observe(1)
+    for size in [16] * 60 + [3] * 40:
+        metrics.batch_size.labels("mixed").observe(size)
+
+    def buckets(model):  # the exposition's cumulative (le, count) pairs, +Inf left out
+        samples = [sample for family in metrics.registry.collect() for sample in family.samples
+                   if sample.name == "xlserve_batch_size_bucket" and sample.labels["model"] == model]
+        pairs = sorted((float(s.labels["le"]), s.value) for s in samples if s.labels["le"] != "+Inf")
+        assert [bound for bound, _ in pairs] == list(BATCH_SIZE_BUCKETS)
+        return pairs
+
+    assert histogram_quantile(0.5, buckets("one")) == pytest.approx(1, abs=1e-3)
+    assert histogram_quantile(0.99, buckets("one")) == pytest.approx(1, abs=1e-3)
+    assert histogram_quantile(0.99, buckets("mixed")) == pytest.approx(16, abs=1e-3)
+    assert 2 < histogram_quantile(0.2, buckets("mixed")) <= 4
