@@ -34,7 +34,7 @@ from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.api.admission import OPEN_PATHS, AdmissionMiddleware
 from xlserve.server.api.chat import load_chat_template
 from xlserve.server.api.deps import AppState, ServedModel
-from xlserve.server.api.errors import as_api_error, install_error_handlers
+from xlserve.server.api.errors import ERROR_TYPES, as_api_error, install_error_handlers
 from xlserve.server.api.routers import chat, completions, health, models, playground, sessions, tokenize, ws
 from xlserve.server.api.routers.playground import PAGE_PATHS
 from xlserve.server.api.serving import error_frame
@@ -216,6 +216,7 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
         def ready(engine: EngineClient, restarted: bool) -> None:
             if not restarted:
                 state.models = served_models(engine)
+                state.metrics.declare_api_series(list(state.models), ERROR_TYPES)
                 log_startup(state, engine, time.monotonic() - started)
             state.ready = not state.draining
 

@@ -116,6 +116,33 @@ class Metrics:
             ["model", "tier"], buckets=(0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS, registry=r,
         )
 
+    # -- series that exist before their first event ----------------------------------------------
+    # A counter appears at its first increment, so without these the first error, refusal or
+    # eviction reads as a rate of 0 (there was no earlier sample) and alerts on it cannot fire.
+
+    FINISH_REASONS = ("stop", "length", "cancelled")
+
+    def declare_engine_series(self, models: list[str], tiers: list[str]) -> None:
+        """The engine process's counters at 0 for every model, finish reason and cache tier."""
+        for model in models:
+            for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
+                            self.prefix_cache_hits, self.prefix_cache_evictions):
+                counter.labels(model)
+            for reason in self.FINISH_REASONS:
+                self.requests.labels(model, reason)
+            for tier in tiers:
+                for counter in (self.session_cache_hits, self.session_cache_misses, self.session_promotions,
+                                self.session_evictions, self.session_refusals):
+                    counter.labels(model, tier)
+
+    def declare_api_series(self, models: list[str], error_types: list[str]) -> None:
+        """The API process's counters at 0 for every model and error type."""
+        for model in models:
+            self.memory_reused_tokens.labels(model)
+            self.engine_restarts.labels(model)
+            for error_type in error_types:
+                self.request_errors.labels(model, error_type)
+
     def render(self, engine_side: bool | None = None) -> bytes:
         """The exposition: every family (None), the engine process's half (True) or the API
         process's half (False)."""

@@ -199,6 +199,11 @@ ERROR_KINDS: dict[type[BaseException], ErrorKind] = {
 }
 
 
+# every `type` an error body can carry (the API errors' own, and those ERROR_KINDS maps to)
+ERROR_TYPES = sorted({cls.type for cls in (APIError, *APIError.__subclasses__())}
+                     | {kind.type for kind in ERROR_KINDS.values()})
+
+
 def as_api_error(error: BaseException) -> APIError:
     """The APIError a client sees for any exception: API errors as they are, engine and cache
     errors through ERROR_KINDS, anything else a plain 500 that names only the class."""

@@ -190,6 +190,7 @@ class EngineProcess:
         self.prefix_cache = PrefixCache.from_settings(settings, self.metrics)
         self.models = load_models(settings, self.metrics, sink=self._send_events, prefix_cache=self.prefix_cache)
         self.sessions_found = self.cache.open({name: loaded.model for name, loaded in self.models.items()})
+        self.metrics.declare_engine_series(list(self.models), list(self.cache.manager.tiers))
         self.lock = threading.Lock()  # guards the three tables below
         self.leases: dict[int, Lease] = {}
         self.results: dict[int, SessionData] = {}  # lease -> the state its request ended with, until commit
