@@ -71,26 +71,28 @@ def fleet(tiny_checkpoint, tmp_path, redis_url):  # noqa: F811
     proxy_dir = tmp_path / "nginx"
     proxy_dir.mkdir()
     config = nginx_config(proxy_dir, listen, ports)
-    proxy = subprocess.Popen([NGINX, "-c", str(config), "-p", str(proxy_dir), "-g", "daemon off;"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{listen}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proxy.poll() is None, proxy.stderr.read().decode()
-        assert time.monotonic() < deadline, "nginx did not come up"
-        time.sleep(0.1)
-    try:
+    proxy = None
+    try:  # the replicas stop even when nginx does not come up
+        proxy = subprocess.Popen([NGINX, "-c", str(config), "-p", str(proxy_dir), "-g", "daemon off;"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{listen}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proxy.poll() is None, proxy.stderr.read().decode()
+            assert time.monotonic() < deadline, "nginx did not come up"
+            time.sleep(0.1)
         yield f"http://127.0.0.1:{listen}", replicas
     finally:
-        proxy.send_signal(signal.SIGQUIT)
-        try:
-            proxy.wait(10)
-        except subprocess.TimeoutExpired:
-            proxy.kill()
+        if proxy is not None and proxy.poll() is None:
+            proxy.send_signal(signal.SIGQUIT)
+            try:
+                proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                proxy.kill()
         for replica in replicas:
             replica.stop(signal.SIGKILL)
 
