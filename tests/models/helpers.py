@@ -18,3 +18,14 @@ def run_in_chunks(model, ids, chunk, state=None):
             log_probs, state = model(ids[:, start : start + chunk], state)
             outputs.append(log_probs)
     return torch.cat(outputs, dim=1), state
+
+
+def assert_same_as_one_pass(model, ids, chunk, atol=1e-5):
+    """Feeding `ids` in calls of `chunk` tokens gives the log-probs and the state (every tensor,
+    `position` exactly) of one call over all of them, within `atol`."""
+    whole, whole_state = run_in_chunks(model, ids, ids.shape[1])
+    served, state = run_in_chunks(model, ids, chunk)
+    assert (served - whole).abs().max().item() < atol
+    assert torch.equal(state.position, whole_state.position)
+    for (name, a), (_, b) in zip(state._named_tensors(), whole_state._named_tensors()):
+        assert (a - b).abs().max().item() < atol, name

@@ -14,7 +14,7 @@ from xlserve.models.layers.compressed_segments import CompressedSegmentMemory
 from xlserve.models.linformer import Linformer, LinformerConfig, pooling_projection
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import assert_same_as_one_pass, run_in_chunks, tokens
 
 L, K, M = 8, 3, 3  # segment length, compressed slots per segment, compressed segments kept
 H, D = 2, 8
@@ -157,12 +157,7 @@ def test_a_decode_step_attends_to_the_bounded_memory_only(monkeypatch):
 def test_any_chunking_gives_the_one_pass_log_probs(chunk):
     model = small_model()
     text = tokens(2, 300, 7)  # 37 segments: the memory full and shifting many times
-    whole, whole_state = run_in_chunks(model, text, 300)
-    served, state = run_in_chunks(model, text, chunk)
-    assert (served - whole).abs().max().item() < 1e-5
-    assert torch.equal(state.position, whole_state.position)
-    for a, b in zip(state._named_tensors(), whole_state._named_tensors()):
-        assert (a[1] - b[1]).abs().max().item() < 1e-5, a[0]
+    assert_same_as_one_pass(model, text, chunk)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])

@@ -13,7 +13,7 @@ from xlserve.models.layers.conv_window_state import ConvWindowMemory
 from xlserve.models.lite_transformer import LiteTransformer, LiteTransformerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import assert_same_as_one_pass, run_in_chunks, tokens
 
 M = 6  # mem_len: a query sees itself and the 5 positions before it
 KERNELS = [3, 5, 2]  # a convolution width per layer
@@ -166,12 +166,7 @@ def test_nothing_beyond_the_receptive_field_is_seen():
 def test_any_chunking_gives_the_one_pass_log_probs(chunk, conv_type):
     model = small_model(conv_type)
     text = tokens(2, 150, 5)  # 25 times mem_len
-    whole, whole_state = run_in_chunks(model, text, 150)
-    served, state = run_in_chunks(model, text, chunk)
-    assert (served - whole).abs().max().item() < 1e-5
-    assert torch.equal(state.position, whole_state.position)
-    for a, b in zip(state._named_tensors(), whole_state._named_tensors()):
-        assert (a[1] - b[1]).abs().max().item() < 1e-5, a[0]
+    assert_same_as_one_pass(model, text, chunk)
 
 
 def test_long_calls_run_in_pieces_with_the_same_result():

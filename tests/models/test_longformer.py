@@ -12,7 +12,7 @@ from xlserve.models.layers.ring_buffer import SlidingWindowMemory, ring_position
 from xlserve.models.longformer import Longformer, LongformerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import assert_same_as_one_pass, run_in_chunks, tokens
 
 WINDOWS = [4, 3, 5]
 DILATIONS = [[1, 2, 3], [1, 1, 1], [2, 1, 4]]  # heads of different dilations, as the paper's char LM
@@ -143,12 +143,7 @@ def test_global_positions_stay_visible_far_away():
 def test_any_chunking_gives_the_one_pass_log_probs(chunk):
     model = small_model()
     text = tokens(2, 300, 5)
-    whole, whole_state = run_in_chunks(model, text, 300)
-    served, state = run_in_chunks(model, text, chunk)
-    assert (served - whole).abs().max().item() < 1e-5
-    assert torch.equal(state.position, whole_state.position)
-    for a, b in zip(state._named_tensors(), whole_state._named_tensors()):
-        assert (a[1] - b[1]).abs().max().item() < 1e-5, a[0]
+    assert_same_as_one_pass(model, text, chunk)
 
 
 def test_long_calls_run_in_pieces_with_the_same_result():
