@@ -3,7 +3,8 @@ from dataclasses import replace
 import torch
 
 from xlserve.models.checkpoint import load_checkpoint
-from xlserve.models.training.data import is_held_out, stdlib_corpus
+from xlserve.models.training import train as train_module
+from xlserve.models.training.data import Corpus, SegmentStream, is_held_out, stdlib_corpus
 from xlserve.models.training.evaluate import bits_per_byte
 from xlserve.models.training.train import STANDARD_RECIPE, train
 
@@ -28,3 +29,75 @@ def test_training_resumes_where_it_stopped(tmp_path):
     loaded = load_checkpoint(tmp_path / "a")
     docs = [b"def f(x):\n    return x + 1\n" * 4]
     assert abs(bits_per_byte(loaded, docs) - bits_per_byte(straight, docs)) < 1e-5
+
+
+def _small_corpus(root, sizes):
+    """Files whose bytes say which file and which offset they are: file i holds bytes
+    (i * 7 + offset) % 256, so any window read back names its file and position."""
+    root.mkdir()
+    names = []
+    for i, size in enumerate(sizes):
+        name = f"file{i:02d}.py"
+        (root / name).write_bytes(bytes((i * 7 + offset) % 256 for offset in range(size)))
+        names.append(name)
+    return Corpus(root=root, train=names, held_out=[])
+
+
+def test_every_lane_starts_each_file_at_a_segment_from_an_empty_state(tmp_path):
+    segment_len, sizes = 8, [3, 9, 17, 40, 25, 8, 64, 33, 12, 50, 19, 70]
+    corpus = _small_corpus(tmp_path / "corpus", sizes)
+    stream = SegmentStream(corpus, batch_size=3, segment_len=segment_len, seed=1)
+    files = {corpus.read(name) for name in corpus.train}
+    seen = []
+    for lane in range(3):
+        current = None
+        for step in range(stream.steps_per_epoch):
+            inputs, targets, starts = stream.segment(step)
+            window = bytes(inputs[lane].tolist()) + bytes(targets[lane, -1:].tolist())
+            assert bytes(inputs[lane, 1:].tolist()) == bytes(targets[lane, :-1].tolist())
+            if starts[lane]:
+                # a file's first segment, and the lane's state is emptied before it
+                if current is not None:
+                    seen.append(current)
+                current = window
+            else:
+                assert current[-1:] == window[:1], "segments of one file overlap by one byte"
+                current += window[1:]
+            # everything the lane has read since its last start is a prefix of one file
+            assert any(f.startswith(current) for f in files)
+        seen.append(current)
+    # no file is read twice; files too short for one segment are not read
+    assert len(seen) == len(set(seen))
+    assert not any(len(f) <= segment_len for f in seen)
+    assert all(stream.segment(0)[2])
+    # the old layout runs one state across files: it starts a file only at step 0
+    old = SegmentStream(corpus, batch_size=3, segment_len=segment_len, seed=1, layout="concatenated")
+    assert all(old.segment(0)[2]) and not any(old.segment(1)[2])
+
+
+def test_the_training_loop_gives_an_empty_state_to_lanes_that_start_a_file(tmp_path, monkeypatch):
+    corpus = _small_corpus(tmp_path / "corpus", [40, 70, 33, 100, 45, 90, 38, 60])
+    corpus.held_out = corpus.train[:1]
+    monkeypatch.setattr(train_module, "stdlib_corpus", lambda: corpus)
+    seen, standard_loss = [], train_module.training_loss
+
+    def recording_loss(model, inputs, targets, state, fraction_done):
+        seen.append(state.clone())
+        return standard_loss(model, inputs, targets, state, fraction_done)
+
+    monkeypatch.setattr(train_module, "training_loss", recording_loss)
+    recipe = replace(STANDARD_RECIPE, train_bytes=2 * 16 * 12, batch_size=2, segment_len=16, eval_every=1000,
+                     save_every=1000, quick_eval_bytes=40, warmup_steps=2)
+    model = train("performer", "tiny", tmp_path / "out", recipe, log=lambda s: None)
+    stream = SegmentStream(corpus, 2, 16, recipe.seed)
+    assert len(seen) == recipe.total_steps <= stream.steps_per_epoch
+    empty = model.init_state(1).to_tensors()
+    checked = {True: 0, False: 0}
+    for step, state in enumerate(seen):
+        starts = stream.segment(step)[2]
+        for lane, row in enumerate(state.split()):
+            is_empty = all(torch.equal(row.to_tensors()[n], t) for n, t in empty.items())
+            # a lane that starts a file gets an empty state; any other carries its file's memory
+            assert is_empty == bool(starts[lane]), (step, lane)
+            checked[bool(starts[lane])] += 1
+    assert checked[True] > 2 and checked[False] > 2  # a restart after step 0 and carried memory were both seen
