@@ -207,7 +207,10 @@ def _training_lines(model: LanguageModel, training: dict) -> list[str]:
         f"peak learning rate {recipe['learning_rate']}, {recipe['warmup_steps']} warm-up steps, cosine decay to "
         f"{recipe['final_lr_fraction']:.0%}, gradient clipping {recipe['grad_clip']}; "
         + ("independent windows (no memory between them)." if model.max_context is not None
-           else "memory carried across consecutive segments of each lane."),
+           else "memory carried across consecutive segments of each lane, "
+           + ("emptied where a lane starts a file (each file begins at a segment boundary)."
+              if recipe.get("lane_layout", "concatenated") == "files"
+              else "files joined end to end in each lane and the memory emptied only at the first step.")),
         f"- Preset `{training['preset']}`: `{json.dumps(training['config'])}`",
         f"- Wall time: {training['elapsed_s'] / 60:.1f} minutes on {machine_summary()}.",
         "",

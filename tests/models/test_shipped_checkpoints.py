@@ -128,6 +128,10 @@ def test_the_card_describes_the_checkpoint(directory):
     assert f"({training['step']:,} steps)" in card
     assert f"{recipe['train_bytes']:,} training bytes, {recipe['batch_size']} lanes x {recipe['segment_len']} bytes" in card
     assert training["evaluations"][-1]["step"] == training["step"]
+    if "Recipe:" in card and "independent windows" not in card:  # a model with memory: how its lanes were laid out
+        layout = recipe.get("lane_layout", "concatenated")
+        assert ("emptied where a lane starts a file" in card) == (layout == "files")
+        assert ("files joined end to end" in card) == (layout == "concatenated")
     quick = card_table(card, "Quick held-out evaluations")
     assert quick == [[str(e["step"]), f"{e['held_out_bits_per_byte_quick']:.4f}"] for e in training["evaluations"]]
 
