@@ -3,17 +3,24 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
-# CPU build that lies on this machine's disk; GPU users install their own torch first (pyproject says torch>=2.4)
-TORCH_PIN ?= torch==2.13.0
+# Every runtime package at the version constraints.txt pins (the images install from it too).
+# Torch: the CPU build of that version, on this machine's disk; GPU users install their own torch
+# first (pyproject says torch>=2.4) and keep it.
+CONSTRAINTS := constraints.txt
+TORCH_PIN ?= $(shell grep '^torch==' $(CONSTRAINTS))
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: serve test fuzz bench gpu-check clean
 
-$(INSTALLED): pyproject.toml
+# installs with the pins, less torch's block when the torch installed is not the pinned one (a GPU build)
+$(INSTALLED): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) "$(TORCH_PIN)"
+	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_PIN)'.split('==')[1])" \
+	  && cp $(CONSTRAINTS) $(VENV)/constraints.txt \
+	  || sed '/^# torch and what only torch needs/,$$d' $(CONSTRAINTS) > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	touch $(INSTALLED)
 
 serve: $(INSTALLED)

@@ -3,9 +3,12 @@
 Static checks only, no docker engine or cluster, but each one against the code itself rather
 than against strings written down twice:
 
-- YAML parses; the Kubernetes manifests are wired together (probes, Secret, Redis Service,
-  volume, kustomization), and Prometheus's pod selection (the relabel `keep` rules) really
-  selects the Deployment's pods;
+- YAML parses and passes yamllint; the Kubernetes manifests, as `kubectl kustomize` renders the
+  base and the GPU overlay, validate against the Kubernetes schema (kubernetes-validate, offline)
+  and are wired together (probes, generated Secrets, Redis with its password and durability,
+  per-pod volume, HPA, NetworkPolicies); the apply fails until the secret files exist; the alert
+  rules pass `promtool check rules`; Prometheus's pod selection (the relabel `keep` rules)
+  really selects the Deployment's pods;
 - every XLSERVE_* variable the files set is a field of `Settings` (server/settings.py; unknown
   ones would be ignored silently, extra="ignore") and its value validates;
 - probe, health-check and scrape paths are GET routes of the app `build_app` makes, open
@@ -14,6 +17,8 @@ than against strings written down twice:
   exports, under its exposition name (`_total` for a counter, `_bucket` for a histogram, ...),
   with labels it has and label values the server writes; every metric has a panel; the
   server-error alert counts exactly the error types answered with a 5xx;
+- one dependency truth: constraints.txt pins what the venv has, the Makefile and both images
+  install every package with it;
 - the images copy what pyproject.toml builds from (package-dir folders, readme), run the
   `xlserve` console script with arguments the real CLI parser accepts, on the port they expose
   and probe, with the data directories set explicitly (`WEIGHTS_DIR`/`STATE_DIR` default to
@@ -28,6 +33,10 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,19 +70,60 @@ def load_all(path: Path) -> tuple:
     return tuple(doc for doc in yaml.load_all(path.read_text(), Loader=Loader) if doc is not None)
 
 
-def k8s_objects() -> list[dict]:
-    return [doc for path in sorted(K8S.glob("*.yaml")) if path.name != "kustomization.yaml" for doc in load_all(path)]
+EXAMPLE_SECRETS = {"api-keys": "example-key-1,example-key-2", "redis-password": "0123456789abcdef"}
+SECRETS = K8S / "base" / "secrets"
 
 
-def find(kind: str, name: str) -> dict:
-    matches = [o for o in k8s_objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+def kustomize(variant: str = "", with_secrets: bool = True, components: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`kubectl kustomize` of deploy/kubernetes/<variant> on a copy, with example secret files
+    (or none) and extra components added to the variant's kustomization."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (for `kubectl kustomize`) is not installed")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "kubernetes"
+        shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns(*EXAMPLE_SECRETS))
+        if with_secrets:
+            for name, value in EXAMPLE_SECRETS.items():
+                (copy / "base" / "secrets" / name).write_text(value)
+        if components:
+            kustomization = copy / variant / "kustomization.yaml"
+            (doc,) = load_all(kustomization)
+            doc["components"] = list(components)
+            kustomization.write_text(yaml.safe_dump(doc))
+        return subprocess.run([kubectl, "kustomize", str(copy / variant)], capture_output=True, text=True, timeout=120)
+
+
+@functools.cache
+def rendered(variant: str = "", components: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    result = kustomize(variant, components=components)
+    assert result.returncode == 0, result.stderr
+    return tuple(doc for doc in yaml.load_all(result.stdout, Loader=Loader) if doc is not None)
+
+
+def k8s_objects(variant: str = "") -> tuple[dict, ...]:
+    """The objects `kubectl apply -k deploy/kubernetes[/variant]` would create."""
+    return rendered(variant)
+
+
+def find(kind: str, name: str, variant: str = "") -> dict:
+    matches = [o for o in k8s_objects(variant) if o["kind"] == kind and o["metadata"]["name"] == name]
     assert len(matches) == 1, f"expected one {kind} {name}, found {len(matches)}"
     return matches[0]
 
 
-def server_container() -> tuple[dict, dict, dict]:
+def secret_value(ref: dict, variant: str = "") -> str:
+    import base64
+
+    secret = find("Secret", ref["name"], variant)
+    if ref["key"] in secret.get("stringData", {}):
+        return secret["stringData"][ref["key"]]
+    return base64.b64decode(secret["data"][ref["key"]]).decode()
+
+
+def server_container(variant: str = "") -> tuple[dict, dict, dict]:
     """(Deployment, pod spec, the xlserve container)."""
-    deployment = find("Deployment", "xlserve")
+    deployment = find("Deployment", "xlserve", variant)
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     return deployment, pod, container
@@ -300,17 +350,72 @@ def test_every_yaml_file_parses(path):
 
 
 def test_kustomization_lists_every_manifest():
-    (kustomization,) = load_all(K8S / "kustomization.yaml")
-    listed = set(kustomization["resources"])
-    present = {p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"}
+    (base,) = load_all(K8S / "base" / "kustomization.yaml")
+    listed = set(base["resources"])
+    present = {p.name for p in (K8S / "base").glob("*.yaml") if p.name != "kustomization.yaml"}
     assert listed == present
-    for obj in k8s_objects():
-        assert {"apiVersion", "kind", "metadata"} <= obj.keys()
-        assert "namespace" not in obj["metadata"], "manifests are namespace-less; kubectl -n or kustomize sets it"
+    (top,) = load_all(K8S / "kustomization.yaml")
+    assert top["resources"] == ["base"]
+    (gpu,) = load_all(K8S / "overlays" / "gpu" / "kustomization.yaml")
+    assert gpu["resources"] == ["../../base"]
+    for variant in ("", "overlays/gpu"):
+        for obj in k8s_objects(variant):
+            assert {"apiVersion", "kind", "metadata"} <= obj.keys()
+            assert "namespace" not in obj["metadata"], "manifests are namespace-less; kubectl -n or kustomize sets it"
     # the image kustomize rewrites is the one the Deployment runs
     _, _, container = server_container()
-    names = {image["name"] for image in kustomization["images"]}
-    assert container["image"].split(":")[0] in names
+    assert container["image"] == "xlserve:0.1.0"
+    assert server_container("overlays/gpu")[2]["image"] == "xlserve:0.1.0-cuda"
+
+
+def test_the_apply_fails_until_the_secret_files_exist():
+    result = kustomize(with_secrets=False)
+    assert result.returncode != 0
+    assert "secrets/api-keys" in result.stderr or "secrets/redis-password" in result.stderr, result.stderr
+    # the files are never committed: git ignores everything in secrets/ but its README and .gitignore
+    if shutil.which("git") and (ROOT / ".git").exists():
+        tracked = subprocess.run(["git", "ls-files", str(SECRETS)], cwd=ROOT, capture_output=True, text=True).stdout.split()
+        assert sorted(Path(t).name for t in tracked) <= [".gitignore", "README.md"]
+        for name in EXAMPLE_SECRETS:
+            ignored = subprocess.run(["git", "check-ignore", "-q", str(SECRETS / name)], cwd=ROOT)
+            assert ignored.returncode == 0, f"git would commit {name}"
+    # the base's Secrets are generated from exactly those files
+    (base,) = load_all(K8S / "base" / "kustomization.yaml")
+    sources = {f.split("=", 1)[1] for g in base["secretGenerator"] for f in g["files"]}
+    assert sources == {f"secrets/{name}" for name in EXAMPLE_SECRETS}
+
+
+@pytest.mark.parametrize("variant, components", [("", ()), ("overlays/gpu", ()), ("", ("components/podmonitor",))],
+                         ids=["base", "gpu", "base+podmonitor"])
+def test_the_manifests_validate_against_the_kubernetes_schema(variant, components, tmp_path):
+    validate = Path(sys.executable).parent / "kubernetes-validate"
+    assert validate.exists(), "kubernetes-validate (the test extra) is not installed"
+    objects = rendered(variant, components)
+    if components:
+        assert any(o["kind"] == "PodMonitor" for o in objects)
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(objects))
+    # --strict: unknown fields are errors. A CRD's kind (PodMonitor) has no schema offline: a warning
+    result = subprocess.run([str(validate), "--strict", "--quiet", str(manifest)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    unvalidated = [line for line in (result.stdout + result.stderr).splitlines() if "Couldn't find schema" in line]
+    assert all("PodMonitor" in line for line in unvalidated), unvalidated
+
+
+def test_yaml_files_pass_yamllint():
+    yamllint = Path(sys.executable).parent / "yamllint"
+    assert yamllint.exists(), "yamllint (the test extra) is not installed"
+    result = subprocess.run([str(yamllint), "-f", "parsable", "-c", str(DEPLOY / ".yamllint.yaml"), str(DEPLOY)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alert_rules_pass_promtool():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Debian's prometheus, which `make test` installs) is not installed")
+    result = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # --- the Deployment
@@ -318,7 +423,6 @@ def test_kustomization_lists_every_manifest():
 
 def test_deployment_probes_and_shutdown():
     deployment, pod, container = server_container()
-    assert deployment["spec"]["replicas"] == 2
     port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe, path in (("startupProbe", "/health"), ("livenessProbe", "/health"), ("readinessProbe", "/ready")):
         get = container[probe]["httpGet"]
@@ -350,35 +454,111 @@ def test_deployment_runs_the_image_command_on_the_image_port():
 def test_deployment_wiring():
     deployment, pod, container = server_container()
     env = {e["name"]: e for e in container["env"]}
+    names = [e["name"] for e in container["env"]]
 
     # the Deployment shares sessions through Redis: the images' `pip install .` brings the client
     assert any(re.match(r"redis\b", dep) for dep in pyproject()["project"]["dependencies"])
     redis_service = find("Service", "xlserve-redis")
     port = redis_service["spec"]["ports"][0]["port"]
-    assert re.fullmatch(rf"redis://xlserve-redis:{port}(/\d+)?", env["XLSERVE_REDIS_URL"]["value"])
+    # with Redis's password, from the Secret Redis starts with; Kubernetes expands $(VAR) only
+    # from variables defined earlier in the list
+    assert re.fullmatch(rf"redis://:\$\(REDIS_PASSWORD\)@xlserve-redis:{port}(/\d+)?", env["XLSERVE_REDIS_URL"]["value"])
+    assert names.index("REDIS_PASSWORD") < names.index("XLSERVE_REDIS_URL")
+    password_ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert secret_value(password_ref) == EXAMPLE_SECRETS["redis-password"]
     redis = find("Deployment", "xlserve-redis")
     assert redis_service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    (redis_container,) = redis["spec"]["template"]["spec"]["containers"]
+    redis_env = {e["name"]: e for e in redis_container["env"]}
+    assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == password_ref
+    assert redis_env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == password_ref  # the probe authenticates
+    start = " ".join(redis_container["command"] + redis_container["args"])
+    assert "requirepass" in start and "$REDIS_PASSWORD" in start and "exec redis-server" in start
+    assert "$(REDIS_PASSWORD)" not in start, "the password stays off redis-server's command line"
+
+    # a pinned Redis image and a stated durability choice
+    assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?(@sha256:[0-9a-f]{64})?", redis_container["image"])
+    config_volume = next(v for v in redis["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
+    config = find("ConfigMap", config_volume["configMap"]["name"])["data"]["redis.conf"]
+    directives = dict(line.split(None, 1) for line in config.splitlines() if line.strip() and not line.startswith("#"))
+    assert directives["appendonly"] == "yes" and directives["maxmemory-policy"] == "noeviction"
+    assert directives["appendfsync"] in ("always", "everysec")
+    assert "everysec" in config and "always" in config, "redis.conf states both choices and what each loses"
+    assert "requirepass" not in directives
 
     ref = env["XLSERVE_API_KEYS"]["valueFrom"]["secretKeyRef"]
-    secret = find("Secret", ref["name"])
-    assert ref["key"] in secret.get("stringData", {}) | secret.get("data", {})
+    assert secret_value(ref) == EXAMPLE_SECRETS["api-keys"]
 
     service = find("Service", "xlserve")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
+    # the disk tier: a ReadWriteOnce volume of each pod's own (Redis holds the truth)
     state_dir = env["XLSERVE_STATE_DIR"]["value"]
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == state_dir)
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
-    find("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert volume["ephemeral"]["volumeClaimTemplate"]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "XLSERVE_REDIS_URL" in env
+    assert not [o for o in k8s_objects() if o["kind"] == "PersistentVolumeClaim" and "ReadWriteMany" in o["spec"]["accessModes"]]
+
+
+def test_the_autoscaler_owns_the_replica_count():
+    deployment, _, _ = server_container()
+    assert "replicas" not in deployment["spec"], "an apply would reset what the HPA chose"
+    (hpa,) = [o for o in k8s_objects() if o["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "xlserve"}
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (pdb,) = [o for o in k8s_objects() if o["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert pdb["spec"].get("minAvailable", 1) < hpa["spec"]["minReplicas"], "a drain can still move a pod"
+
+
+def test_network_policies_let_only_the_proxy_in_and_only_the_servers_reach_redis():
+    policies = {o["metadata"]["name"]: o["spec"] for o in k8s_objects() if o["kind"] == "NetworkPolicy"}
+    server_labels = server_container()[0]["spec"]["template"]["metadata"]["labels"]
+    redis = find("Deployment", "xlserve-redis")
+    redis_labels = redis["spec"]["template"]["metadata"]["labels"]
+
+    def selects(spec, labels):
+        return spec["podSelector"]["matchLabels"].items() <= labels.items()
+
+    (server,) = [p for p in policies.values() if selects(p, server_labels)]
+    (redis_policy,) = [p for p in policies.values() if selects(p, redis_labels)]
+    assert set(server["policyTypes"]) == {"Ingress", "Egress"}
+    # in: ingress-nginx and Prometheus only, on the http port
+    sources = [peer for rule in server["ingress"] for peer in rule["from"]]
+    assert {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in sources} == {"ingress-nginx", "prometheus"}
+    assert all(port["port"] == "http" for rule in server["ingress"] for port in rule["ports"])
+    # out: Redis and DNS only
+    destinations = [peer["podSelector"]["matchLabels"] for rule in server["egress"] for peer in rule["to"]]
+    assert redis_labels.items() >= destinations[0].items() and destinations[1] == {"k8s-app": "kube-dns"}
+    # Redis: in from the server pods only
+    (rule,) = redis_policy["ingress"]
+    (peer,) = rule["from"]
+    assert peer == {"podSelector": {"matchLabels": {k: server_labels[k] for k in peer["podSelector"]["matchLabels"]}}}
+    assert "Ingress" in redis_policy["policyTypes"]
+
+
+def test_the_gpu_overlay_asks_for_a_gpu_and_runs_on_cuda():
+    _, pod, container = server_container("overlays/gpu")
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["XLSERVE_DEVICE"] == "cuda"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    # everything else is the base's: the same env names, probes and volumes
+    _, base_pod, base_container = server_container()
+    names = [e["name"] for e in container["env"]]
+    assert set(names) == {e["name"] for e in base_container["env"]}
+    assert names.index("REDIS_PASSWORD") < names.index("XLSERVE_REDIS_URL")  # $(REDIS_PASSWORD) still expands
+    assert base_container["readinessProbe"] == container["readinessProbe"] and base_pod["volumes"] == pod["volumes"]
 
 
 def xlserve_variables() -> dict[str, list[tuple[str, str | None]]]:
     """XLSERVE_* name -> [(where, value or None where it comes from a Secret)], from the
     manifests' container env and the images' ENV."""
     found: dict[str, list] = {}
-    for obj in k8s_objects():
+    for obj in k8s_objects() + k8s_objects("overlays/gpu"):
         spec = obj.get("spec", {}).get("template", {}).get("spec", {})
         for container in spec.get("containers", []):
             for e in container.get("env", []):
@@ -386,8 +566,7 @@ def xlserve_variables() -> dict[str, list[tuple[str, str | None]]]:
                     value = e.get("value")
                     ref = e.get("valueFrom", {}).get("secretKeyRef")
                     if ref is not None:
-                        secret = find("Secret", ref["name"])
-                        value = secret.get("stringData", {}).get(ref["key"])
+                        value = secret_value(ref)
                     found.setdefault(e["name"], []).append((f"{obj['kind']} {obj['metadata']['name']}", value))
     for path in DOCKERFILES:
         for key, value in dockerfile_env(dockerfile_instructions(path)).items():
@@ -541,14 +720,14 @@ def test_the_build_stage_copies_what_pyproject_builds_from(path):
             for source in sources:
                 copies[source.rstrip("/")] = dest
     setuptools = pyproject()["tool"]["setuptools"]
-    needed = {"pyproject.toml", pyproject()["project"]["readme"], *setuptools["package-dir"].values()}
+    needed = {"pyproject.toml", "constraints.txt", pyproject()["project"]["readme"], *setuptools["package-dir"].values()}
     assert set(copies) == needed, f"{path.name} copies {sorted(copies)}; pyproject.toml builds from {sorted(needed)}"
     # each lands where pyproject.toml expects it, relative to the directory `pip install .` runs in
     for source, dest in copies.items():
         landed = Path(workdir) / dest if not dest.startswith("/") else Path(dest)
         landed = landed / Path(source).name if dest.endswith("/") else landed
         assert landed == Path(workdir) / source, (source, dest)
-    installs = [rest for word, rest in build if word == "RUN" and re.search(r"\bpip install \.(\s|$)", rest)]
+    installs = [rest for word, rest in build if word == "RUN" and re.search(r"\bpip install (-c constraints\.txt )?\.(\s|$)", rest)]
     assert len(installs) == 1, "one regular (non-editable) install of the package"
     assert "-e" not in shlex.split(installs[0])
 
@@ -602,15 +781,66 @@ def test_dockerfile_runs_xlserve_serve(path, monkeypatch):
 
     assert re.search(r"^USER (?!root|0\b)\S+", text, re.MULTILINE), "the server runs as a non-root user"
     assert "STOPSIGNAL SIGTERM" in text
-    assert re.search(r'^ARG TORCH_SPEC="torch>=2\.4"$', text, re.MULTILINE)
-    # the torch the image installs first satisfies the package's own requirement
+    # torch: the version constraints.txt pins (any build of it), which satisfies pyproject's range
+    assert re.search(r'^ARG TORCH_SPEC="torch"$', text, re.MULTILINE)
     assert "torch>=2.4" in pyproject()["project"]["dependencies"]
 
 
+# the one index written down: PyTorch's CPU-only wheels, the CPU image's default (a build arg)
+CPU_TORCH_INDEX = 'ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"'
+
+
 def test_no_urls_in_docker_and_deploy_files():
-    """Index and registry locations are the builder's choice (build args), never written down."""
+    """Index and registry locations are the builder's choice (build args), never written down,
+    but for the CPU image's default torch index (the issue asks for the CPU build by default)."""
+    assert CPU_TORCH_INDEX in (ROOT / "docker" / "Dockerfile").read_text()
     files = DOCKERFILES + [ROOT / ".dockerignore"] + [p for p in DEPLOY.rglob("*") if p.is_file()]
     for path in files:
         # nginx names its upstream groups as http://<group>: a name, not a location
-        text = re.sub(r"proxy_pass http://\$\w+;", "", path.read_text())
+        text = re.sub(r"proxy_pass http://\$\w+;", "", path.read_text()).replace(CPU_TORCH_INDEX, "")
         assert not re.search(r"https?://", text), path
+
+
+# --- one dependency truth
+
+
+def constraint_pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name] = version
+    return pins
+
+
+def test_constraints_pin_what_the_environment_has_and_every_runtime_dependency():
+    from importlib import metadata
+
+    pins = constraint_pins()
+    for requirement in pyproject()["project"]["dependencies"]:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0).lower()
+        if ";" in requirement and "win32" in requirement and sys.platform != "win32":
+            assert name in pins or sys.platform == "win32"
+        assert name in pins, f"{name} is not pinned in constraints.txt"
+    assert "sentencepiece" in pins, "serving converted XLNet needs sentencepiece"
+    # regenerating gives the same file: constraints.txt is what `make serve` installed here
+    result = subprocess.run([sys.executable, str(ROOT / "docker" / "freeze_constraints.py")], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    torch_version = metadata.version("torch")
+    if torch_version.split("+")[0] != pins["torch"]:
+        pytest.skip(f"this environment has its own torch ({torch_version}): its pins are not the file's")
+    assert result.stdout == (ROOT / "constraints.txt").read_text()
+
+
+def test_make_and_both_images_install_from_the_constraints():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "CONSTRAINTS := constraints.txt" in makefile
+    assert re.search(r"^TORCH_PIN \?= \$\(shell grep '\^torch==' \$\(CONSTRAINTS\)\)$", makefile, re.MULTILINE)
+    installs = [line for line in makefile.splitlines() if "pip install" in line]
+    assert installs and all(re.search(r"-c \$\((VENV)\)/constraints\.txt|-c \$\(CONSTRAINTS\)", line) for line in installs)
+    for path in DOCKERFILES:
+        runs = [rest for word, rest in dockerfile_instructions(path) if word == "RUN" and "pip install" in rest]
+        assert len(runs) == 2, path.name  # torch, then the package
+        assert all("-c constraints.txt" in run for run in runs), path.name
+        assert any("TORCH_SPEC" in run for run in runs)
