@@ -81,8 +81,10 @@ def describe(model: LanguageModel, permutation: float | None = None) -> str:
         if config.long_term_memory:
             return f"previous segment + continuous memory of {config.n_basis} basis functions"
         return "previous segment only"
-    if hasattr(config, "mem_len"):
+    if model.architecture in ("transformer-xl", "xlnet"):  # a memory of keys and values only
         return f"{config.mem_len} positions"
+    # every other architecture, with or without a mem_len: a convolution buffer beside a window
+    # of mem_len positions is more than "mem_len positions"
     return describe_state(model)
 
 
