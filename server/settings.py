@@ -32,7 +32,16 @@ def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
 
 def masked_url(url: str) -> str:
     """`url` with its password (if any) replaced by ***, for logs and error messages: a Redis URL
-    may carry one (redis://user:password@host:port/db)."""
+    may carry one (redis://user:password@host:port/db), a Sentinel URL also the sentinels' (the
+    `sentinel_password` query option), and the multi-host forms list several hosts."""
+    url = re.sub(r"([?&](?:[a-z_]*_)?password=)[^&#]*", r"\1***", url)  # ?password=, ?sentinel_password=
+    scheme, separator, rest = url.partition("://")
+    if "+" in scheme and separator:  # redis+sentinel://, redis+cluster://: host,host,... (server/cache/redis_client.py)
+        netloc, slash, tail = rest.partition("/")
+        userinfo, at, hosts = netloc.rpartition("@")
+        if at and ":" in userinfo:
+            userinfo = userinfo.split(":", 1)[0] + ":***"
+        return f"{scheme}://{userinfo}{at}{hosts}{slash}{tail}"
     try:
         parts = urlsplit(url)
         if parts.password is None:
@@ -48,7 +57,8 @@ def masked_url(url: str) -> str:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="XLSERVE_", extra="ignore")
+    # hide_input_in_errors: a refused value may be a secret (an API key, a Redis URL with its password)
+    model_config = SettingsConfigDict(env_prefix="XLSERVE_", extra="ignore", hide_input_in_errors=True)
 
     # what to serve
     models: str = ""  # comma list of names under weights_dir or checkpoint paths; "" = all
@@ -80,6 +90,8 @@ class Settings(BaseSettings):
     device_state_bytes: int = 1 << 30
     host_state_bytes: int = 4 << 30
     disk_state_bytes: int = 64 << 30
+    # redis://, rediss://, unix:// (one server), redis+sentinel://sentinel:26379[,...]/<master>[/db],
+    # redis+cluster://node:6379[,...] (server/cache/redis_client.py; README, Settings)
     redis_url: str = ""
     # the prefix-state cache (server/cache/prefix_cache.py): requests without a session resume
     # from the longest cached prefix of their prompt; 0 bytes switches it off
@@ -98,6 +110,17 @@ class Settings(BaseSettings):
     @classmethod
     def _strip(cls, value: str) -> str:
         return value.strip()
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        """A URL that names no Redis deployment stops the server at once, saying why."""
+        value = value.strip()
+        if value:
+            from xlserve.server.cache.redis_client import parse_redis_url
+
+            parse_redis_url(value)  # its ValueError's message never quotes credentials
+        return value
 
     def api_key_list(self) -> list[str]:
         if not self.api_keys:

@@ -11,7 +11,17 @@
 - `RedisStore(url)`: one hash per session, `xlserve:session:<id>` = {version, meta (JSON),
   blob (the same safetensors bytes), idempotency (the remembered Idempotency-Keys), writes (the
   ids of the latest writes)}. Writes are compare-and-set on `version` in a Lua script, so a
-  replica holding a stale version can never overwrite a newer one.
+  replica holding a stale version can never overwrite a newer one. The URL may name one Redis,
+  a Sentinel-managed master or a Redis Cluster (redis_client.py).
+
+Redis Cluster: a script runs on one node, so every key it touches must hash to one slot. The only
+key a session's scripts touch besides its hash is a write's fence, named
+`{xlserve:session:<id>}:fence:<write id>`: its hash tag is the session's whole key, so it lands
+in the session's slot (a key without braces hashes whole). Session keys are the same in every
+deployment, so a single Redis's data can move into a cluster as it is. Nothing else here spans
+keys: listing scans every primary (redis-py's scan_iter) and reads what it found in a pipeline
+that is not a transaction, which a cluster client splits by node; the prefix store's pipelines are
+the same kind.
 
 Every Redis call is bounded by the store's timeout (socket, connect, and the wait for one of
 the pool's connections), and nothing is retried blindly: redis-py's own retries are off, since a
@@ -37,6 +47,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +56,8 @@ from typing import NamedTuple
 import torch
 
 from xlserve.server.cache.codec import CorruptState, SessionData, metadata_of, parse_header
+from xlserve.server.cache.redis_client import connect, parse_redis_url
+from xlserve.server.settings import masked_url
 
 log = logging.getLogger("xlserve.cache")
 
@@ -238,6 +251,8 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 1
 """
 
+_SCRIPTS = {"cas": _CAS_SCRIPT, "settle": _SETTLE_SCRIPT, "remember": _REMEMBER_SCRIPT, "tombstone": _TOMBSTONE_SCRIPT}
+
 
 class Head(NamedTuple):
     """What Redis holds of a session, without its state: its version, metadata and (when asked
@@ -266,7 +281,8 @@ class RedisStore:
     check: `put(expected=v)` succeeds only while Redis still holds version v.
 
     `timeout_s` bounds each call (connecting, waiting for a pooled connection, each reply);
-    `max_connections` bounds the pool, shared by the threads that call the store at once."""
+    `max_connections` bounds the pool (each node's, in a cluster), shared by the threads that
+    call the store at once. The client is made on first use (redis_client.connect)."""
 
     WRITES_KEPT = 16  # write ids a session keeps, for `settle` (more than can land within one settle wait)
     FENCE_SECONDS = 24 * 3600  # how long a fenced write stays refused (a paused server may hold it that long)
@@ -275,27 +291,42 @@ class RedisStore:
     def __init__(self, url: str, prefix: str = "xlserve:session:", timeout_s: float = 5.0, max_connections: int = 64):
         try:
             import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
         except ImportError:  # pragma: no cover - an install without the client
             raise RuntimeError("XLSERVE_REDIS_URL is set but the 'redis' package is not installed") from None
+        if "{" in prefix or "}" in prefix:  # the fence keys' hash tag is the session's key (see above)
+            raise ValueError(f"a Redis key prefix without braces, please: {prefix!r}")
+        parse_redis_url(url)  # a URL that names no Redis deployment: ValueError now, not at first use
         self._exceptions = redis.exceptions
         self.url = url
         self.prefix = prefix
-        self.fence_prefix = prefix + "fence:"
         self.timeout_s = timeout_s
-        # no retries inside the client: a write retried after a timeout could land twice
-        pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-        self.client = redis.Redis(connection_pool=pool)
-        self._cas = self.client.register_script(_CAS_SCRIPT)
-        self._settle = self.client.register_script(_SETTLE_SCRIPT)
-        self._remember = self.client.register_script(_REMEMBER_SCRIPT)
-        self._tombstone = self.client.register_script(_TOMBSTONE_SCRIPT)
+        self.max_connections = max_connections
+        self._client = None
+        self._client_lock = threading.Lock()
+
+    @property
+    def client(self):
+        """The redis-py client (made on first use: a cluster client reads the slot map when made)."""
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    # no retries inside the client: a write retried after a timeout could land twice
+                    client, self._close = connect(self.url, self.timeout_s, self.max_connections)
+                    self._scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
+                    self._client = client
+        return self._client
+
+    def _script(self, name: str, keys: list[str], args: list):
+        """Run one of the Lua scripts (its keys all in one cluster slot)."""
+        client = self.client
+        return self._scripts[name](keys=keys, args=args, client=client)
 
     def _key(self, session_id: str) -> str:
         return self.prefix + session_id
+
+    def _fence_key(self, session_id: str, write_id: str) -> str:
+        """A write's fence: in the session's cluster slot (its hash tag is the session's key)."""
+        return "{" + self._key(session_id) + "}:fence:" + write_id
 
     def _call(self, fn: Callable, *args):
         try:
@@ -306,6 +337,8 @@ class RedisStore:
             raise StoreUnavailable(f"Redis at {self._safe_url()} refused a command: {error}") from error
         except self._exceptions.RedisError as error:
             raise StoreUnavailable(f"Redis at {self._safe_url()} is unreachable: {error}") from error
+        except self._exceptions.RedisClusterException as error:  # no node reachable, slots not covered
+            raise StoreUnavailable(f"Redis Cluster at {self._safe_url()} is unavailable: {error}") from error
 
     def _read(self, fn: Callable, *args):
         """A call that is safe to repeat: retried with backoff (20 ms, doubling, at most 0.5 s)
@@ -325,28 +358,29 @@ class RedisStore:
                 delay = min(delay * 2, 0.5)
 
     def _safe_url(self) -> str:
-        return re.sub(r"//[^@/]*@", "//***@", self.url)  # never print a password
+        return masked_url(self.url)  # never print a password
 
     def ping(self) -> None:
-        self._read(self.client.ping)
+        self._read(lambda: self.client.ping())
 
     def head(self, session_id: str, remembered: bool = False) -> Head | None:
         """Version and metadata without the state (and the remembered keys when asked), or None
         when Redis has no such session."""
         fields = ["version", "meta"] + (["idempotency"] if remembered else [])
-        values = self._read(self.client.hmget, self._key(session_id), *fields)
+        values = self._read(lambda: self.client.hmget(self._key(session_id), *fields))
         if values[0] is None:
             return None
         return Head(int(values[0]), json.loads(values[1]), entries_from_lines(values[2]) if remembered else None)
 
     def get(self, session_id: str) -> tuple[int, dict, bytes] | None:
-        version, meta, blob = self._read(self.client.hmget, self._key(session_id), "version", "meta", "blob")
+        version, meta, blob = self._read(lambda: self.client.hmget(self._key(session_id), "version", "meta", "blob"))
         if version is None:
             return None
         return int(version), json.loads(meta), blob
 
     def heads(self) -> dict[str, tuple[int, dict]]:
-        """(version, meta) of every session Redis holds (tombstones and fences left out)."""
+        """(version, meta) of every session Redis holds (tombstones and fences left out). In a
+        cluster, scan_iter walks every primary; the pipeline is split by node."""
 
         def scan() -> dict[str, tuple[int, dict]]:
             keys = list(self.client.scan_iter(match=self.prefix + "sess_*", count=1000))
@@ -372,40 +406,40 @@ class RedisStore:
         write_id = write_id or secrets.token_hex(8)
         args = ["" if expected is None else str(expected), str(version), json.dumps(meta), blob, write_id,
                 "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT)]
-        keys = [self._key(session_id), self.fence_prefix + write_id]
-        return int(self._call(lambda: self._cas(keys=keys, args=args)))
+        keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
+        return int(self._call(lambda: self._script("cas", keys, args)))
 
     def settle(self, session_id: str, write_id: str) -> bool:
         """Whether the write `write_id` landed; when it has not, it never will (it is fenced).
         Safe to repeat."""
-        keys = [self._key(session_id), self.fence_prefix + write_id]
-        return bool(self._read(lambda: self._settle(keys=keys, args=[write_id, str(self.FENCE_SECONDS)])))
+        keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
+        return bool(self._read(lambda: self._script("settle", keys, [write_id, str(self.FENCE_SECONDS)])))
 
     def remember(self, session_id: str, version: int, entry: dict, keys_kept: int = 32) -> bool:
         """Add an Idempotency-Key entry to a session still at `version` (False when it is not)."""
         args = [str(version), entry_line(entry), str(keys_kept)]
-        return bool(self._call(lambda: self._remember(keys=[self._key(session_id)], args=args)))
+        return bool(self._call(lambda: self._script("remember", [self._key(session_id)], args)))
 
     def delete(self, session_id: str, owner: str | None = None, entry: dict | None = None,
                keys_kept: int = 32) -> None:
         """Delete a session; with `entry` (a delete's Idempotency-Key) leave a tombstone that
         remembers its keys for TOMBSTONE_SECONDS."""
         if entry is None:
-            self._call(self.client.delete, self._key(session_id))
+            self._call(lambda: self.client.delete(self._key(session_id)))
             return
         args = [owner or "", entry_line(entry), str(keys_kept), str(self.TOMBSTONE_SECONDS)]
-        self._call(lambda: self._tombstone(keys=[self._key(session_id)], args=args))
+        self._call(lambda: self._script("tombstone", [self._key(session_id)], args))
 
     def tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
         """(owner, remembered keys) of a session deleted with a key, or None."""
-        owner, remembered = self._read(self.client.hmget, self._key(session_id), "deleted", "idempotency")
+        owner, remembered = self._read(lambda: self.client.hmget(self._key(session_id), "deleted", "idempotency"))
         if owner is None:
             return None
         return (owner.decode() if isinstance(owner, bytes) else owner) or None, entries_from_lines(remembered)
 
     def close(self) -> None:
-        self.client.close()
-        self.client.connection_pool.disconnect()
+        if self._client is not None:
+            self._close()
 
 
 class RedisPrefixStore(RedisStore):
@@ -414,7 +448,10 @@ class RedisPrefixStore(RedisStore):
     the hash chain, `xlserve:prefix:block:<h_k>` = {n: entry key}, both expiring `ttl_s` after
     they were last written or read (Redis holds a cache here, not the truth: an entry that
     expired or was evicted by Redis's maxmemory policy is a miss, never an error). Keys are
-    hashes of (scope, tokens): nothing in them names a tenant or a text."""
+    hashes of (scope, tokens): nothing in them names a tenant or a text. Each command touches one
+    key and the pipelines are not transactions, so in a Redis Cluster entries and blocks simply
+    spread over the slots (an entry or a block missing its other half, should a node fail in
+    between, is a miss like an expired one)."""
 
     def __init__(self, url: str, prefix: str = "xlserve:prefix:", timeout_s: float = 5.0, ttl_s: int = 24 * 3600,
                  max_connections: int = 16):
