@@ -95,7 +95,9 @@ class Settings(BaseSettings):
     redis_url: str = ""
     # the prefix-state cache (server/cache/prefix_cache.py): requests without a session resume
     # from the longest cached prefix of their prompt; 0 bytes switches it off
-    prefix_cache_bytes: int = 256 << 20
+    prefix_cache_bytes: int = 256 << 20  # its cap on the device; and on every tier, never more than sessions leave
+    prefix_cache_host_bytes: int = 1 << 30  # its cap in host RAM (0: no host tier for entries)
+    prefix_cache_disk_bytes: int = 8 << 30  # its cap on disk, under state_dir/prefix-cache (0: none)
     prefix_cache_block_tokens: int = 16  # tokens per block of the prefix hash chain
     prefix_cache_redis_ttl_seconds: int = 24 * 3600  # with redis_url: entries shared there expire after this long unused
     store_timeout_seconds: float = 5.0  # each call to the session store (Redis) gives up after this long

@@ -18,11 +18,18 @@ there is dropped, after a copy is made in the next tier below that can hold it, 
 tier already has one (with write-through it usually has: moving a session from host to disk
 costs nothing). Pinned sessions never move. Byte counts are exact sums of `nbytes` of the
 copies a tier holds; a session counts once per tier that holds a copy.
+
+Lent bytes: a tier's budget is shared with the prefix-state cache (prefix_cache.py), which may
+keep its entries in whatever room the sessions leave (`lent(tier)`: the bytes it holds there).
+Sessions come first: a plan that needs room takes it from the lent bytes before it moves any
+session (a `Reclaim` in the plan, carried out by the prefix cache dropping its least recently
+used entries of that tier), since entries are a cache and sessions are data.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TIERS = ("device", "host", "disk", "redis")
@@ -62,6 +69,14 @@ class Move:
     dst: str | None
 
 
+@dataclass(frozen=True)
+class Reclaim:
+    """Take `nbytes` of `tier` back from whoever borrowed them (the prefix cache)."""
+
+    tier: str
+    nbytes: int
+
+
 class CacheManager:
     def __init__(self, budgets: dict[str, int | None]):
         """budgets: tier -> bytes (None = unbounded), for the tiers in use, in TIERS order."""
@@ -73,6 +88,11 @@ class CacheManager:
         self.records: dict[str, Record] = {}
         self._used = {t: 0 for t in self.tiers}
         self._seq = itertools.count(1)
+        self.lent: Callable[[str], int] = lambda tier: 0  # bytes of a tier the prefix cache holds
+
+    def lend(self, lent: Callable[[str], int]) -> None:
+        """Share the budgets with a borrower whose holdings per tier `lent` reports."""
+        self.lent = lent
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -84,6 +104,7 @@ class CacheManager:
         return self._used[tier]
 
     def free(self, tier: str) -> int | None:
+        """Room the sessions leave in `tier` (lent bytes count as free: sessions may take them)."""
         budget = self.budgets[tier]
         return None if budget is None else budget - self._used[tier]
 
@@ -106,7 +127,7 @@ class CacheManager:
 
     # -- planning (pure: nothing changes until `apply`) ---------------------------------------
 
-    def plan_room(self, tier: str, nbytes: int, exclude: set[str] = frozenset()) -> list[Move] | None:
+    def plan_room(self, tier: str, nbytes: int, exclude: set[str] = frozenset()) -> list[Move | Reclaim] | None:
         """Moves that leave `nbytes` free in `tier` (on top of what it holds now), or None when
         that is impossible without touching pinned or excluded sessions. nbytes=0 asks for a tier
         back within its budget."""
@@ -123,7 +144,17 @@ class CacheManager:
 
     def _make_room(self, tier, nbytes, exclude, used, copies, moves) -> bool:
         budget = self.budgets[tier]
-        if budget is None or used[tier] + nbytes <= budget:
+        if budget is None:
+            return True
+        lent = max(0, self.lent(tier) - used.get(("reclaimed", tier), 0))
+        over = used[tier] + lent + nbytes - budget
+        if over <= 0:
+            return True
+        if lent:  # lent bytes first: the borrower's entries are a cache
+            take = min(lent, over)
+            used[("reclaimed", tier)] = used.get(("reclaimed", tier), 0) + take
+            moves.append(Reclaim(tier, take))
+        if used[tier] + nbytes <= budget:
             return True
         if nbytes > budget or tier == self.last_tier:
             return False
@@ -159,6 +190,9 @@ class CacheManager:
     def _undo(self, moves, mark, used, copies) -> None:
         while len(moves) > mark:
             move = moves.pop()
+            if isinstance(move, Reclaim):
+                used[("reclaimed", move.tier)] -= move.nbytes
+                continue
             nbytes = self.records[move.session].nbytes
             copies[move.session].add(move.src)
             used[move.src] += nbytes
@@ -182,7 +216,9 @@ class CacheManager:
             self._used[t] -= record.nbytes
         return record
 
-    def apply(self, move: Move) -> None:
+    def apply(self, move: Move | Reclaim) -> None:
+        if isinstance(move, Reclaim):  # the borrower's books, not ours
+            return
         record = self.records[move.session]
         if move.dst is not None and move.dst not in record.copies:
             record.copies.add(move.dst)

@@ -25,14 +25,24 @@ state and distribution); an entry that does not fit is not kept. Entries are val
 every request that hits them: a request starts from an entry's state and never changes it (a
 forward returns a new state), so nothing is pinned past the lookup and eviction never waits.
 
-Tiers. Entries live on the model's device, within `budget_bytes`. With Redis
-(XLSERVE_REDIS_URL), every entry kept is also written to Redis (`RedisPrefixStore`, stores.py)
-by a writer thread of its own, never by the engine's worker thread, and a lookup that finds
-nothing longer locally asks Redis, in one round trip for the whole chain, so one replica hits
-on the states another stored. Redis entries expire a day after their last use and may be
-evicted by Redis's own maxmemory policy; a Redis that is slow or down costs reuse, never a
-request: the lookup gives up after the store's timeout and the request computes its prompt. An
-entry read from Redis is verified (checksum, and the model's own state checks) before use.
+Tiers and budgets. Entries live in the sessions' tiers: on the model's device, in host RAM and
+on disk (files under `directory`, a cache wiped at start: an entry names its model, not the
+weights it was made with), each tier within a cap of its own (`budget_bytes` on the device,
+`host_bytes`, `disk_bytes`) and, with `sessions` (the session cache's manager), within the room
+sessions leave there: one budget per tier, shared, sessions first. Sessions that need room take
+it back (`release`, the manager's `Reclaim`), which drops this cache's least recently used
+entries of that tier. An entry pushed out of a tier moves to the next one below that has room
+(device → host → disk), else it is dropped. A hit in host RAM or on disk is brought back to the
+device. Disk writes are not fsynced: a lost entry costs reuse, never a result.
+
+With Redis (XLSERVE_REDIS_URL), every entry kept is also written to Redis (`RedisPrefixStore`,
+stores.py) by a writer thread of its own, never by the engine's worker thread, and a lookup
+that finds nothing longer locally asks Redis, in one round trip for the whole chain, so one
+replica hits on the states another stored. Redis entries expire a day after their last use and
+may be evicted by Redis's own maxmemory policy; a Redis that is slow or down costs reuse, never
+a request: the lookup gives up after the store's timeout and the request computes its prompt.
+An entry read from Redis or from disk is verified (checksum, and the model's own state checks)
+before use.
 
 Thread-safe: lookups come from the engine process's reader or session-op threads, offers from
 engines' worker threads.
@@ -42,12 +52,15 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import queue
+import shutil
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -70,17 +83,24 @@ class PrefixHit:
     logprobs: list[float | None]
 
 
+PREFIX_TIERS = ("device", "host", "disk")
+
+
 @dataclass
 class _Entry:
+    key: bytes  # entry_key: what it is found by
     model: str
     block: bytes  # h_floor(n/B): where the entry is filed
     n: int
-    data: SessionData
-    logprobs: list[float | None]
-    nbytes: int = field(init=False)
+    data: SessionData | None  # None while on disk (the file holds it)
+    logprobs: list[float | None] | None
+    nbytes: int  # the state, its distribution and 4 bytes a token, in whichever tier
+    device: torch.device | None  # where the model runs: a promoted entry goes back there
+    tier: str = "device"
 
-    def __post_init__(self):
-        self.nbytes = self.data.nbytes() + 4 * len(self.logprobs)
+
+def _entry_bytes(data: SessionData, logprobs: list) -> int:
+    return data.nbytes() + 4 * len(logprobs)
 
 
 def encode_entry(model: str, data: SessionData, logprobs: list[float | None]) -> bytes:
@@ -105,44 +125,86 @@ def decode_entry(blob: bytes, model: str, state_class, device) -> tuple[SessionD
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, block_tokens: int = 16, metrics=None, remote: RedisPrefixStore | None = None):
+    def __init__(self, budget_bytes: int, block_tokens: int = 16, metrics=None, remote: RedisPrefixStore | None = None,
+                 host_bytes: int = 0, disk_bytes: int = 0, directory: str | Path | None = None, sessions=None):
+        """`budget_bytes`, `host_bytes`, `disk_bytes`: this cache's cap on each tier (disk only
+        with a `directory`); `sessions`: the session cache's manager, whose tiers' free room
+        bounds each cap (None: the caps alone)."""
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
         self.budget_bytes = max(0, int(budget_bytes))
+        self.caps = {"device": self.budget_bytes, "host": max(0, int(host_bytes)),
+                     "disk": max(0, int(disk_bytes)) if directory is not None else 0}
+        self.directory = None if directory is None else Path(directory)
+        if self.directory is not None:  # last run's entries: their weights may have changed since
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self.sessions = sessions
         self.block_tokens = block_tokens
         self.metrics = metrics
         self.remote = remote
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._tiers: dict[str, OrderedDict[bytes, _Entry]] = {t: OrderedDict() for t in PREFIX_TIERS}  # LRU first
+        self._bytes = {t: 0 for t in PREFIX_TIERS}
+        self._index: dict[bytes, _Entry] = {}
         self._by_block: dict[bytes, dict[int, bytes]] = {}  # h_k -> {n: entry key}
-        self._bytes = 0
+        self._evictions: dict[str, int] = {}  # model -> entries dropped, counted outside the lock
         self._writes: queue.Queue = queue.Queue(maxsize=REMOTE_WRITES_QUEUED)
         if remote is not None:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
 
     @classmethod
-    def from_settings(cls, settings, metrics=None) -> "PrefixCache | None":
+    def from_settings(cls, settings, metrics=None, sessions=None) -> "PrefixCache | None":
         if settings.prefix_cache_bytes <= 0:
             return None
         remote = None
         if settings.redis_url:
             remote = RedisPrefixStore(settings.redis_url, timeout_s=settings.store_timeout_seconds,
                                       ttl_s=settings.prefix_cache_redis_ttl_seconds)
-        return cls(settings.prefix_cache_bytes, settings.prefix_cache_block_tokens, metrics, remote)
+        return cls(settings.prefix_cache_bytes, settings.prefix_cache_block_tokens, metrics, remote,
+                   host_bytes=settings.prefix_cache_host_bytes, disk_bytes=settings.prefix_cache_disk_bytes,
+                   directory=Path(settings.state_dir) / "prefix-cache", sessions=sessions)
+
+    # -- the shared budgets ------------------------------------------------------------------------
+
+    def held(self, tier: str) -> int:
+        """Bytes this cache holds in `tier` (the session cache's manager asks; no lock, an int)."""
+        return self._bytes.get(tier, 0)
+
+    def limit(self, tier: str) -> int:
+        """What this cache may hold in `tier` now: its cap, and never more than sessions leave."""
+        cap = self.caps.get(tier, 0)
+        if self.sessions is None or tier not in self.sessions.budgets:
+            return cap
+        free = self.sessions.free(tier)
+        return cap if free is None else max(0, min(cap, free))
+
+    def release(self, tier: str, nbytes: int) -> None:
+        """Give at least `nbytes` of `tier` back to the sessions, dropping least recently used
+        entries there (called under the session cache's lock: takes only this cache's lock)."""
+        with self._lock:
+            entries = self._tiers.get(tier, {})
+            freed = 0
+            while entries and freed < nbytes:
+                entry = entries[next(iter(entries))]
+                freed += entry.nbytes
+                self._drop(entry, counted=True)
+        self._count_evictions()
+        self._publish()
 
     # -- what the engine asks --------------------------------------------------------------------
 
     def lookup(self, model: str, scope: bytes, tokens: list[int], limit: int | None = None,
                restore: Callable[[bytes], tuple[SessionData, list[float | None]]] | None = None) -> PrefixHit | None:
         """The longest cached prefix of `tokens` (at most `limit` tokens of it), or None. With
-        Redis and `restore` (bytes -> checked entry, or raise), entries longer than the local
-        one are looked for there too. Counts the prompt's tokens as queried and the hit's as
-        hits (vLLM's prefix_cache_queries/hits)."""
+        `restore` (bytes -> checked entry, or raise), entries on disk count, and with Redis,
+        entries longer than the local one are looked for there too. Counts the prompt's tokens
+        as queried and the hit's as hits (vLLM's prefix_cache_queries/hits)."""
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         hit = None
-        if self.budget_bytes > 0 and limit > 0:
+        if any(self.caps.values()) and limit > 0:
             chain = block_chain(scope, tokens[:limit], self.block_tokens)
-            hit = self._lookup_local(chain, tokens, limit)
+            hit = self._lookup_local(chain, tokens, limit, restore)
             if self.remote is not None and restore is not None:
                 hit = self._lookup_remote(model, scope, chain, tokens, limit, hit, restore) or hit
         if self.metrics is not None:
@@ -151,7 +213,16 @@ class PrefixCache:
                 self.metrics.prefix_cache_hits.labels(model).inc(hit.tokens)
         return hit
 
-    def _lookup_local(self, chain: list[bytes], tokens: list[int], limit: int) -> PrefixHit | None:
+    def _lookup_local(self, chain: list[bytes], tokens: list[int], limit: int, restore) -> PrefixHit | None:
+        for entry in self._candidates(chain, tokens, limit, on_disk=restore is not None):
+            hit = self._bring_back(entry, restore)
+            if hit is not None:
+                return hit
+        return None
+
+    def _candidates(self, chain: list[bytes], tokens: list[int], limit: int, on_disk: bool) -> list[_Entry]:
+        """Entries that are prefixes of `tokens`, longest first."""
+        found = []
         with self._lock:
             for k in range(len(chain) - 1, -1, -1):
                 filed = self._by_block.get(chain[k])
@@ -159,11 +230,39 @@ class PrefixCache:
                     continue
                 for n in sorted((n for n in filed if n <= limit), reverse=True):
                     key = entry_key(chain, tokens, n, self.block_tokens)
-                    if filed[n] == key and key in self._entries:
-                        entry = self._entries[key]
-                        self._entries.move_to_end(key)
-                        return PrefixHit(entry.n, entry.data, entry.logprobs)
-        return None
+                    entry = self._index.get(key) if filed[n] == key else None
+                    if entry is not None and (entry.tier != "disk" or on_disk):
+                        found.append((key, entry))
+        return [entry for _, entry in found]
+
+    def _bring_back(self, entry: _Entry, restore) -> PrefixHit | None:
+        """A hit on `entry`, its state on the model's device: a device entry as it is; one in
+        host RAM or on disk is read back (a disk file checked by `restore`) and moved up to the
+        device when there is room. None when it vanished or its file was refused."""
+        with self._lock:
+            if self._index.get(entry.key) is not entry:
+                return None
+            if entry.tier == "device":
+                self._tiers["device"].move_to_end(entry.key)
+                return PrefixHit(entry.n, entry.data, entry.logprobs)
+            tier, data, logprobs = entry.tier, entry.data, entry.logprobs
+        if tier == "disk":
+            try:
+                data, logprobs = restore(self._path(entry).read_bytes())
+            except (OSError, CorruptState, ValueError) as error:
+                log.warning("prefix cache: an entry on disk was refused (%s)", error)
+                with self._lock:
+                    if self._index.get(entry.key) is entry:
+                        self._drop(entry)
+                return None
+        else:
+            data = data.to(entry.device) if entry.device is not None else data
+        with self._lock:
+            if self._index.get(entry.key) is entry and entry.tier == tier:
+                self._move(entry, tier, "device", data, logprobs)
+        self._count_evictions()
+        self._publish()
+        return PrefixHit(entry.n, data, logprobs)
 
     def _lookup_remote(self, model: str, scope: bytes, chain: list[bytes], tokens: list[int], limit: int,
                        local: PrefixHit | None, restore) -> PrefixHit | None:
@@ -197,36 +296,34 @@ class PrefixCache:
     def offer(self, model: str, scope: bytes, tokens: list[int], data: SessionData,
               logprobs: list[float | None], share: bool = True) -> bool:
         """Keep the state after `tokens` (data.tokens == len(tokens)); False when it is not kept
-        (larger than the whole budget, or nothing to key). Evicts least recently used entries.
-        With Redis and `share`, the entry is also queued for the Redis writer."""
+        (no tier has room for it, or nothing to key). Pushes least recently used entries down a
+        tier. With Redis and `share`, the entry is also queued for the Redis writer."""
         n = len(tokens)
-        if n == 0 or data.tokens != n or len(logprobs) != n or self.budget_bytes == 0:
+        if n == 0 or data.tokens != n or len(logprobs) != n or not any(self.caps.values()):
             return False
         chain = block_chain(scope, tokens, self.block_tokens)
         key = entry_key(chain, tokens, n, self.block_tokens)
-        entry = _Entry(model, chain[n // self.block_tokens], n, data, list(logprobs))
-        if entry.nbytes > self.budget_bytes:
-            return False
-        evicted = 0
+        entry = _Entry(key, model, chain[n // self.block_tokens], n, data, list(logprobs),
+                       _entry_bytes(data, logprobs), _device_of(data))
         with self._lock:
-            if key in self._entries:  # the same prefix again: the same state (to float rounding)
-                self._entries.move_to_end(key)
+            known = self._index.get(key)
+            if known is not None:  # the same prefix again: the same state (to float rounding)
+                self._tiers[known.tier].move_to_end(key)
                 return True
-            while self._entries and self._bytes + entry.nbytes > self.budget_bytes:
-                self._drop(next(iter(self._entries)))
-                evicted += 1
-            self._entries[key] = entry
-            self._by_block.setdefault(entry.block, {})[n] = key
-            self._bytes += entry.nbytes
-        if self.metrics is not None and evicted:
-            self.metrics.prefix_cache_evictions.labels(model).inc(evicted)
-        if self.remote is not None and share:
+            kept = False
+            for tier in PREFIX_TIERS:
+                if self._make_room(tier, entry.nbytes):
+                    self._place(key, entry, tier, data, entry.logprobs)
+                    kept = True
+                    break
+        self._count_evictions()
+        if kept and self.remote is not None and share:
             try:
                 self._writes.put_nowait((entry.block.hex(), n, key.hex(), model, data, entry.logprobs))
             except queue.Full:
                 log.warning("prefix cache: the Redis writer is behind; an entry stays local")
         self._publish()
-        return True
+        return kept
 
     def _write_remote(self) -> None:
         """The Redis writer thread: encodes and writes queued entries, one at a time."""
@@ -246,30 +343,111 @@ class PrefixCache:
             time.sleep(0.01)
         return not self._writes.unfinished_tasks
 
-    # -- books -----------------------------------------------------------------------------------
+    # -- books (every method below runs under the lock) -------------------------------------------
 
-    def _drop(self, key: bytes) -> None:
-        """Under the lock."""
-        entry = self._entries.pop(key)
+    def _path(self, entry: _Entry) -> Path:
+        return self.directory / (entry.key.hex() + ".safetensors")
+
+    def _make_room(self, tier: str, nbytes: int) -> bool:
+        """Room for `nbytes` in `tier`, pushing its least recently used entries down; False
+        (nothing moved) when the tier cannot hold that much now."""
+        limit = self.limit(tier)
+        if nbytes > limit:
+            return False
+        entries = self._tiers[tier]
+        while entries and self._bytes[tier] + nbytes > limit:
+            self._push_down(entries[next(iter(entries))])
+        return self._bytes[tier] + nbytes <= limit
+
+    def _push_down(self, entry: _Entry) -> None:
+        """Move `entry` to the nearest tier below with room, or drop it."""
+        for tier in PREFIX_TIERS[PREFIX_TIERS.index(entry.tier) + 1:]:
+            if self._move(entry, entry.tier, tier, entry.data, entry.logprobs):
+                return
+            if self._index.get(entry.key) is not entry:  # a write that failed dropped it
+                return
+        self._drop(entry, counted=True)
+
+    def _move(self, entry: _Entry, source: str, target: str, data: SessionData | None, logprobs) -> bool:
+        """Take `entry` from `source` and place it in `target` (data: its state, wherever it is
+        now). False when `target` has no room (the entry stays in `source`) or the write there
+        failed (the entry is dropped). While it moves, the room made for it never evicts it."""
+        key = entry.key
+        del self._tiers[source][key]
+        self._bytes[source] -= entry.nbytes
+        if not self._make_room(target, entry.nbytes):
+            self._tiers[source][key] = entry
+            self._bytes[source] += entry.nbytes
+            return False
+        if source == "disk":
+            self._path(entry).unlink(missing_ok=True)
+        return self._place(key, entry, target, data, logprobs)
+
+    def _place(self, key: bytes, entry: _Entry, tier: str, data: SessionData, logprobs) -> bool:
+        if tier == "disk":
+            path = self.directory / (key.hex() + ".safetensors")
+            temporary = path.with_suffix(".tmp")
+            try:
+                temporary.write_bytes(encode_entry(entry.model, data, logprobs))
+                os.replace(temporary, path)
+            except (OSError, ValueError) as error:  # a full disk costs reuse only
+                temporary.unlink(missing_ok=True)
+                log.warning("prefix cache: an entry could not be written to disk (%s)", error)
+                self._index.pop(key, None)
+                self._unfile(entry, key)
+                self._evictions[entry.model] = self._evictions.get(entry.model, 0) + 1
+                return False
+            entry.data, entry.logprobs = None, None
+        else:
+            entry.data = data if tier == "device" else data.to("cpu")
+            entry.logprobs = logprobs
+        entry.tier = tier
+        self._tiers[tier][key] = entry
+        self._bytes[tier] += entry.nbytes
+        self._index[key] = entry
+        filed = self._by_block.setdefault(entry.block, {})
+        shadowed = self._index.get(filed.get(entry.n, key))
+        if shadowed is not None and shadowed is not entry:  # the same block and length, other open tokens:
+            self._drop(shadowed)  # one entry per (block, n) can be found, so the other one goes
+        self._by_block.setdefault(entry.block, {})[entry.n] = key
+        return True
+
+    def _drop(self, entry: _Entry, counted: bool = False) -> None:
+        key = entry.key
+        if self._tiers[entry.tier].pop(key, None) is not None:
+            self._bytes[entry.tier] -= entry.nbytes
+        if entry.tier == "disk" and self.directory is not None:
+            (self.directory / (key.hex() + ".safetensors")).unlink(missing_ok=True)
+        self._index.pop(key, None)
+        self._unfile(entry, key)
+        if counted:
+            self._evictions[entry.model] = self._evictions.get(entry.model, 0) + 1
+
+    def _unfile(self, entry: _Entry, key: bytes) -> None:
         filed = self._by_block.get(entry.block)
         if filed is not None and filed.get(entry.n) == key:
             del filed[entry.n]
             if not filed:
                 del self._by_block[entry.block]
-        self._bytes -= entry.nbytes
+
+    def _count_evictions(self) -> None:
+        with self._lock:
+            counts, self._evictions = self._evictions, {}
+        if self.metrics is not None:
+            for model, count in counts.items():
+                self.metrics.prefix_cache_evictions.labels(model).inc(count)
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
-            self._by_block.clear()
-            self._bytes = 0
+            for entry in list(self._index.values()):
+                self._drop(entry)
         self._publish()
 
-    def usage(self) -> dict[str, tuple[int, int]]:
-        """model -> (entries, bytes)."""
+    def usage(self, tier: str = "device") -> dict[str, tuple[int, int]]:
+        """model -> (entries, bytes) in `tier`."""
         with self._lock:
             counts: dict[str, list[int]] = {}
-            for entry in self._entries.values():
+            for entry in self._tiers[tier].values():
                 row = counts.setdefault(entry.model, [0, 0])
                 row[0] += 1
                 row[1] += entry.nbytes
@@ -278,11 +456,18 @@ class PrefixCache:
     def _publish(self) -> None:
         if self.metrics is None:
             return
-        usage = self.usage()
-        for model in set(usage) | self._published:
-            entries, nbytes = usage.get(model, (0, 0))
-            self.metrics.prefix_cache_entries.labels(model, "device").set(entries)
-            self.metrics.prefix_cache_bytes.labels(model, "device").set(nbytes)
-        self._published = set(usage) | self._published
+        for tier in PREFIX_TIERS:
+            usage = self.usage(tier)
+            for model in set(usage) | self._published:
+                entries, nbytes = usage.get(model, (0, 0))
+                self.metrics.prefix_cache_entries.labels(model, tier).set(entries)
+                self.metrics.prefix_cache_bytes.labels(model, tier).set(nbytes)
+            self._published = set(usage) | self._published
 
     _published: set = frozenset()
+
+
+def _device_of(data: SessionData) -> torch.device | None:
+    """The device of a state's tensors (where its model runs)."""
+    tensors = [t for _, t in data.state._named_tensors()]
+    return tensors[0].device if tensors else None

@@ -90,7 +90,7 @@ from xlserve.server.cache.errors import (
     SessionTooLarge,
     SessionUnavailable,
 )
-from xlserve.server.cache.manager import CacheManager, Move, Record
+from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record
 from xlserve.server.cache.stores import (
     SESSION_ID,
     DiskStore,
@@ -176,6 +176,15 @@ class SessionCache:
         self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, check_session)
         self._lock = threading.RLock()
         self._published: set[tuple[str, str]] = set()
+        self._borrower = None  # the prefix cache, once lend_to shares the budgets with it
+
+    def lend_to(self, borrower) -> None:
+        """Share the tiers' budgets with `borrower` (the prefix cache): it reports what it holds
+        per tier (`held(tier)`), keeps entries only in the room sessions leave, and gives room
+        back when sessions need it (`release(tier, nbytes)`, called under this cache's lock, so
+        the borrower never calls this cache)."""
+        self._borrower = borrower
+        self.manager.lend(borrower.held)
 
     @classmethod
     def from_settings(cls, settings, metrics=None) -> "SessionCache":
@@ -323,8 +332,10 @@ class SessionCache:
             data = data.compact()
             nbytes = data.nbytes()
             self._refuse_never_fits(record.model, nbytes, record.id, committing=True)
-            if self.manager.plan_room(self.durable, nbytes - record.nbytes) is None:
+            room = self.manager.plan_room(self.durable, nbytes - record.nbytes)
+            if room is None:
                 raise self._full(self.durable, record.model, nbytes - record.nbytes, record.id)
+            self._execute(room)  # the last tier moves nothing: at most it takes back lent bytes
             now = time.time()
             committed = Record(
                 id=record.id, model=record.model, owner=record.owner, nbytes=nbytes, tokens=data.tokens,
@@ -463,8 +474,10 @@ class SessionCache:
                         version=0, created_at=now, last_used_at=now)
         with self._lock:
             self._refuse_never_fits(model, record.nbytes)
-            if self.manager.plan_room(self.durable, record.nbytes) is None:
+            room = self.manager.plan_room(self.durable, record.nbytes)
+            if room is None:
                 raise self._full(self.durable, model, record.nbytes)
+            self._execute(room)
             if self.redis is None:
                 self._write_durable(record, data, expected=None)
                 return self._admitted(record, data)
@@ -642,8 +655,11 @@ class SessionCache:
             return
         self._execute(moves)
 
-    def _execute(self, moves: list[Move]) -> None:
+    def _execute(self, moves: list[Move | Reclaim]) -> None:
         for move in moves:
+            if isinstance(move, Reclaim):  # room the prefix cache borrowed: it drops entries
+                self._borrower.release(move.tier, move.nbytes)
+                continue
             record = self.manager.get(move.session)
             if move.dst is not None:
                 self._put_tier(record, move.dst, self._load(record, move.src, to_device=False))

@@ -187,10 +187,15 @@ class EngineProcess:
         self.writer = FrameWriter(sock)
         self.metrics = Metrics()
         self.cache = SessionCache.from_settings(settings, self.metrics)
-        self.prefix_cache = PrefixCache.from_settings(settings, self.metrics)
+        # one budget per tier for both: entries take only the room sessions leave, and give it back
+        self.prefix_cache = PrefixCache.from_settings(settings, self.metrics, sessions=self.cache.manager)
+        if self.prefix_cache is not None:
+            self.cache.lend_to(self.prefix_cache)
         self.models = load_models(settings, self.metrics, sink=self._send_events, prefix_cache=self.prefix_cache)
         self.sessions_found = self.cache.open({name: loaded.model for name, loaded in self.models.items()})
         self.metrics.declare_engine_series(list(self.models), list(self.cache.manager.tiers))
+        # each tier's budget and how full it is, read from the manager at every scrape
+        self.metrics.declare_tiers(self.cache.manager.budgets, self.cache.manager.used)
         self.lock = threading.Lock()  # guards the three tables below
         self.leases: dict[int, Lease] = {}
         self.results: dict[int, SessionData] = {}  # lease -> the state its request ended with, until commit

@@ -140,3 +140,27 @@ def test_plan_changes_nothing_until_applied():
     before = {s: set(m.get(s).copies) for s in "ab"}
     assert m.plan_room("device", 0) == [Move("a", "device", "host")]
     assert {s: m.get(s).copies for s in "ab"} == before and m.used("device") == 60
+
+
+def test_room_lent_to_the_prefix_cache_is_taken_back_before_any_session_moves():
+    from xlserve.server.cache.manager import Reclaim
+
+    m = manager(device=100, host=100, disk=1000)
+    lent = {"device": 50, "host": 80, "disk": 0}
+    m.lend(lambda tier: lent[tier])
+    m.add(record("a", 40))
+    # 40 + 50 lent + 10 fits exactly: nothing to do
+    assert m.plan_room("device", 10) == []
+    # 30 more: taken from the lent bytes alone, the session stays
+    assert m.plan_room("device", 30) == [Reclaim("device", 20)]
+    # more than the lent bytes can give: all of them, then the session moves down, where the
+    # host's lent bytes make room for it in turn
+    plan = m.plan_room("device", 70)
+    assert plan == [Reclaim("device", 50), Reclaim("host", 20), Move("a", "device", "host")]
+    # a plan that fails takes nothing back
+    m.pin("a")
+    assert m.plan_room("device", 70) is None
+    # the last tier: lent bytes are given back, sessions never leave it
+    lent["disk"] = 990
+    assert m.plan_room("disk", 20) == [Reclaim("disk", 50)]  # 40 of sessions + 990 lent + 20 - 1000
+    assert m.plan_room("disk", 970) is None  # 40 of sessions + 970 > 1000, whatever is lent

@@ -261,3 +261,114 @@ def test_entries_shared_through_redis_are_checked_and_a_dead_redis_costs_only_re
     assert dead.offer("m", SCOPE, tokens, entry, logprobs)
     assert dead.lookup("m", SCOPE, tokens, restore=restore).tokens == len(tokens)
     assert dead.flush_remote()
+
+
+# -- tiers, and the budget shared with sessions -------------------------------------------------------
+
+
+def toy_entry(k: int, floats: int = 100):
+    """An entry for the prompt [k] * 8: a toy state of `floats` floats (cache_helpers)."""
+    from tests.server.cache_helpers import data as toy_data
+
+    return [k] * 8, toy_data(floats, seed=k, tokens=8), [None] + [-0.5 - k] * 7
+
+
+def toy_restore(blob: bytes):
+    from tests.server.cache_helpers import ToyState
+    from xlserve.server.cache.prefix_cache import decode_entry
+
+    return decode_entry(blob, "toy", ToyState, "cpu")
+
+
+def test_entries_pushed_off_the_device_move_to_host_then_disk_and_come_back_exact(tmp_path):
+    from tests.server.cache_helpers import same, size
+
+    entry_bytes = size(100) + 4 * 8
+    metrics = Metrics()
+    cache = PrefixCache(entry_bytes, block_tokens=4, metrics=metrics, host_bytes=entry_bytes,
+                        disk_bytes=2 * entry_bytes, directory=tmp_path / "prefix")
+    entries = [toy_entry(k) for k in range(5)]
+    for prompt, state, logprobs in entries:
+        assert cache.offer("toy", SCOPE, prompt, state, logprobs)
+    # newest on the device, the one before in host RAM, two on disk, the oldest dropped
+    assert [cache.usage(t) for t in ("device", "host", "disk")] == [{"toy": (1, entry_bytes)}] * 2 + [{"toy": (2, 2 * entry_bytes)}]
+    assert len(list((tmp_path / "prefix").glob("*.safetensors"))) == 2
+    assert cache.lookup("toy", SCOPE, entries[0][0], restore=toy_restore) is None
+    text = metrics.render().decode()
+    assert 'xlserve_prefix_cache_entries{model="toy",tier="disk"} 2.0' in text
+    assert 'xlserve_prefix_cache_evictions_total{model="toy"} 1.0' in text
+
+    # without a way to check a file, disk entries are not used
+    assert cache.lookup("toy", SCOPE, entries[1][0]) is None
+    # a disk hit: the same state and log-probs as offered, and the entry is back on the device
+    for k in (1, 3, 2):
+        prompt, state, logprobs = entries[k]
+        hit = cache.lookup("toy", SCOPE, prompt, restore=toy_restore)
+        assert hit.tokens == 8 and same(hit.data, state) and hit.logprobs == logprobs, k
+        assert cache.usage("device") == {"toy": (1, entry_bytes)}
+    # the three tiers still hold four entries in all, each found exactly
+    assert sum(cache.usage(t).get("toy", (0, 0))[0] for t in ("device", "host", "disk")) == 4
+    for k in (1, 2, 3, 4):
+        prompt, state, logprobs = entries[k]
+        assert same(cache.lookup("toy", SCOPE, prompt, restore=toy_restore).data, state)
+    # a file that changed on disk is refused, never used, and costs only that entry
+    files = list((tmp_path / "prefix").glob("*.safetensors"))
+    assert files
+    for path in files:
+        path.write_bytes(path.read_bytes()[:-9] + b"corrupted")
+    results = [cache.lookup("toy", SCOPE, entries[k][0], restore=toy_restore) for k in (1, 2, 3, 4)]
+    assert sum(hit is None for hit in results) == len(files)
+    assert all(same(hit.data, entries[k][1]) for k, hit in zip((1, 2, 3, 4), results) if hit is not None)
+    assert not list((tmp_path / "prefix").glob("*.safetensors"))  # refused files are removed
+
+
+def test_a_restarted_cache_forgets_the_entries_its_last_run_wrote(tmp_path):
+    entry_bytes = 600
+    first = PrefixCache(1, block_tokens=4, disk_bytes=10 * entry_bytes, directory=tmp_path / "prefix")
+    prompt, state, logprobs = toy_entry(0)
+    assert first.offer("toy", SCOPE, prompt, state, logprobs)  # straight to disk: the device cap is 1 byte
+    assert list((tmp_path / "prefix").glob("*.safetensors"))
+    second = PrefixCache(1, block_tokens=4, disk_bytes=10 * entry_bytes, directory=tmp_path / "prefix")
+    assert not list((tmp_path / "prefix").glob("*")) and second.lookup("toy", SCOPE, prompt, restore=toy_restore) is None
+
+
+def test_sessions_and_entries_share_each_tier_and_sessions_come_first(tmp_path):
+    from xlserve.server.cache import SessionCache
+    from tests.server.cache_helpers import MODEL, data as toy_data, same, size
+
+    session_bytes = size(1000)
+    entry_bytes = size(100) + 4 * 8
+    device_budget = 2 * session_bytes
+    sessions = SessionCache(tmp_path / "state", device_budget, 4 * session_bytes, 100 * session_bytes)
+    sessions.open({"toy": MODEL})
+    cache = PrefixCache(1 << 20, block_tokens=4, host_bytes=1 << 20, sessions=sessions.manager)
+    sessions.lend_to(cache)
+
+    # with no session, entries may use the device's whole budget (but no more)
+    entries = [toy_entry(k) for k in range(40)]
+    for prompt, state, logprobs in entries:
+        assert cache.offer("toy", SCOPE, prompt, state, logprobs)
+    assert device_budget - entry_bytes < cache.held("device") <= device_budget
+    assert cache.held("host") > 0  # the rest went down a tier
+
+    # a session needs the device: it takes the room back from the entries, not from other sessions
+    first = sessions.create("toy", None, toy_data(1000, seed=1))
+    second = sessions.create("toy", None, toy_data(1000, seed=2))
+    assert sessions.manager.used("device") == 2 * session_bytes
+    assert sessions.manager.used("device") + cache.held("device") <= device_budget
+    assert cache.held("device") == 0
+    # an entry now finds no room on the device and goes to host RAM; the sessions stay
+    prompt, state, logprobs = toy_entry(99)
+    assert cache.offer("toy", SCOPE, prompt, state, logprobs)
+    assert cache.held("device") == 0 and sessions.manager.used("device") == 2 * session_bytes
+    hit = cache.lookup("toy", SCOPE, prompt)
+    assert same(hit.data, state) and cache.held("device") == 0  # served from host, no room to move up
+    for info, seed in ((first, 1), (second, 2)):
+        lease = sessions.acquire(info.id, None)
+        assert same(lease.data, toy_data(1000, seed=seed))
+        sessions.release(lease)
+    # a session leaving frees room that entries may take again
+    sessions.delete(second.id, None)
+    assert cache.offer("toy", SCOPE, *toy_entry(100)[0:1], *toy_entry(100)[1:])
+    assert cache.held("device") > 0
+    assert sessions.manager.used("device") + cache.held("device") <= device_budget
