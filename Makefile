@@ -30,6 +30,7 @@ test: $(INSTALLED)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
+	command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
 	$(PY) -m pytest -q
 
 # the fuzz run of `make test` (tests/e2e/test_fuzz.py) with a larger budget: examples per operation and kind

@@ -11,6 +11,9 @@ block of INFO lines says what the server is using (`log_startup`).
 If the engine process dies, its client (server/engine/client.py) starts a new one; when it
 cannot, `on_fatal` is told and `xlserve serve` exits non-zero.
 
+Every HTTP response is counted by route template and status (`ResponseMetrics`, outside the
+other middlewares, so that their answers count too).
+
 On shutdown it stops admitting and waits for requests in flight (`drain`); those still running
 when the grace period ends are cut with an error that says so (`server_shutting_down`), never
 silently. Then it tells the engine process to close its engines and let the cache write its
@@ -23,24 +26,32 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import WebSocketRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.api.admission import OPEN_PATHS, AdmissionMiddleware
 from xlserve.server.api.chat import load_chat_template
 from xlserve.server.api.deps import AppState, ServedModel
-from xlserve.server.api.errors import ERROR_TYPES, as_api_error, install_error_handlers
+from xlserve.server.api.errors import (
+    CLIENT_CLOSED_REQUEST,
+    ERROR_STATUSES,
+    ERROR_TYPES,
+    as_api_error,
+    install_error_handlers,
+    send_error,
+)
 from xlserve.server.api.routers import chat, completions, health, models, playground, sessions, tokenize, ws
 from xlserve.server.api.routers.playground import PAGE_PATHS
 from xlserve.server.api.serving import error_frame
 from xlserve.server.engine.client import EngineClient
 from xlserve.server.engine.errors import EngineError, ShuttingDown
-from xlserve.server.metrics import Metrics
+from xlserve.server.metrics import HTTP_METHODS, OTHER_METHOD, UNMATCHED_ROUTE, Metrics
 from xlserve.server.settings import Settings, checkpoint_dir, masked_url
 from xlserve.server.version import package_version
 
@@ -147,15 +158,142 @@ class LoadingGate:
         if scope["type"] == "websocket":
             if (await receive())["type"] == "websocket.connect":
                 await send({"type": "websocket.accept"})
-                await send({"type": "websocket.send", "text": json.dumps(error_frame(None, error))})
+                await send({"type": "websocket.send", "text": json.dumps(error_frame(None, error, state))})
                 await send({"type": "websocket.close", "code": 1013, "reason": "not ready"})
             return
-        api_error = as_api_error(error)
-        body = json.dumps(api_error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(name.lower().encode(), value.encode()) for name, value in api_error.headers.items()]
-        await send({"type": "http.response.start", "status": api_error.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(scope, send, as_api_error(error))
+
+
+class ResponseMetrics:
+    """Every HTTP response counted, as prometheus-fastapi-instrumentator counts them
+    (xlserve_http_requests_total{route, method, status}, and its duration in
+    xlserve_http_request_duration_seconds), as a plain ASGI middleware: it adds one call per
+    message sent, not a task per request as a BaseHTTPMiddleware would.
+
+    `route` is the path template of the route that answered ("/v1/sessions/{session_id}"),
+    never the raw path: the router leaves the route it dispatched to in the scope. A request
+    answered before the router (a 413 or a 503 while loading or draining, by the middlewares
+    inside this one) is matched against the same templates here; a path no route matches is
+    UNMATCHED_ROUTE, so the label has as many values as the app has routes. A response counts
+    once, when its last byte is sent: a stream when it ends, with the status it started with. A
+    request whose app raised before answering counts as 500 (the server error middleware outside
+    answers it so), one whose task was cancelled before answering as 499. A websocket counts its
+    handshake, as GET: 101 when accepted, 403 when closed before that (or the status of a denial
+    response)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+        self.templates: list[tuple] | None = None  # (path regex, template, methods, websocket?), built at first use
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = getattr(scope["app"].state, "xlserve", None) if scope["type"] in ("http", "websocket") else None
+        if state is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await self._websocket(state.metrics, scope, receive, send)
+            return
+        started, status = time.perf_counter(), None
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except BaseException as error:
+            if status is None:
+                status = 500 if isinstance(error, Exception) else CLIENT_CLOSED_REQUEST
+            raise
+        finally:
+            if status is not None:
+                route, method = self.route_of(scope), _method(scope)
+                state.metrics.http_requests.labels(route, method, str(status)).inc()
+                state.metrics.http_request_duration.labels(route, method).observe(time.perf_counter() - started)
+
+    async def _websocket(self, metrics: Metrics, scope: Scope, receive: Receive, send: Send) -> None:
+        status = None
+
+        def count(code: int) -> None:
+            nonlocal status
+            status = code
+            metrics.http_requests.labels(self.route_of(scope), "GET", str(code)).inc()
+
+        async def send_counted(message: Message) -> None:
+            if status is None:
+                kind = message["type"]
+                if kind == "websocket.accept":
+                    count(101)
+                elif kind == "websocket.close":
+                    count(403)
+                elif kind == "websocket.http.response.start":
+                    count(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:
+            if status is None:
+                count(500)
+            raise
+
+    def route_of(self, scope: Scope) -> str:
+        """The path template of the route that answers `scope`, or UNMATCHED_ROUTE."""
+        template = getattr(scope.get("route"), "path_format", None)
+        if template:
+            return template
+        if self.templates is None:
+            self.templates = list(_route_templates(scope["app"].router.routes))
+        websocket, path, partial = scope["type"] == "websocket", scope["path"], None
+        for regex, template, methods, for_websocket in self.templates:
+            if for_websocket != websocket or not regex.match(path):
+                continue
+            if websocket or methods is None or scope["method"] in methods:
+                return template
+            partial = partial or template  # the path's route, another method: answered 405
+        return partial or UNMATCHED_ROUTE
+
+
+def _method(scope: Scope) -> str:
+    method = scope["method"]
+    return method if method in HTTP_METHODS else OTHER_METHOD
+
+
+def documentation_paths(app: FastAPI) -> set[str]:
+    return {path for path in (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+            if path}
+
+
+def expected_responses(app: FastAPI) -> list[tuple[str, str, int]]:
+    """(route template, method, status) of the responses counted at 0 from the start, so that the
+    first of each reads as a rate above 0: every API route and method with 200 and each status
+    an error is answered with (server/api/errors.py), the pages (documentation, playground)
+    with 200, the websocket with 101."""
+    pages = PAGE_PATHS | documentation_paths(app)
+    responses = []
+    for _, template, methods, websocket in _route_templates(app.router.routes):
+        if websocket:
+            responses.append((template, "GET", 101))
+            continue
+        statuses = [200] if template in pages else [200, *ERROR_STATUSES]
+        responses += [(template, method, status) for method in sorted(methods or ()) if method != "HEAD"
+                      for status in statuses]
+    return responses
+
+
+def _route_templates(routes) -> Iterator[tuple]:
+    """(path regex, path template, methods or None, websocket route?) of every route, those of
+    included routers too (FastAPI keeps an included router whole: its routes are under
+    `original_router`; xlserve includes its routers without a path prefix)."""
+    for route in routes:
+        router = getattr(route, "original_router", None)
+        if router is not None:
+            yield from _route_templates(router.routes)
+        elif getattr(route, "path_regex", None) is not None:
+            yield (route.path_regex, route.path_format, getattr(route, "methods", None),
+                   isinstance(route, WebSocketRoute))
 
 
 def cut_streams(app: FastAPI) -> int:
@@ -209,6 +347,7 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         metrics = Metrics()
+        metrics.declare_http_series(expected_responses(app))
         state = AppState(settings=settings, metrics=metrics, api_keys=settings.api_key_list())
         app.state.xlserve = state
         started = time.monotonic()
@@ -238,6 +377,7 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     open_paths = OPEN_PATHS | PAGE_PATHS | {path for path in (app.openapi_url, app.docs_url, app.redoc_url) if path}
     app.add_middleware(LoadingGate, open_paths=frozenset(open_paths))
     app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    app.add_middleware(ResponseMetrics)  # outermost: it counts what the others answer too
 
     for router in (health.router, models.router, completions.router, chat.router, tokenize.router,
                    sessions.router, ws.router, playground.router):

@@ -4,17 +4,22 @@ Names follow vLLM's style (xlserve_<what>_<unit>), all labelled by model.
 
 The server runs two processes (server/engine/process.py, docs/design.md section 8) and each
 creates a `Metrics`. Each family is recorded by exactly one of them: the API process records
-what a client sees (time to first token, inter-token and end-to-end latency as streamed, errors
-by type, memory reuse and state size at commit) and the engine process's restarts
-(`API_FAMILIES`); the engine process records the rest (tokens, queue, batch sizes, outcomes, the
-session cache). /metrics renders both halves into one exposition.
+what a client sees (every HTTP response by route and status, time to first token, inter-token
+and end-to-end latency as streamed, errors by type, memory reuse and state size at commit), the
+engine process's restarts and its own process metrics (`process_*`, prometheus_client's process
+collector) (`is_api_family`); the engine process records the rest (tokens, queue, request
+phases, batch sizes, outcomes, the session cache and its tiers' budgets) and its own process
+metrics as `xlserve_engine_process_*` (the same collector, reading the engine process's /proc/self).
+/metrics renders both halves into one exposition.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# a request's phases and an HTTP response's whole time (a stream lasts as long as its generation)
+REQUEST_BUCKETS = LATENCY_BUCKETS + (120, 300, 600, 1800)
 BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
 # Batch sizes are whole numbers: each bound n has a bound just below it, so that a quantile
 # falling among steps of exactly n rows reads n (histogram_quantile interpolates inside the
@@ -25,8 +30,24 @@ BATCH_SIZE_BUCKETS = tuple(bound for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) for
 API_FAMILIES = frozenset({
     "xlserve_time_to_first_token_seconds", "xlserve_inter_token_latency_seconds",
     "xlserve_e2e_request_latency_seconds", "xlserve_request_errors", "xlserve_memory_reused_tokens",
-    "xlserve_state_bytes_per_session", "xlserve_engine_restarts",
+    "xlserve_state_bytes_per_session", "xlserve_engine_restarts", "xlserve_http_requests",
+    "xlserve_http_request_duration_seconds",
 })
+# each process's own CPU, memory and file descriptors: prometheus_client's process collector,
+# under its usual names (process_*) for the API process and in this namespace
+# (xlserve_engine_process_*) for the engine process
+ENGINE_PROCESS_NAMESPACE = "xlserve_engine"
+# an HTTP request no route matches (a scanner's path, a typo): one label value, so the route
+# label has as many values as the app has routes, whatever paths clients send; likewise a method
+# that is none of HTTP's own (a client may send any word) is OTHER_METHOD
+UNMATCHED_ROUTE = "unmatched"
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+OTHER_METHOD = "other"
+
+
+def is_api_family(name: str) -> bool:
+    """Whether the API process records (and renders) the family `name`."""
+    return name in API_FAMILIES or name.startswith("process_")
 
 
 class _Families:
@@ -58,10 +79,40 @@ class Metrics:
         self.engine_restarts = Counter(
             "xlserve_engine_restarts", "Times the engine process died and a new one was started", ["model"], registry=r
         )
+        # every error a client is answered with (an HTTP error status, an error event in a stream,
+        # an error frame on the websocket), counted once where it is answered (server/api/errors.py);
+        # model is "" when the request names no model the server serves
         self.request_errors = Counter("xlserve_request_errors", "Failed requests by error type", ["model", "type"], registry=r)
+        # every HTTP response, as prometheus-fastapi-instrumentator counts them: by the route's path
+        # template (never the raw path), method and status code; a stream once, when it ends; a
+        # websocket handshake as GET with 101 (accepted) or the status it was refused with
+        self.http_requests = Counter(
+            "xlserve_http_requests", "HTTP responses by route template, method and status code",
+            ["route", "method", "status"], registry=r,
+        )
+        self.http_request_duration = Histogram(
+            "xlserve_http_request_duration_seconds",
+            "HTTP request arrival to the last byte of its response (a stream's end), by route template and method",
+            ["route", "method"], buckets=REQUEST_BUCKETS, registry=r,
+        )
         self.requests_running = Gauge("xlserve_requests_running", "Requests being processed", ["model"], registry=r)
         self.requests_waiting = Gauge(
             "xlserve_requests_waiting", "Requests queued for a place in the running batch", ["model"], registry=r
+        )
+        # a request's phases in the engine, as vLLM's request_{queue,prefill,decode}_time_seconds:
+        # queued until first scheduled into the batch, scheduled until its first token (an append's
+        # or a max_tokens=0 request's: until its prompt is in the state), first token until finished
+        self.request_queue_time = Histogram(
+            "xlserve_request_queue_time_seconds", "Time a request waited in the queue before it was scheduled",
+            ["model"], buckets=REQUEST_BUCKETS, registry=r,
+        )
+        self.request_prefill_time = Histogram(
+            "xlserve_request_prefill_time_seconds", "Time from a request's scheduling to its first token",
+            ["model"], buckets=REQUEST_BUCKETS, registry=r,
+        )
+        self.request_decode_time = Histogram(
+            "xlserve_request_decode_time_seconds", "Time from a request's first token to its last",
+            ["model"], buckets=REQUEST_BUCKETS, registry=r,
         )
         self.batch_size = Histogram(
             "xlserve_batch_size", "Rows in each batched decode step", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=r,
@@ -115,6 +166,21 @@ class Metrics:
             "xlserve_session_restore_latency_seconds", "Time to bring a session's state back to the device",
             ["model", "tier"], buckets=(0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS, registry=r,
         )
+        # how full each tier is (vLLM's kv_cache_usage_perc): the tiers are shared by every model,
+        # so no model label; a tier without a budget (redis: Redis's maxmemory bounds it) has neither.
+        # Session states only: the room prefix-cache entries borrow is given back on demand, so it
+        # counts as free, as vLLM counts cached blocks nobody uses as free
+        self.session_cache_budget = Gauge(
+            "xlserve_session_cache_budget_bytes", "Byte budget of each session-cache tier (XLSERVE_*_STATE_BYTES)",
+            ["tier"], registry=r,
+        )
+        self.session_cache_usage = Gauge(
+            "xlserve_session_cache_usage_ratio", "Fraction of each session-cache tier's budget its states hold (1 = full)",
+            ["tier"], registry=r,
+        )
+        ProcessCollector(registry=r)  # process_*: rendered by the API process, of itself
+        # xlserve_engine_process_*: rendered by the engine process, of itself (its /proc/self)
+        ProcessCollector(namespace=ENGINE_PROCESS_NAMESPACE, registry=r)
 
     # -- series that exist before their first event ----------------------------------------------
     # A counter appears at its first increment, so without these the first error, refusal or
@@ -136,16 +202,33 @@ class Metrics:
                     counter.labels(model, tier)
 
     def declare_api_series(self, models: list[str], error_types: list[str]) -> None:
-        """The API process's counters at 0 for every model and error type."""
+        """The API process's counters at 0 for every model and error type (errors also for model
+        "", those of requests that name no served model)."""
         for model in models:
             self.memory_reused_tokens.labels(model)
             self.engine_restarts.labels(model)
+        for model in [*models, ""]:
             for error_type in error_types:
                 self.request_errors.labels(model, error_type)
 
+    def declare_http_series(self, responses: list[tuple[str, str, int]]) -> None:
+        """xlserve_http_requests_total at 0 for each (route template, method, status)."""
+        for route, method, status in responses:
+            self.http_requests.labels(route, method, str(status))
+
+    def declare_tiers(self, budgets: dict[str, int | None], used) -> None:
+        """Each tier's budget, and its usage ratio read at every scrape from `used(tier)` (bytes
+        held there now: CacheManager.used), for the tiers that have a budget."""
+        for tier, budget in budgets.items():
+            if budget is None:
+                continue
+            self.session_cache_budget.labels(tier).set(budget)
+            self.session_cache_usage.labels(tier).set_function(
+                lambda tier=tier, budget=budget: used(tier) / budget if budget > 0 else float(used(tier) > 0))
+
     def render(self, engine_side: bool | None = None) -> bytes:
-        """The exposition: every family (None), the engine process's half (True) or the API
-        process's half (False)."""
+        """The exposition: every family (None; process metrics twice, both of this process), the
+        engine process's half (True) or the API process's half (False)."""
         if engine_side is None:
             return generate_latest(self.registry)
-        return generate_latest(_Families(self.registry, lambda name: (name in API_FAMILIES) != engine_side))
+        return generate_latest(_Families(self.registry, lambda name: is_api_family(name) != engine_side))

@@ -58,7 +58,8 @@ ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 
 YAML_FILES = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
-METRIC_NAME = re.compile(r"\bxlserve_[a-z0-9_]+")
+# xlserve's metrics, and the API process's own process metrics (prometheus_client's process_*)
+METRIC_NAME = re.compile(r"\b(?:xlserve|process)_[a-z0-9_]+")
 TARGET_LABELS = {"job", "instance", "namespace", "pod"}  # added by the scrape, not by the server
 
 
@@ -314,7 +315,7 @@ def check_query(query: str) -> list[str]:
     known = {n for n in used if n in series}
     labels_here = set().union(*(series[n] for n in known)) if known else set()
     # label matchers: the metric has the label, and the values are ones the server writes
-    for name, matchers in re.findall(r"(xlserve_[a-z0-9_]+)\s*\{([^}]*)\}", query):
+    for name, matchers in re.findall(r"\b((?:xlserve|process)_[a-z0-9_]+)\s*\{([^}]*)\}", query):
         for label, op, value in re.findall(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', matchers):
             if name in series and label not in series[name] | TARGET_LABELS:
                 problems.append(f"{name} has no label {label}")
@@ -686,8 +687,12 @@ def test_dashboard_is_templated():
     for panel in panels:
         assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
         assert all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in panel["targets"]), panel["title"]
-        # every panel follows the model variable (the replica count is not per model)
-        assert any("$model" in t["expr"] for t in panel["targets"]) or "up{" in panel["targets"][0]["expr"], panel["title"]
+        # every panel of per-model series follows the model variable (the replica count, HTTP
+        # responses, tier budgets and the processes are not per model)
+        queried = {n for t in panel["targets"] for n in METRIC_NAME.findall(t["expr"])}
+        assert queried or "up{" in panel["targets"][0]["expr"], panel["title"]
+        per_model = any("model" in exported_series().get(name, ()) for name in queried)
+        assert not per_model or any("$model" in t["expr"] for t in panel["targets"]), panel["title"]
 
 
 # --- images

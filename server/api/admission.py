@@ -13,27 +13,19 @@ chunk, unlike a BaseHTTPMiddleware):
   plain answers on a connection that stays open for the next request.
 
 Websocket connections pass through: `/v1/stream` admits (and counts) each request it runs.
+Every refusal here is counted as the error it is (server/api/errors.py `send_error`).
 """
 
 from __future__ import annotations
 
-import json
 from urllib.parse import unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, Unavailable
+from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, Unavailable, send_error
 from xlserve.server.api.protocol import json_depth_exceeded, too_deep
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
-
-
-async def _send_error(send: Send, error) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def unreadable_target(scope: Scope) -> InvalidRequest | None:
@@ -65,12 +57,12 @@ class AdmissionMiddleware:
             return
         state = getattr(scope["app"].state, "xlserve", None)
         if state is not None and state.draining:
-            await _send_error(send, Unavailable("the server is shutting down and admits no new requests",
-                                                code="shutting_down"))
+            await send_error(scope, send, Unavailable("the server is shutting down and admits no new requests",
+                                                      code="shutting_down"))
             return
         unreadable = unreadable_target(scope)
         if unreadable is not None:
-            await _send_error(send, unreadable)
+            await send_error(scope, send, unreadable)
             return
         limit = self.max_body_bytes
         headers = dict(scope["headers"])
@@ -78,7 +70,7 @@ class AdmissionMiddleware:
         too_large = lambda size: RequestTooLarge(  # noqa: E731
             f"request body is {size} bytes; the limit is {limit} (XLSERVE_MAX_REQUEST_BODY_BYTES)")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _send_error(send, too_large(int(length)))
+            await send_error(scope, send, too_large(int(length)))
             return
         json_body = is_json(headers)
         if scope["method"] in ("POST", "PUT", "PATCH") and (length is None or json_body):
@@ -92,12 +84,12 @@ class AdmissionMiddleware:
                     break
                 size += len(message.get("body", b""))
                 if size > limit:
-                    await _send_error(send, too_large(f"more than {limit}"))
+                    await send_error(scope, send, too_large(f"more than {limit}"))
                     return
                 if not message.get("more_body", False):
                     break
             if json_body and json_depth_exceeded(b"".join(m.get("body", b"") for m in messages)):
-                await _send_error(send, too_deep("the body"))
+                await send_error(scope, send, too_deep("the body"))
                 return
             replay, receive_from_client = iter(messages), receive
 

@@ -4,6 +4,11 @@ message format for requests that fail validation.
 Every error body is {"error": {"message", "type", "param", "code"}}, as OpenAI's API does it.
 The engine process and the session cache raise plain Python exceptions; `ERROR_KINDS` is the one
 place that says what a client sees for each of them.
+
+Every error a client is answered with is counted once, by `count_error`
+(xlserve_request_errors_total{model, type}), where it is answered: here for HTTP error
+responses (the app's exception handlers and `send_error`, which the ASGI middlewares use),
+and by serving for errors sent inside an SSE stream or as a websocket error frame.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope, Send
 
 from xlserve.server.cache.errors import (
     CacheError,
@@ -30,6 +36,7 @@ from xlserve.server.cache.errors import (
     SessionUnavailable,
 )
 from xlserve.server.engine.errors import (
+    Cancelled,
     EngineError,
     EngineGone,
     EngineLoading,
@@ -199,9 +206,12 @@ ERROR_KINDS: dict[type[BaseException], ErrorKind] = {
 }
 
 
-# every `type` an error body can carry (the API errors' own, and those ERROR_KINDS maps to)
+# every `type` an error body can carry (the API errors' own, and those ERROR_KINDS maps to), and
+# every status they are answered with
 ERROR_TYPES = sorted({cls.type for cls in (APIError, *APIError.__subclasses__())}
                      | {kind.type for kind in ERROR_KINDS.values()})
+ERROR_STATUSES = sorted({cls.status for cls in (APIError, *APIError.__subclasses__())}
+                        | {kind.status for kind in ERROR_KINDS.values()})
 
 
 def as_api_error(error: BaseException) -> APIError:
@@ -218,6 +228,50 @@ def as_api_error(error: BaseException) -> APIError:
     return mapped
 
 
+# -- counting: every error a client is answered with, once -----------------------------------------
+
+
+def count_error(state: Any, error: APIError, model: str | None = None) -> None:
+    """Count one error answer in xlserve_request_errors_total{model, type}, where it is answered
+    (an HTTP error response, an error event in a stream, a websocket error frame). `state` is
+    the app's AppState (None before the app has started: nothing to count in); `model` the model
+    the request names, kept only when the server serves it ("" otherwise: a name a client chose
+    must never become a label value)."""
+    if state is None:
+        return
+    label = model if isinstance(model, str) and model in state.models else ""
+    state.metrics.request_errors.labels(label, error.type).inc()
+
+
+def requested_model(request: Request, body: Any = None) -> str | None:
+    """The model a request names: `model` in its JSON body (`body`, or the one FastAPI parsed,
+    which starlette keeps on the request; nothing is read here) or in its query string."""
+    if body is None:
+        body = getattr(request, "_json", None)
+    if isinstance(body, dict) and isinstance(body.get("model"), str):
+        return body["model"]
+    return request.query_params.get("model")
+
+
+def _app_state(app: Any) -> Any:
+    return getattr(app.state, "xlserve", None)
+
+
+async def send_error(scope: Scope, send: Send, error: APIError) -> None:
+    """Answer an HTTP request with `error` from an ASGI middleware (before any route runs), counted."""
+    count_error(_app_state(scope["app"]), error)
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode(), value.encode()) for name, value in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# a request whose client went away before its answer (nginx's code): nobody reads this answer,
+# and it is no error of the server's, so it is not counted as one
+CLIENT_CLOSED_REQUEST = 499
+
+
 class ErrorResponse(JSONResponse):
     """An error body as ASCII JSON (non-ASCII escaped): whatever a message or param quotes,
     even text that cannot become UTF-8, can be sent, so an error never turns into a 500."""
@@ -229,22 +283,26 @@ class ErrorResponse(JSONResponse):
 def install_error_handlers(app: FastAPI) -> None:
     """Whatever a route lets out becomes the one error body: API errors as raised, engine and
     cache errors through ERROR_KINDS, invalid requests in the one validation format, unknown
-    paths and methods as their HTTP status, anything else a 500 that names only the class."""
+    paths and methods as their HTTP status, anything else a 500 that names only the class.
+    Each is counted (`count_error`) as it is answered."""
+
+    def answer(request: Request, error: APIError, body: Any = None) -> ErrorResponse:
+        count_error(_app_state(request.app), error, requested_model(request, body))
+        return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
-        return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
+        return answer(request, error)
 
     @app.exception_handler(CacheError)
     @app.exception_handler(EngineError)
     async def _mapped(request: Request, error: Exception):
-        api_error = as_api_error(error)
-        return ErrorResponse(api_error.body(), status_code=api_error.status, headers=api_error.headers)
+        return answer(request, as_api_error(error))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):
         invalid = validation_error(error.errors(), containers=REQUEST_PARTS, document=error.body)
-        return ErrorResponse(invalid.body(), status_code=invalid.status)
+        return answer(request, invalid, error.body)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException):
@@ -257,10 +315,15 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "the body nests arrays and objects too deeply"
         elif isinstance(cause, UnicodeDecodeError):
             message = f"the body is not valid UTF-8: {cause.reason} at byte {cause.start}"
-        return ErrorResponse(error_body(message, kinds.get(error.status_code, "http_error")),
-                             status_code=error.status_code, headers=getattr(error, "headers", None))
+        http_error = APIError(message, headers=dict(getattr(error, "headers", None) or {}))
+        http_error.status, http_error.type = error.status_code, kinds.get(error.status_code, "http_error")
+        return answer(request, http_error)
+
+    @app.exception_handler(Cancelled)
+    async def _cancelled(request: Request, error: Cancelled):
+        # the client of a plain (not streamed) request went away and its generation was dropped
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):
-        api_error = as_api_error(error)
-        return ErrorResponse(api_error.body(), status_code=api_error.status)
+        return answer(request, as_api_error(error))

@@ -50,6 +50,10 @@ class EngineRequest:
     rows: list[Row] = field(init=False, default_factory=list)  # its choices, once the prompt is in
     done: list[ChoiceFinished] = field(init=False, default_factory=list)
     failed: bool = field(init=False, default=False)
+    # time.monotonic() at its phases' starts (the queue, prefill and decode time histograms)
+    queued_at: float | None = field(init=False, default=None)  # enqueued
+    scheduled_at: float | None = field(init=False, default=None)  # first admitted into the running batch
+    first_token_at: float | None = field(init=False, default=None)  # first token (or an append's result)
 
     def __post_init__(self):
         self.prompt = list(self.prompt)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import deque
 
 import torch
@@ -93,6 +94,9 @@ class Engine:
         self._generated_metric = metrics.generation_tokens.labels(name)
         self._prompt_metric = metrics.prompt_tokens.labels(name)
         self._batch_metric = metrics.batch_size.labels(name)
+        self._queue_time_metric = metrics.request_queue_time.labels(name)
+        self._prefill_time_metric = metrics.request_prefill_time.labels(name)
+        self._decode_time_metric = metrics.request_decode_time.labels(name)
         self._cancelled_metric = metrics.requests.labels(name, "cancelled")  # outcomes: finish_reason
         thread_ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(thread_ready,), name=f"engine-{name}", daemon=True)
@@ -167,6 +171,7 @@ class Engine:
                     "(XLSERVE_MAX_QUEUED_REQUESTS); retry later",
                     code="queue_full",
                 )
+            request.queued_at = time.monotonic()
             self._waiting.append(request)
             self._waiting_metric.set(len(self._waiting))
             self._condition.notify()
@@ -251,6 +256,9 @@ class Engine:
             self._waiting.popleft()
             self._running.append(request)
             self._running_rows += request.width
+            request.scheduled_at = time.monotonic()
+            if request.queued_at is not None:
+                self._queue_time_metric.observe(request.scheduled_at - request.queued_at)
         self._waiting_metric.set(len(self._waiting))
 
     def _remove(self, request: EngineRequest) -> None:
@@ -365,6 +373,7 @@ class Engine:
         if self.model.chunking_invariant and request.fed > request.reused:
             self._offer(request, request.prompt, data)  # the next request with this prompt starts here
         if request.kind == "append":
+            self._first_output(request)  # an append's result is its only output
             scored = [logprob for logprob in request.prompt_logprobs if logprob is not None]
             self._emit(request, Appended(data=data, logprob=float(sum(scored)), scored=len(scored)))
             self._remove(request)
@@ -430,6 +439,8 @@ class Engine:
         text, stopped = row.stops.push(row.detokenizer.push(token))
         top = top_alternatives(row.host_log_probs, params.logprobs) if params.logprobs else []
         self._emit(row.request, TokenEvent(token, text, logprob, top, row.index))
+        if row.request.first_token_at is None:
+            self._first_output(row.request)
         if stopped:
             row.finish_reason = "stop"
         elif row.generated >= params.max_tokens:
@@ -512,7 +523,17 @@ class Engine:
             data = SessionData(state=request.state, tokens=request.tokens, next_log_probs=request.next_log_probs)
         self._finish(request, data, sorted(request.done, key=lambda c: c.index))
 
+    def _first_output(self, request: EngineRequest) -> None:
+        """The request's first token (or an append's result): its prefill phase is over."""
+        request.first_token_at = time.monotonic()
+        if request.scheduled_at is not None:
+            self._prefill_time_metric.observe(request.first_token_at - request.scheduled_at)
+
     def _finish(self, request: EngineRequest, data: SessionData, choices: list[ChoiceFinished]) -> None:
+        if request.first_token_at is None:  # max_tokens=0: the prompt was all there was to do
+            self._first_output(request)
+        else:
+            self._decode_time_metric.observe(time.monotonic() - request.first_token_at)
         completion = sum(c.completion_tokens for c in choices)
         self._emit(request, Finished(choices=choices, prompt_tokens=len(request.prompt), completion_tokens=completion,
                                      cached_tokens=request.cached_tokens, data=data))

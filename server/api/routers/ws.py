@@ -40,8 +40,9 @@ router = APIRouter()
 class _RunningRequest:
     """The request running on a connection."""
 
-    def __init__(self, request_id: str | None):
+    def __init__(self, request_id: str | None, model: str | None = None):
         self.id = request_id
+        self.model = model  # the model a generate frame named (errors are counted under it)
         self.cancellation = Cancellation()
         self.task: asyncio.Task | None = None
 
@@ -80,7 +81,7 @@ class _Connection:
                     await asyncio.gather(running.task, return_exceptions=True)
 
     async def handle(self, text: str | None) -> None:
-        request_id = None
+        request_id = frame = None
         try:
             request_id = frame_id(text)
             frame = parse_frame(text, max_bytes=self.state.settings.max_request_body_bytes)
@@ -94,7 +95,7 @@ class _Connection:
                 raise Conflict(f"request {self.current.id!r} is still running; send one request at a time "
                                "(or cancel it first)", code="request_in_progress")
             check_session_header(self.session_header, frame.session_id)
-            request = _RunningRequest(frame.id)
+            request = _RunningRequest(frame.id, getattr(frame, "model", None))
             if isinstance(frame, GenerateFrame):
                 # validated, holding its session and queued before this returns: a refusal is answered here
                 frames = await generation_frames(self.state, frame, self.owner, request.cancellation)
@@ -104,7 +105,7 @@ class _Connection:
             self.state.inflight += 1
             request.task = asyncio.create_task(self._answer(request, frames))
         except Exception as error:  # refused before it started: an error frame, the connection stays
-            await self.send(error_frame(request_id, error))
+            await self.send(error_frame(request_id, error, self.state, getattr(frame, "model", None)))
 
     def _finished_with(self, request: _RunningRequest) -> None:
         """Let the connection take its next request (at once when the client can see the answer's end)."""
@@ -121,7 +122,7 @@ class _Connection:
                     await self.send(frame)
         except Exception as error:
             self._finished_with(request)
-            await self.send(error_frame(request.id, error))
+            await self.send(error_frame(request.id, error, self.state, request.model))
         finally:
             self._finished_with(request)
 
@@ -135,7 +136,7 @@ async def stream(websocket: WebSocket):
     try:
         owner = owner_of(websocket)
     except APIError as error:
-        await websocket.send_text(json.dumps(error_frame(None, error)))
+        await websocket.send_text(json.dumps(error_frame(None, error, state)))
         await websocket.close(code=1008, reason="authentication failed")
         return
     await _Connection(websocket, state, owner).run()

@@ -160,11 +160,8 @@ async def complete(completion: Completion, request: Request) -> dict:
             watcher.cancel()
             answer = completion.response(finished)
             await completion.commit(finished, answer if completion.remembering else None)
-        except BaseException as error:
-            completion.count_error(error)
-            if isinstance(error, ValueError):
-                raise InvalidRequest(str(error)) from None
-            raise
+        except ValueError as error:  # answered (and counted) by the app's error handlers
+            raise InvalidRequest(str(error)) from None
         finally:
             watcher.cancel()
     return answer

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from xlserve.server.api.deps import AppState
-from xlserve.server.api.errors import InvalidRequest
+from xlserve.server.api.errors import InvalidRequest, count_error
 from xlserve.server.api.protocol import MAX_PROMPTS, CompletionRequest, SamplingFields
 from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.cache.prefix_keys import scope_key
@@ -99,16 +99,13 @@ class Generation:
             yield self
 
     async def submit(self) -> Submission:
-        """Queue the generation; raises QueueFull / ShuttingDown / ValueError before anything started."""
-        try:
-            if len(self.prompts) > 1:
-                return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params,
-                                                self.prefix_scope())
-            return await self.state.engine.submit(self.served.name, self.tokens, dataclasses.asdict(self.params),
-                                                  self.lease, self.prefix_scope())
-        except BaseException as error:
-            self.count_error(error)
-            raise
+        """Queue the generation; raises QueueFull / ShuttingDown / ValueError before anything started
+        (answered, and counted, as an HTTP error or a websocket error frame)."""
+        if len(self.prompts) > 1:
+            return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params,
+                                            self.prefix_scope())
+        return await self.state.engine.submit(self.served.name, self.tokens, dataclasses.asdict(self.params),
+                                              self.lease, self.prefix_scope())
 
     def prefix_scope(self) -> bytes | None:
         """Where a request without a session files and finds cached prefix states: its model, its
@@ -118,10 +115,12 @@ class Generation:
         return scope_key(self.served.name, self.owner, self.body.cache_salt)
 
     def count_error(self, error: BaseException) -> None:
-        """Outcomes: xlserve_requests_total by finish reason (the engine counts stop, length and
-        cancelled), xlserve_request_errors_total by error type (here)."""
+        """Count an error sent inside a stream that has started (an SSE error event). Outcomes:
+        xlserve_requests_total by finish reason (the engine counts stop, length and cancelled),
+        xlserve_request_errors_total by error type (server/api/errors.py's count_error, where
+        each error is answered: an HTTP error status, a websocket error frame, or here)."""
         if not isinstance(error, (Cancelled, asyncio.CancelledError)):
-            self.state.metrics.request_errors.labels(self.body.model, error_for(error).type).inc()
+            count_error(self.state, error_for(error), self.body.model)
 
     async def commit(self, finished: Finished, result: dict | None = None) -> SessionInfo | None:
         """Make the generation's effect on its session permanent (durable when this returns);

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 
 from xlserve.server.api.deps import AppState
+from xlserve.server.api.errors import count_error
 from xlserve.server.api.protocol import AppendFrame, GenerateFrame
 from xlserve.server.engine.types import Cancelled, ChoiceFinished, Finished, TokenEvent
 from xlserve.server.api.serving.generation import Generation
@@ -16,10 +17,13 @@ from xlserve.server.api.serving.sessions import Cancellation, append_to_session
 # -- the websocket's answers (docs/websocket.md) --------------------------------------------------
 
 
-def error_frame(request_id: str | None, error: BaseException) -> dict:
+def error_frame(request_id: str | None, error: BaseException, state: AppState | None = None,
+                model: str | None = None) -> dict:
     """The `error` frame for anything a request raised; `retry_after` (seconds) where an HTTP
-    answer would carry Retry-After."""
+    answer would carry Retry-After. With the app's `state` the error is counted, under `model`
+    when the frame named a served one (server/api/errors.py's count_error): once per frame sent."""
     api_error = error_for(error)
+    count_error(state, api_error, model)
     frame = {"type": "error", "id": request_id, **api_error.body()}
     if "Retry-After" in api_error.headers:
         frame["retry_after"] = int(api_error.headers["Retry-After"])
@@ -53,32 +57,28 @@ async def _generation_frames(generation: Generation, request_id: str | None,
                 return
             submission = cancellation.track(await generation.submit())
             yield QUEUED
-            try:
-                async for event in submission.events():
-                    if isinstance(event, TokenEvent):
-                        generated += 1
-                        texts.append(event.text)
-                        token = {"type": "token", "id": request_id, "text": event.text, "token": event.token,
-                                 "logprob": event.logprob}
-                        if want_top:
-                            token["top_logprobs"] = {token_name(t): v for t, v in event.top}
-                        yield token
-                    elif isinstance(event, ChoiceFinished):
-                        choice_end = event
-                    elif isinstance(event, Finished):
-                        tail = choice_end.text_tail if choice_end else ""
-                        counts = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                        remembered = {"finish_reason": event.finish_reason, "text": "".join(texts) + tail,
-                                      "usage": counts}
-                        info = await generation.commit(event, remembered if generation.remembering else None)
-                        done = {"type": "done", "id": request_id, "finish_reason": event.finish_reason,
-                                "text": tail, "usage": counts, "session_id": body.session_id}
-                        if info is not None:
-                            done.update(session_tokens=info.tokens, version=info.version)
-                        yield done
-            except Exception as error:
-                generation.count_error(error)
-                raise
+            async for event in submission.events():
+                if isinstance(event, TokenEvent):
+                    generated += 1
+                    texts.append(event.text)
+                    token = {"type": "token", "id": request_id, "text": event.text, "token": event.token,
+                             "logprob": event.logprob}
+                    if want_top:
+                        token["top_logprobs"] = {token_name(t): v for t, v in event.top}
+                    yield token
+                elif isinstance(event, ChoiceFinished):
+                    choice_end = event
+                elif isinstance(event, Finished):
+                    tail = choice_end.text_tail if choice_end else ""
+                    counts = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                    remembered = {"finish_reason": event.finish_reason, "text": "".join(texts) + tail,
+                                  "usage": counts}
+                    info = await generation.commit(event, remembered if generation.remembering else None)
+                    done = {"type": "done", "id": request_id, "finish_reason": event.finish_reason,
+                            "text": tail, "usage": counts, "session_id": body.session_id}
+                    if info is not None:
+                        done.update(session_tokens=info.tokens, version=info.version)
+                    yield done
     except Cancelled:
         yield {"type": "done", "id": request_id, "finish_reason": "cancelled", "text": "",
                "usage": usage(len(generation.tokens), generated), "session_id": body.session_id}

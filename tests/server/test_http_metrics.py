@@ -1,0 +1,305 @@
+"""HTTP responses and errors as the API process counts them: the app `build_app` makes, with a
+stand-in for the engine process (no model, no torch work), driven through starlette's test
+client. What each response counts in xlserve_http_requests_total{route, method, status} and
+xlserve_request_errors_total{model, type}: once, under the route's template, and an error
+under the model only when the server serves it.
+
+The engine-side metrics (tier budgets and usage, request phases, the engine process's own
+process metrics) are checked here too, on `Metrics` itself and on a real `Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from xlserve.models.tokenizer import ByteTokenizer
+from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.errors import ERROR_TYPES
+from xlserve.server.app import build_app, expected_responses
+from xlserve.server.cache.errors import SessionLocked, SessionNotFound
+from xlserve.server.engine.errors import Cancelled, EngineLoading, QueueFull, RequestFailed
+from xlserve.server.engine.types import ChoiceFinished, Finished, Submission, TokenEvent
+from xlserve.server.metrics import UNMATCHED_ROUTE, Metrics
+from xlserve.server.settings import Settings
+
+MODEL = "m"
+
+
+class FakeEngine:
+    """What the routes ask the engine process for, answered from a script: `submit` hands out a
+    Submission filled with `events` (an exception among them is raised to the consumer), or
+    raises `refuse`; every session operation raises `session_error`."""
+
+    status = "ready"
+    alive = False  # /metrics renders the API half only
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.events: list = []
+        self.refuse: BaseException | None = None
+        self.session_error: BaseException = SessionNotFound("s")
+
+    async def submit(self, model, tokens, params, lease, scope):
+        if self.refuse is not None:
+            raise self.refuse
+        submission = Submission(model, self.metrics, threading.Event(), wake=lambda: None)
+        for event in self.events:
+            submission.queue.put_nowait(event)
+        return submission
+
+    async def session_call(self, op, *args, **kwargs):
+        raise self.session_error
+
+    async def acquire(self, session_id, owner, key):
+        raise self.session_error
+
+    def unavailable_error(self):
+        return EngineLoading("the server is still loading its models; retry shortly", code="loading")
+
+
+@pytest.fixture
+def served():
+    """(client, state): the app with one served model, its state filled in as the lifespan would."""
+    settings = Settings(models="none-loaded", api_keys="key", max_request_body_bytes=1000)
+    app = build_app(settings)
+    metrics = Metrics()
+    state = AppState(settings=settings, metrics=metrics, api_keys=["key"], ready=True)
+    state.engine = FakeEngine(metrics)
+    state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, {"id": MODEL, "object": "model"})}
+    metrics.declare_api_series(list(state.models), ERROR_TYPES)  # as the lifespan does
+    metrics.declare_http_series(expected_responses(app))
+    app.state.xlserve = state
+    client = TestClient(app, headers={"Authorization": "Bearer key"})  # not entered: no lifespan, no engine process
+    yield client, state
+    client.close()
+
+
+def samples(metrics: Metrics, name: str) -> dict[tuple, float]:
+    """{label values sorted by label name: value} of one series name in the exposition."""
+    found = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name:
+                found[tuple(value for _, value in sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def responses(state) -> dict[tuple, float]:
+    """(method, route, status) -> responses counted, those above 0."""
+    return {key: value for key, value in samples(state.metrics, "xlserve_http_requests_total").items() if value}
+
+
+def errors(state) -> dict[tuple, float]:
+    """(model, type) -> errors counted, those above 0."""
+    return {key: value for key, value in samples(state.metrics, "xlserve_request_errors_total").items() if value}
+
+
+def test_responses_are_counted_by_route_template_method_and_status(served):
+    client, state = served
+    assert client.get("/v1/models").status_code == 200
+    assert client.get(f"/v1/models/{MODEL}").status_code == 200
+    assert client.get("/v1/models/nope").status_code == 404
+    assert client.get("/v1/sessions/abc").status_code == 404
+    assert client.get("/v1/sessions/def").status_code == 404
+    assert client.delete("/v1/models").status_code == 405
+    for path in ("/nope", "/wp-admin/x.php", "/v1/sessions/a/b/c"):
+        assert client.get(path).status_code == 404
+    assert responses(state) == {
+        ("GET", "/v1/models", "200"): 1,
+        ("GET", "/v1/models/{name}", "200"): 1,
+        ("GET", "/v1/models/{name}", "404"): 1,
+        ("GET", "/v1/sessions/{session_id}", "404"): 2,
+        ("DELETE", "/v1/models", "405"): 1,
+        ("GET", UNMATCHED_ROUTE, "404"): 3,  # raw paths never become label values
+    }
+    durations = samples(state.metrics, "xlserve_http_request_duration_seconds_count")
+    assert durations[("GET", "/v1/sessions/{session_id}")] == 2
+
+
+def test_every_error_is_counted_once_by_type_and_served_model(served):
+    client, state = served
+    engine = state.engine
+    assert errors(state) == {}
+    # validation (400), a model the server does not serve (404: not a label value), auth (401)
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}).status_code == 400
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "bogus": 1}).status_code == 400
+    assert client.post("/v1/completions", json={"model": "someone-elses", "prompt": "x"}).status_code == 404
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
+                       headers={"Authorization": "Bearer wrong"}).status_code == 401
+    # refused by the engine before it accepted the request (429), a busy session (409)
+    engine.refuse = QueueFull("full", code="queue_full")
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 429
+    engine.refuse = None
+    engine.session_error = SessionLocked("s")
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "session_id": "s"}).status_code == 409
+    assert client.post("/v1/sessions/s/append", json={"text": "x"}).status_code == 409  # names no model
+    # the admission's own answers: a body past the limit (413)
+    assert client.post("/v1/completions", content=b'{"model": "m", "prompt": "' + b"x" * 2000 + b'"}',
+                       headers={"content-type": "application/json"}).status_code == 413
+    assert errors(state) == {
+        (MODEL, "invalid_request_error"): 2,
+        ("", "not_found_error"): 1,
+        (MODEL, "authentication_error"): 1,  # it names a served model: counted under it
+        (MODEL, "rate_limit_error"): 1,
+        (MODEL, "session_busy"): 1,
+        ("", "session_busy"): 1,
+        ("", "request_too_large"): 1,
+    }
+    counted = responses(state)
+    assert counted[("POST", "/v1/completions", "413")] == 1  # answered before routing, under its route
+    assert counted[("POST", "/v1/sessions/{session_id}/append", "409")] == 1
+
+
+def test_a_stream_counts_once_with_its_status_and_an_error_in_it_once(served):
+    client, state = served
+    engine = state.engine
+    engine.events = [TokenEvent(65, "A", -0.1, []), ChoiceFinished(0, "length", "", 1),
+                     Finished([ChoiceFinished(0, "length", "", 1)], 1, 1, 0, None)]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200 and "[DONE]" in response.read().decode()
+    engine.events = [TokenEvent(65, "A", -0.1, []), RequestFailed("row failed", code="sampling_failed")]
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        text = response.read().decode()
+        assert response.status_code == 200 and '"internal_error"' in text
+    # a plain request that fails after it was accepted: the handler answers and counts it
+    assert client.post("/v1/completions", json={**body, "stream": False}).status_code == 500
+    assert responses(state) == {("POST", "/v1/completions", "200"): 2, ("POST", "/v1/completions", "500"): 1}
+    assert errors(state) == {(MODEL, "internal_error"): 2}
+
+
+def test_a_client_that_left_is_no_server_error(served):
+    client, state = served
+    state.engine.events = [Cancelled()]
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+    assert response.status_code == 499
+    assert responses(state) == {("POST", "/v1/completions", "499"): 1}
+    assert errors(state) == {}
+
+
+def test_gate_answers_count_under_their_route(served):
+    client, state = served
+    models, state.models = state.models, {}  # still loading: everything but the open paths gets 503
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 503
+    with client.websocket_connect("/v1/stream") as ws:
+        assert ws.receive_json()["error"]["code"] == "loading"
+    state.models = models
+    state.draining = True
+    assert client.get("/v1/sessions/abc").status_code == 503
+    assert client.get("/metrics").status_code == 200  # open while draining
+    counted = responses(state)
+    assert counted[("POST", "/v1/completions", "503")] == 1
+    assert counted[("GET", "/v1/stream", "101")] == 1
+    assert counted[("GET", "/v1/sessions/{session_id}", "503")] == 1
+    assert errors(state) == {("", "service_unavailable"): 3}
+
+
+def test_websocket_handshakes_and_frames_are_counted(served):
+    client, state = served
+    with client.websocket_connect("/v1/stream") as ws:  # the key in the Authorization header
+        ws.send_text("not json")
+        assert ws.receive_json()["type"] == "error"
+        ws.send_json({"type": "generate", "model": MODEL, "prompt": "x", "max_tokens": -1})  # invalid: no model yet
+        assert ws.receive_json()["type"] == "error"
+        state.engine.refuse = QueueFull("full", code="queue_full")
+        ws.send_json({"type": "generate", "model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert ws.receive_json()["error"]["type"] == "rate_limit_error"
+        state.engine.refuse = None
+        state.engine.events = [TokenEvent(65, "A", -0.1, []), RequestFailed("row failed", code="sampling_failed")]
+        ws.send_json({"type": "generate", "model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert ws.receive_json()["type"] == "token"
+        assert ws.receive_json()["error"]["code"] == "sampling_failed"
+    with TestClient(client.app).websocket_connect("/v1/stream") as ws:  # no key
+        assert ws.receive_json()["error"]["type"] == "authentication_error"
+    assert responses(state) == {("GET", "/v1/stream", "101"): 2}
+    assert errors(state) == {("", "invalid_request_error"): 2, (MODEL, "rate_limit_error"): 1,
+                             (MODEL, "internal_error"): 1, ("", "authentication_error"): 1}
+
+
+def test_responses_the_api_answers_exist_at_zero(served):
+    client, state = served
+    declared = set(samples(state.metrics, "xlserve_http_requests_total"))
+    assert {("POST", "/v1/completions", status) for status in ("200", "400", "401", "404", "409", "429", "503")} \
+        <= declared
+    assert ("GET", "/v1/sessions/{session_id}", "404") in declared and ("GET", "/v1/stream", "101") in declared
+    assert ("GET", "/docs", "200") in declared and ("GET", "/docs", "404") not in declared  # a page: 200 only
+    assert not [key for key in declared if key[0] == "HEAD"]
+    assert len(declared) < 250  # bounded: routes x methods x statuses, never paths
+    client.request("FOO", "/v1/models")  # a method that is no HTTP method is not a label value
+    assert ("other", "/v1/models", "405") in responses(state)
+
+
+def test_errors_of_every_type_exist_at_zero_for_requests_of_no_served_model():
+    metrics = Metrics()
+    metrics.declare_api_series([MODEL], ERROR_TYPES)
+    declared = samples(metrics, "xlserve_request_errors_total")
+    assert {("", t) for t in ERROR_TYPES} | {(MODEL, t) for t in ERROR_TYPES} == set(declared)
+
+
+# -- the engine process's side -------------------------------------------------------------------
+
+
+def test_tier_budgets_and_usage_ratio_are_read_at_every_scrape():
+    metrics = Metrics()
+    used = {"device": 0, "host": 0, "disk": 0, "redis": 5}
+    metrics.declare_tiers({"device": 1000, "host": 4000, "disk": 0, "redis": None}, used.__getitem__)
+    assert samples(metrics, "xlserve_session_cache_budget_bytes") == {("device",): 1000, ("host",): 4000,
+                                                                      ("disk",): 0}
+    assert samples(metrics, "xlserve_session_cache_usage_ratio") == {("device",): 0, ("host",): 0, ("disk",): 0}
+    used.update(device=750, host=4000)
+    assert samples(metrics, "xlserve_session_cache_usage_ratio") == {("device",): 0.75, ("host",): 1, ("disk",): 0}
+
+
+def test_each_process_renders_its_own_process_metrics():
+    metrics = Metrics()
+    api = {f.name for f in text_string_to_metric_families(metrics.render(engine_side=False).decode())}
+    engine = {f.name for f in text_string_to_metric_families(metrics.render(engine_side=True).decode())}
+    assert {"process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds"} <= api
+    assert {"xlserve_engine_process_cpu_seconds", "xlserve_engine_process_resident_memory_bytes",
+            "xlserve_engine_process_open_fds"} <= engine
+    assert not {name for name in api if "engine_process" in name}
+    assert not {name for name in engine if name.startswith("process_")}
+    assert {"xlserve_http_requests", "xlserve_request_errors"} <= api
+    assert {"xlserve_request_queue_time_seconds", "xlserve_session_cache_usage_ratio"} <= engine - api
+
+
+def test_queue_prefill_and_decode_times_are_observed_per_request():
+    """One batch row: the second of two requests waits in the queue while the first decodes.
+    Each phase is observed once per request that went through it: a max_tokens=0 request and
+    an append have no decode phase."""
+    from tests.server.test_engine import HistoryModel, collect, generation, make_engine
+    from xlserve.server.engine import local
+
+    engine = make_engine(HistoryModel(), max_batch_size=1)
+
+    async def main():
+        started = time.monotonic()
+        answers = await asyncio.gather(collect(engine, generation(engine, "ab", max_tokens=40)),
+                                       collect(engine, generation(engine, "cd", max_tokens=40)))
+        took = time.monotonic() - started
+        await collect(engine, generation(engine, "ef", max_tokens=0))
+        await local.append(engine, engine.fresh_data(), list(b"gh"))
+        return answers, took
+
+    try:
+        answers, took = asyncio.run(main())
+    finally:
+        engine.close()
+    assert [len(answer["tokens"][0]) for answer in answers] == [40, 40]
+
+    def histogram(name):
+        found = samples(engine.metrics, f"xlserve_request_{name}_time_seconds_count"), \
+            samples(engine.metrics, f"xlserve_request_{name}_time_seconds_sum")
+        return found[0][("m",)], found[1][("m",)]
+
+    queued, queue_seconds = histogram("queue")
+    prefilled, _ = histogram("prefill")
+    decoded, decode_seconds = histogram("decode")
+    assert (queued, prefilled, decoded) == (4, 4, 2)
+    # the second request waited for (most of) the first one's decoding, and nothing took longer than the run
+    assert 0 < decode_seconds / 2 <= took and queue_seconds >= 0.5 * decode_seconds / 2
