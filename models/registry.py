@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     "linformer": "xlserve.models.linformer:Linformer",
     "lite-transformer": "xlserve.models.lite_transformer:LiteTransformer",
     "conformer": "xlserve.models.conformer:Conformer",
+    "reformer": "xlserve.models.reformer:Reformer",
 }
 
 

@@ -38,6 +38,7 @@ from xlserve.models.interface import LanguageModel
 IMPORTERS: dict[str, str] = {
     "transfo-xl": "xlserve.models.convert.transfo_xl",
     "xlnet": "xlserve.models.convert.xlnet",
+    "reformer": "xlserve.models.convert.reformer",
 }
 
 

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "sessions": "sessions",
     "throughput": "throughput",
     "vs-hf-xlnet": "vs_hf_xlnet",
+    "vs-hf-reformer": "vs_hf_reformer",
     "eval-speed": "eval_speed",
     "memory-quality": "memory_quality",
     "soak": "soak",
