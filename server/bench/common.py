@@ -84,6 +84,19 @@ def generate_greedy(step: Callable[[torch.Tensor], torch.Tensor], prompt: torch.
             "decode_s": decode_s}
 
 
+def generate_with_state(model, prompt: torch.Tensor, new_tokens: int, chunk: int | None = None) -> dict:
+    """`generate_greedy` through an xlserve model's own state: the prompt in calls of `chunk`
+    tokens (None: one call), then one incremental call per token."""
+    state = model.init_state(prompt.shape[0])
+
+    def step(ids):
+        nonlocal state
+        out, state = model(ids, state)
+        return out[:, -1]
+
+    return generate_greedy(step, prompt, new_tokens, chunk)
+
+
 @contextmanager
 def figure(path: Path, title: str, size: tuple[float, float] = (6, 4)) -> Iterator:
     """The axes of a new figure; on leaving, the title and legend are added and it is saved to `path`."""

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from xlserve.server.bench.common import (
-    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy, save_results,
+    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy,
+    generate_with_state, save_results,
 )
 
 FULL = dict(
@@ -99,17 +100,6 @@ def generate_reference(reference, prompt, new_tokens: int, chunk: int) -> dict:
     return generate_greedy(step, prompt, new_tokens, chunk)
 
 
-def generate_ours(model, prompt, new_tokens: int, chunk: int) -> dict:
-    state = model.init_state(prompt.shape[0])
-
-    def step(ids):
-        nonlocal state
-        out, state = model(ids, state)
-        return out[:, -1]
-
-    return generate_greedy(step, prompt, new_tokens, chunk)
-
-
 def plot(result: dict, path: Path) -> None:
     rows, s = result["results"], result["setting"]
     title = (f"greedy {s['new_tokens']} tokens, {s['n_layer']} layers, d_model {s['d_model']}, "
@@ -138,7 +128,7 @@ def run(args) -> dict:
     rows = []
     for batch in args.batch_sizes:
         prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
-        ours = generate_ours(model, prompt, args.new_tokens, args.chunk)
+        ours = generate_with_state(model, prompt, args.new_tokens, args.chunk)
         ref = generate_reference(reference, prompt, args.new_tokens, args.chunk)
         identical = torch.equal(ours["tokens"], ref["tokens"])
         generated = batch * args.new_tokens

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from xlserve.server.bench.common import (
-    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy, save_results,
+    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_with_state, save_results,
 )
 
 ENWIK8_LAYERS = ["local", "local", "lsh", "local", "local", "local", "lsh", "local", "local", "local", "lsh", "local"]
@@ -93,17 +93,6 @@ def build_reference(args):
         return ReformerModelWithLMHead(config).eval()
 
 
-def generate_ours(model, prompt, new_tokens: int) -> dict:
-    state = model.init_state(prompt.shape[0])
-
-    def step(ids):  # the prompt in one call, then one incremental step per token
-        nonlocal state
-        out, state = model(ids, state)
-        return out[:, -1]
-
-    return generate_greedy(step, prompt, new_tokens)
-
-
 def generate_reference(reference, prompt, new_tokens: int) -> dict:
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -139,9 +128,9 @@ def run(args) -> dict:
     reference = build_reference(args)
     model = convert_reference(reference)
     prompt = torch.randint(0, 256, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
-    generate_ours(model, prompt[:, :8], 2)  # warm up both (allocations, generate()'s first-call set-up)
+    generate_with_state(model, prompt[:, :8], 2)  # warm up both (allocations, generate()'s first-call set-up)
     generate_reference(reference, prompt[:, :8], 2)
-    ours = generate_ours(model, prompt, args.new_tokens)
+    ours = generate_with_state(model, prompt, args.new_tokens)
     ref = generate_reference(reference, prompt, args.new_tokens)
     generated = args.new_tokens
     ours_total = ours["prefill_s"] + ours["decode_s"]

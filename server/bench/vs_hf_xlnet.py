@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from xlserve.server.bench.common import (
-    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy, save_results,
+    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy,
+    generate_with_state, save_results,
 )
 
 FULL = dict(n_layer=12, d_model=768, n_head=12, d_inner=3072, vocab_size=32000, prompt_len=256, new_tokens=256,
@@ -71,17 +72,6 @@ def build_reference(args):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return XLNetLMHeadModel(config).eval()
-
-
-def generate_ours(model, prompt, new_tokens: int) -> dict:
-    state = model.init_state(prompt.shape[0])
-
-    def step(ids):  # the prompt in one call, then one incremental step per token
-        nonlocal state
-        out, state = model(ids, state)
-        return out[:, -1]
-
-    return generate_greedy(step, prompt, new_tokens)
 
 
 def _step_inputs(ids):
@@ -151,8 +141,8 @@ def run(args) -> dict:
     rows = []
     for batch in args.batch_sizes:
         prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
-        generate_ours(model, prompt[:, :8], 2)  # warm up (allocations, relative-key tables)
-        ours = generate_ours(model, prompt, args.new_tokens)
+        generate_with_state(model, prompt[:, :8], 2)  # warm up (allocations, relative-key tables)
+        ours = generate_with_state(model, prompt, args.new_tokens)
         exact = generate_reference_left_to_right(reference, prompt, args.new_tokens)
         ref = generate_reference(reference, prompt, args.new_tokens)
         generated = batch * args.new_tokens
