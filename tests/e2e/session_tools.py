@@ -73,3 +73,30 @@ def metric(text: str, name: str, **labels) -> float:
         if ",".join(sorted(inside.split(","))) == wanted:
             return float(line.split()[-1])
     return 0.0
+
+
+def race_generate_against_append(generating, appending, session_id: str, text: str, max_tokens: int = 600) -> dict:
+    """`generating` streams a completion on the session while `appending` appends `text` to it,
+    both from the same version: whoever commits second must be refused with a version conflict,
+    and only the winner's tokens count. Returns the session's info after the race (as
+    `generating` sees it), having checked that exactly one was refused and what the winner
+    left."""
+    before = info(generating, session_id)
+    with generating.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": max_tokens,
+                                                            "temperature": 0, "stream": True,
+                                                            "session_id": session_id}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        on_append = appending.post(f"/v1/sessions/{session_id}/append", json={"text": text})
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    stream_error = next((e["error"] for e in events if "error" in e), None)
+    refused = [stream_error] if stream_error else []
+    if on_append.status_code != 200:
+        refused.append(on_append.json()["error"])
+    assert len(refused) == 1, (on_append.text, stream_error)
+    assert refused[0]["type"] == "conflict" and refused[0]["code"] == "session_version_conflict"
+    final = info(generating, session_id)
+    assert final["version"] == before["version"] + 1 == info(appending, session_id)["version"]
+    winner_tokens = before["tokens"] + (len(text) if on_append.status_code == 200 else 1 + max_tokens)
+    assert final["tokens"] == winner_tokens  # the refused request left no trace
+    return final

@@ -8,7 +8,6 @@ at where the keys are."""
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 import redis
 
 from tests.e2e.server_process import ServerProcess
-from tests.e2e.session_tools import MODEL, append, create, document, info, ok
+from tests.e2e.session_tools import MODEL, append, create, document, info, ok, race_generate_against_append
 from tests.redis_topologies import redis_cluster  # noqa: F401  (fixture)
 
 SESSION_KEY = "xlserve:session:"  # server/cache/stores.py: the same keys as on a single Redis
@@ -92,22 +91,8 @@ def test_of_two_commits_from_one_version_one_wins_and_the_other_gets_a_conflict(
         assert step["version"] == 1 and info(a, session)["version"] == 1  # A sees B's commit through the cluster
 
         # A generates while B commits: whoever commits second started from version 1 and is refused
-        with a.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 600,
-                                                       "temperature": 0, "stream": True, "session_id": session}) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            on_b = b.post(f"/v1/sessions/{session}/append", json={"text": document(8)})
-            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        stream_error = next((e["error"] for e in events if "error" in e), None)
-        refused = [stream_error] if stream_error else []
-        if on_b.status_code != 200:
-            refused.append(on_b.json()["error"])
-        assert len(refused) == 1, (on_b.text, stream_error)
-        assert refused[0]["type"] == "conflict" and refused[0]["code"] == "session_version_conflict"
-        final = info(a, session)
-        assert final["version"] == 2 and info(b, session)["version"] == 2
-        winner_tokens = step["session_tokens"] + (len(document(8)) if on_b.status_code == 200 else 1 + 600)
-        assert final["tokens"] == winner_tokens  # the refused request left no trace
+        final = race_generate_against_append(a, b, session, document(8))
+        assert final["version"] == 2
 
         assert a.delete(f"/v1/sessions/{session}").status_code == 200
         assert b.get(f"/v1/sessions/{session}").status_code == 404

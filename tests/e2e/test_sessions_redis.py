@@ -1,13 +1,12 @@
 """Two server processes sharing one real redis-server: a session moves between replicas and a
 stale writer is refused with 409, never overwriting a newer version."""
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.e2e.server_process import ServerProcess
-from tests.e2e.session_tools import MODEL, append, create, document, info, ok
+from tests.e2e.session_tools import MODEL, append, create, document, info, ok, race_generate_against_append
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
 
@@ -42,22 +41,8 @@ def test_create_on_a_continue_on_b_then_a_with_a_stale_write_refused(replicas):
         assert (step["logprob"], step["version"]) == (expected[2], 3)
 
         # A generates while B commits: whoever commits second started from version 3 and is refused
-        with a.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 600,
-                                                       "temperature": 0, "stream": True, "session_id": session}) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            on_b = b.post(f"/v1/sessions/{session}/append", json={"text": document(3)})
-            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        stream_error = next((e["error"] for e in events if "error" in e), None)
-        refused = [stream_error] if stream_error else []
-        if on_b.status_code != 200:
-            refused.append(on_b.json()["error"])
-        assert len(refused) == 1, (on_b.text, stream_error)
-        assert refused[0]["type"] == "conflict" and refused[0]["code"] == "session_version_conflict"
-        final = info(a, session)
-        assert final["version"] == 4 and info(b, session)["version"] == 4
-        winner_tokens = step["session_tokens"] + (len(document(3)) if on_b.status_code == 200 else 1 + 600)
-        assert final["tokens"] == winner_tokens  # the refused request left no trace
+        final = race_generate_against_append(a, b, session, document(3))
+        assert final["version"] == 4
 
         assert b.delete(f"/v1/sessions/{session}").status_code == 200
         assert a.get(f"/v1/sessions/{session}").status_code == 404
