@@ -198,6 +198,13 @@ class LanguageModel(nn.Module):
         return None
 
     @property
+    def sliding_window(self) -> int | None:
+        """`max_context` when the model goes on past it by forgetting its oldest bytes (a window
+        that slides, as the vanilla transformer's); None when it is unbounded, or when
+        max_context is where it stops (a longer history is refused, as the Reformer's)."""
+        return self.max_context
+
+    @property
     def chunking_invariant(self) -> bool:
         """True when feeding a text in one call or in chunks of any size (one token at a time
         included) gives the same log-probabilities, to float tolerance: then a state may be

@@ -492,6 +492,11 @@ class Reformer(LanguageModel):
         return self.positions.max_positions
 
     @property
+    def sliding_window(self) -> None:
+        """No window slides: a history longer than max_context is refused."""
+        return None
+
+    @property
     def lsh_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.kind == "lsh"]
 

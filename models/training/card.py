@@ -50,8 +50,8 @@ def card_variants(model: LanguageModel, segment_len: int) -> list[dict]:
       context on both sides), which is what it was trained to do.
     """
     trained = {"memory": "trained", "model": model, "chunk_len": 512}
-    if model.max_context is not None:
-        stride = min(CARD_WINDOW_STRIDE, model.max_context)
+    if model.sliding_window is not None:
+        stride = min(CARD_WINDOW_STRIDE, model.sliding_window)
         return [
             {**trained, "window_stride": stride},
             {**trained, "memory": "trained, first bytes", "window_stride": stride, "limit_bytes": STRIDE_ONE_BYTES},
@@ -75,7 +75,7 @@ def describe(model: LanguageModel, permutation: float | None = None) -> str:
     config = model.config
     if permutation is not None:
         return f"{config.mem_len} positions; last {permutation:.0%} of a random order predicted"
-    if model.max_context is not None:
+    if model.sliding_window is not None:
         return f"the last {model.max_context} bytes"
     if getattr(config, "long_term_memory", None) is not None:
         if config.long_term_memory:
@@ -208,7 +208,7 @@ def _training_lines(model: LanguageModel, training: dict) -> list[str]:
         f"bytes per step ({training['step']:,} steps), AdamW (betas 0.9/0.98, weight decay {recipe['weight_decay']}), "
         f"peak learning rate {recipe['learning_rate']}, {recipe['warmup_steps']} warm-up steps, cosine decay to "
         f"{recipe['final_lr_fraction']:.0%}, gradient clipping {recipe['grad_clip']}; "
-        + ("independent windows (no memory between them)." if model.max_context is not None
+        + ("independent windows (no memory between them)." if model.sliding_window is not None
            else "memory carried across consecutive segments of each lane, "
            + ("emptied where a lane starts a file (each file begins at a segment boundary)."
               if recipe.get("lane_layout", "concatenated") == "files"
@@ -227,7 +227,13 @@ def _held_out_lines(model: LanguageModel, training: dict, evaluations: list[dict
         "Each held-out file is scored on its own from an empty state, carried across the whole file "
         "(the first byte of a file has no context and is not scored).",
     ]
-    if model.max_context is not None:
+    if model.max_context is not None and model.sliding_window is None:
+        lines += [
+            "",
+            f"This model takes at most {model.max_context:,} bytes of history (a longer one is refused), so each "
+            f"held-out file is scored on its first {model.max_context:,} bytes.",
+        ]
+    if model.sliding_window is not None:
         lines += [
             "",
             f"This model sees only the last {model.max_context} bytes. Scored byte by byte it recomputes a whole "
@@ -259,7 +265,7 @@ def _held_out_lines(model: LanguageModel, training: dict, evaluations: list[dict
         "For scale: `gzip -9` compresses the same files to about 1.7 bits per byte and `xz -9` to about 1.6.",
         "",
         f"Quick held-out evaluations during training (first {recipe['quick_eval_bytes']:,} held-out bytes"
-        + (f", windows {recipe.get('eval_window_stride')} bytes apart" if model.max_context is not None else "") + "):",
+        + (f", windows {recipe.get('eval_window_stride')} bytes apart" if model.sliding_window is not None else "") + "):",
         "",
         "| step | bits per byte |",
         "|---|---|",

@@ -40,7 +40,7 @@ def document_nll(model: LanguageModel, data: bytes, chunk_len: int) -> tuple[flo
 @torch.no_grad()
 def windowed_document_nll(model: LanguageModel, data: bytes, stride: int, batch_windows: int = 32) -> tuple[float, int]:
     """`document_nll` for a fixed-context model, scored by windows of L bytes `stride` apart."""
-    L = model.max_context
+    L = model.sliding_window
     if L is None or not 1 <= stride <= L:
         raise ValueError(f"window stride {stride} needs a fixed-context model and 1 <= stride <= {L}")
     tokens = torch.tensor(list(data), dtype=torch.long, device=model.device)
@@ -72,12 +72,16 @@ def windowed_document_nll(model: LanguageModel, data: bytes, stride: int, batch_
 def bits_per_byte(model: LanguageModel, documents: Iterable[bytes], chunk_len: int = 512,
                   window_stride: int | None = None) -> float:
     """Bits per scored byte over `documents`; `window_stride` scores a fixed-context model by
-    strided windows (see the module docstring) instead of byte-by-byte sliding."""
+    strided windows (see the module docstring) instead of byte-by-byte sliding. A model whose
+    max_context is where it stops (no window slides) is scored on each document's first
+    max_context + 1 bytes, the most it can be fed."""
     was_training = model.training
     model.eval()
     nll, count = 0.0, 0
     for data in documents:
-        if window_stride is not None and model.max_context is not None:
+        if model.max_context is not None and model.sliding_window is None:
+            data = data[: model.max_context + 1]  # what the model can be fed: its first max_context bytes
+        if window_stride is not None and model.sliding_window is not None:
             doc_nll, doc_count = windowed_document_nll(model, data, window_stride)
         else:
             doc_nll, doc_count = document_nll(model, data, chunk_len)

@@ -496,3 +496,18 @@ def test_presets_build():
         model = build_model("reformer", preset_config("reformer", preset))
         assert low < sum(p.numel() for p in model.parameters()) < high, preset
         assert model.max_context == 65536
+
+
+def test_held_out_scoring_stops_where_the_model_stops():
+    """max_context is where a Reformer stops, not a window that slides: evaluation scores a
+    document's first max_context + 1 bytes (the most it can be fed) and never by windows."""
+    from xlserve.models.training import card
+    from xlserve.models.training.evaluate import bits_per_byte
+    from xlserve.models.training.train import preset_config
+
+    torch.manual_seed(0)
+    model = build_model("reformer", {**preset_config("reformer", "tiny"), "axial_pos_shape": [8, 16]}).eval()
+    assert model.max_context == 128 and model.sliding_window is None
+    document = bytes(range(32, 127)) * 4  # 380 bytes, longer than the model can take
+    assert bits_per_byte(model, [document], window_stride=32) == bits_per_byte(model, [document[:129]])
+    assert [v.get("window_stride") for v in card.card_variants(model, segment_len=128)] == [None]
