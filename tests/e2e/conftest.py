@@ -1,11 +1,25 @@
 import pytest
 
-from tests.e2e.server_process import ServerProcess, make_checkpoint
+from tests.e2e.server_process import ServerProcess, make_checkpoint, make_checkpoints
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("weights") / "txl-tiny")
+
+
+# a tiny random checkpoint of every architecture but Transformer-XL (tiny_checkpoint), by name;
+# shared by the architecture tests, which must not change them (copy one to change it)
+TINY_ARCHITECTURES = {
+    "inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny": "xlnet", "longformer-tiny": "longformer",
+    "logsparse-tiny": "logsparse", "adaptive-span-tiny": "adaptive-span", "performer-tiny": "performer",
+    "linformer-tiny": "linformer", "conformer-tiny": "conformer", "lite-tiny": "lite-transformer",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict:
+    return make_checkpoints(tmp_path_factory.mktemp("tiny-weights"), TINY_ARCHITECTURES)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +21,7 @@ from safetensors.numpy import load as load_numpy
 from safetensors.numpy import load_file, save_file
 from websockets.sync.client import connect
 
-from tests.e2e.server_process import ServerProcess, make_checkpoint
+from tests.e2e.server_process import ServerProcess
 from tests.e2e.session_tools import append, create, document, info, ok, score
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
@@ -50,13 +51,13 @@ def set_spans(checkpoint, fractions) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_checkpoint, tmp_path_factory):
-    weights = tmp_path_factory.mktemp("weights")
-    names = [n for n in ARCHITECTURES if n != TXL]
-    with ThreadPoolExecutor(3) as pool:
-        made = dict(zip(names, pool.map(lambda n: make_checkpoint(weights / n, arch=ARCHITECTURES[n]), names)))
-    set_spans(made["adaptive-span-tiny"], SPAN_FRACTIONS)
-    return {TXL: tiny_checkpoint, **made}
+def checkpoints(tiny_checkpoint, tiny_checkpoints, tmp_path_factory):
+    made = {name: tiny_checkpoints[name] for name in ARCHITECTURES if name != TXL}
+    # the shared checkpoints are not ours to change: the spans are set on a copy
+    spans = tmp_path_factory.mktemp("weights") / "adaptive-span-tiny"
+    shutil.copytree(made["adaptive-span-tiny"], spans)
+    set_spans(spans, SPAN_FRACTIONS)
+    return {TXL: tiny_checkpoint, **made, "adaptive-span-tiny": spans}
 
 
 @pytest.fixture(scope="module")

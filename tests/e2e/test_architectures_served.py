@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as load_numpy
 
-from tests.e2e.server_process import REPO, ServerProcess, make_checkpoint
+from tests.e2e.server_process import REPO, ServerProcess
 from tests.e2e.session_tools import CONTINUATION, append, create, document, info, ok, score
 
 SHIPPED = sorted(p for p in (REPO / "weights").glob("*-stdlib") if (p / "model.safetensors").is_file())
@@ -17,9 +17,8 @@ TIER_BYTES = 300_000
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    weights = tmp_path_factory.mktemp("weights")
-    checkpoints = [make_checkpoint(weights / name, arch=arch) for name, arch in ARCHITECTURES.items()]
+def served(tiny_checkpoints, tmp_path_factory):
+    checkpoints = [tiny_checkpoints[name] for name in ARCHITECTURES]
     server = ServerProcess(checkpoints, env={
         "XLSERVE_DEVICE_STATE_BYTES": str(TIER_BYTES), "XLSERVE_HOST_STATE_BYTES": str(TIER_BYTES),
         "XLSERVE_STATE_DIR": str(tmp_path_factory.mktemp("state")),
