@@ -100,3 +100,23 @@ def race_generate_against_append(generating, appending, session_id: str, text: s
     winner_tokens = before["tokens"] + (len(text) if on_append.status_code == 200 else 1 + max_tokens)
     assert final["tokens"] == winner_tokens  # the refused request left no trace
     return final
+
+
+def greedy(client, model: str, session: str, prompt: str, max_tokens: int = 24) -> str:
+    body = ok(client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                    "temperature": 0, "session_id": session}))
+    assert body["usage"]["completion_tokens"] == max_tokens
+    return body["choices"][0]["text"]
+
+
+def fork(client, session: str) -> str:
+    return ok(client.post(f"/v1/sessions/{session}/fork"))["id"]
+
+
+def decode_steps_with_rows(client, model: str) -> float:
+    """Decode steps of `model` that ran with more than one row, so far."""
+    buckets = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("xlserve_batch_size_bucket{") and f'model="{model}"' in line:
+            buckets[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
+    return buckets["+Inf"] - buckets["1.0"]

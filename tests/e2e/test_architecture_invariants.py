@@ -22,16 +22,17 @@ from safetensors.numpy import load_file, save_file
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess
-from tests.e2e.session_tools import append, create, document, info, ok, score
+from tests.e2e.session_tools import append, create, decode_steps_with_rows, document, fork, greedy, info, ok, score
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
 TXL = "txl-tiny"  # the checkpoint of the shared `tiny_checkpoint` fixture (tests/e2e/conftest.py)
 NEW = {"longformer-tiny": "longformer", "logsparse-tiny": "logsparse", "adaptive-span-tiny": "adaptive-span",
        "performer-tiny": "performer"}
 OTHERS = {"inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny": "xlnet"}
-# the efficient-attention family's second half (issue 19), Reformer still to come
+# the efficient-attention family's second half (issue 19); the Reformer, whose state grows and whose
+# results depend on its first call, has its own file (test_reformer_served.py)
 SECOND = {"linformer-tiny": "linformer", "conformer-tiny": "conformer", "lite-tiny": "lite-transformer"}
-ARCHITECTURES = {TXL: "transformer-xl", **OTHERS, **NEW, **SECOND}  # every registered architecture
+ARCHITECTURES = {TXL: "transformer-xl", **OTHERS, **NEW, **SECOND}  # every registered architecture but the Reformer
 STATE_KINDS = {"transformer-xl": "segment-recurrence", "xlnet": "segment-recurrence", "infinity-former": "continuous",
                "vanilla": "window", "longformer": "window", "logsparse": "window", "adaptive-span": "window",
                "performer": "linear", "linformer": "window", "conformer": "window", "lite-transformer": "window"}
@@ -74,30 +75,10 @@ def client(served):
         yield c
 
 
-def greedy(client, model: str, session: str, prompt: str, max_tokens: int = 24) -> str:
-    body = ok(client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                    "temperature": 0, "session_id": session}))
-    assert body["usage"]["completion_tokens"] == max_tokens
-    return body["choices"][0]["text"]
-
-
-def fork(client, session: str) -> str:
-    return ok(client.post(f"/v1/sessions/{session}/fork"))["id"]
-
-
 def exported(client, session: str) -> bytes:
     response = client.get(f"/v1/sessions/{session}/state")
     assert response.status_code == 200, response.text
     return response.content
-
-
-def histogram_rows_above_one(client, model: str) -> float:
-    """Decode steps of `model` that ran with more than one row, so far."""
-    buckets = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("xlserve_batch_size_bucket{") and f'model="{model}"' in line:
-            buckets[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
-    return buckets["+Inf"] - buckets["1.0"]
 
 
 # -- listing ------------------------------------------------------------------------------------
@@ -193,7 +174,7 @@ def test_rows_of_different_histories_decode_together_as_alone(served, client, mo
     alone = [greedy(client, model, fork(client, s), p, max_tokens=48) for s, p in zip(sources, prompts)]
 
     together_sessions = [fork(client, s) for s in sources]
-    before = histogram_rows_above_one(client, model)
+    before = decode_steps_with_rows(client, model)
     start = threading.Barrier(2)
 
     def run(i: int) -> str:
@@ -203,7 +184,7 @@ def test_rows_of_different_histories_decode_together_as_alone(served, client, mo
 
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(run, range(2)))
-    assert histogram_rows_above_one(client, model) > before, "the two requests never shared a decode step"
+    assert decode_steps_with_rows(client, model) > before, "the two requests never shared a decode step"
     assert together == alone
 
 
