@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MODEL = "txl-tiny"
@@ -120,3 +122,27 @@ def decode_steps_with_rows(client, model: str) -> float:
         if line.startswith("xlserve_batch_size_bucket{") and f'model="{model}"' in line:
             buckets[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
     return buckets["+Inf"] - buckets["1.0"]
+
+
+def decode_together_as_alone(server, client, model: str, histories: list[str], prompts: list[str],
+                             max_tokens: int) -> None:
+    """Sessions with `histories` generate `prompts` at once (one thread and connection each):
+    greedy gives each the text it gets alone, and the engine ran steps with more than one row."""
+    sources = []
+    for history in histories:
+        sources.append(create(client, model))
+        append(client, sources[-1], history)
+    alone = [greedy(client, model, fork(client, s), p, max_tokens=max_tokens) for s, p in zip(sources, prompts)]
+    together_sessions = [fork(client, s) for s in sources]
+    before = decode_steps_with_rows(client, model)
+    start = threading.Barrier(len(sources))
+
+    def run(i: int) -> str:
+        with server.client() as own:
+            start.wait(timeout=30)
+            return greedy(own, model, together_sessions[i], prompts[i], max_tokens=max_tokens)
+
+    with ThreadPoolExecutor(len(sources)) as pool:
+        together = list(pool.map(run, range(len(sources))))
+    assert decode_steps_with_rows(client, model) > before, "the requests never shared a decode step"
+    assert together == alone

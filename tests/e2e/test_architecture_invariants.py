@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,7 +21,9 @@ from safetensors.numpy import load_file, save_file
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess
-from tests.e2e.session_tools import append, create, decode_steps_with_rows, document, fork, greedy, info, ok, score
+from tests.e2e.session_tools import (
+    append, create, decode_together_as_alone, document, fork, greedy, info, ok, score,
+)
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
 TXL = "txl-tiny"  # the checkpoint of the shared `tiny_checkpoint` fixture (tests/e2e/conftest.py)
@@ -165,27 +166,7 @@ def test_rows_of_different_histories_decode_together_as_alone(served, client, mo
     tokens it gets alone, and the engine did run steps with both rows."""
     text = document(7, repeat=8)
     assert len(text) > 500
-    histories = [text[:5], text[:600]]
-    prompts = ["def f(", "    x = "]
-    sources = []
-    for history in histories:
-        sources.append(create(client, model))
-        append(client, sources[-1], history)
-    alone = [greedy(client, model, fork(client, s), p, max_tokens=48) for s, p in zip(sources, prompts)]
-
-    together_sessions = [fork(client, s) for s in sources]
-    before = decode_steps_with_rows(client, model)
-    start = threading.Barrier(2)
-
-    def run(i: int) -> str:
-        with served.client() as own:
-            start.wait(timeout=30)
-            return greedy(own, model, together_sessions[i], prompts[i], max_tokens=48)
-
-    with ThreadPoolExecutor(2) as pool:
-        together = list(pool.map(run, range(2)))
-    assert decode_steps_with_rows(client, model) > before, "the two requests never shared a decode step"
-    assert together == alone
+    decode_together_as_alone(served, client, model, [text[:5], text[:600]], ["def f(", "    x = "], max_tokens=48)
 
 
 # -- state-size invariants ----------------------------------------------------------------------

@@ -8,15 +8,13 @@ the Reformer does not promise.)"""
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess, make_checkpoint
-from tests.e2e.session_tools import append, create, decode_steps_with_rows, document, fork, greedy, info, ok, score
+from tests.e2e.session_tools import append, create, decode_together_as_alone, document, info, ok, score
 
 MODEL = "reformer-tiny"
 
@@ -92,22 +90,4 @@ def test_rows_of_different_histories_decode_together_as_alone(served, client):
     """Sessions of 5 and 600 bytes (LSH buckets over many chunks) generating at once: greedy
     gives each what it gets alone, and the engine ran steps with both rows."""
     text = document(7, repeat=8)
-    sources = []
-    for history in (text[:5], text[:600]):
-        sources.append(create(client, MODEL))
-        append(client, sources[-1], history)
-    prompts = ["def f(", "    x = "]
-    alone = [greedy(client, MODEL, fork(client, s), p, max_tokens=32) for s, p in zip(sources, prompts)]
-    together_sessions = [fork(client, s) for s in sources]
-    before = decode_steps_with_rows(client, MODEL)
-    start = threading.Barrier(2)
-
-    def run(i: int) -> str:
-        with served.client() as own:
-            start.wait(timeout=30)
-            return greedy(own, MODEL, together_sessions[i], prompts[i], max_tokens=32)
-
-    with ThreadPoolExecutor(2) as pool:
-        together = list(pool.map(run, range(2)))
-    assert decode_steps_with_rows(client, MODEL) > before, "the two requests never shared a decode step"
-    assert together == alone
+    decode_together_as_alone(served, client, MODEL, [text[:5], text[:600]], ["def f(", "    x = "], max_tokens=32)
