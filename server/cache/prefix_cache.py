@@ -232,8 +232,8 @@ class PrefixCache:
                     key = entry_key(chain, tokens, n, self.block_tokens)
                     entry = self._index.get(key) if filed[n] == key else None
                     if entry is not None and (entry.tier != "disk" or on_disk):
-                        found.append((key, entry))
-        return [entry for _, entry in found]
+                        found.append(entry)
+        return found
 
     def _bring_back(self, entry: _Entry, restore) -> PrefixHit | None:
         """A hit on `entry`, its state on the model's device: a device entry as it is; one in
@@ -385,7 +385,7 @@ class PrefixCache:
 
     def _place(self, key: bytes, entry: _Entry, tier: str, data: SessionData, logprobs) -> bool:
         if tier == "disk":
-            path = self.directory / (key.hex() + ".safetensors")
+            path = self._path(entry)
             temporary = path.with_suffix(".tmp")
             try:
                 temporary.write_bytes(encode_entry(entry.model, data, logprobs))
@@ -417,7 +417,7 @@ class PrefixCache:
         if self._tiers[entry.tier].pop(key, None) is not None:
             self._bytes[entry.tier] -= entry.nbytes
         if entry.tier == "disk" and self.directory is not None:
-            (self.directory / (key.hex() + ".safetensors")).unlink(missing_ok=True)
+            self._path(entry).unlink(missing_ok=True)
         self._index.pop(key, None)
         self._unfile(entry, key)
         if counted:
