@@ -138,6 +138,8 @@ def describe_state(model: LanguageModel, histories: tuple[int, ...] | None = Non
     if len(set(measured.values())) == 1 and len(measured) > 1:
         sizes = [f"{next(iter(measured.values())):,} bytes after {' and '.join(map(_history_words, measured))}"]
     text = f"{kind} ({model.state_kind}): " + ", ".join(sizes)
+    if model.state_grows_with_context:  # the Reformer: every position's keys and values, up to where it stops
+        text += f"; it grows with the history, up to the model's maximum of {model.max_context:,} bytes"
     if hasattr(model, "spans_report"):
         text += "; each head keeps its learned span + ramp (see Learned spans)"
     return text

@@ -1,7 +1,7 @@
 """Every registered architecture through a real server: listed with its state kind; sessions that
 append and score, fork, export and import, continue over the websocket, and decode beside rows
 of other histories exactly as alone; the state-size invariants of issue 17 read from
-GET /v1/sessions/{id}; and the four efficient-attention architectures through Redis.
+GET /v1/sessions/{id}; and the eight efficient-attention architectures through Redis.
 
 Tiny random checkpoints, one server for the module (a second pair, sharing a real
 redis-server, for the Redis test). The adaptive-span checkpoint gets heads of different learned
@@ -34,6 +34,7 @@ OTHERS = {"inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny"
 # results depend on its first call, has its own file (test_reformer_served.py)
 SECOND = {"linformer-tiny": "linformer", "conformer-tiny": "conformer", "lite-tiny": "lite-transformer"}
 ARCHITECTURES = {TXL: "transformer-xl", **OTHERS, **NEW, **SECOND}  # every registered architecture but the Reformer
+REFORMER = "reformer-tiny"  # only in the Redis test: its one-pass first call is equal on both replicas
 STATE_KINDS = {"transformer-xl": "segment-recurrence", "xlnet": "segment-recurrence", "infinity-former": "continuous",
                "vanilla": "window", "longformer": "window", "logsparse": "window", "adaptive-span": "window",
                "performer": "linear", "linformer": "window", "conformer": "window", "lite-transformer": "window"}
@@ -232,9 +233,10 @@ def test_adaptive_span_state_follows_the_learned_spans(client, checkpoints):
 
 
 @pytest.fixture(scope="module")
-def replicas(checkpoints, tmp_path_factory, redis_url):  # noqa: F811
+def replicas(checkpoints, tiny_checkpoints, tmp_path_factory, redis_url):  # noqa: F811
     logs = tmp_path_factory.mktemp("logs")
-    servers = [ServerProcess([checkpoints[n] for n in {**NEW, **SECOND}], env={
+    models = [checkpoints[n] for n in {**NEW, **SECOND}] + [tiny_checkpoints[REFORMER]]
+    servers = [ServerProcess(models, env={
         "XLSERVE_REDIS_URL": redis_url, "XLSERVE_STATE_DIR": str(tmp_path_factory.mktemp(f"state-{name}")),
     }, log_path=logs / f"redis-{name}.log") for name in "ab"]
     try:
@@ -246,7 +248,7 @@ def replicas(checkpoints, tmp_path_factory, redis_url):  # noqa: F811
             server.stop()
 
 
-@pytest.mark.parametrize("model", [*NEW, *SECOND])
+@pytest.mark.parametrize("model", [*NEW, *SECOND, REFORMER])
 def test_session_round_trips_through_redis(replicas, model):
     """A session written on replica A is read back from Redis by replica B, which has never held
     it: the state is bit-identical and the same continuation scores the same on both."""

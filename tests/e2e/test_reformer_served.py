@@ -3,7 +3,7 @@ with its state kind, generating over HTTP and the websocket alike, and its sessi
 own semantics (models/reformer.py): a state's first call is one pass, every later call is the
 reference's cached decoding, so after the first append any split of the rest gives the same
 log-probs; its state grows with the history; fork and export/import continue exactly. (The shared invariants file assumes bounded states and chunking-free results, which
-the Reformer does not promise.)"""
+the Reformer does not promise; it does take the Reformer through Redis.)"""
 
 from __future__ import annotations
 
@@ -13,16 +13,15 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from tests.e2e.server_process import ServerProcess, make_checkpoint
+from tests.e2e.server_process import ServerProcess
 from tests.e2e.session_tools import append, create, decode_together_as_alone, document, info, ok, score
 
 MODEL = "reformer-tiny"
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    checkpoint = make_checkpoint(tmp_path_factory.mktemp("weights") / MODEL, arch="reformer")
-    server = ServerProcess([checkpoint], env={"XLSERVE_STATE_DIR": str(tmp_path_factory.mktemp("state"))},
+def served(tiny_checkpoints, tmp_path_factory):
+    server = ServerProcess([tiny_checkpoints[MODEL]], env={"XLSERVE_STATE_DIR": str(tmp_path_factory.mktemp("state"))},
                            log_path=tmp_path_factory.mktemp("logs") / "reformer.log").start()
     yield server
     server.stop()

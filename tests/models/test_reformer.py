@@ -19,6 +19,7 @@ from xlserve.models.layers.lsh import SELF_SCORE, hash_buckets, unit_rms
 from xlserve.models.layers.lsh_state import LSHMemory
 from xlserve.models.reformer import FirstCall, Reformer, ReformerConfig
 from xlserve.models.registry import build_model
+from xlserve.models.training.card import describe_state
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
 from tests.models.helpers import run_in_chunks, tokens
 
@@ -363,6 +364,11 @@ def test_state_grows_with_the_history_up_to_max_context():
             model(tokens(1, 1, 17), state)
         with pytest.raises(ValueError, match="max_context = 256"):
             model(tokens(1, 257, 17), model.init_state(1))
+
+
+def test_the_card_says_the_state_grows_up_to_max_context():
+    words = describe_state(small_model(), (64, 256))
+    assert "grows with the history, up to the model's maximum of 256 bytes" in words, words
 
 
 def test_check_state_accepts_real_states_and_refuses_poisoned_ones():
