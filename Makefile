@@ -9,6 +9,11 @@ INSTALLED := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
 TORCH_PIN ?= $(shell grep '^torch==' $(CONSTRAINTS))
 HOST ?= 127.0.0.1
+# pytest-xdist workers for `make test`, one test file at a time each (its module fixtures, such as
+# a shared server, stay in one worker). Most of the suite waits on server subprocesses starting,
+# streaming and stopping, so two workers on CI's 2 cores overlap that waiting; every test process
+# runs torch on one thread (tests/conftest.py), so the workers do not fight over cores.
+TEST_WORKERS ?= 2
 PORT ?= 8000
 
 .PHONY: serve test fuzz bench gpu-check clean
@@ -31,7 +36,7 @@ test: $(INSTALLED)
 	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # the fuzz run of `make test` (tests/e2e/test_fuzz.py) with a larger budget: examples per operation and kind
 FUZZ_EXAMPLES ?= 300
