@@ -91,7 +91,7 @@ def test_infinity_former_state_does_not_grow_with_history(client):
     session = create(client, "inf-tiny")
     sizes, fed = {}, 0
     piece = (document(3, repeat=60) * 2)[:25_000]
-    for mark in (1_000, 10_000, 100_000):
+    for mark in (1_000, 10_000, 30_000):  # one size from the first segment on: more history only costs time
         while fed < mark:
             text = piece[: min(len(piece), mark - fed)]
             append(client, session, text)
@@ -99,7 +99,7 @@ def test_infinity_former_state_does_not_grow_with_history(client):
         current = info(client, session)
         assert current["tokens"] == mark
         sizes[mark] = current["state_bytes"]
-    assert sizes[1_000] == sizes[10_000] == sizes[100_000] > 0
+    assert sizes[1_000] == sizes[10_000] == sizes[30_000] > 0
 
 
 @pytest.fixture(scope="module")
