@@ -21,6 +21,10 @@ transformer) keeps nothing older than its last L bytes, so it is fed only those,
 `check_state` accepts the result as the state of a session of the full length (feeding it 64k
 bytes would cost 64k forwards over its window); `history_fed_tokens` says so in the JSON.
 
+A model that stops at its `max_context` (the Reformer: longer histories are refused, it does not
+slide) is measured only where the history, and the history plus the append, fit: null in the
+JSON, `-` in the table, past that.
+
 Results: bench-results/models.json (--quick: models-quick.json) and a plot beside it (bits per
 byte against state bytes after the longest state history, log x, one point per checkpoint), and a
 table. Run it alone: a second torch-heavy process on the same cores slows both.
@@ -127,8 +131,9 @@ def history_states(model, tokens: list[int], marks: list[int], chunk: int) -> di
     """For each history length in `marks`: the session's state, its next-token row, and how many
     tokens were fed to get it. One pass over the longest history, keeping a copy at each mark;
     a fixed-context model (see the module docstring) is fed only the last max_context tokens
-    before each mark when its check accepts that as the state after the whole history."""
-    if model.max_context is not None:
+    before each mark when its check accepts that as the state after the whole history. A model
+    that stops at max_context (the Reformer) gets only the marks it can hold."""
+    if model.sliding_window is not None:
         found = {}
         for mark in marks:
             start = max(0, mark - model.max_context)
@@ -142,6 +147,8 @@ def history_states(model, tokens: list[int], marks: list[int], chunk: int) -> di
             return found
     found, state, done = {}, model.init_state(1), 0
     for mark in sorted(set(marks)):
+        if model.max_context is not None and mark > model.max_context:
+            break
         row = None
         for start in range(done, mark, chunk):
             piece = torch.tensor([tokens[start:min(start + chunk, mark)]], device=model.device)
@@ -201,8 +208,11 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
     evaluation = held_out_bits_per_byte(directory)
     marks = sorted(set(args.histories) | set(args.state_histories))
     sessions = history_states(model, tokens, marks, args.chunk)
-    # each history is continued by the text that follows it
-    times = time_appends(model, sessions, {h: tokens[h:h + args.append] for h in args.histories}, args.repeats)
+    # each history is continued by the text that follows it, where the model can take that
+    # much (a model that stops at max_context has no append past it: null in the JSON)
+    limit = model.max_context if model.sliding_window is None else None
+    timed = [h for h in args.histories if limit is None or h + args.append <= limit]
+    times = time_appends(model, sessions, {h: tokens[h:h + args.append] for h in timed}, args.repeats)
     append_s = {h: statistics.median(t) for h, t in times.items()}
     decode = {b: decode_rate(model, sessions[args.state_histories[0]], b, args.decode, max(1, args.repeats // 2))
               for b in args.batch_sizes}
@@ -213,14 +223,15 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
         "parameters": sum(p.numel() for p in model.parameters()),
         "bits_per_byte": evaluation["bits_per_byte"] if evaluation else None,
         "bits_per_byte_scored_bytes": evaluation.get("scored_bytes") if evaluation else None,
-        "state_bytes": {str(h): sessions[h]["state"].nbytes() for h in args.state_histories},
-        "append_s": {str(h): append_s[h] for h in args.histories},
-        "append_s_rounds": {str(h): times[h] for h in args.histories},
-        "append_time_spread": round(max(append_s.values()) / min(append_s.values()) - 1, 4),
+        "state_bytes": {str(h): sessions[h]["state"].nbytes() if h in sessions else None for h in args.state_histories},
+        "append_s": {str(h): append_s.get(h) for h in args.histories},
+        "append_s_rounds": {str(h): times.get(h) for h in args.histories},
+        "append_time_spread": round(max(append_s.values()) / min(append_s.values()) - 1, 4) if append_s else None,
+        "max_context": limit,
         "decode_tokens_per_s": {str(b): rate for b, (rate, _) in decode.items()},
         "decode_tokens_per_s_runs": {str(b): runs for b, (_, runs) in decode.items()},
         "decode_after_tokens": args.state_histories[0],
-        "history_fed_tokens": {str(h): sessions[h]["fed"] for h in marks},
+        "history_fed_tokens": {str(h): sessions[h]["fed"] for h in marks if h in sessions},
         "seconds": round(time.perf_counter() - started, 1),
     }
     return row
@@ -258,6 +269,11 @@ def _bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
+def _missing_or(value, show) -> str:
+    """A table cell: `-` where the model cannot hold that much history (past its max_context)."""
+    return "-" if value is None else show(value)
+
+
 def _labels(rows: list[dict]) -> list[str]:
     """The architecture names, or the checkpoint names where an architecture appears twice."""
     architectures = [r["architecture"] for r in rows]
@@ -271,7 +287,7 @@ def plot(result: dict, path: Path) -> None:
                       f"{_tokens(int(last))} tokens", size=(7, 4.5)) as ax:
         shown = 0
         for row, label in zip(rows, _labels(rows)):
-            if row["bits_per_byte"] is None:
+            if row["bits_per_byte"] is None or row["state_bytes"][last] is None:
                 continue
             x, y = row["state_bytes"][last], row["bits_per_byte"]
             ax.scatter([x], [y], s=45, label=f"{label} ({_bytes(x)})")
@@ -293,8 +309,8 @@ def print_table(result: dict) -> None:
     for row in result["results"]:
         bpb = row["bits_per_byte"]
         lines.append([row["model"], f"{row['parameters']:,}", "-" if bpb is None else f"{bpb:.4f}"]
-                     + [_bytes(row["state_bytes"][str(h)]) for h in states]
-                     + [f"{row['append_s'][str(h)] * 1000:.1f} ms" for h in histories]
+                     + [_missing_or(row["state_bytes"][str(h)], _bytes) for h in states]
+                     + [_missing_or(row["append_s"][str(h)], lambda s: f"{s * 1000:.1f} ms") for h in histories]
                      + [f"{row['decode_tokens_per_s'][str(b)]:,.0f}" for b in batches])
     widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
 
@@ -315,3 +331,6 @@ def print_table(result: dict) -> None:
                 if any(int(fed) < int(h) for h, fed in r["history_fed_tokens"].items())]
     if shortcut:
         print(f"fed only their last max_context tokens of each history (fixed context): {', '.join(shortcut)}")
+    stopping = [f"{r['model']} ({r['max_context']:,})" for r in result["results"] if r.get("max_context")]
+    if stopping:
+        print(f"-: past max_context, where these models stop (a longer history is refused): {', '.join(stopping)}")

@@ -10,7 +10,7 @@ import sys
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIELDS = {"model", "architecture", "state_kind", "parameters", "bits_per_byte", "bits_per_byte_scored_bytes",
           "state_bytes", "append_s", "append_s_rounds", "append_time_spread", "decode_tokens_per_s",
-          "decode_tokens_per_s_runs", "decode_after_tokens", "history_fed_tokens", "seconds"}
+          "decode_tokens_per_s_runs", "decode_after_tokens", "history_fed_tokens", "max_context", "seconds"}
 
 
 def cli(*args, cwd):
@@ -84,3 +84,33 @@ def test_models_bench_named_checkpoint_and_fixed_context(tmp_path):
     assert all(fed == min(int(h), context) for h, fed in row["history_fed_tokens"].items())
     assert len(set(row["state_bytes"].values())) == 1
     assert set(row["decode_tokens_per_s"]) == {"1", "2"}
+
+
+def test_a_model_that_stops_at_max_context_has_no_row_past_it(tmp_path):
+    """A Reformer refuses a history longer than its axial positions (max_context): the bench
+    measures what fits and reports null (`-` in the table) for the rest, instead of failing."""
+    import torch
+
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.reformer import Reformer, ReformerConfig
+
+    torch.manual_seed(0)
+    model = Reformer(ReformerConfig(attn_layers=["lsh", "local"], d_model=16, n_head=2, d_head=8, d_inner=32,
+                                    lsh_chunk=4, n_hashes=2, n_buckets=4, local_chunk=4,
+                                    axial_pos_shape=[16, 16], axial_pos_dims=[6, 10]))
+    assert model.max_context == 256 and model.sliding_window is None
+    checkpoint = tmp_path / "reformer-small-axial"
+    save_checkpoint(model, checkpoint)
+    out = tmp_path / "models.json"
+    stdout = cli("bench", "models", "--models", str(checkpoint), "--histories", "64,200", "--state-histories", "32,256",
+                 "--append", "64", "--decode", "4", "--repeats", "1", "--batch-sizes", "1,2", "--threads", "1",
+                 "--out", str(out), cwd=tmp_path)
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["max_context"] == 256
+    assert row["state_bytes"]["32"] < row["state_bytes"]["256"]  # its state grows with the history
+    assert row["append_s"]["64"] > 0 and row["append_s"]["200"] is None  # 200 + 64 > 256: not measured
+    assert row["append_s_rounds"]["200"] is None and row["append_time_spread"] == 0
+    assert row["history_fed_tokens"] == {"32": 32, "64": 64, "200": 200, "256": 256}
+    assert all(rate > 0 for rate in row["decode_tokens_per_s"].values())
+    (line,) = [line for line in stdout.splitlines() if line.startswith("| reformer-small-axial")]
+    assert line.split("|")[-4].strip() == "-"  # the append after 200 tokens
