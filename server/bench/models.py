@@ -127,6 +127,12 @@ def feed(model, tokens: list[int], state, chunk: int):
     return log_probs[0, -1], state
 
 
+def history_limit(model) -> int | None:
+    """The longest history `model` accepts: its max_context when it stops there (the Reformer),
+    None when it has none or slides past it (the vanilla window)."""
+    return model.max_context if model.sliding_window is None else None
+
+
 def history_states(model, tokens: list[int], marks: list[int], chunk: int) -> dict[int, dict]:
     """For each history length in `marks`: the session's state, its next-token row, and how many
     tokens were fed to get it. One pass over the longest history, keeping a copy at each mark;
@@ -145,9 +151,9 @@ def history_states(model, tokens: list[int], marks: list[int], chunk: int) -> di
             found[mark] = {"state": state, "next": row, "fed": mark - start}
         else:
             return found
-    found, state, done = {}, model.init_state(1), 0
+    found, state, done, limit = {}, model.init_state(1), 0, history_limit(model)
     for mark in sorted(set(marks)):
-        if model.max_context is not None and mark > model.max_context:
+        if limit is not None and mark > limit:
             break
         row = None
         for start in range(done, mark, chunk):
@@ -210,7 +216,7 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
     sessions = history_states(model, tokens, marks, args.chunk)
     # each history is continued by the text that follows it, where the model can take that
     # much (a model that stops at max_context has no append past it: null in the JSON)
-    limit = model.max_context if model.sliding_window is None else None
+    limit = history_limit(model)
     timed = [h for h in args.histories if limit is None or h + args.append <= limit]
     times = time_appends(model, sessions, {h: tokens[h:h + args.append] for h in timed}, args.repeats)
     append_s = {h: statistics.median(t) for h, t in times.items()}
@@ -227,7 +233,7 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
         "append_s": {str(h): append_s.get(h) for h in args.histories},
         "append_s_rounds": {str(h): times.get(h) for h in args.histories},
         "append_time_spread": round(max(append_s.values()) / min(append_s.values()) - 1, 4) if append_s else None,
-        "max_context": limit,
+        "history_limit": limit,
         "decode_tokens_per_s": {str(b): rate for b, (rate, _) in decode.items()},
         "decode_tokens_per_s_runs": {str(b): runs for b, (_, runs) in decode.items()},
         "decode_after_tokens": args.state_histories[0],
@@ -331,6 +337,6 @@ def print_table(result: dict) -> None:
                 if any(int(fed) < int(h) for h, fed in r["history_fed_tokens"].items())]
     if shortcut:
         print(f"fed only their last max_context tokens of each history (fixed context): {', '.join(shortcut)}")
-    stopping = [f"{r['model']} ({r['max_context']:,})" for r in result["results"] if r.get("max_context")]
+    stopping = [f"{r['model']} ({r['history_limit']:,})" for r in result["results"] if r.get("history_limit")]
     if stopping:
         print(f"-: past max_context, where these models stop (a longer history is refused): {', '.join(stopping)}")

@@ -10,7 +10,7 @@ import sys
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIELDS = {"model", "architecture", "state_kind", "parameters", "bits_per_byte", "bits_per_byte_scored_bytes",
           "state_bytes", "append_s", "append_s_rounds", "append_time_spread", "decode_tokens_per_s",
-          "decode_tokens_per_s_runs", "decode_after_tokens", "history_fed_tokens", "max_context", "seconds"}
+          "decode_tokens_per_s_runs", "decode_after_tokens", "history_fed_tokens", "history_limit", "seconds"}
 
 
 def cli(*args, cwd):
@@ -106,7 +106,7 @@ def test_a_model_that_stops_at_max_context_has_no_row_past_it(tmp_path):
                  "--append", "64", "--decode", "4", "--repeats", "1", "--batch-sizes", "1,2", "--threads", "1",
                  "--out", str(out), cwd=tmp_path)
     (row,) = json.loads(out.read_text())["results"]
-    assert row["max_context"] == 256
+    assert row["history_limit"] == 256
     assert row["state_bytes"]["32"] < row["state_bytes"]["256"]  # its state grows with the history
     assert row["append_s"]["64"] > 0 and row["append_s"]["200"] is None  # 200 + 64 > 256: not measured
     assert row["append_s_rounds"]["200"] is None and row["append_time_spread"] == 0
