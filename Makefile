@@ -9,12 +9,12 @@ INSTALLED := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
 TORCH_PIN ?= $(shell grep '^torch==' $(CONSTRAINTS))
 HOST ?= 127.0.0.1
+PORT ?= 8000
 # pytest-xdist workers for `make test`, one test file at a time each (its module fixtures, such as
 # a shared server, stay in one worker). Most of the suite waits on server subprocesses starting,
 # streaming and stopping, so two workers on CI's 2 cores overlap that waiting; every test process
 # runs torch on one thread (tests/conftest.py), so the workers do not fight over cores.
 TEST_WORKERS ?= 2
-PORT ?= 8000
 
 .PHONY: serve test fuzz bench gpu-check clean
 

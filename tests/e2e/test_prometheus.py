@@ -37,7 +37,7 @@ from websockets.sync.client import connect
 
 from tests.e2e.process_tools import engine_pid
 from tests.e2e.server_process import ServerProcess, free_port
-from tests.e2e.session_tools import MODEL, document, full_state_bytes
+from tests.e2e.session_tools import MODEL, document, full_state_bytes, metric
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
@@ -178,14 +178,6 @@ class Client:
         return context, response
 
 
-def waiting_requests(client: Client) -> float:
-    """xlserve_requests_waiting of MODEL, as the server's /metrics has it now."""
-    for line in client.http.get("/metrics").text.splitlines():
-        if line.startswith("xlserve_requests_waiting{") and f'model="{MODEL}"' in line:
-            return float(line.split()[-1])
-    raise AssertionError("/metrics has no xlserve_requests_waiting for the model")
-
-
 def run_workload(server: ServerProcess, client: Client) -> None:
     completion = {"model": MODEL, "prompt": "def main():\n", "max_tokens": 8, "temperature": 0}
     for _ in range(3):  # the same prompt again: the prefix cache
@@ -225,7 +217,8 @@ def run_workload(server: ServerProcess, client: Client) -> None:
     # both hung up: the running one frees its session, and the engine drops the waiting one from its
     # queue on its next step (a loaded machine may take a while; until then the queue is full)
     deadline = time.monotonic() + 30
-    while client.request("GET", f"/v1/sessions/{held}", 200).json()["in_use"] or waiting_requests(client) > 0:
+    while client.request("GET", f"/v1/sessions/{held}", 200).json()["in_use"] or \
+            metric(client.http.get("/metrics").text, "xlserve_requests_waiting", model=MODEL) > 0:
         assert time.monotonic() < deadline, "a cancelled stream still holds its session or its place in the queue"
         time.sleep(0.05)
     client.request("POST", f"/v1/sessions/{spilled}/append", 200, json={"text": "y"})  # room again
