@@ -98,7 +98,12 @@ up to `max_context`, the product of the axial shape (65,536 for the presets): th
 position embedding beyond it, as in the reference, and a call that would pass it is refused.
 Decoding a token costs one sort of the history's buckets per LSH layer and attention to
 R·(n_b+1)·c keys, plus (n_loc+1)·c_loc keys per local layer: nothing is re-projected (the
-reference re-projects the hidden states of every window position at every step).
+reference re-projects the hidden states of every window position at every step). While the
+history is short (at most DENSE_DECODE_HISTORY times the R·(n_b+1)·c keys a query attends to,
+which covers every training segment) the LSH scores are taken from one product of the queries
+with every stored key instead of gathering each query's windows: the same sums, and one
+matrix product costs less than copying R·(n_b+1)·c key and value vectors per query until the
+history is that many times longer.
 
 Training: the standard loop with the state carried from segment to segment (detached), through
 the same two paths (a lane's first segment is a one pass, its later ones decode); a lane whose
@@ -133,6 +138,9 @@ ATTENTION_KINDS = ("lsh", "local")
 # decoding gathers each query's window; queries are processed in groups whose gathered keys
 # and values stay below this many elements
 DECODE_GROUP_ELEMENTS = 1 << 24
+# decoding with a history of at most this many times the R·W keys a query attends to scores
+# every entry by one matrix product instead of gathering the windows (attend_windows_dense)
+DENSE_DECODE_HISTORY = 24
 
 
 @dataclass
@@ -316,8 +324,12 @@ class LSHAttention(nn.Module):
             sort_key = torch.where(entry_position[:, None, None, :] >= 0, sort_key,
                                    torch.full_like(sort_key, 4 * R * (n_b + 1) + 4))  # padding sorts last
             order, rank = sort_entries(sort_key)
+        dense = N <= DENSE_DECODE_HISTORY * R * width
         per_query = R * width + (0 if all_lsh else chunk + 1)  # keys gathered per query
-        group = max(1, DECODE_GROUP_ELEMENTS // max(1, B * H * (2 * D * per_query + R * (T + width))))
+        # elements held per query: gathered keys and values (or, dense, three N-wide rows) and
+        # decode_windows' working space
+        held = (3 * N if dense else 2 * D * per_query) + R * (T + width)
+        group = max(1, DECODE_GROUP_ELEMENTS // max(1, B * H * held))
         outputs = []
         for first in range(0, T, group):
             tq = min(group, T - first)
@@ -333,14 +345,45 @@ class LSHAttention(nn.Module):
             if any_lsh:
                 windows = decode_windows(order, rank, T, first, q_pos + 1, chunk, c.lsh_chunks_before)  # (B, H, R, tq, W)
                 windows = windows.permute(0, 1, 3, 2, 4).reshape(B, H, tq, R * width)
-                out_r, lse_r = self.attend_entries(q, q_pos, windows, None, keys_h, values_h, positions_h, scale,
-                                                   rounds=R)
-                hashed_out = combine_rounds(out_r.transpose(2, 3), lse_r.transpose(2, 3))  # (B, H, tq, D)
+                if dense:
+                    hashed_out = self.attend_windows_dense(q, q_pos + (N0 - position)[:, None], windows, keys_h,
+                                                           values_h, scale, rounds=R)
+                else:
+                    out_r, lse_r = self.attend_entries(q, q_pos, windows, None, keys_h, values_h, positions_h, scale,
+                                                       rounds=R)
+                    hashed_out = combine_rounds(out_r.transpose(2, 3), lse_r.transpose(2, 3))  # (B, H, tq, D)
                 out = hashed_out if out is None else torch.where(use_lsh[:, None, first : first + tq, None],
                                                                   hashed_out, out)
             outputs.append(out)
         out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
         return out, (all_keys, all_values, all_buckets)
+
+    def attend_windows_dense(self, q: Tensor, own_entry: Tensor, windows: Tensor, keys: Tensor, values: Tensor,
+                             scale: float, rounds: int) -> Tensor:
+        """The LSH decoding attention of `attend_entries` + `combine_rounds`, for a short history:
+        every query's scores against all N entries in one matrix product, its windows' scores
+        picked from them, and the weights of the rounds' softmaxes added back into an N-wide row
+        (an entry in several windows, or twice in one, counts as often as it appears) for a
+        second product with the values. The same sums as gathering each window's keys and
+        values, without copying R·W·D numbers per query, which costs more than the products
+        while N is a small multiple of R·W (training: N <= train_context).
+        q (B, H, tq, D), own_entry (B, tq) the entry of each query's own position, windows
+        (B, H, tq, R·W) -> (B, H, tq, D)."""
+        B, H, tq, D = q.shape
+        N = keys.shape[2]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, tq, N)
+        own = own_entry[:, None, :, None].expand(B, H, tq, 1)
+        scores = scores.scatter(-1, own, self_score_for(q.dtype))  # the self rule
+        picked = scores.gather(-1, windows).view(B, H, tq, rounds, -1)  # (B, H, tq, R, W)
+        lse = torch.logsumexp(picked, dim=-1, keepdim=True)
+        probs = torch.exp(picked - lse)  # as attend_entries rounds it
+        if self.training and self.config.dropatt > 0:
+            probs = F.dropout(probs, p=self.config.dropatt)
+        if rounds > 1:  # combine_rounds' weights, folded into the probabilities
+            lse = lse[..., 0]
+            probs = torch.exp(lse - torch.logsumexp(lse, dim=-1, keepdim=True))[..., None] * probs
+        weights = torch.zeros_like(scores).scatter_add(-1, windows, probs.reshape(B, H, tq, -1))  # (B, H, tq, N)
+        return torch.matmul(weights, values)
 
     def attend_entries(self, q: Tensor, q_pos: Tensor, entries: Tensor, valid: Tensor | None, keys: Tensor,
                        values: Tensor, positions: Tensor, scale: float, rounds: int = 1) -> tuple[Tensor, Tensor]:

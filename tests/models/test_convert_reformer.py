@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from xlserve.models.checkpoint import load_checkpoint  # noqa: E402
 from xlserve.models.convert import ConversionError, convert  # noqa: E402
 from xlserve.models.layers.lsh_state import LSHMemory  # noqa: E402
+import xlserve.models.reformer as reformer_module  # noqa: E402
 from xlserve.server.cli import main as cli  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -130,11 +131,15 @@ def test_one_pass_log_probs_match_the_reference(converted, name):
         assert difference < 1e-4, (name, length)
 
 
+@pytest.mark.parametrize("decode_path", ["dense", "gathered"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_token_by_token_matches_the_references_cache(converted, name):
+def test_token_by_token_matches_the_references_cache(converted, name, decode_path, monkeypatch):
     """Prompts of 1 token, exactly one LSH chunk, and longer ones (padded or not), then one token
     per call against the reference's past_buckets_states loop; our later tokens in calls of 5
-    give the same."""
+    give the same. Both ways of computing a decoded token's LSH attention: scoring the whole
+    (short) history at once, and gathering each query's windows (long histories)."""
+    if decode_path == "gathered":
+        monkeypatch.setattr(reformer_module, "DENSE_DECODE_HISTORY", 0)
     reference, ours = converted[name]
     chunk = reference.config.lsh_attn_chunk_length
     for prompt in sorted({1, chunk, 9, 21}):

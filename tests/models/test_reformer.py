@@ -179,10 +179,14 @@ def test_one_pass_layers_are_their_brute_force_definitions(T):
             assert (out - expected).abs().max().item() < 1e-5, layer.kind
 
 
-def test_decoding_layers_are_their_brute_force_definitions():
+@pytest.mark.parametrize("decode_path", ["dense", "gathered"])
+def test_decoding_layers_are_their_brute_force_definitions(decode_path, monkeypatch):
     """After a first call, tokens one at a time (and in a chunk of 9): each query's LSH windows
     among the sorted buckets of positions 0..t, its local positions lo(t)..t (a negative start
-    early on), and full attention until the cache is hashed."""
+    early on), and full attention until the cache is hashed. Both ways of computing the LSH
+    windows' attention (the whole short history scored at once, or each window gathered)."""
+    if decode_path == "gathered":
+        monkeypatch.setattr(reformer_module, "DENSE_DECODE_HISTORY", 0)
     for first, chunk in [(3, 1), (17, 1), (2, 9)]:
         model = small_model(local_chunks_before=2)
         c = model.config
@@ -299,6 +303,31 @@ def test_groups_and_pieces_change_nothing(monkeypatch):
     got, _ = run_in_chunks(model, text[:, 20:], 70, state)
     assert (first_grouped - first).abs().max().item() < 1e-5
     assert (got - expected).abs().max().item() < 1e-5
+
+
+def test_dense_and_gathered_decoding_give_the_same_loss_and_gradients(monkeypatch):
+    """Training decodes later segments with the dense form (short histories), serving a long
+    history with the gathered one: the same log-probabilities, and the same gradients. In
+    float64: in float32 the two orders of summation differ by about 1e-6, enough to flip a
+    ReLU whose input is that close to 0 and so change a gradient by a kink, not an error."""
+    model = small_model().train().double()
+    text = tokens(2, 60, 12)
+    _, state = model(text[:, :17], model.init_state(2))
+    assert state.lsh_keys[0].dtype == torch.float64
+
+    def loss_and_gradients():
+        model.zero_grad()
+        log_probs, _ = model(text[:, 17:], state)
+        log_probs[..., 5].sum().backward()
+        return log_probs.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    dense, dense_gradients = loss_and_gradients()
+    monkeypatch.setattr(reformer_module, "DENSE_DECODE_HISTORY", 0)
+    gathered, gathered_gradients = loss_and_gradients()
+    assert (dense - gathered).abs().max().item() < 1e-10
+    assert len(dense_gradients) == len(gathered_gradients) > 0
+    for a, b in zip(dense_gradients, gathered_gradients):
+        assert (a - b).abs().max().item() <= 1e-9 * max(1.0, b.abs().max().item())
 
 
 # -- (c) batching ---------------------------------------------------------------------------------
