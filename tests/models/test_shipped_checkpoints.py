@@ -221,6 +221,32 @@ def test_infinity_former_long_term_memory_helps(directory, corpus, one_thread):
     assert with_memory < 2.6 and with_memory < without
 
 
+@pytest.mark.parametrize("directory", shipped("adaptive-span"), ids=ids)
+def test_adaptive_span_keeps_what_its_learned_spans_predict(directory, corpus, one_thread):
+    """Issue 17: a served state is smaller than the maximum span would need, by the ratio the
+    learned spans predict, and the card's span table is the checkpoint's."""
+    model = load_checkpoint(directory)
+    c = model.config
+    kept = [n for row in model.kept_positions() for n in row]
+    full = c.n_layer * c.n_head * (c.max_span + c.ramp - 1)
+    document = next(data for data in map(corpus.read, corpus.held_out) if len(data) > 8_192)
+    sizes = []
+    for length in (4_096, 8_192):
+        with torch.no_grad():
+            _, state = model(torch.tensor([list(document[:length])]), model.init_state(1))
+        assert [k.shape[1] for k in state.keys] == kept
+        sizes.append(state.nbytes())
+    assert sizes[0] == sizes[1] == model.state_bytes_when_full()
+    state_of_full_span = 2 * 4 * c.d_head * full + 8
+    assert (sizes[0] - 8) / (state_of_full_span - 8) == pytest.approx(sum(kept) / full, rel=1e-12)
+    assert sizes[0] < state_of_full_span
+    card = card_text(directory)
+    assert f"{sum(kept):,} positions in all, {sum(kept) / full:.1%} of the {full:,}" in card
+    table = card_table(card, "## Learned spans")
+    assert [[f"{z:.1f}, {n}" for z, n in zip(r["spans"], r["kept_positions"])] for r in model.spans_report()] \
+        == [row[1:] for row in table]
+
+
 @pytest.mark.parametrize("directory", shipped("xlnet"), ids=ids)
 def test_xlnet_card_gives_both_orders(directory):
     # served left to right it must at least beat the held-out byte frequencies (4.69 bits per
