@@ -77,6 +77,19 @@ def metric(text: str, name: str, **labels) -> float:
     return 0.0
 
 
+def histogram(text: str, name: str, **labels) -> dict[str, float]:
+    """le -> cumulative count of the Prometheus histogram `name` with `labels` (empty when absent)."""
+    buckets = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "_bucket{"):
+            continue
+        inside = dict(pair.split("=", 1) for pair in line[len(name) + 8 : line.index("}")].split(","))
+        le = inside.pop("le").strip('"')
+        if {k: v.strip('"') for k, v in inside.items()} == {k: str(v) for k, v in labels.items()}:
+            buckets[le] = float(line.split()[-1])
+    return buckets
+
+
 def race_generate_against_append(generating, appending, session_id: str, text: str, max_tokens: int = 600) -> dict:
     """`generating` streams a completion on the session while `appending` appends `text` to it,
     both from the same version: whoever commits second must be refused with a version conflict,
@@ -117,10 +130,7 @@ def fork(client, session: str) -> str:
 
 def decode_steps_with_rows(client, model: str) -> float:
     """Decode steps of `model` that ran with more than one row, so far."""
-    buckets = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("xlserve_batch_size_bucket{") and f'model="{model}"' in line:
-            buckets[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
+    buckets = histogram(client.get("/metrics").text, "xlserve_batch_size", model=model)
     return buckets["+Inf"] - buckets["1.0"]
 
 

@@ -14,6 +14,7 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess
+from tests.e2e.session_tools import metric
 
 MODEL = "txl-tiny"
 KEY = "test-key"
@@ -162,10 +163,7 @@ def test_sigterm_drains_running_streams_commits_and_exits_zero(tiny_checkpoint, 
 
 
 def running(client) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("xlserve_requests_running{"):
-            return float(line.split()[-1])
-    return 0.0
+    return metric(client.get("/metrics").text, "xlserve_requests_running", model=MODEL)
 
 
 def wait_until_idle(client, seconds: float = 30) -> float:

@@ -6,18 +6,15 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from tests.e2e.session_tools import histogram as read_histogram
+
 MODEL = "txl-tiny"
 DOCUMENT = "import os\nimport sys\n\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n    return 0\n\n" * 4
 
 
 def histogram(client, name: str) -> dict[str, float]:
     """le -> cumulative count for the model's histogram `name`."""
-    buckets = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(f"{name}_bucket{{") and f'model="{MODEL}"' in line:
-            le = line.split('le="')[1].split('"')[0]
-            buckets[le] = float(line.split()[-1])
-    return buckets
+    return read_histogram(client.get("/metrics").text, name, model=MODEL)
 
 
 def sessions_with_history(client, lengths: list[int]) -> list[str]:

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from tests.e2e.server_process import ServerProcess
+from tests.e2e.session_tools import metric
 
 MODEL = "txl-tiny"
 
@@ -127,8 +128,7 @@ def test_session_is_continued_without_recomputation(client):
     assert result["choices"][0]["text"] == full["choices"][0]["text"]
 
     metrics = client.get("/metrics").text
-    reused = [line for line in metrics.splitlines() if line.startswith("xlserve_memory_reused_tokens_total")]
-    assert reused and float(reused[0].split()[-1]) >= len(document)
+    assert metric(metrics, "xlserve_memory_reused_tokens_total", model=MODEL) >= len(document)
 
     # an empty prompt continues from the memory alone
     more = complete(client, prompt="", max_tokens=3, temperature=0, session_id=session["id"])

@@ -11,6 +11,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.server_process import ServerProcess
+from tests.e2e.session_tools import metric
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 
 MODEL = "txl-tiny"
@@ -96,12 +97,10 @@ def test_prefix_cache_metrics(keyed_server):
             oai.completions.create(model=MODEL, prompt="for i in range(3):\n", max_tokens=2, temperature=0)
     with keyed_server.client() as http:
         text = http.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("xlserve_prefix_cache") and f'model="{MODEL}"' in line}
-    assert values[f'xlserve_prefix_cache_queries_total{{model="{MODEL}"}}'] > 0
-    assert values[f'xlserve_prefix_cache_hits_total{{model="{MODEL}"}}'] > 0
-    assert values[f'xlserve_prefix_cache_entries{{model="{MODEL}",tier="device"}}'] >= 1
-    assert values[f'xlserve_prefix_cache_bytes{{model="{MODEL}",tier="device"}}'] > 0
+    assert metric(text, "xlserve_prefix_cache_queries_total", model=MODEL) > 0
+    assert metric(text, "xlserve_prefix_cache_hits_total", model=MODEL) > 0
+    assert metric(text, "xlserve_prefix_cache_entries", model=MODEL, tier="device") >= 1
+    assert metric(text, "xlserve_prefix_cache_bytes", model=MODEL, tier="device") > 0
 
 
 def test_replicas_sharing_redis_hit_on_each_others_prefixes(tiny_checkpoint, tmp_path_factory, redis_url):  # noqa: F811

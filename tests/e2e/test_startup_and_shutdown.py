@@ -26,7 +26,7 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import REPO, ServerProcess, free_port
-from tests.e2e.session_tools import append, create, document, info
+from tests.e2e.session_tools import append, create, document, info, metric
 from tests.e2e.process_tools import PlainCompletion, Stream, engine_pid, error_of_stream
 
 LONG = 1_000_000  # tokens: a generation that outlasts any grace period here
@@ -209,10 +209,7 @@ def test_a_wrong_redis_password_stops_the_server_without_showing_it(tiny_checkpo
 
 def running_requests(client) -> float:
     """xlserve_requests_running of the served model, from /metrics."""
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith('xlserve_requests_running{model="txl-tiny"}'):
-            return float(line.split()[-1])
-    return 0.0
+    return metric(client.get("/metrics").text, "xlserve_requests_running", model="txl-tiny")
 
 
 def test_sigterm_after_the_grace_period_ends_running_streams_with_server_shutting_down(tiny_checkpoint):

@@ -8,6 +8,8 @@ import time
 import pytest
 from websockets.sync.client import connect
 
+from tests.e2e.session_tools import metric
+
 MODEL = "txl-tiny"
 
 
@@ -163,10 +165,7 @@ def test_session_continuation_equals_one_request_over_the_whole_text(server, cli
 
 
 def running_requests(client) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("xlserve_requests_running{"):
-            return float(line.split()[-1])
-    return 0.0
+    return metric(client.get("/metrics").text, "xlserve_requests_running", model=MODEL)
 
 
 def test_disconnect_cancels_and_frees_the_batch_slot(server, client):
