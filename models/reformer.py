@@ -228,8 +228,13 @@ def combine_rounds(out: Tensor, lse: Tensor) -> Tensor:
     computing it the same way reproduces them. One round: out_0 itself."""
     if out.shape[2] == 1:
         return out[:, :, 0]
-    weights = torch.exp(lse - torch.logsumexp(lse, dim=2, keepdim=True))
-    return (weights[..., None] * out).sum(dim=2)
+    return (round_weights(lse, dim=2)[..., None] * out).sum(dim=2)
+
+
+def round_weights(lse: Tensor, dim: int) -> Tensor:
+    """The hash rounds' weights exp(lse_r − logsumexp_r lse_r) over `dim`, rounded as the
+    reference rounds them (`combine_rounds`)."""
+    return torch.exp(lse - torch.logsumexp(lse, dim=dim, keepdim=True))
 
 
 class LSHAttention(nn.Module):
@@ -326,9 +331,9 @@ class LSHAttention(nn.Module):
             order, rank = sort_entries(sort_key)
         dense = N <= DENSE_DECODE_HISTORY * R * width
         per_query = R * width + (0 if all_lsh else chunk + 1)  # keys gathered per query
-        # elements held per query: gathered keys and values (or, dense, three N-wide rows) and
-        # decode_windows' working space
-        held = (3 * N if dense else 2 * D * per_query) + R * (T + width)
+        # elements held per query: gathered keys and values (dense: three N-wide rows in place of
+        # the LSH windows' gathered ones) and decode_windows' working space
+        held = 2 * D * per_query + R * (T + width) + (3 * N - 2 * D * R * width if dense else 0)
         group = max(1, DECODE_GROUP_ELEMENTS // max(1, B * H * held))
         outputs = []
         for first in range(0, T, group):
@@ -380,8 +385,7 @@ class LSHAttention(nn.Module):
         if self.training and self.config.dropatt > 0:
             probs = F.dropout(probs, p=self.config.dropatt)
         if rounds > 1:  # combine_rounds' weights, folded into the probabilities
-            lse = lse[..., 0]
-            probs = torch.exp(lse - torch.logsumexp(lse, dim=-1, keepdim=True))[..., None] * probs
+            probs = round_weights(lse[..., 0], dim=-1)[..., None] * probs
         weights = torch.zeros_like(scores).scatter_add(-1, windows, probs.reshape(B, H, tq, -1))  # (B, H, tq, N)
         return torch.matmul(weights, values)
 
