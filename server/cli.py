@@ -123,6 +123,13 @@ def cmd_train(args) -> None:
 
     from xlserve.models.training.train import STANDARD_RECIPE, train
 
+    if args.export_progress:
+        from xlserve.models.training.train import export_progress
+
+        progress = export_progress(args.out, args.export_progress, lane_memory=not args.without_lane_memory)
+        print(f"copied the resume state of {args.out} at step {progress['step']} to {args.export_progress}"
+              + (" (without the lanes' memory)" if args.without_lane_memory else ""))
+        return
     recipe = STANDARD_RECIPE
     if args.train_bytes:
         recipe = replace(recipe, train_bytes=args.train_bytes)
@@ -237,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--preset", default="small")
     train.add_argument("--out", required=True)
     train.add_argument("--train-bytes", type=int, default=None, help="override the standard byte budget")
+    train.add_argument("--export-progress", metavar="DIR", default=None,
+                       help="do not train: copy OUT's resume state to DIR (to resume from it later)")
+    train.add_argument("--without-lane-memory", action="store_true",
+                       help="with --export-progress: leave the lanes' memory out; a resume empties it")
     train.set_defaults(func=cmd_train)
 
     new = commands.add_parser("new", help="write a randomly initialised checkpoint (for tests and deployment checks)")

@@ -215,6 +215,9 @@ def _training_lines(model: LanguageModel, training: dict) -> list[str]:
            + ("emptied where a lane starts a file (each file begins at a segment boundary)."
               if recipe.get("lane_layout", "concatenated") == "files"
               else "files joined end to end in each lane and the memory emptied only at the first step.")),
+        *([f"- Resumed at step{'s' if len(emptied) > 1 else ''} {', '.join(f'{s:,}' for s in emptied)} from progress "
+           "kept without the lanes' memory: every lane's memory was emptied there, as at the start of a file."]
+          if (emptied := training.get("lane_memory_emptied_at_steps")) else []),
         f"- Preset `{training['preset']}`: `{json.dumps(training['config'])}`",
         f"- Wall time: {training['elapsed_s'] / 60:.1f} minutes on {machine_summary()}.",
         "",

@@ -194,8 +194,32 @@ def _load_progress(resume_dir: Path, model, optimizer):
         group.update(saved)
     optimizer.load_state_dict(opt_state)
     memory = {k[7:]: v for k, v in tensors.items() if k.startswith("memory.")}
+    if not memory:  # exported by export_progress(lane_memory=False): the lanes go on from an empty state
+        progress.setdefault("lane_memory_emptied_at_steps", []).append(progress["step"])
+        return progress, None
     state = model.state_class.from_tensors(memory)
     return progress, state
+
+
+def export_progress(run_dir: str | Path, destination: str | Path, lane_memory: bool = True) -> dict:
+    """Copy a run's resume state (`run_dir/.resume/`) to `destination`, to keep it somewhere else
+    (weights/.progress/) and resume from it later. With `lane_memory=False` the lanes' carried
+    memory is left out: that is most of the file for a model whose state grows with its history
+    (the Reformer's 16 lanes hold up to 2,048 positions of keys and values per LSH layer, about
+    110 of its 132 MB). A run resumed from such a copy empties every lane's memory at that step,
+    as if each lane began a file there, and records the step in `lane_memory_emptied_at_steps`:
+    the weights, the optimiser's moments and the data order are still exactly the run's."""
+    source, destination = Path(run_dir) / ".resume", Path(destination)
+    progress = json.loads((source / "progress.json").read_text())
+    tensors = load_file(str(source / "progress.safetensors"))
+    if not lane_memory:
+        tensors = {name: value for name, value in tensors.items() if not name.startswith("memory.")}
+    destination.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(destination / "progress.safetensors.tmp"))
+    (destination / "progress.json.tmp").write_text(json.dumps(progress, indent=2))
+    os.replace(destination / "progress.safetensors.tmp", destination / "progress.safetensors")
+    os.replace(destination / "progress.json.tmp", destination / "progress.json")
+    return progress
 
 
 def _progress_line(step: int, total: int, loss: float, bytes_per_s: float, elapsed: float) -> str:
@@ -250,7 +274,12 @@ def train(
                 "architecture": architecture, "config": config, "parameters": params}
     if (resume_dir / "progress.json").is_file():
         progress, state = _load_progress(resume_dir, model, optimizer)
-        log(f"resuming {architecture}/{preset} from step {progress['step']} ({resume_dir})")
+        if state is None:
+            state = model.init_state(recipe.batch_size)
+            log(f"resuming {architecture}/{preset} from step {progress['step']} ({resume_dir}); its progress was "
+                "kept without the lanes' memory, so every lane goes on from an empty state")
+        else:
+            log(f"resuming {architecture}/{preset} from step {progress['step']} ({resume_dir})")
     else:
         log(f"training {architecture}/{preset}: {params:,} parameters, {recipe.total_steps} steps of "
             f"{recipe.batch_size}x{stream.segment_len} bytes; corpus {stream.total_bytes:,} training bytes "

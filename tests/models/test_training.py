@@ -1,8 +1,12 @@
+import json
 from dataclasses import replace
 
 import torch
+from safetensors.torch import load_file
 
 from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.training import card
+from xlserve.server import cli
 from xlserve.models.training import train as train_module
 from xlserve.models.training.data import Corpus, SegmentStream, is_held_out, stdlib_corpus
 from xlserve.models.training.evaluate import bits_per_byte
@@ -29,6 +33,60 @@ def test_training_resumes_where_it_stopped(tmp_path):
     loaded = load_checkpoint(tmp_path / "a")
     docs = [b"def f(x):\n    return x + 1\n" * 4]
     assert abs(bits_per_byte(loaded, docs) - bits_per_byte(straight, docs)) < 1e-5
+
+
+def test_progress_kept_without_lane_memory_resumes_with_empty_lanes(tmp_path):
+    """export_progress(lane_memory=False) keeps weights, optimiser moments and step; the resumed
+    run equals one that empties every lane's memory at that step, and says so in training.json."""
+    recipe = replace(STANDARD_RECIPE, train_bytes=4 * 32 * 6, batch_size=4, segment_len=32,
+                     eval_every=1000, save_every=3, quick_eval_bytes=2000, warmup_steps=2)
+    train("transformer-xl", "tiny", tmp_path / "a", replace(recipe, train_bytes=4 * 32 * 3), log=lambda s: None)
+    kept = tmp_path / "kept"
+    progress = train_module.export_progress(tmp_path / "a", kept, lane_memory=False)
+    assert progress["step"] == 3
+    full = load_file(str(tmp_path / "a" / ".resume" / "progress.safetensors"))
+    lean = load_file(str(kept / "progress.safetensors"))
+    assert any(name.startswith("memory.") for name in full)
+    assert set(lean) == {name for name in full if not name.startswith("memory.")}
+    assert all(torch.equal(lean[name], full[name]) for name in lean)
+    cli.main(["train", "--arch", "transformer-xl", "--out", str(tmp_path / "a"),  # the command line does the same
+              "--export-progress", str(tmp_path / "by-cli"), "--without-lane-memory"])
+    assert load_file(str(tmp_path / "by-cli" / "progress.safetensors")).keys() == lean.keys()
+
+    (tmp_path / "b" / ".resume").mkdir(parents=True)
+    for name in ("progress.json", "progress.safetensors"):
+        (tmp_path / "b" / ".resume" / name).write_bytes((kept / name).read_bytes())
+    lines = []
+    resumed = train("transformer-xl", "tiny", tmp_path / "b", recipe, log=lines.append)
+    assert "without the lanes' memory" in lines[0]
+    assert json.loads((tmp_path / "b" / "training.json").read_text())["lane_memory_emptied_at_steps"] == [3]
+    checkpoint = load_checkpoint(tmp_path / "b")
+    evaluations = [{"memory": "trained", "state": card.describe(checkpoint), "mem_len": None, "chunk_len": 512,
+                    "window_stride": None, "scored_bytes": 1_000, "bits_per_byte": 6.25, "seconds": 0.1}]
+    card.write_card(tmp_path / "b", checkpoint, evaluations, "sample")
+    assert ("Resumed at step 3 from progress kept without the lanes' memory: every lane's memory was emptied "
+            "there") in (tmp_path / "b" / "card.md").read_text()
+
+    # the same run by hand: the first three steps, then every lane emptied at step 3
+    real_empty_rows = train_module.empty_rows
+
+    def emptied_at_step_3(model, state, starts):
+        if emptied_at_step_3.calls == 3:
+            starts = torch.ones_like(starts)
+        emptied_at_step_3.calls += 1
+        return real_empty_rows(model, state, starts)
+
+    emptied_at_step_3.calls = 0
+    train_module.empty_rows = emptied_at_step_3
+    try:
+        by_hand = train("transformer-xl", "tiny", tmp_path / "c", recipe, log=lambda s: None)
+    finally:
+        train_module.empty_rows = real_empty_rows
+    for a, b in zip(resumed.state_dict().values(), by_hand.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6)
+    straight = train("transformer-xl", "tiny", tmp_path / "d", recipe, log=lambda s: None)
+    assert any(not torch.allclose(a, b, atol=1e-6)  # the emptied memory did change the run
+               for a, b in zip(resumed.state_dict().values(), straight.state_dict().values()))
 
 
 def _small_corpus(root, sizes):
