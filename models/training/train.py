@@ -173,10 +173,15 @@ def _save_progress(resume_dir: Path, model, optimizer, state, progress: dict) ->
     for name, value in state.to_tensors().items():
         tensors[f"memory.{name}"] = value
     progress = {**progress, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt_state["param_groups"]]}
-    save_file(tensors, str(resume_dir / "progress.safetensors.tmp"))
-    (resume_dir / "progress.json.tmp").write_text(json.dumps(progress, indent=2))
-    os.replace(resume_dir / "progress.safetensors.tmp", resume_dir / "progress.safetensors")
-    os.replace(resume_dir / "progress.json.tmp", resume_dir / "progress.json")
+    _write_progress(resume_dir, tensors, progress)
+
+
+def _write_progress(directory: Path, tensors: dict, progress: dict) -> None:
+    """Each file whole or not at all: a run stopped mid-save resumes from the previous save."""
+    save_file(tensors, str(directory / "progress.safetensors.tmp"))
+    (directory / "progress.json.tmp").write_text(json.dumps(progress, indent=2))
+    os.replace(directory / "progress.safetensors.tmp", directory / "progress.safetensors")
+    os.replace(directory / "progress.json.tmp", directory / "progress.json")
 
 
 def _load_progress(resume_dir: Path, model, optimizer):
@@ -215,10 +220,7 @@ def export_progress(run_dir: str | Path, destination: str | Path, lane_memory: b
     if not lane_memory:
         tensors = {name: value for name, value in tensors.items() if not name.startswith("memory.")}
     destination.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(destination / "progress.safetensors.tmp"))
-    (destination / "progress.json.tmp").write_text(json.dumps(progress, indent=2))
-    os.replace(destination / "progress.safetensors.tmp", destination / "progress.safetensors")
-    os.replace(destination / "progress.json.tmp", destination / "progress.json")
+    _write_progress(destination, tensors, progress)
     return progress
 
 
