@@ -177,7 +177,7 @@ def _save_progress(resume_dir: Path, model, optimizer, state, progress: dict) ->
 
 
 def _write_progress(directory: Path, tensors: dict, progress: dict) -> None:
-    """Each file whole or not at all: a run stopped mid-save resumes from the previous save."""
+    """Each file is written whole beside the old one, then renamed over it."""
     save_file(tensors, str(directory / "progress.safetensors.tmp"))
     (directory / "progress.json.tmp").write_text(json.dumps(progress, indent=2))
     os.replace(directory / "progress.safetensors.tmp", directory / "progress.safetensors")
