@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from xlserve.models.checkpoint import save_checkpoint
@@ -177,16 +178,27 @@ def _save_progress(resume_dir: Path, model, optimizer, state, progress: dict) ->
 
 
 def _write_progress(directory: Path, tensors: dict, progress: dict) -> None:
-    """Each file is written whole beside the old one, then renamed over it."""
-    save_file(tensors, str(directory / "progress.safetensors.tmp"))
+    """The step and the rest of `progress` go into the tensor file's own metadata, so that the
+    two always match: a run killed between the two renames still resumes from a consistent
+    save. progress.json is the same record, for people and scripts to read."""
+    save_file(tensors, str(directory / "progress.safetensors.tmp"), metadata={"progress": json.dumps(progress)})
     (directory / "progress.json.tmp").write_text(json.dumps(progress, indent=2))
     os.replace(directory / "progress.safetensors.tmp", directory / "progress.safetensors")
     os.replace(directory / "progress.json.tmp", directory / "progress.json")
 
 
+def _read_progress(directory: Path) -> tuple[dict, dict]:
+    """(progress, tensors) of a save; the tensor file's own record when it has one (saves from
+    before it had one use progress.json)."""
+    path = directory / "progress.safetensors"
+    with safe_open(str(path), framework="pt") as opened:
+        recorded = (opened.metadata() or {}).get("progress")
+    progress = json.loads(recorded) if recorded is not None else json.loads((directory / "progress.json").read_text())
+    return progress, load_file(str(path))
+
+
 def _load_progress(resume_dir: Path, model, optimizer):
-    progress = json.loads((resume_dir / "progress.json").read_text())
-    tensors = load_file(str(resume_dir / "progress.safetensors"))
+    progress, tensors = _read_progress(resume_dir)
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
     opt_state = optimizer.state_dict()
     restored: dict[int, dict] = {}
@@ -214,9 +226,8 @@ def export_progress(run_dir: str | Path, destination: str | Path, lane_memory: b
     110 of its 132 MB). A run resumed from such a copy empties every lane's memory at that step,
     as if each lane began a file there, and records the step in `lane_memory_emptied_at_steps`:
     the weights, the optimiser's moments and the data order are still exactly the run's."""
-    source, destination = Path(run_dir) / ".resume", Path(destination)
-    progress = json.loads((source / "progress.json").read_text())
-    tensors = load_file(str(source / "progress.safetensors"))
+    progress, tensors = _read_progress(Path(run_dir) / ".resume")
+    destination = Path(destination)
     if not lane_memory:
         tensors = {name: value for name, value in tensors.items() if not name.startswith("memory.")}
     destination.mkdir(parents=True, exist_ok=True)

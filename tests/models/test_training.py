@@ -35,6 +35,21 @@ def test_training_resumes_where_it_stopped(tmp_path):
     assert abs(bits_per_byte(loaded, docs) - bits_per_byte(straight, docs)) < 1e-5
 
 
+def test_a_save_resumes_at_its_own_step_even_beside_a_stale_progress_json(tmp_path):
+    """A run killed between the save's two renames leaves the new tensors beside the old
+    progress.json; the tensor file's own record of the step wins."""
+    recipe = replace(STANDARD_RECIPE, train_bytes=4 * 32 * 6, batch_size=4, segment_len=32,
+                     eval_every=1000, save_every=3, quick_eval_bytes=2000, warmup_steps=2)
+    train("transformer-xl", "tiny", tmp_path / "a", replace(recipe, train_bytes=4 * 32 * 3), log=lambda s: None)
+    progress_json = tmp_path / "a" / ".resume" / "progress.json"
+    stale = json.loads(progress_json.read_text())
+    stale["step"] = 0
+    progress_json.write_text(json.dumps(stale))
+    lines = []
+    train("transformer-xl", "tiny", tmp_path / "a", recipe, log=lines.append)
+    assert lines[0].startswith("resuming transformer-xl/tiny from step 3 ")
+
+
 def test_progress_kept_without_lane_memory_resumes_with_empty_lanes(tmp_path):
     """export_progress(lane_memory=False) keeps weights, optimiser moments and step; the resumed
     run equals one that empties every lane's memory at that step, and says so in training.json."""
