@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from xlserve.models.checkpoint import save_checkpoint
 from xlserve.models.interface import LanguageModel
@@ -190,11 +190,11 @@ def _write_progress(directory: Path, tensors: dict, progress: dict) -> None:
 def _read_progress(directory: Path) -> tuple[dict, dict]:
     """(progress, tensors) of a save; the tensor file's own record when it has one (saves from
     before it had one use progress.json)."""
-    path = directory / "progress.safetensors"
-    with safe_open(str(path), framework="pt") as opened:
+    with safe_open(str(directory / "progress.safetensors"), framework="pt") as opened:  # one file, even mid-save
         recorded = (opened.metadata() or {}).get("progress")
+        tensors = {name: opened.get_tensor(name) for name in opened.keys()}
     progress = json.loads(recorded) if recorded is not None else json.loads((directory / "progress.json").read_text())
-    return progress, load_file(str(path))
+    return progress, tensors
 
 
 def _load_progress(resume_dir: Path, model, optimizer):
