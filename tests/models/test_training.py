@@ -6,11 +6,11 @@ from safetensors.torch import load_file
 
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.training import card
-from xlserve.server import cli
 from xlserve.models.training import train as train_module
 from xlserve.models.training.data import Corpus, SegmentStream, is_held_out, stdlib_corpus
 from xlserve.models.training.evaluate import bits_per_byte
 from xlserve.models.training.train import STANDARD_RECIPE, train
+from xlserve.server import cli
 
 
 def test_split_rule_is_the_design_rule():
@@ -50,7 +50,7 @@ def test_a_save_resumes_at_its_own_step_even_beside_a_stale_progress_json(tmp_pa
     assert lines[0].startswith("resuming transformer-xl/tiny from step 3 ")
 
 
-def test_progress_kept_without_lane_memory_resumes_with_empty_lanes(tmp_path):
+def test_progress_kept_without_lane_memory_resumes_with_empty_lanes(tmp_path, monkeypatch):
     """export_progress(lane_memory=False) keeps weights, optimiser moments and step; the resumed
     run equals one that empties every lane's memory at that step, and says so in training.json."""
     recipe = replace(STANDARD_RECIPE, train_bytes=4 * 32 * 6, batch_size=4, segment_len=32,
@@ -83,20 +83,15 @@ def test_progress_kept_without_lane_memory_resumes_with_empty_lanes(tmp_path):
             "there") in (tmp_path / "b" / "card.md").read_text()
 
     # the same run by hand: the first three steps, then every lane emptied at step 3
-    real_empty_rows = train_module.empty_rows
+    real_empty_rows, calls = train_module.empty_rows, []
 
     def emptied_at_step_3(model, state, starts):
-        if emptied_at_step_3.calls == 3:
-            starts = torch.ones_like(starts)
-        emptied_at_step_3.calls += 1
-        return real_empty_rows(model, state, starts)
+        calls.append(None)
+        return real_empty_rows(model, state, torch.ones_like(starts) if len(calls) == 4 else starts)
 
-    emptied_at_step_3.calls = 0
-    train_module.empty_rows = emptied_at_step_3
-    try:
-        by_hand = train("transformer-xl", "tiny", tmp_path / "c", recipe, log=lambda s: None)
-    finally:
-        train_module.empty_rows = real_empty_rows
+    monkeypatch.setattr(train_module, "empty_rows", emptied_at_step_3)
+    by_hand = train("transformer-xl", "tiny", tmp_path / "c", recipe, log=lambda s: None)
+    monkeypatch.undo()
     for a, b in zip(resumed.state_dict().values(), by_hand.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6)
     straight = train("transformer-xl", "tiny", tmp_path / "d", recipe, log=lambda s: None)
