@@ -123,6 +123,10 @@ def cmd_train(args) -> None:
 
     from xlserve.models.training.train import STANDARD_RECIPE, train
 
+    if args.without_lane_memory and not args.export_progress:
+        # a training run always saves the lanes' memory; accepting the flag here would promise otherwise
+        raise SystemExit("xlserve train: --without-lane-memory applies only to --export-progress DIR "
+                         "(a copy of the resume state); nothing was trained")
     if args.export_progress:
         from xlserve.models.training.train import export_progress
 

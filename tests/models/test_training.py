@@ -1,6 +1,7 @@
 import json
 from dataclasses import replace
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -67,6 +68,9 @@ def test_progress_kept_without_lane_memory_resumes_with_empty_lanes(tmp_path, mo
     cli.main(["train", "--arch", "transformer-xl", "--out", str(tmp_path / "a"),  # the command line does the same
               "--export-progress", str(tmp_path / "by-cli"), "--without-lane-memory"])
     assert load_file(str(tmp_path / "by-cli" / "progress.safetensors")).keys() == lean.keys()
+    with pytest.raises(SystemExit, match="--without-lane-memory applies only to --export-progress"):
+        cli.main(["train", "--arch", "transformer-xl", "--out", str(tmp_path / "unused"), "--without-lane-memory"])
+    assert not (tmp_path / "unused").exists()  # refused before anything was trained or written
 
     (tmp_path / "b" / ".resume").mkdir(parents=True)
     for name in ("progress.json", "progress.safetensors"):
