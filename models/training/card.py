@@ -132,7 +132,12 @@ def describe_state(model: LanguageModel, histories: tuple[int, ...] | None = Non
     """Any architecture's state in words, from what every model has: its `state_kind` and the
     bytes of a session after each of `histories` bytes (default STATE_HISTORIES), measured by
     `state_bytes_after`."""
-    measured = state_bytes_after(model, histories or STATE_HISTORIES)
+    histories = histories or STATE_HISTORIES
+    stops_at = model.max_context if model.sliding_window is None else None
+    if stops_at is not None and max(histories) > stops_at:
+        # a longer history is refused, so the longest a session can hold is measured instead
+        histories = tuple(dict.fromkeys(min(h, stops_at) for h in histories))
+    measured = state_bytes_after(model, histories)
     kind = STATE_KIND_WORDS.get(model.state_kind, model.state_kind)
     sizes = [f"{n:,} bytes after {_history_words(h)}" for h, n in measured.items()]
     if len(set(measured.values())) == 1 and len(measured) > 1:
@@ -140,6 +145,8 @@ def describe_state(model: LanguageModel, histories: tuple[int, ...] | None = Non
     text = f"{kind} ({model.state_kind}): " + ", ".join(sizes)
     if model.state_grows_with_context:  # the Reformer: every position's keys and values, up to where it stops
         text += f"; it grows with the history, up to the model's maximum of {model.max_context:,} bytes"
+    if stops_at is not None and stops_at in measured:
+        text += f" (a longer history is refused, so no session holds more than the {_history_words(stops_at)} measured)"
     if hasattr(model, "spans_report"):
         text += "; each head keeps its learned span + ramp (see Learned spans)"
     return text
@@ -218,6 +225,8 @@ def _training_lines(model: LanguageModel, training: dict) -> list[str]:
         *([f"- Resumed at step{'s' if len(emptied) > 1 else ''} {', '.join(f'{s:,}' for s in emptied)} from progress "
            "kept without the lanes' memory: every lane's memory was emptied there, as at the start of a file."]
           if (emptied := training.get("lane_memory_emptied_at_steps")) else []),
+        # what changed in a run after it started (a migrated progress file records it in `notes`)
+        *[f"- {note[0].upper()}{note[1:].rstrip('.')}." for note in training.get("notes", [])],
         f"- Preset `{training['preset']}`: `{json.dumps(training['config'])}`",
         f"- Wall time: {training['elapsed_s'] / 60:.1f} minutes on {machine_summary()}.",
         "",

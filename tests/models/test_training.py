@@ -80,11 +80,15 @@ def test_progress_kept_without_lane_memory_resumes_with_empty_lanes(tmp_path, mo
     assert "without the lanes' memory" in lines[0]
     assert json.loads((tmp_path / "b" / "training.json").read_text())["lane_memory_emptied_at_steps"] == [3]
     checkpoint = load_checkpoint(tmp_path / "b")
+    record = json.loads((tmp_path / "b" / "training.json").read_text())
+    record["notes"] = ["at step 3 something about the run changed"]  # a progress file's own record of changes
+    (tmp_path / "b" / "training.json").write_text(json.dumps(record))
     evaluations = [{"memory": "trained", "state": card.describe(checkpoint), "mem_len": None, "chunk_len": 512,
                     "window_stride": None, "scored_bytes": 1_000, "bits_per_byte": 6.25, "seconds": 0.1}]
     card.write_card(tmp_path / "b", checkpoint, evaluations, "sample")
     assert ("Resumed at step 3 from progress kept without the lanes' memory: every lane's memory was emptied "
             "there") in (tmp_path / "b" / "card.md").read_text()
+    assert "- At step 3 something about the run changed.\n" in (tmp_path / "b" / "card.md").read_text()
 
     # the same run by hand: the first three steps, then every lane emptied at step 3
     real_empty_rows, calls = train_module.empty_rows, []
