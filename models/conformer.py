@@ -248,6 +248,12 @@ class Conformer(LanguageModel):
     state_kind = "window"  # a window of keys and values, and of convolution inputs
     state_grows_with_context = False  # per layer K − 1 inputs and mem_len − 1 keys and values
     max_piece_positions = 256  # a longer call runs in pieces of this many positions (bounds its memory)
+    departures_from_the_paper = (
+        "A causal language model over a stream, not the paper's speech encoder: the depthwise convolution pads on "
+        "the left only; a LayerNorm over each position's channels replaces the paper's BatchNorm, whose batch and "
+        "time statistics would mix sessions and leak the future; the relative-position attention sees a window of "
+        "`mem_len` positions (Transformer-XL's memory); bytes come in through an embedding, without the "
+        "subsampling front end (models/conformer.py).")
     chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: ConformerConfig):

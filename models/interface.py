@@ -185,6 +185,9 @@ class LanguageModel(nn.Module):
     # past that are meaningless, and the state returned holds each row after its own tokens
     # only. The engine then prefills prompts of different lengths in one forward.
     ragged_chunks: ClassVar[bool] = False
+    # where the served model departs from its paper, in a few sentences for the checkpoint's card
+    # (the module docstring says it in full); None where it follows the paper
+    departures_from_the_paper: ClassVar[str | None] = None
 
     config: ArchConfig
 

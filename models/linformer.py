@@ -255,6 +255,13 @@ class Linformer(LanguageModel):
     state_grows_with_context = False  # per layer L + M·k slots of keys and values, whatever the history
     max_piece_positions = 256  # a longer call runs in pieces of this many positions (bounds its memory)
     chunking_invariant = True  # the module docstring's chunking semantics
+    departures_from_the_paper = (
+        "As published, Linformer projects the keys and values of a whole sequence, the future included, into k "
+        "slots, which a causal language model cannot use. Served here causally (our adaptation): full causal "
+        "attention inside the open segment of `segment_len` positions, and each completed segment's keys and values "
+        "compressed by the learned projections E, F into `compressed_len` slots, kept for the last "
+        "`memory_segments` segments with a learned bias per age. Segment boundaries sit at fixed positions of the "
+        "history, so any chunking of a text gives the same log-probabilities (models/linformer.py).")
 
     def __init__(self, config: LinformerConfig):
         super().__init__()

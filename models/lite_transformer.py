@@ -266,6 +266,11 @@ class LiteTransformer(LanguageModel):
     state_kind = "window"
     state_grows_with_context = False  # per layer M − 1 keys and values and K − 1 inputs, whatever the history
     max_piece_positions = 1024  # a longer call runs in pieces of this many positions (bounds its memory)
+    departures_from_the_paper = (
+        "The attention branch (the paper's global context) is causal and sees a window of `mem_len` positions with "
+        "a learned relative bias, so a session's state stays bounded; the convolution branch is causal (left "
+        "padding only); the model is a byte-level language model, not the paper's encoder-decoder "
+        "(models/lite_transformer.py).")
     chunking_invariant = True  # the module docstring's chunking semantics
 
     def __init__(self, config: LiteTransformerConfig):

@@ -516,6 +516,11 @@ class Reformer(LanguageModel):
     state_kind = "window"  # every position up to max_context: a window that never slides
     state_grows_with_context = True  # LSH layers keep every position's key, value and buckets
     chunking_invariant = False  # a first call is a one pass, later tokens decode (module docstring)
+    departures_from_the_paper = (
+        "The semantics are those of Hugging Face's `ReformerModelWithLMHead`, whose checkpoints convert: a first call "
+        "hashes and sorts its positions into chunks in one pass, later tokens decode against the cached keys in their "
+        "buckets, so how a text is split into calls changes its log-probabilities slightly (models/reformer.py). "
+        "A session stops at max_context, the axial positions' product; the state keeps every position until then.")
     max_piece_positions = 256  # a later call runs in pieces of this many tokens (the same steps)
 
     def __init__(self, config: ReformerConfig):

@@ -194,6 +194,7 @@ def write_card(directory: Path, model: LanguageModel, evaluations: list[dict], t
         "",
         *_storage_lines(directory, storage),
         *_training_lines(model, training),
+        *_departure_lines(model),
         *_held_out_lines(model, training, evaluations),
         *_span_lines(model),
         *_sample_lines(directory, model, training, storage, text_sample),
@@ -231,6 +232,12 @@ def _training_lines(model: LanguageModel, training: dict) -> list[str]:
         f"- Wall time: {training['elapsed_s'] / 60:.1f} minutes on {machine_summary()}.",
         "",
     ]
+
+
+def _departure_lines(model: LanguageModel) -> list[str]:
+    if model.departures_from_the_paper is None:
+        return []
+    return ["## Departures from the paper", "", model.departures_from_the_paper, ""]
 
 
 def _held_out_lines(model: LanguageModel, training: dict, evaluations: list[dict]) -> list[str]:

@@ -86,3 +86,22 @@ def test_adaptive_span_card_gives_its_state_and_learned_spans(tmp_path, short_hi
     assert f"({model.state_bytes_when_full():,} bytes of state once full)" in text
     # the sections around it are where the shipped-checkpoint tests look for them
     assert text.index("## Held-out bits per byte") < text.index("## Learned spans") < text.index("## Sample")
+
+
+
+@pytest.mark.parametrize("architecture", ["linformer", "conformer", "lite-transformer", "reformer", "transformer-xl"])
+def test_a_card_says_where_the_model_departs_from_its_paper(architecture, tmp_path, short_histories):
+    recipe = replace(STANDARD_RECIPE, train_bytes=4 * 32 * 2, batch_size=4, segment_len=32, eval_every=1000,
+                     save_every=1000, quick_eval_bytes=2000, warmup_steps=2)
+    train(architecture, "tiny", tmp_path / "run", recipe, log=lambda s: None)
+    model = load_checkpoint(tmp_path / "run")
+    evaluations = [{"memory": "trained", "state": card.describe(model), "mem_len": None, "chunk_len": 512,
+                    "window_stride": None, "scored_bytes": 1_000, "bits_per_byte": 6.25, "seconds": 0.1}]
+    card.write_card(tmp_path / "run", model, evaluations, "sample")
+    text = (tmp_path / "run" / "card.md").read_text()
+    if architecture == "transformer-xl":  # follows its paper: no such section
+        assert model.departures_from_the_paper is None and "## Departures from the paper" not in text
+        return
+    section = text[text.index("## Departures from the paper"):text.index("## Held-out bits per byte")]
+    assert model.departures_from_the_paper in section
+    assert f"models/{architecture.replace('-', '_')}.py" in section  # where the whole story is told
