@@ -23,7 +23,9 @@ bytes would cost 64k forwards over its window); `history_fed_tokens` says so in 
 
 A model that stops at its `max_context` (the Reformer: longer histories are refused, it does not
 slide) is measured only where the history, and the history plus the append, fit: null in the
-JSON, `-` in the table, past that.
+JSON, `-` in the table, past that. Its state is also measured at that limit
+(`state_bytes_at_history_limit`), and it decodes from the longest measured history that leaves
+room for the decoded tokens when the first state history does not (`decode_after_tokens`).
 
 Results: bench-results/models.json (--quick: models-quick.json) and a plot beside it (bits per
 byte against state bytes after the longest state history, log x, one point per checkpoint), and a
@@ -212,16 +214,19 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
     started = time.perf_counter()
     model = load_checkpoint(directory, device=args.device).eval()
     evaluation = held_out_bits_per_byte(directory)
-    marks = sorted(set(args.histories) | set(args.state_histories))
+    limit = history_limit(model)
+    marks = sorted(set(args.histories) | set(args.state_histories) | ({limit} if limit is not None else set()))
     sessions = history_states(model, tokens, marks, args.chunk)
     # each history is continued by the text that follows it, where the model can take that
     # much (a model that stops at max_context has no append past it: null in the JSON)
-    limit = history_limit(model)
     timed = [h for h in args.histories if limit is None or h + args.append <= limit]
     times = time_appends(model, sessions, {h: tokens[h:h + args.append] for h in timed}, args.repeats)
     append_s = {h: statistics.median(t) for h, t in times.items()}
-    decode = {b: decode_rate(model, sessions[args.state_histories[0]], b, args.decode, max(1, args.repeats // 2))
-              for b in args.batch_sizes}
+    decode_after = args.state_histories[0]
+    if limit is not None and decode_after + args.decode > limit:  # the longest history with room to decode
+        decode_after = max((h for h in sessions if h + args.decode <= limit), default=None)
+    decode = {b: decode_rate(model, sessions[decode_after], b, args.decode, max(1, args.repeats // 2))
+              for b in args.batch_sizes} if decode_after is not None else {}
     row = {
         "model": directory.name,
         "architecture": model.architecture,
@@ -230,13 +235,14 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
         "bits_per_byte": evaluation["bits_per_byte"] if evaluation else None,
         "bits_per_byte_scored_bytes": evaluation.get("scored_bytes") if evaluation else None,
         "state_bytes": {str(h): sessions[h]["state"].nbytes() if h in sessions else None for h in args.state_histories},
+        "state_bytes_at_history_limit": sessions[limit]["state"].nbytes() if limit in sessions else None,
         "append_s": {str(h): append_s.get(h) for h in args.histories},
         "append_s_rounds": {str(h): times.get(h) for h in args.histories},
         "append_time_spread": round(max(append_s.values()) / min(append_s.values()) - 1, 4) if append_s else None,
         "history_limit": limit,
         "decode_tokens_per_s": {str(b): rate for b, (rate, _) in decode.items()},
         "decode_tokens_per_s_runs": {str(b): runs for b, (_, runs) in decode.items()},
-        "decode_after_tokens": args.state_histories[0],
+        "decode_after_tokens": decode_after,
         "history_fed_tokens": {str(h): sessions[h]["fed"] for h in marks if h in sessions},
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -293,10 +299,13 @@ def plot(result: dict, path: Path) -> None:
                       f"{_tokens(int(last))} tokens", size=(7, 4.5)) as ax:
         shown = 0
         for row, label in zip(rows, _labels(rows)):
-            if row["bits_per_byte"] is None or row["state_bytes"][last] is None:
+            # a model that stops before the last history is placed at the state it stops with
+            x = row["state_bytes"][last] or row.get("state_bytes_at_history_limit")
+            if row["bits_per_byte"] is None or x is None:
                 continue
-            x, y = row["state_bytes"][last], row["bits_per_byte"]
-            ax.scatter([x], [y], s=45, label=f"{label} ({_bytes(x)})")
+            y = row["bits_per_byte"]
+            at = "" if row["state_bytes"][last] else f" at its {_tokens(row['history_limit'])} limit"
+            ax.scatter([x], [y], s=45, label=f"{label} ({_bytes(x)}{at})")
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
             shown += 1
         if not shown:
@@ -317,7 +326,7 @@ def print_table(result: dict) -> None:
         lines.append([row["model"], f"{row['parameters']:,}", "-" if bpb is None else f"{bpb:.4f}"]
                      + [_missing_or(row["state_bytes"][str(h)], _bytes) for h in states]
                      + [_missing_or(row["append_s"][str(h)], lambda s: f"{s * 1000:.1f} ms") for h in histories]
-                     + [f"{row['decode_tokens_per_s'][str(b)]:,.0f}" for b in batches])
+                     + [_missing_or(row["decode_tokens_per_s"].get(str(b)), lambda r: f"{r:,.0f}") for b in batches])
     widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
 
     def fmt(cells: list[str]) -> str:
@@ -337,6 +346,10 @@ def print_table(result: dict) -> None:
                 if any(int(fed) < int(h) for h, fed in r["history_fed_tokens"].items())]
     if shortcut:
         print(f"fed only their last max_context tokens of each history (fixed context): {', '.join(shortcut)}")
-    stopping = [f"{r['model']} ({r['history_limit']:,})" for r in result["results"] if r.get("history_limit")]
+    stopping = [f"{r['model']} ({r['history_limit']:,}"
+                + (f"; state there {_bytes(r['state_bytes_at_history_limit'])}" if r.get("state_bytes_at_history_limit") else "")
+                + (f"; decoded after {_tokens(r['decode_after_tokens'])} tokens"
+                   if r["decode_after_tokens"] not in (None, states[0]) else "") + ")"
+                for r in result["results"] if r.get("history_limit")]
     if stopping:
         print(f"-: past max_context, where these models stop (a longer history is refused): {', '.join(stopping)}")

@@ -10,7 +10,8 @@ import sys
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIELDS = {"model", "architecture", "state_kind", "parameters", "bits_per_byte", "bits_per_byte_scored_bytes",
           "state_bytes", "append_s", "append_s_rounds", "append_time_spread", "decode_tokens_per_s",
-          "decode_tokens_per_s_runs", "decode_after_tokens", "history_fed_tokens", "history_limit", "seconds"}
+          "decode_tokens_per_s_runs", "decode_after_tokens", "history_fed_tokens", "history_limit",
+          "state_bytes_at_history_limit", "seconds"}
 
 
 def cli(*args, cwd):
@@ -114,3 +115,15 @@ def test_a_model_that_stops_at_max_context_has_no_row_past_it(tmp_path):
     assert all(rate > 0 for rate in row["decode_tokens_per_s"].values())
     (line,) = [line for line in stdout.splitlines() if line.startswith("| reformer-small-axial")]
     assert line.split("|")[-4].strip() == "-"  # the append after 200 tokens
+    assert row["state_bytes_at_history_limit"] == row["state_bytes"]["256"] and row["decode_after_tokens"] == 32
+
+    # every state history past the limit (a stdlib Reformer against the default 4 KB / 64 KB): the
+    # state is given at the limit, and decoding starts from the longest history that leaves room
+    stdout = cli("bench", "models", "--models", str(checkpoint), "--histories", "64,200", "--state-histories",
+                 "512,1024", "--append", "64", "--decode", "4", "--repeats", "1", "--batch-sizes", "1,2",
+                 "--threads", "1", "--out", str(out), cwd=tmp_path)
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["state_bytes"] == {"512": None, "1024": None} and row["state_bytes_at_history_limit"] > 0
+    assert row["decode_after_tokens"] == 200 and all(rate > 0 for rate in row["decode_tokens_per_s"].values())
+    assert "reformer-small-axial (256; state there " in stdout and "decoded after 200 tokens)" in stdout
+    assert out.with_suffix(".png").stat().st_size > 0  # plotted at the state it stops with
