@@ -11,7 +11,7 @@ import torch
 
 from xlserve.models.interface import LanguageModel
 from xlserve.models.training.data import stdlib_corpus
-from xlserve.models.training.evaluate import bits_per_byte, permutation_bits_per_byte
+from xlserve.models.training.evaluate import bits_per_byte, permutation_bits_per_byte, scored_part
 from xlserve.models.training.train import held_out_documents, machine_summary
 
 
@@ -166,7 +166,7 @@ def evaluate_for_card(model: LanguageModel, segment_len: int) -> list[dict]:
                                 window_stride=variant.get("window_stride"))
         rows.append({"memory": variant["memory"], "state": describe(variant["model"], variant.get("permutation")),
                      "mem_len": getattr(variant["model"].config, "mem_len", None), "chunk_len": variant["chunk_len"],
-                     "window_stride": variant.get("window_stride"), "scored_bytes": sum(len(d) - 1 for d in documents),
+                     "window_stride": variant.get("window_stride"), "scored_bytes": sum(len(scored_part(variant["model"], d)) - 1 for d in documents),
                      "bits_per_byte": round(bpb, 4), "seconds": round(time.time() - started, 1)})
     return rows
 

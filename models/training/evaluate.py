@@ -69,6 +69,15 @@ def windowed_document_nll(model: LanguageModel, data: bytes, stride: int, batch_
 
 
 @torch.no_grad()
+def scored_part(model: LanguageModel, data: bytes) -> bytes:
+    """The part of a document `bits_per_byte` feeds `model`: all of it, except for a model whose
+    max_context is where it stops (no window slides), which takes its first max_context + 1
+    bytes (its first byte is never scored)."""
+    if model.max_context is not None and model.sliding_window is None:
+        return data[: model.max_context + 1]
+    return data
+
+
 def bits_per_byte(model: LanguageModel, documents: Iterable[bytes], chunk_len: int = 512,
                   window_stride: int | None = None) -> float:
     """Bits per scored byte over `documents`; `window_stride` scores a fixed-context model by
@@ -79,8 +88,7 @@ def bits_per_byte(model: LanguageModel, documents: Iterable[bytes], chunk_len: i
     model.eval()
     nll, count = 0.0, 0
     for data in documents:
-        if model.max_context is not None and model.sliding_window is None:
-            data = data[: model.max_context + 1]  # what the model can be fed: its first max_context bytes
+        data = scored_part(model, data)
         if window_stride is not None and model.sliding_window is not None:
             doc_nll, doc_count = windowed_document_nll(model, data, window_stride)
         else:

@@ -552,3 +552,7 @@ def test_held_out_scoring_stops_where_the_model_stops():
     document = bytes(range(32, 127)) * 4  # 380 bytes, longer than the model can take
     assert bits_per_byte(model, [document], window_stride=32) == bits_per_byte(model, [document[:129]])
     assert [v.get("window_stride") for v in card.card_variants(model, segment_len=128)] == [None]
+    # the card's count of scored bytes is what was scored: each held-out file's first 129 bytes
+    (row,) = card.evaluate_for_card(model, segment_len=128)
+    documents = card.held_out_documents(card.stdlib_corpus())
+    assert row["scored_bytes"] == sum(min(len(d), 129) - 1 for d in documents) < sum(len(d) - 1 for d in documents)
