@@ -68,7 +68,6 @@ def windowed_document_nll(model: LanguageModel, data: bytes, stride: int, batch_
     return total, n - 1
 
 
-@torch.no_grad()
 def scored_part(model: LanguageModel, data: bytes) -> bytes:
     """The part of a document `bits_per_byte` feeds `model`: all of it, except for a model whose
     max_context is where it stops (no window slides), which takes its first max_context + 1
@@ -78,6 +77,7 @@ def scored_part(model: LanguageModel, data: bytes) -> bytes:
     return data
 
 
+@torch.no_grad()
 def bits_per_byte(model: LanguageModel, documents: Iterable[bytes], chunk_len: int = 512,
                   window_stride: int | None = None) -> float:
     """Bits per scored byte over `documents`; `window_stride` scores a fixed-context model by
