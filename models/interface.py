@@ -208,6 +208,12 @@ class LanguageModel(nn.Module):
         return self.max_context
 
     @property
+    def history_limit(self) -> int | None:
+        """The longest history a session can hold: max_context when the model stops there (the
+        Reformer), None when it has no limit or slides past it (the vanilla window)."""
+        return self.max_context if self.sliding_window is None else None
+
+    @property
     def chunking_invariant(self) -> bool:
         """True when feeding a text in one call or in chunks of any size (one token at a time
         included) gives the same log-probabilities, to float tolerance: then a state may be

@@ -133,7 +133,7 @@ def describe_state(model: LanguageModel, histories: tuple[int, ...] | None = Non
     bytes of a session after each of `histories` bytes (default STATE_HISTORIES), measured by
     `state_bytes_after`."""
     histories = histories or STATE_HISTORIES
-    stops_at = model.max_context if model.sliding_window is None else None
+    stops_at = model.history_limit
     if stops_at is not None and max(histories) > stops_at:
         # a longer history is refused, so the longest a session can hold is measured instead
         histories = tuple(dict.fromkeys(min(h, stops_at) for h in histories))
@@ -248,7 +248,7 @@ def _held_out_lines(model: LanguageModel, training: dict, evaluations: list[dict
         "Each held-out file is scored on its own from an empty state, carried across the whole file "
         "(the first byte of a file has no context and is not scored).",
     ]
-    if model.max_context is not None and model.sliding_window is None:
+    if model.history_limit is not None:
         lines += [
             "",
             f"This model takes at most {model.max_context:,} bytes of history (a longer one is refused), so each "

@@ -72,9 +72,7 @@ def scored_part(model: LanguageModel, data: bytes) -> bytes:
     """The part of a document `bits_per_byte` feeds `model`: all of it, except for a model whose
     max_context is where it stops (no window slides), which takes its first max_context + 1
     bytes (its first byte is never scored)."""
-    if model.max_context is not None and model.sliding_window is None:
-        return data[: model.max_context + 1]
-    return data
+    return data if model.history_limit is None else data[: model.history_limit + 1]
 
 
 @torch.no_grad()

@@ -129,12 +129,6 @@ def feed(model, tokens: list[int], state, chunk: int):
     return log_probs[0, -1], state
 
 
-def history_limit(model) -> int | None:
-    """The longest history `model` accepts: its max_context when it stops there (the Reformer),
-    None when it has none or slides past it (the vanilla window)."""
-    return model.max_context if model.sliding_window is None else None
-
-
 def history_states(model, tokens: list[int], marks: list[int], chunk: int) -> dict[int, dict]:
     """For each history length in `marks`: the session's state, its next-token row, and how many
     tokens were fed to get it. One pass over the longest history, keeping a copy at each mark;
@@ -153,7 +147,7 @@ def history_states(model, tokens: list[int], marks: list[int], chunk: int) -> di
             found[mark] = {"state": state, "next": row, "fed": mark - start}
         else:
             return found
-    found, state, done, limit = {}, model.init_state(1), 0, history_limit(model)
+    found, state, done, limit = {}, model.init_state(1), 0, model.history_limit
     for mark in sorted(set(marks)):
         if limit is not None and mark > limit:
             break
@@ -214,7 +208,7 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
     started = time.perf_counter()
     model = load_checkpoint(directory, device=args.device).eval()
     evaluation = held_out_bits_per_byte(directory)
-    limit = history_limit(model)
+    limit = model.history_limit
     marks = sorted(set(args.histories) | set(args.state_histories) | ({limit} if limit is not None else set()))
     sessions = history_states(model, tokens, marks, args.chunk)
     # each history is continued by the text that follows it, where the model can take that
@@ -300,11 +294,12 @@ def plot(result: dict, path: Path) -> None:
         shown = 0
         for row, label in zip(rows, _labels(rows)):
             # a model that stops before the last history is placed at the state it stops with
-            x = row["state_bytes"][last] or row.get("state_bytes_at_history_limit")
+            x = row["state_bytes"][last]
+            x = row.get("state_bytes_at_history_limit") if x is None else x
             if row["bits_per_byte"] is None or x is None:
                 continue
             y = row["bits_per_byte"]
-            at = "" if row["state_bytes"][last] else f" at its {_tokens(row['history_limit'])} limit"
+            at = "" if row["state_bytes"][last] is not None else f" at its {_tokens(row['history_limit'])} limit"
             ax.scatter([x], [y], s=45, label=f"{label} ({_bytes(x)}{at})")
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
             shown += 1

@@ -39,7 +39,6 @@ import torch
 
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.server.bench.continuation import feed, held_out_text, sync
-from xlserve.server.bench.models import history_limit
 from xlserve.server.cache import SessionCache, SessionData
 from xlserve.server.settings import BENCH_RESULTS_DIR, WEIGHTS_DIR, checkpoint_dir
 
@@ -181,7 +180,7 @@ def main(argv: list[str]) -> None:
     try:
         results = []
         for label, model in models_to_run(args):
-            limit = history_limit(model)
+            limit = model.history_limit
             for history in (int(h) for h in args.histories.split(",")):
                 if limit is not None and history > limit:
                     print(f"{label:36s} H={history:>6d}  skipped: past its max_context {limit:,}, where it stops",

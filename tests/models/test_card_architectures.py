@@ -88,7 +88,6 @@ def test_adaptive_span_card_gives_its_state_and_learned_spans(tmp_path, short_hi
     assert text.index("## Held-out bits per byte") < text.index("## Learned spans") < text.index("## Sample")
 
 
-
 @pytest.mark.parametrize("architecture", ["linformer", "conformer", "lite-transformer", "reformer", "transformer-xl"])
 def test_a_card_says_where_the_model_departs_from_its_paper(architecture, tmp_path, short_histories):
     recipe = replace(STANDARD_RECIPE, train_bytes=4 * 32 * 2, batch_size=4, segment_len=32, eval_every=1000,

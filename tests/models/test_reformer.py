@@ -548,7 +548,7 @@ def test_held_out_scoring_stops_where_the_model_stops():
 
     torch.manual_seed(0)
     model = build_model("reformer", {**preset_config("reformer", "tiny"), "axial_pos_shape": [8, 16]}).eval()
-    assert model.max_context == 128 and model.sliding_window is None
+    assert model.max_context == 128 and model.sliding_window is None and model.history_limit == 128
     document = bytes(range(32, 127)) * 4  # 380 bytes, longer than the model can take
     assert bits_per_byte(model, [document], window_stride=32) == bits_per_byte(model, [document[:129]])
     assert [v.get("window_stride") for v in card.card_variants(model, segment_len=128)] == [None]

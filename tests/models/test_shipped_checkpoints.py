@@ -175,10 +175,10 @@ def test_the_card_bits_per_byte_are_reproduced(directory, corpus, one_thread):
         assert trained["scored_bytes"] == sum(len(scored_part(model, d)) - 1 for d in documents)
 
     prefix = held_out_documents(corpus, STRIDE_ONE_BYTES)
-    if model.max_context is not None and model.sliding_window is None:
+    if model.history_limit is not None:
         # a model that stops is scored on each file's beginning: as many files' beginnings as
         # make up the prefix, rather than the first file's beginning alone
-        prefix = [scored_part(model, d) for d in documents][: max(1, STRIDE_ONE_BYTES // model.max_context)]
+        prefix = [scored_part(model, d) for d in documents][: max(1, STRIDE_ONE_BYTES // model.history_limit)]
     bpb = bits_per_byte(model, prefix, chunk_len=trained["chunk_len"], window_stride=trained.get("window_stride"))
     first_bytes = evaluations.get("trained, first bytes")
     if first_bytes is not None:
