@@ -101,7 +101,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel
-from xlserve.models.layers.causal_conv import causal_depthwise_conv, causal_windows
+from xlserve.models.layers.causal_conv import causal_depthwise_conv, causal_dynamic_conv
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
@@ -202,10 +202,7 @@ class ConvolutionBranch(nn.Module):
         if self.kernel_net is None:
             per_channel = weights.repeat_interleave(self.d_conv // c.n_conv_head, dim=0)  # (d/2, K): channel c, group g(c)
             return causal_depthwise_conv(u, recent, per_channel)
-        windows, recent = causal_windows(u, recent)  # (B, T, d/2, K): u_{i−K+1 .. i}
-        grouped = windows.unflatten(2, (c.n_conv_head, -1))  # (B, T, H_c, d/(2·H_c), K)
-        out = torch.einsum("btgck,btgk->btgc", grouped, weights)  # (B, T, H_c, d/(2·H_c))
-        return out.flatten(2), recent
+        return causal_dynamic_conv(u, recent, weights)  # weights (B, T, H_c, K), one kernel per position
 
 
 class LongShortRangeAttention(nn.Module):

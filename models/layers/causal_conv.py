@@ -8,8 +8,8 @@ the next chunk: the chunk is read after the buffer, as if the whole history had 
 once, so the result is the same in any chunking. The buffer's shape never depends on the
 history's length.
 
-`causal_windows` gives every position its K inputs (for a kernel that changes from position to
-position, a dynamic convolution); `causal_depthwise_conv` applies one kernel per channel.
+`causal_dynamic_conv` applies a kernel that changes from position to position (a dynamic
+convolution), one per group of channels; `causal_depthwise_conv` applies one kernel per channel.
 """
 
 from __future__ import annotations
@@ -26,13 +26,23 @@ def with_history(x: Tensor, recent: Tensor) -> tuple[Tensor, Tensor]:
     return padded, padded[:, padded.shape[1] - recent.shape[1] :]
 
 
-def causal_windows(x: Tensor, recent: Tensor) -> tuple[Tensor, Tensor]:
-    """x (B, T, C) after `recent` (B, K − 1, C) -> the window of each position, (B, T, C, K):
-    [..., k] is input t − K + 1 + k (oldest first, zeros before the first position), a view,
-    and the buffer after x."""
+def causal_dynamic_conv(x: Tensor, recent: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """out[b, t, c] = Σ_k weights[b, t, g(c), k] · input[b, t − K + 1 + k, c] for x (B, T, C)
+    after `recent` (B, K − 1, C), weights (B, T, G, K) with channel c in group g(c) = c div (C / G)
+    -> out (B, T, C) and the buffer after x."""
     padded, recent = with_history(x, recent)
-    K = recent.shape[1] + 1
-    return padded.unfold(1, K, 1), recent  # (B, T, C, K)
+    B, T, C = x.shape
+    G, K = weights.shape[2:]
+    if K != recent.shape[1] + 1:
+        raise ValueError(f"a kernel of width {K} needs {K - 1} buffered inputs, got {recent.shape[1]}")
+    weights = weights.to(x.dtype)[..., None]  # (B, T, G, K, 1)
+    # K shifted products rather than one batched product over (B, T, C, K) windows: that product
+    # is B·T·G matrix-vector products of K taps each, and it copies the windows (and again in its
+    # backward); these read shifted views of the inputs and copy nothing
+    out = x.new_zeros(B, T, G, C // G)
+    for k in range(K):
+        out = out + padded[:, k : k + T].view(B, T, G, C // G) * weights[:, :, :, k]
+    return out.flatten(2), recent  # (B, T, C)
 
 
 def causal_depthwise_conv(x: Tensor, recent: Tensor, weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
