@@ -1,4 +1,5 @@
-"""What several model tests share: random byte inputs and feeding a model chunk by chunk."""
+"""What several model tests share: random byte inputs, feeding a model chunk by chunk, and the
+state invariants every architecture keeps (a safetensors round trip, bounded size)."""
 
 import torch
 
@@ -29,3 +30,45 @@ def assert_same_as_one_pass(model, ids, chunk, atol=1e-5):
     assert torch.equal(state.position, whole_state.position)
     for (name, a), (_, b) in zip(state._named_tensors(), whole_state._named_tensors()):
         assert (a - b).abs().max().item() < atol, name
+
+
+def state_bytes_after_4_kb_and_64_kb(model, seed):
+    """Feed 64 KB of random bytes to `model` in 4 KB calls; returns the state's `nbytes()` after
+    4 KB and after 64 KB, and the final state (already checked for 65,536 positions)."""
+    text = tokens(1, 65536, seed)
+    state = model.init_state(1)
+    sizes = {}
+    with torch.no_grad():
+        for start in range(0, 65536, 4096):
+            _, state = model(text[:, start : start + 4096], state)
+            sizes[start + 4096] = state.nbytes()
+    assert int(state.position[0]) == 65536
+    model.check_state(state, 65536)
+    return sizes[4096], sizes[65536], state
+
+
+def assert_state_round_trips(model, state, history, continuation, tmp_path, required="position"):
+    """`state` (after `history` tokens) written to safetensors and read back is the same state:
+    it passes the model's checks, every tensor is equal in name, dtype and value, and feeding
+    `continuation` (1, T) from either gives identical log-probs and identical states after. A file
+    without the `required` tensor is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    kind = type(state)
+    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
+    restored = kind.from_tensors(load_file(str(tmp_path / "state.safetensors")))
+    model.check_state(restored, history)
+    for (name, a), (other, b) in zip(state._named_tensors(), restored._named_tensors()):
+        assert name == other and a.dtype == b.dtype and torch.equal(a, b), name
+    a, after_a = run_in_chunks(model, continuation, continuation.shape[1], state)
+    b, after_b = run_in_chunks(model, continuation, continuation.shape[1], restored)
+    assert torch.equal(a, b)
+    for (name, x), (_, y) in zip(after_a._named_tensors(), after_b._named_tensors()):
+        assert torch.equal(x, y), name
+    without = {k: v for k, v in state.to_tensors().items() if k != required}
+    try:
+        kind.from_tensors(without)
+    except ValueError as error:
+        assert "missing" in str(error) and required in str(error), str(error)
+    else:
+        raise AssertionError(f"a state without {required!r} was accepted")

@@ -6,14 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from xlserve.models.adaptive_span import AdaptiveSpan, AdaptiveSpanConfig
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.layers.relative import sinusoid_encoding
 from xlserve.models.layers.span_state import SpanMemory
 from xlserve.models.training.train import STANDARD_RECIPE, train
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import assert_state_round_trips, run_in_chunks, tokens
 
 MAX_SPAN, RAMP = 20, 4
 # spans set by hand (z per layer and head): short, fractional, zero and the maximum
@@ -169,14 +168,8 @@ def test_rows_of_different_histories_batch_like_each_alone():
 def test_state_round_trips_through_safetensors_bit_identically(tmp_path):
     model = small_model()
     _, state = run_in_chunks(model, tokens(1, 70, seed=2), 70)
-    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
-    restored = SpanMemory.from_tensors(load_file(str(tmp_path / "state.safetensors")))
-    model.check_session(restored, 70, torch.log_softmax(torch.zeros(256), 0))
-    for a, b in zip(state._named_tensors(), restored._named_tensors()):
-        assert a[0] == b[0] and torch.equal(a[1], b[1])
-    step = tokens(1, 5, seed=3)
-    with torch.no_grad():
-        assert torch.equal(model(step, state)[0], model(step, restored)[0])
+    assert isinstance(state, SpanMemory)
+    assert_state_round_trips(model, state, 70, tokens(1, 5, seed=3), tmp_path)
 
 
 # -- (e) state size --------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from torch.autograd.functional import jacobian
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
@@ -17,7 +16,7 @@ from xlserve.models.layers.relative import sinusoid_encoding
 from xlserve.models.layers.ring_buffer import ring_positions
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
 
 MEM_LEN, KERNEL = 8, 5  # a query sees itself and 7 positions before it; the convolution 4 before it
 D_MODEL, N_HEAD, D_HEAD = 32, 2, 8
@@ -257,20 +256,8 @@ def test_state_round_trips_through_safetensors_bit_identically(tmp_path):
     model = small_model()
     with torch.no_grad():
         _, state = model(tokens(1, 77, 18), model.init_state(1))
-    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
-    restored = ConvWindowMemory.from_tensors(load_file(str(tmp_path / "state.safetensors")))
-    model.check_state(restored, 77)
-    for (name, a), (other, b) in zip(state._named_tensors(), restored._named_tensors()):
-        assert name == other and torch.equal(a, b), name
-    continuation = tokens(1, 9, 19)
-    with torch.no_grad():
-        a, after_a = model(continuation, state)
-        b, after_b = model(continuation, restored)
-    assert torch.equal(a, b)
-    for (name, x), (_, y) in zip(after_a._named_tensors(), after_b._named_tensors()):
-        assert torch.equal(x, y), name
-    with pytest.raises(ValueError, match="missing"):
-        ConvWindowMemory.from_tensors({k: v for k, v in state.to_tensors().items() if k != "position"})
+    assert isinstance(state, ConvWindowMemory)
+    assert_state_round_trips(model, state, 77, tokens(1, 9, 19), tmp_path)
 
 
 # -- (e) bounded state --------------------------------------------------------------------------
@@ -280,17 +267,9 @@ def test_state_bytes_are_equal_after_4_kb_and_64_kb_of_history():
     torch.manual_seed(0)
     model = build_model("conformer", preset_config("conformer", "tiny")).eval()
     c = model.config
-    text = tokens(1, 65536, 20)
-    with torch.no_grad():
-        _, state = model(text[:, :4096], model.init_state(1))
-        at_4k = state.nbytes()
-        for start in range(4096, 65536, 4096):
-            _, state = model(text[:, start : start + 4096], state)
-    assert int(state.position[0]) == 65536
-    assert state.nbytes() == at_4k == model.init_state(1).nbytes() == model.state_bytes()
+    at_4k, at_64k, _ = state_bytes_after_4_kb_and_64_kb(model, seed=20)
     formula = 8 + c.n_layer * ((c.kernel_size - 1) * c.d_model + 2 * c.n_head * (c.mem_len - 1) * c.d_head) * 4
-    assert at_4k == formula
-    model.check_state(state, 65536)
+    assert at_4k == at_64k == formula == model.init_state(1).nbytes() == model.state_bytes()
 
 
 def test_the_presets_sizes():

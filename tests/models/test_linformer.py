@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import xlserve.models.linformer as linformer
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
@@ -14,7 +13,7 @@ from xlserve.models.layers.compressed_segments import CompressedSegmentMemory
 from xlserve.models.linformer import Linformer, LinformerConfig, pooling_projection
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import assert_same_as_one_pass, run_in_chunks, tokens
+from tests.models.helpers import assert_same_as_one_pass, assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
 
 L, K, M = 8, 3, 3  # segment length, compressed slots per segment, compressed segments kept
 H, D = 2, 8
@@ -232,19 +231,8 @@ def test_state_round_trips_through_safetensors_bit_identically(tmp_path):
     model = small_model()
     with torch.no_grad():
         _, state = model(tokens(1, 77, 16), model.init_state(1))
-    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
-    restored = CompressedSegmentMemory.from_tensors(load_file(str(tmp_path / "state.safetensors")))
-    model.check_state(restored, 77)
-    for (name, a), (other, b) in zip(state._named_tensors(), restored._named_tensors()):
-        assert name == other and a.dtype == b.dtype and torch.equal(a, b), name
-    continuation = tokens(1, 19, 17)  # crosses two boundaries
-    a, after_a = run_in_chunks(model, continuation, 19, state)
-    b, after_b = run_in_chunks(model, continuation, 19, restored)
-    assert torch.equal(a, b)
-    for (name, x), (_, y) in zip(after_a._named_tensors(), after_b._named_tensors()):
-        assert torch.equal(x, y), name
-    with pytest.raises(ValueError, match="missing"):
-        CompressedSegmentMemory.from_tensors({k: v for k, v in state.to_tensors().items() if k != "position"})
+    assert isinstance(state, CompressedSegmentMemory)
+    assert_state_round_trips(model, state, 77, tokens(1, 19, 17), tmp_path)  # 19 crosses two boundaries
 
 
 # -- (e) bounded state ----------------------------------------------------------------------------
@@ -255,16 +243,8 @@ def test_state_bytes_are_equal_after_4_kb_and_64_kb_of_history():
     model = build_model("linformer", preset_config("linformer", "tiny")).eval()
     c = model.config
     formula = 8 + c.n_layer * 2 * c.n_head * (c.segment_len + c.memory_segments * c.compressed_len) * c.d_head * 4
-    text = tokens(1, 65536, 18)
-    sizes = {}
-    state = model.init_state(1)
-    assert state.nbytes() == formula
-    with torch.no_grad():
-        for start in range(0, 65536, 4096):
-            _, state = model(text[:, start : start + 4096], state)
-            sizes[start + 4096] = state.nbytes()
-    assert sizes[4096] == sizes[65536] == formula
-    model.check_state(state, 65536)
+    at_4k, at_64k, _ = state_bytes_after_4_kb_and_64_kb(model, seed=18)
+    assert at_4k == at_64k == formula == model.init_state(1).nbytes()
     # the preset that ships: L = 64 open slots and 8 segments of 16 slots per layer
     small = build_model("linformer", preset_config("linformer", "small"))
     assert small.init_state(1).nbytes() == 8 + 4 * 2 * 4 * (64 + 8 * 16) * 48 * 4 == 1_179_656

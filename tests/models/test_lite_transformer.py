@@ -6,14 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.layers.conv_window_state import ConvWindowMemory
 from xlserve.models.lite_transformer import LiteTransformer, LiteTransformerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import assert_same_as_one_pass, run_in_chunks, tokens
+from tests.models.helpers import assert_same_as_one_pass, assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
 
 M = 6  # mem_len: a query sees itself and the 5 positions before it
 KERNELS = [3, 5, 2]  # a convolution width per layer
@@ -230,16 +229,8 @@ def test_state_round_trips_through_safetensors_bit_identically(tmp_path):
     model = small_model()
     with torch.no_grad():
         _, state = model(tokens(1, 77, 14), model.init_state(1))
-    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
-    restored = ConvWindowMemory.from_tensors(load_file(str(tmp_path / "state.safetensors")))
-    model.check_state(restored, 77)
-    for (name, a), (_, b) in zip(state._named_tensors(), restored._named_tensors()):
-        assert torch.equal(a, b), name
-    continuation = tokens(1, 9, 15)
-    with torch.no_grad():
-        assert torch.equal(model(continuation, state)[0], model(continuation, restored)[0])
-    with pytest.raises(ValueError, match="missing"):
-        ConvWindowMemory.from_tensors({k: v for k, v in state.to_tensors().items() if k != "position"})
+    assert isinstance(state, ConvWindowMemory)
+    assert_state_round_trips(model, state, 77, tokens(1, 9, 15), tmp_path)
 
 
 # -- (e) bounded state ----------------------------------------------------------------------------
@@ -249,17 +240,9 @@ def test_state_bytes_are_equal_after_4_kb_and_64_kb_of_history():
     torch.manual_seed(0)
     model = build_model("lite-transformer", preset_config("lite-transformer", "tiny")).eval()
     c = model.config
-    text = tokens(1, 65536, 16)
-    with torch.no_grad():
-        _, state = model(text[:, :4096], model.init_state(1))
-        at_4k = state.nbytes()
-        for start in range(4096, 65536, 4096):
-            _, state = model(text[:, start : start + 4096], state)
-    assert int(state.position[0]) == 65536
-    assert state.nbytes() == at_4k == model.init_state(1).nbytes()
+    at_4k, at_64k, _ = state_bytes_after_4_kb_and_64_kb(model, seed=16)
     formula = 8 + sum(4 * (c.d_model // 2) * (2 * (c.mem_len - 1) + K - 1) for K in model.kernels)
-    assert at_4k == formula
-    model.check_state(state, 65536)
+    assert at_4k == at_64k == formula == model.init_state(1).nbytes()
 
 
 # -- (f) checkpoints ------------------------------------------------------------------------------

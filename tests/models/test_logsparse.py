@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.layers.lookback_state import LookbackMemory
@@ -13,7 +12,7 @@ from xlserve.models.layers.sparse_patterns import gathered_attention, logsparse_
 from xlserve.models.logsparse import LogSparseConfig, LogSparseTransformer
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
 
 R, W = 16, 3  # restart length and local window of the test model
 
@@ -211,14 +210,8 @@ def test_state_round_trips_through_safetensors(tmp_path):
     text = tokens(1, 2 * R + 5, 9)
     with torch.no_grad():
         _, state = model(text, model.init_state(1))
-    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
-    restored = LookbackMemory.from_tensors(load_file(str(tmp_path / "state.safetensors")))
-    model.check_state(restored, text.shape[1])
-    for (name, a), (other, b) in zip(state._named_tensors(), restored._named_tensors()):
-        assert name == other and torch.equal(a, b) and a.dtype == b.dtype
-    follow = tokens(1, 11, 10)
-    with torch.no_grad():
-        assert torch.equal(model(follow, state)[0], model(follow, restored)[0])
+    assert isinstance(state, LookbackMemory)
+    assert_state_round_trips(model, state, text.shape[1], tokens(1, 11, 10), tmp_path)
 
 
 # -- (e) the state is bounded -----------------------------------------------------------------------
@@ -229,16 +222,8 @@ def test_state_bytes_are_equal_after_4_kb_and_64_kb():
     model = build_model("logsparse", preset_config("logsparse", "tiny")).eval()
     c = model.config
     formula = 2 * c.n_layer * model.reach * c.n_head * c.d_head * 4 + 8
-    text = tokens(1, 65536, 11)
-    sizes = {}
-    state = model.init_state(1)
-    assert state.nbytes() == formula
-    with torch.no_grad():
-        for start in range(0, text.shape[1], 4096):
-            _, state = model(text[:, start : start + 4096], state)
-            sizes[start + 4096] = state.nbytes()
-    assert sizes[4096] == sizes[65536] == formula
-    model.check_state(state, 65536)
+    at_4k, at_64k, _ = state_bytes_after_4_kb_and_64_kb(model, seed=11)
+    assert at_4k == at_64k == formula == model.init_state(1).nbytes()
     # the preset that ships: 128 positions per layer
     small = build_model("logsparse", preset_config("logsparse", "small"))
     assert small.reach == 128 and small.init_state(1).nbytes() == 2 * 4 * 128 * 4 * 48 * 4 + 8

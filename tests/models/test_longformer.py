@@ -5,14 +5,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.layers.ring_buffer import SlidingWindowMemory, ring_positions
 from xlserve.models.longformer import Longformer, LongformerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import assert_same_as_one_pass, run_in_chunks, tokens
+from tests.models.helpers import assert_same_as_one_pass, assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
 
 WINDOWS = [4, 3, 5]
 DILATIONS = [[1, 2, 3], [1, 1, 1], [2, 1, 4]]  # heads of different dilations, as the paper's char LM
@@ -204,16 +203,8 @@ def test_state_round_trips_through_safetensors_bit_identically(tmp_path):
     model = small_model()
     with torch.no_grad():
         _, state = model(tokens(1, 77, 14), model.init_state(1))
-    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
-    restored = SlidingWindowMemory.from_tensors(load_file(str(tmp_path / "state.safetensors")))
-    model.check_state(restored, 77)
-    for (name, a), (_, b) in zip(state._named_tensors(), restored._named_tensors()):
-        assert torch.equal(a, b), name
-    continuation = tokens(1, 9, 15)
-    with torch.no_grad():
-        assert torch.equal(model(continuation, state)[0], model(continuation, restored)[0])
-    with pytest.raises(ValueError, match="missing"):
-        SlidingWindowMemory.from_tensors({k: v for k, v in state.to_tensors().items() if k != "position"})
+    assert isinstance(state, SlidingWindowMemory)
+    assert_state_round_trips(model, state, 77, tokens(1, 9, 15), tmp_path)
 
 
 # -- (e) bounded state ----------------------------------------------------------------------------
@@ -221,20 +212,11 @@ def test_state_round_trips_through_safetensors_bit_identically(tmp_path):
 
 def test_state_bytes_are_equal_after_4_kb_and_64_kb_of_history():
     torch.manual_seed(0)
-    config = preset_config("longformer", "tiny")
-    model = build_model("longformer", config).eval()
+    model = build_model("longformer", preset_config("longformer", "tiny")).eval()
     c = model.config
-    text = tokens(1, 65536, 16)
-    with torch.no_grad():
-        _, state = model(text[:, :4096], model.init_state(1))
-        at_4k = state.nbytes()
-        for start in range(4096, 65536, 4096):
-            _, state = model(text[:, start : start + 4096], state)
-    assert int(state.position[0]) == 65536
-    assert state.nbytes() == at_4k == model.init_state(1).nbytes()
+    at_4k, at_64k, _ = state_bytes_after_4_kb_and_64_kb(model, seed=16)
     formula = 8 + sum(2 * c.n_head * (C + c.n_global) * c.d_head * 4 for C in model.capacities)
-    assert at_4k == formula
-    model.check_state(state, 65536)
+    assert at_4k == at_64k == formula == model.init_state(1).nbytes()
 
 
 def test_ring_positions_follow_the_slot_rule():

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import xlserve.models.layers.lsh as lsh_module
 import xlserve.models.layers.reversible as reversible
@@ -21,7 +20,7 @@ from xlserve.models.reformer import FirstCall, Reformer, ReformerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.card import describe_state
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import assert_state_round_trips, run_in_chunks, tokens
 
 C_LSH, C_LOCAL = 4, 3  # lcm 12: a first call of 17 tokens is padded to 24
 
@@ -365,16 +364,8 @@ def test_state_round_trips_through_safetensors(tmp_path):
     with torch.no_grad():
         _, state = model(tokens(1, 30, 12), model.init_state(1))
         _, state = model(tokens(1, 5, 13), state)
-    save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
-    restored = LSHMemory.from_tensors(load_file(str(tmp_path / "state.safetensors")))
-    model.check_state(restored, 35)
-    for (name, a), (_, b) in zip(state._named_tensors(), restored._named_tensors()):
-        assert torch.equal(a, b), name
-    continuation = tokens(1, 9, 14)
-    with torch.no_grad():
-        assert torch.equal(model(continuation, state)[0], model(continuation, restored)[0])
-    with pytest.raises(ValueError, match="missing"):
-        LSHMemory.from_tensors({k: v for k, v in state.to_tensors().items() if k != "hashed"})
+    assert isinstance(state, LSHMemory)
+    assert_state_round_trips(model, state, 35, tokens(1, 9, 14), tmp_path, required="hashed")
     with pytest.raises(ValueError, match="unexpected"):
         LSHMemory.from_tensors({**state.to_tensors(), "extra": torch.zeros(1)})
 
