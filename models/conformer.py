@@ -298,12 +298,6 @@ class Conformer(LanguageModel):
         per_layer = (c.kernel_size - 1) * c.d_model + 2 * c.n_head * (c.mem_len - 1) * c.d_head
         return batch_size * (8 + c.n_layer * per_layer * element)
 
-    def _check_tokens(self, state: ConvWindowMemory, tokens: int) -> None:
-        """After t tokens `position` is t (and check_consistent has seen that every slot no
-        position reached is empty)."""
-        if int(state.position[0]) != tokens:
-            raise ValueError(f"state tensor 'position' says {int(state.position[0])} tokens, the session has seen {tokens}")
-
     # -- serving and training -----------------------------------------------------------------
 
     def forward(self, tokens: Tensor, state: ConvWindowMemory) -> tuple[Tensor, ConvWindowMemory]:

@@ -306,11 +306,6 @@ class InfinityFormer(LanguageModel):
         if (state.position < 0).any():
             raise ValueError("state position must be non-negative")
 
-    def _check_tokens(self, state: ContinuousMemory, tokens: int) -> None:
-        """The state counts the tokens it has seen (`position`): the same count as the session's."""
-        if int(state.position[0]) != tokens:
-            raise ValueError(f"state tensor 'position' says {int(state.position[0])} tokens seen, the session {tokens}")
-
     def with_long_term_memory(self, enabled: bool) -> "InfinityFormer":
         """A view of this model (same parameters) with the continuous attention on or off."""
         view = copy.copy(self)

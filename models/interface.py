@@ -270,8 +270,8 @@ class LanguageModel(nn.Module):
         this model: wrong class or tensor names; a dtype, or a fixed dimension
         (`_fixed_state_dims`), other than a fresh state's; a floating tensor holding NaN or
         infinities; tensors whose lengths disagree (`State.check_consistent`); and, given
-        `tokens`, a batch-1 state whose lengths do not fit having seen that many tokens
-        (`_check_tokens`). Sequence lengths may differ from a fresh state."""
+        `tokens`, a batch-1 state whose `position` (where it has one) is not that count or whose
+        lengths do not fit it (`_check_tokens`). Sequence lengths may differ from a fresh state."""
         if not isinstance(state, self.state_class):
             raise ValueError(f"expected a {self.state_class.__name__}, got {type(state).__name__}")
         fresh = dict(self.init_state(1)._named_tensors())
@@ -303,11 +303,15 @@ class LanguageModel(nn.Module):
                 raise ValueError(f"a state cannot have seen {tokens} tokens")
             if batch != 1:
                 raise ValueError(f"a session state has batch size 1, this one has {batch}")
+            position = getattr(state, "position", None)  # the states that count their own tokens
+            if isinstance(position, Tensor) and int(position[0]) != tokens:
+                raise ValueError(f"state tensor 'position' says {int(position[0])} tokens, the session has seen {tokens}")
             self._check_tokens(state, tokens)
 
     def _check_tokens(self, state: State, tokens: int) -> None:
-        """Raise ValueError when the batch-1 `state` does not fit having seen `tokens` tokens
-        (an architecture whose state records its history's length overrides it)."""
+        """Raise ValueError when the batch-1 `state` does not fit having seen `tokens` tokens,
+        beyond what `check_state` checks for every state (a `position` tensor equal to the count);
+        an architecture whose state says more about its history overrides it."""
 
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         """Dimensions of a state tensor that never change (all but batch by default)."""

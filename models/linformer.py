@@ -293,13 +293,6 @@ class Linformer(LanguageModel):
         return CompressedSegmentMemory.empty(batch_size, c.n_layer, c.n_head, c.d_head, c.segment_len,
                                              c.memory_segments, c.compressed_len, like=self.embedding.weight)
 
-    def _check_tokens(self, state: CompressedSegmentMemory, tokens: int) -> None:
-        """After t tokens `position` is t (check_consistent has seen from it that every slot no
-        position reached is empty)."""
-        seen = int(state.position[0])
-        if seen != tokens:
-            raise ValueError(f"state tensor 'position' says {seen} positions were seen, the session has {tokens}")
-
     # -- serving and training -----------------------------------------------------------------
 
     def forward(self, tokens: Tensor, state: CompressedSegmentMemory) -> tuple[Tensor, CompressedSegmentMemory]:

@@ -320,12 +320,6 @@ class LiteTransformer(LanguageModel):
         return ConvWindowMemory.empty(batch_size, self.kernels, self.layers[0].attention.convolution.d_conv,
                                       attention.capacity, c.n_head, attention.d_head, like=self.embedding.weight)
 
-    def _check_tokens(self, state: ConvWindowMemory, tokens: int) -> None:
-        """After t tokens `position` is t (and check_consistent has seen that every ring slot and
-        convolution input no position reached is empty)."""
-        if int(state.position[0]) != tokens:
-            raise ValueError(f"state tensor 'position' says {int(state.position[0])} tokens, the session has seen {tokens}")
-
     # -- serving and training -----------------------------------------------------------------
 
     def forward(self, tokens: Tensor, state: ConvWindowMemory) -> tuple[Tensor, ConvWindowMemory]:

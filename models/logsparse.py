@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.interface import ArchConfig, LanguageModel
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
@@ -176,13 +176,6 @@ class LogSparseTransformer(LanguageModel):
     def init_state(self, batch_size: int) -> LookbackMemory:
         c = self.config
         return LookbackMemory.empty(batch_size, c.n_layer, self.reach, c.n_head, c.d_head, self.embedding.weight)
-
-    def _check_tokens(self, state: LookbackMemory, tokens: int) -> None:
-        """After t tokens the memory's position is t (its empty slots are checked by
-        LookbackMemory.check_consistent from that position)."""
-        seen = int(state.position[0])
-        if seen != tokens:
-            raise ValueError(f"state tensor 'position' says {seen} positions were seen, the session has {tokens}")
 
     # -- the pattern --------------------------------------------------------------------------
 

@@ -233,12 +233,6 @@ class Longformer(LanguageModel):
         return SlidingWindowMemory.empty(batch_size, self.capacities, c.n_global, c.n_head, c.d_head,
                                          like=self.embedding.weight)
 
-    def _check_tokens(self, state: SlidingWindowMemory, tokens: int) -> None:
-        """After t tokens `position` is t (and check_consistent has seen that every slot no
-        position reached is empty)."""
-        if int(state.position[0]) != tokens:
-            raise ValueError(f"state tensor 'position' says {int(state.position[0])} tokens, the session has seen {tokens}")
-
     # -- serving and training -----------------------------------------------------------------
 
     def forward(self, tokens: Tensor, state: SlidingWindowMemory) -> tuple[Tensor, SlidingWindowMemory]:

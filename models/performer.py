@@ -217,12 +217,9 @@ class Performer(LanguageModel):
                                 like=self.embedding.weight)
 
     def _check_tokens(self, state: KernelSums, tokens: int) -> None:
-        """The state counts its tokens (`position`); after t tokens every entry of z lies in
-        [0, t] (each key feature is in [0, 1]); before any token every sum is 0; while fewer than
-        K − 1 tokens have been seen, the convolution's padding rows are still 0."""
-        seen = int(state.position[0])
-        if seen != tokens:
-            raise ValueError(f"state tensor 'position' says {seen} tokens seen, the session {tokens}")
+        """After t tokens every entry of z lies in [0, t] (each key feature is in [0, 1]); before
+        any token every sum is 0; while fewer than K − 1 tokens have been seen, the convolution's
+        padding rows are still 0."""
         for i, z in enumerate(state.key_sums):
             if bool((z < 0).any()) or float(z.max()) > tokens * (1 + 1e-4) + 1e-4:
                 raise ValueError(f"state tensor 'key_sums.{i}' holds values outside [0, {tokens}], "

@@ -72,3 +72,31 @@ def assert_state_round_trips(model, state, history, continuation, tmp_path, requ
         assert "missing" in str(error) and required in str(error), str(error)
     else:
         raise AssertionError(f"a state without {required!r} was accepted")
+
+
+def assert_rows_batch_like_single_rows(model, histories, step, decode, atol=1e-5):
+    """Rows of different `histories` (each (1, T_i)) batched together are each what they are alone:
+    feeding `step` (B, S) to the batch, then decoding `decode` (B, N) one token at a time, gives
+    every row's log-probs and state of feeding it alone, within `atol`. Returns the batch's state
+    after `step` and its rows split apart, for an architecture's own checks."""
+    with torch.no_grad():
+        states = [model(h, model.init_state(1))[1] for h in histories]
+        kind = type(states[0])
+        singles = [model(step[i : i + 1], s) for i, s in enumerate(states)]
+        batch = kind.concat(states)
+        model.check_state(batch)
+        batched, batch_state = model(step, batch)
+        for i, (single, _) in enumerate(singles):
+            assert (batched[i] - single[0]).abs().max().item() < atol
+        parts = batch_state.split()
+        for part, (_, single_state), history in zip(parts, singles, histories):
+            for (name, a), (_, b) in zip(part._named_tensors(), single_state._named_tensors()):
+                assert (a - b).abs().max().item() < atol, name
+            model.check_state(part, history.shape[1] + step.shape[1])
+    decoded, decoded_state = run_in_chunks(model, decode, 1, batch_state)
+    for i, (_, single_state) in enumerate(singles):
+        alone, alone_state = run_in_chunks(model, decode[i : i + 1], 1, single_state)
+        assert (decoded[i] - alone[0]).abs().max().item() < atol
+        for (name, a), (_, b) in zip(decoded_state.split()[i]._named_tensors(), alone_state._named_tensors()):
+            assert (a - b).abs().max().item() < atol, name
+    return batch_state, parts

@@ -16,7 +16,10 @@ from xlserve.models.layers.relative import sinusoid_encoding
 from xlserve.models.layers.ring_buffer import ring_positions
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
+from tests.models.helpers import (
+    assert_rows_batch_like_single_rows, assert_state_round_trips, run_in_chunks,
+    state_bytes_after_4_kb_and_64_kb, tokens,
+)
 
 MEM_LEN, KERNEL = 8, 5  # a query sees itself and 7 positions before it; the convolution 4 before it
 D_MODEL, N_HEAD, D_HEAD = 32, 2, 8
@@ -220,22 +223,8 @@ def test_rows_of_different_histories_batch_like_single_rows():
     model = small_model()
     histories = [tokens(1, 0, 13), tokens(1, 3, 14), tokens(1, 41, 15), tokens(1, 333, 16)]
     step = tokens(4, 5, 17)
+    batch_state, parts = assert_rows_batch_like_single_rows(model, histories, step, step[:, :1])
     with torch.no_grad():
-        states = [model(h, model.init_state(1))[1] for h in histories]
-        singles = [model(step[i : i + 1], s) for i, s in enumerate(states)]
-        batch = ConvWindowMemory.concat(states)
-        model.check_state(batch)
-        batched, batch_state = model(step, batch)
-        decoded, _ = model(step[:, :1], batch_state)  # the batch keeps decoding together
-        for i, (single, single_state) in enumerate(singles):
-            assert (batched[i] - single[0]).abs().max().item() < 1e-5
-            again, _ = model(step[i : i + 1, :1], single_state)
-            assert (decoded[i] - again[0]).abs().max().item() < 1e-5
-        parts = batch_state.split()
-        for part, (_, single_state), history in zip(parts, singles, histories):
-            for (name, a), (_, b) in zip(part._named_tensors(), single_state._named_tensors()):
-                assert (a - b).abs().max().item() < 1e-5, name
-            model.check_state(part, history.shape[1] + 5)
         taken = batch_state.take([3, 1])
         assert taken.position.tolist() == [338, 8]
         again, _ = model(step[[3, 1], :2], taken)

@@ -13,7 +13,10 @@ from xlserve.models.layers.compressed_segments import CompressedSegmentMemory
 from xlserve.models.linformer import Linformer, LinformerConfig, pooling_projection
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import assert_same_as_one_pass, assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
+from tests.models.helpers import (
+    assert_rows_batch_like_single_rows, assert_same_as_one_pass, assert_state_round_trips,
+    run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens,
+)
 
 L, K, M = 8, 3, 3  # segment length, compressed slots per segment, compressed segments kept
 H, D = 2, 8
@@ -188,24 +191,11 @@ def test_rows_of_different_histories_batch_like_single_rows():
     lengths = [0, 3, 8, 29, 333]  # fresh, mid-segment, on a boundary, memory filling, memory full
     histories = [tokens(1, n, 10 + n) for n in lengths]
     steps = tokens(5, 6, 11)  # crosses a boundary for some rows
-    with torch.no_grad():
-        states = [model(h, model.init_state(1))[1] for h in histories]
-        singles = [model(steps[i : i + 1], s) for i, s in enumerate(states)]
-        batched, batch_state = model(steps, CompressedSegmentMemory.concat(states))
-        decoded, batch_state = run_in_chunks(model, tokens(5, 12, 12), 1, batch_state)  # decoding together
-        for i, (single, single_state) in enumerate(singles):
-            assert (batched[i] - single[0]).abs().max().item() < 1e-5
-            again, single_state = run_in_chunks(model, tokens(5, 12, 12)[i : i + 1], 1, single_state)
-            assert (decoded[i] - again[0]).abs().max().item() < 1e-5
-            for a, b in zip(batch_state.split()[i]._named_tensors(), single_state._named_tensors()):
-                assert (a[1] - b[1]).abs().max().item() < 1e-5, a[0]
-    parts = batch_state.split()
-    assert [int(p.position) for p in parts] == [n + 18 for n in lengths]
-    for part in parts:
-        model.check_state(part, int(part.position))
+    batch_state, parts = assert_rows_batch_like_single_rows(model, histories, steps, tokens(5, 12, 12))
+    assert [int(p.position) for p in parts] == [n + 6 for n in lengths]
     taken = batch_state.take([3, 1])
     assert torch.equal(taken.slot_keys[1][0], batch_state.slot_keys[1][3])
-    assert taken.position.tolist() == [lengths[3] + 18, lengths[1] + 18]
+    assert taken.position.tolist() == [int(batch_state.position[3]), int(batch_state.position[1])]
 
 
 def test_put_row_writes_a_row_in_place():

@@ -12,7 +12,10 @@ from xlserve.models.layers.conv_window_state import ConvWindowMemory
 from xlserve.models.lite_transformer import LiteTransformer, LiteTransformerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
-from tests.models.helpers import assert_same_as_one_pass, assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
+from tests.models.helpers import (
+    assert_rows_batch_like_single_rows, assert_same_as_one_pass, assert_state_round_trips,
+    run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens,
+)
 
 M = 6  # mem_len: a query sees itself and the 5 positions before it
 KERNELS = [3, 5, 2]  # a convolution width per layer
@@ -195,31 +198,12 @@ def test_rows_of_different_histories_batch_like_single_rows():
     model = small_model()
     histories = [tokens(1, 0, 9), tokens(1, 2, 10), tokens(1, 9, 11), tokens(1, 150, 12)]
     step = tokens(4, 5, 13)
+    batch_state, parts = assert_rows_batch_like_single_rows(model, histories, step, step[:, :1])
     with torch.no_grad():
-        states = [model(h, model.init_state(1))[1] for h in histories]
-        singles = [model(step[i : i + 1], s) for i, s in enumerate(states)]
-        batched, batch_state = model(step, ConvWindowMemory.concat(states))
-        decoded, _ = model(step[:, :1], batch_state)  # the batch keeps decoding together
-        for i, (single, single_state) in enumerate(singles):
-            assert (batched[i] - single[0]).abs().max().item() < 1e-5
-            again, _ = model(step[i : i + 1, :1], single_state)
-            assert (decoded[i] - again[0]).abs().max().item() < 1e-5
-        parts = batch_state.split()
-        for part, (_, single_state) in zip(parts, singles):
-            for a, b in zip(part._named_tensors(), single_state._named_tensors()):
-                assert (a[1] - b[1]).abs().max().item() < 1e-5, a[0]
-            model.check_state(part, int(part.position[0]))
         taken = batch_state.take([3, 1])
         assert taken.position.tolist() == [batch_state.position[3].item(), batch_state.position[1].item()]
         assert torch.equal(taken.conv_inputs[1][0], batch_state.conv_inputs[1][3])
         assert batch_state.put_row(0, parts[2])
-        assert torch.equal(batch_state.keys[1][0], parts[2].keys[1][0])
-        assert torch.equal(batch_state.conv_inputs[2][0], parts[2].conv_inputs[2][0])
-        assert batch_state.position[0] == parts[2].position[0]
-        other = small_model(conv_kernel=[3, 5, 4]).init_state(1)  # another model's row does not fit
-        assert not batch_state.put_row(1, other)
-        assert batch_state.position[1] == parts[1].position[0]  # row 1 left as it was
-    assert not batch_state.put_row(0, parts[2])  # not under autograd
 
 
 # -- (d) the state round-trips -------------------------------------------------------------------

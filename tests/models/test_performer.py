@@ -322,7 +322,7 @@ def set_first(value):
     ("value_sums.0", lambda t: t[:, :1], "'value_sums.0' has shape"),
     ("key_sums.1", set_first(-1.0), "'key_sums.1' holds values outside"),
     ("key_sums.1", set_first(1e6), "'key_sums.1' holds values outside"),
-    ("position", lambda t: t + 1, "'position' says 51 tokens seen, the session 50"),
+    ("position", lambda t: t + 1, "'position' says 51 tokens, the session has seen 50"),
     ("value_sums.0", lambda t: t.double(), "'value_sums.0' is torch.float64"),
 ])
 def test_poisoned_states_are_refused(name, change, message):

@@ -178,5 +178,5 @@ def test_infinity_former_position_must_be_the_token_count():
     model = tiny_model("infinity-former")
     state, tokens, next_log_probs = session(model, HISTORY[:30])
     assert isinstance(state, ContinuousMemory)
-    with pytest.raises(ValueError, match="'position' says 30 tokens seen, the session 31"):
+    with pytest.raises(ValueError, match="'position' says 30 tokens, the session has seen 31"):
         model.check_session(state, 31, next_log_probs)
