@@ -1,7 +1,7 @@
-"""What the model benchmarks (vs-hf, vs-hf-xlnet, eval-speed) share: the arguments every run
-takes, the environment it ran in, a converted copy of a Hugging Face reference, greedy generation
-timed in two parts (prefill, decode), a plot figure, and writing the results (JSON + PNG) before
-printing the table.
+"""What the model benchmarks (vs-hf, vs-hf-xlnet, vs-hf-reformer, eval-speed) share: the
+arguments every run takes, the environment it ran in, a converted copy of a Hugging Face
+reference, greedy generation timed in two parts (prefill, decode), a plot figure, writing the
+results (JSON + PNG) before printing the table, and a comparison's result and verdict.
 """
 
 from __future__ import annotations
@@ -125,3 +125,27 @@ def save_results(result: dict, out: str | Path, plot: Callable[[dict, Path], Non
     plot(result, out.with_suffix(".png"))
     print_table(result)
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+def comparison_result(benchmark: str, args: argparse.Namespace, setting_names: tuple[str, ...], fixed: dict,
+                      model: torch.nn.Module, rows: list[dict], identical: str) -> dict:
+    """The result of comparing xlserve with a reference: the run's setting (the arguments named
+    and the `fixed` facts), the model's size, where it ran, the rows, and whether every row's
+    `identical` field holds."""
+    return {
+        "benchmark": benchmark,
+        "quick": args.quick,
+        "setting": {**{name: getattr(args, name) for name in setting_names}, **fixed},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "environment": environment(with_transformers=True),
+        "results": rows,
+        "all_identical": all(row[identical] for row in rows),
+    }
+
+
+def save_comparison(result: dict, out: str | Path, plot: Callable[[dict, Path], None],
+                    print_table: Callable[[dict], None], reference: str) -> None:
+    """`save_results`, then fail the command when any row's tokens differ from the `reference`'s."""
+    save_results(result, out, plot, print_table)
+    if not result["all_identical"]:
+        raise SystemExit(f"generated tokens differ between xlserve and {reference}")

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from xlserve.server.bench.common import (
-    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy,
-    generate_with_state, save_results,
+    add_run_arguments, comparison_result, convert_reference, figure, fill_defaults,
+    generate_greedy, generate_with_state, save_comparison,
 )
 
 FULL = dict(
@@ -149,18 +149,10 @@ def run(args) -> dict:
         print(f"batch {batch}: xlserve {row['xlserve_tokens_per_s']:.1f} tok/s, reference "
               f"{row['reference_tokens_per_s']:.2f} tok/s, {row['speedup']:.1f}x, identical={identical}", flush=True)
 
-    setting = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "vocab_size",
-                                              "cutoffs", "div_val", "mem_len", "clamp_len", "prompt_len",
-                                              "new_tokens", "batch_sizes", "chunk", "seed")}
-    return {
-        "benchmark": "vs-hf",
-        "quick": args.quick,
-        "setting": {**setting, "same_length": True, "dtype": "float32", "decoding": "greedy"},
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "environment": environment(with_transformers=True),
-        "results": rows,
-        "all_identical": all(r["identical_tokens"] for r in rows),
-    }
+    setting = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "vocab_size", "cutoffs", "div_val", "mem_len",
+               "clamp_len", "prompt_len", "new_tokens", "batch_sizes", "chunk", "seed")
+    return comparison_result("vs-hf", args, setting, {"same_length": True, "dtype": "float32", "decoding": "greedy"},
+                             model, rows, identical="identical_tokens")
 
 
 def print_table(result: dict) -> None:
@@ -174,7 +166,4 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    result = run(args)
-    save_results(result, args.out, plot, print_table)
-    if not result["all_identical"]:
-        raise SystemExit("generated tokens differ between xlserve and the reference")
+    save_comparison(run(args), args.out, plot, print_table, reference="the reference")

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from xlserve.server.bench.common import (
-    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_with_state, save_results,
+    add_run_arguments, comparison_result, convert_reference, figure, fill_defaults,
+    generate_with_state, save_comparison,
 )
 
 ENWIK8_LAYERS = ["local", "local", "lsh", "local", "local", "local", "lsh", "local", "local", "local", "lsh", "local"]
@@ -148,19 +149,11 @@ def run(args) -> dict:
     }
     print(f"xlserve {row['xlserve_tokens_per_s']:.1f} tok/s, generate() {row['reference_generate_tokens_per_s']:.2f} "
           f"tok/s ({row['speedup_vs_generate']:.1f}x), identical={row['identical_tokens']}", flush=True)
-    setting = {k: getattr(args, k) for k in ("attn_layers", "hidden_size", "num_heads", "head_size",
-                                              "feed_forward_size", "lsh_chunk", "local_chunk", "num_hashes",
-                                              "num_buckets", "axial_shape", "axial_dims", "prompt_len", "new_tokens",
-                                              "seed")}
-    return {
-        "benchmark": "vs-hf-reformer",
-        "quick": args.quick,
-        "setting": {**setting, "vocab_size": 256 + BYTE_SHIFT, "dtype": "float32", "decoding": "greedy"},
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "environment": environment(with_transformers=True),
-        "results": [row],
-        "all_identical": row["identical_tokens"],
-    }
+    setting = ("attn_layers", "hidden_size", "num_heads", "head_size", "feed_forward_size", "lsh_chunk", "local_chunk",
+               "num_hashes", "num_buckets", "axial_shape", "axial_dims", "prompt_len", "new_tokens", "seed")
+    return comparison_result("vs-hf-reformer", args, setting,
+                             {"vocab_size": 256 + BYTE_SHIFT, "dtype": "float32", "decoding": "greedy"},
+                             model, [row], identical="identical_tokens")
 
 
 def print_table(result: dict) -> None:
@@ -175,7 +168,4 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    result = run(args)
-    save_results(result, args.out, plot, print_table)
-    if not result["all_identical"]:
-        raise SystemExit("generated tokens differ between xlserve and the reference's generate()")
+    save_comparison(run(args), args.out, plot, print_table, reference="the reference's generate()")

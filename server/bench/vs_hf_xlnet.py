@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from xlserve.server.bench.common import (
-    add_run_arguments, convert_reference, environment, figure, fill_defaults, generate_greedy,
-    generate_with_state, save_results,
+    add_run_arguments, comparison_result, convert_reference, figure, fill_defaults,
+    generate_greedy, generate_with_state, save_comparison,
 )
 
 FULL = dict(n_layer=12, d_model=768, n_head=12, d_inner=3072, vocab_size=32000, prompt_len=256, new_tokens=256,
@@ -171,17 +171,10 @@ def run(args) -> dict:
               f"left-to-right reference {row['reference_left_to_right_tokens_per_s']:.2f} tok/s, "
               f"identical={row['identical_to_left_to_right_reference']}", flush=True)
 
-    setting = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "d_inner", "vocab_size", "mem_len",
-                                              "prompt_len", "new_tokens", "batch_sizes", "seed")}
-    return {
-        "benchmark": "vs-hf-xlnet",
-        "quick": args.quick,
-        "setting": {**setting, "attn_type": "bi", "dtype": "float32", "decoding": "greedy"},
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "environment": environment(with_transformers=True),
-        "results": rows,
-        "all_identical": all(r["identical_to_left_to_right_reference"] for r in rows),
-    }
+    setting = ("n_layer", "d_model", "n_head", "d_inner", "vocab_size", "mem_len", "prompt_len", "new_tokens",
+               "batch_sizes", "seed")
+    return comparison_result("vs-hf-xlnet", args, setting, {"attn_type": "bi", "dtype": "float32", "decoding": "greedy"},
+                             model, rows, identical="identical_to_left_to_right_reference")
 
 
 def print_table(result: dict) -> None:
@@ -197,7 +190,4 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    result = run(args)
-    save_results(result, args.out, plot, print_table)
-    if not result["all_identical"]:
-        raise SystemExit("generated tokens differ between xlserve and the left-to-right reference")
+    save_comparison(run(args), args.out, plot, print_table, reference="the left-to-right reference")
