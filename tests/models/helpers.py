@@ -1,7 +1,9 @@
 """What several model tests share: random byte inputs, feeding a model chunk by chunk, and the
 state invariants every architecture keeps (a safetensors round trip, bounded size)."""
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def tokens(batch, length, seed=1):
@@ -52,8 +54,6 @@ def assert_state_round_trips(model, state, history, continuation, tmp_path, requ
     it passes the model's checks, every tensor is equal in name, dtype and value, and feeding
     `continuation` (1, T) from either gives identical log-probs and identical states after. A file
     without the `required` tensor is refused by name."""
-    from safetensors.torch import load_file, save_file
-
     kind = type(state)
     save_file(state.to_tensors(), str(tmp_path / "state.safetensors"))
     restored = kind.from_tensors(load_file(str(tmp_path / "state.safetensors")))
@@ -65,20 +65,16 @@ def assert_state_round_trips(model, state, history, continuation, tmp_path, requ
     assert torch.equal(a, b)
     for (name, x), (_, y) in zip(after_a._named_tensors(), after_b._named_tensors()):
         assert torch.equal(x, y), name
-    without = {k: v for k, v in state.to_tensors().items() if k != required}
-    try:
-        kind.from_tensors(without)
-    except ValueError as error:
-        assert "missing" in str(error) and required in str(error), str(error)
-    else:
-        raise AssertionError(f"a state without {required!r} was accepted")
+    with pytest.raises(ValueError, match=f"'{required}' is missing"):
+        kind.from_tensors({k: v for k, v in state.to_tensors().items() if k != required})
 
 
 def assert_rows_batch_like_single_rows(model, histories, step, decode, atol=1e-5):
     """Rows of different `histories` (each (1, T_i)) batched together are each what they are alone:
     feeding `step` (B, S) to the batch, then decoding `decode` (B, N) one token at a time, gives
-    every row's log-probs and state of feeding it alone, within `atol`. Returns the batch's state
-    after `step` and its rows split apart, for an architecture's own checks."""
+    every row's log-probs and state of feeding it alone, within `atol`; every row's state passes
+    the model's checks for its token count after each. Returns, for an architecture's own checks,
+    the batch's state after `step`, its rows split apart, and the batch's state after `decode`."""
     with torch.no_grad():
         states = [model(h, model.init_state(1))[1] for h in histories]
         kind = type(states[0])
@@ -94,9 +90,11 @@ def assert_rows_batch_like_single_rows(model, histories, step, decode, atol=1e-5
                 assert (a - b).abs().max().item() < atol, name
             model.check_state(part, history.shape[1] + step.shape[1])
     decoded, decoded_state = run_in_chunks(model, decode, 1, batch_state)
-    for i, (_, single_state) in enumerate(singles):
-        alone, alone_state = run_in_chunks(model, decode[i : i + 1], 1, single_state)
-        assert (decoded[i] - alone[0]).abs().max().item() < atol
-        for (name, a), (_, b) in zip(decoded_state.split()[i]._named_tensors(), alone_state._named_tensors()):
+    for (_, single_state), history, row, decoded_row, part in zip(
+            singles, histories, decode, decoded, decoded_state.split()):
+        alone, alone_state = run_in_chunks(model, row[None], 1, single_state)
+        assert (decoded_row - alone[0]).abs().max().item() < atol
+        for (name, a), (_, b) in zip(part._named_tensors(), alone_state._named_tensors()):
             assert (a - b).abs().max().item() < atol, name
-    return batch_state, parts
+        model.check_state(part, history.shape[1] + step.shape[1] + decode.shape[1])
+    return batch_state, parts, decoded_state

@@ -223,7 +223,7 @@ def test_rows_of_different_histories_batch_like_single_rows():
     model = small_model()
     histories = [tokens(1, 0, 13), tokens(1, 3, 14), tokens(1, 41, 15), tokens(1, 333, 16)]
     step = tokens(4, 5, 17)
-    batch_state, parts = assert_rows_batch_like_single_rows(model, histories, step, step[:, :1])
+    batch_state, parts, _ = assert_rows_batch_like_single_rows(model, histories, step, step[:, :1])
     with torch.no_grad():
         taken = batch_state.take([3, 1])
         assert taken.position.tolist() == [338, 8]

@@ -191,11 +191,12 @@ def test_rows_of_different_histories_batch_like_single_rows():
     lengths = [0, 3, 8, 29, 333]  # fresh, mid-segment, on a boundary, memory filling, memory full
     histories = [tokens(1, n, 10 + n) for n in lengths]
     steps = tokens(5, 6, 11)  # crosses a boundary for some rows
-    batch_state, parts = assert_rows_batch_like_single_rows(model, histories, steps, tokens(5, 12, 12))
-    assert [int(p.position) for p in parts] == [n + 6 for n in lengths]
+    _, _, batch_state = assert_rows_batch_like_single_rows(model, histories, steps, tokens(5, 12, 12))
+    parts = batch_state.split()
+    assert [int(p.position) for p in parts] == [n + 18 for n in lengths]
     taken = batch_state.take([3, 1])
     assert torch.equal(taken.slot_keys[1][0], batch_state.slot_keys[1][3])
-    assert taken.position.tolist() == [int(batch_state.position[3]), int(batch_state.position[1])]
+    assert taken.position.tolist() == [lengths[3] + 18, lengths[1] + 18]
 
 
 def test_put_row_writes_a_row_in_place():

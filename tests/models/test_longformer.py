@@ -178,7 +178,7 @@ def test_rows_of_different_histories_batch_like_single_rows():
     model = small_model()
     histories = [tokens(1, 0, 9), tokens(1, 2, 10), tokens(1, 41, 11), tokens(1, 333, 12)]
     step = tokens(4, 5, 13)
-    batch_state, parts = assert_rows_batch_like_single_rows(model, histories, step, step[:, :1])
+    batch_state, parts, _ = assert_rows_batch_like_single_rows(model, histories, step, step[:, :1])
     with torch.no_grad():
         taken = batch_state.take([3, 1])
         assert taken.position.tolist() == [batch_state.position[3].item(), batch_state.position[1].item()]
