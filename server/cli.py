@@ -202,10 +202,14 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     import importlib
 
-    from xlserve.server.bench import BENCHMARKS
+    from xlserve.server.bench import BENCHMARKS, missing_packages
 
     if args.name not in BENCHMARKS:
         raise SystemExit(f"unknown benchmark '{args.name}' (have: {', '.join(sorted(BENCHMARKS))})")
+    missing = missing_packages(args.name)
+    if missing:
+        raise SystemExit(f"xlserve bench {args.name} needs {', '.join(missing)}, from the bench extra: "
+                         f"pip install \"xlserve[bench]\"")
     importlib.import_module(f"xlserve.server.bench.{BENCHMARKS[args.name]}").main(args.args)
 
 
