@@ -222,8 +222,8 @@ def _load_progress(resume_dir: Path, model, optimizer):
 
 def export_progress(run_dir: str | Path, destination: str | Path, lane_memory: bool = True) -> dict:
     """Copy a run's resume state (`run_dir/.resume/`) to `destination`, to keep it somewhere else
-    (weights/.progress/) and resume from it later. With `lane_memory=False` the lanes' carried
-    memory is left out: that is most of the file for a model whose state grows with its history
+    and resume from it later (never in git: docs/design.md section 5). With `lane_memory=False`
+    the lanes' carried memory is left out: that is most of the file for a model whose state grows with its history
     (the Reformer's 16 lanes hold up to 2,048 positions of keys and values per LSH layer, about
     110 of its 132 MB). A run resumed from such a copy empties every lane's memory at that step,
     as if each lane began a file there, and records the step in `lane_memory_emptied_at_steps`:
