@@ -8,9 +8,9 @@ ICLR 2020 (arXiv:2001.04451), sections 2 (LSH attention), 3 (reversible layers, 
 models/convert/reformer.py, give the same log-probabilities here (tests/models/
 test_convert_reformer.py; the patterns against brute-force definitions: tests/models/test_reformer.py).
 
-The network. Tokens x_t are embedded with an absolute position (axial, models/layers/
-axial_positions.py): e_t = E[x_t] + pos(t). Two residual streams start equal, X1 = X2 = e, and
-each of the L layers is reversible (models/layers/reversible.py):
+The network. Tokens x_t are embedded with an absolute position (axial, `AxialPositions`):
+e_t = E[x_t] + pos(t). Two residual streams start equal, X1 = X2 = e, and each of the L layers
+is reversible (`reversible_stack`):
 
     Y1 = X1 + Attn_l(LayerNorm(X2))      Attn_l: LSH or local attention, then W_O
     Y2 = X2 + FF_l(Y1)                   FF_l(y) = W_2 act(W_1 LayerNorm(y) + b_1) + b_2
@@ -20,7 +20,7 @@ and the output is log_softmax(W_out LayerNorm([Y1 ; Y2]) + b_out) over the 256 b
 LSH attention (shared QK). One projection gives each position a vector q_t = W_QK h_t that is
 both its query and, normalised, its key k_t = q_t / rms(q_t); values v_t = W_V h_t. Hash round
 r ∈ {0 .. R−1} puts t in bucket h_r(t) = argmax([q_t R_r ; −q_t R_r]) (random rotations R_r
-fixed in the checkpoint; a factorised bucket count hashes per factor, models/layers/lsh.py).
+fixed in the checkpoint; a factorised bucket count hashes per factor, `hash_buckets`).
 In one pass over T tokens, padded to T' (below): each round sorts the positions by (bucket,
 position) into T' slots, the rounds are laid end to end (R·T' slots) and cut into chunks of c
 slots; the query in a slot attends to the keys of its chunk and of the n_b chunks before it
@@ -90,7 +90,7 @@ tokens); every later token gives the reference's cached decoding step (reference
 `past_buckets_states` loop), whatever the sizes of the later calls (the server's prefill chunks
 after the first give the same results as one token at a time).
 
-State between calls (`LSHMemory`, models/layers/lsh_state.py): per LSH layer every position's
+State between calls (`LSHMemory`): per LSH layer every position's
 key, value and R buckets; per local layer the last (n_loc + 1)·c_loc − 1 keys and values; the
 position and `hashed`. It grows with the history,
     nbytes = 9 + Σ_lsh N·H·(2·D·4 + 4·R) + Σ_local 2·S·H·D·4   (float32, N positions seen),
@@ -115,29 +115,33 @@ the feed-forward runs in pieces of `ff_chunk` positions.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import Function
 
-from xlserve.models.interface import ArchConfig, LanguageModel
-from xlserve.models.layers.axial_positions import AxialPositions, LearnedPositions
-from xlserve.models.layers.buffers import extend_memory
+from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.buffers import extend_memory, left_pad
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.lsh import (
-    bucket_count, causal_attention, chunked_attention, decode_windows, hash_buckets, rotation_columns,
-    self_score_for, sort_entries, sorted_slots, unit_rms,
-)
-from xlserve.models.layers.lsh_state import GROWING, LSHMemory
-from xlserve.models.layers.reversible import reversible_stack
 
 ATTENTION_KINDS = ("lsh", "local")
+
+# the score that replaces a query's dot product with its own key (the reference's float32
+# self-mask value): exp(-1e5 - s) is 0 in float32 beside any real score s, so a query's own key
+# has weight exactly 0 whenever another key is visible, and all the weight when none is
+SELF_SCORE = -1e5
+
+# the one pass computes its chunks' scores in groups of chunks holding at most this many scores
+CHUNK_GROUP_SCORES = 1 << 24
+
 # decoding gathers each query's window; queries are processed in groups whose gathered keys
 # and values stay below this many elements
 DECODE_GROUP_ELEMENTS = 1 << 24
+
 # decoding with a history of at most this many times the R·W keys a query attends to scores
 # every entry by one matrix product instead of gathering the windows (attend_windows_dense)
 DENSE_DECODE_HISTORY = 24
@@ -202,21 +206,384 @@ class ReformerConfig(ArchConfig):
         return (self.local_chunks_before + 1) * self.local_chunk - 1
 
 
+# -- the state between calls -----------------------------------------------------------------------
+
+LIST_FIELDS = ("lsh_keys", "lsh_values", "buckets", "local_keys", "local_values")
+GROWING = ("lsh_keys", "lsh_values", "buckets")  # the fields that gain one position per token
+
+
 @dataclass
-class FirstCall:
-    """Context of a layer in a first call (a one pass): the padded length T'."""
+class LSHMemory(State):
+    """What the LSH layers and the local layers need to decode the next token as the reference
+    does (the module docstring has the semantics).
 
-    padded: int
+    - LSH layers: every position's shared-QK key (unit-RMS, as attention uses it), its value and
+      its bucket in every hash round (with the round offset the reference stored it under). A new
+      query is hashed, sorted among these buckets and attends within its window: nothing of the
+      history is recomputed. These tensors grow by one position per token, up to the model's
+      `max_context` (its axial positions' product).
+    - Local layers: the keys and values of the last S = (before + 1)·c − 1 positions, the most any
+      later query can reach back (left-padded with zeros while fewer have been seen). Fixed size.
+    - `position` (B,): tokens seen; `hashed` (B,): whether the reference would hold buckets by now
+      (it hashes its cache only once the history reaches the LSH chunk length; before that a new
+      token attends to every earlier one).
+
+    Layout: batch first; LSH tensors (B, N, H, ·) with positions on dimension 1, so that decoding
+    appends into spare room (models/layers/buffers.py) instead of copying the whole history at
+    every step. Rows of a batch with different histories are left-padded to the longest (row b's
+    entries are its last position[b]); `split` strips that padding again.
+    """
+
+    lsh_keys: list[Tensor]  # per LSH layer (B, N, H, D) float: unit-RMS shared-QK keys
+    lsh_values: list[Tensor]  # per LSH layer (B, N, H, D)
+    buckets: list[Tensor]  # per LSH layer (B, N, H, R) int32: bucket + round offset, per hash round
+    local_keys: list[Tensor]  # per local layer (B, S, H, D): the last S positions, oldest first
+    local_values: list[Tensor]  # per local layer (B, S, H, D)
+    position: Tensor  # (B,) int64: tokens seen
+    hashed: Tensor  # (B,) bool: the reference holds buckets for this history
+
+    @classmethod
+    def empty(cls, batch_size: int, n_lsh: int, n_local: int, n_head: int, d_head: int, n_hashes: int,
+              window: int, like: Tensor) -> "LSHMemory":
+        growing = lambda: like.new_zeros(batch_size, 0, n_head, d_head)  # noqa: E731
+        fixed = lambda: like.new_zeros(batch_size, window, n_head, d_head)  # noqa: E731
+        return cls(
+            lsh_keys=[growing() for _ in range(n_lsh)], lsh_values=[growing() for _ in range(n_lsh)],
+            buckets=[torch.zeros(batch_size, 0, n_head, n_hashes, dtype=torch.int32, device=like.device)
+                     for _ in range(n_lsh)],
+            local_keys=[fixed() for _ in range(n_local)], local_values=[fixed() for _ in range(n_local)],
+            position=torch.zeros(batch_size, dtype=torch.long, device=like.device),
+            hashed=torch.zeros(batch_size, dtype=torch.bool, device=like.device),
+        )
+
+    @property
+    def length(self) -> int:
+        """N: entries the LSH tensors hold per row (the longest row's history in a batch)."""
+        return self.buckets[0].shape[1] if self.buckets else int(self.position.max()) if self.position.numel() else 0
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: as many keys as values per kind of layer, every LSH tensor
+        covering the same N positions, each row's history within them, `hashed` one per row."""
+        for keys, values, name in ((self.lsh_keys, self.lsh_values, "lsh"), (self.local_keys, self.local_values, "local")):
+            if len(keys) != len(values):
+                raise ValueError(f"state has {name} keys for {len(keys)} layers and values for {len(values)}")
+        if len(self.buckets) != len(self.lsh_keys):
+            raise ValueError(f"state has buckets for {len(self.buckets)} LSH layers and keys for {len(self.lsh_keys)}")
+        if self.position.dim() != 1 or tuple(self.hashed.shape) != tuple(self.position.shape):
+            raise ValueError(f"state tensors 'position' {tuple(self.position.shape)} and 'hashed' "
+                             f"{tuple(self.hashed.shape)} must be one value per batch row")
+        if bool((self.position < 0).any()):
+            raise ValueError("state tensor 'position' is negative")
+        growing = [(f"{kind}.{i}", t) for kind in GROWING for i, t in enumerate(getattr(self, kind))]
+        if growing:
+            n = growing[0][1].shape[1]
+            for name, t in growing:
+                if t.shape[1] != n:
+                    raise ValueError(f"state tensor '{name}' covers {t.shape[1]} positions, "
+                                     f"'{growing[0][0]}' {n}: every LSH tensor covers the same positions")
+            if bool((self.position > n).any()):
+                raise ValueError(f"state tensor 'position' says {int(self.position.max())} tokens, "
+                                 f"the LSH tensors hold {n} positions")
+        windows = {t.shape[1] for t in [*self.local_keys, *self.local_values]}
+        if len(windows) > 1:
+            raise ValueError(f"local keys and values hold windows of different lengths {sorted(windows)}")
+
+    @classmethod
+    def concat(cls, states: list["LSHMemory"]) -> "LSHMemory":
+        """Rows of every state; the LSH tensors left-padded to the longest history."""
+        longest = max(s.length for s in states)
+        merged = {}
+        for f in fields(cls):
+            first = getattr(states[0], f.name)
+            if isinstance(first, Tensor):
+                merged[f.name] = torch.cat([getattr(s, f.name) for s in states])
+            elif f.name in GROWING:
+                merged[f.name] = [torch.cat([left_pad(getattr(s, f.name)[i], longest, 0) for s in states])
+                                  for i in range(len(first))]
+            else:
+                merged[f.name] = [torch.cat([getattr(s, f.name)[i] for s in states]) for i in range(len(first))]
+        return cls(**merged)
+
+    def split(self) -> list["LSHMemory"]:
+        """One batch-1 state per row, each LSH tensor holding exactly that row's positions."""
+        rows = []
+        n = self.length
+        for b, row in enumerate(super().split()):
+            start = n - int(self.position[b])
+            rows.append(LSHMemory(
+                lsh_keys=[t[:, start:] for t in row.lsh_keys], lsh_values=[t[:, start:] for t in row.lsh_values],
+                buckets=[t[:, start:] for t in row.buckets], local_keys=row.local_keys,
+                local_values=row.local_values, position=row.position, hashed=row.hashed,
+            ))
+        return rows
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> "LSHMemory":
+        """State.from_tensors, where a list may be empty (a Reformer without LSH layers, or
+        without local ones, has no such tensors); `check_state` compares the names with a
+        fresh state's."""
+        values: dict = {}
+        used = set()
+        for f in fields(cls):
+            if f.name not in LIST_FIELDS:
+                if f.name not in tensors:
+                    raise ValueError(f"state tensor '{f.name}' is missing")
+                values[f.name] = tensors[f.name]
+                used.add(f.name)
+                continue
+            items = []
+            while f"{f.name}.{len(items)}" in tensors:
+                used.add(f"{f.name}.{len(items)}")
+                items.append(tensors[f"{f.name}.{len(items)}"])
+            values[f.name] = items
+        unexpected = sorted(set(tensors) - used)
+        if unexpected:
+            raise ValueError(f"unexpected state tensors {unexpected}")
+        return cls(**values)
 
 
-@dataclass
-class LaterCall:
-    """Context of a layer in a later call: its memory, and per row the positions seen and
-    whether the reference has hashed its cache."""
+# -- positions -------------------------------------------------------------------------------------
 
-    memory: tuple
-    position: Tensor
-    hashed: Tensor
+
+class AxialPositions(nn.Module):
+    """Axial position embeddings (the paper and the Trax code it comes with): a learned absolute
+    position embedding for n_1·n_2·…·n_k positions stored as k small tables instead of one large
+    one. Position p is unravelled row-major over the shape (n_1, …, n_k),
+
+        p = Σ_i p_i · Π_{j>i} n_j,    0 <= p_i < n_i,
+
+    and its embedding is the concatenation of one row per axis,
+
+        e(p) = [E_1[p_1] ; E_2[p_2] ; … ; E_k[p_k]],    E_i ∈ R^{n_i × d_i},  Σ_i d_i = d_model.
+
+    For the enwik8 Reformer's shape (128, 512) with widths (256, 768) that is 128·256 + 512·768
+    parameters for 65,536 positions instead of 65,536·1024. The number of positions, Π_i n_i, is
+    the longest history such a model can condition on: there is no embedding beyond it.
+
+    positions (B, T) int64 -> (B, T, Σ d_i). Parameters `weights.i` (n_i, d_i)."""
+
+    def __init__(self, shape: list[int], dims: list[int]):
+        super().__init__()
+        if len(shape) != len(dims) or not shape or min(shape) < 1 or min(dims) < 1:
+            raise ValueError(f"axial shape {shape} and widths {dims} must be non-empty lists of positive ints "
+                             "of the same length")
+        self.shape = [int(n) for n in shape]
+        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(n, d)) for n, d in zip(shape, dims))
+
+    @property
+    def max_positions(self) -> int:
+        return math.prod(self.shape)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_positions):
+            raise ValueError(f"position {int(positions.max())} is beyond the {self.max_positions} axial positions "
+                             f"{tuple(self.shape)}")
+        parts, stride = [], self.max_positions
+        for n, table in zip(self.shape, self.weights):
+            stride //= n
+            parts.append(table[torch.div(positions, stride, rounding_mode="floor") % n])  # (B, T, d_i)
+        return torch.cat(parts, dim=-1)
+
+
+class LearnedPositions(nn.Module):
+    """One learned vector per absolute position (the Reformer without axial embeddings):
+    positions (B, T) -> (B, T, d_model). Parameter `table.weight` (max_positions, d_model)."""
+
+    def __init__(self, max_positions: int, d_model: int):
+        super().__init__()
+        self.table = nn.Embedding(max_positions, d_model)
+
+    @property
+    def max_positions(self) -> int:
+        return self.table.num_embeddings
+
+    def forward(self, positions: Tensor) -> Tensor:
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(positions.max())} is beyond the {self.max_positions} learned positions")
+        return self.table(positions)
+
+
+# -- LSH arithmetic: hashing, chunked attention, decoding windows ----------------------------------
+# Hashing (`hash_buckets`): angular LSH with a random rotation per head and hash round. With
+# rotations R_r ∈ R^{D × n_b/2} (fixed in the checkpoint),
+#
+#     h_r(x) = argmax([x R_r ; −x R_r])  ∈ {0 .. n_b − 1},
+#
+# and for a factorised bucket count n_b = f_1·f_2·…, one such argmax per factor over its own
+# columns of R_r, combined as h = h_1 + f_1·h_2 + f_1·f_2·h_3 + …. Round r's buckets are offset by
+# r·n_b so rounds never mix when sorted (by r·(n_b + 1) where the reference added a bucket for
+# padding; see the module docstring).
+#
+# Chunked attention (`chunked_attention`): a sequence of S slots (S a multiple of the chunk
+# length c) split into S/c chunks; chunk k attends to itself and the `before` chunks before it,
+# cyclically (chunk k − m mod S/c), to the keys whose position is at most the query's (causal);
+# a key at the query's own position gets the score SELF_SCORE instead of its dot product, so a
+# query attends to itself only when nothing else is visible. For LSH the slots are the positions
+# sorted by bucket; for local attention they are the positions in order.
+#
+# Decoding (`decode_windows`): the slots of one query among the positions it can see, computed
+# without re-sorting the history once per query.
+
+
+def bucket_factors(n_buckets: int | list[int]) -> list[int]:
+    """The factors of a bucket count: [n] for an int, the list itself for a factorised one."""
+    factors = [n_buckets] if isinstance(n_buckets, int) else [int(f) for f in n_buckets]
+    if not factors or any(f < 2 or f % 2 for f in factors):
+        raise ValueError(f"num_buckets must be an even int >= 2 or a list of them, got {n_buckets}")
+    return factors
+
+
+def bucket_count(n_buckets: int | list[int]) -> int:
+    count = 1
+    for f in bucket_factors(n_buckets):
+        count *= f
+    return count
+
+
+def rotation_columns(n_buckets: int | list[int]) -> int:
+    """Columns of one round's rotation: n_b/2, or Σ f_i/2 for a factorised count."""
+    return sum(f // 2 for f in bucket_factors(n_buckets))
+
+
+def hash_buckets(vectors: Tensor, rotations: Tensor, n_buckets: int | list[int]) -> Tensor:
+    """vectors (B, H, T, D), rotations (H, D, R, n_b/2) -> buckets (B, H, R, T) int64 in
+    [0, n_b), without round offsets."""
+    rotated = torch.einsum("bhtd,hdrk->bhrtk", vectors.detach(), rotations.to(vectors.dtype))  # (B, H, R, T, cols)
+    buckets, start, scale = None, 0, 1
+    for f in bucket_factors(n_buckets):
+        part = rotated[..., start : start + f // 2]
+        index = torch.argmax(torch.cat([part, -part], dim=-1), dim=-1)  # (B, H, R, T)
+        buckets = index if buckets is None else buckets + scale * index
+        start, scale = start + f // 2, scale * f
+    return buckets
+
+
+def unit_rms(x: Tensor, epsilon: float = 1e-6) -> Tensor:
+    """x / sqrt(mean(x²) + ε) over the last dimension: the shared-QK key normalisation (a key is
+    the query's direction at a fixed length, so a query's dot product with itself is not
+    automatically the largest)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
+
+
+def self_score_for(dtype: torch.dtype) -> float:
+    """SELF_SCORE, or the reference's half-precision value (−1e3) where −1e5 does not fit."""
+    return -1e3 if dtype == torch.float16 else SELF_SCORE
+
+
+def chunked_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, chunk: int, before: int,
+                      self_score: float | None, dropout: float = 0.0, training: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention of every slot to its chunk and the `before` chunks before it (cyclically).
+
+    q, k, v (B, H, S, D) in slot order (keys already scaled), positions (B, H, S) int64 the
+    position each slot holds, negative for an empty slot (never visible). Key j is visible to
+    query i when 0 <= pos_j <= pos_i; with `self_score`, pos_j == pos_i scores `self_score`.
+    Returns the outputs (B, H, S, D) and each slot's log-sum-exp of its scores (B, H, S).
+    Chunks are processed in groups (CHUNK_GROUP_SCORES), which changes nothing but memory."""
+    B, H, S, D = q.shape
+    n = S // chunk
+    width = (before + 1) * chunk
+    qc, kc, vc = (t.reshape(B, H, n, chunk, D) for t in (q, k, v))
+    pc = positions.reshape(B, H, n, chunk)
+    group = max(1, CHUNK_GROUP_SCORES // max(1, B * H * chunk * width))
+    back = torch.arange(before, -1, -1, device=q.device)  # chunk k sees chunks k − before .. k (mod n)
+    outs, lses = [], []
+    for first in range(0, n, group):
+        g = min(group, n - first)
+        window = torch.remainder(torch.arange(first, first + g, device=q.device)[:, None] - back[None, :], n)  # (g, before+1)
+        keys = kc[:, :, window].reshape(B, H, g, width, D)
+        values = vc[:, :, window].reshape(B, H, g, width, D)
+        key_pos = pc[:, :, window].reshape(B, H, g, 1, width)
+        query_pos = pc[:, :, first : first + g, :, None]  # (B, H, g, c, 1)
+        scores = torch.einsum("bhncd,bhnkd->bhnck", qc[:, :, first : first + g], keys)  # (B, H, g, c, width)
+        visible = (key_pos >= 0) & (key_pos <= query_pos)
+        if self_score is not None:
+            scores = torch.where(key_pos == query_pos, torch.full_like(scores, self_score), scores)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # every real query sees at least itself
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # an empty slot's query: no keys
+        probs = torch.exp(scores - lse)  # the reference's exp(s − lse), not softmax (see combine_rounds)
+        if training and dropout > 0:
+            probs = torch.nn.functional.dropout(probs, p=dropout)
+        outs.append(torch.matmul(probs, values))  # (B, H, g, c, D)
+        lses.append(lse[..., 0])
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
+    return out.reshape(B, H, S, D), lse.reshape(B, H, S)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, self_score: float | None, dropout: float = 0.0,
+                     training: bool = False) -> Tensor:
+    """Plain causal attention over T positions (what the chunked forms become when the whole
+    sequence fits in one chunk): q, k, v (B, H, T, D), keys already scaled -> (B, H, T, D)."""
+    T = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (B, H, T, T)
+    index = torch.arange(T, device=q.device)
+    if self_score is not None:
+        scores = torch.where(index[:, None] == index[None, :], torch.full_like(scores, self_score), scores)
+    scores = scores.masked_fill(index[None, :] > index[:, None], float("-inf"))
+    probs = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))  # as the reference rounds it
+    if training and dropout > 0:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    return torch.matmul(probs, v)
+
+
+def sorted_slots(buckets: Tensor, padded_length: int) -> Tensor:
+    """The LSH slots of one pass: buckets (B, H, R, T) -> positions (B, H, R·T'), round by round
+    the positions sorted by (bucket, position), each round followed by T' − T empty slots (−1),
+    where the reference sorts its padding tokens (which see and are seen by nothing)."""
+    B, H, R, T = buckets.shape
+    order = torch.argsort(buckets, dim=-1, stable=True)  # (B, H, R, T): positions in bucket order
+    if padded_length > T:
+        order = torch.cat([order, order.new_full((B, H, R, padded_length - T), -1)], dim=-1)
+    return order.reshape(B, H, R * padded_length)
+
+
+def sort_entries(values: Tensor) -> tuple[Tensor, Tensor]:
+    """values (B, H, R, N) sort keys in position order -> (order, rank): the entry at each
+    global index of a stable sort (by value, then position), and each entry's global index."""
+    order = torch.argsort(values, dim=-1, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(values.shape[-1], device=values.device).expand_as(order))
+    return order, rank
+
+
+def decode_windows(order: Tensor, rank: Tensor, new_count: int, first: int, seen: Tensor, chunk: int,
+                   before: int) -> Tensor:
+    """The LSH windows of a call's new queries first .. first + Tq − 1, as the reference's
+    cached decoding defines them for one new token at a time.
+
+    order, rank (B, H, R, N): `sort_entries` of the sort keys of every entry in position order
+    (stored bucket values; the call's `new_count` new entries last; entries that hold nothing
+    with a key above every real one, so they sort last). seen (B, Tq) int64: n = position + 1
+    of each query processed. Returns entry indices (B, H, R, Tq, (before + 1)·chunk).
+
+    Query t sees positions 0 .. t and nothing after. In round r they are sorted by (value,
+    position); the query's slot u there comes after every earlier position of its value; its
+    window is the slots (⌊u/c⌋·c − before·c + k) mod n for k = 0 .. (before+1)·c − 1, with
+    repeats when the window is longer than n.
+
+    Without a sort per query: one stable sort of all N entries gives each a global index. The
+    entries query t must not see are the new ones after it (and the empty ones, which sort after
+    every real entry and are never reached); with e_0 < e_1 < … their global indices, the ρ-th
+    entry the query sees (in sorted order) is the global entry ρ + #{k : e_k − k <= ρ}, and the
+    query's own slot is its global index less #{k : e_k < its global index}.
+    """
+    B, H, R, N = order.shape
+    Tq, T, device = seen.shape[1], new_count, order.device
+    new_rank = rank[..., N - T :]  # (B, H, R, T): global index of each new entry
+    big = 4 * (N + T) + 16  # above every global index and every rho
+    later = torch.arange(T, device=device)[None, :] > torch.arange(first, first + Tq, device=device)[:, None]  # (Tq, T)
+    excluded = torch.where(later, new_rank[..., None, :], torch.full_like(new_rank[..., None, :], big))  # (B, H, R, Tq, T)
+    excluded = torch.sort(excluded, dim=-1).values.contiguous()
+    query_rank = new_rank[..., first : first + Tq]  # (B, H, R, Tq)
+    slot = query_rank - torch.searchsorted(excluded, query_rank[..., None].contiguous()).squeeze(-1)  # u
+    width = (before + 1) * chunk
+    start = (torch.div(slot, chunk, rounding_mode="floor") - before) * chunk
+    rho = torch.remainder(start[..., None] + torch.arange(width, device=device),
+                          seen[:, None, None, :, None])  # (B, H, R, Tq, W): the window's slots among what t sees
+    shifted = torch.where(excluded < big, excluded - torch.arange(T, device=device), excluded)  # e_k − k
+    global_index = rho + torch.searchsorted(shifted.contiguous(), rho.contiguous(), right=True)
+    return order.gather(-1, global_index.reshape(B, H, R, Tq * width)).reshape(B, H, R, Tq, width)
 
 
 def combine_rounds(out: Tensor, lse: Tensor) -> Tensor:
@@ -235,6 +602,26 @@ def round_weights(lse: Tensor, dim: int) -> Tensor:
     """The hash rounds' weights exp(lse_r − logsumexp_r lse_r) over `dim`, rounded as the
     reference rounds them (`combine_rounds`)."""
     return torch.exp(lse - torch.logsumexp(lse, dim=dim, keepdim=True))
+
+
+# -- the two kinds of attention --------------------------------------------------------------------
+
+
+@dataclass
+class FirstCall:
+    """Context of a layer in a first call (a one pass): the padded length T'."""
+
+    padded: int
+
+
+@dataclass
+class LaterCall:
+    """Context of a layer in a later call: its memory, and per row the positions seen and
+    whether the reference has hashed its cache."""
+
+    memory: tuple
+    position: Tensor
+    hashed: Tensor
 
 
 class LSHAttention(nn.Module):
@@ -480,6 +867,126 @@ class LocalAttention(nn.Module):
             probs = F.dropout(probs, p=c.dropatt)
         out = torch.matmul(probs, values.transpose(1, 2))  # (B, H, T, D)
         return out, (keys[:, T:], values[:, T:])
+
+
+# -- reversible layers -----------------------------------------------------------------------------
+# Reversible residual layers (Gomez et al. 2017, "The Reversible Residual Network"; the paper's
+# section 3), with the feed-forward applied in pieces. A stack of layers carries two streams
+# (x1, x2), and each layer is
+#
+#     y1 = x1 + F(x2)        (F: attention)
+#     y2 = x2 + G(y1)        (G: feed-forward)
+#
+# which can be run backwards exactly: x2 = y2 − G(y1), x1 = y1 − F(x2). So training need not keep
+# any layer's activations for the backward pass: only the last layer's outputs are stored, and the
+# backward pass walks the stack from the top, reconstructing each layer's inputs from its outputs
+# and recomputing F and G to get their gradients. Activation memory is then that of one layer,
+# whatever the depth. The reconstruction is exact in real arithmetic; in float32 it is exact to
+# rounding, so gradients agree with ordinary backpropagation to about 1e-6 relative.
+#
+# Chunking (the paper's 'chunking' of the feed-forward, section 3): G is position-wise, so it is
+# computed over pieces of `ff_chunk` positions at a time, forward and backward, and only one
+# piece's d_inner-wide activations exist at once. The result is the same.
+#
+# Dropout inside F or G draws the same random numbers when recomputed: the random generator's
+# state before each F and G of the forward pass is restored for the recomputation.
+#
+# A block for `reversible_stack` (a ReformerLayer) has `attend(x2, context) -> (F(x2), memory)`
+# (the memory is what the layer hands to the model's state; it never carries gradients),
+# `feed_forward(y)` (G on a piece of positions) and `ff_chunk` (0: one piece).
+
+
+def position_wise_in_pieces(function, x: Tensor, chunk: int) -> Tensor:
+    """function(x) for a position-wise `function` of x (B, T, d), over pieces of `chunk` positions
+    (0 or >= T: one piece)."""
+    if chunk <= 0 or x.shape[1] <= chunk:
+        return function(x)
+    return torch.cat([function(x[:, s : s + chunk]) for s in range(0, x.shape[1], chunk)], dim=1)
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _recompute_rng(device: torch.device, state):
+    """A context in which the random generators are at `state` (and are left as they were)."""
+    cpu, cuda = state
+    fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+    class _Restore:
+        def __enter__(self):
+            fork.__enter__()
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, device)
+
+        def __exit__(self, *exc):
+            return fork.__exit__(*exc)
+
+    return _Restore()
+
+
+def reversible_stack(x1: Tensor, x2: Tensor, blocks, contexts: list) -> tuple[Tensor, Tensor, list]:
+    """Run `blocks` as reversible layers from (x1, x2), each with its context; returns (y1, y2)
+    of the last layer and every layer's memory. With autograd on, through `_Reversible` (one
+    layer's activations at a time in the backward pass); otherwise a plain loop."""
+    memories: list = []
+    if not torch.is_grad_enabled():
+        for block, context in zip(blocks, contexts):
+            attended, memory = block.attend(x2, context)
+            x1 = x1 + attended
+            x2 = x2 + position_wise_in_pieces(block.feed_forward, x1, block.ff_chunk)
+            memories.append(memory)
+        return x1, x2, memories
+    y1, y2 = _Reversible.apply(x1, x2, blocks, contexts, memories)
+    return y1, y2, memories
+
+
+class _Reversible(Function):
+    @staticmethod
+    def forward(ctx, x1, x2, blocks, contexts, memories):
+        rng = []
+        for block, context in zip(blocks, contexts):  # autograd is off inside Function.forward
+            f_state = _rng_state(x2.device)
+            attended, memory = block.attend(x2, context)
+            x1 = x1 + attended
+            g_state = _rng_state(x2.device)
+            x2 = x2 + position_wise_in_pieces(block.feed_forward, x1, block.ff_chunk)
+            memories.append(memory)
+            rng.append((f_state, g_state))
+        ctx.blocks, ctx.contexts, ctx.rng = blocks, contexts, rng
+        ctx.save_for_backward(x1.detach(), x2.detach())
+        return x1, x2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        for block, context, (f_state, g_state) in reversed(list(zip(ctx.blocks, ctx.contexts, ctx.rng))):
+            # G: y2 = x2 + G(y1), piece by piece; accumulates G's parameter gradients
+            g_out, dy1_from_g = [], []
+            chunk = block.ff_chunk if block.ff_chunk > 0 else y1.shape[1]
+            with _recompute_rng(y1.device, g_state), torch.enable_grad():
+                for s in range(0, y1.shape[1], chunk):
+                    piece = y1[:, s : s + chunk].detach().requires_grad_(True)
+                    out = block.feed_forward(piece)
+                    torch.autograd.backward(out, dy2[:, s : s + chunk])
+                    g_out.append(out.detach())
+                    dy1_from_g.append(piece.grad)
+            x2 = y2 - torch.cat(g_out, dim=1)
+            dy1 = dy1 + torch.cat(dy1_from_g, dim=1)
+            # F: y1 = x1 + F(x2); accumulates F's parameter gradients
+            with _recompute_rng(y1.device, f_state), torch.enable_grad():
+                x2 = x2.detach().requires_grad_(True)
+                attended, _ = block.attend(x2, context)
+                torch.autograd.backward(attended, dy1)
+            x1 = y1 - attended.detach()
+            dy2 = dy2 + x2.grad
+            y1, y2 = x1, x2.detach()
+        return dy1, dy2, None, None, None
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 class ReformerLayer(nn.Module):

@@ -64,8 +64,7 @@ from torch import Tensor
 
 from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
 from xlserve.models.layers.feedforward import ACTIVATIONS
-from xlserve.models.layers.lsh import bucket_factors, rotation_columns
-from xlserve.models.reformer import Reformer, ReformerConfig
+from xlserve.models.reformer import Reformer, ReformerConfig, bucket_factors, rotation_columns
 
 ARCHITECTURE = "ReformerModelWithLMHead"
 BYTE_SHIFT = 2  # google/reformer-enwik8: id = byte + 2

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from xlserve.models.checkpoint import load_checkpoint  # noqa: E402
 from xlserve.models.convert import ConversionError, convert  # noqa: E402
-from xlserve.models.layers.lsh_state import LSHMemory  # noqa: E402
+from xlserve.models.reformer import LSHMemory  # noqa: E402
 import xlserve.models.reformer as reformer_module  # noqa: E402
 from xlserve.server.cli import main as cli  # noqa: E402
 
@@ -232,7 +232,7 @@ def test_the_rotations_are_the_references(converted):
     lsh = reference.reformer.encoder.layers[0].attention.self_attention
     with torch.no_grad():
         theirs = lsh._hash_vectors(vectors, 3, None).view(1, 2, 3, 9) - (torch.arange(3) * 6)[:, None]
-    from xlserve.models.layers.lsh import hash_buckets
+    from xlserve.models.reformer import hash_buckets
 
     assert torch.equal(hash_buckets(vectors, ours.layers[0].attention.rotations, [6]), theirs)
 

@@ -9,14 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import xlserve.models.layers.lsh as lsh_module
-import xlserve.models.layers.reversible as reversible
 import xlserve.models.reformer as reformer_module
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers.axial_positions import AxialPositions
-from xlserve.models.layers.lsh import SELF_SCORE, hash_buckets, unit_rms
-from xlserve.models.layers.lsh_state import LSHMemory
-from xlserve.models.reformer import FirstCall, Reformer, ReformerConfig
+from xlserve.models.reformer import (
+    SELF_SCORE, AxialPositions, FirstCall, LSHMemory, Reformer, ReformerConfig, hash_buckets, unit_rms,
+)
 from xlserve.models.registry import build_model
 from xlserve.models.training.card import describe_state
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
@@ -295,7 +292,7 @@ def test_groups_and_pieces_change_nothing(monkeypatch):
     text = tokens(1, 90, 5)
     first, state = run_in_chunks(model, text[:, :20], 20)
     expected, _ = run_in_chunks(model, text[:, 20:], 70, state)
-    monkeypatch.setattr(lsh_module, "CHUNK_GROUP_SCORES", 1)
+    monkeypatch.setattr(reformer_module, "CHUNK_GROUP_SCORES", 1)
     monkeypatch.setattr(reformer_module, "DECODE_GROUP_ELEMENTS", 1)
     model.max_piece_positions = 4
     first_grouped, _ = run_in_chunks(model, text[:, :20], 20)
@@ -459,7 +456,7 @@ def plain_stack(x1, x2, blocks, contexts, memories):
     for block, context in zip(blocks, contexts):
         attended, memory = block.attend(x2, context)
         x1 = x1 + attended
-        x2 = x2 + reversible.chunked(block.feed_forward, x1, block.ff_chunk)  # the same dropout draws
+        x2 = x2 + reformer_module.position_wise_in_pieces(block.feed_forward, x1, block.ff_chunk)  # the same dropout draws
         memories.append(memory)
     return x1, x2
 
@@ -483,7 +480,7 @@ def test_reversible_gradients_equal_ordinary_backpropagation(monkeypatch, carrie
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ours = gradients()
-    monkeypatch.setattr(reversible._Reversible, "apply", plain_stack)
+    monkeypatch.setattr(reformer_module._Reversible, "apply", plain_stack)
     plain = gradients()
     for name, grad in plain.items():
         assert grad.abs().max() > 0, name
