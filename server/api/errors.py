@@ -2,8 +2,9 @@
 message format for requests that fail validation.
 
 Every error body is {"error": {"message", "type", "param", "code"}}, as OpenAI's API does it.
-The engine process and the session cache raise plain Python exceptions; `ERROR_KINDS` is the one
-place that says what a client sees for each of them.
+The engine process and the session cache raise plain Python exceptions, each of which declares
+what a client sees for it (server/errors.py `RegisteredError`); `ERROR_KINDS`, the status table,
+is built from those declarations, and nothing here repeats them.
 
 Every error a client is answered with is counted once, by `count_error`
 (xlserve_request_errors_total{model, type}), where it is answered: here for HTTP error
@@ -14,7 +15,7 @@ and by serving for errors sent inside an SSE stream or as a websocket error fram
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,29 +25,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope, Send
 
-from xlserve.server.cache.errors import (
-    CacheError,
-    CacheFull,
-    CommitOutcomeUnknown,
-    IdempotencyKeyReused,
-    SessionConflict,
-    SessionLocked,
-    SessionNotFound,
-    SessionTooLarge,
-    SessionUnavailable,
-)
-from xlserve.server.engine.errors import (
-    Cancelled,
-    EngineError,
-    EngineGone,
-    EngineLoading,
-    EngineRestarting,
-    InvalidInput,
-    ModelNotFound,
-    QueueFull,
-    RequestFailed,
-    ShuttingDown,
-)
+# the engine's and the cache's errors modules are imported for their classes: defining a class
+# registers it (server/errors.py), and the table below is built from the registry
+import xlserve.server.cache.errors  # noqa: F401
+from xlserve.server.engine.errors import Cancelled
+from xlserve.server.errors import RegisteredError, answered_error_classes
 
 
 class APIError(Exception):
@@ -156,10 +139,6 @@ def validation_error(errors: Sequence[Mapping], containers: Collection[str] = ()
 # -- the one table: engine and cache exceptions -> what a client sees ----------------------------
 
 
-def _session_message(text: str):
-    return lambda error: text.format(session=error.session_id or "")
-
-
 @dataclass(frozen=True)
 class ErrorKind:
     status: int
@@ -167,42 +146,19 @@ class ErrorKind:
     code: str | None = None  # when the exception carries none of its own
     param: str | None = None  # likewise
     headers: dict[str, str] = field(default_factory=dict)
-    message: Callable[[BaseException], str] = str
+
+    @classmethod
+    def of(cls, error_class: type[RegisteredError]) -> ErrorKind:
+        """The row of an exception class, from what the class declares."""
+        seconds = error_class.retry_after_seconds
+        return cls(error_class.http_status, error_class.error_type, error_class.default_code,
+                   error_class.default_param, {} if seconds is None else {"Retry-After": str(seconds)})
 
 
-ERROR_KINDS: dict[type[BaseException], ErrorKind] = {
-    InvalidInput: ErrorKind(InvalidRequest.status, InvalidRequest.type),
-    ModelNotFound: ErrorKind(NotFound.status, NotFound.type, code="model_not_found", param="model"),
-    QueueFull: ErrorKind(TooManyRequests.status, TooManyRequests.type, code="queue_full",
-                         headers={"Retry-After": "1"}),
-    ShuttingDown: ErrorKind(Unavailable.status, Unavailable.type, code="shutting_down"),
-    EngineGone: ErrorKind(Unavailable.status, Unavailable.type, code="engine_gone"),
-    EngineRestarting: ErrorKind(Unavailable.status, Unavailable.type, code="engine_restarting",
-                                headers={"Retry-After": "2"}),
-    EngineLoading: ErrorKind(Unavailable.status, Unavailable.type, code="loading", headers={"Retry-After": "2"}),
-    # one request's row could not be computed (its code says which part); the others went on
-    RequestFailed: ErrorKind(APIError.status, APIError.type, code="sampling_failed"),
-    SessionNotFound: ErrorKind(NotFound.status, NotFound.type, code="session_not_found", param="session_id",
-                               message=_session_message("session '{session}' does not exist")),
-    SessionLocked: ErrorKind(SessionBusy.status, SessionBusy.type, code="session_busy", param="session_id",
-                             message=_session_message("session '{session}' is busy with another request; "
-                                                      "retry when it finishes")),
-    SessionConflict: ErrorKind(Conflict.status, Conflict.type, code="session_version_conflict", param="session_id",
-                               message=_session_message(
-                                   "session '{session}' was changed by another request (another replica) since "
-                                   "this one started; nothing was written. Retry from the current version")),
-    CacheFull: ErrorKind(Unavailable.status, Unavailable.type, code="session_cache_full", param="session_id",
-                         headers={"Retry-After": "1"}),
-    SessionUnavailable: ErrorKind(Unavailable.status, Unavailable.type, code="session_unavailable",
-                                  param="session_id"),
-    # never fits: unlike CacheFull no retry can help, so no Retry-After
-    SessionTooLarge: ErrorKind(RequestTooLarge.status, RequestTooLarge.type, code="session_too_large",
-                               param="session_id"),
-    # no Retry-After either: a blind retry could apply twice; the message says how to check
-    CommitOutcomeUnknown: ErrorKind(Unavailable.status, Unavailable.type, code="commit_outcome_unknown",
-                                    param="session_id"),
-    IdempotencyKeyReused: ErrorKind(422, InvalidRequest.type, code="idempotency_key_reused",
-                                    param="Idempotency-Key"),
+# every registered error a client is answered with a body for (the classes themselves say what;
+# Cancelled is answered without one, by its own handler below)
+ERROR_KINDS: dict[type[RegisteredError], ErrorKind] = {
+    error_class: ErrorKind.of(error_class) for error_class in answered_error_classes()
 }
 
 
@@ -222,7 +178,7 @@ def as_api_error(error: BaseException) -> APIError:
     kind = next((ERROR_KINDS[cls] for cls in type(error).__mro__ if cls in ERROR_KINDS), None)
     if kind is None:
         return APIError(f"internal error: {type(error).__name__}")
-    mapped = APIError(kind.message(error), param=getattr(error, "param", None) or kind.param,
+    mapped = APIError(error.client_message(), param=getattr(error, "param", None) or kind.param,
                       code=getattr(error, "code", None) or kind.code, headers=dict(kind.headers))
     mapped.status, mapped.type = kind.status, kind.type
     return mapped
@@ -269,7 +225,7 @@ async def send_error(scope: Scope, send: Send, error: APIError) -> None:
 
 # a request whose client went away before its answer (nginx's code): nobody reads this answer,
 # and it is no error of the server's, so it is not counted as one
-CLIENT_CLOSED_REQUEST = 499
+CLIENT_CLOSED_REQUEST = Cancelled.http_status
 
 
 class ErrorResponse(JSONResponse):
@@ -294,8 +250,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, error: APIError):
         return answer(request, error)
 
-    @app.exception_handler(CacheError)
-    @app.exception_handler(EngineError)
+    @app.exception_handler(RegisteredError)  # Cancelled, one of them, has its own handler below
     async def _mapped(request: Request, error: Exception):
         return answer(request, as_api_error(error))
 

@@ -1,14 +1,20 @@
 """What the engine tells its callers when it cannot do what was asked (used in both processes).
 
-Plain Python exceptions: the engine process never imports the HTTP stack. The API layer maps
-each of them to a status, an error type and headers in one table (server/api/errors.py); the
-wire (server/engine/wire.py) carries them from the engine process to the API process by name.
+Plain Python exceptions: the engine process never imports the HTTP stack. Each class declares
+what a client sees when it is raised (a status number, an error type, a default code; the
+attributes of `RegisteredError`, server/errors.py), and defining it registers it: the wire
+(server/engine/wire.py) carries it from the engine process to the API process by name, and the
+API's status table (server/api/errors.py) is built from the same registry.
 """
 
 from __future__ import annotations
 
+from typing import Any
 
-class EngineError(Exception):
+from xlserve.server.errors import RegisteredError
+
+
+class EngineError(RegisteredError, abstract=True):
     """Base of the engine's refusals: a message for the client, and optionally the request
     field at fault (`param`) and a machine-readable `code`."""
 
@@ -16,9 +22,18 @@ class EngineError(Exception):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
 
+    def wire_fields(self) -> dict[str, Any]:
+        return {"message": self.message, "param": self.param, "code": self.code}
+
+    @classmethod
+    def from_wire_fields(cls, fields: dict[str, Any]) -> EngineError:
+        return cls(fields.get("message", ""), param=fields.get("param"), code=fields.get("code"))
+
 
 class InvalidInput(EngineError):
     """The request cannot run as asked (nothing to continue from, a state that does not fit)."""
+
+    http_status, error_type = 400, "invalid_request_error"
 
 
 class RequestFailed(EngineError):
@@ -26,9 +41,19 @@ class RequestFailed(EngineError):
     (code "sampling_failed"), or the model's forward raised for its row alone ("forward_failed").
     Every other request in the batch goes on."""
 
+    http_status, error_type, default_code = 500, "internal_error", "sampling_failed"
+    internal = True
+
+    def client_message(self) -> str:
+        # which part of this one request failed, and that nothing was committed, is the client's
+        # to know: the message names no more than that
+        return self.message
+
 
 class ModelNotFound(EngineError):
     """No model of that name is loaded."""
+
+    http_status, error_type, default_code, default_param = 404, "not_found_error", "model_not_found", "model"
 
     @classmethod
     def named(cls, name: str, served) -> "ModelNotFound":
@@ -38,23 +63,44 @@ class ModelNotFound(EngineError):
 class QueueFull(EngineError):
     """More requests wait for this model than XLSERVE_MAX_QUEUED_REQUESTS allows."""
 
+    http_status, error_type, default_code = 429, "rate_limit_error", "queue_full"
+    retry_after_seconds = 1
+
 
 class ShuttingDown(EngineError):
     """The server is draining for shutdown and admits no new work."""
 
+    http_status, error_type, default_code = 503, "service_unavailable", "shutting_down"
+
 
 class EngineGone(EngineError):
     """The engine process exited; nothing more can be served."""
+
+    http_status, error_type, default_code = 503, "service_unavailable", "engine_gone"
 
 
 class EngineRestarting(EngineError):
     """The engine process died and a new one is being started (its sessions are on disk, so
     nothing committed is lost); the request may be sent again shortly."""
 
+    http_status, error_type, default_code = 503, "service_unavailable", "engine_restarting"
+    retry_after_seconds = 2
+
 
 class EngineLoading(EngineError):
     """The server has started but the engine process is still loading its models."""
 
+    http_status, error_type, default_code = 503, "service_unavailable", "loading"
+    retry_after_seconds = 2
 
-class Cancelled(Exception):
+
+class Cancelled(RegisteredError):
     """The request was cancelled before it completed; nothing is committed."""
+
+    # nginx's "client closed request": the client went away, so the answer has no body (nobody
+    # reads it), and it is no error of the server's
+    http_status, error_type = 499, None
+
+    @classmethod
+    def from_wire_fields(cls, fields: dict[str, Any]) -> Cancelled:
+        return cls()

@@ -20,30 +20,11 @@ import struct
 import threading
 
 import xlserve.server.engine.types as engine_types
-from xlserve.server.cache.errors import (
-    CacheError,
-    CacheFull,
-    CommitOutcomeUnknown,
-    CorruptState,
-    IdempotencyKeyReused,
-    SessionConflict,
-    SessionLocked,
-    SessionNotFound,
-    SessionTooLarge,
-    SessionUnavailable,
-)
-from xlserve.server.engine.errors import (
-    Cancelled,
-    EngineError,
-    EngineGone,
-    EngineLoading,
-    EngineRestarting,
-    InvalidInput,
-    ModelNotFound,
-    QueueFull,
-    RequestFailed,
-    ShuttingDown,
-)
+# the engine's and the cache's errors modules define (and so register) every class the wire
+# rebuilds: imported here so that the registry is whole wherever the wire is used
+import xlserve.server.cache.errors  # noqa: F401
+import xlserve.server.engine.errors  # noqa: F401
+from xlserve.server.errors import ERROR_CLASSES, RegisteredError
 
 HEADER = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 << 20
@@ -138,41 +119,21 @@ def event_from_wire(item: list) -> tuple[int, object]:
 
 
 # -- exceptions --------------------------------------------------------------------------------
-# Errors cross by name, through this registry only: a class not in it arrives as a RuntimeError
-# (an internal error, 500) that names it.
-
-ENGINE_ERRORS: dict[str, type[EngineError]] = {
-    cls.__name__: cls for cls in (EngineError, InvalidInput, ModelNotFound, QueueFull, ShuttingDown, EngineGone,
-                                  RequestFailed, EngineRestarting, EngineLoading)
-}
-CACHE_ERRORS: dict[str, type[CacheError]] = {
-    cls.__name__: cls for cls in (CacheError, CacheFull, SessionUnavailable, SessionTooLarge, CommitOutcomeUnknown,
-                                  IdempotencyKeyReused)
-}
-SESSION_ERRORS: dict[str, type[CacheError]] = {
-    cls.__name__: cls for cls in (SessionNotFound, SessionLocked, SessionConflict)
-}
+# Errors cross by class name, through the registry every error class joins as it is defined
+# (server/errors.py): a class outside it arrives as a RuntimeError (an internal error, 500) that
+# names it.
 
 
 def error_to_wire(error: BaseException) -> dict:
-    wire = {"class": type(error).__name__, "message": str(error)}
-    if isinstance(error, EngineError):
-        wire.update(message=error.message, param=error.param, code=error.code)
-    if isinstance(error, CacheError):
-        wire["session_id"] = error.session_id
-    return wire
+    if isinstance(error, RegisteredError):
+        return {"class": type(error).__name__, **error.wire_fields()}
+    return {"class": type(error).__name__, "message": str(error)}
 
 
 def error_from_wire(wire: dict) -> BaseException:
-    name, message = wire.get("class", ""), wire.get("message", "")
-    if name in ENGINE_ERRORS:
-        return ENGINE_ERRORS[name](message, param=wire.get("param"), code=wire.get("code"))
-    if name in SESSION_ERRORS:
-        return SESSION_ERRORS[name](wire.get("session_id") or message)
-    if name in CACHE_ERRORS:
-        return CACHE_ERRORS[name](message, wire.get("session_id"))
-    if name == "CorruptState":
-        return CorruptState(message)
-    if name == "Cancelled":
-        return Cancelled()
+    name = wire.get("class", "")
+    registered = ERROR_CLASSES.get(name)
+    if registered is not None:
+        return registered.from_wire_fields(wire)
+    message = wire.get("message", "")
     return RuntimeError(f"{name}: {message}" if message else name)

@@ -1,0 +1,72 @@
+"""The one registry of the errors that travel from the engine process and the session cache to a
+client.
+
+Each such exception class declares, once and on itself, what a client sees when it is raised:
+its HTTP status, the error type of the body, the code and param the body carries when the
+exception brings none of its own, and, for the errors a retry can cure, how many seconds the
+client should wait (Retry-After). Defining a subclass of `RegisteredError` registers it by name
+in `ERROR_CLASSES`; from that registry the wire (server/engine/wire.py) rebuilds the same
+exception in the API process, and the API (server/api/errors.py) builds its status table. A new
+error class is thus on the wire and in the table as soon as it is written;
+tests/server/test_error_registry.py checks that no exception that can reach a client is left out.
+
+Free of torch and of any web framework: the engine process and the session cache import it, and
+know of HTTP only a status number and a few strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+# class name -> class, of every RegisteredError subclass defined so far: the wire's registry
+ERROR_CLASSES: dict[str, type[RegisteredError]] = {}
+
+
+class RegisteredError(Exception):
+    """Base of the exceptions a client can be answered with (directly or through the wire).
+
+    A subclass declares what differs from its parent among the class attributes below. A class
+    given `abstract=True` (`class CacheError(RegisteredError, abstract=True)`) is a base that is
+    never raised itself: it crosses the wire, but has no row of its own in the status table."""
+
+    http_status: ClassVar[int] = 500
+    # None: the answer has no error body (Cancelled: the client has gone, nobody reads it)
+    error_type: ClassVar[str | None] = "internal_error"
+    default_code: ClassVar[str | None] = None  # when the exception carries no code of its own
+    default_param: ClassVar[str | None] = None  # likewise for the request field at fault
+    retry_after_seconds: ClassVar[int | None] = None  # a retry can help, after this long
+    # a 500 on purpose: the server failed, not the request. The client reads only the class's
+    # name (the details are the server's), unless the class says otherwise (`client_message`)
+    internal: ClassVar[bool] = False
+    abstract: ClassVar[bool] = True  # RegisteredError itself; each subclass says (default False)
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        cls.abstract = abstract
+        known = ERROR_CLASSES.get(cls.__name__)
+        # the wire names a class by its bare name, so two classes may not share one (the same
+        # class defined again, as a reloaded module does, replaces itself)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"two error classes named {cls.__name__}: {known.__module__} and {cls.__module__}")
+        ERROR_CLASSES[cls.__name__] = cls
+
+    def client_message(self) -> str:
+        """The message the client reads."""
+        if self.internal:
+            return f"internal error: {type(self).__name__}"
+        return str(self)
+
+    def wire_fields(self) -> dict[str, Any]:
+        """What the wire carries of this exception, beside its class name (JSON values only)."""
+        return {"message": str(self)}
+
+    @classmethod
+    def from_wire_fields(cls, fields: dict[str, Any]) -> RegisteredError:
+        """The exception back from `wire_fields`."""
+        return cls(fields.get("message", ""))
+
+
+def answered_error_classes() -> list[type[RegisteredError]]:
+    """The registered classes a client is answered with an error body for (the status table's
+    rows): every one defined so far, less the abstract bases and those answered without a body."""
+    return [cls for cls in ERROR_CLASSES.values() if not cls.abstract and cls.error_type is not None]
