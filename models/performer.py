@@ -6,7 +6,7 @@ Colwell, Adrian Weller, "Rethinking Attention with Performers", ICLR 2021.
 
 Attention. Softmax attention weighs key j for query i by exp(q_iᵀk_j / √D). FAVOR+ replaces that
 kernel by an unbiased estimate with m positive orthogonal random features (section 2.3-2.4,
-models/layers/feature_maps.py):
+`orthogonal_random_matrix`, `favor_features`):
 
     phi(x) = exp(wᵀx − |x|²/2) / sqrt(m),    x = q / D^¼ or k / D^¼,    E[phi(q)ᵀphi(k)] = exp(qᵀk/√D)
 
@@ -31,7 +31,7 @@ Overflow. The paper's phi(x) = exp(wᵀx − |x|²/2)/√m has the exponent |w|�
 float32 it overflows for x near a long feature row (|w|²/2 > ~88) and underflows to 0 for every
 feature of a long x, after which phi(q)ᵀz = 0 and the output is 0/0. So the product
 phi_r(q) phi_r(k) is split into a key factor exp(−|k − w_r|²/2) and a query factor
-exp(w_rᵀq + |w_r|²/2 − c_q) (feature_maps.key_features / query_features), each at most 1:
+exp(w_rᵀq + |w_r|²/2 − c_q) (`key_features` / `query_features`), each at most 1:
 - the key factor is bounded by construction (wᵀk − |k|²/2 − |w|²/2 = −|k − w|²/2 <= 0) and uses
   no stabiliser that depends on other keys, so a key contributes the same numbers to S and z in
   every chunking: this is what keeps chunking exact (only the order of additions differs), with
@@ -61,7 +61,7 @@ position, so it means the same after 100k tokens as after ten (rotary angles of 
 positions lose precision), and it is identical in every chunking. Absolute learned positions
 would cap the context, which a constant-state model has no reason to do.
 
-State between calls (`KernelSums`, models/layers/kernel_sums.py): per layer and head S (m × D)
+State between calls (`KernelSums`): per layer and head S (m × D)
 and z (m), per layer the last K − 1 normalised inputs, and the token count. Its size depends on
 the config only, never on the history: constant. Decoding one token costs O(H·m·D) per layer for
 the attention, whatever the history's length.
@@ -77,20 +77,161 @@ the next and detached (no gradient through it), as Transformer-XL carries its me
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel
-from xlserve.models.layers.feature_maps import key_features, orthogonal_random_matrix, query_features
+from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.kernel_sums import KernelSums
 from xlserve.models.layers.linear import Linear
 
 BLOCK = 64  # positions whose causal products are formed explicitly at once (memory B·H·BLOCK² per layer)
+
+
+@dataclass
+class PerformerConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width D
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    n_features: int = 96  # m: random features per head (the state holds m × D + m numbers per head and layer)
+    conv_width: int = 4  # K: the causal convolution before attention sees this position and K − 1 before it
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+
+
+# -- the state between calls -----------------------------------------------------------------------
+
+
+@dataclass
+class KernelSums(FixedShapeState):
+    """The prefix sums of causal kernel attention over every position seen so far, and the last
+    few normalised inputs of each layer's causal convolution. Every shape is set by the config,
+    never by the history's length, so rows of any histories batch with the default `concat`, and
+    a session's bytes are the same after ten tokens or a million.
+
+    Per layer l (lists indexed by layer), batch on dimension 0:
+
+    value_sums[l]: (B, H, m, D) float32, S = Σ_j phi(k_j) v_jᵀ over every position seen
+    key_sums[l]: (B, H, m) float32, z = Σ_j phi(k_j)
+        (phi is the key factor of `key_features`: every entry in [0, 1], so each
+        entry of z lies between 0 and the number of tokens seen)
+    recent_inputs[l]: (B, K − 1, d_model) the last K − 1 normalised inputs of layer l, oldest
+        first, for its causal convolution of width K; zeros before the first token (the
+        convolution's left padding)
+    position: (B,) int64, tokens seen
+
+    Bytes per session: n_layer · (4·H·m·D + 4·H·m + (K − 1)·d_model·element size) + 8.
+    """
+
+    value_sums: list[Tensor]
+    key_sums: list[Tensor]
+    recent_inputs: list[Tensor]
+    position: Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int, n_layer: int, n_head: int, n_features: int, d_head: int,
+              conv_width: int, d_model: int, like: Tensor) -> "KernelSums":
+        """A state that has seen nothing: zero sums, zero padding, on `like`'s device
+        (`recent_inputs` in `like`'s dtype, the sums always float32)."""
+        device = like.device
+        return cls(
+            value_sums=[torch.zeros(batch_size, n_head, n_features, d_head, device=device) for _ in range(n_layer)],
+            key_sums=[torch.zeros(batch_size, n_head, n_features, device=device) for _ in range(n_layer)],
+            recent_inputs=[like.new_zeros(batch_size, conv_width - 1, d_model) for _ in range(n_layer)],
+            position=torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: as many layers of every list, each layer's z covering the
+        heads and features of its S, and one position per row."""
+        layers = {len(self.value_sums), len(self.key_sums), len(self.recent_inputs)}
+        if len(layers) != 1:
+            raise ValueError(f"state has value_sums for {len(self.value_sums)} layers, key_sums for "
+                             f"{len(self.key_sums)} and recent_inputs for {len(self.recent_inputs)}")
+        for i, (s, z) in enumerate(zip(self.value_sums, self.key_sums)):
+            if tuple(z.shape) != tuple(s.shape[:3]):
+                raise ValueError(f"state tensor 'key_sums.{i}' has shape {tuple(z.shape)}, 'value_sums.{i}' "
+                                 f"{tuple(s.shape)}: z must have the (B, H, m) of S")
+        if tuple(self.position.shape) != (self.batch_size,):
+            raise ValueError(f"state tensor 'position' has shape {tuple(self.position.shape)}, "
+                             f"expected ({self.batch_size},)")
+
+
+# -- positive orthogonal random features (FAVOR+) --------------------------------------------------
+# The softmax kernel SM(x, y) = exp(xᵀy) is the expectation over w ~ N(0, I_d) of
+#
+#     phi(x)ᵀ phi(y),    phi(x) = exp(wᵀx − |x|²/2) / sqrt(m)    (m features w_1 .. w_m)
+#
+# (the paper's Lemma 1, the positive features: every feature is > 0, so attention weights built
+# from them are positive and their row sums never cancel to 0). Drawing the w_r *orthogonal* to
+# each other (blocks of d exactly orthogonal directions, each row's length drawn as the length of
+# a Gaussian vector, so every row is still marginally N(0, I_d)) lowers the estimator's variance
+# (their Theorem 2): `orthogonal_random_matrix`.
+#
+# `favor_features` is the paper's phi itself; it overflows and underflows in float32 (module
+# docstring, "Overflow"), so the layer uses the same product split into two factors that are each
+# at most 1:
+#
+#     phi_r(q) phi_r(k) · m = exp(w_rᵀq + |w_r|²/2 − |q|²/2) · exp(−|k − w_r|²/2)
+#
+# since w_rᵀk − |k|²/2 − |w_r|²/2 = −|k − w_r|²/2 (`key_features`, `query_features`).
+
+
+def orthogonal_random_matrix(n_features: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
+    """(n_features, dim) float32 rows w_r, orthogonal within each block of `dim` rows, each
+    row's length distributed as that of a N(0, I_dim) vector (chi with dim degrees of freedom),
+    so every row is marginally Gaussian, as FAVOR+ needs (Choromanski et al. 2021, section 2.4)."""
+    if n_features < 1 or dim < 1:
+        raise ValueError(f"need at least one feature and one dimension, got {n_features} x {dim}")
+    blocks = []
+    for _ in range(math.ceil(n_features / dim)):
+        gaussian = torch.randn(dim, dim, generator=generator)
+        q, r = torch.linalg.qr(gaussian)  # q's columns orthonormal
+        q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(dim))  # Haar-uniform
+        blocks.append(q.T)  # rows orthonormal
+    directions = torch.cat(blocks)[:n_features]  # (m, d)
+    lengths = torch.randn(n_features, dim, generator=generator).norm(dim=1)  # (m,) chi(d)
+    return directions * lengths[:, None]
+
+
+def favor_features(x: Tensor, w: Tensor) -> Tensor:
+    """The paper's positive random features phi(x) = exp(wᵀx − |x|²/2) / sqrt(m): x (..., d),
+    w (m, d) -> (..., m). Unstabilised: for tests and small inputs (it overflows for large x)."""
+    exponent = x @ w.T - (x * x).sum(-1, keepdim=True) / 2
+    return torch.exp(exponent) / math.sqrt(w.shape[0])
+
+
+def key_features(k: Tensor, w: Tensor) -> Tensor:
+    """exp(−|k − w_r|²/2) for every feature r: k (..., d), w (m, d) -> (..., m), float32, in
+    [0, 1]. Equal to phi_r(k) · sqrt(m) · exp(−|w_r|²/2); the exp(|w_r|²/2) goes to the query
+    side (`query_features`). Computed from the expansion wᵀk − |k|²/2 − |w|²/2, clamped at 0
+    where rounding would push it above."""
+    k = k.float()
+    w = w.float()
+    exponent = k @ w.T - (k * k).sum(-1, keepdim=True) / 2 - (w * w).sum(-1) / 2  # (..., m), <= 0
+    return torch.exp(exponent.clamp(max=0.0))
+
+
+def query_features(q: Tensor, w: Tensor) -> Tensor:
+    """exp(w_rᵀq + |w_r|²/2 − c_q) for every feature r, with c_q the largest of those exponents
+    for this query: q (..., d), w (m, d) -> (..., m), float32, largest entry 1. Equal to
+    phi_r(q) · sqrt(m) · exp(|w_r|²/2) times exp(|q|²/2 − c_q), a factor common to all of
+    the query's features, which cancels in normalised attention."""
+    q = q.float()
+    w = w.float()
+    exponent = q @ w.T + (w * w).sum(-1) / 2  # (..., m)
+    return torch.exp(exponent - exponent.amax(dim=-1, keepdim=True))
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 def causal_favor_attention(
@@ -162,21 +303,6 @@ class PerformerLayer(nn.Module):
         x = x + self.drop(self.o_net(attended))
         x = x + self.ff(self.ff_norm(x))
         return x, value_sums, key_sums, recent
-
-
-@dataclass
-class PerformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width D
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    n_features: int = 96  # m: random features per head (the state holds m × D + m numbers per head and layer)
-    conv_width: int = 4  # K: the causal convolution before attention sees this position and K − 1 before it
-    dropout: float = 0.0  # on embeddings, attention output and feed-forward
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
 
 
 class Performer(LanguageModel):

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers.feature_maps import (
-    favor_features, key_features, orthogonal_random_matrix, query_features,
+from xlserve.models.performer import (
+    KernelSums, Performer, PerformerConfig, causal_favor_attention, favor_features, key_features,
+    orthogonal_random_matrix, query_features,
 )
-from xlserve.models.layers.kernel_sums import KernelSums
-from xlserve.models.performer import Performer, PerformerConfig, causal_favor_attention
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
 from xlserve.models.training.train import training_loss as standard_training_loss
