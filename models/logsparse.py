@@ -21,7 +21,7 @@ query's offset in its subsequence, query i attends to key j exactly when
                           or i − j = 2^k <= r for some k >= 0 )  (LogSparse inside the subsequence)
 
 i.e. to the distances D(r) = {0, ..., w−1} ∪ {2^k : w <= 2^k <= r}
-(`models/layers/sparse_patterns.py`, `logsparse_distances`), with ordinary softmax weights
+(`logsparse_distances`), with ordinary softmax weights
 softmax(q kᵀ / √d_head) over those keys (no other weighting). The exponential steps stop at the
 subsequence's start (2^k <= r): that is the restart. The local window is not cut at the start of
 a subsequence (the paper does not say; a window cut there would leave the first byte of every
@@ -36,7 +36,7 @@ same whichever call a byte arrives in; absolute positions would need a table as 
 longest session (unbounded) and relative encodings would add nothing the offset and the fixed
 distance set do not already tell the query.
 
-State between calls (`LookbackMemory`, models/layers/lookback_state.py). No future query looks
+State between calls (`LookbackMemory`). No future query looks
 further back than S = max(w − 1, 2^⌊log2(R−1)⌋) positions (the local window, or the longest
 exponential step that fits in a subsequence), so the state keeps, per layer, the keys and
 values of the last S positions and the count of positions seen: 2 · n_layer · S · n_head ·
@@ -63,24 +63,190 @@ as serving does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel
+from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.lookback_state import LookbackMemory
-from xlserve.models.layers.sparse_patterns import (
-    gathered_attention,
-    logsparse_distances,
-    longest_distance,
-    masked_attention,
-    pattern_mask,
-)
+
+
+@dataclass
+class LogSparseConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    local_window: int = 16  # w: each query sees itself and the w-1 positions before it
+    restart_len: int = 256  # R: subsequence length; exponential steps stay inside a query's subsequence
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+
+
+# -- the state between calls -----------------------------------------------------------------------
+
+
+@dataclass
+class LookbackMemory(FixedShapeState):
+    """The keys and values of the last S positions, per layer, and how many positions a session
+    has seen: no query looks further back than S, so nothing older is needed.
+
+    keys[l], values[l]: (B, S, H, D), layer l's keys and values of the last S positions seen,
+    aligned to the end: slot S-1 holds the last position seen, slot S-1-d the position d before
+    it; slots of positions before the session's first token hold zeros and are never attended to
+    (the model masks them from `position`). position: (B,) int64, the number of positions each row
+    has seen (its next token's absolute position). Every session's state has the same shape, so
+    rows with different histories batch with the default `concat`, and `nbytes` is the same after
+    4 KB and after 64 KB."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    position: Tensor
+
+    @property
+    def slots(self) -> int:
+        """S: the positions kept per row."""
+        return self.keys[0].shape[1] if self.keys else 0
+
+    @classmethod
+    def empty(cls, batch_size: int, n_layer: int, slots: int, n_head: int, d_head: int, like: Tensor) -> "LookbackMemory":
+        """A memory that has seen nothing, with the dtype and device of `like`."""
+        zeros = lambda: like.new_zeros(batch_size, slots, n_head, d_head)  # noqa: E731
+        return cls(
+            keys=[zeros() for _ in range(n_layer)],
+            values=[zeros() for _ in range(n_layer)],
+            position=torch.zeros(batch_size, dtype=torch.long, device=like.device),
+        )
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: as many layers of keys as of values, all of one shape with
+        the rows of `position`; a position that is not negative; and zeros in every slot of a
+        position before the row's first token (a forward never writes there)."""
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"state has keys for {len(self.keys)} layers and values for {len(self.values)}")
+        if self.position.dim() != 1:
+            raise ValueError(f"state tensor 'position' has shape {tuple(self.position.shape)}, expected (B,)")
+        rows = self.position.shape[0]
+        reference = self.keys[0].shape if self.keys else None
+        for name, tensor in self._named_tensors():
+            if name == "position":
+                continue
+            if tensor.shape != reference or tensor.shape[0] != rows:
+                raise ValueError(f"state tensor '{name}' has shape {tuple(tensor.shape)}; 'keys.0' has "
+                                 f"{tuple(reference)} and 'position' {rows} rows")
+        if bool((self.position < 0).any()):
+            raise ValueError("state tensor 'position' holds a negative count of positions")
+        S = self.slots
+        # slot m of row b holds position position[b] - S + m: empty (zero) while that is negative
+        unwritten = torch.arange(S, device=self.position.device)[None, :] < (S - self.position)[:, None]  # (B, S)
+        if bool(unwritten.any()):
+            for name, tensor in self._named_tensors():
+                if name != "position" and bool(tensor[unwritten].ne(0).any()):
+                    raise ValueError(f"state tensor '{name}' holds values in slots before the first position "
+                                     f"('position' says they were never written)")
+
+
+# -- the pattern, and attention over the keys it picks ---------------------------------------------
+# A pattern whose shape depends only on where a query sits (its offset in a repeating block) is a
+# table: row r lists the distances d (0 = the query itself) that a query at offset r looks back,
+# padded to a common width A and flagged in `allowed`. Attention then gathers A keys per query
+# instead of scoring every key, so a query costs O(A · d) whatever the history's length, and a
+# chunk of queries is computed the same way as a single decoding query (which is what keeps
+# results independent of how a text is split into calls). Long chunks use `pattern_mask` and
+# `masked_attention` instead: the same attention as one dense product under the pattern's mask
+# (B·T·A gathered key copies cost far more than scoring all S + T keys of a bounded look-back
+# with one matrix product; the two agree to float rounding).
+
+
+def logsparse_distances(restart_len: int, local_window: int) -> tuple[Tensor, Tensor]:
+    """The LogSparse look-back distances of a query at each offset r = 0 .. R-1 of its
+    subsequence (R = `restart_len`, w = `local_window`):
+
+        D(r) = {0, 1, ..., w-1}  ∪  {2^k : k >= 0, w <= 2^k <= r}
+
+    the local window (itself and the w-1 positions before it) and the exponential steps that
+    stay inside the query's own subsequence (2^k <= r). Returns `distances` (R, A) int64, each
+    row ascending and padded with 0, and `allowed` (R, A) bool, False on the padding; A is the
+    largest |D(r)|. Distances that reach before the history's first position are the caller's
+    to mask (they depend on the absolute position, not on r)."""
+    if restart_len < 1 or local_window < 1:
+        raise ValueError(f"restart_len ({restart_len}) and local_window ({local_window}) must be at least 1")
+    rows = []
+    for r in range(restart_len):
+        steps = {1 << k for k in range(max(r, 1).bit_length()) if local_window <= (1 << k) <= r}
+        rows.append(sorted(set(range(local_window)) | steps))
+    width = max(len(row) for row in rows)
+    distances = torch.zeros(restart_len, width, dtype=torch.long)
+    allowed = torch.zeros(restart_len, width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        distances[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+        allowed[r, : len(row)] = True
+    return distances, allowed
+
+
+def longest_distance(distances: Tensor, allowed: Tensor) -> int:
+    """The largest distance any query of the pattern looks back (0 when only itself)."""
+    return int(distances[allowed].max()) if bool(allowed.any()) else 0
+
+
+def gathered_attention(
+    q: Tensor,  # (B, T, H, D) queries
+    keys: Tensor,  # (B, K, H, D)
+    values: Tensor,  # (B, K, H, D)
+    index: Tensor,  # (B, T, A) int64: which of the K keys query t may attend to
+    allowed: Tensor,  # (B, T, A) bool: False where an entry of `index` is padding (ignored)
+    dropatt: float = 0.0,
+) -> Tensor:
+    """softmax(q kᵀ / √D) v of each query over only its own A gathered keys -> (B, T, H, D).
+
+    Every query must have at least one allowed entry (a causal pattern always lets a query see
+    itself), so no row of the softmax is empty."""
+    B, T, H, D = q.shape
+    rows = torch.arange(B, device=q.device)[:, None, None]
+    picked_keys = keys[rows, index]  # (B, T, A, H, D)
+    picked_values = values[rows, index]  # (B, T, A, H, D)
+    scores = torch.einsum("bthd,btahd->btha", q, picked_keys) / math.sqrt(D)  # (B, T, H, A)
+    scores = scores.masked_fill(~allowed[:, :, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if dropatt > 0.0:
+        weights = F.dropout(weights, p=dropatt, training=True)
+    return torch.einsum("btha,btahd->bthd", weights, picked_values)  # (B, T, H, D)
+
+
+def pattern_mask(index: Tensor, allowed: Tensor, n_keys: int) -> Tensor:
+    """The pattern as a dense mask (B, 1, T, n_keys) bool: True where query t attends to key
+    index[b, t, a] with allowed[b, t, a]. index and allowed (B, T, A) as for gathered_attention."""
+    B, T, _ = index.shape
+    target = torch.where(allowed, index, n_keys)  # padding lands in one spare column, dropped below
+    mask = torch.zeros(B, T, n_keys + 1, dtype=torch.bool, device=index.device)
+    mask.scatter_(2, target, True)
+    return mask[:, None, :, :n_keys]
+
+
+def masked_attention(
+    q: Tensor,  # (B, T, H, D) queries
+    keys: Tensor,  # (B, K, H, D)
+    values: Tensor,  # (B, K, H, D)
+    mask: Tensor,  # (B or 1, 1, T, K) bool from pattern_mask
+    dropatt: float = 0.0,
+) -> Tensor:
+    """softmax(q kᵀ / √D) v over the keys `mask` allows, as one dense product -> (B, T, H, D).
+    Equal to gathered_attention over the same pattern (to float rounding)."""
+    attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=mask, dropout_p=dropatt)  # (B, H, T, D)
+    return attended.transpose(1, 2)
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 class LogSparseLayer(nn.Module):
@@ -120,22 +286,6 @@ class LogSparseLayer(nn.Module):
         x = x + self.drop(self.o_net(attended.reshape(B, T, -1)))
         x = x + self.ff(self.ff_norm(x))
         return x, keys, values
-
-
-@dataclass
-class LogSparseConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    local_window: int = 16  # w: each query sees itself and the w-1 positions before it
-    restart_len: int = 256  # R: subsequence length; exponential steps stay inside a query's subsequence
-    dropout: float = 0.0  # on embeddings, attention output and feed-forward
-    dropatt: float = 0.0  # on attention probabilities
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
 
 
 class LogSparseTransformer(LanguageModel):
@@ -221,5 +371,3 @@ class LogSparseTransformer(LanguageModel):
         state does not hold the whole chunk's keys alive."""
         kept = keys.detach()[:, T:]
         return kept.clone() if T > self.reach else kept
-
-    # training: the standard loop's next-byte loss over forward (models/training/train.py)

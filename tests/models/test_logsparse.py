@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers.lookback_state import LookbackMemory
-from xlserve.models.layers.sparse_patterns import gathered_attention, logsparse_distances, masked_attention, pattern_mask
-from xlserve.models.logsparse import LogSparseConfig, LogSparseTransformer
+from xlserve.models.logsparse import (
+    LogSparseConfig, LogSparseTransformer, LookbackMemory, gathered_attention, logsparse_distances, masked_attention,
+    pattern_mask,
+)
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
 from tests.models.helpers import assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
