@@ -302,8 +302,11 @@ def engine_worker(args: dict) -> list[dict]:
     # threads as in the server: load_models gives the engine's worker thread its own
     settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]),
                         torch_threads=args["threads"])
+    from xlserve.server.engine.local import SubmissionDelivery
+
     relay = SinkRelay() if args["consumer"] == "sink" else None
-    loaded = next(iter(load_models(settings, Metrics(), sink=relay).values()))
+    sink = relay if relay is not None else SubmissionDelivery()  # "asyncio": to the consumers' event loop
+    loaded = next(iter(load_models(settings, Metrics(), sink=sink).values()))
     load = EngineLoad(loaded.engine, loaded.tokenizer)
 
     def level(concurrency: int, per_stream: int, max_tokens: int) -> dict:

@@ -3,9 +3,9 @@ engine (the server itself runs its engines in the engine process, server/engine/
 
 `submit` queues an `EngineRequest` with a `Submission` as its handle and returns the Submission,
 whose `events()` the caller iterates; `generate` and `append` wrap it for the two kinds of
-request. Events reach a Submission through `SubmissionDelivery`, the sink an `Engine` uses when
-it is given none: the worker thread hands each step's events to the event loop of each
-Submission.
+request. Events reach a Submission through `SubmissionDelivery`, the sink to build such an
+`Engine` with (`Engine(..., sink=SubmissionDelivery())`): the worker thread hands each step's
+events to the event loop of each Submission.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from xlserve.server.cache.prefix_cache import PrefixCache
 from xlserve.server.engine.errors import InvalidInput, ModelNotFound
 from xlserve.server.engine.memory import MemoryReturner
 from xlserve.server.engine.request import EngineRequest
-from xlserve.server.engine.scheduler import Engine
+from xlserve.server.engine.scheduler import Engine, EventSink
 from xlserve.server.engine.threads import own_torch_threads, threads_per_engine
 from xlserve.server.engine.types import SamplingParams
 from xlserve.server.engine.wire import FrameWriter, error_to_wire, event_to_wire, is_last, read_frame
@@ -105,7 +105,7 @@ class LoadedModel:
     load_seconds: float = 0.0  # reading and placing its weights (said in the start-up log)
 
 
-def load_models(settings: Settings, metrics: Metrics, sink=None,
+def load_models(settings: Settings, metrics: Metrics, sink: EventSink,
                 prefix_cache: PrefixCache | None = None) -> dict[str, LoadedModel]:
     """Every configured checkpoint on the device, each with its engine (events to `sink`),
     the engines sharing one `prefix_cache` (None: no reuse without sessions).
@@ -123,8 +123,8 @@ def load_models(settings: Settings, metrics: Metrics, sink=None,
         started = time.perf_counter()
         model = load_checkpoint(directory, device=device).to(dtype)
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
-        engine = Engine(directory.name, model, tokenizer, metrics, settings.prefill_chunk_tokens,
-                        max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests, sink=sink,
+        engine = Engine(directory.name, model, tokenizer, metrics, sink, prefill_chunk=settings.prefill_chunk_tokens,
+                        max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
                         threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine,
                                              time.perf_counter() - started)

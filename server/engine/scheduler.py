@@ -25,8 +25,8 @@ answer. Cancel, disconnect or error -> nothing to commit, the session is as it w
 Every request ends with exactly one last event: Finished, Appended, or an exception (Cancelled
 included). Each step's events go to the `sink` given at construction, as one list of
 (request.handle, event) pairs: the engine process writes them to the API process in one frame;
-without a sink, they go to the asyncio loop of each request's `Submission`
-(server/engine/local.py).
+code that runs an engine in its own process hands them to the asyncio loop of each request's
+`Submission` (`SubmissionDelivery`, server/engine/local.py).
 
 One request's trouble is its own. A failure while sampling or computing one request's row
 (a row that is no distribution, a sampler that raises, a forward that raises for that row)
@@ -47,6 +47,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -55,7 +56,6 @@ from xlserve.server.cache import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
 from xlserve.server.engine.errors import Cancelled, EngineError, InvalidInput, QueueFull, RequestFailed, ShuttingDown
-from xlserve.server.engine.local import SubmissionDelivery
 from xlserve.server.engine.request import EngineRequest, Row
 from xlserve.server.engine.sampling import most_likely, top_alternatives, unusable_row
 from xlserve.server.engine.threads import ForwardThreads
@@ -64,12 +64,16 @@ from xlserve.server.metrics import Metrics
 
 log = logging.getLogger("xlserve.engine")
 
+# where an engine's events go: called from its worker thread once per step with that step's
+# (request.handle, event) pairs, in order; it must not block for long (the step waits for it)
+EventSink = Callable[[list[tuple[object, object]]], None]
+
 
 class Engine:
     """One model's scheduler: a queue of `EngineRequest`s and the worker thread that steps them."""
 
-    def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, prefill_chunk: int = 512,
-                 max_batch_size: int = 64, max_queued: int = 256, sink=None, threads: int = 0,
+    def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, sink: EventSink,
+                 prefill_chunk: int = 512, max_batch_size: int = 64, max_queued: int = 256, threads: int = 0,
                  prompt_threads: int = 0, prefix_cache: PrefixCache | None = None):
         self.name = name
         self.prefix_cache = prefix_cache
@@ -88,7 +92,7 @@ class Engine:
         self.layout = BatchLayout(self.max_batch_size)  # worker thread only
         self.forward_threads = ForwardThreads(threads, prompt_threads)
         self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
-        self._sink = sink if sink is not None else SubmissionDelivery()
+        self._sink = sink
         self._waiting_metric = metrics.requests_waiting.labels(name)
         self._running_metric = metrics.requests_running.labels(name)
         self._generated_metric = metrics.generation_tokens.labels(name)

@@ -90,7 +90,7 @@ class HistoryModel(LanguageModel):
 
 
 def make_engine(model, **kwargs) -> Engine:
-    return Engine("m", model, ByteTokenizer(), Metrics(), **kwargs)
+    return Engine("m", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), **kwargs)
 
 
 def generation(engine, prompt: str, start=None, keep_state=False, **params) -> EngineRequest:
@@ -584,7 +584,7 @@ def test_the_worker_thread_keeps_its_own_torch_threads_and_decodes_few_rows_on_o
     forward = model.forward
     model.forward = lambda tokens, state: (seen.append((tokens.numel(), torch.get_num_threads())),
                                            forward(tokens, state))[1]
-    engine = Engine("xl", model, ByteTokenizer(), Metrics(), threads=2)
+    engine = Engine("xl", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), threads=2)
     try:
         torch.set_num_threads(1)
         assert engine.threads == 2
@@ -608,7 +608,8 @@ def test_big_prompt_forwards_run_on_the_prompt_threads():
     forward = model.forward
     model.forward = lambda tokens, state, lengths=None: (seen.append((tokens.numel(), torch.get_num_threads())),
                                                           forward(tokens, state, lengths=lengths))[1]
-    engine = Engine("xl", model, ByteTokenizer(), Metrics(), threads=1, prompt_threads=3, prefill_chunk=1024)
+    engine = Engine("xl", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), threads=1,
+                    prompt_threads=3, prefill_chunk=1024)
     try:
         assert (engine.threads, engine.prompt_threads) == (1, 3)
         run(collect(engine, generation(engine, "x = 1\n" * 50, max_tokens=2)))  # 300 prompt tokens
@@ -629,7 +630,7 @@ def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp
         make_checkpoint(tmp_path / name)
     before = torch.get_num_threads()
     loaded = load_models(Settings(models=f"{tmp_path / 'first'},{tmp_path / 'second'}", device="cpu",
-                                  torch_threads=4, prompt_threads=6), Metrics())
+                                  torch_threads=4, prompt_threads=6), Metrics(), local.SubmissionDelivery())
     try:
         assert [model.engine.threads for model in loaded.values()] == [2, 2]
         assert [model.engine.prompt_threads for model in loaded.values()] == [3, 3]

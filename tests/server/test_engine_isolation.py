@@ -52,7 +52,7 @@ def model() -> FragileModel:
 
 @pytest.fixture
 def engine():
-    engine = Engine("m", model(), ByteTokenizer(), Metrics())
+    engine = Engine("m", model(), ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery())
     yield engine
     engine.close()
 

@@ -114,6 +114,11 @@ async def answer(engine: Engine, req: EngineRequest) -> dict:
     return {"tokens": tokens, "logprobs": logprobs, "echo": echoed, "cached": event.cached_tokens}
 
 
+def make_engine(model, **options) -> Engine:
+    """An engine whose events go to the asyncio loop of each request's Submission (local.py)."""
+    return Engine("m", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), **options)
+
+
 TURNS = ["import os\nimport sys\n\n", "def main(argv):\n", "    return 0\n\n", "class A:\n    pass\n", "if x:\n"]
 
 
@@ -148,9 +153,8 @@ def same(cached: list[dict], cold: list[dict]) -> None:
 
 def test_a_stateless_conversation_reuses_each_turn_and_answers_as_a_cold_engine():
     cache = PrefixCache(64 << 20, block_tokens=4)
-    cached = conversation(Engine("m", xl_model(), ByteTokenizer(), Metrics(), prefill_chunk=7, prefix_cache=cache),
-                          SCOPE)
-    cold = conversation(Engine("m", xl_model(), ByteTokenizer(), Metrics(), prefill_chunk=7), None)
+    cached = conversation(make_engine(xl_model(), prefill_chunk=7, prefix_cache=cache), SCOPE)
+    cold = conversation(make_engine(xl_model(), prefill_chunk=7), None)
     same(cached, cold)
     assert cached[0]["cached"] == 0
     # from turn 2 on, the whole previous prompt + completion came from the cache
@@ -162,9 +166,9 @@ def test_a_stateless_conversation_reuses_each_turn_and_answers_as_a_cold_engine(
 
 def test_seeded_sampling_gives_the_same_tokens_from_a_hit():
     cache = PrefixCache(64 << 20, block_tokens=4)
-    cached = conversation(Engine("m", xl_model(), ByteTokenizer(), Metrics(), prefill_chunk=7, prefix_cache=cache),
+    cached = conversation(make_engine(xl_model(), prefill_chunk=7, prefix_cache=cache),
                           SCOPE, temperature=0.9, seed=3, frequency_penalty=0.5)
-    cold = conversation(Engine("m", xl_model(), ByteTokenizer(), Metrics(), prefill_chunk=7), None,
+    cold = conversation(make_engine(xl_model(), prefill_chunk=7), None,
                         temperature=0.9, seed=3, frequency_penalty=0.5)
     same(cached, cold)
     assert all(result["cached"] > 0 for result in cached[1:])
@@ -176,9 +180,8 @@ def test_a_chunking_dependent_model_resumes_only_where_cold_prefill_chunks_end()
     request's chunks also break."""
     assert not xl_model(same_length=False).chunking_invariant
     cache = PrefixCache(64 << 20, block_tokens=4)
-    cached = conversation(Engine("m", xl_model(False), ByteTokenizer(), Metrics(), prefill_chunk=8,
-                                 prefix_cache=cache), SCOPE)
-    cold = conversation(Engine("m", xl_model(False), ByteTokenizer(), Metrics(), prefill_chunk=8), None)
+    cached = conversation(make_engine(xl_model(False), prefill_chunk=8, prefix_cache=cache), SCOPE)
+    cold = conversation(make_engine(xl_model(False), prefill_chunk=8), None)
     same(cached, cold)
     assert all(result["cached"] % 8 == 0 for result in cached)
     assert cached[-1]["cached"] > 0
@@ -186,14 +189,13 @@ def test_a_chunking_dependent_model_resumes_only_where_cold_prefill_chunks_end()
 
 def test_echo_with_alternatives_computes_its_prompt_and_tiny_budgets_stay_exact():
     cache = PrefixCache(1, block_tokens=4)  # nothing fits: every request is cold, none fails
-    cached = conversation(Engine("m", xl_model(), ByteTokenizer(), Metrics(), prefill_chunk=7, prefix_cache=cache),
-                          SCOPE)
-    cold = conversation(Engine("m", xl_model(), ByteTokenizer(), Metrics(), prefill_chunk=7), None)
+    cached = conversation(make_engine(xl_model(), prefill_chunk=7, prefix_cache=cache), SCOPE)
+    cold = conversation(make_engine(xl_model(), prefill_chunk=7), None)
     same(cached, cold)
     assert all(result["cached"] == 0 for result in cached)
 
     cache = PrefixCache(64 << 20, block_tokens=4)
-    engine = Engine("m", xl_model(), ByteTokenizer(), Metrics(), prefill_chunk=7, prefix_cache=cache)
+    engine = make_engine(xl_model(), prefill_chunk=7, prefix_cache=cache)
     prompt = list(b"def main(argv):\n    return 0\n")
 
     async def main():
@@ -215,7 +217,7 @@ def test_echo_with_alternatives_computes_its_prompt_and_tiny_budgets_stay_exact(
 
 
 def restore_for(model):
-    engine = Engine("m", model, ByteTokenizer(), Metrics())
+    engine = make_engine(model)
     try:
         return engine._restore_prefix
     finally:
