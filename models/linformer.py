@@ -43,7 +43,7 @@ age bias tells segments apart. An absolute position would need a table as long a
 session (unbounded) and would mean nothing to a slot that summarises L positions; the offset
 needs only the count of positions seen, a number in the state.
 
-State between calls (`CompressedSegmentMemory`, models/layers/compressed_segments.py): per layer
+State between calls (`CompressedSegmentMemory`): per layer
 the open segment's keys and values (L slots, zeros past its offset) and the compressed slots of
 the last M completed segments (M × k slots of keys and values), and the count of positions seen:
 
@@ -85,11 +85,117 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel
-from xlserve.models.layers.compressed_segments import CompressedSegmentMemory
+from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
+
+
+@dataclass
+class LinformerConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    segment_len: int = 64  # L: positions per segment; full causal attention inside the open one
+    compressed_len: int = 16  # k: slots a completed segment is compressed into (the paper's projected dimension)
+    memory_segments: int = 8  # M: compressed segments kept; the oldest is dropped when one more completes
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+
+
+# -- the state between calls -----------------------------------------------------------------------
+
+
+@dataclass
+class CompressedSegmentMemory(FixedShapeState):
+    """The open segment's keys and values as they are, and the last M completed segments
+    compressed into k slots each. What every slot holds follows from the number of positions
+    seen alone, so every shape is fixed by the config: rows of any histories batch with the
+    default `State.concat`. Completing a segment shifts the groups by one, dropping the oldest.
+    The field names are the tensors' names when saved ("open_keys.0", "slot_values.1", "position").
+
+    Per layer l (lists indexed by layer), batch on dimension 0:
+
+    open_keys[l], open_values[l]: (B, H, L, D) the keys and values of the open segment, slot j
+        = offset j in it; zeros from offset `position mod L` on
+    slot_keys[l], slot_values[l]: (B, H, M, k, D) the compressed slots (E·K, F·V) of the last M
+        completed segments, oldest first (group M − 1 is the segment just before the open one);
+        zeros in the first M − min(position div L, M) groups (segments that do not exist)
+    position: (B,) int64, the number of positions seen
+
+    Bytes per session: 8 + Σ_l 2·H·(L + M·k)·D·itemsize, whatever the history.
+    """
+
+    open_keys: list[Tensor]
+    open_values: list[Tensor]
+    slot_keys: list[Tensor]
+    slot_values: list[Tensor]
+    position: Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int, n_layer: int, n_head: int, d_head: int, segment_len: int,
+              memory_segments: int, compressed_len: int, like: Tensor) -> "CompressedSegmentMemory":
+        """A memory that has seen nothing, with the dtype and device of `like`."""
+        opened = lambda: like.new_zeros(batch_size, n_head, segment_len, d_head)  # noqa: E731
+        slots = lambda: like.new_zeros(batch_size, n_head, memory_segments, compressed_len, d_head)  # noqa: E731
+        return cls(
+            open_keys=[opened() for _ in range(n_layer)],
+            open_values=[opened() for _ in range(n_layer)],
+            slot_keys=[slots() for _ in range(n_layer)],
+            slot_values=[slots() for _ in range(n_layer)],
+            position=torch.zeros(batch_size, dtype=torch.long, device=like.device),
+        )
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: as many layers of every list, keys and values of one shape
+        with the rows of `position`, a position that is not negative, and zeros wherever no
+        position has been written yet (open slots past the open segment's offset, memory groups
+        of segments that do not exist): a forward never writes there."""
+        layers = {len(self.open_keys), len(self.open_values), len(self.slot_keys), len(self.slot_values)}
+        if len(layers) != 1:
+            raise ValueError(f"state has open keys for {len(self.open_keys)} layers, open values for "
+                             f"{len(self.open_values)}, slot keys for {len(self.slot_keys)} and slot values "
+                             f"for {len(self.slot_values)}")
+        if self.position.dim() != 1:
+            raise ValueError(f"state tensor 'position' has shape {tuple(self.position.shape)}, expected (B,)")
+        if bool((self.position < 0).any()):
+            raise ValueError("state tensor 'position' holds a negative number of positions")
+        rows = self.position.shape[0]
+        for kind, dims in (("open", 4), ("slot", 5)):
+            for i, (keys, values) in enumerate(zip(getattr(self, f"{kind}_keys"), getattr(self, f"{kind}_values"))):
+                if keys.shape != values.shape or keys.dim() != dims or keys.shape[0] != rows:
+                    raise ValueError(f"state tensors '{kind}_keys.{i}' {tuple(keys.shape)} and '{kind}_values.{i}' "
+                                     f"{tuple(values.shape)} must have one shape of {dims} dims with {rows} rows")
+        for i, (keys, values) in enumerate(zip(self.open_keys, self.open_values)):
+            L = keys.shape[2]
+            # (B, L): slot j is past the open segment's offset
+            unwritten = torch.arange(L, device=keys.device)[None, :] >= (self.position % max(L, 1))[:, None]
+            self._refuse_written(f"open_keys.{i}", keys, unwritten)
+            self._refuse_written(f"open_values.{i}", values, unwritten)
+        if self.open_keys:
+            L = max(self.open_keys[0].shape[2], 1)
+            for i, (keys, values) in enumerate(zip(self.slot_keys, self.slot_values)):
+                M = keys.shape[2]
+                completed = torch.div(self.position, L, rounding_mode="floor").clamp(max=M)  # (B,)
+                # (B, M): group m holds a segment only once M − m segments are complete
+                unwritten = torch.arange(M, device=keys.device)[None, :] < (M - completed)[:, None]
+                self._refuse_written(f"slot_keys.{i}", keys, unwritten)
+                self._refuse_written(f"slot_values.{i}", values, unwritten)
+
+    def _refuse_written(self, name: str, tensor: Tensor, unwritten: Tensor) -> None:
+        """Raise unless `tensor` (B, H, S, ...) is zero in every slot s where unwritten (B, S)."""
+        written = tensor.ne(0).flatten(3).any(dim=-1)  # (B, H, S)
+        if bool((written & unwritten[:, None, :]).any()):
+            raise ValueError(f"state tensor '{name}' holds values in slots that no position has reached "
+                             f"(position {self.position.tolist()})")
+
+
+# -- segments and their compression ----------------------------------------------------------------
 
 
 def pooling_projection(compressed_len: int, segment_len: int) -> Tensor:
@@ -230,21 +336,7 @@ class SegmentCompressedAttention(nn.Module):
         return out, memory
 
 
-@dataclass
-class LinformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    segment_len: int = 64  # L: positions per segment; full causal attention inside the open one
-    compressed_len: int = 16  # k: slots a completed segment is compressed into (the paper's projected dimension)
-    memory_segments: int = 8  # M: compressed segments kept; the oldest is dropped when one more completes
-    dropout: float = 0.0  # on embeddings, attention output and feed-forward
-    dropatt: float = 0.0  # on attention probabilities
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+# -- the model -------------------------------------------------------------------------------------
 
 
 class Linformer(LanguageModel):

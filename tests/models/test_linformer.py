@@ -9,8 +9,7 @@ import torch
 
 import xlserve.models.linformer as linformer
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers.compressed_segments import CompressedSegmentMemory
-from xlserve.models.linformer import Linformer, LinformerConfig, pooling_projection
+from xlserve.models.linformer import CompressedSegmentMemory, Linformer, LinformerConfig, pooling_projection
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
 from tests.models.helpers import (
