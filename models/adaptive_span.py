@@ -9,7 +9,7 @@ s_tr the score of query t against key r and x = t - r their distance, the weight
 
     a_tr = m_z(t - r) exp(s_tr) / sum_q m_z(t - q) exp(s_tq),     m_z(x) = clamp((R + z - x) / R, 0, 1)
 
-(models/layers/span_mask.py): full weight up to distance z, a linear ramp of width R (`ramp`)
+(`soft_span_mask`): full weight up to distance z, a linear ramp of width R (`ramp`)
 down to nothing at z + R, renormalised over what is left. z = S * p with p a parameter per head
 (`AdaptiveSpanLayer.span_fraction`), kept in [0, 1] as the authors' code does (clamped before
 every training step, `training_loss`). Training adds the L1 penalty (lambda / M) sum_i z_i over
@@ -22,11 +22,11 @@ depend on the distance only, which is what lets a head keep nothing beyond its s
 paper (which uses a Transformer-XL-style cache) the model carries the keys and values of past
 positions from one call to the next, gradient stopped.
 
-State (`SpanMemory`, models/layers/span_state.py). A query reaches ceil(z) + R positions, itself
+State (`SpanMemory`). A query reaches ceil(z) + R positions, itself
 included, so the next query can still reach the last n = ceil(z) + R - 1 positions of each head:
 a served session keeps, per layer and head, exactly those keys and values (fewer until it has
 seen n tokens). Heads with short spans keep little; the bytes are
-8 * d_head * sum_(l,h) n_lh + 8 once full (float32; the layout and formula are in span_state.py),
+8 * d_head * sum_(l,h) n_lh + 8 once full (float32; `SpanMemory` gives the layout and formula),
 bounded by the maximum span whatever the history. `spans_report()` gives the learned z and n of
 every head (for the model card). In training mode every head of a layer keeps what the layer's
 longest current span reaches plus a margin of 16 positions (z moves by less than 2 positions a
@@ -63,8 +63,152 @@ from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.relative import RelativeKeys, relative_scores
-from xlserve.models.layers.span_mask import kept_positions, span_log_mask
-from xlserve.models.layers.span_state import SpanMemory
+
+
+@dataclass
+class AdaptiveSpanConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    max_span: int = 512  # S: the longest span z a head may learn
+    ramp: int = 32  # R: width of the soft mask's ramp, in positions
+    span_init: float = 0.0  # z / S of every head at initialisation (the authors' code starts at 0)
+    span_penalty: float = 2e-6  # lambda: weight of the mean span in the training loss (paper, enwik8)
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention weights
+    pre_norm: bool = True  # layer norm before each sub-layer (+ one after the last layer); False = post-norm
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the output softmax shares the input embedding matrix
+
+
+# -- the state between calls -----------------------------------------------------------------------
+
+
+@dataclass
+class SpanMemory(State):
+    """Per layer and head, the projected keys and values of the last positions that head can
+    still reach: a head with learned span z reaches ceil(z) + R - 1 positions before its query
+    (`kept_positions_for`), so a head with a short span keeps little.
+
+    Layout (every tensor batch-first):
+    - keys[l * n_head + h], values[l * n_head + h]: (B, m, D), head h of layer l; m = min(n_lh, M)
+      where n_lh = ceil(z_lh) + R - 1 is what the head keeps once its memory is full and M is the
+      longest head memory of the state (M = min(tokens seen, max n_lh) for one session). Positions
+      run oldest to newest; the last one is the last token seen.
+    - position: (B,) int64, tokens each row has seen. In a batch, rows that have seen fewer
+      positions than a head tensor holds are left-padded with zeros: row b's own positions in a
+      tensor of length m are its last min(position_b, m).
+
+    Bytes for one session after t tokens, float32, D = d_head:
+        8 * D * sum over (l, h) of min(n_lh, t)  +  8      (keys and values, 4 bytes each; `position`)
+    and once t >= max n_lh: 8 * D * sum n_lh + 8, against 8 * D * n_layer * n_head * (S + R - 1) + 8
+    for a state that kept the maximum span S for every head.
+
+    Heads of different spans batch together because each head is its own tensor; rows of
+    different histories batch together by left padding (`concat`), masked by `position`.
+    """
+
+    keys: list[Tensor]  # n_layer * n_head tensors (B, m, D), index l * n_head + h
+    values: list[Tensor]  # the same shapes as keys
+    position: Tensor  # (B,) int64: tokens seen per row (the position of the next one)
+
+    @property
+    def length(self) -> int:
+        """M: the longest head memory (positions) in this state."""
+        return max((k.shape[1] for k in self.keys), default=0)
+
+    @classmethod
+    def empty(cls, batch_size: int, n_heads_total: int, d_head: int, like: Tensor) -> "SpanMemory":
+        return cls(
+            keys=[like.new_zeros(batch_size, 0, d_head) for _ in range(n_heads_total)],
+            values=[like.new_zeros(batch_size, 0, d_head) for _ in range(n_heads_total)],
+            position=torch.zeros(batch_size, dtype=torch.long, device=like.device),
+        )
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: keys and values for the same heads, of the same shapes, and a
+        non-negative token count per row."""
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"state has keys for {len(self.keys)} heads and values for {len(self.values)}")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k.shape != v.shape:
+                raise ValueError(f"state tensors 'keys.{i}' {tuple(k.shape)} and 'values.{i}' {tuple(v.shape)} "
+                                 f"differ in shape")
+        if self.position.dim() != 1:
+            raise ValueError(f"state tensor 'position' has shape {tuple(self.position.shape)}, expected (batch,)")
+        if bool((self.position < 0).any()):
+            raise ValueError("state tensor 'position' holds a negative token count")
+
+    @classmethod
+    def concat(cls, states: list["SpanMemory"]) -> "SpanMemory":
+        """Rows of every state; each head's tensors left-padded with zeros to the longest among
+        the states (the padding lies before each row's own positions, and `position` masks it)."""
+        n = len(states[0].keys)
+
+        def stack(which: str, i: int) -> Tensor:
+            parts = [getattr(s, which)[i] for s in states]
+            longest = max(p.shape[1] for p in parts)
+            return torch.cat([left_pad(p, longest, 0) for p in parts])
+
+        return cls(keys=[stack("keys", i) for i in range(n)], values=[stack("values", i) for i in range(n)],
+                   position=torch.cat([s.position for s in states]))
+
+    def split(self) -> list["SpanMemory"]:
+        """One state per row, each head tensor trimmed to the row's own positions (what the row
+        would hold alone)."""
+        rows = []
+        for b in range(self.batch_size):
+            own = int(self.position[b])
+            cut = lambda t: t[b : b + 1, t.shape[1] - min(own, t.shape[1]) :]  # noqa: E731
+            rows.append(SpanMemory(keys=[cut(k) for k in self.keys], values=[cut(v) for v in self.values],
+                                   position=self.position[b : b + 1]))
+        return rows
+
+
+# -- the soft span mask ----------------------------------------------------------------------------
+# A head with span z weights the key at distance x back from its query by
+#
+#     m_z(x) = clamp((R + z - x) / R, 0, 1)
+#
+# 1 up to distance z, then a linear ramp of width R down to 0 at distance z + R (the paper's
+# section 3.1); the attention weights are renormalised over what the mask leaves (`span_log_mask`
+# gives log m_z, added to the scores before the softmax: exp(s + log m) = m exp(s), so the softmax
+# is that renormalisation).
+
+
+def soft_span_mask(distance: Tensor, spans: Tensor, ramp: int) -> Tensor:
+    """m_z(x) for every head: distances x (T, K) (any integer or float tensor), spans z (H,) ->
+    (H, T, K) float32 in [0, 1]. Computed in float32 whatever the model's dtype, so the
+    positions a head reaches are those `reachable_positions` counts."""
+    x = distance.to(torch.float32)[None]  # (1, T, K)
+    z = spans.to(torch.float32)[:, None, None]  # (H, 1, 1)
+    return ((ramp + z - x) / ramp).clamp(0.0, 1.0)
+
+
+def span_log_mask(distance: Tensor, spans: Tensor, ramp: int) -> Tensor:
+    """log m_z(x), (H, T, K): -inf where the mask is 0. Differentiable in z where m > 0; where
+    m = 0 the gradient is 0, not the NaN of log(0)'s infinite slope times clamp's zero slope."""
+    mask = soft_span_mask(distance, spans, ramp)
+    inside = mask > 0
+    return torch.where(inside, mask.clamp(min=torch.finfo(mask.dtype).tiny).log(), float("-inf"))
+
+
+def reachable_positions(span: float, ramp: int) -> int:
+    """How many positions a query with span z gives a weight above 0, itself included:
+    distances x = 0 .. ceil(z) + R - 1, i.e. ceil(z) + R of them (x < R + z)."""
+    return math.ceil(span) + ramp
+
+
+def kept_positions_for(span: float, ramp: int) -> int:
+    """Positions of a head's past that the next query can still reach: `reachable_positions`
+    less the query itself, ceil(z) + R - 1. What a served state keeps per head."""
+    return reachable_positions(span, ramp) - 1
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 class AdaptiveSpanLayer(nn.Module):
@@ -151,25 +295,6 @@ class AdaptiveSpanLayer(nn.Module):
         return x, kept_keys, kept_values
 
 
-@dataclass
-class AdaptiveSpanConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    max_span: int = 512  # S: the longest span z a head may learn
-    ramp: int = 32  # R: width of the soft mask's ramp, in positions
-    span_init: float = 0.0  # z / S of every head at initialisation (the authors' code starts at 0)
-    span_penalty: float = 2e-6  # lambda: weight of the mean span in the training loss (paper, enwik8)
-    dropout: float = 0.0  # on embeddings, attention output and feed-forward
-    dropatt: float = 0.0  # on attention weights
-    pre_norm: bool = True  # layer norm before each sub-layer (+ one after the last layer); False = post-norm
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the output softmax shares the input embedding matrix
-
-
 class AdaptiveSpan(LanguageModel):
     architecture = "adaptive-span"
     config_class = AdaptiveSpanConfig
@@ -205,7 +330,7 @@ class AdaptiveSpan(LanguageModel):
 
     def kept_positions(self) -> list[list[int]]:
         """Per layer and head, the positions a served state keeps: ceil(z) + R - 1."""
-        return [[kept_positions(z, self.config.ramp) for z in row] for row in self.spans().tolist()]
+        return [[kept_positions_for(z, self.config.ramp) for z in row] for row in self.spans().tolist()]
 
     def spans_report(self) -> list[dict]:
         """For the model card: per layer, each head's learned span z, the positions it keeps
@@ -272,7 +397,7 @@ class AdaptiveSpan(LanguageModel):
             # maximum for every head would score ~4x more keys while the spans are short.
             keep = []
             for layer in self.layers:
-                reach = kept_positions(float(layer.spans().detach().max()), c.ramp) + self.TRAINING_SPAN_MARGIN
+                reach = kept_positions_for(float(layer.spans().detach().max()), c.ramp) + self.TRAINING_SPAN_MARGIN
                 keep.append([min(reach, c.max_span + c.ramp - 1)] * H)
         else:
             keep = self.kept_positions()

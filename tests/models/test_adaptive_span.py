@@ -7,10 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from xlserve.models.adaptive_span import AdaptiveSpan, AdaptiveSpanConfig
+from xlserve.models.adaptive_span import AdaptiveSpan, AdaptiveSpanConfig, SpanMemory
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.layers.relative import sinusoid_encoding
-from xlserve.models.layers.span_state import SpanMemory
 from xlserve.models.training.train import STANDARD_RECIPE, train
 from tests.models.helpers import assert_state_round_trips, run_in_chunks, tokens
 
