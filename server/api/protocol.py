@@ -1,4 +1,5 @@
-"""What clients send: the request bodies of the HTTP API and the frames of the websocket.
+"""What clients send and what they get back: the request bodies of the HTTP API and the
+frames of the websocket, and every response body, SSE chunk, server frame and the error body.
 
 Pydantic models, plus `parse_frame`, which turns a websocket text frame into one of them, and
 the checks every JSON text gets before it is parsed (`check_json_depth`).
@@ -15,6 +16,13 @@ string carry an unpaired surrogate (`"\\ud800"`), which no UTF-8 encoder takes; 
 refused where it is validated (the `Text` type, error type `invalid_text`), so it never reaches
 a tokenizer or an error message. JSON texts nested deeper than MAX_JSON_DEPTH are refused
 before they are parsed.
+
+Answers: each route declares its body's model (`response_model`, so /openapi.json documents it
+for generated clients) and the error body for every error status it answers
+(`error_responses`); a streamed answer documents its chunks as the events of a
+`text/event-stream` (`event_stream`). JSON bodies are validated against their models as they are
+sent; SSE chunks and websocket frames, built on the hot path, are not, and tests check that
+they fit (tests/server/test_response_models.py, the fuzz test).
 """
 
 from __future__ import annotations
@@ -354,3 +362,383 @@ def parse_frame(text: str | None, max_bytes: int | None = None) -> ClientFrame:
 
 def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number (numbers must be finite)")
+
+
+# -- what the server answers: response bodies, SSE chunks, websocket frames, the error body -------
+
+
+class ResponseBody(BaseModel):
+    """Every answer the server sends, field by field. A field every answer carries has no default
+    (required in the schema; `X | None` where null is one of its values); a field only some
+    answers carry defaults to None and is left out when it was not set (routes send their bodies
+    with `response_model_exclude_unset`, so no field appears or vanishes). A field the model does
+    not know is refused (extra="forbid"): an undocumented field fails the server's tests instead
+    of being filtered out of the answer in silence."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(ResponseBody):
+    message: str
+    type: str  # what happened, as the status would say it: invalid_request_error, not_found_error, ...
+    param: str | None  # the field (or header) at fault
+    code: str | None  # which case it is: model_not_found, session_busy, queue_full, ...
+
+
+class ErrorResponse(ResponseBody):
+    """The one error body of every endpoint, of an error event in an SSE stream and (with `type`
+    and `id` beside it) of a websocket error frame, as OpenAI's API answers errors
+    (server/api/errors.py `error_body`)."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(ResponseBody):
+    cached_tokens: int  # context that came from the session's memory (or the prefix cache) instead of being computed
+
+
+class Usage(ResponseBody):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    # present once the request got as far as its context (a websocket generation cancelled before has none)
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+FinishReason = Literal["stop", "length"]  # a stop string, or max_tokens
+
+
+# -- /v1/completions: the body and its SSE chunks --
+
+
+class CompletionLogprobs(ResponseBody):
+    """OpenAI's completion logprobs, one entry per token of the choice's text (the prompt's too with echo)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for a first prompt token, which has no context
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
+class CompletionChoice(ResponseBody):
+    text: str
+    index: int  # with several prompts, prompt_index * n + choice_index
+    finish_reason: FinishReason | None  # None in a stream's chunks before the choice's last
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionResponse(ResponseBody):
+    """The answer of POST /v1/completions (without `stream`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    session_id: str | None = None  # the session continued, when the request named one
+
+
+class CompletionStreamResponse(ResponseBody):
+    """One SSE chunk of a streamed completion: one piece of one choice's text, or (with
+    `stream_options.include_usage`) the last chunk, with no choices and the `usage`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # with include_usage: null in every chunk but the last
+    session_id: str | None = None
+
+
+# -- /v1/chat/completions: the body and its SSE chunks --
+
+
+class TopLogprob(ResponseBody):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # always null here: token names are text
+
+
+class ChatTokenLogprob(ResponseBody):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseBody):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(ResponseBody):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(ResponseBody):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(ResponseBody):
+    """The answer of POST /v1/chat/completions (without `stream`)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(ResponseBody):
+    """What a chunk adds to a choice's message: the role in its first chunk, then text."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseBody):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionStreamResponse(ResponseBody):
+    """One SSE chunk of a streamed chat completion (`chat.completion.chunk`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None  # with include_usage: null in every chunk but the last
+
+
+# -- /v1/models --
+
+
+class ModelCard(ResponseBody):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    architecture: str
+    state_kind: str  # what a session of the model holds: segment-recurrence, continuous, window, linear, none
+    state_grows_with_context: bool
+    max_context: int | None  # None: the context has no bound
+    parameters: int
+    config: dict[str, Any]  # the checkpoint's model configuration
+
+
+class ModelList(ResponseBody):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+# -- /v1/sessions --
+
+
+class SessionObject(ResponseBody):
+    """A session as GET /v1/sessions/{id} describes it (server/cache/errors.py `SessionInfo.public`)."""
+
+    id: str
+    object: Literal["session"]
+    model: str
+    tokens: int  # in its memory
+    state_bytes: int
+    tier: str  # where its state is now: device, host, disk, redis
+    version: int  # commits so far
+    in_use: bool
+    created_at: float  # Unix time
+    last_used_at: float
+
+
+class ForkedSession(SessionObject):
+    forked_from: str
+
+
+class SessionList(ResponseBody):
+    """The caller's sessions, newest first, as OpenAI lists objects (`after=last_id` for the next page)."""
+
+    object: Literal["list"]
+    data: list[SessionObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class SessionDeleted(ResponseBody):
+    id: str
+    object: Literal["session"]
+    deleted: Literal[True]
+
+
+class AppendResponse(ResponseBody):
+    """The answer of POST /v1/sessions/{id}/append; the scores only when it asked for them."""
+
+    id: str
+    tokens: int  # the chunk's
+    session_tokens: int  # the session's after the append
+    version: int
+    cached_tokens: int  # what the session's memory held before
+    logprob: float | None = None  # natural-log probability of the scored tokens, given the memory
+    scored_tokens: int | None = None  # a session's very first token has no context and is not scored
+    bits_per_byte: float | None = None  # null when no byte was scored
+
+
+# -- /tokenize, /detokenize, /health, /ready, /version --
+
+
+class TokenizeResponse(ResponseBody):
+    count: int
+    max_model_len: int | None  # the model's context length; None for a model whose context has no bound
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseBody):
+    prompt: str
+
+
+class HealthResponse(ResponseBody):
+    status: Literal["ok"]
+
+
+class ReadyResponse(ResponseBody):
+    status: Literal["ready"]
+    models: list[str]
+
+
+class ServerStatus(ResponseBody):
+    """/health or /ready when the answer is no (503), with why: /health `failed` (the engine
+    process is gone for good); /ready `loading`, `restarting`, `draining`, `failed`, ..."""
+
+    status: str
+    reason: str
+
+
+class VersionResponse(ResponseBody):
+    version: str
+
+
+# -- the websocket's server frames (docs/websocket.md) --
+
+
+class TokenFrame(ResponseBody):
+    """One generated token; `text` is what it released ("" while a character or a possible stop
+    string is incomplete)."""
+
+    type: Literal["token"]
+    id: str | None
+    text: str
+    token: int
+    logprob: float
+    top_logprobs: dict[str, float] | None = None  # when the request asked for logprobs > 0
+
+
+class DoneFrame(ResponseBody):
+    """The end of a request: of a `generate` (`text`: what was held back, and `usage`), of an
+    `append` (`finish_reason` null, the counts and, with `score`, the scores), or of either
+    after a cancel (`finish_reason` "cancelled"). With a session, its tokens and version after
+    the commit; `replayed` when it is the remembered answer of an earlier request with the same
+    idempotency_key."""
+
+    type: Literal["done"]
+    id: str | None
+    finish_reason: Literal["stop", "length", "cancelled"] | None
+    session_id: str | None
+    text: str | None = None
+    usage: Usage | None = None
+    session_tokens: int | None = None
+    version: int | None = None
+    logprob: float | None = None
+    scored_tokens: int | None = None
+    bits_per_byte: float | None = None
+    replayed: Literal[True] | None = None
+
+
+class ErrorFrame(ResponseBody):
+    """A request refused or failed (or a frame the server could not use): the error body, the
+    request's id, and `retry_after` (seconds) where an HTTP answer would carry Retry-After."""
+
+    type: Literal["error"]
+    id: str | None
+    error: ErrorDetail
+    retry_after: int | None = None
+
+
+ServerFrame = Annotated[Union[TokenFrame, DoneFrame, ErrorFrame], Field(discriminator="type")]
+server_frame = TypeAdapter(ServerFrame)
+
+
+# -- how routes document their answers in /openapi.json --
+
+ERROR_MEANINGS = {  # what each error status means, wherever it is answered
+    400: "An invalid request: a field at fault (`param` names it), a body that is not JSON or nests too deeply, "
+         "text that cannot be UTF-8, an X-Session-Id header naming another session.",
+    401: "No API key, or not one of the server's (`invalid_api_key`).",
+    404: "No such model or session (`model_not_found`, `session_not_found`); another key's session is not found either.",
+    409: "The session is busy with another request (`session_busy`) or was changed by another replica since this "
+         "request started (`session_version_conflict`).",
+    413: "The body is over XLSERVE_MAX_REQUEST_BODY_BYTES, or the session's state is larger than a whole tier of the "
+         "server (`session_too_large`).",
+    422: "The Idempotency-Key was used on this session for another request (`idempotency_key_reused`).",
+    429: "The model's queue is full (`queue_full`); retry after Retry-After.",
+    500: "This request alone could not be computed (`sampling_failed`, `forward_failed`); nothing was committed.",
+    503: "Not now: the server is loading, draining or replacing its engine process, or the session store cannot take "
+         "the session (`code` says which; Retry-After where a retry soon helps).",
+}
+
+
+def error_responses(*statuses: int, by_reference: bool = False) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=` for its errors: the error body for each status it answers, and for
+    any other ("default": whatever else goes wrong is answered in the same body). Listing
+    "default" also keeps FastAPI from documenting its own 422 body, which this server never
+    sends (invalid requests get 400 and the error body).
+
+    `by_reference`, for a route whose own answer is not JSON (/metrics): FastAPI would file a
+    model's schema under the route's media type, so the error body is named by its component
+    instead, as JSON (the other routes put it among the components)."""
+    if by_reference:
+        body = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    else:
+        body = {"model": ErrorResponse}
+    documented: dict[int | str, dict[str, Any]] = {
+        status: {**body, "description": ERROR_MEANINGS[status]} for status in statuses}
+    documented["default"] = {**body, "description": "Any other error, in the same error body."}
+    return documented
+
+
+def _inlined(schema: Any, definitions: dict[str, Any]) -> Any:
+    """`schema` with every reference to `definitions` replaced by the definition itself."""
+    if isinstance(schema, dict):
+        reference = schema.get("$ref", "")
+        if reference.startswith("#/$defs/"):
+            return _inlined(definitions[reference.removeprefix("#/$defs/")], definitions)
+        return {key: _inlined(value, definitions) for key, value in schema.items() if key != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(item, definitions) for item in schema]
+    return schema
+
+
+def event_stream(chunk: type[ResponseBody], description: str) -> dict[str, Any]:
+    """The `text/event-stream` answer of a streamed route, for its 200 entry in `responses=`.
+    Each event's `data` is a chunk of type `chunk` or, for a failure after the stream started,
+    the error body; the last is `[DONE]`. Documented as FastAPI documents its own event
+    streams: OpenAPI 3.2's `itemSchema`, one event, whose data is JSON of the chunk's schema.
+    The schema is written out whole (no `$ref`): a chunk's models are not otherwise in the
+    document's components, and a self-contained schema reads the same to every tool."""
+    schema = TypeAdapter(Union[chunk, ErrorResponse]).json_schema(mode="serialization")
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json",
+                     "contentSchema": _inlined(schema, schema.get("$defs", {}))}}
+    return {"description": description,
+            "content": {"text/event-stream": {"itemSchema": {
+                "type": "object", "required": ["data"],
+                "properties": {"data": data, "event": {"type": "string"}, "id": {"type": "string"},
+                               "retry": {"type": "integer", "minimum": 0}}}}}}

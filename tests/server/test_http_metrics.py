@@ -70,7 +70,10 @@ def served():
     metrics = Metrics()
     state = AppState(settings=settings, metrics=metrics, api_keys=["key"], ready=True)
     state.engine = FakeEngine(metrics)
-    state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, {"id": MODEL, "object": "model"})}
+    card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
+            "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
+            "parameters": 0, "config": {}}  # every field of a card: /v1/models answers with it (protocol.ModelCard)
+    state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, card)}
     metrics.declare_api_series(list(state.models), ERROR_TYPES)  # as the lifespan does
     metrics.declare_http_series(expected_responses(app))
     app.state.xlserve = state

@@ -10,14 +10,24 @@ the whole history.
 """
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
-from xlserve.server.api.protocol import ChatCompletionRequest
+from xlserve.server.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    error_responses,
+    event_stream,
+)
 from xlserve.server.api.serving import ChatCompletion, app_state, complete, owner_of, stream_completion
 
-router = APIRouter()
+router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the bodies (routers/completions.py)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_unset=True,
+             responses={**error_responses(400, 401, 404, 413, 429, 500, 503),
+                        200: event_stream(ChatCompletionStreamResponse,
+                                          "The chat completion; with `stream`, its chunks.")})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(owner_of)):
     completion = ChatCompletion(app_state(request), body, owner)
     if body.stream:

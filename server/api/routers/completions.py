@@ -17,8 +17,15 @@ request, a busy session, a full queue) is an HTTP error status, as without strea
 """
 
 from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi.responses import JSONResponse
 
-from xlserve.server.api.protocol import CompletionRequest
+from xlserve.server.api.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    error_responses,
+    event_stream,
+)
 from xlserve.server.api.serving import (
     IDEMPOTENCY_KEY_HEADER,
     SESSION_ID_HEADER,
@@ -31,10 +38,15 @@ from xlserve.server.api.serving import (
     stream_completion,
 )
 
-router = APIRouter()
+# JSONResponse (json.dumps) writes the bodies, byte for byte as before they were typed; FastAPI's
+# default for a route with a response_model, pydantic's serialiser, writes some numbers otherwise
+# (1e-05 as 0.00001)
+router = APIRouter(default_response_class=JSONResponse)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=CompletionResponse, response_model_exclude_unset=True,
+             responses={**error_responses(400, 401, 404, 409, 413, 422, 429, 500, 503),
+                        200: event_stream(CompletionStreamResponse, "The completion; with `stream`, its chunks.")})
 async def create_completion(body: CompletionRequest, request: Request, response: Response,
                             owner: str | None = Depends(owner_of),
                             idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER),

@@ -9,35 +9,52 @@ the reason, so no new traffic is routed to it meanwhile. Admission leaves /healt
 """
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from xlserve.server.api.protocol import (
+    HealthResponse,
+    ReadyResponse,
+    ServerStatus,
+    VersionResponse,
+    error_responses,
+)
 from xlserve.server.api.serving import app_state, owner_of
 
-router = APIRouter()
+router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the bodies (routers/completions.py)
 
 
-@router.get("/health")
+def not_now(status: str, reason: str) -> JSONResponse:
+    """503 with a status body (not the error body): what an orchestrator's probe reads."""
+    return JSONResponse(ServerStatus(status=status, reason=reason).model_dump(), status_code=503)
+
+
+@router.get("/health", response_model=HealthResponse, response_model_exclude_unset=True,
+            responses={**error_responses(), 503: {"model": ServerStatus, "description": "The engine process is gone "
+                                                  "for good (`failed`): restart the server."}})
 async def health(request: Request):
     engine = app_state(request).engine
     if engine is not None and engine.status == "failed":
-        return JSONResponse({"status": "failed", "reason": engine.reason}, status_code=503)
-    return {"status": "ok"}  # loading or restarting included: /ready says which
+        return not_now("failed", engine.reason)
+    return HealthResponse(status="ok")  # loading or restarting included: /ready says which
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=ReadyResponse, response_model_exclude_unset=True,
+            responses={**error_responses(), 503: {"model": ServerStatus, "description": "Send no traffic now: the "
+                                                  "server is loading, restarting its engine process or draining."}})
 async def ready(request: Request):
     state = app_state(request)
     engine = state.engine
     if state.draining:
-        return JSONResponse({"status": "draining", "reason": "the server is shutting down"}, status_code=503)
+        return not_now("draining", "the server is shutting down")
     if engine is None or not engine.alive or not state.ready:
         status = engine.status if engine is not None else "loading"
         reason = engine.reason if engine is not None else "the server is starting"
-        return JSONResponse({"status": status, "reason": reason}, status_code=503)
-    return {"status": "ready", "models": sorted(state.models)}
+        return not_now(status, reason)
+    return ReadyResponse(status="ready", models=sorted(state.models))
 
 
-@router.get("/metrics")
+# Prometheus's text format; 401 only with XLSERVE_METRICS_REQUIRE_KEY
+@router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401, by_reference=True))
 async def metrics(request: Request):
     """Prometheus exposition: this process's metrics, then the engine process's."""
     state = app_state(request)
@@ -52,7 +69,8 @@ async def metrics(request: Request):
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.get("/version")
+@router.get("/version", response_model=VersionResponse, response_model_exclude_unset=True,
+            responses=error_responses())
 async def version(request: Request):
     """The xlserve version (the package's metadata, or pyproject.toml's in a source tree)."""
-    return {"version": request.app.version}
+    return VersionResponse(version=request.app.version)

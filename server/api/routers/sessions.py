@@ -35,9 +35,18 @@ reaches the client through the app's error handlers (server/api/errors.py).
 """
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
-from xlserve.server.api.protocol import AppendRequest, CreateSession
+from xlserve.server.api.protocol import (
+    AppendRequest,
+    AppendResponse,
+    CreateSession,
+    ForkedSession,
+    SessionDeleted,
+    SessionList,
+    SessionObject,
+    error_responses,
+)
 from xlserve.server.api.serving import (
     IDEMPOTENCY_KEY_HEADER,
     app_state,
@@ -52,12 +61,21 @@ from xlserve.server.api.serving import (
     session_header_matches_path,
 )
 
-router = APIRouter()
+router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the bodies (routers/completions.py)
 # a route about one session checks that an X-Session-Id header (what a proxy routed it by) names it
 PER_SESSION = [Depends(session_header_matches_path)]
+# what an exported state is, with what its headers say about it
+STATE_FILE = {
+    "description": "The session's state: safetensors bytes (server/cache/codec.py), for PUT .../state or "
+                   "POST /v1/sessions/import.",
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    "headers": {"X-Session-Version": {"description": "the session's version", "schema": {"type": "integer"}},
+                "X-Session-Tokens": {"description": "the tokens in its memory", "schema": {"type": "integer"}}},
+}
 
 
-@router.post("/v1/sessions")
+@router.post("/v1/sessions", response_model=SessionObject, response_model_exclude_unset=True,
+             responses=error_responses(400, 401, 404, 413, 503))
 async def create_session(body: CreateSession, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
     state.served(body.model)
@@ -65,7 +83,8 @@ async def create_session(body: CreateSession, request: Request, owner: str | Non
     return info.public()
 
 
-@router.post("/v1/sessions/import")
+@router.post("/v1/sessions/import", response_model=SessionObject, response_model_exclude_unset=True,
+             responses=error_responses(400, 401, 404, 413, 503))
 async def import_new_session(request: Request, model: str | None = None, owner: str | None = Depends(owner_of)):
     """The engine process decodes the body and checks that it fits the model (400 otherwise)."""
     state = app_state(request)
@@ -76,20 +95,23 @@ async def import_new_session(request: Request, model: str | None = None, owner: 
     return info.public()
 
 
-@router.get("/v1/sessions")
+@router.get("/v1/sessions", response_model=SessionList, response_model_exclude_unset=True,
+            responses=error_responses(400, 401, 413, 503))
 async def list_own_sessions(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                             owner: str | None = Depends(owner_of)):
     """The caller's sessions across every tier (and, with Redis, every replica), newest first."""
     return await list_sessions(app_state(request), owner, limit, after)
 
 
-@router.get("/v1/sessions/{session_id}", dependencies=PER_SESSION)
+@router.get("/v1/sessions/{session_id}", dependencies=PER_SESSION, response_model=SessionObject,
+            response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 413, 503))
 async def get_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     info = await app_state(request).engine.session_call("info", session_id=session_id, owner=owner)
     return info.public()
 
 
-@router.delete("/v1/sessions/{session_id}", dependencies=PER_SESSION)
+@router.delete("/v1/sessions/{session_id}", dependencies=PER_SESSION, response_model=SessionDeleted,
+               response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 409, 413, 422, 503))
 async def delete_session(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                          idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     body, replayed = await delete_one(app_state(request), owner, session_id, idempotency_key)
@@ -97,7 +119,8 @@ async def delete_session(session_id: str, request: Request, response: Response, 
     return body
 
 
-@router.post("/v1/sessions/{session_id}/fork", dependencies=PER_SESSION)
+@router.post("/v1/sessions/{session_id}/fork", dependencies=PER_SESSION, response_model=ForkedSession,
+             response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 409, 413, 422, 503))
 async def fork_session(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     body, replayed = await fork_one(app_state(request), owner, session_id, idempotency_key)
@@ -105,7 +128,8 @@ async def fork_session(session_id: str, request: Request, response: Response, ow
     return body
 
 
-@router.get("/v1/sessions/{session_id}/state", dependencies=PER_SESSION)
+@router.get("/v1/sessions/{session_id}/state", dependencies=PER_SESSION, response_class=Response,
+            responses={**error_responses(400, 401, 404, 409, 413, 503), 200: STATE_FILE})
 async def export_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
     info, blob = await app_state(request).engine.export(session_id, owner)
     return Response(content=blob, media_type="application/octet-stream", headers={
@@ -114,7 +138,8 @@ async def export_state(session_id: str, request: Request, owner: str | None = De
     })
 
 
-@router.put("/v1/sessions/{session_id}/state", dependencies=PER_SESSION)
+@router.put("/v1/sessions/{session_id}/state", dependencies=PER_SESSION, response_model=SessionObject,
+            response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 409, 413, 422, 503))
 async def import_state(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     state = app_state(request)
@@ -126,7 +151,9 @@ async def import_state(session_id: str, request: Request, response: Response, ow
     return body
 
 
-@router.post("/v1/sessions/{session_id}/append", dependencies=PER_SESSION)
+@router.post("/v1/sessions/{session_id}/append", dependencies=PER_SESSION, response_model=AppendResponse,
+             response_model_exclude_unset=True,
+             responses=error_responses(400, 401, 404, 409, 413, 422, 429, 500, 503))
 async def append(session_id: str, body: AppendRequest, request: Request, response: Response,
                  owner: str | None = Depends(owner_of),
                  idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):

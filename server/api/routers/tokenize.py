@@ -10,18 +10,27 @@ tokens with these before they send a prompt):
 """
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
-from xlserve.server.api.protocol import DetokenizeRequest, TokenizeRequest
+from xlserve.server.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    error_responses,
+)
 from xlserve.server.api.serving import app_state, detokenize, owner_of, tokenize
 
-router = APIRouter()
+router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the bodies (routers/completions.py)
 
 
-@router.post("/tokenize", dependencies=[Depends(owner_of)])
+@router.post("/tokenize", dependencies=[Depends(owner_of)], response_model=TokenizeResponse,
+             response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 413, 503))
 async def tokenize_prompt(body: TokenizeRequest, request: Request):
     return tokenize(app_state(request), body)
 
 
-@router.post("/detokenize", dependencies=[Depends(owner_of)])
+@router.post("/detokenize", dependencies=[Depends(owner_of)], response_model=DetokenizeResponse,
+             response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 413, 503))
 async def detokenize_tokens(body: DetokenizeRequest, request: Request):
     return detokenize(app_state(request), body)

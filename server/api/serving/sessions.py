@@ -9,6 +9,7 @@ import math
 
 from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest
+from xlserve.server.api.protocol import AppendResponse, ForkedSession, SessionDeleted, SessionList, SessionObject
 from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.engine.client import RemoteLease
 from xlserve.server.engine.types import Cancelled, Submission, appended
@@ -39,10 +40,10 @@ class AppendResult:
         info = dataclasses.replace(lease.info, tokens=entry["tokens"], version=entry["version"])
         return cls(session_id, result["tokens"], result["cached_tokens"], info, result["scores"], replayed=True)
 
-    def body(self) -> dict:
+    def body(self) -> AppendResponse:
         """The answer of POST /v1/sessions/{id}/append."""
-        return {"id": self.session_id, "tokens": self.tokens, "session_tokens": self.info.tokens,
-                "version": self.info.version, "cached_tokens": self.cached_tokens, **(self.scores or {})}
+        return AppendResponse(id=self.session_id, tokens=self.tokens, session_tokens=self.info.tokens,
+                              version=self.info.version, cached_tokens=self.cached_tokens, **(self.scores or {}))
 
 
 class Cancellation:
@@ -103,33 +104,33 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
 
 
 async def fork_session(state: AppState, owner: str | None, session_id: str,
-                       idempotency_key: str | None = None) -> tuple[dict, bool]:
+                       idempotency_key: str | None = None) -> tuple[ForkedSession, bool]:
     """POST /v1/sessions/{id}/fork: the new session, and whether that is the remembered answer."""
     key = idempotency(idempotency_key, "fork", {})
     result, replayed = await state.engine.session_change("fork", idempotency=key, session_id=session_id, owner=owner)
-    return {**SessionInfo(**result).public(), "forked_from": session_id}, replayed
+    return ForkedSession(**SessionInfo(**result).public(), forked_from=session_id), replayed
 
 
 async def replace_session_state(state: AppState, owner: str | None, session_id: str, blob: bytes,
-                                idempotency_key: str | None = None) -> tuple[dict, bool]:
+                                idempotency_key: str | None = None) -> tuple[SessionObject, bool]:
     """PUT /v1/sessions/{id}/state: the session after its state was replaced (one commit)."""
     key = idempotency(idempotency_key, "replace", {"body": hashlib.sha256(blob).hexdigest()})
     result, replayed = await state.engine.session_change("replace", blob, idempotency=key, session_id=session_id,
                                                          owner=owner)
-    return SessionInfo(**result).public(), replayed
+    return SessionObject(**SessionInfo(**result).public()), replayed
 
 
 async def delete_session(state: AppState, owner: str | None, session_id: str,
-                         idempotency_key: str | None = None) -> tuple[dict, bool]:
+                         idempotency_key: str | None = None) -> tuple[SessionDeleted, bool]:
     """DELETE /v1/sessions/{id}. With an Idempotency-Key its retry answers the same, not 404."""
     key = idempotency(idempotency_key, "delete", {})
     _, replayed = await state.engine.session_change("delete", idempotency=key, session_id=session_id, owner=owner)
-    return {"id": session_id, "object": "session", "deleted": True}, replayed
+    return SessionDeleted(id=session_id, object="session", deleted=True), replayed
 
 
-async def list_sessions(state: AppState, owner: str | None, limit: int, after: str | None) -> dict:
+async def list_sessions(state: AppState, owner: str | None, limit: int, after: str | None) -> SessionList:
     """GET /v1/sessions: the caller's sessions, newest first, as OpenAI lists objects."""
     infos, has_more = await state.engine.list_sessions(owner, limit, after)
-    data = [info.public() for info in infos]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    data = [SessionObject(**info.public()) for info in infos]
+    return SessionList(object="list", data=data, first_id=data[0].id if data else None,
+                       last_id=data[-1].id if data else None, has_more=has_more)

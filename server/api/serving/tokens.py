@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest
-from xlserve.server.api.protocol import DetokenizeRequest, TokenizeRequest
+from xlserve.server.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from xlserve.server.api.serving.completions import chat_prompt
 from xlserve.server.api.serving.requests import prompt_tokens
 
@@ -12,7 +12,7 @@ from xlserve.server.api.serving.requests import prompt_tokens
 # -- POST /tokenize and /detokenize (as vLLM) -------------------------------------------------------
 
 
-def tokenize(state: AppState, body: TokenizeRequest) -> dict:
+def tokenize(state: AppState, body: TokenizeRequest) -> TokenizeResponse:
     """A prompt's tokens as the model sees them (`messages` through its chat template), their
     count and the model's context length (`max_model_len`, null for a model without a bound)."""
     served = state.served(body.model)
@@ -20,11 +20,11 @@ def tokenize(state: AppState, body: TokenizeRequest) -> dict:
         raise InvalidRequest("send either prompt or messages", param="prompt")
     text = body.prompt if body.prompt is not None else chat_prompt(served, body.messages, body.add_generation_prompt)
     tokens = prompt_tokens(state, served, text)
-    return {"count": len(tokens), "max_model_len": served.card.get("max_context"), "tokens": tokens}
+    return TokenizeResponse(count=len(tokens), max_model_len=served.card.get("max_context"), tokens=tokens)
 
 
-def detokenize(state: AppState, body: DetokenizeRequest) -> dict:
+def detokenize(state: AppState, body: DetokenizeRequest) -> DetokenizeResponse:
     """The text of token ids (bytes that are not UTF-8 become U+FFFD)."""
     served = state.served(body.model)
     tokens = prompt_tokens(state, served, body.tokens, param="tokens")
-    return {"prompt": served.tokenizer.decode(tokens)}
+    return DetokenizeResponse(prompt=served.tokenizer.decode(tokens))
