@@ -11,7 +11,7 @@ Every layer attends to two memories and sums the two results before the residual
   (models/layers/relative.py).
 - Long-term memory: the layer's (normalised) inputs of every earlier segment, kept as a
   continuous signal X̄(t) = Bᵀψ(t) over t ∈ [0, 1] with N Gaussian radial basis functions ψ
-  (models/layers/continuous.py). Per head, keys K = B W_K and values V = B W_V are projections
+  (`RBFMemory`). Per head, keys K = B W_K and values V = B W_V are projections
   of the coefficients; a query q (the same query as the short-term attention's, as in the
   authors' code) defines a Gaussian density N(μ, σ²) over t with
 
@@ -27,7 +27,7 @@ densities put their mass, so what was attended to keeps more resolution. Trainin
 regulariser KL(N(μ, σ²) || N(μ₀, σ₀²)) on every density, averaged, times `kl_weight`.
 
 Serving notes
-- The state (`ContinuousMemory`, models/layers/memory.py) has a fixed size whatever the history: per layer B (N × d),
+- The state (`ContinuousMemory`) has a fixed size whatever the history: per layer B (N × d),
   the long-term keys and values derived from it, a 2L-slot buffer of short-term keys and values
   (previous segment | current segment), the current segment's inputs (to be appended to the
   long-term memory at its end), the sticky-memory histogram of the current segment, and one
@@ -61,19 +61,303 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
-from xlserve.models.layers.continuous import RBFMemory, kl_to_gaussian
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.memory import ContinuousMemory, LayerMemory
 from xlserve.models.layers.relative import RelativeKeys, relative_scores
+
+
+@dataclass
+class InfinityFormerConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4  # heads of both the short-term and the continuous attention
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    dropout: float = 0.0  # on embeddings, attention outputs and feed-forward
+    dropatt: float = 0.0  # on short-term attention probabilities
+    segment_len: int = 128  # L: long-term memory update period; short-term memory = previous segment
+    n_basis: int = 128  # N: Gaussian RBFs of the long-term signal
+    basis_widths: list[float] = field(default_factory=lambda: [0.01, 0.05])  # one set of centres per width
+    ridge_penalty: float = 0.5  # λ of the ridge regression
+    tau: float = 0.5  # the old signal is contracted into [0, tau]; the new segment fills (tau, 1]
+    n_samples: int = 128  # M: points at which the old signal is read when contracting
+    sticky_memories: bool = True  # read points drawn from the attention histogram (else evenly spaced)
+    sticky_bins: int = 128  # bins of the sticky-memory histogram over [0, 1]
+    sigma_sq_min: float = 1e-4  # floor on the variance of the attention densities
+    long_term_memory: bool = True  # False switches the continuous attention off (an ablation)
+    kl_weight: float = 1e-3  # weight of the mean KL regulariser in training
+    kl_sigma0: float = 0.05  # σ₀ of the KL target
+    kl_mu0: float | None = None  # μ₀ of the KL target; None regularises the width only
+    tie_embedding: bool = True  # output softmax shares the input embedding matrix
+    layer_norm_epsilon: float = 1e-5
+
+
+# -- the state between calls -----------------------------------------------------------------------
+
+
+@dataclass
+class ContinuousMemory(State):
+    """Per layer (lists indexed by layer), every tensor with the batch on dimension 0:
+
+    coefficients[l]: (B, N, d_model) B, the long-term signal of layer l's inputs
+    ltm_values[l]: (B, H, N, D) B W_V per head
+    ltm_density_keys[l]: (B, H, 2, D) K_hᵀ w_μ,h and K_hᵀ w_σ,h (μ and σ² are linear in q)
+    stm_keys[l], stm_values[l]: (B, H, 2L, D) slots 0..L-1 the previous segment, L..2L-1 the
+        current one (filled up to position % L; the rest zero)
+    segment_inputs[l]: (B, L, d_model) the current segment's normalised layer inputs
+    histogram[l]: (B, sticky_bins) attention mass of the current segment's queries per bin
+    position: (B,) int64, tokens seen
+
+    Shapes never change, so sessions at different positions batch with the default concat.
+    """
+
+    coefficients: list[Tensor]
+    ltm_values: list[Tensor]
+    ltm_density_keys: list[Tensor]
+    stm_keys: list[Tensor]
+    stm_values: list[Tensor]
+    segment_inputs: list[Tensor]
+    histogram: list[Tensor]
+    position: Tensor
+
+    def layer(self, i: int) -> "LayerMemory":
+        """Layer i's slice of the state."""
+        return LayerMemory(**{f.name: getattr(self, f.name)[i] for f in fields(LayerMemory)})
+
+    @classmethod
+    def from_layers(cls, layers: list["LayerMemory"], position: Tensor) -> "ContinuousMemory":
+        return cls(
+            **{f.name: [getattr(m, f.name) for m in layers] for f in fields(LayerMemory)},
+            position=position,
+        )
+
+
+@dataclass
+class LayerMemory:
+    """One layer's slice of a ContinuousMemory (a plain bundle, not a State)."""
+
+    coefficients: Tensor
+    ltm_values: Tensor
+    ltm_density_keys: Tensor
+    stm_keys: Tensor
+    stm_values: Tensor
+    segment_inputs: Tensor
+    histogram: Tensor
+
+
+# -- continuous signals over [0, 1] ----------------------------------------------------------------
+# A sequence of L vectors X ∈ R^{L×d}, placed at positions t_1 < ... < t_L in [0, 1], becomes a
+# continuous signal X̄(t) = Bᵀ ψ(t), where ψ(t) ∈ R^N holds N Gaussian radial basis functions
+#
+#     ψ_j(t) = N(t; c_j, s_j²)        (a Gaussian density: centre c_j, width s_j)
+#
+# with centres spread evenly over [0, 1], one set of centres per width. The coefficients
+# B ∈ R^{N×d} come from ridge regression,
+#
+#     B = (Ψ Ψᵀ + λ I)⁻¹ Ψ X,        Ψ = [ψ(t_1), ..., ψ(t_L)] ∈ R^{N×L},
+#
+# and (ΨΨᵀ + λI)⁻¹Ψ depends only on the positions, so it is computed once (`ridge_operator`).
+#
+# Continuous attention reads the signal through a Gaussian density p = N(μ, σ²) over t:
+# E_p[X̄(t)] = E_p[ψ(t)]ᵀ B, and the expectation of a Gaussian basis function under a Gaussian is
+# again a Gaussian, E_p[ψ_j(t)] = N(μ; c_j, σ² + s_j²) (`gaussian_expectation`). As σ → 0 this
+# is ψ(μ): the read-out becomes the signal's value at μ.
+#
+# Everything here is a pure function of tensors; `RBFMemory` bundles the buffers one
+# configuration needs (basis, the ridge operator of the memory update, histogram bins).
+
+
+def rbf_basis(n_basis: int, widths: Sequence[float]) -> tuple[Tensor, Tensor]:
+    """Centres and widths of N Gaussian RBFs: N / len(widths) centres evenly over [0, 1]
+    (ends included) for each width. Returns (centres (N,), widths (N,)) in float64."""
+    if n_basis % len(widths):
+        raise ValueError(f"n_basis {n_basis} is not a multiple of the number of widths {len(widths)}")
+    per_width = n_basis // len(widths)
+    centres = torch.linspace(0.0, 1.0, per_width, dtype=torch.float64).repeat(len(widths))
+    sigma = torch.tensor(list(widths), dtype=torch.float64).repeat_interleave(per_width)
+    return centres, sigma
+
+
+def evaluate_basis(t: Tensor, centres: Tensor, widths: Tensor) -> Tensor:
+    """ψ(t): t (...,) -> (..., N), each ψ_j a Gaussian density N(t; c_j, s_j²)."""
+    z = (t[..., None] - centres) / widths
+    return torch.exp(-0.5 * z * z) / (widths * math.sqrt(2 * math.pi))
+
+
+def ridge_operator(positions: Tensor, centres: Tensor, widths: Tensor, penalty: float) -> Tensor:
+    """G = (ΨΨᵀ + λI)⁻¹ Ψ ∈ R^{N×P} for P positions, so that B = G X fits X ∈ R^{P×d}.
+    Computed in float64 (ΨΨᵀ is badly conditioned when widths overlap)."""
+    psi = evaluate_basis(positions.double(), centres.double(), widths.double()).T  # (N, P)
+    gram = psi @ psi.T + penalty * torch.eye(psi.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(gram, psi)
+
+
+def gaussian_expectation(mu: Tensor, sigma_sq: Tensor, centres: Tensor, widths: Tensor) -> Tensor:
+    """E_{t~N(μ,σ²)}[ψ(t)] in closed form: N(μ; c_j, σ² + s_j²). mu, sigma_sq (...,) -> (..., N)."""
+    variance = sigma_sq[..., None] + widths * widths
+    diff = mu[..., None] - centres
+    return torch.exp(-0.5 * diff * diff / variance) * torch.rsqrt(2 * math.pi * variance)
+
+
+class _GridGaussianExpectation(torch.autograd.Function):
+    """`gaussian_expectation` for a basis laid out as G widths × C shared centres (the layout of
+    `rbf_basis`), with a hand-written backward: a few passes over the (..., N) output each way, where
+    autograd through the generic formula takes a dozen."""
+
+    @staticmethod
+    def forward(ctx, mu: Tensor, sigma_sq: Tensor, grid: Tensor, group_widths: Tensor) -> Tensor:
+        inv_var = (sigma_sq[..., None] + group_widths * group_widths).reciprocal()  # (..., G)
+        diff = mu[..., None] - grid  # (..., C)
+        out = torch.exp((diff * diff)[..., None, :] * (-0.5 * inv_var)[..., None])  # (..., G, C)
+        out.mul_(torch.sqrt(inv_var * (1 / (2 * math.pi)))[..., None])
+        ctx.save_for_backward(out, diff, inv_var)
+        return out.flatten(-2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out, diff, inv_var = ctx.saved_tensors
+        weighted = grad.view(out.shape) * out  # (..., G, C)
+        by_diff = weighted * diff[..., None, :]
+        s0 = weighted.sum(-1)  # (..., G): Σ_c g f, Σ_c g f d, Σ_c g f d²
+        s1 = by_diff.sum(-1)
+        s2 = (by_diff * diff[..., None, :]).sum(-1)
+        # ∂f/∂μ = -f d / v;  ∂f/∂σ² = f (d²/v - 1) / (2v)
+        grad_mu = -(inv_var * s1).sum(-1)
+        grad_sigma_sq = 0.5 * (inv_var * (inv_var * s2 - s0)).sum(-1)
+        return grad_mu, grad_sigma_sq, None, None
+
+
+def grid_gaussian_expectation(mu: Tensor, sigma_sq: Tensor, grid: Tensor, group_widths: Tensor) -> Tensor:
+    """Same as `gaussian_expectation` with centres = grid repeated per width and widths =
+    group_widths repeated per centre (N = G·C, width-major). mu, sigma_sq (...,) -> (..., N)."""
+    return _GridGaussianExpectation.apply(mu, sigma_sq, grid, group_widths)
+
+
+def gaussian_bin_mass(mu: Tensor, sigma_sq: Tensor, edges: Tensor) -> Tensor:
+    """Probability that t ~ N(μ, σ²) falls in each bin [e_k, e_{k+1}). mu, sigma_sq (...,),
+    edges (K+1,) -> (..., K)."""
+    z = (edges - mu[..., None]) * torch.rsqrt(2 * sigma_sq[..., None])
+    cdf = 0.5 * (1 + torch.erf(z))
+    return cdf[..., 1:] - cdf[..., :-1]
+
+
+def kl_to_gaussian(mu: Tensor, sigma_sq: Tensor, sigma0: float, mu0: float | None = None) -> Tensor:
+    """KL(N(μ, σ²) || N(μ₀, σ₀²)), elementwise. With mu0=None the (μ - μ₀)² term is left out,
+    so only the width is regularised (what the authors did for language modelling)."""
+    ratio = sigma_sq / (sigma0 * sigma0)
+    kl = 0.5 * (ratio - torch.log(ratio) - 1)
+    if mu0 is not None:
+        kl = kl + 0.5 * (mu - mu0) ** 2 / (sigma0 * sigma0)
+    return kl
+
+
+_MASK32 = 0xFFFFFFFF  # the counter-based generator's arithmetic stays in 32 bits
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mixing function on int64 tensors holding values in [0, 2^32)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def counter_uniforms(seeds: Tensor, stream: int, n: int) -> Tensor:
+    """n uniforms in (0, 1) per row, a pure function of (seed, stream, index): the same on every
+    device and whatever else is in the batch. seeds (R,) int64 -> (R, n) float64."""
+    index = torch.arange(n, device=seeds.device, dtype=torch.int64)
+    key = _hash32(_hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    key = _hash32(key ^ (stream & _MASK32))
+    bits = _hash32(key[:, None] ^ _hash32(index)[None, :])
+    return (bits.double() + 0.5) / 2.0**32
+
+
+def sample_from_histogram(histogram: Tensor, uniforms: Tensor, edges: Tensor) -> Tensor:
+    """Inverse-CDF sampling from a piecewise-constant density on [0, 1].
+
+    histogram (R, K) non-negative bin weights (all zero means uniform), uniforms (R, M) in
+    (0, 1), edges (K+1,). Returns (R, M) points, in the order of `uniforms` (sorted uniforms
+    give sorted points)."""
+    weights = histogram.double()
+    total = weights.sum(-1, keepdim=True)
+    floor = 1e-6 * total / weights.shape[-1] + 1e-30  # every bin keeps a sliver of mass
+    probs = (weights + floor) / (total + floor * weights.shape[-1])
+    cdf = torch.cat([probs.new_zeros(probs.shape[0], 1), probs.cumsum(-1)], dim=-1)  # (R, K+1)
+    u = uniforms.double() * cdf[:, -1:]
+    k = (torch.searchsorted(cdf.contiguous(), u.contiguous(), right=True) - 1).clamp(0, weights.shape[-1] - 1)
+    left = cdf.gather(1, k)
+    mass = probs.gather(1, k)
+    e = edges.double()
+    within = ((u - left) / mass).clamp(0.0, 1.0)
+    return (e[k] + within * (e[k + 1] - e[k])).to(histogram.dtype)
+
+
+class RBFMemory(nn.Module):
+    """The fixed geometry of an unbounded continuous memory (no parameters, only buffers).
+
+    The memory signal lives on [0, 1]. An update ("contraction") takes the old signal, reads it
+    at M points s_1 < ... < s_M of [0, 1], puts those values at evenly spaced positions of
+    [0, τ], puts the L new vectors at evenly spaced positions of (τ, 1], and refits B. The
+    positions of the refit never change, so its ridge operator is a buffer. With evenly spaced
+    read points s_i the old signal is squeezed into [0, τ] with its shape intact; with sticky
+    memories the s_i are drawn where attention put its mass, and those regions get more of
+    [0, τ] (more basis functions) than the rest.
+    """
+
+    def __init__(self, n_basis: int, widths: Sequence[float], segment_len: int, n_samples: int,
+                 tau: float, ridge_penalty: float, n_bins: int):
+        super().__init__()
+        if not 0.0 < tau < 1.0:
+            raise ValueError(f"tau must lie in (0, 1), got {tau}")
+        centres, sigma = rbf_basis(n_basis, widths)
+        self.register_buffer("grid", centres[: n_basis // len(widths)].float(), persistent=False)
+        self.register_buffer("group_widths", torch.tensor(list(widths), dtype=torch.float32), persistent=False)
+        old = tau * (torch.arange(n_samples, dtype=torch.float64) + 0.5) / n_samples
+        new = tau + (1 - tau) * (torch.arange(segment_len, dtype=torch.float64) + 0.5) / segment_len
+        self.n_samples = n_samples
+        self.register_buffer("centres", centres.float(), persistent=False)
+        self.register_buffer("widths", sigma.float(), persistent=False)
+        # (N, M + L): B_new = G [X̄_old(s); X_new]
+        update = ridge_operator(torch.cat([old, new]), centres, sigma, ridge_penalty)
+        self.register_buffer("update_operator", update.float(), persistent=False)
+        # evenly spaced read points, the contraction without sticky memories
+        even = (torch.arange(n_samples, dtype=torch.float64) + 0.5) / n_samples
+        self.register_buffer("even_points", even.float(), persistent=False)
+        self.register_buffer("bin_edges", torch.linspace(0.0, 1.0, n_bins + 1), persistent=False)
+
+    def evaluate(self, coefficients: Tensor, t: Tensor) -> Tensor:
+        """X̄(t) = Bᵀψ(t): coefficients (R, N, d), t (R, P) -> (R, P, d)."""
+        return evaluate_basis(t, self.centres, self.widths) @ coefficients
+
+    def expectation(self, mu: Tensor, sigma_sq: Tensor) -> Tensor:
+        """E_{N(μ,σ²)}[ψ(t)]: mu, sigma_sq (...,) -> (..., N)."""
+        return grid_gaussian_expectation(mu, sigma_sq, self.grid, self.group_widths)
+
+    def bin_mass(self, mu: Tensor, sigma_sq: Tensor) -> Tensor:
+        return gaussian_bin_mass(mu, sigma_sq, self.bin_edges)
+
+    def sticky_points(self, histogram: Tensor, seeds: Tensor, stream: int) -> Tensor:
+        """M sorted read points drawn from the attention histogram, deterministic in (seed, stream)."""
+        uniforms = counter_uniforms(seeds, stream, self.n_samples).sort(dim=-1).values
+        return sample_from_histogram(histogram, uniforms, self.bin_edges)
+
+    def update(self, coefficients: Tensor, new: Tensor, read_points: Tensor) -> Tensor:
+        """Contract the old signal into [0, τ], append `new` on (τ, 1], refit.
+        coefficients (R, N, d), new (R, L, d), read_points (R, M) -> (R, N, d)."""
+        old = self.evaluate(coefficients, read_points)  # (R, M, d)
+        return self.update_operator @ torch.cat([old, new], dim=1)
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 class InfinityLayer(nn.Module):
@@ -225,33 +509,6 @@ class InfinityLayer(nn.Module):
             segment_inputs=torch.zeros_like(memory.segment_inputs),
             histogram=torch.zeros_like(memory.histogram),
         )
-
-
-@dataclass
-class InfinityFormerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4  # heads of both the short-term and the continuous attention
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    dropout: float = 0.0  # on embeddings, attention outputs and feed-forward
-    dropatt: float = 0.0  # on short-term attention probabilities
-    segment_len: int = 128  # L: long-term memory update period; short-term memory = previous segment
-    n_basis: int = 128  # N: Gaussian RBFs of the long-term signal
-    basis_widths: list[float] = field(default_factory=lambda: [0.01, 0.05])  # one set of centres per width
-    ridge_penalty: float = 0.5  # λ of the ridge regression
-    tau: float = 0.5  # the old signal is contracted into [0, tau]; the new segment fills (tau, 1]
-    n_samples: int = 128  # M: points at which the old signal is read when contracting
-    sticky_memories: bool = True  # read points drawn from the attention histogram (else evenly spaced)
-    sticky_bins: int = 128  # bins of the sticky-memory histogram over [0, 1]
-    sigma_sq_min: float = 1e-4  # floor on the variance of the attention densities
-    long_term_memory: bool = True  # False switches the continuous attention off (an ablation)
-    kl_weight: float = 1e-3  # weight of the mean KL regulariser in training
-    kl_sigma0: float = 0.05  # σ₀ of the KL target
-    kl_mu0: float | None = None  # μ₀ of the KL target; None regularises the width only
-    tie_embedding: bool = True  # output softmax shares the input embedding matrix
-    layer_norm_epsilon: float = 1e-5
 
 
 class InfinityFormer(LanguageModel):

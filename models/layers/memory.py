@@ -4,9 +4,6 @@
   seen, in decoding buffers (models/layers/buffers.py).
 - `ByteWindow` (the vanilla transformer): the last bytes of a fixed window, and the key/value
   cache of that window while it has not slid yet.
-- `ContinuousMemory` (∞-former): per layer, the long-term signal's coefficients, what is
-  derived from them, and a short-term memory of two segments; the same size whatever the
-  history.
 
 A state's field names are its tensors' names when saved (`State.to_tensors`: "keys.0",
 "valid", ...): saved sessions and the server's codec find the tensors by those names.
@@ -14,7 +11,7 @@ A state's field names are its tensors' names when saved (`State.to_tensors`: "ke
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -247,53 +244,3 @@ class ByteWindow(State):
                                  [k[:, start:] for k in row.keys], [v[:, start:] for v in row.values])
             rows.append(trimmed if trimmed.fully_cached and trimmed.length > 0 else trimmed._without_cache())
         return rows
-
-
-@dataclass
-class ContinuousMemory(State):
-    """Per layer (lists indexed by layer), every tensor with the batch on dimension 0:
-
-    coefficients[l]: (B, N, d_model) B, the long-term signal of layer l's inputs
-    ltm_values[l]: (B, H, N, D) B W_V per head
-    ltm_density_keys[l]: (B, H, 2, D) K_hᵀ w_μ,h and K_hᵀ w_σ,h (μ and σ² are linear in q)
-    stm_keys[l], stm_values[l]: (B, H, 2L, D) slots 0..L-1 the previous segment, L..2L-1 the
-        current one (filled up to position % L; the rest zero)
-    segment_inputs[l]: (B, L, d_model) the current segment's normalised layer inputs
-    histogram[l]: (B, sticky_bins) attention mass of the current segment's queries per bin
-    position: (B,) int64, tokens seen
-
-    Shapes never change, so sessions at different positions batch with the default concat.
-    """
-
-    coefficients: list[Tensor]
-    ltm_values: list[Tensor]
-    ltm_density_keys: list[Tensor]
-    stm_keys: list[Tensor]
-    stm_values: list[Tensor]
-    segment_inputs: list[Tensor]
-    histogram: list[Tensor]
-    position: Tensor
-
-    def layer(self, i: int) -> "LayerMemory":
-        """Layer i's slice of the state."""
-        return LayerMemory(**{f.name: getattr(self, f.name)[i] for f in fields(LayerMemory)})
-
-    @classmethod
-    def from_layers(cls, layers: list["LayerMemory"], position: Tensor) -> "ContinuousMemory":
-        return cls(
-            **{f.name: [getattr(m, f.name) for m in layers] for f in fields(LayerMemory)},
-            position=position,
-        )
-
-
-@dataclass
-class LayerMemory:
-    """One layer's slice of a ContinuousMemory (a plain bundle, not a State)."""
-
-    coefficients: Tensor
-    ltm_values: Tensor
-    ltm_density_keys: Tensor
-    stm_keys: Tensor
-    stm_values: Tensor
-    segment_inputs: Tensor
-    histogram: Tensor

@@ -1,10 +1,10 @@
-"""The continuous-signal math of the ∞-former (models/layers/continuous.py)."""
+"""The continuous-signal math of the ∞-former (models/infinity_former.py, "continuous signals")."""
 
 import math
 
 import torch
 
-from xlserve.models.layers.continuous import (
+from xlserve.models.infinity_former import (
     RBFMemory,
     counter_uniforms,
     evaluate_basis,

@@ -7,8 +7,7 @@ import torch
 from safetensors.torch import load, save
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.infinity_former import InfinityFormer, InfinityFormerConfig
-from xlserve.models.layers.memory import ContinuousMemory
+from xlserve.models.infinity_former import ContinuousMemory, InfinityFormer, InfinityFormerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import preset_config, training_loss
 

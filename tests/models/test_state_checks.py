@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from xlserve.models.layers.memory import ByteWindow, ContinuousMemory, XLMemory
+from xlserve.models.infinity_former import ContinuousMemory
+from xlserve.models.layers.memory import ByteWindow, XLMemory
 from xlserve.models.registry import ARCHITECTURES, build_model
 from xlserve.models.training.train import preset_config
 
