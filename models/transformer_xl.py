@@ -17,7 +17,7 @@ memory can be reused as is by the next segment.
 
 Serving notes
 - The memory we keep is each layer's projected keys and values (`XLMemory`,
-  models/layers/memory.py), not the hidden states the paper stores. Keys and values are
+  models/layers/xl_memory.py), not the hidden states the paper stores. Keys and values are
   position-local functions of the hidden states, so the result is identical, and decoding one
   token costs O(context * d) per layer instead of re-projecting the memory at O(context * d^2).
 - The relative term uses a per-layer table W_kR R_d for distances d = 0, 1, ..., built once per
@@ -70,7 +70,7 @@ from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.memory import XLMemory
+from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.layers.relative import RelativeKeys, rel_shift, relative_scores, scores_by_distance
 
 

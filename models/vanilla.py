@@ -27,8 +27,7 @@ for models without auxiliary losses).
 Serving (`forward`) gives each byte the prediction the model makes from the window of the last L
 bytes ending at it, with positions counted from the window's start (the paper's evaluation):
 - While fewer than L bytes have been seen, the window starts at byte 0, so positions never
-  shift: decoding is incremental, against a key/value cache kept in the state (`ByteWindow`,
-  models/layers/memory.py).
+  shift: decoding is incremental, against a key/value cache kept in the state (`ByteWindow`).
 - Once the window slides, every byte has moved to a new position and every layer's input
   changed with it, so nothing cached is reusable: each new byte costs one full forward pass over
   its window of L bytes (batched over the new bytes of one call, about `window_batch_positions`
@@ -46,10 +45,127 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.layers.buffers import check_padding_on_the_left, check_same_positions, left_pad, left_padding
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.memory import ByteWindow
+
+
+@dataclass
+class VanillaConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    context_len: int = 128  # L: the fixed context, and the training window
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+    # auxiliary losses of Al-Rfou et al. (training only; serving never uses them)
+    aux_positions: bool = True  # predict at every position, not only the last
+    aux_layers: bool = True  # intermediate layers predict too, dropped on the l/(2n) schedule
+    aux_targets: bool = True  # a second classifier predicts the byte two steps ahead
+    second_target_weight: float = 0.5  # weight of the two-steps-ahead loss
+
+
+# -- the state between calls -----------------------------------------------------------------------
+
+
+@dataclass
+class ByteWindow(State):
+    """The last (at most L) bytes seen, and the key/value cache of the window while it has not
+    slid yet.
+
+    tokens (B, W) int64 with W <= L; `valid` (B, W) is False where a row of a batch was
+    left-padded because its session has seen fewer bytes. keys[l], values[l]: (B, C, H, D), the
+    layer-l keys and values of the window's positions, aligned with `tokens` (C == W), or C == 0
+    when no row has a cache; `cached` (B,) says whose cache is valid. A cache exists only while
+    the window still starts at byte 0 (W < L); it is dropped once the window is full, since the
+    next byte shifts every position.
+    """
+
+    tokens: Tensor
+    valid: Tensor
+    cached: Tensor
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def cache_length(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+    @property
+    def fully_cached(self) -> bool:
+        """Every row's cache covers its whole window (trivially so for an empty window)."""
+        return self.length == 0 or (self.cache_length == self.length and bool(self.cached.all()))
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: `valid` and `cached` fit `tokens`, padding comes first, and
+        each layer's cached keys and values cover the whole window or nothing."""
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"state has keys for {len(self.keys)} layers and values for {len(self.values)}")
+        check_same_positions([("valid", self.valid)], "tokens", self.tokens)
+        if tuple(self.cached.shape) != tuple(self.tokens.shape[:1]):
+            raise ValueError(f"state tensor 'cached' has shape {tuple(self.cached.shape)}, "
+                             f"expected ({self.tokens.shape[0]},)")
+        check_padding_on_the_left(self.valid)
+        for i, (keys, values) in enumerate(zip(self.keys, self.values)):
+            if keys.shape != values.shape:
+                raise ValueError(f"state tensors 'keys.{i}' {tuple(keys.shape)} and 'values.{i}' "
+                                 f"{tuple(values.shape)} differ in shape")
+            if keys.shape[1] not in (0, self.length) or keys.shape[1] != self.cache_length:
+                raise ValueError(f"state tensor 'keys.{i}' caches {keys.shape[1]} positions, the window holds "
+                                 f"{self.length} and layer 0 caches {self.cache_length}")
+
+    def _without_cache(self) -> "ByteWindow":
+        empty = lambda t: t[:, :0]  # noqa: E731
+        return ByteWindow(self.tokens, self.valid, torch.zeros_like(self.cached),
+                          [empty(k) for k in self.keys], [empty(v) for v in self.values])
+
+    @classmethod
+    def concat(cls, states: list["ByteWindow"]) -> "ByteWindow":
+        """Rows of every state, left-padded to the longest window. The batch keeps a cache when
+        any row has one; rows without one get zeros there, flagged as not cached."""
+        longest = max(s.length for s in states)
+        any_cache = any(s.cache_length > 0 and bool(s.cached.any()) for s in states)
+
+        def cache(s: ByteWindow, which: str, layer: int) -> Tensor:
+            t = getattr(s, which)[layer]
+            if not any_cache:
+                return t
+            if t.shape[1] != s.length:  # no cache in this state
+                t = t.new_zeros(t.shape[0], s.length, *t.shape[2:])
+            return left_pad(t, longest, 0)
+
+        n_layer = len(states[0].keys)
+        if not any_cache:
+            states = [s._without_cache() for s in states]
+        return cls(
+            tokens=torch.cat([left_pad(s.tokens, longest, 0) for s in states]),
+            valid=torch.cat([left_pad(s.valid, longest, False) for s in states]),
+            cached=torch.cat([s.cached & (s.cache_length == s.length) for s in states]),
+            keys=[torch.cat([cache(s, "keys", i) for s in states]) for i in range(n_layer)],
+            values=[torch.cat([cache(s, "values", i) for s in states]) for i in range(n_layer)],
+        )
+
+    def split(self) -> list["ByteWindow"]:
+        rows = []
+        for row in super().split():
+            start = left_padding(row.valid)
+            trimmed = ByteWindow(row.tokens[:, start:], row.valid[:, start:], row.cached,
+                                 [k[:, start:] for k in row.keys], [v[:, start:] for v in row.values])
+            rows.append(trimmed if trimmed.fully_cached and trimmed.length > 0 else trimmed._without_cache())
+        return rows
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 class CausalLayer(nn.Module):
@@ -105,26 +221,6 @@ class CausalLayer(nn.Module):
                 mask = torch.arange(K, device=q.device)[None, :] <= torch.arange(K - T, K, device=q.device)[:, None]
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropatt)
         return attended.transpose(1, 2)
-
-
-@dataclass
-class VanillaConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    context_len: int = 128  # L: the fixed context, and the training window
-    dropout: float = 0.0  # on embeddings, attention output and feed-forward
-    dropatt: float = 0.0  # on attention probabilities
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
-    # auxiliary losses of Al-Rfou et al. (training only; serving never uses them)
-    aux_positions: bool = True  # predict at every position, not only the last
-    aux_layers: bool = True  # intermediate layers predict too, dropped on the l/(2n) schedule
-    aux_targets: bool = True  # a second classifier predicts the byte two steps ahead
-    second_target_weight: float = 0.5  # weight of the two-steps-ahead loss
 
 
 class VanillaTransformer(LanguageModel):

@@ -27,7 +27,7 @@ Serving (`forward`) uses the left-to-right order, one of the orders training cov
 stream of each new token is computed once (it sees the memory and the tokens before it) and
 its keys and values per layer join the memory (`XLMemory`, the same value type as
 Transformer-XL's, appended in place into head-major buffers by the same `extend_memory`,
-models/layers/memory.py and buffers.py). The
+models/layers/xl_memory.py and buffers.py). The
 query stream of the position after each token predicts the next token from the memory and the
 tokens up to it; one generated token is one incremental step. The top
 layer's content stream is never read (nothing attends to it and it predicts nothing), so only
@@ -68,7 +68,7 @@ from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.memory import XLMemory
+from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.layers.relative import RelativeKeys, rel_shift, relative_scores, scores_by_distance
 
 

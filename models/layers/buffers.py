@@ -17,7 +17,9 @@ that ends where the buffer's filled part ends, so every earlier state stays vali
 continuation of the same state (a retry, a fork) finds the room taken and copies instead.
 
 Rows of a batch whose memories differ in length are left-padded to the longest (`left_pad`,
-`write_left_padded`); the padding is masked by the `valid` flags of the state that holds them.
+`write_left_padded`); the padding is masked by the `valid` flags of the state that holds them,
+and `left_padding`, `check_padding_on_the_left` and `check_same_positions` let such a state
+split its rows again and check that its tensors agree.
 """
 
 from __future__ import annotations
@@ -122,3 +124,25 @@ def write_left_padded(target: Tensor, rows: Tensor) -> None:
     if missing:
         target.narrow(1, 0, missing).zero_()
     target.narrow(1, missing, rows.shape[1]).copy_(rows)
+
+
+def left_padding(valid: Tensor) -> int:
+    """Positions of padding before a batch-1 row's own positions (valid (1, M); padding only
+    ever sits on the left)."""
+    return int((~valid[0]).sum())
+
+
+def check_padding_on_the_left(valid: Tensor) -> None:
+    """ValueError unless every row's padding (False in `valid` (B, M)) comes before its own
+    positions, which is what splitting a batch relies on."""
+    if valid.shape[1] > 1 and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        raise ValueError("state tensor 'valid' has padding after a valid position (padding only ever comes first)")
+
+
+def check_same_positions(named: list[tuple[str, Tensor]], reference: str, like: Tensor) -> None:
+    """ValueError naming the first tensor whose batch rows and positions (dims 0, 1) are not
+    those of the state tensor `reference`, `like` (B, M)."""
+    for name, tensor in named:
+        if tuple(tensor.shape[:2]) != tuple(like.shape[:2]):
+            raise ValueError(f"state tensor '{name}' has shape {tuple(tensor.shape)}: it must cover the "
+                             f"{like.shape[1]} positions of '{reference}' for each of its {like.shape[0]} rows")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xlserve.models.layers.memory import XLMemory
+from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 from tests.models.helpers import run_in_chunks
 

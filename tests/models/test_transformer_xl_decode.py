@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from xlserve.models.layers.buffers import MEMORY_ROOM, extend_memory
-from xlserve.models.layers.memory import XLMemory
+from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
 

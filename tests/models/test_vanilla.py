@@ -5,8 +5,7 @@ import torch
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.training.train import training_loss as standard_training_loss
-from xlserve.models.layers.memory import ByteWindow
-from xlserve.models.vanilla import VanillaConfig, VanillaTransformer, intermediate_layer_weights
+from xlserve.models.vanilla import ByteWindow, VanillaConfig, VanillaTransformer, intermediate_layer_weights
 from tests.models.helpers import run_in_chunks, tokens
 
 L = 12  # context of the test model

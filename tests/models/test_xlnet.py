@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers.memory import XLMemory
+from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.xlnet import XLNet, XLNetConfig, permutation_masks
 from tests.models.helpers import run_in_chunks, tokens
 
