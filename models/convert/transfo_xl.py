@@ -38,9 +38,8 @@ import torch
 from torch import Tensor
 
 from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
-from xlserve.models.layers.adaptive import cluster_bounds
 from xlserve.models.tokenizer import WordTokenizer
-from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig, cluster_bounds
 
 ARCHITECTURE = "TransfoXLLMHeadModel"
 

@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 
-from xlserve.models.layers.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from xlserve.models.tokenizer import WordTokenizer
-from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.models.transformer_xl import AdaptiveEmbedding, AdaptiveLogSoftmax, TransformerXL, TransformerXLConfig
 
 
 def adaptive(div_val=4, d_embed=16, d_model=16, cutoffs=(10, 30), tie_weight=True, tie_projs=()):
