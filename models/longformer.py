@@ -32,9 +32,9 @@ position 10⁶), and the state need not hold anything but keys and values. (The 
 character LM uses relative positions too, in the Transformer-XL way; a learned bias per window
 slot is the smallest relative scheme that a bounded window allows.)
 
-State between calls (`SlidingWindowMemory`, models/layers/ring_buffer.py): per layer, the keys
-and values of the last C_l = w_l · max_h d_{l,h} positions in a ring buffer (the farthest any
-head of the layer reaches back; every position among them is seen by some future query of
+State between calls (`SlidingWindowMemory`): per layer, the keys and values of the last
+C_l = w_l · max_h d_{l,h} positions in a ring buffer (models/layers/ring_buffer.py; the farthest
+any head of the layer reaches back; every position among them is seen by some future query of
 the most dilated head), the keys and values of the first g positions, and the number of
 positions seen. Its size is fixed by the config,
     nbytes = 8·B + Σ_l 2·B·H·(C_l + g)·D·4   (float32),
@@ -61,11 +61,129 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel
+from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.ring_buffer import SlidingWindowMemory, prefix_write, ring_positions, ring_write
+from xlserve.models.layers.ring_buffer import ring_positions, ring_write
+
+
+@dataclass
+class LongformerConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+    # w per layer: one number for every layer, or a list of n_layer (the paper widens it with depth)
+    window: int | list[int] = 64
+    # d per layer and head: None for no dilation, else n_layer lists of n_head (the paper dilates
+    # a few heads of the upper layers)
+    dilation: list[list[int]] | None = None
+    n_global: int = 4  # g: the first g positions of a session stay visible to every later query
+    dropout: float = 0.0  # on embeddings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+
+    def layer_windows(self) -> list[int]:
+        windows = [self.window] * self.n_layer if isinstance(self.window, int) else list(self.window)
+        if len(windows) != self.n_layer or any(w < 1 for w in windows):
+            raise ValueError(f"window must be a positive int or {self.n_layer} positive ints, got {self.window}")
+        return windows
+
+    def layer_dilations(self) -> list[list[int]]:
+        if self.dilation is None:
+            return [[1] * self.n_head for _ in range(self.n_layer)]
+        rows = [list(r) for r in self.dilation]
+        if len(rows) != self.n_layer or any(len(r) != self.n_head or min(r) < 1 for r in rows):
+            raise ValueError(f"dilation must be {self.n_layer} lists of {self.n_head} positive ints, got {self.dilation}")
+        return rows
+
+
+# -- the state between calls -----------------------------------------------------------------------
+
+
+@dataclass
+class SlidingWindowMemory(FixedShapeState):
+    """What a sliding-window model with global prefix positions keeps between calls, per layer
+    (lists indexed by layer):
+
+    ring_keys[l], ring_values[l]: (B, H, C_l, D) the keys and values of the last C_l positions,
+        position p in slot p mod C_l; slots not written yet are zero
+    global_keys[l], global_values[l]: (B, H, G, D) the keys and values of the first G positions
+        of the history (slot j = position j); slots not reached yet are zero
+    position: (B,) int64, the number of positions seen
+
+    Every shape is fixed by the model's config, so rows of any histories concatenate with the
+    default `State.concat` and the byte size is the same whatever the history:
+    nbytes = 8·B + Σ_l 2·B·H·(C_l + G)·D·itemsize.
+    """
+
+    ring_keys: list[Tensor]
+    ring_values: list[Tensor]
+    global_keys: list[Tensor]
+    global_values: list[Tensor]
+    position: Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int, capacities: list[int], n_global: int, n_head: int, d_head: int,
+              like: Tensor) -> "SlidingWindowMemory":
+        """A memory that has seen nothing, with the dtype and device of `like`."""
+        ring = lambda c: like.new_zeros(batch_size, n_head, c, d_head)  # noqa: E731
+        return cls(
+            ring_keys=[ring(c) for c in capacities],
+            ring_values=[ring(c) for c in capacities],
+            global_keys=[ring(n_global) for _ in capacities],
+            global_values=[ring(n_global) for _ in capacities],
+            position=torch.zeros(batch_size, dtype=torch.long, device=like.device),
+        )
+
+    def check_consistent(self) -> None:
+        """State.check_consistent: as many layers of every kind, keys and values of one shape,
+        `position` (B,) and not negative, and zeros in every slot no position has reached (a
+        model never writes there, so anything else did not come from one)."""
+        layers = {len(self.ring_keys), len(self.ring_values), len(self.global_keys), len(self.global_values)}
+        if len(layers) != 1:
+            raise ValueError(f"state has ring keys for {len(self.ring_keys)} layers, ring values for "
+                             f"{len(self.ring_values)}, global keys for {len(self.global_keys)} and global "
+                             f"values for {len(self.global_values)}")
+        B = self.position.shape[0] if self.position.dim() == 1 else -1
+        if self.position.dim() != 1:
+            raise ValueError(f"state tensor 'position' has shape {tuple(self.position.shape)}, expected (B,)")
+        if bool((self.position < 0).any()):
+            raise ValueError("state tensor 'position' holds a negative number of positions")
+        for kind in ("ring", "global"):
+            for i, (keys, values) in enumerate(zip(getattr(self, f"{kind}_keys"), getattr(self, f"{kind}_values"))):
+                if keys.shape != values.shape or keys.shape[0] != B:
+                    raise ValueError(f"state tensors '{kind}_keys.{i}' {tuple(keys.shape)} and '{kind}_values.{i}' "
+                                     f"{tuple(values.shape)} must have one shape with {B} rows")
+                if kind == "ring":
+                    unwritten = ring_positions(self.position, keys.shape[2]) < 0  # (B, C)
+                else:
+                    unwritten = torch.arange(keys.shape[2], device=keys.device)[None, :] >= self.position[:, None]
+                for name, tensor in ((f"{kind}_keys.{i}", keys), (f"{kind}_values.{i}", values)):
+                    if bool((tensor != 0).any(dim=-1).logical_and(unwritten[:, None, :]).any()):
+                        raise ValueError(f"state tensor '{name}' holds values in slots that no position has "
+                                         f"reached (position {self.position.tolist()})")
+
+
+def prefix_write(prefix: Tensor, seen: Tensor, new: Tensor) -> Tensor:
+    """A new prefix store (B, H, G, D) holding the first G positions of a history: `prefix` after
+    `seen` (B,) positions, with the T positions `new` (B, H, T, D) that follow them written where
+    they fall among the first G. Out of place."""
+    G, T = prefix.shape[2], new.shape[2]
+    if G == 0 or T == 0:
+        return prefix
+    source = torch.arange(G, device=seen.device)[None, :] - seen[:, None]  # (B, G): index into new
+    lands = (source >= 0) & (source < T)
+    index = source.clamp(0, T - 1)[:, None, :, None].expand(-1, prefix.shape[1], -1, prefix.shape[3])
+    written = new.gather(2, index).to(prefix.dtype)
+    return torch.where(lands[:, None, :, None], written, prefix)
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 class SlidingWindowAttention(nn.Module):
@@ -145,40 +263,6 @@ class SlidingWindowAttention(nn.Module):
         (B or 1, H, T, K) -> (B, H, T, D). Every query sees itself, so no row is all −inf."""
         dropatt = self.config.dropatt if self.training else 0.0
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropatt)
-
-
-@dataclass
-class LongformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
-    # w per layer: one number for every layer, or a list of n_layer (the paper widens it with depth)
-    window: int | list[int] = 64
-    # d per layer and head: None for no dilation, else n_layer lists of n_head (the paper dilates
-    # a few heads of the upper layers)
-    dilation: list[list[int]] | None = None
-    n_global: int = 4  # g: the first g positions of a session stay visible to every later query
-    dropout: float = 0.0  # on embeddings, attention output and feed-forward
-    dropatt: float = 0.0  # on attention probabilities
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
-
-    def layer_windows(self) -> list[int]:
-        windows = [self.window] * self.n_layer if isinstance(self.window, int) else list(self.window)
-        if len(windows) != self.n_layer or any(w < 1 for w in windows):
-            raise ValueError(f"window must be a positive int or {self.n_layer} positive ints, got {self.window}")
-        return windows
-
-    def layer_dilations(self) -> list[list[int]]:
-        if self.dilation is None:
-            return [[1] * self.n_head for _ in range(self.n_layer)]
-        rows = [list(r) for r in self.dilation]
-        if len(rows) != self.n_layer or any(len(r) != self.n_head or min(r) < 1 for r in rows):
-            raise ValueError(f"dilation must be {self.n_layer} lists of {self.n_head} positive ints, got {self.dilation}")
-        return rows
 
 
 class Longformer(LanguageModel):

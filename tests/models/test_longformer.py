@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers.ring_buffer import SlidingWindowMemory, ring_positions
-from xlserve.models.longformer import Longformer, LongformerConfig
+from xlserve.models.layers.ring_buffer import ring_positions
+from xlserve.models.longformer import Longformer, LongformerConfig, SlidingWindowMemory
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
 from tests.models.helpers import (
