@@ -1,11 +1,14 @@
-"""A bounded fuzz run against a real server: no request, valid or not, gets a 5xx, and every error
-is the one error body.
+"""A bounded fuzz run against a real server: no request, valid or not, gets a 5xx, every error
+is the one error body, and every answer is what /openapi.json says it is.
 
 HTTP: schemathesis reads the server's own /openapi.json and Hypothesis draws requests for every
 operation, ones that fit the schema and ones that break it, with a real model name and live
 session ids substituted in most of the time (so that requests get past "no such model" into
-the code behind it). The websocket is not in the OpenAPI document: Hypothesis draws frames for it
-directly, on one connection that must stay usable.
+the code behind it). Each answer is checked against the document (schemathesis's
+response_schema_conformance and content_type_conformance: the body of its status, every SSE
+chunk of a stream), and its status must be one the operation lists, not only its "default".
+The websocket is not in the OpenAPI document: Hypothesis draws frames for it directly, on one
+connection that must stay usable, and every frame it answers must fit protocol.ServerFrame.
 
 The budget is fixed (FUZZ_EXAMPLES examples per operation and kind, derandomized, so a run is
 repeatable); `make test` runs the small default, `make fuzz` a larger one. The server runs with
@@ -27,15 +30,20 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from schemathesis import GenerationMode
+from schemathesis.checks import content_type_conformance, response_schema_conformance
+from schemathesis.core.failures import FailureGroup
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess
+from xlserve.server.api.protocol import server_frame
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "30"))  # per operation and generation mode
 FRAMES = int(os.environ.get("FUZZ_FRAMES", str(EXAMPLES * 8)))  # websocket frames
 MODELS = ("txl-tiny", "chat-tiny")
 ERROR_FIELDS = {"message", "type", "param", "code"}
+CONFORMANCE = [response_schema_conformance, content_type_conformance]
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -115,8 +123,10 @@ def substitute(case, data, sessions: LiveSessions) -> None:
 
 
 def fuzz_operation(operation, mode: GenerationMode, base_url: str, sessions: LiveSessions,
-                   statuses: Counter, failures: list[str]) -> None:
+                   statuses: Counter, failures: list[str], documented: dict) -> None:
+    """Fuzz one operation; `documented` is its entry in /openapi.json."""
     http_session = requests.Session()
+    listed = set(documented["responses"]) - {"default"}
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
@@ -131,8 +141,16 @@ def fuzz_operation(operation, mode: GenerationMode, base_url: str, sessions: Liv
         statuses[response.status_code] += 1
         content_type = (response.headers.get("content-type") or [""])[0]  # schemathesis: name -> values
         problem = response_problem(response.status_code, content_type, response.content.decode("utf-8", "replace"))
+        if problem is None and str(response.status_code) not in listed:
+            problem = f"status {response.status_code} is not among those documented ({sorted(listed)})"
+        if problem is None:
+            try:
+                case.validate_response(response, checks=CONFORMANCE)
+            except FailureGroup as failed:
+                problem = f"the answer does not fit /openapi.json: {failed}"
         if problem:
-            failures.append(f"{case.method} {case.formatted_path} ({mode.value}) body={case.body!r:.300}: {problem}")
+            failures.append(f"{case.method} {case.formatted_path} ({mode.value}) body={case.body!r:.300}: "
+                            f"{problem:.1500}")
         if case.method == "DELETE" and response.status_code == 200:
             sessions.deleted(case.path_parameters.get("session_id"))
 
@@ -142,8 +160,9 @@ def fuzz_operation(operation, mode: GenerationMode, base_url: str, sessions: Liv
         assert mode is GenerationMode.NEGATIVE
 
 
-def test_fuzzed_http_requests_get_no_5xx_and_only_the_error_body(fuzz_server):
+def test_fuzzed_http_requests_get_no_5xx_only_the_error_body_and_documented_answers(fuzz_server):
     schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+    document = httpx.get(fuzz_server.url + "/openapi.json", timeout=10).json()
     sessions = LiveSessions(fuzz_server.url)
     statuses: Counter = Counter()
     failures: list[str] = []
@@ -151,7 +170,8 @@ def test_fuzzed_http_requests_get_no_5xx_and_only_the_error_body(fuzz_server):
     assert len(operations) >= 15, [op.label for op in operations]
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            fuzz_operation(operation, mode, fuzz_server.url, sessions, statuses, failures)
+            fuzz_operation(operation, mode, fuzz_server.url, sessions, statuses, failures,
+                           document["paths"][operation.path][operation.method.lower()])
     cases = sum(statuses.values())
     print(f"\nfuzzed {cases} HTTP requests over {len(operations)} operations; statuses: {dict(statuses)}")
     assert not failures, "\n".join(failures[:20])
@@ -217,6 +237,10 @@ def test_fuzzed_websocket_frames_get_answers_and_the_connection_stays_usable(fuz
             ws.send(frame)
             while True:  # the frames of its answer: token frames, then one done or error frame
                 answer = json.loads(ws.recv(timeout=60))
+                try:
+                    server_frame.validate_python(answer)
+                except ValidationError as error:
+                    failures.append(f"{frame[:300]}: the frame {answer!r:.300} does not fit ServerFrame: {error}")
                 if answer["type"] == "token":
                     continue
                 kinds[answer["type"]] += 1
