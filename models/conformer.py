@@ -59,7 +59,7 @@ position t depend on bytes t − n_layer·(mem_len + K − 2) .. t (`receptive_f
 `max_context` is nevertheless None: the model is served as a stream from its state, never by
 recomputing windows of text.
 
-State between calls (`ConvWindowMemory`, models/layers/conv_window_state.py): per layer, the last
+State between calls (`ConvWindowMemory`, models/layers/causal_conv.py): per layer, the last
 K − 1 inputs of the depthwise convolution (the GLU's outputs) and the keys and values of the last
 C = mem_len − 1 positions in a ring buffer (models/layers/ring_buffer.py), plus the number of
 positions seen. Keys and values rather than the layer's inputs: they are what attention reads, so
@@ -95,8 +95,7 @@ from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel
 from xlserve.models.layers.block import forward_in_pieces
-from xlserve.models.layers.causal_conv import causal_depthwise_conv
-from xlserve.models.layers.conv_window_state import ConvWindowMemory
+from xlserve.models.layers.causal_conv import ConvWindowMemory, causal_depthwise_conv
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
@@ -104,6 +103,25 @@ from xlserve.models.layers.relative import RelativeKeys, relative_scores
 from xlserve.models.layers.ring_buffer import ring_positions, ring_write
 
 HALF_STEP = 0.5  # the macaron feed-forwards' residual weight (the paper's ½)
+
+
+@dataclass
+class ConformerConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 4
+    d_model: int = 144  # width of the residual stream (the paper's Conformer (S))
+    n_head: int = 4
+    d_head: int = 36  # per-head width D
+    d_inner: int = 576  # width of each of the two macaron feed-forwards (4 · d_model, as the paper)
+    kernel_size: int = 15  # K: the depthwise convolution reads a position and the K − 1 before it
+    mem_len: int = 128  # a query attends to itself and the mem_len − 1 positions before it
+    dropout: float = 0.0  # on embeddings, every module's output, inside the feed-forwards, relative encodings
+    dropatt: float = 0.0  # on attention probabilities
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+
+
+# -- the modules of a block ------------------------------------------------------------------------
 
 
 def swish_feed_forward(d_model: int, d_inner: int, dropout: float) -> FeedForward:
@@ -225,20 +243,7 @@ class ConformerBlock(nn.Module):
         return x, recent, ring_keys, ring_values
 
 
-@dataclass
-class ConformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 144  # width of the residual stream (the paper's Conformer (S))
-    n_head: int = 4
-    d_head: int = 36  # per-head width D
-    d_inner: int = 576  # width of each of the two macaron feed-forwards (4 · d_model, as the paper)
-    kernel_size: int = 15  # K: the depthwise convolution reads a position and the K − 1 before it
-    mem_len: int = 128  # a query attends to itself and the mem_len − 1 positions before it
-    dropout: float = 0.0  # on embeddings, every module's output, inside the feed-forwards, relative encodings
-    dropatt: float = 0.0  # on attention probabilities
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+# -- the model -------------------------------------------------------------------------------------
 
 
 class Conformer(LanguageModel):

@@ -65,10 +65,10 @@ means the same after a million tokens as after ten (no position table to outgrow
 angle to lose float precision). A query therefore tells its window's keys apart by their
 distance, and the state needs nothing but keys, values, convolution inputs and a count.
 
-State between calls (`ConvWindowMemory`, models/layers/conv_window_state.py): per layer, the attention
+State between calls (`ConvWindowMemory`, models/layers/causal_conv.py): per layer, the attention
 branch's keys and values of the last M − 1 positions (a ring buffer: position p in slot
 p mod (M − 1), models/layers/ring_buffer.py), as Transformer-XL's memory but of a fixed M − 1,
-and the convolution branch's last K_l − 1 values of u (models/layers/causal_conv.py), plus the
+and the convolution branch's last K_l − 1 values of u (`causal_dynamic_conv`), plus the
 number of positions seen. Its size is fixed by the config,
 
     nbytes = 8·B + Σ_l 4·B·(d/2)·(2·(M − 1) + K_l − 1)    (float32; H·D = d/2),
@@ -101,14 +101,44 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel
-from xlserve.models.layers.causal_conv import causal_depthwise_conv, causal_dynamic_conv
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
+from xlserve.models.layers.causal_conv import ConvWindowMemory, causal_depthwise_conv, with_history
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.conv_window_state import ConvWindowMemory
 from xlserve.models.layers.ring_buffer import ring_positions, ring_write
 
 CONV_TYPES = ("dynamic", "lightweight")
+
+
+@dataclass
+class LiteTransformerConfig(ArchConfig):
+    vocab_size: int = 256  # bytes
+    n_layer: int = 6
+    d_model: int = 192  # width of the residual stream; LSRA gives half of its channels to each branch
+    n_head: int = 4  # H: attention heads over the attention half (head width D = d_model / 2 / H)
+    mem_len: int = 128  # M: a query attends to itself and the M − 1 positions before it
+    conv_type: str = "dynamic"  # "dynamic" (kernel predicted from the position's input) or "lightweight"
+    # H_c: channel groups of the convolution half, each sharing one kernel (8 of 96 channels: 12 per
+    # kernel, between the 4 heads of the paper's released configurations and Wu et al.'s 16)
+    n_conv_head: int = 8
+    # K per layer: one number for every layer, or a list of n_layer (the output at i reads i − K + 1 .. i)
+    conv_kernel: int | list[int] = 15
+    # width of the feed-forward layer: flattened, narrower than the usual 4·d_model (module docstring)
+    d_inner: int = 384
+    dropout: float = 0.0  # on embeddings, LSRA output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    weight_dropout: float = 0.0  # DropConnect on the normalised convolution kernels
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
+
+    def layer_kernels(self) -> list[int]:
+        kernels = [self.conv_kernel] * self.n_layer if isinstance(self.conv_kernel, int) else list(self.conv_kernel)
+        if len(kernels) != self.n_layer or any(k < 1 for k in kernels):
+            raise ValueError(f"conv_kernel must be a positive int or {self.n_layer} positive ints, got {self.conv_kernel}")
+        return kernels
+
+
+# -- the two branches of long-short range attention ------------------------------------------------
 
 
 class WindowAttention(nn.Module):
@@ -164,6 +194,25 @@ class WindowAttention(nn.Module):
         (B or 1, H, T, K) -> (B, H, T, D). Every query sees itself, so no row is all −inf."""
         dropatt = self.config.dropatt if self.training else 0.0
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropatt)
+
+
+def causal_dynamic_conv(x: Tensor, recent: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """out[b, t, c] = Σ_k weights[b, t, g(c), k] · input[b, t − K + 1 + k, c] for x (B, T, C)
+    after `recent` (B, K − 1, C), weights (B, T, G, K) with channel c in group g(c) = c div (C / G)
+    -> out (B, T, C) and the buffer after x."""
+    padded, recent = with_history(x, recent)
+    B, T, C = x.shape
+    G, K = weights.shape[2:]
+    if K != recent.shape[1] + 1:
+        raise ValueError(f"a kernel of width {K} needs {K - 1} buffered inputs, got {recent.shape[1]}")
+    weights = weights.to(x.dtype)[..., None]  # (B, T, G, K, 1)
+    # K shifted products rather than one batched product over (B, T, C, K) windows: that product
+    # is B·T·G matrix-vector products of K taps each, and it copies the windows (and again in its
+    # backward); these read shifted views of the inputs and copy nothing
+    out = x.new_zeros(B, T, G, C // G)
+    for k in range(K):
+        out = out + padded[:, k : k + T].view(B, T, G, C // G) * weights[:, :, :, k]
+    return out.flatten(2), recent  # (B, T, C)
 
 
 class ConvolutionBranch(nn.Module):
@@ -228,32 +277,7 @@ class LongShortRangeAttention(nn.Module):
         return out, (ring_keys, ring_values, recent)
 
 
-@dataclass
-class LiteTransformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 6
-    d_model: int = 192  # width of the residual stream; LSRA gives half of its channels to each branch
-    n_head: int = 4  # H: attention heads over the attention half (head width D = d_model / 2 / H)
-    mem_len: int = 128  # M: a query attends to itself and the M − 1 positions before it
-    conv_type: str = "dynamic"  # "dynamic" (kernel predicted from the position's input) or "lightweight"
-    # H_c: channel groups of the convolution half, each sharing one kernel (8 of 96 channels: 12 per
-    # kernel, between the 4 heads of the paper's released configurations and Wu et al.'s 16)
-    n_conv_head: int = 8
-    # K per layer: one number for every layer, or a list of n_layer (the output at i reads i − K + 1 .. i)
-    conv_kernel: int | list[int] = 15
-    # width of the feed-forward layer: flattened, narrower than the usual 4·d_model (module docstring)
-    d_inner: int = 384
-    dropout: float = 0.0  # on embeddings, LSRA output and feed-forward
-    dropatt: float = 0.0  # on attention probabilities
-    weight_dropout: float = 0.0  # DropConnect on the normalised convolution kernels
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the next-byte softmax shares the input embedding matrix
-
-    def layer_kernels(self) -> list[int]:
-        kernels = [self.conv_kernel] * self.n_layer if isinstance(self.conv_kernel, int) else list(self.conv_kernel)
-        if len(kernels) != self.n_layer or any(k < 1 for k in kernels):
-            raise ValueError(f"conv_kernel must be a positive int or {self.n_layer} positive ints, got {self.conv_kernel}")
-        return kernels
+# -- the model -------------------------------------------------------------------------------------
 
 
 class LiteTransformer(LanguageModel):

@@ -11,7 +11,7 @@ from torch.autograd.functional import jacobian
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.conformer import Conformer, ConformerConfig
-from xlserve.models.layers.conv_window_state import ConvWindowMemory
+from xlserve.models.layers.causal_conv import ConvWindowMemory
 from xlserve.models.layers.relative import sinusoid_encoding
 from xlserve.models.layers.ring_buffer import ring_positions
 from xlserve.models.registry import build_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers.conv_window_state import ConvWindowMemory
+from xlserve.models.layers.causal_conv import ConvWindowMemory
 from xlserve.models.lite_transformer import LiteTransformer, LiteTransformerConfig
 from xlserve.models.registry import build_model
 from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
