@@ -36,14 +36,45 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from xlserve.server.cache import SessionInfo
+from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.engine.errors import EngineGone, EngineLoading, EngineRestarting, ShuttingDown
 from xlserve.server.engine.memory import engine_environment
-from xlserve.server.engine.types import Submission
-from xlserve.server.engine.wire import encode_frame, error_from_wire, event_from_wire, is_last, read_frame_async
+from xlserve.server.engine.types import SamplingParams, Submission
+from xlserve.server.engine.wire import (
+    Acquire,
+    Append,
+    Cancel,
+    CheckIdle,
+    Commit,
+    CreateSession,
+    DeleteSession,
+    EngineSettings,
+    ExportState,
+    ForkSession,
+    FrameKind,
+    Generate,
+    GetMetrics,
+    GetSession,
+    ImportSession,
+    ListSessions,
+    Ready,
+    Release,
+    ReplaceState,
+    Request,
+    SessionChanged,
+    Shutdown,
+    StartFailed,
+    StopAdmitting,
+    encode_frame,
+    error_from_wire,
+    event_from_wire,
+    is_last,
+    read_frame_async,
+    request_frame,
+)
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
 
@@ -86,7 +117,7 @@ class RemoteSubmission(Submission):
     def _stop(self) -> None:
         if not self.ended and not self.cancelled.is_set():
             self.cancelled.set()
-            self.client.send({"op": "cancel", "request": self.id})
+            self.client.send(Cancel(self.id))
 
 
 def describe_exit(code: int | None) -> str:
@@ -175,7 +206,7 @@ class EngineClient:
             self.status = "closed"
             return None
         if self.alive:
-            self.send({"op": "shutdown"})
+            self.writer.write(encode_frame(*Shutdown().frame()))
         elif self.process.poll() is None:
             self.process.kill()
         self.status, self.reason = "closed", "the server is shutting down"
@@ -206,22 +237,27 @@ class EngineClient:
             theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
         settings = self.settings.model_dump(mode="json", exclude={"api_keys"})
-        writer.write(encode_frame({"op": "settings", "settings": settings}))
+        writer.write(encode_frame(*EngineSettings(settings).frame()))
         try:
             first = await read_frame_async(reader)
         except BaseException:  # cancelled by close(), which kills the process
             writer.close()
             raise
-        if first is None or first[0].get("op") != "ready":
+        if first is None or first[0].get("op") != FrameKind.READY.value:
             writer.close()
             header = first[0] if first else {}
+            failed = StartFailed.from_frame(header) if header.get("op") == FrameKind.FAILED.value else None
             code = await self._reap(self.process)
-            reason = header.get("error") or f"it {describe_exit(code)} before it was ready"
-            raise EngineStartFailed(self._masked(reason), header.get("traceback", ""))
+            reason = failed.error if failed is not None else f"it {describe_exit(code)} before it was ready"
+            raise EngineStartFailed(self._masked(reason), failed.traceback if failed is not None else "")
+        self._attach(reader, writer, Ready.from_frame(first[0]))
+
+    def _attach(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ready: Ready) -> None:
+        """Talk to the engine process that said `ready` on this connection from now on."""
         self.reader, self.writer = reader, writer
         self.generation += 1
-        self.models = first[0]["models"]
-        self.ready_frame = first[0]
+        self.models = ready.models
+        self.ready_frame = asdict(ready)
         self.reader_task = asyncio.create_task(self._read(reader, self.generation))
 
     async def _reap(self, process: subprocess.Popen) -> int | None:
@@ -264,10 +300,10 @@ class EngineClient:
                 if frame is None:
                     break
                 header, blob = frame
-                op = header["op"]
-                if op == "events":
+                kind = header["op"]
+                if kind == FrameKind.EVENTS.value:
                     self._route(header["events"])
-                elif op == "answer":
+                elif kind == FrameKind.ANSWER.value:
                     future = self.calls.pop(header["id"], None)
                     if future is not None and not future.done():
                         if "error" in header:
@@ -341,7 +377,7 @@ class EngineClient:
         for submission in submissions.values():
             submission.ended = True
             submission.cancelled.set()
-            self.send({"op": "cancel", "request": submission.id})
+            self.send(Cancel(submission.id))
             submission.queue.put_nowait(error())
         return len(submissions)
 
@@ -370,23 +406,24 @@ class EngineClient:
 
     # -- calls -------------------------------------------------------------------------------
 
-    def send(self, header: dict, blob: bytes | None = None) -> None:
-        """Fire and forget (cancel, release): order with other frames is kept."""
+    def send(self, notice: Request) -> None:
+        """Send a request that is never answered (cancel, release); order with other frames is kept."""
         if self.alive:
-            self.writer.write(encode_frame(header, blob))
+            self.writer.write(encode_frame(*request_frame(notice)))
 
-    async def call(self, op: str, blob: bytes | None = None, request_id: int | None = None, **fields):
-        """Send an operation, wait for its answer: (result, blob). Raises what the engine process
-        raised (the same exception classes, through server/engine/wire.py)."""
+    async def call(self, request: Request):
+        """Send a request, wait for its reply (an instance of `request.reply`). Raises what the
+        engine process raised (the same exception classes, through server/engine/wire.py)."""
         if not self.alive:
             raise self.unavailable_error()
-        call_id = next(self.ids) if request_id is None else request_id
+        call_id = next(self.ids)
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
-        self.writer.write(encode_frame({"op": op, "id": call_id, **fields}, blob))
+        self.writer.write(encode_frame(*request_frame(request, call_id)))
         if self.writer.transport.get_write_buffer_size() > (1 << 20):
             await self.writer.drain()
-        return await future
+        fields, blob = await future
+        return request.reply.from_frame(fields, blob)
 
     def _check(self, lease: RemoteLease | None) -> int | None:
         """The lease's id, if the current engine process granted it; a lease of one that died
@@ -401,26 +438,27 @@ class EngineClient:
 
     async def submit(self, model: str, prompt: list[int], params: dict, lease: RemoteLease | None,
                      prefix_scope: bytes | None = None) -> RemoteSubmission:
-        """Queue a generation; raises QueueFull / ShuttingDown / ValueError before anything started.
-        Without a lease, `prefix_scope` (server/cache/prefix_cache.py `scope_key`) lets it start
-        from the longest cached prefix of its prompt and offer its own states."""
-        scope = {} if prefix_scope is None or lease is not None else {"prefix_scope": prefix_scope.hex()}
-        return await self._queue("generate", model, model=model, prompt=prompt, params=params,
-                                 lease=self._check(lease), **scope)
+        """Queue a generation (`params`: SamplingParams's fields); raises QueueFull / ShuttingDown /
+        ValueError before anything started. Without a lease, `prefix_scope`
+        (server/cache/prefix_cache.py `scope_key`) lets it start from the longest cached prefix of
+        its prompt and offer its own states."""
+        scope = None if prefix_scope is None or lease is not None else prefix_scope.hex()
+        request = Generate(next(self.ids), model, prompt, SamplingParams(**params), self._check(lease), scope)
+        return await self._queue(model, request)
 
     async def append(self, lease: RemoteLease, tokens: list[int], score: bool) -> RemoteSubmission:
         """Queue a document chunk for a leased session (its new state waits for `commit`); the
         submission's last event is an `Appended` (see `types.appended`)."""
-        return await self._queue("append", lease.info.model, lease=self._check(lease), tokens=tokens, score=score)
+        return await self._queue(lease.info.model, Append(next(self.ids), self._check(lease), tokens, score))
 
-    async def _queue(self, op: str, served_model: str, **fields) -> RemoteSubmission:
+    async def _queue(self, served_model: str, request: Generate | Append) -> RemoteSubmission:
         """Register the request's submission before asking: its events may arrive before the answer."""
         if not self.alive:
             raise self.unavailable_error()
-        submission = RemoteSubmission(self, served_model, next(self.ids))
+        submission = RemoteSubmission(self, served_model, request.request_id)
         self.submissions[submission.id] = submission
         try:
-            await self.call(op, request_id=submission.id, **fields)
+            await self.call(request)
         except BaseException:
             self.submissions.pop(submission.id, None)
             raise
@@ -430,58 +468,71 @@ class EngineClient:
         """Hold a session for a request. With `idempotency` ({key, fingerprint}) seen before on
         the session, nothing is held: the lease's `replay` is the remembered entry."""
         generation = self.generation
-        fields = {} if idempotency is None else {"idempotency": idempotency}
-        result, _ = await self.call("acquire", session_id=session_id, owner=owner, **fields)
-        if "replay" in result:
-            return RemoteLease(0, session_id, SessionInfo(**result["info"]), False, released=True,
-                               generation=generation, replay=result["replay"])
-        return RemoteLease(result["lease"], session_id, SessionInfo(**result["info"]), result["has_history"],
-                           generation=generation, idempotency=idempotency)
+        acquired = await self.call(Acquire(session_id, owner, idempotency))
+        if acquired.replay is not None:
+            return RemoteLease(0, session_id, acquired.info, False, released=True, generation=generation,
+                               replay=acquired.replay)
+        return RemoteLease(acquired.lease, session_id, acquired.info, acquired.has_history, generation=generation,
+                           idempotency=idempotency)
 
     async def commit(self, lease: RemoteLease, result: dict | None = None) -> SessionInfo:
         """Make the request's effect permanent; with the lease's Idempotency-Key, `result` (what
         the client is answered) is remembered with it, in the same write."""
-        fields = {} if lease.idempotency is None else {"remember": {**lease.idempotency, "result": result}}
-        answer, _ = await self.call("commit", lease=self._check(lease), **fields)
-        return SessionInfo(**answer)
+        remember = None if lease.idempotency is None else {**lease.idempotency, "result": result}
+        return (await self.call(Commit(self._check(lease), remember))).info
 
     def release(self, lease: RemoteLease) -> None:
         if not lease.released:
             lease.released = True
             if lease.generation == self.generation:  # the process that granted it is gone otherwise
-                self.send({"op": "release", "lease": lease.id})
+                self.send(Release(lease.id))
 
-    async def session_call(self, op: str, blob: bytes | None = None, **fields) -> SessionInfo:
-        result, _ = await self.call(op, blob, **fields)
-        return SessionInfo(**result)
+    async def create_session(self, model: str, owner: str | None) -> SessionInfo:
+        return (await self.call(CreateSession(model, owner))).info
 
-    async def session_change(self, op: str, blob: bytes | None = None, idempotency: dict | None = None,
-                             **fields) -> tuple[dict, bool]:
-        """A session operation that may carry an Idempotency-Key (fork, replace, delete): its
-        answer, and whether that is the remembered answer of an earlier request with the key."""
-        if idempotency is not None:
-            fields["idempotency"] = idempotency
-        result, _ = await self.call(op, blob, **fields)
-        if "replay" in result:
-            return result["replay"]["result"], True
-        return result, False
+    async def session_info(self, session_id: str, owner: str | None) -> SessionInfo:
+        return (await self.call(GetSession(session_id, owner))).info
+
+    async def import_session(self, model: str | None, owner: str | None, state: bytes) -> SessionInfo:
+        """A new session from safetensors bytes, for `model` or the model the state names."""
+        return (await self.call(ImportSession(model, owner, state))).info
+
+    # fork, replace and delete may carry an Idempotency-Key ({key, fingerprint}, `idempotency`):
+    # each says whether its answer is the remembered one of an earlier request with that key
+
+    async def fork_session(self, session_id: str, owner: str | None,
+                           idempotency: dict | None = None) -> tuple[SessionInfo, bool]:
+        return _info_or_replay(await self.call(ForkSession(session_id, owner, idempotency)))
+
+    async def replace_state(self, session_id: str, owner: str | None, state: bytes,
+                            idempotency: dict | None = None) -> tuple[SessionInfo, bool]:
+        return _info_or_replay(await self.call(ReplaceState(session_id, owner, state, idempotency)))
+
+    async def delete_session(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> bool:
+        return (await self.call(DeleteSession(session_id, owner, idempotency))).replay is not None
 
     async def list_sessions(self, owner: str | None, limit: int, after: str | None) -> tuple[list[SessionInfo], bool]:
         """`owner`'s sessions, newest first, after the session `after`; and whether more follow."""
-        result, _ = await self.call("list_sessions", owner=owner, limit=limit, after=after)
-        return [SessionInfo(**info) for info in result["data"]], result["has_more"]
+        page = await self.call(ListSessions(owner, limit, after))
+        return page.sessions, page.has_more
 
     async def export(self, session_id: str, owner: str | None) -> tuple[SessionInfo, bytes]:
-        result, blob = await self.call("export", session_id=session_id, owner=owner)
-        return SessionInfo(**result), blob
+        exported = await self.call(ExportState(session_id, owner))
+        return exported.info, exported.state
 
     async def stop_admitting(self) -> None:
-        await self.call("stop_admitting")
+        await self.call(StopAdmitting())
 
     async def idle(self) -> bool:
-        result, _ = await self.call("idle")
-        return result["idle"]
+        return (await self.call(CheckIdle())).idle
 
     async def metrics_text(self) -> bytes:
-        result, _ = await self.call("metrics")
-        return result["text"].encode()
+        return (await self.call(GetMetrics())).text.encode()
+
+
+def _info_or_replay(reply: SessionChanged) -> tuple[SessionInfo, bool]:
+    """A fork's or a replace's session, and whether it is what an earlier request with the same
+    Idempotency-Key was answered (its remembered "result": the session's info as it was then)."""
+    if reply.replay is not None:
+        return SessionInfo(**reply.replay["result"]), True
+    return reply.info, False

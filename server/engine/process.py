@@ -12,33 +12,27 @@ write the event loop makes is time the engine does not step, and the server neve
 than one core. Here the engine steps while the API process formats and writes the previous
 step's tokens, as vLLM splits its engine core from its API server.
 
-What crosses the socket, API -> engine (each with an `id` the answer carries back):
-  generate {model, prompt, params, lease?, prefix_scope?}   queue a generation (events follow); without
-                                             a lease, prefix_scope (hex) reuses the prefix cache
-  append {lease, tokens, score}              feed a document chunk into a leased session
-  cancel {id}                                drop a request at the next step
-  acquire / commit / release                 a request's hold on a session (leases stay here)
-  create / info / delete / fork / export / replace / import_new / list_sessions   the other session operations
-                                             (an `idempotency` {key, fingerprint} on acquire, fork, replace,
-                                             delete; `remember` on commit: the request's Idempotency-Key)
-  stop_admitting / idle / metrics / shutdown
-and engine -> API: `ready` (the models) once; answers {id, ok | error}; and, once per engine
-step, `events`: every token, choice end, finish and error of that step in one frame.
+What crosses the socket is server/engine/wire.py's: one dataclass per request the API process
+makes (generate, append, cancel, acquire, commit, release, the session operations, and those of
+the server's life), each answered by the method `EngineProcess` registers for its class
+(`handlers`, checked whole at start-up) with a reply dataclass or an error; and, once per engine
+step, one `events` frame with every token, choice end, finish and error of that step.
 
 A request's new session state never leaves this process: a finished generation or append
 leaves it waiting under its lease, and the API's `commit` (sent when the client has the whole
 answer) makes it the session's state; `release` without a commit drops it.
 
 Started by server/engine/client.py as `python -m xlserve.server.engine.process FD`; its settings
-come as the first frame on the socket (`settings`), never on the command line, which every user
-sees in `ps` (a Redis URL may hold a password). On Linux it dies with the API process (a kill -9
-of the server stops both, as one process would stop); elsewhere it notices the socket close,
-writes its sessions down and exits. If it dies on its own, the API process starts a new one.
+come as the first frame on the socket (`EngineSettings`), never on the command line, which every
+user sees in `ps` (a Redis URL may hold a password). On Linux it dies with the API process (a
+kill -9 of the server stops both, as one process would stop); elsewhere it notices the socket
+close, writes its sessions down and exits. If it dies on its own, the API process starts a new one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -48,8 +42,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -58,9 +53,9 @@ import torch
 from xlserve.models.checkpoint import load_checkpoint, read_config
 from xlserve.models.interface import LanguageModel
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
-from xlserve.server.cache import CorruptState, Lease, SessionCache, SessionData
-from xlserve.server.cache.session_cache import Replay
-from xlserve.server.cache.codec import decode, session_data
+from xlserve.server.cache import CorruptState, SessionInfo
+from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
+from xlserve.server.cache.codec import SessionData, decode, session_data
 from xlserve.server.cache.prefix_cache import PrefixCache
 from xlserve.server.engine.errors import InvalidInput, ModelNotFound
 from xlserve.server.engine.memory import MemoryReturner
@@ -68,7 +63,51 @@ from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine, EventSink
 from xlserve.server.engine.threads import own_torch_threads, threads_per_engine
 from xlserve.server.engine.types import SamplingParams
-from xlserve.server.engine.wire import FrameWriter, error_to_wire, event_to_wire, is_last, read_frame
+from xlserve.server.engine.wire import (
+    REQUESTS,
+    Accepted,
+    Acquire,
+    Acquired,
+    Append,
+    Cancel,
+    CheckIdle,
+    Closed,
+    Commit,
+    CreateSession,
+    DeleteSession,
+    Done,
+    EngineSettings,
+    ExportedState,
+    ExportState,
+    ForkSession,
+    FrameKind,
+    FrameWriter,
+    Generate,
+    GetMetrics,
+    GetSession,
+    Idleness,
+    ImportSession,
+    ListSessions,
+    MetricsText,
+    Operation,
+    Ready,
+    Release,
+    ReplaceState,
+    Reply,
+    Request,
+    SessionChanged,
+    SessionDescription,
+    SessionPage,
+    StartFailed,
+    StopAdmitting,
+    answer_frame,
+    decode_request,
+    error_answer_frame,
+    event_to_wire,
+    events_frame,
+    is_last,
+    read_frame,
+)
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings, masked_url
 
@@ -177,11 +216,55 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
 # -- the process -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Handler:
+    method: Callable[[EngineProcess, Request], Reply | Deferred | None]
+    # answered on the reader thread, in the order the frames came: quick work only, and what must
+    # not wait behind a session operation's I/O (a cancel)
+    inline: bool
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A handler's answer that comes later, from `work` run on the session-op pool: it may wait
+    on I/O, which the reader thread must never do."""
+
+    work: Callable[[], Reply]
+
+
+class HandlerTable:
+    """Which method of EngineProcess answers each request class (server/engine/wire.py), as
+    registered with `register`; `check_complete` says whether every class has one."""
+
+    def __init__(self):
+        self.handlers: dict[type[Request], Handler] = {}
+
+    def register(self, request_class: type[Request], inline: bool = False):
+        def decorate(method):
+            if request_class in self.handlers:
+                raise TypeError(f"two handlers for {request_class.__name__}")
+            self.handlers[request_class] = Handler(method, inline)
+            return method
+
+        return decorate
+
+    def __getitem__(self, request_class: type[Request]) -> Handler:
+        return self.handlers[request_class]
+
+    def check_complete(self) -> None:
+        missing = sorted(cls.__name__ for cls in REQUESTS.values() if cls not in self.handlers)
+        if missing:
+            raise RuntimeError(f"the engine process has no handler for {', '.join(missing)}")
+
+
 class EngineProcess:
-    """Answers the API process's frames, one `op_<name>` method per operation, and sends the
-    engines' events back as they come."""
+    """Answers the API process's requests, each with the handler registered for its class, and
+    sends the engines' events back as they come."""
+
+    handlers = HandlerTable()
 
     def __init__(self, settings: Settings, sock: socket.socket):
+        self.handlers.check_complete()  # before anything loads: a request nobody answers is a bug
         self.settings = settings
         self.sock = sock
         self.writer = FrameWriter(sock)
@@ -212,7 +295,7 @@ class EngineProcess:
         self.memory = MemoryReturner.for_engine_process(
             lambda: all(loaded.engine.idle for loaded in self.models.values()), settings.return_memory)
 
-    def ready_frame(self) -> dict:
+    def ready(self) -> Ready:
         """The models (what /v1/models says, and what the API process needs to tokenise for
         them) and what the start-up log says about this process."""
         models = []
@@ -230,14 +313,13 @@ class EngineProcess:
                  "host_bytes": settings.host_state_bytes, "disk_bytes": settings.disk_state_bytes,
                  "redis": masked_url(settings.redis_url) if settings.redis_url else None,
                  "sessions": self.sessions_found}
-        return {"op": "ready", "models": models, "pid": os.getpid(),
-                "threads": {"forward": threads, "prompt": prompt_threads, "cores": os.cpu_count()},
-                "session_store": store}
+        return Ready(models, os.getpid(), {"forward": threads, "prompt": prompt_threads, "cores": os.cpu_count()},
+                     store)
 
     def serve(self, stream=None) -> None:
         """Answer frames until `shutdown` or until the API process is gone (`stream`: the socket's
         reader, when main() has already read the settings frame from it)."""
-        self.writer.send(self.ready_frame())
+        self.writer.send(*self.ready().frame())
         stream = stream if stream is not None else self.sock.makefile("rb")
         graceful = False
         while True:
@@ -245,13 +327,13 @@ class EngineProcess:
             if frame is None:
                 break
             header, blob = frame
-            if header["op"] == "shutdown":
+            if header["op"] == FrameKind.SHUTDOWN.value:
                 graceful = True
                 break
             self.dispatch(header, blob)
         self.close()
         if graceful:
-            self.writer.send({"op": "closed"})
+            self.writer.send(*Closed().frame())
 
     def close(self) -> None:
         self.memory.close()
@@ -262,39 +344,40 @@ class EngineProcess:
 
     # -- dispatch --------------------------------------------------------------------------
 
-    INLINE = {"generate", "append", "cancel", "release", "stop_admitting", "idle", "metrics"}
-
     def dispatch(self, header: dict, blob: bytes | None) -> None:
-        op = header["op"]
-        handler = getattr(self, "op_" + op, None)
-        if handler is None:
-            self.answer(header, error=ValueError(f"unknown operation {op!r}"))
-        elif op in self.INLINE:
-            self.run(handler, header, blob)
-        else:
-            self.pool.submit(self.run, handler, header, blob)
-
-    def run(self, handler, header: dict, blob: bytes | None) -> None:
+        """Run the handler of the request a frame carries (on this thread if it is inline, on
+        the session-op pool otherwise); its reply or error goes back under the frame's id."""
+        call_id = header.get("id")
         try:
-            result = handler(header, blob)
+            request = decode_request(header, blob)
+        except (ValueError, TypeError) as error:  # an operation nobody defined, fields that do not fit it
+            self.answer_error(call_id, header.get("op"), error)
+            return
+        handler = self.handlers[type(request)]
+        work = functools.partial(handler.method, self, request)
+        if handler.inline:
+            self.run(work, call_id, request.operation)
+        else:
+            self.pool.submit(self.run, work, call_id, request.operation)
+
+    def run(self, work: Callable[[], Reply | Deferred | None], call_id: int | None, operation: Operation) -> None:
+        try:
+            result = work()
         except Exception as error:
-            self.answer(header, error=error)
+            self.answer_error(call_id, operation.value, error)
             return
         finally:
             self.memory.freed()  # a delete, release or commit may have let go of a state
-        if result is not None:
-            body, data = result if isinstance(result, tuple) else (result, None)
-            self.answer(header, body, data)
+        if isinstance(result, Deferred):
+            self.pool.submit(self.run, result.work, call_id, operation)
+        elif result is not None and call_id is not None:
+            self.writer.send(*answer_frame(call_id, result))
 
-    def answer(self, header: dict, body=None, blob: bytes | None = None, error: BaseException | None = None) -> None:
-        if "id" not in header:
-            if error is not None:
-                log.error("engine process: %s failed: %r", header.get("op"), error)
-            return
-        if error is not None:
-            self.writer.send({"op": "answer", "id": header["id"], "error": error_to_wire(error)})
+    def answer_error(self, call_id: int | None, operation: str | None, error: BaseException) -> None:
+        if call_id is None:  # a notice: nobody waits for an answer
+            log.error("engine process: %s failed: %r", operation, error)
         else:
-            self.writer.send({"op": "answer", "id": header["id"], "ok": body}, blob)
+            self.writer.send(*error_answer_frame(call_id, error))
 
     def loaded(self, name: str) -> LoadedModel:
         try:
@@ -311,43 +394,42 @@ class EngineProcess:
 
     # -- generation --------------------------------------------------------------------------
 
-    def op_generate(self, header: dict, blob) -> dict | None:
-        engine = self.loaded(header["model"]).engine
-        if header.get("lease") is None and header.get("prefix_scope") is not None and engine.prefix_lookup_waits:
+    @handlers.register(Generate, inline=True)
+    def generate(self, request: Generate) -> Accepted | Deferred:
+        engine = self.loaded(request.model).engine
+        if request.lease is None and request.prefix_scope is not None and engine.prefix_lookup_waits:
             # the prefix cache asks Redis: not on the reader thread, where it would hold up every
             # other frame; registered first, so that a cancel sent meanwhile is not lost
             cancelled = threading.Event()
             with self.lock:
-                self.requests[header["id"]] = (_PendingLookup(cancelled), engine, None)
-            self.pool.submit(self.run, lambda h, b: self._generate(h, engine, cancelled), header, blob)
-            return None
-        return self._generate(header, engine)
+                self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
+            return Deferred(lambda: self._generate(request, engine, cancelled))
+        return self._generate(request, engine)
 
-    def _generate(self, header: dict, engine: Engine, cancelled: threading.Event | None = None) -> dict:
-        lease_id = header.get("lease")
-        params = SamplingParams(**header["params"])
-        scope = header.get("prefix_scope")
-        if lease_id is not None:
-            fields = {"start": self.lease(lease_id).data}
-        elif scope is not None:  # no session: reuse the longest cached prefix of the prompt
+    def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None) -> Accepted:
+        params = request.params
+        if request.lease is not None:
+            fields = {"start": self.lease(request.lease).data}
+        elif request.prefix_scope is not None:  # no session: reuse the longest cached prefix of the prompt
             echo_alternatives = params.echo and bool(params.logprobs)
-            fields = engine.start_from_prefix(header["prompt"], bytes.fromhex(scope), echo_alternatives)
+            fields = engine.start_from_prefix(request.prompt, bytes.fromhex(request.prefix_scope), echo_alternatives)
         else:
             fields = {"start": engine.fresh_data()}
         if cancelled is not None:
             fields["cancelled"] = cancelled
-        request = EngineRequest("generate", header["prompt"], params=params, keep_state=lease_id is not None,
-                                handle=header["id"], **fields)
-        return self._enqueue(request, engine, lease_id)
+        queued = EngineRequest("generate", request.prompt, params=params, keep_state=request.lease is not None,
+                               handle=request.request_id, **fields)
+        return self._enqueue(queued, engine, request.lease)
 
-    def op_append(self, header: dict, blob) -> dict:
-        lease = self.lease(header["lease"])
+    @handlers.register(Append, inline=True)
+    def append(self, request: Append) -> Accepted:
+        lease = self.lease(request.lease)
         engine = self.loaded(lease.info.model).engine
-        request = EngineRequest("append", header["tokens"], lease.data, SamplingParams(max_tokens=0),
-                                score=header["score"], handle=header["id"])
-        return self._enqueue(request, engine, header["lease"])
+        queued = EngineRequest("append", request.tokens, lease.data, SamplingParams(max_tokens=0), score=request.score,
+                               handle=request.request_id)
+        return self._enqueue(queued, engine, request.lease)
 
-    def _enqueue(self, request: EngineRequest, engine: Engine, lease_id: int | None) -> dict:
+    def _enqueue(self, request: EngineRequest, engine: Engine, lease_id: int | None) -> Accepted:
         """Queue `request` (its handle is its id), registered first: its events may come at once."""
         with self.lock:
             self.requests[request.handle] = (request, engine, lease_id)
@@ -357,14 +439,15 @@ class EngineProcess:
             with self.lock:
                 self.requests.pop(request.handle, None)
             raise
-        return {"accepted": True}  # the request's events may already be on their way
+        return Accepted()
 
-    def op_cancel(self, header: dict, blob) -> None:
+    @handlers.register(Cancel, inline=True)
+    def cancel(self, request: Cancel) -> None:
         with self.lock:
-            running = self.requests.get(header["request"])
+            running = self.requests.get(request.request_id)
         if running is not None:
-            request, engine, _ = running
-            request.cancelled.set()
+            queued, engine, _ = running
+            queued.cancelled.set()
             engine.wake()
 
     def _send_events(self, items: list[tuple[int, object]]) -> None:
@@ -375,7 +458,7 @@ class EngineProcess:
                 self._ended(request_id, getattr(event, "data", None))
             events.append(event_to_wire(request_id, event))
         try:
-            self.writer.send({"op": "events", "events": events})
+            self.writer.send(*events_frame(events))
         except OSError:  # the API process is gone; the reader thread sees it too and shuts down
             pass
 
@@ -393,80 +476,93 @@ class EngineProcess:
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def op_acquire(self, header: dict, blob) -> dict:
-        lease = self.cache.acquire(header["session_id"], header["owner"], header.get("idempotency"))
+    @handlers.register(Acquire)
+    def acquire(self, request: Acquire) -> Acquired:
+        lease = self.cache.acquire(request.session_id, request.owner, request.idempotency)
         if lease.replay is not None:  # the request's Idempotency-Key was seen: its first result, nothing held
-            return {"replay": lease.replay, "info": asdict(lease.info)}
+            return Acquired(lease.info, replay=lease.replay)
         with self.lock:
             lease_id = next(self.lease_ids)
             self.leases[lease_id] = lease
-        return {"lease": lease_id, "info": asdict(lease.info), "has_history": lease.data.next_log_probs is not None}
+        return Acquired(lease.info, lease_id, has_history=lease.data.next_log_probs is not None)
 
-    def op_commit(self, header: dict, blob) -> dict:
-        lease = self.lease(header["lease"])
+    @handlers.register(Commit)
+    def commit(self, request: Commit) -> SessionDescription:
+        lease = self.lease(request.lease)
         with self.lock:
-            data = self.results.pop(header["lease"], None)
+            data = self.results.pop(request.lease, None)
         if data is None:
             raise ValueError("nothing to commit: the request did not finish")
-        return asdict(self.cache.commit(lease, data, header.get("remember")))
+        return SessionDescription(self.cache.commit(lease, data, request.remember))
 
-    def op_release(self, header: dict, blob) -> None:
+    @handlers.register(Release, inline=True)
+    def release(self, request: Release) -> None:
         with self.lock:
-            lease = self.leases.pop(header["lease"], None)
-            self.results.pop(header["lease"], None)
+            lease = self.leases.pop(request.lease, None)
+            self.results.pop(request.lease, None)
         if lease is not None:
             self.cache.release(lease)
 
-    def op_create(self, header: dict, blob) -> dict:
-        engine = self.loaded(header["model"]).engine
-        return asdict(self.cache.create(header["model"], header["owner"], engine.fresh_data()))
+    @handlers.register(CreateSession)
+    def create_session(self, request: CreateSession) -> SessionDescription:
+        engine = self.loaded(request.model).engine
+        return SessionDescription(self.cache.create(request.model, request.owner, engine.fresh_data()))
 
-    def op_info(self, header: dict, blob) -> dict:
-        return asdict(self.cache.info(header["session_id"], header["owner"]))
+    @handlers.register(GetSession)
+    def get_session(self, request: GetSession) -> SessionDescription:
+        return SessionDescription(self.cache.info(request.session_id, request.owner))
 
-    def op_list_sessions(self, header: dict, blob) -> dict:
+    @handlers.register(ListSessions)
+    def list_sessions(self, request: ListSessions) -> SessionPage:
         try:
-            infos, has_more = self.cache.list_sessions(header["owner"], header["limit"], header.get("after"))
+            infos, has_more = self.cache.list_sessions(request.owner, request.limit, request.after)
         except ValueError as error:
             raise InvalidInput(str(error), param="after") from None
-        return {"data": [asdict(info) for info in infos], "has_more": has_more}
+        return SessionPage(infos, has_more)
 
-    def op_delete(self, header: dict, blob) -> dict:
-        replay = self.cache.delete(header["session_id"], header["owner"], header.get("idempotency"))
-        return {} if replay is None else {"replay": replay.entry}
+    @handlers.register(DeleteSession)
+    def delete_session(self, request: DeleteSession) -> SessionChanged:
+        replay = self.cache.delete(request.session_id, request.owner, request.idempotency)
+        return SessionChanged(replay=None if replay is None else replay.entry)
 
-    def op_fork(self, header: dict, blob) -> dict:
-        return _maybe_replay(self.cache.fork(header["session_id"], header["owner"], header.get("idempotency")))
+    @handlers.register(ForkSession)
+    def fork_session(self, request: ForkSession) -> SessionChanged:
+        return _changed(self.cache.fork(request.session_id, request.owner, request.idempotency))
 
-    def op_export(self, header: dict, blob) -> tuple[dict, bytes]:
-        info, data = self.cache.export(header["session_id"], header["owner"])
-        return asdict(info), data
+    @handlers.register(ExportState)
+    def export_state(self, request: ExportState) -> ExportedState:
+        info, state = self.cache.export(request.session_id, request.owner)
+        return ExportedState(info, state)
 
-    def op_import_new(self, header: dict, blob: bytes) -> dict:
-        meta, tensors, next_log_probs = decode_import(blob)
-        loaded = self.loaded(header.get("model") or meta.get("model", ""))
+    @handlers.register(ImportSession)
+    def import_session(self, request: ImportSession) -> SessionDescription:
+        meta, tensors, next_log_probs = decode_import(request.state)
+        loaded = self.loaded(request.model or meta.get("model", ""))
         data = validated_import(loaded.name, loaded.model, meta, tensors, next_log_probs)
-        return asdict(self.cache.import_new(loaded.name, header["owner"], data))
+        return SessionDescription(self.cache.import_new(loaded.name, request.owner, data))
 
-    def op_replace(self, header: dict, blob: bytes) -> dict:
-        current = self.cache.info(header["session_id"], header["owner"])
+    @handlers.register(ReplaceState)
+    def replace_state(self, request: ReplaceState) -> SessionChanged:
+        current = self.cache.info(request.session_id, request.owner)
         loaded = self.loaded(current.model)
-        data = validated_import(loaded.name, loaded.model, *decode_import(blob))
-        return _maybe_replay(self.cache.replace(header["session_id"], header["owner"], data,
-                                                header.get("idempotency")))
+        data = validated_import(loaded.name, loaded.model, *decode_import(request.state))
+        return _changed(self.cache.replace(request.session_id, request.owner, data, request.idempotency))
 
     # -- the server's life -------------------------------------------------------------------
 
-    def op_stop_admitting(self, header: dict, blob) -> dict:
+    @handlers.register(StopAdmitting, inline=True)
+    def stop_admitting(self, request: StopAdmitting) -> Done:
         for loaded in self.models.values():
             loaded.engine.stop_admitting()
-        return {}
+        return Done()
 
-    def op_idle(self, header: dict, blob) -> dict:
-        return {"idle": all(loaded.engine.idle for loaded in self.models.values())}
+    @handlers.register(CheckIdle, inline=True)
+    def check_idle(self, request: CheckIdle) -> Idleness:
+        return Idleness(all(loaded.engine.idle for loaded in self.models.values()))
 
-    def op_metrics(self, header: dict, blob) -> dict:
-        return {"text": self.metrics.render(engine_side=True).decode()}
+    @handlers.register(GetMetrics, inline=True)
+    def get_metrics(self, request: GetMetrics) -> MetricsText:
+        return MetricsText(self.metrics.render(engine_side=True).decode())
 
 
 @dataclass
@@ -478,9 +574,9 @@ class _PendingLookup:
     rows: list = None
 
 
-def _maybe_replay(result) -> dict:
-    """A session operation's answer: its info, or {"replay": entry} for an Idempotency-Key seen before."""
-    return {"replay": result.entry} if isinstance(result, Replay) else asdict(result)
+def _changed(result: SessionInfo | Replay) -> SessionChanged:
+    """A session change's reply: the session after it, or the entry of an Idempotency-Key seen before."""
+    return SessionChanged(replay=result.entry) if isinstance(result, Replay) else SessionChanged(info=result)
 
 
 def _die_with_parent() -> None:
@@ -494,12 +590,12 @@ def _die_with_parent() -> None:
 
 
 def read_settings(stream) -> Settings:
-    """The first frame from the API process: {"op": "settings", "settings": {...}} (as JSON,
-    without the API keys). Over the socket, not argv: a Redis URL may hold a password."""
+    """The first frame from the API process: `EngineSettings` (as JSON, without the API keys).
+    Over the socket, not argv: a Redis URL may hold a password."""
     frame = read_frame(stream)
-    if frame is None or frame[0].get("op") != "settings":
+    if frame is None or frame[0].get("op") != FrameKind.SETTINGS.value:
         raise RuntimeError("the API process sent no settings")
-    return Settings(**frame[0]["settings"])
+    return Settings(**EngineSettings.from_frame(frame[0]).settings)
 
 
 def main(argv: list[str]) -> None:
@@ -525,7 +621,7 @@ def main(argv: list[str]) -> None:
         if password:
             message, details = message.replace(password, "***"), details.replace(password, "***")
         try:
-            FrameWriter(sock).send({"op": "failed", "error": message, "traceback": details})
+            FrameWriter(sock).send(*StartFailed(message, details).frame())
         except OSError:  # the API process is gone too: this line is all anyone gets
             print(f"xlserve engine process: {message}", file=sys.stderr)
         sys.exit(1)

@@ -1,29 +1,55 @@
-"""The framing between the API process and the engine process (server/engine/process.py); used
-on both sides, free of torch.
+"""The messages between the API process and the engine process (server/engine/process.py),
+and their framing; used on both sides, free of torch.
 
-A frame is a 4-byte big-endian length, a JSON header of that length, and, when the header says
-`"blob": n`, n raw bytes (a safetensors session state). JSON and raw bytes only: nothing that
-crosses the socket is ever unpickled.
+**Frames.** A frame is a 4-byte big-endian length, a JSON header of that length, and, when the
+header says `"blob": n`, n raw bytes (a safetensors session state). JSON and raw bytes only:
+nothing that crosses the socket is ever unpickled. Every header names its kind in "op": an
+`Operation` (a request) or a `FrameKind` (everything else).
 
-A request's events (server/engine/types.py) cross as compact lists (`event_to_wire`), one step's
-worth per frame. Errors cross as `error_to_wire` dicts and come back as the same exception
-classes (an explicit registry, below), so the one exception -> status table
-(server/api/errors.py) works on the API side.
+**Requests and replies.** What the API process asks is one dataclass per `Operation` (a
+`Request` subclass: `Generate`, `Acquire`, `ExportState`, ...), each naming the dataclass of its
+reply (`Accepted`, `Acquired`, `ExportedState`, ...), or none for a notice that is never answered
+(`Cancel`, `Release`). A request crosses as {"op", "id"?, its fields}, its reply inside an
+`answer` frame as {"op": "answer", "id", "ok": its fields} or, when it failed, {"op": "answer",
+"id", "error"}. A field typed `bytes` (a session state) crosses as the frame's blob. The engine
+process answers each request class with one handler (process.py `EngineProcess.handlers`), the
+API process sends each from one method of `EngineClient` (client.py);
+tests/server/test_wire.py checks that all three agree.
+
+**The other frames** (`FrameKind`): `settings` first from the API process (never on the
+command line, which `ps` shows to everyone: a Redis URL may hold a password) and `shutdown`
+last; from the engine process `ready` once loaded (or `failed`, why not), `events` once per
+engine step, and `closed` after a shutdown.
+
+**Events** of a request (server/engine/types.py) cross as compact lists (`event_to_wire`), every
+event of one engine step in one `events` frame, keyed by the `request_id` of the `Generate` or
+`Append` that started it. **Errors** cross as `error_to_wire` dicts and come back as the same
+exception classes (through the registry of server/errors.py), so the API's status table
+(server/api/errors.py) works on them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
+import functools
 import json
 import socket
 import struct
 import threading
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import xlserve.server.engine.types as engine_types
 # the engine's and the cache's errors modules define (and so register) every class the wire
 # rebuilds: imported here so that the registry is whole wherever the wire is used
-import xlserve.server.cache.errors  # noqa: F401
 import xlserve.server.engine.errors  # noqa: F401
+from xlserve.server.cache.errors import SessionInfo
+from xlserve.server.engine.types import SamplingParams
 from xlserve.server.errors import ERROR_CLASSES, RegisteredError
 
 HEADER = struct.Struct(">I")
@@ -72,6 +98,411 @@ async def read_frame_async(reader) -> tuple[dict, bytes | None] | None:
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
     return header, blob
+
+
+# -- kinds of frame ------------------------------------------------------------------------------
+
+
+class Operation(enum.Enum):
+    """What the API process asks of the engine process; one `Request` class each."""
+
+    GENERATE = "generate"
+    APPEND = "append"
+    CANCEL = "cancel"
+    ACQUIRE = "acquire"
+    COMMIT = "commit"
+    RELEASE = "release"
+    CREATE_SESSION = "create_session"
+    GET_SESSION = "get_session"
+    LIST_SESSIONS = "list_sessions"
+    DELETE_SESSION = "delete_session"
+    FORK_SESSION = "fork_session"
+    EXPORT_STATE = "export_state"
+    REPLACE_STATE = "replace_state"
+    IMPORT_SESSION = "import_session"
+    STOP_ADMITTING = "stop_admitting"
+    CHECK_IDLE = "check_idle"
+    GET_METRICS = "get_metrics"
+
+
+class FrameKind(enum.Enum):
+    """The frames that are not requests."""
+
+    SETTINGS = "settings"  # API -> engine, first: `EngineSettings`
+    SHUTDOWN = "shutdown"  # API -> engine, last: write the sessions down and exit
+    READY = "ready"  # engine -> API, once: `Ready`
+    FAILED = "failed"  # engine -> API, instead of `ready`: `StartFailed`
+    ANSWER = "answer"  # engine -> API: a request's reply, or its error
+    EVENTS = "events"  # engine -> API, once per engine step: its events
+    CLOSED = "closed"  # engine -> API, after `shutdown`: everything is written
+
+
+# -- the codec shared by every message -------------------------------------------------------------
+
+
+@functools.cache
+def _field_codecs(message_class: type) -> tuple[tuple[str, Callable | None, Callable | None, bool], ...]:
+    """(name, encode, decode, is the blob) for each field of a message class, from its types:
+    dataclasses (SessionInfo, SamplingParams) cross as JSON objects, a list of them as a list,
+    `bytes` as the frame's blob, anything else (JSON already) as it is (encode/decode None)."""
+    hints = typing.get_type_hints(message_class)
+    codecs = []
+    for spec in dataclasses.fields(message_class):
+        kind = hints[spec.name]
+        options = typing.get_args(kind) if isinstance(kind, types.UnionType) or \
+            typing.get_origin(kind) is typing.Union else (kind,)
+        kind = next((option for option in options if option is not type(None)), kind)  # X | None -> X
+        item = typing.get_args(kind)[0] if typing.get_origin(kind) is list and typing.get_args(kind) else None
+        if kind is bytes:
+            codecs.append((spec.name, None, None, True))
+        elif dataclasses.is_dataclass(kind):
+            codecs.append((spec.name, dataclasses.asdict, lambda value, kind=kind: kind(**value), False))
+        elif item is not None and dataclasses.is_dataclass(item):
+            codecs.append((spec.name, lambda values: [dataclasses.asdict(value) for value in values],
+                           lambda values, item=item: [item(**value) for value in values], False))
+        else:
+            codecs.append((spec.name, None, None, False))
+    return tuple(codecs)
+
+
+class Message:
+    """A dataclass that crosses the socket: its fields as the JSON header, a `bytes` field (at
+    most one) as the frame's blob."""
+
+    def to_frame(self) -> tuple[dict[str, Any], bytes | None]:
+        fields, blob = {}, None
+        for name, encode, _, is_blob in _field_codecs(type(self)):
+            value = getattr(self, name)
+            if is_blob:
+                blob = value
+            else:
+                fields[name] = value if encode is None or value is None else encode(value)
+        return fields, blob
+
+    @classmethod
+    def from_frame(cls, fields: dict[str, Any], blob: bytes | None = None):
+        """The message back from `to_frame`; a field missing from `fields` takes its default
+        (TypeError if it has none)."""
+        values = {}
+        for name, _, decode, is_blob in _field_codecs(cls):
+            if is_blob:
+                values[name] = blob
+            elif name in fields:
+                value = fields[name]
+                values[name] = value if decode is None or value is None else decode(value)
+        return cls(**values)
+
+
+# -- replies ---------------------------------------------------------------------------------------
+
+
+class Reply(Message):
+    """The answer to a request."""
+
+
+@dataclass
+class Accepted(Reply):
+    """The request is queued; its events may already be on their way."""
+
+
+@dataclass
+class Done(Reply):
+    """It is done; there is nothing more to say."""
+
+
+@dataclass
+class Acquired(Reply):
+    """A request's hold on a session, or, for an Idempotency-Key seen before, that key's
+    remembered entry (`replay`) and nothing held."""
+
+    info: SessionInfo  # as of the acquire
+    lease: int | None = None  # None with a replay
+    has_history: bool = False  # the session has a next-token distribution to continue from
+    replay: dict | None = None
+
+
+@dataclass
+class SessionDescription(Reply):
+    info: SessionInfo
+
+
+@dataclass
+class SessionChanged(Reply):
+    """A change that may carry an Idempotency-Key (fork, replace, delete): the session after it
+    (none after a delete), or, for a key seen before, the entry remembered with it (`replay`,
+    whose "result" is what the first request was answered)."""
+
+    info: SessionInfo | None = None
+    replay: dict | None = None
+
+
+@dataclass
+class SessionPage(Reply):
+    """Some of an owner's sessions, newest first, and whether more follow."""
+
+    sessions: list[SessionInfo]
+    has_more: bool
+
+
+@dataclass
+class ExportedState(Reply):
+    info: SessionInfo
+    state: bytes  # safetensors (server/cache/codec.py)
+
+
+@dataclass
+class Idleness(Reply):
+    idle: bool  # no engine has a request queued or running
+
+
+@dataclass
+class MetricsText(Reply):
+    text: str  # the engine process's series, in the Prometheus text format
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+# every request class, by its operation (filled as the classes below are defined)
+REQUESTS: dict[Operation, type[Request]] = {}
+
+
+class Request(Message):
+    """What the API process asks. A subclass names its operation and its reply's class:
+    `class Acquire(Request, operation=Operation.ACQUIRE, reply=Acquired)`; reply None: a notice,
+    which is never answered."""
+
+    operation: ClassVar[Operation]
+    reply: ClassVar[type[Reply] | None]
+
+    def __init_subclass__(cls, operation: Operation, reply: type[Reply] | None, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if operation in REQUESTS:
+            raise TypeError(f"two request classes for {operation}: {REQUESTS[operation].__name__} and {cls.__name__}")
+        cls.operation, cls.reply = operation, reply
+        REQUESTS[operation] = cls
+
+
+@dataclass
+class Generate(Request, operation=Operation.GENERATE, reply=Accepted):
+    """Queue a generation; its events follow, keyed by `request_id`. With a `lease` it continues
+    that session (its new state waits for `Commit`); without one, `prefix_scope` (hex,
+    server/cache/prefix_cache.py `scope_key`) lets it start from the longest cached prefix of
+    its prompt."""
+
+    request_id: int
+    model: str
+    prompt: list[int]
+    params: SamplingParams
+    lease: int | None = None
+    prefix_scope: str | None = None
+
+
+@dataclass
+class Append(Request, operation=Operation.APPEND, reply=Accepted):
+    """Feed a document chunk into a leased session (its new state waits for `Commit`); the
+    last event is an Appended. `score`: sum the log-probabilities of the tokens."""
+
+    request_id: int
+    lease: int
+    tokens: list[int]
+    score: bool = False
+
+
+@dataclass
+class Cancel(Request, operation=Operation.CANCEL, reply=None):
+    """Drop a generation or append at the engine's next step (it ends with Cancelled)."""
+
+    request_id: int
+
+
+@dataclass
+class Acquire(Request, operation=Operation.ACQUIRE, reply=Acquired):
+    """Hold a session for a request. `idempotency` ({key, fingerprint}): a key seen before on
+    the session answers with its remembered entry instead."""
+
+    session_id: str
+    owner: str | None
+    idempotency: dict | None = None
+
+
+@dataclass
+class Commit(Request, operation=Operation.COMMIT, reply=SessionDescription):
+    """Make the state the leased request ended with the session's; `remember` ({key,
+    fingerprint, result}): the request's Idempotency-Key, written with it."""
+
+    lease: int
+    remember: dict | None = None
+
+
+@dataclass
+class Release(Request, operation=Operation.RELEASE, reply=None):
+    """Let go of a lease (without a commit, its request's state is dropped)."""
+
+    lease: int
+
+
+@dataclass
+class CreateSession(Request, operation=Operation.CREATE_SESSION, reply=SessionDescription):
+    model: str
+    owner: str | None
+
+
+@dataclass
+class GetSession(Request, operation=Operation.GET_SESSION, reply=SessionDescription):
+    session_id: str
+    owner: str | None
+
+
+@dataclass
+class ListSessions(Request, operation=Operation.LIST_SESSIONS, reply=SessionPage):
+    owner: str | None
+    limit: int
+    after: str | None = None  # the last session of the previous page
+
+
+@dataclass
+class DeleteSession(Request, operation=Operation.DELETE_SESSION, reply=SessionChanged):
+    session_id: str
+    owner: str | None
+    idempotency: dict | None = None
+
+
+@dataclass
+class ForkSession(Request, operation=Operation.FORK_SESSION, reply=SessionChanged):
+    """A new session starting from this one's committed state."""
+
+    session_id: str
+    owner: str | None
+    idempotency: dict | None = None
+
+
+@dataclass
+class ExportState(Request, operation=Operation.EXPORT_STATE, reply=ExportedState):
+    session_id: str
+    owner: str | None
+
+
+@dataclass
+class ReplaceState(Request, operation=Operation.REPLACE_STATE, reply=SessionChanged):
+    """Make `state` (safetensors, checked against the session's model) the session's, as one commit."""
+
+    session_id: str
+    owner: str | None
+    state: bytes
+    idempotency: dict | None = None
+
+
+@dataclass
+class ImportSession(Request, operation=Operation.IMPORT_SESSION, reply=SessionDescription):
+    """A new session from `state` (safetensors), for `model` or the model the state names."""
+
+    model: str | None
+    owner: str | None
+    state: bytes
+
+
+@dataclass
+class StopAdmitting(Request, operation=Operation.STOP_ADMITTING, reply=Done):
+    """Graceful shutdown: refuse new requests (ShuttingDown), let running ones finish."""
+
+
+@dataclass
+class CheckIdle(Request, operation=Operation.CHECK_IDLE, reply=Idleness):
+    pass
+
+
+@dataclass
+class GetMetrics(Request, operation=Operation.GET_METRICS, reply=MetricsText):
+    pass
+
+
+# -- the other frames ------------------------------------------------------------------------------
+
+
+class ControlMessage(Message):
+    """A frame that is neither a request nor an answer: its kind is its class's."""
+
+    kind: ClassVar[FrameKind]
+
+    def frame(self) -> tuple[dict, bytes | None]:
+        fields, blob = self.to_frame()
+        return {"op": self.kind.value, **fields}, blob
+
+
+@dataclass
+class EngineSettings(ControlMessage):
+    """The first frame: the server's settings (server/settings.py, as JSON, without the API keys)."""
+
+    kind: ClassVar[FrameKind] = FrameKind.SETTINGS
+    settings: dict
+
+
+@dataclass
+class Shutdown(ControlMessage):
+    """The last frame: write the sessions down and exit (after `Closed`)."""
+
+    kind: ClassVar[FrameKind] = FrameKind.SHUTDOWN
+
+
+@dataclass
+class Ready(ControlMessage):
+    """The engine process has loaded its models and opened the session cache."""
+
+    kind: ClassVar[FrameKind] = FrameKind.READY
+    # per model: name, directory, vocab_size, checkpoint_config, card (what /v1/models says),
+    # device, dtype, load_seconds
+    models: list[dict]
+    pid: int
+    threads: dict = field(default_factory=dict)  # forward, prompt (per model) and cores
+    session_store: dict = field(default_factory=dict)  # where sessions live, and how many were found
+
+
+@dataclass
+class StartFailed(ControlMessage):
+    """The engine process cannot start: why, in one line, and the traceback for a debug log."""
+
+    kind: ClassVar[FrameKind] = FrameKind.FAILED
+    error: str
+    traceback: str = ""
+
+
+@dataclass
+class Closed(ControlMessage):
+    """The engine process has shut down: every session is written."""
+
+    kind: ClassVar[FrameKind] = FrameKind.CLOSED
+
+
+def request_frame(request: Request, call_id: int | None = None) -> tuple[dict, bytes | None]:
+    """A request's frame (header, blob); `call_id` for a request that is answered."""
+    fields, blob = request.to_frame()
+    header = {"op": request.operation.value, **fields}
+    if call_id is not None:
+        header["id"] = call_id
+    return header, blob
+
+
+def decode_request(header: dict, blob: bytes | None) -> Request:
+    """The request a frame carries; ValueError for an operation nobody defined."""
+    try:
+        request_class = REQUESTS[Operation(header["op"])]
+    except ValueError:
+        raise ValueError(f"unknown operation {header['op']!r}") from None
+    return request_class.from_frame(header, blob)
+
+
+def answer_frame(call_id: int, reply: Reply) -> tuple[dict, bytes | None]:
+    fields, blob = reply.to_frame()
+    return {"op": FrameKind.ANSWER.value, "id": call_id, "ok": fields}, blob
+
+
+def error_answer_frame(call_id: int, error: BaseException) -> tuple[dict, None]:
+    return {"op": FrameKind.ANSWER.value, "id": call_id, "error": error_to_wire(error)}, None
+
+
+def events_frame(events: list[list]) -> tuple[dict, None]:
+    """One engine step's events, each already `event_to_wire`d."""
+    return {"op": FrameKind.EVENTS.value, "events": events}, None
 
 
 # -- events --------------------------------------------------------------------------------------

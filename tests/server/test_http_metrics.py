@@ -52,7 +52,7 @@ class FakeEngine:
             submission.queue.put_nowait(event)
         return submission
 
-    async def session_call(self, op, *args, **kwargs):
+    async def session_info(self, session_id, owner):
         raise self.session_error
 
     async def acquire(self, session_id, owner, key):

@@ -134,7 +134,8 @@ def test_the_engine_process_lets_go_of_a_finished_request_at_once(tmp_path):
     from xlserve.models.registry import build_model
     from xlserve.models.training.train import preset_config
     from xlserve.server.engine.process import EngineProcess
-    from xlserve.server.engine.wire import event_from_wire, is_last, read_frame
+    from xlserve.server.engine.types import SamplingParams
+    from xlserve.server.engine.wire import Generate, event_from_wire, is_last, read_frame, request_frame
     from xlserve.server.settings import Settings
 
     import torch
@@ -158,9 +159,8 @@ def test_the_engine_process_lets_go_of_a_finished_request_at_once(tmp_path):
     collecting = gc.isenabled()
     gc.disable()
     try:
-        params = {"max_tokens": 8, "temperature": 0, "n": 2}  # two rows: each refers back to the request
-        process.dispatch({"op": "generate", "id": 1, "model": "tiny", "prompt": [100, 101, 102], "params": params},
-                         None)
+        params = SamplingParams(max_tokens=8, temperature=0, n=2)  # two rows: each refers back to the request
+        process.dispatch(*request_frame(Generate(1, "tiny", [100, 101, 102], params), call_id=1))
         ended = False
         deadline = time.monotonic() + 60
         while not ended and time.monotonic() < deadline:

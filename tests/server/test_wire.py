@@ -1,18 +1,205 @@
-"""The framing and error transport between the API process and the engine process."""
+"""The messages, framing and error transport between the API process and the engine process."""
 
 import asyncio
+import dataclasses
 import io
+import json
+import socket
+import threading
 
 from xlserve.server.cache import CacheFull, CorruptState, SessionConflict, SessionLocked, SessionNotFound
+from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.api.errors import as_api_error
 from xlserve.server.engine.errors import (
     Cancelled, EngineGone, InvalidInput, ModelNotFound, QueueFull, ShuttingDown,
 )
-from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, PromptLogprobs, TokenEvent
+from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, PromptLogprobs, SamplingParams, TokenEvent
 from xlserve.server.engine.wire import (
-    encode_frame, error_from_wire, error_to_wire, event_from_wire, event_to_wire, is_last, read_frame,
-    read_frame_async,
+    REQUESTS, Accepted, Acquire, Acquired, Append, Cancel, CheckIdle, Closed, Commit, ControlMessage, CreateSession,
+    DeleteSession, Done, EngineSettings, ExportedState, ExportState, ForkSession, FrameWriter, Generate, GetMetrics,
+    GetSession, Idleness, ImportSession, ListSessions, Message, MetricsText, Operation, Ready, Release, ReplaceState,
+    Reply, Request, SessionChanged, SessionDescription, SessionPage, Shutdown, StartFailed, StopAdmitting,
+    answer_frame, decode_request, encode_frame, error_from_wire, error_to_wire, event_from_wire, event_to_wire,
+    is_last, read_frame, read_frame_async, request_frame,
 )
+
+INFO = SessionInfo("sess_a", "m", "alice", tokens=12, version=3, state_bytes=4096, tier="host", created_at=1.5,
+                   last_used_at=2.5, in_use=True)
+OTHER = dataclasses.replace(INFO, id="sess_b", owner=None, tier="disk", in_use=False)
+KEY = {"key": "k1", "fingerprint": "f1"}
+REPLAY = {**KEY, "result": dataclasses.asdict(OTHER), "version": 4, "tokens": 12, "at": 9.5}
+STATE = b"\x00\x01safetensors bytes\xff"
+
+# one of every message, with its optional fields set (the round trip must carry each)
+SAMPLES = [
+    Generate(5, "m", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.5, seed=7, stop=["\n"], logprobs=2,
+                                               logit_bias={17: -1.5}), lease=9, prefix_scope="ab01"),
+    Append(6, lease=9, tokens=[4, 5], score=True),
+    Cancel(5),
+    Acquire("sess_a", "alice", KEY),
+    Commit(9, {**KEY, "result": {"tokens": 2}}),
+    Release(9),
+    CreateSession("m", None),
+    GetSession("sess_a", "alice"),
+    ListSessions("alice", 20, after="sess_b"),
+    DeleteSession("sess_a", "alice", KEY),
+    ForkSession("sess_a", None, KEY),
+    ExportState("sess_a", "alice"),
+    ReplaceState("sess_a", "alice", STATE, KEY),
+    ImportSession(None, "alice", STATE),
+    StopAdmitting(),
+    CheckIdle(),
+    GetMetrics(),
+    Accepted(),
+    Done(),
+    Acquired(INFO, lease=9, has_history=True),
+    Acquired(INFO, replay=REPLAY),
+    SessionDescription(INFO),
+    SessionChanged(info=OTHER),
+    SessionChanged(replay=REPLAY),
+    SessionPage([INFO, OTHER], has_more=True),
+    ExportedState(INFO, STATE),
+    Idleness(True),
+    MetricsText("xlserve_requests_running{model=\"m\"} 0.0\n"),
+    EngineSettings({"models": "m", "redis_url": None, "max_batch_size": 8}),
+    Shutdown(),
+    Ready([{"name": "m", "directory": "/w/m", "vocab_size": 256, "checkpoint_config": {"d_model": 16},
+            "card": {"id": "m", "object": "model"}, "device": "cpu", "dtype": "float32", "load_seconds": 0.25}],
+          pid=4321, threads={"forward": 2, "prompt": 3, "cores": 4}, session_store={"sessions": 2}),
+    StartFailed("RuntimeError: no model", "Traceback ..."),
+    Closed(),
+]
+
+
+def message_classes() -> set[type]:
+    """Every message class defined: the dataclasses under Message."""
+    found, pending = set(), [Message]
+    while pending:
+        cls = pending.pop()
+        pending += cls.__subclasses__()
+        if "__dataclass_fields__" in vars(cls):
+            found.add(cls)
+    return found
+
+
+def through_the_socket(header: dict, blob: bytes | None) -> tuple[dict, bytes | None]:
+    """A frame as the other side reads it: encoded to bytes, read back, through JSON."""
+    return read_frame(io.BytesIO(encode_frame(header, blob)))
+
+
+def test_every_message_round_trips_through_a_frame():
+    assert {type(sample) for sample in SAMPLES} == message_classes(), "SAMPLES needs one of each message class"
+    for sample in SAMPLES:
+        if isinstance(sample, Request):
+            header, blob = through_the_socket(*request_frame(sample, call_id=11))
+            assert header["op"] == sample.operation.value and header["id"] == 11
+            back = decode_request(header, blob)
+        elif isinstance(sample, Reply):
+            header, blob = through_the_socket(*answer_frame(11, sample))
+            assert header["op"] == "answer" and header["id"] == 11
+            back = type(sample).from_frame(header["ok"], blob)
+        else:
+            assert isinstance(sample, ControlMessage)
+            header, blob = through_the_socket(*sample.frame())
+            assert header["op"] == sample.kind.value
+            back = type(sample).from_frame(header, blob)
+        assert back == sample, type(sample).__name__
+        # a session state crosses as the frame's blob, never inside the JSON header
+        assert (blob is not None) == any(value == STATE for value in vars(sample).values())
+        assert STATE.decode("latin-1") not in json.dumps(header)
+    # the logit bias's token ids come back as ints, though JSON object keys are strings
+    assert decode_request(*through_the_socket(*request_frame(SAMPLES[0]))).params.logit_bias == {17: -1.5}
+    # a notice carries no id: nobody waits for its answer
+    assert "id" not in request_frame(Cancel(5))[0]
+
+
+def test_a_frame_that_fits_no_request_is_refused_by_name():
+    for header, error in (({"op": "op_generate"}, "unknown operation 'op_generate'"),
+                          ({"op": "get_session", "owner": None}, "session_id")):
+        try:
+            decode_request(header, None)
+        except (ValueError, TypeError) as refused:
+            assert error in str(refused)
+        else:
+            raise AssertionError(f"{header} was decoded")
+
+
+def test_every_operation_has_a_request_class_a_handler_and_a_caller():
+    from xlserve.server.engine.client import EngineClient
+    from xlserve.server.engine.process import EngineProcess
+    from xlserve.server.metrics import Metrics
+    from xlserve.server.settings import Settings
+
+    assert set(REQUESTS) == set(Operation)
+    assert all(REQUESTS[operation].operation is operation for operation in Operation)
+    assert set(EngineProcess.handlers.handlers) == set(REQUESTS.values())
+    EngineProcess.handlers.check_complete()
+    # each handler is a method of EngineProcess, registered for the class it is annotated with
+    for request_class, handler in EngineProcess.handlers.handlers.items():
+        assert getattr(EngineProcess, handler.method.__name__) is handler.method
+        assert handler.method.__annotations__["request"] == request_class.__name__
+
+    # the caller: every EngineClient method that talks to the engine process, against a stand-in
+    # for it on a real socket that answers each request with a sample reply of its class
+    replies = {}
+    for sample in SAMPLES:  # the first of each class: a lease held, a change made (no replays)
+        if isinstance(sample, Reply):
+            replies.setdefault(type(sample), sample)
+    ours, theirs = socket.socketpair()
+    received: list[Request] = []
+
+    def engine_process():
+        stream, writer = theirs.makefile("rb"), FrameWriter(theirs)
+        while (frame := read_frame(stream)) is not None:
+            request = decode_request(*frame)
+            received.append(request)
+            if request.reply is not None:
+                writer.send(*answer_frame(frame[0]["id"], replies[request.reply]))
+
+    stand_in = threading.Thread(target=engine_process, daemon=True)
+    stand_in.start()
+
+    async def use_every_call():
+        client = EngineClient(Settings(models="m"), Metrics())
+        reader, writer = await asyncio.open_connection(sock=ours)
+        client._attach(reader, writer, Ready([{"name": "m"}], pid=1))
+        client._ready(restarted=False)
+        submission = await client.submit("m", [1, 2], {"max_tokens": 2, "logit_bias": {3: 1.0}}, None, b"\x0f")
+        submission.cancel()
+        lease = await client.acquire("sess_a", "alice", KEY)
+        assert (lease.id, lease.info, lease.has_history) == (9, INFO, True)
+        await client.append(lease, [3, 4], score=True)
+        assert await client.commit(lease, {"tokens": 2}) == INFO
+        client.release(lease)
+        assert await client.create_session("m", None) == INFO
+        assert await client.session_info("sess_a", "alice") == INFO
+        assert await client.import_session("m", "alice", STATE) == INFO
+        assert await client.fork_session("sess_a", "alice", KEY) == (OTHER, False)
+        assert await client.replace_state("sess_a", "alice", STATE, KEY) == (OTHER, False)
+        assert await client.delete_session("sess_a", "alice", KEY) is False
+        assert await client.list_sessions("alice", 20, None) == ([INFO, OTHER], True)
+        assert await client.export("sess_a", "alice") == (INFO, STATE)
+        await client.stop_admitting()
+        assert await client.idle() is True
+        assert await client.metrics_text() == b'xlserve_requests_running{model="m"} 0.0\n'
+        client.closing = True  # the connection's end is no engine process dying
+        writer.close()
+        await asyncio.gather(client.reader_task, return_exceptions=True)
+
+    asyncio.run(use_every_call())
+    stand_in.join(timeout=10)
+    assert {request.operation for request in received} == set(Operation)
+    generate = next(request for request in received if isinstance(request, Generate))
+    assert generate.prefix_scope == "0f" and generate.params == SamplingParams(max_tokens=2, logit_bias={3: 1.0})
+    cancel = next(request for request in received if isinstance(request, Cancel))
+    assert cancel.request_id == generate.request_id
+
+
+def test_a_replayed_change_answers_what_the_first_request_was_answered():
+    from xlserve.server.engine.client import _info_or_replay
+
+    assert _info_or_replay(SessionChanged(replay=REPLAY)) == (OTHER, True)
+    assert _info_or_replay(SessionChanged(info=INFO)) == (INFO, False)
 
 
 def test_frames_round_trip_with_and_without_a_blob():

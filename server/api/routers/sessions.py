@@ -79,7 +79,7 @@ STATE_FILE = {
 async def create_session(body: CreateSession, request: Request, owner: str | None = Depends(owner_of)):
     state = app_state(request)
     state.served(body.model)
-    info = await state.engine.session_call("create", model=body.model, owner=owner)
+    info = await state.engine.create_session(body.model, owner)
     return info.public()
 
 
@@ -91,7 +91,7 @@ async def import_new_session(request: Request, model: str | None = None, owner: 
     if model is not None:
         state.served(model)
     blob = await read_body(request)
-    info = await state.engine.session_call("import_new", blob, model=model, owner=owner)
+    info = await state.engine.import_session(model, owner, blob)
     return info.public()
 
 
@@ -106,7 +106,7 @@ async def list_own_sessions(request: Request, limit: int = Query(20, ge=1, le=10
 @router.get("/v1/sessions/{session_id}", dependencies=PER_SESSION, response_model=SessionObject,
             response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 413, 503))
 async def get_session(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
-    info = await app_state(request).engine.session_call("info", session_id=session_id, owner=owner)
+    info = await app_state(request).engine.session_info(session_id, owner)
     return info.public()
 
 
@@ -144,7 +144,7 @@ async def import_state(session_id: str, request: Request, response: Response, ow
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     state = app_state(request)
     # 404 for a session that is not yours before reading a body that may be large
-    await state.engine.session_call("info", session_id=session_id, owner=owner)
+    await state.engine.session_info(session_id, owner)
     blob = await read_body(request)
     body, replayed = await replace_session_state(state, owner, session_id, blob, idempotency_key)
     response.headers.update(replayed_headers(replayed))

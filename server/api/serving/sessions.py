@@ -107,24 +107,23 @@ async def fork_session(state: AppState, owner: str | None, session_id: str,
                        idempotency_key: str | None = None) -> tuple[ForkedSession, bool]:
     """POST /v1/sessions/{id}/fork: the new session, and whether that is the remembered answer."""
     key = idempotency(idempotency_key, "fork", {})
-    result, replayed = await state.engine.session_change("fork", idempotency=key, session_id=session_id, owner=owner)
-    return ForkedSession(**SessionInfo(**result).public(), forked_from=session_id), replayed
+    info, replayed = await state.engine.fork_session(session_id, owner, key)
+    return ForkedSession(**info.public(), forked_from=session_id), replayed
 
 
 async def replace_session_state(state: AppState, owner: str | None, session_id: str, blob: bytes,
                                 idempotency_key: str | None = None) -> tuple[SessionObject, bool]:
     """PUT /v1/sessions/{id}/state: the session after its state was replaced (one commit)."""
     key = idempotency(idempotency_key, "replace", {"body": hashlib.sha256(blob).hexdigest()})
-    result, replayed = await state.engine.session_change("replace", blob, idempotency=key, session_id=session_id,
-                                                         owner=owner)
-    return SessionObject(**SessionInfo(**result).public()), replayed
+    info, replayed = await state.engine.replace_state(session_id, owner, blob, key)
+    return SessionObject(**info.public()), replayed
 
 
 async def delete_session(state: AppState, owner: str | None, session_id: str,
                          idempotency_key: str | None = None) -> tuple[SessionDeleted, bool]:
     """DELETE /v1/sessions/{id}. With an Idempotency-Key its retry answers the same, not 404."""
     key = idempotency(idempotency_key, "delete", {})
-    _, replayed = await state.engine.session_change("delete", idempotency=key, session_id=session_id, owner=owner)
+    replayed = await state.engine.delete_session(session_id, owner, key)
     return SessionDeleted(id=session_id, object="session", deleted=True), replayed
 
 
