@@ -59,10 +59,9 @@ from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
 from xlserve.models.layers.buffers import left_pad
-from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.relative import RelativeKeys, relative_scores
+from xlserve.models.layers.relative import RelativeAttentionBlock, RelativeKeys, relative_scores
 
 
 @dataclass
@@ -211,22 +210,16 @@ def kept_positions_for(span: float, ramp: int) -> int:
 # -- the model -------------------------------------------------------------------------------------
 
 
-class AdaptiveSpanLayer(nn.Module):
-    """Relative multi-head attention with a learned soft span per head, and a feed-forward."""
+class AdaptiveSpanLayer(RelativeAttentionBlock):
+    """Relative multi-head attention with a learned soft span per head, and a feed-forward: the
+    parameters and residual wiring of a Transformer-XL layer (`RelativeAttentionBlock`,
+    models/layers/relative.py) plus a span per head."""
+
+    config: AdaptiveSpanConfig
 
     def __init__(self, config: AdaptiveSpanConfig):
-        super().__init__()
+        super().__init__(config)
         c = config
-        self.config = c
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
-        self.r_net = Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
-        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
-        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.drop = nn.Dropout(c.dropout)
-        self.dropatt = nn.Dropout(c.dropatt)
-        self.scale = 1.0 / math.sqrt(c.d_head)
         # p per head, z = max_span * clamp(p, 0, 1); one-dimensional, so no weight decay (train.py)
         self.span_fraction = nn.Parameter(torch.full((c.n_head,), float(c.span_init)))
 
@@ -279,12 +272,7 @@ class AdaptiveSpanLayer(nn.Module):
         probs = self.dropatt(self.attention_weights(q, keys, rel_keys, distance, visible, u, v))  # (B, H, T, K)
         attended = torch.einsum("bhtk,bkhd->bthd", probs, values)  # (B, T, H, D)
         out = self.drop(self.o_net(attended.reshape(B, T, -1)))
-        if c.pre_norm:
-            x = x + out
-            x = x + self.ff(self.ff_norm(x))
-        else:
-            x = self.attn_norm(x + out)
-            x = self.ff_norm(x + self.ff(x))
+        x = self.add_attention_and_feed_forward(x, out)
 
         longest_row = int(seen.max()) + T if B > 0 else T
         kept_keys, kept_values = [], []

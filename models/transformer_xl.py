@@ -66,10 +66,11 @@ from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
 from xlserve.models.layers.buffers import extend_memory
-from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear, linear
-from xlserve.models.layers.relative import RelativeKeys, rel_shift, relative_scores, scores_by_distance
+from xlserve.models.layers.relative import (
+    RelativeAttentionBlock, RelativeKeys, rel_shift, relative_scores, scores_by_distance,
+)
 from xlserve.models.layers.xl_memory import XLMemory
 
 
@@ -260,22 +261,11 @@ class AdaptiveLogSoftmax(nn.Module):
 # -- the model -------------------------------------------------------------------------------------
 
 
-class RelativeAttentionLayer(nn.Module):
-    """One Transformer-XL layer: relative multi-head attention + position-wise feed-forward."""
+class RelativeAttentionLayer(RelativeAttentionBlock):
+    """One Transformer-XL layer: relative multi-head attention + position-wise feed-forward (the
+    parameters and residual wiring of `RelativeAttentionBlock`, models/layers/relative.py)."""
 
-    def __init__(self, config: TransformerXLConfig):
-        super().__init__()
-        self.config = config
-        c = config
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
-        self.r_net = Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
-        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
-        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.drop = nn.Dropout(c.dropout)
-        self.dropatt = nn.Dropout(c.dropatt)
-        self.scale = 1.0 / math.sqrt(c.d_head)
+    config: TransformerXLConfig
 
     def forward(
         self,
@@ -309,14 +299,7 @@ class RelativeAttentionLayer(nn.Module):
         else:
             attended = torch.einsum("bhtk,bkhd->bthd", probs, values)  # (B, T, H, D)
         out = self.drop(self.o_net(attended.reshape(B, T, -1)))
-
-        if c.pre_norm:
-            x = x + out
-            x = x + self.ff(self.ff_norm(x))
-        else:
-            x = self.attn_norm(x + out)
-            x = self.ff_norm(x + self.ff(x))
-        return x, keys, values
+        return self.add_attention_and_feed_forward(x, out), keys, values
 
     # Decoding one position per row. Scores and attended values are one batched product each,
     # over the memory as it lies in its buffer, where an einsum would copy it first. Which

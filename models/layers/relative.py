@@ -15,15 +15,20 @@ The position term is computed as the paper suggests: every query is scored once 
 distance (`scores_by_distance`), and each (i, j) then picks the score of its distance i - j
 (`rel_shift`; the reference code shifts a padded matrix, a gather reads the same entries).
 The table W_kR R_d depends on the weights only, so in eval mode `RelativeKeys` keeps it for
-every request.
+every request. `RelativeAttentionBlock` holds the parameters of a Transformer-XL layer, which
+adaptive span's layer shares.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from xlserve.models.layers.feedforward import FeedForward
+from xlserve.models.layers.linear import Linear
 
 
 def sinusoid_encoding(distances: Tensor, d_model: int) -> Tensor:
@@ -100,3 +105,38 @@ class RelativeKeys(nn.Module):
     def _load_from_state_dict(self, *args, **kwargs):
         self._kept = None
         return super()._load_from_state_dict(*args, **kwargs)
+
+
+class RelativeAttentionBlock(nn.Module):
+    """The parameters of a Transformer-XL layer, relative multi-head attention then a
+    position-wise feed-forward, and the residual wiring around them: the layers of Transformer-XL
+    (models/transformer_xl.py) and adaptive span (models/adaptive_span.py) both hold exactly these
+    and compute their attention in their own `forward`.
+
+    `config` needs d_model, n_head, d_head, d_inner, dropout, dropatt, layer_norm_epsilon and
+    pre_norm. The parameter names are the checkpoints' (qkv_net, r_net, o_net, attn_norm, ff,
+    ff_norm)."""
+
+    def __init__(self, config):
+        super().__init__()
+        c = config
+        self.config = c
+        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
+        self.r_net = Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
+        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
+        self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.drop = nn.Dropout(c.dropout)
+        self.dropatt = nn.Dropout(c.dropatt)
+        self.scale = 1.0 / math.sqrt(c.d_head)
+
+    def add_attention_and_feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
+        """The layer's output (B, T, d_model) from its input x and the attention's output
+        `attended` (B, T, d_model, after o_net and dropout): pre-norm adds each sub-layer to the
+        residual stream (the norms came before them), post-norm normalises after each addition."""
+        if self.config.pre_norm:
+            x = x + attended
+            return x + self.ff(self.ff_norm(x))
+        x = self.attn_norm(x + attended)
+        return self.ff_norm(x + self.ff(x))
