@@ -63,6 +63,7 @@ from xlserve.server.engine.wire import (
     Ready,
     Release,
     ReplaceState,
+    Reply,
     Request,
     SessionChanged,
     Shutdown,
@@ -411,7 +412,7 @@ class EngineClient:
         if self.alive:
             self.writer.write(encode_frame(*request_frame(notice)))
 
-    async def call(self, request: Request):
+    async def call(self, request: Request) -> Reply:
         """Send a request, wait for its reply (an instance of `request.reply`). Raises what the
         engine process raised (the same exception classes, through server/engine/wire.py)."""
         if not self.alive:

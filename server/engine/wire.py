@@ -140,28 +140,42 @@ class FrameKind(enum.Enum):
 # -- the codec shared by every message -------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _FieldCodec:
+    name: str
+    encode: Callable[[Any], Any] | None  # None: the value is JSON as it is
+    decode: Callable[[Any], Any] | None
+    is_blob: bool = False  # a `bytes` field: it crosses as the frame's blob
+
+
+def _without_none(kind: Any) -> Any:
+    """X for a type `X | None`; any other type as it is."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        return next(option for option in typing.get_args(kind) if option is not type(None))
+    return kind
+
+
 @functools.cache
-def _field_codecs(message_class: type) -> tuple[tuple[str, Callable | None, Callable | None, bool], ...]:
-    """(name, encode, decode, is the blob) for each field of a message class, from its types:
-    dataclasses (SessionInfo, SamplingParams) cross as JSON objects, a list of them as a list,
-    `bytes` as the frame's blob, anything else (JSON already) as it is (encode/decode None)."""
+def _field_codecs(message_class: type) -> tuple[_FieldCodec, ...]:
+    """How each field of a message class crosses, from its type: a dataclass (SessionInfo,
+    SamplingParams) as a JSON object, a list of them as a list of objects, `bytes` as the
+    frame's blob, anything else (JSON already: numbers, strings, lists, dicts) as it is."""
     hints = typing.get_type_hints(message_class)
     codecs = []
     for spec in dataclasses.fields(message_class):
-        kind = hints[spec.name]
-        options = typing.get_args(kind) if isinstance(kind, types.UnionType) or \
-            typing.get_origin(kind) is typing.Union else (kind,)
-        kind = next((option for option in options if option is not type(None)), kind)  # X | None -> X
-        item = typing.get_args(kind)[0] if typing.get_origin(kind) is list and typing.get_args(kind) else None
+        kind = _without_none(hints[spec.name])
+        item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
         if kind is bytes:
-            codecs.append((spec.name, None, None, True))
+            codecs.append(_FieldCodec(spec.name, None, None, is_blob=True))
         elif dataclasses.is_dataclass(kind):
-            codecs.append((spec.name, dataclasses.asdict, lambda value, kind=kind: kind(**value), False))
+            codecs.append(_FieldCodec(spec.name, dataclasses.asdict, lambda value, kind=kind: kind(**value)))
         elif item is not None and dataclasses.is_dataclass(item):
-            codecs.append((spec.name, lambda values: [dataclasses.asdict(value) for value in values],
-                           lambda values, item=item: [item(**value) for value in values], False))
+            codecs.append(_FieldCodec(spec.name, lambda values: [dataclasses.asdict(value) for value in values],
+                                      lambda values, item=item: [item(**value) for value in values]))
         else:
-            codecs.append((spec.name, None, None, False))
+            codecs.append(_FieldCodec(spec.name, None, None))
+    if sum(codec.is_blob for codec in codecs) > 1:
+        raise TypeError(f"{message_class.__name__}: a frame carries one blob, not one per bytes field")
     return tuple(codecs)
 
 
@@ -171,12 +185,12 @@ class Message:
 
     def to_frame(self) -> tuple[dict[str, Any], bytes | None]:
         fields, blob = {}, None
-        for name, encode, _, is_blob in _field_codecs(type(self)):
-            value = getattr(self, name)
-            if is_blob:
+        for codec in _field_codecs(type(self)):
+            value = getattr(self, codec.name)
+            if codec.is_blob:
                 blob = value
             else:
-                fields[name] = value if encode is None or value is None else encode(value)
+                fields[codec.name] = value if codec.encode is None or value is None else codec.encode(value)
         return fields, blob
 
     @classmethod
@@ -184,12 +198,12 @@ class Message:
         """The message back from `to_frame`; a field missing from `fields` takes its default
         (TypeError if it has none)."""
         values = {}
-        for name, _, decode, is_blob in _field_codecs(cls):
-            if is_blob:
-                values[name] = blob
-            elif name in fields:
-                value = fields[name]
-                values[name] = value if decode is None or value is None else decode(value)
+        for codec in _field_codecs(cls):
+            if codec.is_blob:
+                values[codec.name] = blob
+            elif codec.name in fields:
+                value = fields[codec.name]
+                values[codec.name] = value if codec.decode is None or value is None else codec.decode(value)
         return cls(**values)
 
 
@@ -276,8 +290,10 @@ class Request(Message):
 
     def __init_subclass__(cls, operation: Operation, reply: type[Reply] | None, **kwargs: Any):
         super().__init_subclass__(**kwargs)
-        if operation in REQUESTS:
-            raise TypeError(f"two request classes for {operation}: {REQUESTS[operation].__name__} and {cls.__name__}")
+        known = REQUESTS.get(operation)
+        # one class per operation (the same class defined again, as a reloaded module does, replaces itself)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"two request classes for {operation}: {known.__name__} and {cls.__name__}")
         cls.operation, cls.reply = operation, reply
         REQUESTS[operation] = cls
 
