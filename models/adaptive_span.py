@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import left_pad
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
@@ -65,13 +65,9 @@ from xlserve.models.layers.relative import RelativeAttentionBlock, RelativeKeys,
 
 
 @dataclass
-class AdaptiveSpanConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class AdaptiveSpanConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's (models/interface.py)."""
+
     max_span: int = 512  # S: the longest span z a head may learn
     ramp: int = 32  # R: width of the soft mask's ramp, in positions
     span_init: float = 0.0  # z / S of every head at initialisation (the authors' code starts at 0)

@@ -93,7 +93,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel
+from xlserve.models.interface import LanguageModel, TransformerConfig
 from xlserve.models.layers.block import forward_in_pieces
 from xlserve.models.layers.causal_conv import ConvWindowMemory, causal_depthwise_conv
 from xlserve.models.layers.feedforward import FeedForward
@@ -106,11 +106,11 @@ HALF_STEP = 0.5  # the macaron feed-forwards' residual weight (the paper's ½)
 
 
 @dataclass
-class ConformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
+class ConformerConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's
+    (models/interface.py), narrower here by default (the paper's Conformer (S))."""
+
     d_model: int = 144  # width of the residual stream (the paper's Conformer (S))
-    n_head: int = 4
     d_head: int = 36  # per-head width D
     d_inner: int = 576  # width of each of the two macaron feed-forwards (4 · d_model, as the paper)
     kernel_size: int = 15  # K: the depthwise convolution reads a position and the K − 1 before it

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
@@ -76,13 +76,10 @@ from xlserve.models.layers.relative import RelativeKeys, relative_scores
 
 
 @dataclass
-class InfinityFormerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4  # heads of both the short-term and the continuous attention
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class InfinityFormerConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's
+    (models/interface.py); the n_head heads serve both the short-term and the continuous attention."""
+
     dropout: float = 0.0  # on embeddings, attention outputs and feed-forward
     dropatt: float = 0.0  # on short-term attention probabilities
     segment_len: int = 128  # L: long-term memory update period; short-term memory = previous segment

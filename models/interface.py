@@ -40,6 +40,19 @@ class ArchConfig:
 
 
 @dataclass
+class TransformerConfig(ArchConfig):
+    """The shape of a multi-head transformer, the fields every architecture's config but the
+    Reformer's and the Lite Transformer's starts with (in this order, after vocab_size). A config
+    that wants other defaults restates the field."""
+
+    n_layer: int = 4
+    d_model: int = 192  # width of the residual stream
+    n_head: int = 4
+    d_head: int = 48  # per-head width D; n_head * d_head need not equal d_model
+    d_inner: int = 768  # width of the position-wise feed-forward layer
+
+
+@dataclass
 class State:
     """Per-session model state: a dataclass whose fields are tensors or lists of tensors.
 

@@ -85,20 +85,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
+from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 
 
 @dataclass
-class LinformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class LinformerConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's (models/interface.py)."""
+
     segment_len: int = 64  # L: positions per segment; full causal attention inside the open one
     compressed_len: int = 16  # k: slots a completed segment is compressed into (the paper's projected dimension)
     memory_segments: int = 8  # M: compressed segments kept; the oldest is dropped when one more completes

@@ -70,20 +70,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
+from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 
 
 @dataclass
-class LogSparseConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class LogSparseConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's (models/interface.py)."""
+
     local_window: int = 16  # w: each query sees itself and the w-1 positions before it
     restart_len: int = 256  # R: subsequence length; exponential steps stay inside a query's subsequence
     dropout: float = 0.0  # on embeddings, attention output and feed-forward

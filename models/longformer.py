@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
+from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
@@ -69,13 +69,9 @@ from xlserve.models.layers.ring_buffer import ring_positions, ring_write
 
 
 @dataclass
-class LongformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class LongformerConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's (models/interface.py)."""
+
     # w per layer: one number for every layer, or a list of n_layer (the paper widens it with depth)
     window: int | list[int] = 64
     # d per layer and head: None for no dilation, else n_layer lists of n_head (the paper dilates

@@ -84,7 +84,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
+from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
@@ -93,13 +93,9 @@ BLOCK = 64  # positions whose causal products are formed explicitly at once (mem
 
 
 @dataclass
-class PerformerConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width D
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class PerformerConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's (models/interface.py)."""
+
     n_features: int = 96  # m: random features per head (the state holds m × D + m numbers per head and layer)
     conv_width: int = 4  # K: the causal convolution before attention sees this position and K − 1 before it
     dropout: float = 0.0  # on embeddings, attention output and feed-forward

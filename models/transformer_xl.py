@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear, linear
@@ -75,12 +75,11 @@ from xlserve.models.layers.xl_memory import XLMemory
 
 
 @dataclass
-class TransformerXLConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
+class TransformerXLConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's
+    (models/interface.py), with six layers and a narrower feed-forward by default."""
+
     n_layer: int = 6
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width; n_head * d_head need not equal d_model
     d_inner: int = 512  # width of the position-wise feed-forward layer
     dropout: float = 0.0  # on embeddings, attention output and feed-forward
     dropatt: float = 0.0  # on attention probabilities

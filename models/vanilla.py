@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import check_padding_on_the_left, check_same_positions, left_pad, left_padding
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
@@ -52,13 +52,9 @@ from xlserve.models.layers.linear import Linear
 
 
 @dataclass
-class VanillaConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class VanillaConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's (models/interface.py)."""
+
     context_len: int = 128  # L: the fixed context, and the training window
     dropout: float = 0.0  # on embeddings, attention output and feed-forward
     dropatt: float = 0.0  # on attention probabilities

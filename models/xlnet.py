@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.layers.init import init_weights
@@ -138,13 +138,10 @@ class TwoStreamLayer(nn.Module):
 
 
 @dataclass
-class XLNetConfig(ArchConfig):
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    d_model: int = 192  # width of the residual stream (both streams)
-    n_head: int = 4
-    d_head: int = 48  # per-head width
-    d_inner: int = 768  # width of the position-wise feed-forward layer
+class XLNetConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's
+    (models/interface.py); d_model is the width of both streams."""
+
     ff_activation: str = "gelu"  # gelu | gelu_new | relu | silu
     dropout: float = 0.0  # on embeddings, positional encodings, attention output and feed-forward
     dropatt: float = 0.0  # on attention probabilities
