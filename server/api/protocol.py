@@ -729,16 +729,19 @@ def _inlined(schema: Any, definitions: dict[str, Any]) -> Any:
 def event_stream(chunk: type[ResponseBody], description: str) -> dict[str, Any]:
     """The `text/event-stream` answer of a streamed route, for its 200 entry in `responses=`.
     Each event's `data` is a chunk of type `chunk` or, for a failure after the stream started,
-    the error body; the last is `[DONE]`. Documented as FastAPI documents its own event
-    streams: OpenAPI 3.2's `itemSchema`, one event, whose data is JSON of the chunk's schema.
-    The schema is written out whole (no `$ref`): a chunk's models are not otherwise in the
-    document's components, and a self-contained schema reads the same to every tool."""
+    the error body; the last is `[DONE]`. OpenAPI 3.1 has no word for one event of a stream
+    (3.2's `itemSchema`, which FastAPI writes for its own event streams, makes a 3.1 document
+    invalid), so the media type's `schema` describes one event, as tools read it for event
+    streams before 3.2 (schemathesis among them). The schema is written out whole (no `$ref`):
+    a chunk's models are not otherwise in the document's components, and a self-contained
+    schema reads the same to every tool."""
     schema = TypeAdapter(Union[chunk, ErrorResponse]).json_schema(mode="serialization")
     data = {"type": "string", "if": {"const": "[DONE]"},
             "else": {"contentMediaType": "application/json",
                      "contentSchema": _inlined(schema, schema.get("$defs", {}))}}
-    return {"description": description,
-            "content": {"text/event-stream": {"itemSchema": {
-                "type": "object", "required": ["data"],
-                "properties": {"data": data, "event": {"type": "string"}, "id": {"type": "string"},
-                               "retry": {"type": "integer", "minimum": 0}}}}}}
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": data, "event": {"type": "string"}, "id": {"type": "string"},
+                            "retry": {"type": "integer", "minimum": 0}},
+             "description": f"One event: its data is a {chunk.__name__} (or, after a failure, the error body) "
+                            "as JSON; the last event's data is [DONE]."}
+    return {"description": description, "content": {"text/event-stream": {"schema": event}}}

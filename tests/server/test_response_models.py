@@ -160,8 +160,8 @@ def test_every_operation_documents_its_answer_and_the_error_body_of_its_errors(s
         ok = answers.get("200", {}).get("content")
         assert ok, f"{name} documents no 200 body"
         for media_type, content in ok.items():
-            schema = content.get("schema") or content.get("itemSchema")
-            assert schema, f"{name}: 200 {media_type} has no schema"
+            assert content.get("schema"), f"{name}: 200 {media_type} has no schema"
+            schema = content["schema"]
             if media_type == "application/json":
                 assert "$ref" in schema, f"{name}: 200 has no model"
         assert answers["default"]["content"] == {"application/json": {"schema": ERROR_BODY}}, name
@@ -190,9 +190,10 @@ def test_the_error_statuses_documented_are_those_each_route_answers(served):
     assert statuses["GET /ready"] == [503]
 
 
-def item_validator(document: dict, path: str) -> Draft202012Validator:
-    schema = document["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["itemSchema"]
-    return Draft202012Validator(schema["properties"]["data"]["else"]["contentSchema"])
+def chunk_validator(document: dict, path: str) -> Draft202012Validator:
+    """A validator of the JSON in one event of `path`'s stream, as the document describes it."""
+    event = document["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    return Draft202012Validator(event["properties"]["data"]["else"]["contentSchema"])
 
 
 def test_streamed_operations_document_their_chunks_as_events(served):
@@ -202,21 +203,21 @@ def test_streamed_operations_document_their_chunks_as_events(served):
                         ("/v1/chat/completions", ChatCompletionStreamResponse)):
         content = document["paths"][path]["post"]["responses"]["200"]["content"]
         assert set(content) == {"application/json", "text/event-stream"}
-        data = content["text/event-stream"]["itemSchema"]["properties"]["data"]
+        data = content["text/event-stream"]["schema"]["properties"]["data"]  # one event (OpenAPI 3.1 has no itemSchema)
         assert data["if"] == {"const": "[DONE]"} and data["else"]["contentMediaType"] == "application/json"
         assert "$ref" not in json.dumps(data)  # written out whole: it reads the same to every tool
-        assert data["else"]["contentSchema"]["anyOf"][1] == _inlined_error_schema(data)
-    validator = item_validator(document, "/v1/completions")
+        assert [option["title"] for option in data["else"]["contentSchema"]["anyOf"]] == [chunk.__name__,
+                                                                                         "ErrorResponse"]
     chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
              "choices": [{"text": "a", "index": 0, "logprobs": None, "finish_reason": None}]}
+    validator = chunk_validator(document, "/v1/completions")
     assert validator.is_valid(chunk)
+    assert validator.is_valid({**chunk, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2,
+                                                                  "total_tokens": 3}})
     assert validator.is_valid({"error": {"message": "m", "type": "internal_error", "param": None, "code": None}})
     assert not validator.is_valid({**chunk, "surprise": 1})  # an undocumented field is a failure
     assert not validator.is_valid({**chunk, "object": "chat.completion.chunk"})
-
-
-def _inlined_error_schema(data: dict) -> dict:
-    return next(option for option in data["else"]["contentSchema"]["anyOf"] if "error" in option["properties"])
+    assert not validator.is_valid({"error": {"message": "m"}})
 
 
 # -- /v1/completions and /v1/chat/completions --------------------------------------------------------
