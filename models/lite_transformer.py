@@ -189,6 +189,7 @@ class WindowAttention(nn.Module):
         out = attended.transpose(1, 2).reshape(B, T, self.d_attn)  # (B, T, d/2)
         return out, ring_write(ring_keys, position, k), ring_write(ring_values, position, v)
 
+    # Copied from xlserve.models.longformer.SlidingWindowAttention.attend
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
         """softmax(q kᵀ / √D + bias) v: q (B, H, T, D), keys and values (B, H, K, D), bias
         (B or 1, H, T, K) -> (B, H, T, D). Every query sees itself, so no row is all −inf."""

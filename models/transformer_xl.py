@@ -395,11 +395,8 @@ class TransformerXL(LanguageModel):
         state.check_within(self.config.mem_len)
 
     def _check_tokens(self, state: XLMemory, tokens: int) -> None:
-        """After t tokens the memory holds the last min(t, mem_len) positions."""
-        expected = min(tokens, self.config.mem_len)
-        if state.seen_positions() != expected:
-            raise ValueError(f"state tensor 'valid' marks {state.seen_positions()} positions; after {tokens} tokens "
-                             f"a memory of mem_len {self.config.mem_len} holds {expected}")
+        """After t tokens the memory holds the last min(t, mem_len) positions (XLMemory.check_holds_last)."""
+        state.check_holds_last(tokens, self.config.mem_len)
 
     def forward(self, tokens: Tensor, state: XLMemory, lengths: Tensor | None = None) -> tuple[Tensor, XLMemory]:
         """tokens (B, T) -> log-probs (B, T, V) and the memory after them. With `lengths` (B,),

@@ -68,8 +68,28 @@ from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
-from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.layers.relative import RelativeKeys, rel_shift, relative_scores, scores_by_distance
+from xlserve.models.layers.xl_memory import XLMemory
+
+
+@dataclass
+class XLNetConfig(TransformerConfig):
+    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's
+    (models/interface.py); d_model is the width of both streams."""
+
+    ff_activation: str = "gelu"  # gelu | gelu_new | relu | silu
+    dropout: float = 0.0  # on embeddings, positional encodings, attention output and feed-forward
+    dropatt: float = 0.0  # on attention probabilities
+    mem_len: int | None = 128  # positions of content memory kept per layer; None = all
+    same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
+    clamp_len: int = -1  # |distances| beyond clamp_len share its encoding; -1 = no clamping
+    layer_norm_epsilon: float = 1e-5
+    tie_embedding: bool = True  # the softmax shares the input embedding matrix (plus its own bias)
+    seg_len: int = 128  # training segment length (serving accepts any chunk length)
+    partial_prediction_k: int = 6  # training predicts the last 1/K of each factorisation order
+
+
+# -- the model -------------------------------------------------------------------------------------
 
 
 class TwoStreamLayer(nn.Module):
@@ -137,23 +157,6 @@ class TwoStreamLayer(nn.Module):
         return rel_shift(by_segment, different_segment[:, None])
 
 
-@dataclass
-class XLNetConfig(TransformerConfig):
-    """vocab_size, n_layer, d_model, n_head, d_head and d_inner: TransformerConfig's
-    (models/interface.py); d_model is the width of both streams."""
-
-    ff_activation: str = "gelu"  # gelu | gelu_new | relu | silu
-    dropout: float = 0.0  # on embeddings, positional encodings, attention output and feed-forward
-    dropatt: float = 0.0  # on attention probabilities
-    mem_len: int | None = 128  # positions of content memory kept per layer; None = all
-    same_length: bool = True  # every query sees exactly mem_len positions (see module docstring)
-    clamp_len: int = -1  # |distances| beyond clamp_len share its encoding; -1 = no clamping
-    layer_norm_epsilon: float = 1e-5
-    tie_embedding: bool = True  # the softmax shares the input embedding matrix (plus its own bias)
-    seg_len: int = 128  # training segment length (serving accepts any chunk length)
-    partial_prediction_k: int = 6  # training predicts the last 1/K of each factorisation order
-
-
 class XLNet(LanguageModel):
     architecture = "xlnet"
     config_class = XLNetConfig
@@ -195,27 +198,26 @@ class XLNet(LanguageModel):
     def max_context(self) -> int | None:
         return None  # any history; it sees the last mem_len positions of it
 
-    # -- state --------------------------------------------------------------------------------
+    # -- state: Transformer-XL's memory, kept and checked as Transformer-XL keeps it ---------------
 
+    # Copied from xlserve.models.transformer_xl.TransformerXL.init_state with r_w_bias->mask_emb
     def init_state(self, batch_size: int) -> XLMemory:
         c = self.config
         return XLMemory.empty(batch_size, c.n_layer, c.n_head, c.d_head, like=self.mask_emb)
 
+    # Copied from xlserve.models.transformer_xl.TransformerXL._fixed_state_dims
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # memory length (dim 1) varies
 
+    # Copied from xlserve.models.transformer_xl.TransformerXL.check_state
     def check_state(self, state: State, tokens: int | None = None) -> None:
         super().check_state(state, tokens)
         state.check_within(self.config.mem_len)
 
+    # Copied from xlserve.models.transformer_xl.TransformerXL._check_tokens
     def _check_tokens(self, state: XLMemory, tokens: int) -> None:
-        """After t tokens the memory holds the last min(t, mem_len) positions (all t with
-        mem_len None)."""
-        mem_len = self.config.mem_len
-        expected = tokens if mem_len is None else min(tokens, mem_len)
-        if state.seen_positions() != expected:
-            raise ValueError(f"state tensor 'valid' marks {state.seen_positions()} positions; after {tokens} tokens "
-                             f"a memory of mem_len {mem_len} holds {expected}")
+        """After t tokens the memory holds the last min(t, mem_len) positions (XLMemory.check_holds_last)."""
+        state.check_holds_last(tokens, self.config.mem_len)
 
     # -- the two streams ----------------------------------------------------------------------
 

@@ -62,6 +62,14 @@ class XLMemory(State):
         """Positions a batch-1 memory holds (its valid ones)."""
         return int(self.valid.sum())
 
+    def check_holds_last(self, tokens: int, mem_len: int | None) -> None:
+        """ValueError unless this batch-1 memory marks the positions a model keeps after `tokens`
+        tokens: the last min(tokens, mem_len), or all of them when mem_len is None."""
+        expected = tokens if mem_len is None else min(tokens, mem_len)
+        if self.seen_positions() != expected:
+            raise ValueError(f"state tensor 'valid' marks {self.seen_positions()} positions; after {tokens} tokens "
+                             f"a memory of mem_len {mem_len} holds {expected}")
+
     @classmethod
     def concat(cls, states: list["XLMemory"]) -> "XLMemory":
         """Rows of every state, left-padded to the longest memory. Serving (autograd off) writes
