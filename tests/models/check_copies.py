@@ -10,8 +10,9 @@ another. Each such copy carries a marker on the line right above its `def` or `c
 The dotted name is a module under xlserve.models followed by the object's path in it (a class,
 a function, a method). `with A->B, C->D` lists renames: each A in the source is replaced by B
 before comparing, in the order given, wherever A stands as a whole word (`r_w_bias` but not
-`r_w_bias_scale`), and each A must occur in the source. The copy and the renamed source are compared as token streams, comments included: line
-breaks and indentation do not count, anything else does (code, docstrings, comments).
+`r_w_bias_scale`), and each A must occur in the source. The copy and the renamed source are
+compared as token streams, comments included: line breaks and indentation do not count,
+anything else does (code, docstrings, comments).
 
     .venv/bin/python tests/models/check_copies.py        # exit 1 and a diff per copy that drifted
 
