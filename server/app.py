@@ -52,7 +52,8 @@ from xlserve.server.api.serving import error_frame
 from xlserve.server.engine.client import EngineClient
 from xlserve.server.engine.errors import EngineError, ShuttingDown
 from xlserve.server.metrics import HTTP_METHODS, OTHER_METHOD, UNMATCHED_ROUTE, Metrics
-from xlserve.server.settings import Settings, checkpoint_dir, masked_url
+from xlserve.server.redis_urls import masked_url
+from xlserve.server.settings import Settings, checkpoint_dir
 from xlserve.server.version import package_version
 
 log = logging.getLogger("xlserve.server")

@@ -8,13 +8,13 @@ every user), and rebuilds them; every setting is listed in the README.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from xlserve.server.redis_urls import masked_url, parse_redis_url  # noqa: F401  (masked_url: engine/process.py imports it from here)
 
 # Data directories are relative to the working directory (where `make serve` runs: the
 # repository), never to this file: an installed package lives in site-packages.
@@ -28,32 +28,6 @@ def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
     otherwise the directory of that name under `weights_dir` (which may not exist)."""
     path = Path(name_or_path)
     return path if path.is_dir() else weights_dir / name_or_path
-
-
-def masked_url(url: str) -> str:
-    """`url` with its password (if any) replaced by ***, for logs and error messages: a Redis URL
-    may carry one (redis://user:password@host:port/db), a Sentinel URL also the sentinels' (the
-    `sentinel_password` query option), and the multi-host forms list several hosts."""
-    url = re.sub(r"([?&](?:[a-z_]*_)?password=)[^&#]*", r"\1***", url)  # ?password=, ?sentinel_password=
-    scheme, separator, rest = url.partition("://")
-    if "+" in scheme and separator:  # redis+sentinel://, redis+cluster://: host,host,... (server/cache/redis_client.py)
-        netloc, slash, tail = rest.partition("/")
-        userinfo, at, hosts = netloc.rpartition("@")
-        if at and ":" in userinfo:
-            userinfo = userinfo.split(":", 1)[0] + ":***"
-        return f"{scheme}://{userinfo}{at}{hosts}{slash}{tail}"
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:  # an IPv6 address goes back into brackets
-            host = f"[{host}]"
-        port = f":{parts.port}" if parts.port is not None else ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
-    except ValueError:  # not a URL urllib can take apart (a bad port): hide all the credentials
-        return re.sub(r"//[^/]*@", "//***@", url)
 
 
 class Settings(BaseSettings):
@@ -119,8 +93,6 @@ class Settings(BaseSettings):
         """A URL that names no Redis deployment stops the server at once, saying why."""
         value = value.strip()
         if value:
-            from xlserve.server.cache.redis_client import parse_redis_url
-
             parse_redis_url(value)  # its ValueError's message never quotes credentials
         return value
 

@@ -1,24 +1,16 @@
-"""Which Redis `XLSERVE_REDIS_URL` names, and the redis-py client that talks to it.
+"""The redis-py client that talks to the Redis deployment `XLSERVE_REDIS_URL` names.
 
-Three deployments, told apart by the URL's scheme:
+Which deployment a URL names, and the URL forms, are server/redis_urls.py's (`parse_redis_url`,
+standard library only, shared with the settings). Here each deployment gets redis-py's own client:
 
-- one server: `redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS) or
-  `unix://...`, exactly as redis-py's `Redis.from_url` reads them (query options included);
-- Redis Sentinel: `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/<service>[/db]`
-  (`rediss+sentinel://` for TLS). The hosts are the sentinels (port 26379 by default), the path
-  names the monitored master (`sentinel monitor <service> ...`) and optionally the database. The
-  credentials are the master's; sentinels that want their own are given them as the query
-  options `sentinel_username` and `sentinel_password`. redis-py's `Sentinel(...).master_for()`
-  asks the sentinels where the master is whenever it opens a connection, and drops connections
-  to a master that was demoted, so a failover is followed without a restart;
-- Redis Cluster: `redis+cluster://[[user]:password@]host[:port][,host[:port]...][/0]`
-  (`rediss+cluster://` for TLS): any nodes of the cluster (port 6379 by default) to learn the
-  slot map from; a cluster has database 0 only. redis-py's `RedisCluster` routes each command to
-  the node holding its key's slot and follows MOVED and ASK redirections (slots migrating,
-  failovers) by itself.
-
-TLS options for the sentinel and cluster forms: `ssl_ca_certs` (a CA bundle's path) and
-`ssl_cert_reqs` (`none`, `optional`, `required`) as query options. IPv6 hosts in brackets.
+- one server (`redis://`, `rediss://`, `unix://`): `Redis` over a blocking pool made by
+  `BlockingConnectionPool.from_url`, which reads the URL itself (query options included);
+- Redis Sentinel (`redis+sentinel://`): redis-py's `Sentinel(...).master_for()` asks the
+  sentinels where the master is whenever it opens a connection, and drops connections to a master
+  that was demoted, so a failover is followed without a restart;
+- Redis Cluster (`redis+cluster://`): redis-py's `RedisCluster` routes each command to the node
+  holding its key's slot and follows MOVED and ASK redirections (slots migrating, failovers) by
+  itself.
 
 Whatever the deployment, the client is set up the way the stores need it (stores.py): every call
 bounded by the timeout (connecting, each reply, the wait for a pooled connection), a blocking
@@ -26,117 +18,11 @@ pool of at most `max_connections` connections (per node, in a cluster), and no r
 redis-py (a write retried after a timeout could land twice; redirections, which mean the node
 refused the command, are still followed). The client is made on first use, so a cluster that is
 down when the server starts costs what a single Redis down costs, not a failed start.
-
-Only the standard library here, at import time: settings.py validates URLs with `parse_redis_url`
-in the API process, which never loads the client.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
-from urllib.parse import parse_qsl, unquote, urlsplit
-
-SINGLE_SCHEMES = ("redis", "rediss", "unix")
-SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-SENTINEL_PORT = 26379
-CLUSTER_PORT = 6379
-_TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs")
-_CERT_REQS = ("none", "optional", "required")
-
-
-@dataclass(frozen=True)
-class RedisTarget:
-    """What a Redis URL names. `nodes` are the sentinels (sentinel) or the startup nodes (cluster);
-    for a single server everything is left to redis-py's own URL parser."""
-
-    mode: Literal["single", "sentinel", "cluster"]
-    url: str
-    nodes: tuple[tuple[str, int], ...] = ()
-    service: str | None = None  # sentinel: the monitored master's name
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    sentinel_username: str | None = None
-    sentinel_password: str | None = None
-    tls: bool = False
-    tls_options: dict = field(default_factory=dict)
-
-
-def parse_redis_url(url: str) -> RedisTarget:
-    """The deployment `url` names; ValueError, saying what is wrong, when it names none."""
-    scheme, _, rest = url.partition("://")
-    scheme = scheme.lower()
-    if not rest:
-        raise ValueError(f"not a Redis URL (no scheme://): {_shown(url)!r}")
-    if scheme in SINGLE_SCHEMES:
-        return RedisTarget("single", url)
-    if scheme not in SENTINEL_SCHEMES + CLUSTER_SCHEMES:
-        known = ", ".join(s + "://" for s in SINGLE_SCHEMES + SENTINEL_SCHEMES + CLUSTER_SCHEMES)
-        raise ValueError(f"unknown Redis URL scheme {scheme + '://'!r} (known: {known})")
-    sentinel = scheme in SENTINEL_SCHEMES
-    parts = urlsplit("x://" + rest)  # only path, query and fragment; the netloc is taken apart below
-    if parts.fragment:
-        raise ValueError("a Redis URL has no #fragment")
-    netloc = rest.split("/", 1)[0].split("?", 1)[0]
-    userinfo, _, hosts = netloc.rpartition("@")
-    username = password = None
-    if userinfo:
-        user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(secret) if colon else None
-    nodes = tuple(_node(host, SENTINEL_PORT if sentinel else CLUSTER_PORT) for host in hosts.split(","))
-    options = dict(parse_qsl(parts.query, keep_blank_values=True))
-    allowed = _TLS_OPTIONS + (("sentinel_username", "sentinel_password") if sentinel else ())
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} in a {scheme}:// URL (known: {', '.join(allowed)})")
-    if options.get("ssl_cert_reqs", "required") not in _CERT_REQS:
-        raise ValueError(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
-    tls = scheme.startswith("rediss")
-    tls_options = {k: options[k] for k in _TLS_OPTIONS if k in options}
-    if tls_options and not tls:
-        raise ValueError(f"TLS options need the rediss{scheme[5:]}:// scheme")
-    path = [segment for segment in parts.path.split("/") if segment]
-    if sentinel:
-        if not path or len(path) > 2:
-            raise ValueError("a Sentinel URL names the master's service: redis+sentinel://host:26379[,host:26379...]"
-                             "/<service>[/db]")
-        service, db = unquote(path[0]), _db(path[1] if len(path) == 2 else "0")
-        return RedisTarget("sentinel", url, nodes, service, db, username, password,
-                           options.get("sentinel_username") or None, options.get("sentinel_password") or None,
-                           tls, tls_options)
-    if len(path) > 1 or (path and _db(path[0]) != 0):
-        raise ValueError("a Redis Cluster has database 0 only: redis+cluster://host:6379[,host:6379...][/0]")
-    return RedisTarget("cluster", url, nodes, None, 0, username, password, None, None, tls, tls_options)
-
-
-def _node(text: str, default_port: int) -> tuple[str, int]:
-    text = text.strip()
-    if text.startswith("["):  # [IPv6]:port
-        host, _, after = text[1:].partition("]")
-        port = after[1:] if after.startswith(":") else ("" if not after else None)
-    elif text.count(":") > 1:
-        raise ValueError(f"an IPv6 address goes in brackets: [{text}]")
-    else:
-        host, _, port = text.partition(":")
-    if not host or port is None:
-        raise ValueError(f"not a host[:port]: {text!r}")
-    if port and not (port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"not a port: {port!r} (in {text!r})")
-    return host, int(port) if port else default_port
-
-
-def _db(text: str) -> int:
-    if not text.isdigit():
-        raise ValueError(f"not a database number: {text!r}")
-    return int(text)
-
-
-def _shown(url: str) -> str:
-    """`url` cut before any credentials, for an error message."""
-    return url.split("@", 1)[-1] if "@" in url else url
+from xlserve.server.redis_urls import RedisTarget, parse_redis_url
 
 
 def _tls_kwargs(target: RedisTarget) -> dict:

@@ -56,8 +56,8 @@ from typing import NamedTuple
 import torch
 
 from xlserve.server.cache.codec import CorruptState, SessionData, metadata_of, parse_header
-from xlserve.server.cache.redis_client import connect, parse_redis_url
-from xlserve.server.settings import masked_url
+from xlserve.server.cache.redis_client import connect
+from xlserve.server.redis_urls import masked_url, parse_redis_url
 
 log = logging.getLogger("xlserve.cache")
 

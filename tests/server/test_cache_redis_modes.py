@@ -13,9 +13,9 @@ import redis
 from redis.crc import key_slot
 
 from xlserve.server.cache import SessionCache, SessionConflict
-from xlserve.server.cache.redis_client import RedisTarget, parse_redis_url
 from xlserve.server.cache.stores import RedisPrefixStore, RedisStore, StoreUnavailable
-from xlserve.server.settings import Settings, masked_url
+from xlserve.server.redis_urls import RedisTarget, masked_url, parse_redis_url
+from xlserve.server.settings import Settings
 from tests.redis_topologies import redis_cluster, redis_sentinel  # noqa: F401  (fixtures)
 from tests.server.cache_helpers import MODEL, data, same
 

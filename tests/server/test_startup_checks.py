@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from xlserve.server.app import StartupRefused, checkpoints_to_serve
-from xlserve.server.settings import Settings, masked_url
+from xlserve.server.redis_urls import masked_url
+from xlserve.server.settings import Settings
 from xlserve.server.version import package_version, pyproject_version
 
 
