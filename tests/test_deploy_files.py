@@ -270,7 +270,7 @@ def error_types() -> dict[str, int]:
 
 
 def tiers() -> tuple[str, ...]:
-    from xlserve.server.cache import TIERS
+    from xlserve.server.cache.manager import TIERS
 
     return tuple(TIERS)
 

@@ -39,7 +39,8 @@ import torch
 
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.server.bench.continuation import feed, held_out_text, sync
-from xlserve.server.cache import SessionCache, SessionData
+from xlserve.server.cache.codec import SessionData
+from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.settings import BENCH_RESULTS_DIR, WEIGHTS_DIR, checkpoint_dir
 
 TIERS = ("device", "host", "disk", "redis")

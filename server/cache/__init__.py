@@ -1,11 +1,13 @@
-"""Session state: the bookkeeping manager, the stores that move bytes, and the session cache
-(which runs in the engine process; docs/design.md section 6).
+"""Session state (docs/design.md section 6): the session cache that runs in the engine process, and
+what it tells its callers.
 
-The exceptions and `SessionInfo` (server/cache/errors.py) are imported at once; the rest, which
-needs torch, on first use, so that the API process never loads torch.
+Only the torch-free names are here: the exceptions and `SessionInfo` (errors.py), which the API
+process imports without ever loading torch. What needs torch is imported from its own module:
+
+    SessionCache, Lease, Replay     xlserve.server.cache.session_cache
+    SessionData                     xlserve.server.cache.codec
+    CacheManager, TIERS             xlserve.server.cache.manager
 """
-
-from importlib import import_module
 
 from xlserve.server.cache.errors import (
     CacheError,
@@ -21,18 +23,7 @@ from xlserve.server.cache.errors import (
     SessionUnavailable,
 )
 
-_LAZY = {"SessionData": "codec", "TIERS": "manager", "CacheManager": "manager", "Lease": "session_cache",
-         "SessionCache": "session_cache"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"xlserve.server.cache.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'xlserve.server.cache' has no attribute {name!r}")
-
-
 __all__ = [
-    "TIERS", "CacheError", "CacheFull", "CacheManager", "CommitOutcomeUnknown", "CorruptState", "IdempotencyKeyReused",
-    "Lease", "SessionCache", "SessionConflict", "SessionData", "SessionInfo", "SessionLocked", "SessionNotFound",
-    "SessionTooLarge", "SessionUnavailable",
+    "CacheError", "CacheFull", "CommitOutcomeUnknown", "CorruptState", "IdempotencyKeyReused", "SessionConflict",
+    "SessionInfo", "SessionLocked", "SessionNotFound", "SessionTooLarge", "SessionUnavailable",
 ]

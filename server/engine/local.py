@@ -20,7 +20,7 @@ from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.types import Appended, SamplingParams, Submission, appended
 
 if TYPE_CHECKING:
-    from xlserve.server.cache import SessionData
+    from xlserve.server.cache.codec import SessionData
     from xlserve.server.engine.scheduler import Engine
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from xlserve.models.interface import State
-from xlserve.server.cache import SessionData
+from xlserve.server.cache.codec import SessionData
 from xlserve.server.engine.sampling import Sampler, StopChecker, is_plain_greedy, most_likely
 from xlserve.server.engine.types import ChoiceFinished, SamplingParams
 

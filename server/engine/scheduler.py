@@ -52,7 +52,7 @@ from collections.abc import Callable
 import torch
 
 from xlserve.models.interface import LanguageModel, State
-from xlserve.server.cache import SessionData
+from xlserve.server.cache.codec import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
 from xlserve.server.engine.errors import Cancelled, EngineError, InvalidInput, QueueFull, RequestFailed, ShuttingDown

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from xlserve.models.interface import State
-from xlserve.server.cache import SessionData
+from xlserve.server.cache.codec import SessionData
 
 V = 8  # vocabulary of the toy model: the size of next_log_probs
 

@@ -18,10 +18,10 @@ import pytest
 
 from xlserve.server.cache import (
     CommitOutcomeUnknown,
-    SessionCache,
     SessionConflict,
     SessionUnavailable,
 )
+from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.cache.stores import RedisStore, StoreUnavailable
 from tests.redis_server import RedisServer
 from tests.server.cache_helpers import MODEL, data, same

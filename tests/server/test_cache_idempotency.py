@@ -9,12 +9,11 @@ import pytest
 from xlserve.server.cache import (
     CacheFull,
     IdempotencyKeyReused,
-    SessionCache,
     SessionNotFound,
     SessionTooLarge,
 )
 from xlserve.server.cache.codec import decode
-from xlserve.server.cache.session_cache import IDEMPOTENCY_KEYS_PER_SESSION, Replay
+from xlserve.server.cache.session_cache import IDEMPOTENCY_KEYS_PER_SESSION, Replay, SessionCache
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.cache_helpers import MODEL, data, same, size
 

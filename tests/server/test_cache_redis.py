@@ -4,7 +4,8 @@ import pytest
 
 import redis
 
-from xlserve.server.cache import CacheFull, SessionCache, SessionConflict, SessionNotFound
+from xlserve.server.cache import CacheFull, SessionConflict, SessionNotFound
+from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.cache.stores import RedisStore
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.cache_helpers import MODEL, data, same, size

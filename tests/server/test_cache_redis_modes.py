@@ -12,7 +12,8 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from xlserve.server.cache import SessionCache, SessionConflict
+from xlserve.server.cache import SessionConflict
+from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.cache.stores import RedisPrefixStore, RedisStore, StoreUnavailable
 from xlserve.server.redis_urls import RedisTarget, masked_url, parse_redis_url
 from xlserve.server.settings import Settings

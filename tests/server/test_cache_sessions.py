@@ -5,12 +5,12 @@ import torch
 
 from xlserve.server.cache import (
     CacheFull,
-    SessionCache,
     SessionLocked,
     SessionNotFound,
     SessionUnavailable,
 )
 from xlserve.server.cache.codec import decode
+from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.metrics import Metrics
 from tests.server.cache_helpers import MODEL, data, same, size
 

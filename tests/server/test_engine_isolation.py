@@ -16,7 +16,7 @@ import torch
 
 from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
-from xlserve.server.cache import SessionData
+from xlserve.server.cache.codec import SessionData
 from xlserve.server.engine import local
 from xlserve.server.engine.errors import InvalidInput, RequestFailed
 from xlserve.server.engine.request import EngineRequest

@@ -14,7 +14,7 @@ import torch
 
 from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
-from xlserve.server.cache import SessionData
+from xlserve.server.cache.codec import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, scope_key
 from xlserve.server.engine import local
 from xlserve.server.engine.request import EngineRequest
@@ -335,7 +335,7 @@ def test_a_restarted_cache_forgets_the_entries_its_last_run_wrote(tmp_path):
 
 
 def test_sessions_and_entries_share_each_tier_and_sessions_come_first(tmp_path):
-    from xlserve.server.cache import SessionCache
+    from xlserve.server.cache.session_cache import SessionCache
     from tests.server.cache_helpers import MODEL, data as toy_data, same, size
 
     session_bytes = size(1000)
