@@ -1,0 +1,244 @@
+"""The durable store: the last tier, which holds every session's committed state (docs/design.md
+section 6, "Persistence is write-through" and "A commit's answer is never wrong").
+
+Without Redis it is the disk: one safetensors file per session (stores.py `DiskStore`: temporary
+name, fsync, rename, directory fsync). With Redis it is Redis, shared by every replica and the
+truth: writes are compare-and-set on the version the writer started from, so a replica holding a
+stale version never overwrites a newer one (SessionConflict), and a write that gets no answer is
+settled (`_settle`): Redis is asked whether it landed, and it is fenced if it has not, so that the
+answer is final either way; only a Redis silent for the whole settle wait makes it
+CommitOutcomeUnknown.
+
+Also here: the session's metadata as it is written (`metadata`) and read back (`record_from_meta`,
+`decode`, which checks a stored state against its record and its model), Redis's view of a session
+(`head`, `heads`), and the deleted sessions' tombstones.
+
+Every method does I/O (or may): none is ever called under the session cache's lock. The caller
+holds the session (leases.py) while its bytes are written or read, so nothing else of this replica
+changes it meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from xlserve.server.cache.codec import CorruptState, SessionData, decode, session_data
+from xlserve.server.cache.errors import (
+    CacheFull,
+    CommitOutcomeUnknown,
+    SessionConflict,
+    SessionInfo,
+    SessionNotFound,
+    SessionUnavailable,
+)
+from xlserve.server.cache.ledger import IDEMPOTENCY_KEYS_PER_SESSION, TOMBSTONE_SECONDS, kept
+from xlserve.server.cache.manager import Record
+from xlserve.server.cache.stores import (
+    SESSION_ID,
+    DiskStore,
+    Head,
+    RedisStore,
+    StoreFull,
+    StoreUnavailable,
+    entries_from_lines,
+    entry_line,
+)
+
+log = logging.getLogger("xlserve.cache")
+
+
+def store_call(fn):
+    """Run a store call; its failures become the cache's errors (both are 503s)."""
+    try:
+        return fn()
+    except StoreFull as error:
+        raise CacheFull(f"session storage is full: {error}") from None
+    except StoreUnavailable as error:
+        raise SessionUnavailable(str(error)) from None
+
+
+class DurableStore:
+    def __init__(self, disk: DiskStore, redis: RedisStore | None, models: dict[str, object], settle_s: float):
+        """`models`: name -> LanguageModel (architecture, state_class, check_session), shared with
+        the cache; `settle_s`: how long a Redis write without an answer is settled."""
+        self.disk = disk
+        self.redis = redis
+        self.models = models
+        self.settle_s = settle_s
+        self.tier = "disk" if redis is None else "redis"
+
+    # -- start and stop -----------------------------------------------------------------------
+
+    def open(self) -> list[tuple[str, dict]]:
+        """The sessions already written down on disk, least recently used first (their
+        headers; the checksum is verified when one is loaded). With Redis, Redis is pinged
+        first: a server that cannot reach it does not start."""
+        if self.redis is not None:
+            self.redis.ping()
+        self.disk.prune_tombstones(TOMBSTONE_SECONDS)
+        return sorted(self.disk.scan(), key=lambda item: float(item[1].get("last_used_at", 0)))
+
+    def close(self) -> None:
+        if self.redis is not None:
+            self.redis.close()
+
+    # -- records and metadata ------------------------------------------------------------------
+
+    def metadata(self, record: Record) -> dict[str, str]:
+        """The metadata a session's blob carries (with its remembered Idempotency-Keys)."""
+        spec = self.models.get(record.model)
+        return {
+            "session_id": record.id, "model": record.model,
+            "architecture": getattr(spec, "architecture", "") if spec is not None else "",
+            "owner": record.owner or "", "version": str(record.version),
+            "created_at": repr(record.created_at), "last_used_at": repr(record.last_used_at),
+        } | ({"idempotency": "\n".join(entry_line(entry) for entry in record.remembered)} if record.remembered else {})
+
+    @staticmethod
+    def record_from_meta(session_id: str, meta: dict, copies: set[str]) -> Record:
+        return Record(
+            id=session_id, model=str(meta["model"]), owner=meta.get("owner") or None,
+            nbytes=int(meta["nbytes"]), tokens=int(meta["tokens"]), version=int(meta["version"]),
+            created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
+            copies=set(copies), remembered=entries_from_lines(meta.get("idempotency")),
+        )
+
+    @staticmethod
+    def info_from_head(session_id: str, version: int, meta: dict, in_use: bool) -> SessionInfo:
+        """A session as Redis describes it (one this replica holds no current copy of)."""
+        return SessionInfo(
+            id=session_id, model=str(meta["model"]), owner=meta.get("owner") or None, tokens=int(meta["tokens"]),
+            version=version, state_bytes=int(meta["nbytes"]), tier="redis",
+            created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
+            in_use=in_use)
+
+    def decode(self, record: Record, tier: str, blob: bytes) -> SessionData:
+        """A stored blob back into the session's state, checked against the record and its model."""
+        spec = self.spec(record)
+        try:
+            meta, tensors, next_log_probs = decode(blob)
+            if meta.get("session_id") != record.id or int(meta.get("version", -1)) != record.version:
+                raise CorruptState(f"{tier} holds session {meta.get('session_id')} version {meta.get('version')}, "
+                                   f"expected version {record.version}")
+            data = session_data(spec.state_class, meta, tensors, next_log_probs)
+            # the model's whole check, as an import gets it (finite, consistent, fits the token count)
+            spec.check_session(data.state, data.tokens, data.next_log_probs)
+        except (CorruptState, ValueError) as error:
+            log.error("session %s: %s copy is unusable: %s", record.id, tier, error)
+            raise SessionUnavailable(f"session '{record.id}': the stored state is unusable ({error})", record.id) from None
+        return data
+
+    def spec(self, record: Record):
+        """The served model of `record`'s session; SessionUnavailable when this server serves none."""
+        spec = self.models.get(record.model)
+        if spec is None:
+            raise SessionUnavailable(f"session '{record.id}' belongs to model '{record.model}', "
+                                     "which this server does not serve", record.id)
+        return spec
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def head(self, session_id: str, remembered: bool = False) -> Head | None:
+        """Redis's view of the session (with its remembered keys when asked), or None without
+        Redis; Head(-1, ...) when Redis has no such session (deleted, perhaps by another replica)."""
+        if self.redis is None:
+            return None
+        if not SESSION_ID.match(session_id):
+            raise SessionNotFound(session_id)
+        head = store_call(lambda: self.redis.head(session_id, remembered))
+        return Head(-1, {}, None) if head is None else head
+
+    def heads(self) -> dict[str, tuple[int, dict]] | None:
+        """(version, meta) of every session Redis holds; None without Redis."""
+        return None if self.redis is None else store_call(self.redis.heads)
+
+    def fetch(self, record: Record) -> SessionData:
+        """The committed state from Redis, checked: SessionNotFound when Redis no longer has it,
+        SessionConflict when another replica committed since `record` was read."""
+        got = store_call(lambda: self.redis.get(record.id))
+        if got is None:
+            raise SessionNotFound(record.id)
+        if got[0] != record.version:  # another replica committed a moment ago
+            raise SessionConflict(record.id)
+        return self.decode(record, "redis", got[2])
+
+    def tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
+        """(owner, remembered keys) of a session deleted with an Idempotency-Key, or None."""
+        if not SESSION_ID.match(session_id):
+            return None
+        if self.redis is not None:
+            return store_call(lambda: self.redis.tombstone(session_id))
+        return self.disk.read_tombstone(session_id)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def write(self, record: Record, blob: bytes, expected: int | None, entry: dict | None = None) -> None:
+        """Write `record`'s state (`blob`, encoded with `metadata(record)`) to the last tier: the
+        disk file (its metadata carries `record.remembered`), or Redis, compare-and-set on
+        `expected` (None: a new session), with `entry` added to the remembered Idempotency-Keys.
+        Durable when this returns. A Redis write that gets no answer is settled (`_settle`)."""
+        if self.redis is None:
+            store_call(lambda: self.disk.write(record.id, blob))
+            return
+        meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
+                "created_at": record.created_at, "last_used_at": record.last_used_at}
+        write_id = secrets.token_hex(8)
+        try:
+            written = self.redis.put(record.id, expected, record.version, meta, blob, write_id, entry,
+                                     IDEMPOTENCY_KEYS_PER_SESSION)
+        except StoreFull as error:  # refused before anything was written
+            raise CacheFull(f"session storage is full: {error}") from None
+        except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
+            written = self._settle(record, write_id, error)
+        if written == -1:  # cannot happen before a settle; as settled, it was not written
+            raise SessionUnavailable(f"session '{record.id}': the write was refused as settled; nothing was "
+                                     "written", record.id)
+        if written != 1:
+            raise SessionConflict(record.id)
+
+    def _settle(self, record: Record, write_id: str, error: StoreUnavailable) -> int:
+        """After a Redis write failed without an answer: ask Redis, for up to `settle_s`, whether
+        it landed (1), fencing it when it has not, so that it never will (then SessionUnavailable:
+        nothing was written). CommitOutcomeUnknown when Redis stays silent all along."""
+        deadline = time.monotonic() + self.settle_s
+        delay = 0.05
+        while True:
+            try:
+                landed = self.redis.settle(record.id, write_id)
+            except StoreUnavailable:
+                if time.monotonic() + delay >= deadline:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if landed:
+                log.warning("session %s: version %d was written although Redis did not answer in time (%s)",
+                            record.id, record.version, error)
+                return 1
+            raise SessionUnavailable(f"session '{record.id}': the session store did not answer in time ({error}); "
+                                     "nothing was written", record.id)
+        log.error("session %s: whether version %d was written is unknown: Redis did not answer for %.1fs (%s)",
+                  record.id, record.version, self.settle_s, error)
+        raise CommitOutcomeUnknown(
+            f"session '{record.id}': the session store did not answer in time, and whether this change was written "
+            f"(as version {record.version}) is not known yet. GET /v1/sessions/{record.id} and compare its version "
+            "and tokens, or retry with the same Idempotency-Key, which applies at most once", record.id)
+
+    def remember(self, session_id: str, version: int, entry: dict) -> bool:
+        """With Redis: add an Idempotency-Key entry to a session still at `version`, without a new
+        version (False when it is not at that version). Without Redis the caller rewrites the
+        file with the entry in its metadata (`write`)."""
+        return store_call(lambda: self.redis.remember(session_id, version, entry, IDEMPOTENCY_KEYS_PER_SESSION))
+
+    def delete(self, record: Record, entry: dict | None) -> None:
+        """Delete the session's durable copy. With `entry` (a delete's Idempotency-Key) leave a
+        tombstone that remembers it with the session's keys for TOMBSTONE_SECONDS: in Redis, in
+        the same script; on disk, a file written before the session's file goes."""
+        if self.redis is not None:
+            store_call(lambda: self.redis.delete(record.id, record.owner, entry, IDEMPOTENCY_KEYS_PER_SESSION))
+            return
+        if entry is not None:
+            store_call(lambda: self.disk.write_tombstone(record.id, record.owner, kept(entry, record.remembered)))
+        store_call(lambda: self.disk.delete(record.id))

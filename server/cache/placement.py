@@ -1,0 +1,500 @@
+"""Placement: which tiers hold each session's committed state, within their budgets (docs/design.md
+section 6, "Tiers").
+
+Tiers, fastest first: device (where the model runs) → host RAM → disk → Redis (with
+XLSERVE_REDIS_URL), each with a byte budget. A request needs its session on the device
+(`promote`); making room there moves the least recently used idle sessions down (device → host →
+disk → Redis: the manager's plan, manager.py), and a commit that grew the device's sessions moves
+them down again (`rebalance`). The last tier holds every session (durable.py) and never evicts:
+its budget is an admission limit. When no room can be made the answer is CacheFull (503, retry
+later); a state larger than the whole budget of the device or of the last tier is SessionTooLarge
+(413), since no wait could help.
+
+Bytes move outside the cache's lock, in three steps:
+
+1. under the lock, a plan is made and booked at once: the manager's books show every move done
+   and the room it made taken by the session it was made for, so no other plan counts the same
+   room twice; each session whose bytes will move is held (leases.py: MOVE), and a state leaving
+   a memory tier is taken out of it then (a reference: no copy);
+2. outside the lock, `Transfer.run` moves the bytes: a copy to host RAM, a file written to or
+   read from disk, a state read from Redis, a file removed;
+3. under the lock again, `Transfer.finish` records what happened: the copies made go into the
+   memory stores, the holds are given back, and the books are mended where a step failed. An
+   evicted session whose new copy could not be made keeps the copies below it (the last tier
+   always has one), so a failed eviction costs speed, never a session.
+
+One step of a plan still runs under the lock: a `Reclaim`, room the prefix cache borrowed, which
+it gives back at once by dropping entries (prefix_cache.py `release`, under its own lock; for an
+entry on disk that removes its file, never writes one). It must happen before another plan
+counts the same room, and the prefix cache never calls back into this one.
+
+Sessions in transit never cause a refusal: a move takes its session out of its old tier in the
+books before its bytes go, so the device never counts one; and an idle session leaving the device
+can always go, if not to a tier below then simply away (the last tier has its copy), so a full tier
+below, even one full of sessions in transit, never keeps it there. The device is full only when the
+sessions on it are in use, as before.
+
+`Record.pinned` is the manager's view of a hold: a held session is never a plan's victim.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from xlserve.server.cache.codec import SessionData, encode
+from xlserve.server.cache.durable import DurableStore, store_call
+from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge
+from xlserve.server.cache.leases import MOVE, Holds
+from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record
+from xlserve.server.cache.stores import Head, MemoryStore
+
+log = logging.getLogger("xlserve.cache")
+
+MEMORY_TIERS = ("device", "host")
+
+
+class Placement:
+    def __init__(self, manager: CacheManager, durable: DurableStore, holds: Holds, lock: threading.RLock,
+                 metrics=None):
+        self.manager = manager
+        self.durable = durable
+        self.holds = holds
+        self.metrics = metrics
+        self.device = MemoryStore()  # each state on its own model's device
+        self.host = MemoryStore("cpu")
+        self.disk = durable.disk
+        self.borrower = None  # the prefix cache, once it shares the budgets (SessionCache.lend_to)
+        self._lock = lock
+        self._forgotten: list[str] = []  # sessions that left the books with a file perhaps left on disk
+        self._published: set[tuple[str, str]] = set()
+
+    # -- bytes, outside the lock (the caller holds the session) --------------------------------
+
+    def read(self, record: Record, tier: str, to_device: bool = True) -> SessionData:
+        """The committed state from `tier`, checked; on the session's model device unless
+        `to_device` is False."""
+        if tier == "device":
+            return self.device.get(record.id)
+        if tier == "host":
+            data = self.host.get(record.id)
+        elif tier == "disk":
+            data = self.durable.decode(record, "disk", self.disk.read(record.id))
+        else:
+            data = self.durable.fetch(record)
+        return data.to(self.durable.spec(record).device) if to_device else data
+
+    def write(self, record: Record, tier: str, data: SessionData) -> SessionData | None:
+        """Make a copy of `data` for `tier`: the value to put in a memory store, or None once a
+        disk file is written."""
+        if tier == "device":
+            return self.on_device(record.model, data)
+        if tier == "host":
+            return data.to("cpu")
+        if tier == "disk":
+            store_call(lambda: self.disk.write(record.id, encode(data, self.durable.metadata(record))))
+            return None
+        raise ValueError("Redis copies are written by commits only")
+
+    def on_device(self, model: str, data: SessionData) -> SessionData:
+        spec = self.durable.models.get(model)
+        return data if spec is None else data.to(spec.device)
+
+    def sweep(self) -> None:
+        """Remove the files of sessions that left the books (no lock needed for the files:
+        nothing can reach those sessions any more)."""
+        with self._lock:
+            gone, self._forgotten = self._forgotten, []
+        for session_id in gone:
+            try:
+                self.disk.delete(session_id)
+            except OSError as error:
+                log.warning("session %s: its file could not be removed (%s)", session_id, error)
+
+    def drop_stale_file(self, record: Record) -> None:
+        """After a commit to Redis: remove the disk spill of the old version (the committer holds
+        the session; the books drop it in `committed`)."""
+        if self.durable.tier != "disk" and "disk" in record.copies:
+            try:
+                self.disk.delete(record.id)
+            except OSError as error:
+                log.warning("session %s: the disk copy of version %d could not be removed (%s)", record.id,
+                            record.version, error)
+
+    # -- plans, under the lock -----------------------------------------------------------------
+
+    def promote(self, record: Record, transfer: Transfer) -> None:
+        """Bring a held session's committed state to its model's device: the room there, made by
+        moving idle sessions down, is booked for it at once, and `transfer` carries the bytes
+        (the moves first, then the fetch). CacheFull when the device has no room even after
+        moving every idle session, SessionTooLarge when it never could."""
+        source = record.tier
+        if source == "device":
+            self.count_hit(record.model, "device")
+            transfer.add(_Fetched(self.device.get(record.id)))
+            return
+        if source == "host":  # the copy leaves host RAM: its room there is free for the moves below
+            self.manager.drop_copy(record.id, "host")
+        moves = self.manager.plan_room("device", record.nbytes, exclude={record.id})
+        if moves is None:
+            if source == "host":
+                self.manager.add_copy(record.id, "host")
+            raise self.full("device", record.model, record.nbytes, record.id)
+        self._execute(moves, transfer)
+        self.manager.add_copy(record.id, "device")  # the room the moves made is this session's now
+        transfer.add(_Fetch(record, source, self._take_out(source, record.id) if source == "host" else None))
+
+    def rebalance(self, tier: str) -> Transfer:
+        """Moves that bring `tier` back within its budget (after a commit or a new session)."""
+        transfer = Transfer(self)
+        moves = self.manager.plan_room(tier, 0)
+        if moves is None:  # only held sessions left above budget; they leave as soon as they are released
+            log.warning("tier %s is over budget and every session in it is in use", tier)
+            return transfer
+        self._execute(moves, transfer)
+        return transfer
+
+    def admit(self, record: Record) -> None:
+        """Book a new session's bytes in the last tier before its first write (it is held NEW by
+        the caller afterwards); SessionTooLarge or CacheFull when they do not fit."""
+        self.refuse_never_fits(record.model, record.nbytes)
+        self._durable_room(record.model, record.nbytes)
+        record.copies = {self.durable.tier}
+        self.manager.add(record)
+
+    def admitted(self, record: Record, data: SessionData) -> None:
+        """A new session is written: its state goes to the device (`data` is already there)."""
+        self.device.put(record.id, data)
+        self.manager.add_copy(record.id, "device")
+
+    def reserve(self, record: Record, nbytes: int) -> int:
+        """Book a commit's new size (`nbytes`) in the last tier before its write; returns the size
+        to go back to should the write fail (`unreserve`). SessionTooLarge or CacheFull when the
+        new size does not fit."""
+        self.refuse_never_fits(record.model, nbytes, record.id, committing=True)
+        self._durable_room(record.model, nbytes - record.nbytes, record.id)
+        previous = record.nbytes
+        if nbytes > previous and self.manager.budgets[self.durable.tier] is not None:
+            self.manager.resize(record.id, nbytes)  # the room is this commit's until it lands or fails
+        return previous
+
+    def unreserve(self, record: Record, previous: int) -> None:
+        if record.nbytes != previous:
+            self.manager.resize(record.id, previous)
+
+    def committed(self, record: Record, committed: Record, data: SessionData) -> None:
+        """The books after a commit's durable write: `record` becomes `committed`, its state
+        `data` (on its device)."""
+        # the old copies are stale: only the durable one (just overwritten) and the device one remain
+        for tier in [t for t in record.copies if t != self.durable.tier]:
+            if tier in MEMORY_TIERS:
+                self._store(tier).drop(record.id)
+            self.manager.drop_copy(record.id, tier)  # a disk spill: removed by the committer (drop_stale_file)
+        self.manager.add_copy(record.id, self.durable.tier)
+        self.manager.resize(record.id, committed.nbytes)
+        record.tokens, record.version, record.last_used_at = committed.tokens, committed.version, committed.last_used_at
+        record.remembered = committed.remembered
+        self.device.put(record.id, data)
+        self.manager.add_copy(record.id, "device")
+        self.manager.touch(record.id)
+
+    def catch_up(self, record: Record, head: Head | None, transfer: Transfer) -> None:
+        """With Redis: take in a version another replica committed since (the local copies are
+        stale and go; the held session's file goes in `transfer`). A head older than the record is
+        a read that a local commit overtook: ignored."""
+        if head is None or head.version <= record.version:
+            return
+        self.forget_local(record, transfer)
+        self.manager.resize(record.id, int(head.meta["nbytes"]))
+        record.version, record.tokens = head.version, int(head.meta["tokens"])
+        record.last_used_at = float(head.meta.get("last_used_at", record.last_used_at))
+
+    def forget_local(self, record: Record, transfer: Transfer) -> None:
+        """Drop every local copy of a held session (they are stale); Redis keeps the truth."""
+        for tier in [t for t in record.copies if t != "redis"]:
+            if tier in MEMORY_TIERS:
+                self._store(tier).drop(record.id)
+            else:
+                transfer.add(_Unlink(record.id))
+            self.manager.drop_copy(record.id, tier)
+        self.manager.add_copy(record.id, "redis")
+
+    def forget(self, record: Record) -> None:
+        """The session leaves the books (deleted); its file goes at the next `sweep`."""
+        for tier in MEMORY_TIERS:
+            self._store(tier).drop(record.id)
+        self._forgotten.append(record.id)
+        self.manager.remove(record.id)
+        self.publish()
+
+    def move(self, record: Record, tier: str, transfer: Transfer) -> None:
+        """Put a held session's fastest copy in `tier`: copies above it are dropped, one is made
+        there if needed (benchmarks and tests; budgets are not checked)."""
+        if tier not in record.copies:
+            source = record.tier
+            data = self._store(source).get(record.id) if source in MEMORY_TIERS else None
+            transfer.add(_Copy(record, source, tier, data))
+        for above in self.manager.tiers[: self.manager.tiers.index(tier)]:
+            if above in record.copies:
+                if above in MEMORY_TIERS:
+                    self._store(above).drop(record.id)
+                else:
+                    transfer.add(_Unlink(record.id))
+                self.manager.drop_copy(record.id, above)
+
+    def _execute(self, moves: list[Move | Reclaim], transfer: Transfer) -> None:
+        """Book `moves` now and put their bytes in `transfer`."""
+        moving: dict[str, _Evict] = {}
+        for move in moves:
+            if isinstance(move, Reclaim):  # room the prefix cache borrowed: it drops entries (its own lock only)
+                self.borrower.release(move.tier, move.nbytes)
+                continue
+            record = self.manager.get(move.session)
+            self.manager.apply(move)
+            if self.metrics is not None:
+                self.metrics.session_evictions.labels(record.model, move.src).inc()
+            if record.id in moving:  # moved down twice in one plan: its bytes go straight to the second place
+                step = moving[record.id]
+                step.move = Move(record.id, step.move.src, move.dst)
+                continue
+            data = self._take_out(move.src, record.id) if move.src in MEMORY_TIERS else None
+            if move.dst is None and move.src in MEMORY_TIERS:
+                continue  # a copy in memory dropped, a lower tier has one: nothing to carry
+            transfer.hold(record.id, self.holds.take(record.id, MOVE))
+            moving[record.id] = _Evict(record, move, data)
+            transfer.add(moving[record.id])
+
+    def _durable_room(self, model: str, nbytes: int, session_id: str | None = None) -> None:
+        room = self.manager.plan_room(self.durable.tier, nbytes)
+        if room is None:
+            raise self.full(self.durable.tier, model, nbytes, session_id)
+        self._execute(room, Transfer(self))  # the last tier moves nothing: at most it takes back lent bytes
+
+    def _store(self, tier: str) -> MemoryStore:
+        return self.device if tier == "device" else self.host
+
+    def _take_out(self, tier: str, session_id: str) -> SessionData:
+        data = self._store(tier).get(session_id)
+        self._store(tier).drop(session_id)
+        return data
+
+    # -- refusals ------------------------------------------------------------------------------
+
+    def refuse_never_fits(self, model: str, nbytes: int, session_id: str | None = None,
+                          committing: bool = False) -> None:
+        """SessionTooLarge when `nbytes` of state exceed the whole budget of the device (where
+        every request runs it) or of the last tier (where it is kept): no wait could help."""
+        for tier in dict.fromkeys(("device", self.durable.tier)):
+            budget = self.manager.budgets.get(tier)
+            if budget is not None and nbytes > budget:
+                if self.metrics is not None:
+                    self.metrics.session_refusals.labels(model, tier).inc()
+                subject = (f"this request would make session '{session_id}' hold" if committing
+                           else f"session '{session_id}' holds" if session_id else "the new session would hold")
+                raise SessionTooLarge(
+                    f"{subject} {nbytes} bytes of state, more than the whole {tier} budget of {budget} bytes "
+                    f"(XLSERVE_{tier.upper()}_STATE_BYTES): it could never be served, so nothing was changed. A "
+                    "retry cannot help; the server's operator can raise the budget", session_id)
+
+    def full(self, tier: str, model: str, nbytes: int, session_id: str | None = None) -> CacheError:
+        """CacheFull (503, retry later), or SessionTooLarge (413) when `nbytes` exceed the tier's
+        whole budget."""
+        budget = self.manager.budgets[tier]
+        if budget is not None and nbytes > budget and tier in ("device", self.durable.tier):
+            self.refuse_never_fits(model, nbytes, session_id)
+        if self.metrics is not None:
+            self.metrics.session_refusals.labels(model, tier).inc()
+        if tier == self.durable.tier:
+            return CacheFull(f"session storage is full: {tier} holds {self.manager.used(tier)} of {budget} bytes "
+                             f"(XLSERVE_{tier.upper()}_STATE_BYTES) and {nbytes} more are needed; delete sessions", session_id)
+        return CacheFull(f"no room for a {nbytes}-byte session state on the {tier}: {self.manager.used(tier)} of "
+                         f"{budget} bytes are held by sessions in use; retry when a request finishes", session_id)
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def count_hit(self, model: str, tier: str) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.session_cache_hits.labels(model, tier).inc()
+        for above in self.manager.tiers[: self.manager.tiers.index(tier)]:
+            self.metrics.session_cache_misses.labels(model, above).inc()
+
+    def publish(self) -> None:
+        if self.metrics is None:
+            return
+        current = self.manager.by_tier()
+        for key in self._published - set(current):
+            self.metrics.sessions.labels(*key).set(0)
+            self.metrics.session_state_bytes.labels(*key).set(0)
+        for (model, tier), (count, nbytes) in current.items():
+            self.metrics.sessions.labels(model, tier).set(count)
+            self.metrics.session_state_bytes.labels(model, tier).set(nbytes)
+        self._published = set(current)
+
+
+class Transfer:
+    """Bytes to move, planned under the lock: `run` moves them without the lock, then `finish`,
+    under it again, records what happened, gives back the holds taken for them, and answers
+    the fetched state (raising the error of a step whose failure is the caller's)."""
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        self.steps: list[_Step] = []
+        self.held: list[tuple[str, int]] = []
+        self.finished = False
+
+    def add(self, step: _Step) -> None:
+        self.steps.append(step)
+
+    def hold(self, session_id: str, hold_id: int) -> None:
+        """Give back this hold at `finish`."""
+        self.held.append((session_id, hold_id))
+
+    def run(self) -> None:
+        for step in self.steps:
+            step.run(self.placement)
+
+    def finish(self) -> SessionData | None:
+        self.finished = True
+        errors = [step.finish(self.placement) for step in self.steps]
+        for session_id, hold_id in self.held:
+            self.placement.holds.give_back(session_id, hold_id)
+        self.placement.publish()
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+        return next((step.data for step in self.steps if isinstance(step, (_Fetch, _Fetched))), None)
+
+    def carry_out(self, lock: threading.RLock) -> SessionData | None:
+        """`run`, then `finish` under `lock`."""
+        self.run()
+        with lock:
+            return self.finish()
+
+
+class _Step:
+    """One session's bytes: `_run` outside the lock; `finish` under it, returning the error the
+    caller should raise (None: nothing to raise)."""
+
+    error: BaseException | None = None
+
+    def run(self, placement: Placement) -> None:
+        try:
+            self._run(placement)
+        except BaseException as error:  # noqa: BLE001 - recorded, answered in finish
+            self.error = error
+
+    def _run(self, placement: Placement) -> None:
+        pass
+
+    def finish(self, placement: Placement) -> BaseException | None:
+        return None
+
+
+class _Fetched(_Step):
+    """The state is on the device already: nothing to carry."""
+
+    def __init__(self, data: SessionData):
+        self.data = data
+
+
+class _Fetch(_Step):
+    """A held session's committed state from `source` to its model's device (its room there is
+    booked): a host copy taken out of host RAM (`host_data`), or a disk file or Redis value read
+    and checked."""
+
+    def __init__(self, record: Record, source: str, host_data: SessionData | None):
+        self.record, self.source, self.host_data = record, source, host_data
+        self.data: SessionData | None = None
+        self.seconds = 0.0
+
+    def _run(self, placement: Placement) -> None:
+        started = time.perf_counter()
+        if self.source == "host":
+            self.data = self.host_data.to(placement.durable.spec(self.record).device)
+        else:
+            self.data = placement.read(self.record, self.source)
+        self.seconds = time.perf_counter() - started
+
+    def finish(self, placement: Placement) -> BaseException | None:
+        record, source, manager = self.record, self.source, placement.manager
+        if self.error is not None:  # the booked room goes back; a host copy goes back to host RAM
+            manager.drop_copy(record.id, "device")
+            if source == "host":
+                placement.host.put(record.id, self.host_data)
+                manager.add_copy(record.id, "host")
+            return self.error
+        placement.device.put(record.id, self.data)
+        placement.count_hit(record.model, source)
+        if placement.metrics is not None:
+            placement.metrics.session_restore_latency.labels(record.model, source).observe(self.seconds)
+            placement.metrics.session_promotions.labels(record.model, source).inc()
+        return None
+
+
+class _Evict(_Step):
+    """An idle session moved down (`move`, booked already): its state, taken out of a memory tier
+    (`data`), copied to `move.dst` (None: let go, a lower tier has it); or its file removed from
+    disk. A copy that cannot be made is dropped from the books: the session keeps its copies below."""
+
+    def __init__(self, record: Record, move: Move, data: SessionData | None):
+        self.record, self.move, self.data = record, move, data
+        self.out: SessionData | None = None
+
+    def _run(self, placement: Placement) -> None:
+        if self.move.dst is not None:
+            self.out = placement.write(self.record, self.move.dst, self.data)
+        if self.move.src == "disk":
+            placement.disk.delete(self.record.id)
+
+    def finish(self, placement: Placement) -> BaseException | None:
+        record, move, manager = self.record, self.move, placement.manager
+        if self.error is None:
+            if self.out is not None:
+                placement._store(move.dst).put(record.id, self.out)
+            return None
+        log.warning("session %s: moving it from %s to %s failed (%s); it keeps its copies below", record.id,
+                    move.src, move.dst or "the tiers below", self.error)
+        if move.dst is not None:
+            manager.drop_copy(record.id, move.dst)
+            if not record.copies and move.src in MEMORY_TIERS:  # no copy below after all: it stays where it was
+                placement._store(move.src).put(record.id, self.data)
+                manager.add_copy(record.id, move.src)
+        return None
+
+
+class _Copy(_Step):
+    """A held session's state copied from `source` (`data` when it is in memory) to `tier`
+    (SessionCache.move)."""
+
+    def __init__(self, record: Record, source: str, tier: str, data: SessionData | None):
+        self.record, self.source, self.tier, self.data = record, source, tier, data
+        self.out: SessionData | None = None
+
+    def _run(self, placement: Placement) -> None:
+        data = self.data if self.data is not None else placement.read(self.record, self.source, to_device=False)
+        self.out = placement.write(self.record, self.tier, data)
+
+    def finish(self, placement: Placement) -> BaseException | None:
+        if self.error is not None:
+            return self.error
+        if self.out is not None:
+            placement._store(self.tier).put(self.record.id, self.out)
+        placement.manager.add_copy(self.record.id, self.tier)
+        return None
+
+
+class _Unlink(_Step):
+    """A held session's disk file removed (a stale version, a dropped copy)."""
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+
+    def _run(self, placement: Placement) -> None:
+        placement.disk.delete(self.session_id)
+
+    def finish(self, placement: Placement) -> BaseException | None:
+        if self.error is not None:
+            log.warning("session %s: a stale file could not be removed (%s)", self.session_id, self.error)
+        return None

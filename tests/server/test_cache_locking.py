@@ -1,0 +1,203 @@
+"""The session cache's locking rule (server/cache/session_cache.py): the lock guards the books and
+is never held during I/O. Bookkeeping is taken under it, files and Redis are written and read
+without it, and the result is recorded under it again, the session's hold (leases.py) keeping
+everything else off the session meanwhile.
+
+Every store call is watched: none may run while the calling thread holds the cache's lock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from xlserve.server.cache.errors import SessionLocked
+from xlserve.server.cache.session_cache import SessionCache
+from tests.redis_server import redis_url  # noqa: F401  (fixture)
+from tests.server.cache_helpers import MODEL, data, same, size
+
+N = 100
+UNIT = size(N)
+DISK_CALLS = ("write", "read", "delete", "write_tombstone", "read_tombstone", "scan", "prune_tombstones")
+REDIS_CALLS = ("put", "get", "head", "heads", "settle", "remember", "delete", "tombstone", "ping")
+
+
+class Watch:
+    """Wraps a cache's store calls: counts them, and which ran under the cache's lock."""
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.locked: list[str] = []
+
+    def cache(self, cache: SessionCache) -> SessionCache:
+        self.wrap(cache, cache.disk, "disk", DISK_CALLS)
+        if cache.redis is not None:
+            self.wrap(cache, cache.redis, "redis", REDIS_CALLS)
+        self.wrap(cache, cache.placement, "placement", ("read", "write"))  # copies between device and host too
+        return cache
+
+    def wrap(self, cache: SessionCache, store, label: str, names: tuple[str, ...]) -> None:
+        for name in names:
+            real = getattr(store, name)
+
+            def watched(*args, _real=real, _name=f"{label}.{name}", **kwargs):
+                self.calls[_name] += 1
+                if cache._lock._is_owned():
+                    self.locked.append(_name)
+                return _real(*args, **kwargs)
+
+            setattr(store, name, watched)
+
+
+def key(name: str, fingerprint: str = "f") -> dict:
+    return {"key": name, "fingerprint": fingerprint}
+
+
+def workout(cache: SessionCache, owner: str) -> list[str]:
+    """Every operation, with budgets tight enough that sessions spill down the tiers."""
+    ids = [cache.create("toy", owner, data(N, i)).id for i in range(6)]
+    for i, session_id in enumerate(ids):
+        lease = cache.acquire(session_id, owner, key(f"c{i}"))
+        cache.commit(lease, data(N, 10 + i, tokens=7), {**key(f"c{i}"), "result": None})
+        assert cache.acquire(session_id, owner, key(f"c{i}")).replay is not None  # a replay holds nothing
+        cache.release(cache.acquire(ids[0], owner))
+    fork = cache.fork(ids[1], owner, key("fork"))
+    cache.replace(fork.id, owner, data(N, 30), key("replace"))
+    cache.export(ids[2], owner)
+    cache.info(ids[3], owner)
+    cache.list_sessions(owner, limit=100)
+    cache.move(ids[4], "host")
+    cache.move(ids[4], "device")
+    assert cache.delete(ids[5], owner, key("delete")) is None
+    assert cache.delete(ids[5], owner, key("delete")) is not None  # from the tombstone
+    return ids
+
+
+def test_no_file_is_written_or_read_under_the_lock(tmp_path):
+    watch = Watch()
+    cache = watch.cache(SessionCache(tmp_path / "state", 2 * UNIT, 2 * UNIT, None))
+    cache.open({"toy": MODEL})
+    ids = workout(cache, "owner")
+    cache.close()
+    again = watch.cache(SessionCache(tmp_path / "state", 2 * UNIT, 2 * UNIT, None))
+    assert again.open({"toy": MODEL}) == 6  # five of the workout's and the fork
+    assert same(again.acquire(ids[0], "owner").data, data(N, 10, tokens=7))
+    assert watch.calls["disk.write"] >= 12 and watch.calls["disk.read"] >= 1 and watch.calls["placement.write"] >= 1
+    assert watch.locked == []
+
+
+def test_redis_and_the_disk_spill_are_never_called_under_the_lock(tmp_path, redis_url):  # noqa: F811
+    watch = Watch()
+    one = watch.cache(SessionCache(tmp_path / "one", UNIT, UNIT, UNIT, redis_url=redis_url))
+    two = watch.cache(SessionCache(tmp_path / "two", UNIT, UNIT, UNIT, redis_url=redis_url))
+    for cache in (one, two):
+        cache.open({"toy": MODEL})
+    owner = "locking-" + tmp_path.name
+    ids = workout(one, owner)
+    one.release(one.acquire(ids[0], owner))
+    assert one.info(ids[0], owner).tier == "device"
+    lease = two.acquire(ids[0], owner)  # the other replica takes it in ...
+    two.commit(lease, data(N, 40))
+    info = one.info(ids[0], owner)  # ... and this one catches up: its stale copies go
+    assert (info.version, info.tier) == (2, "redis")
+    assert same(one.acquire(ids[0], owner).data, data(N, 40))
+    for cache in (one, two):
+        cache.close()
+    assert watch.calls["redis.put"] >= 12 and watch.calls["disk.write"] >= 1  # the disk spill tier was used
+    assert watch.locked == []
+
+
+def blocking_writes(cache: SessionCache, session_id: str) -> tuple[threading.Event, threading.Event]:
+    """Make the disk write of `session_id` wait for `go`; `writing` is set once it waits."""
+    writing, go = threading.Event(), threading.Event()
+    real = cache.disk.write
+
+    def write(sid, blob):
+        if sid == session_id:
+            writing.set()
+            assert go.wait(30)
+        return real(sid, blob)
+
+    cache.disk.write = write
+    return writing, go
+
+
+def in_thread(fn, *args):
+    """Run `fn` in a thread; returns (thread, outcome dict with 'value' or 'error')."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn(*args)
+        except Exception as error:  # noqa: BLE001 - the test compares the outcome
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_one_sessions_slow_durable_write_holds_up_no_other_session(tmp_path):
+    cache = SessionCache(tmp_path / "state", None, None, None)
+    cache.open({"toy": MODEL})
+    slow, fast = (cache.create("toy", None, data(N, i)).id for i in range(2))
+    writing, go = blocking_writes(cache, slow)
+    lease = cache.acquire(slow, None)
+    committing, outcome = in_thread(cache.commit, lease, data(N, 5, tokens=9))
+    assert writing.wait(10)  # the commit of `slow` is inside its fsync'd write now
+
+    def others():
+        other = cache.acquire(fast, None)
+        info = cache.commit(other, data(N, 6, tokens=8))
+        return info, cache.info(slow, None), cache.list_sessions(None)[0], cache.create("toy", None, data(N, 7))
+
+    meanwhile, done = in_thread(others)
+    meanwhile.join(10)  # with one lock around local I/O, this would wait for the slow write
+    assert not meanwhile.is_alive() and "error" not in done, done
+    info, slow_info, listed, created = done["value"]
+    assert info.version == 1 and slow_info.in_use and slow_info.version == 0 and len(listed) == 2
+    assert created.version == 0 and len(cache.sessions()) == 3
+    with pytest.raises(SessionLocked):
+        cache.acquire(slow, None)  # the lease still holds it: one request at a time
+    go.set()
+    committing.join(10)
+    assert outcome["value"].version == 1 and cache.info(slow, None).tokens == 9
+    assert same(cache.acquire(slow, None).data, data(N, 5, tokens=9))
+
+
+def test_a_request_for_a_session_in_transit_waits_for_its_bytes(tmp_path):
+    cache = SessionCache(tmp_path / "state", 2 * UNIT, UNIT, None)
+    cache.open({"toy": MODEL})
+    a, c, b = (cache.create("toy", None, data(N, i)).id for i in range(3))  # a and c on the device, b on disk
+    assert [cache.info(s, None).tier for s in (a, c, b)] == ["host", "device", "device"]
+    cache.move(b, "disk")
+    cache.move(a, "disk")
+    cache.move(a, "device")  # a, c on the device (a least recently used), neither in host RAM; b only on disk
+    assert [cache.info(s, None).tier for s in (a, c, b)] == ["device", "device", "disk"]
+
+    moving, go = threading.Event(), threading.Event()
+    real = cache.placement.write
+
+    def write(record, tier, value):
+        if record.id == a and tier == "host":
+            moving.set()
+            assert go.wait(30)
+        return real(record, tier, value)
+
+    cache.placement.write = write
+    taking_b, got_b = in_thread(cache.acquire, b, None)  # evicts a to host RAM: its copy is in transit
+    assert moving.wait(10)
+    info = cache.info(a, None)
+    assert info.tier == "host" and not info.in_use  # the books say where it goes; no request holds it
+    taking_a, got_a = in_thread(cache.acquire, a, None)
+    time.sleep(0.3)
+    assert taking_a.is_alive()  # it waits for a's bytes, rather than being told the session is busy
+    go.set()
+    taking_b.join(10)
+    taking_a.join(10)
+    assert "error" not in got_b and "error" not in got_a, (got_a, got_b)
+    assert same(got_a["value"].data, data(N, 0)) and same(got_b["value"].data, data(N, 2))
+    for lease in (got_a["value"], got_b["value"]):
+        cache.release(lease)
