@@ -228,7 +228,7 @@ async def send_error(scope: Scope, send: Send, error: APIError) -> None:
 CLIENT_CLOSED_REQUEST = Cancelled.http_status
 
 
-class ErrorResponse(JSONResponse):
+class AsciiErrorResponse(JSONResponse):
     """An error body as ASCII JSON (non-ASCII escaped): whatever a message or param quotes,
     even text that cannot become UTF-8, can be sent, so an error never turns into a 500."""
 
@@ -242,9 +242,9 @@ def install_error_handlers(app: FastAPI) -> None:
     paths and methods as their HTTP status, anything else a 500 that names only the class.
     Each is counted (`count_error`) as it is answered."""
 
-    def answer(request: Request, error: APIError, body: Any = None) -> ErrorResponse:
+    def answer(request: Request, error: APIError, body: Any = None) -> AsciiErrorResponse:
         count_error(_app_state(request.app), error, requested_model(request, body))
-        return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
+        return AsciiErrorResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
