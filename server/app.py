@@ -71,17 +71,17 @@ class StartupRefused(Exception):
 def checkpoints_to_serve(settings: Settings) -> list[Path]:
     """The checkpoint directories the settings name (each a directory with a config.json), or
     StartupRefused saying what is missing. Only the file system is read: no torch here."""
-    weights_dir = Path(settings.weights_dir)
+    weights_dir = Path(settings.engine.weights_dir)
     available = sorted(p.name for p in weights_dir.iterdir() if (p / "config.json").exists()) \
         if weights_dir.is_dir() else []
     where = (f"{weights_dir.resolve()} does not exist" if not weights_dir.is_dir() else
              f"{weights_dir.resolve()} has no checkpoint directory (one with a config.json)")
-    names = [name.strip() for name in settings.models.split(",") if name.strip()]
+    names = [name.strip() for name in settings.engine.models.split(",") if name.strip()]
     if not names:
         if not available:
             raise StartupRefused(f"no checkpoint to serve: {where}; name checkpoints with --models / XLSERVE_MODELS "
                                  "or point --weights-dir / XLSERVE_WEIGHTS_DIR at them")
-        return settings.model_dirs()
+        return settings.engine.model_dirs()
     directories = []
     for name in names:
         directory = checkpoint_dir(name, weights_dir)
@@ -133,7 +133,7 @@ def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
     lines.append(f"  state directory: {store.get('state_dir')} ({store.get('sessions')} sessions found)")
     tiers = (f"device {_gib(store.get('device_bytes', 0))} -> host {_gib(store.get('host_bytes', 0))} -> "
              f"disk {_gib(store.get('disk_bytes', 0))}")
-    redis = store.get("redis") or (masked_url(settings.redis_url) if settings.redis_url else None)
+    redis = store.get("redis") or (masked_url(settings.cache.redis_url) if settings.cache.redis_url else None)
     lines.append(f"  session store: {tiers} -> Redis {redis}" if redis else
                  f"  session store: {tiers} (no Redis: the disk is the last tier)")
     keys = len(state.api_keys)
@@ -349,7 +349,7 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     async def lifespan(app: FastAPI):
         metrics = Metrics()
         metrics.declare_http_series(expected_responses(app))
-        state = AppState(settings=settings, metrics=metrics, api_keys=settings.api_key_list())
+        state = AppState(settings=settings, metrics=metrics, api_keys=settings.security.api_key_list())
         app.state.xlserve = state
         started = time.monotonic()
 
@@ -377,7 +377,7 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
 
     open_paths = OPEN_PATHS | PAGE_PATHS | {path for path in (app.openapi_url, app.docs_url, app.redoc_url) if path}
     app.add_middleware(LoadingGate, open_paths=frozenset(open_paths))
-    app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.server.max_request_body_bytes)
     app.add_middleware(ResponseMetrics)  # outermost: it counts what the others answer too
 
     for router in (health.router, models.router, completions.router, chat.router, tokenize.router,

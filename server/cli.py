@@ -13,9 +13,9 @@ from pathlib import Path
 
 
 def _resolve_model_dir(name_or_path: str) -> Path:
-    from xlserve.server.settings import Settings, checkpoint_dir
+    from xlserve.server.settings import EngineSettings, checkpoint_dir
 
-    weights_dir = Settings().weights_dir  # XLSERVE_WEIGHTS_DIR, as `serve` uses it
+    weights_dir = EngineSettings().weights_dir  # XLSERVE_WEIGHTS_DIR, as `serve` uses it
     path = checkpoint_dir(name_or_path, weights_dir)
     if not path.is_dir():
         raise SystemExit(f"no checkpoint directory '{name_or_path}' (looked in . and {weights_dir})")
@@ -62,7 +62,7 @@ def cmd_serve(args) -> None:
     try:
         settings = Settings(**overrides)
         checkpoints_to_serve(settings)
-        settings.api_key_list()  # a key file that cannot be read
+        settings.security.api_key_list()  # a key file that cannot be read
     except pydantic.ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
@@ -73,7 +73,7 @@ def cmd_serve(args) -> None:
         raise SystemExit(f"xlserve serve: XLSERVE_API_KEYS names a file that cannot be read: {error}") from None
     _log_to_stderr(args.log_level)
 
-    grace = settings.shutdown_grace_seconds if args.grace_seconds is None else args.grace_seconds
+    grace = settings.server.shutdown_grace_seconds if args.grace_seconds is None else args.grace_seconds
     failure: list[str] = []  # why the engine process is gone for good, when it is
 
     class GracefulServer(uvicorn.Server):

@@ -1,26 +1,43 @@
-"""Server settings, read from the environment (prefix XLSERVE_) by pydantic-settings.
+"""Server settings, grouped by concern and composed in one `Settings` object (as vLLM's config
+package composes its model, cache and scheduler configs), read from the environment by
+pydantic-settings.
+
+Each group is what one part of the server reads, and is handed only that part:
+
+| group | class | read by |
+|---|---|---|
+| `settings.server` | `ServerSettings` | the API process: request limits, shutdown, engine restarts |
+| `settings.engine` | `EngineSettings` | the engine process: which models, device, threads, batching |
+| `settings.cache` | `CacheSettings` | the session cache: tiers' budgets, the disk and Redis stores |
+| `settings.prefix_cache` | `PrefixCacheSettings` | the prefix-state cache |
+| `settings.security` | `SecuritySettings` | authentication (never sent to the engine process) |
+
+Every setting keeps one flat name, which is its environment variable less the `XLSERVE_` prefix
+(`XLSERVE_PREFIX_CACHE_BYTES` is `prefix_cache.bytes`); `Settings(**flat)` takes those names,
+so a test or the CLI sets any of them without knowing its group.
 
 Created in the app factory (or by `xlserve serve`), never at import time, so tests build apps
 with their own settings. The engine process gets the API process's settings as JSON (without the
-API keys) in the first frame over its socket, never on its command line (which `ps` shows to
-every user), and rebuilds them; every setting is listed in the README.
+security group) in the first frame over its socket, never on its command line (which `ps` shows
+to every user), and rebuilds them; every setting is listed in the README.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import field_validator
+from pydantic import ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from xlserve.server.redis_urls import masked_url, parse_redis_url  # noqa: F401  (masked_url: engine/process.py imports it from here)
+from xlserve.server.redis_urls import parse_redis_url
 
 # Data directories are relative to the working directory (where `make serve` runs: the
 # repository), never to this file: an installed package lives in site-packages.
 WEIGHTS_DIR = Path("weights")
 STATE_DIR = Path("state")
 BENCH_RESULTS_DIR = Path("bench-results")
+ENVIRONMENT_PREFIX = "XLSERVE_"
 
 
 def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
@@ -30,62 +47,81 @@ def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
     return path if path.is_dir() else weights_dir / name_or_path
 
 
-class Settings(BaseSettings):
-    # hide_input_in_errors: a refused value may be a secret (an API key, a Redis URL with its password)
-    model_config = SettingsConfigDict(env_prefix="XLSERVE_", extra="ignore", hide_input_in_errors=True)
+def _group_config(prefix: str = "") -> SettingsConfigDict:
+    # extra="ignore": the environment holds the other groups' XLSERVE_ variables too;
+    # hide_input_in_errors: a refused value may be a secret (an API key, a Redis URL's password)
+    return SettingsConfigDict(env_prefix=ENVIRONMENT_PREFIX + prefix, extra="ignore", hide_input_in_errors=True)
 
-    # what to serve
-    models: str = ""  # comma list of names under weights_dir or checkpoint paths; "" = all
-    weights_dir: Path = WEIGHTS_DIR
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 (bfloat16 is opt-in on CUDA)
-    torch_threads: int = 0  # intra-op threads of the engines' model work; 0 = the cores less one (the API process's), shared by the models
-    prompt_threads: int = 0  # the same for forwards of 256 tokens or more (prompts); 0 = every core, shared by the models
 
-    # access
-    api_keys: str = ""  # comma list, or "@/path/to/file" with one key per line; "" = open
-    metrics_require_key: bool = False
+class SettingsGroup(BaseSettings):
+    """One concern's settings. `flat_prefix` is what its flat names (and environment variables,
+    after XLSERVE_) put before each field's name."""
 
-    # limits
+    flat_prefix: ClassVar[str] = ""
+
+    @classmethod
+    def flat_names(cls) -> dict[str, str]:
+        """Flat name -> field name: {"prefix_cache_bytes": "bytes", ...}."""
+        return {cls.flat_prefix + field: field for field in cls.model_fields}
+
+
+class ServerSettings(SettingsGroup):
+    """The API process: what a request may ask, how it shuts down, how often the engine may restart."""
+
+    model_config = _group_config()
+
     max_prompt_bytes: int = 1_000_000
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     max_request_body_bytes: int = 8_000_000
-    prefill_chunk_tokens: int = 512  # prompts are fed to the model in chunks of this size
-    max_batch_size: int = 64  # rows decoded together per model step (a request with n choices takes n)
-    max_queued_requests: int = 256  # requests waiting for a batch slot per model; beyond: 429
     shutdown_grace_seconds: float = 30  # on SIGTERM, how long running requests may finish
     # the engine process is restarted when it dies; more than this many restarts within the window
     # and the server exits non-zero instead, so a supervisor (systemd, Kubernetes) takes over
     engine_restart_limit: int = 3  # 0 = never restart: the first death stops the server
     engine_restart_window_seconds: float = 600
 
-    # session state
+
+class EngineSettings(SettingsGroup):
+    """The engine process: which checkpoints, on what, with how many threads and rows."""
+
+    model_config = _group_config()
+
+    models: str = ""  # comma list of names under weights_dir or checkpoint paths; "" = all
+    weights_dir: Path = WEIGHTS_DIR
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 (bfloat16 is opt-in on CUDA)
+    torch_threads: int = 0  # intra-op threads of the engines' model work; 0 = the cores less one (the API process's), shared by the models
+    prompt_threads: int = 0  # the same for forwards of 256 tokens or more (prompts); 0 = every core, shared by the models
+    prefill_chunk_tokens: int = 512  # prompts are fed to the model in chunks of this size
+    max_batch_size: int = 64  # rows decoded together per model step (a request with n choices takes n)
+    max_queued_requests: int = 256  # requests waiting for a batch slot per model; beyond: 429
+    # the engine process hands freed memory back to the system when idle (server/engine/memory.py)
+    return_memory: bool = True
+
+    def model_dirs(self) -> list[Path]:
+        """Checkpoint directories to load: named ones, or every one under weights_dir."""
+        if not self.models.strip():
+            if not self.weights_dir.is_dir():
+                return []
+            return sorted(p for p in self.weights_dir.iterdir() if (p / "config.json").is_file())
+        return [checkpoint_dir(m.strip(), self.weights_dir) for m in self.models.split(",") if m.strip()]
+
+
+class CacheSettings(SettingsGroup):
+    """The session cache: each tier's budget, where the disk tier lives, the shared Redis store."""
+
+    model_config = _group_config()
+
     state_dir: Path = STATE_DIR  # where sessions are written down
     device_state_bytes: int = 1 << 30
     host_state_bytes: int = 4 << 30
     disk_state_bytes: int = 64 << 30
     # redis://, rediss://, unix:// (one server), redis+sentinel://sentinel:26379[,...]/<master>[/db],
-    # redis+cluster://node:6379[,...] (server/cache/redis_client.py; README, Settings)
+    # redis+cluster://node:6379[,...] (server/cache/redis_client.py; README)
     redis_url: str = ""
-    # the prefix-state cache (server/cache/prefix_cache.py): requests without a session resume
-    # from the longest cached prefix of their prompt; 0 bytes switches it off
-    prefix_cache_bytes: int = 256 << 20  # its cap on the device; and on every tier, never more than sessions leave
-    prefix_cache_host_bytes: int = 1 << 30  # its cap in host RAM (0: no host tier for entries)
-    prefix_cache_disk_bytes: int = 8 << 30  # its cap on disk, under state_dir/prefix-cache (0: none)
-    prefix_cache_block_tokens: int = 16  # tokens per block of the prefix hash chain
-    prefix_cache_redis_ttl_seconds: int = 24 * 3600  # with redis_url: entries shared there expire after this long unused
     store_timeout_seconds: float = 5.0  # each call to the session store (Redis) gives up after this long
     # a store write that timed out: how long to keep asking the store whether it landed before
     # answering 503 commit_outcome_unknown
     commit_settle_seconds: float = 15.0
-
-    # memory: the engine process hands freed memory back to the system when idle (server/engine/memory.py)
-    return_memory: bool = True
-
-    @field_validator("api_keys")
-    @classmethod
-    def _strip(cls, value: str) -> str:
-        return value.strip()
 
     @field_validator("redis_url")
     @classmethod
@@ -96,6 +132,34 @@ class Settings(BaseSettings):
             parse_redis_url(value)  # its ValueError's message never quotes credentials
         return value
 
+
+class PrefixCacheSettings(SettingsGroup):
+    """The prefix-state cache (server/cache/prefix_cache.py): requests without a session resume
+    from the longest cached prefix of their prompt. It shares the session cache's tiers and Redis."""
+
+    model_config = _group_config("PREFIX_CACHE_")
+    flat_prefix: ClassVar[str] = "prefix_cache_"
+
+    bytes: int = 256 << 20  # its cap on the device (0 switches the cache off); and on every tier, never more than sessions leave
+    host_bytes: int = 1 << 30  # its cap in host RAM (0: no host tier for entries)
+    disk_bytes: int = 8 << 30  # its cap on disk, under state_dir/prefix-cache (0: none)
+    block_tokens: int = 16  # tokens per block of the prefix hash chain
+    redis_ttl_seconds: int = 24 * 3600  # with a Redis store: entries shared there expire after this long unused
+
+
+class SecuritySettings(SettingsGroup):
+    """Who may call: API keys. Stays in the API process."""
+
+    model_config = _group_config()
+
+    api_keys: str = ""  # comma list, or "@/path/to/file" with one key per line; "" = open
+    metrics_require_key: bool = False
+
+    @field_validator("api_keys")
+    @classmethod
+    def _strip(cls, value: str) -> str:
+        return value.strip()
+
     def api_key_list(self) -> list[str]:
         if not self.api_keys:
             return []
@@ -104,10 +168,88 @@ class Settings(BaseSettings):
             return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]
 
-    def model_dirs(self) -> list[Path]:
-        """Checkpoint directories to load: named ones, or every one under weights_dir."""
-        if not self.models.strip():
-            if not self.weights_dir.is_dir():
-                return []
-            return sorted(p for p in self.weights_dir.iterdir() if (p / "config.json").is_file())
-        return [checkpoint_dir(m.strip(), self.weights_dir) for m in self.models.split(",") if m.strip()]
+
+def _by_flat_name(error: ValidationError, group_class: type[SettingsGroup]) -> ValidationError:
+    """`error` with each location a flat name ("prefix_cache_bytes", not "bytes"), so that a message
+    names the setting as its environment variable and the README do."""
+    located = []
+    for detail in error.errors():
+        field, *inner = detail["loc"]
+        located.append({"type": detail["type"], "loc": (group_class.flat_prefix + str(field), *inner),
+                        "input": detail["input"], "ctx": detail.get("ctx", {})})
+    return ValidationError.from_exception_data(error.title, located, hide_input=True)
+
+
+class Settings:
+    """Every group, composed. `Settings()` reads the environment; `Settings(device="cpu",
+    prefix_cache_bytes=0)` overrides by flat name (see the module's docstring)."""
+
+    GROUPS: ClassVar[dict[str, type[SettingsGroup]]] = {
+        "server": ServerSettings,
+        "engine": EngineSettings,
+        "cache": CacheSettings,
+        "prefix_cache": PrefixCacheSettings,
+        "security": SecuritySettings,
+    }
+    # the groups the engine process gets (the API keys stay in the API process)
+    ENGINE_PROCESS_GROUPS: ClassVar[tuple[str, ...]] = ("server", "engine", "cache", "prefix_cache")
+
+    server: ServerSettings
+    engine: EngineSettings
+    cache: CacheSettings
+    prefix_cache: PrefixCacheSettings
+    security: SecuritySettings
+
+    def __init__(self, **overrides: Any):
+        by_group: dict[str, dict[str, Any]] = {group: {} for group in self.GROUPS}
+        for flat_name, value in overrides.items():
+            group, field = self.locate(flat_name)
+            by_group[group][field] = value
+        for group, group_class in self.GROUPS.items():
+            try:
+                setattr(self, group, group_class(**by_group[group]))
+            except ValidationError as error:
+                raise _by_flat_name(error, group_class) from None
+
+    @classmethod
+    def locate(cls, flat_name: str) -> tuple[str, str]:
+        """(group, field) of a flat name; ValueError naming the known ones for any other."""
+        for group, group_class in cls.GROUPS.items():
+            field = group_class.flat_names().get(flat_name)
+            if field is not None:
+                return group, field
+        raise ValueError(f"no setting named '{flat_name}'; the settings are: {', '.join(sorted(cls.flat_names()))}")
+
+    @classmethod
+    def flat_names(cls) -> list[str]:
+        return [name for group_class in cls.GROUPS.values() for name in group_class.flat_names()]
+
+    @classmethod
+    def environment_variables(cls) -> list[str]:
+        return [ENVIRONMENT_PREFIX + name.upper() for name in cls.flat_names()]
+
+    def flat(self) -> dict[str, Any]:
+        """Flat name -> value, every setting (the secrets included)."""
+        values = {}
+        for group, group_class in self.GROUPS.items():
+            for flat_name, field in group_class.flat_names().items():
+                values[flat_name] = getattr(getattr(self, group), field)
+        return values
+
+    def for_engine_process(self) -> dict[str, dict[str, Any]]:
+        """The groups the engine process needs, as JSON values (never the API keys)."""
+        return {group: getattr(self, group).model_dump(mode="json") for group in self.ENGINE_PROCESS_GROUPS}
+
+    @classmethod
+    def from_engine_process_frame(cls, groups: dict[str, dict[str, Any]]) -> "Settings":
+        """Rebuilt from `for_engine_process`: these values, not the engine process's environment."""
+        settings = cls.__new__(cls)
+        for group, group_class in cls.GROUPS.items():
+            # model_validate checks the values without reading the environment again
+            setattr(settings, group, group_class.model_validate(groups.get(group, {})) if group in groups
+                    else group_class.model_construct())
+        return settings
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{group}={getattr(self, group)!r}" for group in self.GROUPS)
+        return f"Settings({groups})"

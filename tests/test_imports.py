@@ -299,6 +299,33 @@ def test_models_import_nothing_from_server():
     assert not wrong, "models/ must not depend on server/:\n" + "\n".join(wrong)
 
 
+# layer -> the project packages it must never import (docs/design.md section 1): the arrows point
+# down only (api -> engine -> cache -> models), and the settings, which both processes read, sit
+# beside the layers: a layer is handed its group of settings, and the settings import no layer
+NEVER_IMPORTS = {
+    "server.cache": ("server.engine", "server.api", "server.app", "server.settings", "server.cli"),
+    "server.engine": ("server.api", "server.app", "server.cli"),
+    "server.settings": ("server.cache", "server.engine", "server.api", "server.app"),
+    "server.redis_urls": ("server.cache", "server.engine", "server.api", "server.app", "server.settings"),
+    "server.errors": ("server.cache", "server.engine", "server.api", "server.app", "server.settings"),
+}
+
+
+def test_the_layers_import_downwards_only():
+    wrong = []
+    for module in MODULES.values():
+        for layer, forbidden in NEVER_IMPORTS.items():
+            layer_name = f"{PACKAGE}.{layer}"
+            if not (module.name == layer_name or module.name.startswith(layer_name + ".")):
+                continue
+            for name, node, _ in imported_names(module):
+                for other in forbidden:
+                    other_name = f"{PACKAGE}.{other}"
+                    if name == other_name or name.startswith(other_name + "."):
+                        wrong.append(f"{module.path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)} ({layer} -> {other})")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
 def loaded_after_import(modules: list[str], tmp_path: Path) -> set[str]:
     """sys.modules after importing `modules` in a fresh interpreter started outside the
     repository (so nothing is found through the working directory)."""
@@ -325,7 +352,7 @@ def test_the_engine_process_loads_no_web_framework(tmp_path):
 
 def test_the_api_process_loads_no_torch(tmp_path):
     """The API process holds no model: the app and the CLI import without torch (the session
-    cache's package resolves its torch-side names lazily for this)."""
+    cache's package imports only its torch-free names for this)."""
     loaded = loaded_after_import([f"{PACKAGE}.server.app", f"{PACKAGE}.server.cli"], tmp_path)
     assert "fastapi" in loaded
     wrong = _under(loaded, ("torch",))

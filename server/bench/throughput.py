@@ -297,11 +297,11 @@ def engine_worker(args: dict) -> list[dict]:
     """
     from xlserve.server.engine.process import load_models
     from xlserve.server.metrics import Metrics
-    from xlserve.server.settings import Settings
+    from xlserve.server.settings import EngineSettings
 
     # threads as in the server: load_models gives the engine's worker thread its own
-    settings = Settings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]),
-                        torch_threads=args["threads"])
+    settings = EngineSettings(models=args["model_dir"], device=args["device"], max_batch_size=max(args["levels"]),
+                              torch_threads=args["threads"])
     from xlserve.server.engine.local import SubmissionDelivery
 
     relay = SinkRelay() if args["consumer"] == "sink" else None

@@ -154,16 +154,19 @@ class PrefixCache:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
 
     @classmethod
-    def from_settings(cls, settings, metrics=None, sessions=None) -> "PrefixCache | None":
-        if settings.prefix_cache_bytes <= 0:
+    def from_settings(cls, settings, session_settings, metrics=None, sessions=None) -> "PrefixCache | None":
+        """From the prefix cache's group of the server's settings (`settings.prefix_cache`) and the
+        session cache's (`settings.cache`: the Redis store and the state directory it shares);
+        None when its device cap is 0. Duck-typed: the cache imports nothing of server/settings.py."""
+        if settings.bytes <= 0:
             return None
         remote = None
-        if settings.redis_url:
-            remote = RedisPrefixStore(settings.redis_url, timeout_s=settings.store_timeout_seconds,
-                                      ttl_s=settings.prefix_cache_redis_ttl_seconds)
-        return cls(settings.prefix_cache_bytes, settings.prefix_cache_block_tokens, metrics, remote,
-                   host_bytes=settings.prefix_cache_host_bytes, disk_bytes=settings.prefix_cache_disk_bytes,
-                   directory=Path(settings.state_dir) / "prefix-cache", sessions=sessions)
+        if session_settings.redis_url:
+            remote = RedisPrefixStore(session_settings.redis_url, timeout_s=session_settings.store_timeout_seconds,
+                                      ttl_s=settings.redis_ttl_seconds)
+        return cls(settings.bytes, settings.block_tokens, metrics, remote,
+                   host_bytes=settings.host_bytes, disk_bytes=settings.disk_bytes,
+                   directory=Path(session_settings.state_dir) / "prefix-cache", sessions=sessions)
 
     # -- the shared budgets ------------------------------------------------------------------------
 

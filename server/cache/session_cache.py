@@ -120,6 +120,8 @@ class SessionCache:
 
     @classmethod
     def from_settings(cls, settings, metrics=None) -> "SessionCache":
+        """From the cache's group of the server's settings (`settings.cache`, a CacheSettings; the
+        cache reads its fields and imports nothing of server/settings.py)."""
         return cls(settings.state_dir, settings.device_state_bytes, settings.host_state_bytes,
                    settings.disk_state_bytes, settings.redis_url, metrics,
                    store_timeout_s=settings.store_timeout_seconds, settle_s=settings.commit_settle_seconds)

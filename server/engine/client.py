@@ -51,7 +51,7 @@ from xlserve.server.engine.wire import (
     Commit,
     CreateSession,
     DeleteSession,
-    EngineSettings,
+    StartWithSettings,
     ExportState,
     ForkSession,
     FrameKind,
@@ -237,8 +237,7 @@ class EngineClient:
         finally:
             theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
-        settings = self.settings.model_dump(mode="json", exclude={"api_keys"})
-        writer.write(encode_frame(*EngineSettings(settings).frame()))
+        writer.write(encode_frame(*StartWithSettings(self.settings.for_engine_process()).frame()))
         try:
             first = await read_frame_async(reader)
         except BaseException:  # cancelled by close(), which kills the process
@@ -287,7 +286,7 @@ class EngineClient:
     def _masked(self, text: str) -> str:
         """`text` without the Redis password, should the engine process have quoted it."""
         try:
-            password = urlsplit(self.settings.redis_url).password
+            password = urlsplit(self.settings.cache.redis_url).password
         except ValueError:  # a URL urllib cannot take apart: Redis would not have taken it either
             password = None
         return text.replace(password, "***") if password else text
@@ -325,7 +324,7 @@ class EngineClient:
         self.supervisor = asyncio.create_task(self._restart())
 
     async def _restart(self) -> None:
-        settings = self.settings
+        settings = self.settings.server
         dead = self.process
         code = await self._reap(dead) if dead is not None else None
         what = f"the engine process (pid {dead.pid if dead else '?'}) {describe_exit(code)}"

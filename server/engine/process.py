@@ -23,7 +23,7 @@ leaves it waiting under its lease, and the API's `commit` (sent when the client 
 answer) makes it the session's state; `release` without a commit drops it.
 
 Started by server/engine/client.py as `python -m xlserve.server.engine.process FD`; its settings
-come as the first frame on the socket (`EngineSettings`), never on the command line, which every
+come as the first frame on the socket (`StartWithSettings`), never on the command line, which every
 user sees in `ps` (a Redis URL may hold a password). On Linux it dies with the API process (a
 kill -9 of the server stops both, as one process would stop); elsewhere it notices the socket
 close, writes its sessions down and exits. If it dies on its own, the API process starts a new one.
@@ -76,7 +76,7 @@ from xlserve.server.engine.wire import (
     CreateSession,
     DeleteSession,
     Done,
-    EngineSettings,
+    StartWithSettings,
     ExportedState,
     ExportState,
     ForkSession,
@@ -109,7 +109,8 @@ from xlserve.server.engine.wire import (
     read_frame,
 )
 from xlserve.server.metrics import Metrics
-from xlserve.server.settings import Settings, masked_url
+from xlserve.server.redis_urls import masked_url
+from xlserve.server.settings import EngineSettings, Settings
 
 log = logging.getLogger("xlserve.engine_process")
 
@@ -144,7 +145,7 @@ class LoadedModel:
     load_seconds: float = 0.0  # reading and placing its weights (said in the start-up log)
 
 
-def load_models(settings: Settings, metrics: Metrics, sink: EventSink,
+def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
                 prefix_cache: PrefixCache | None = None) -> dict[str, LoadedModel]:
     """Every configured checkpoint on the device, each with its engine (events to `sink`),
     the engines sharing one `prefix_cache` (None: no reuse without sessions).
@@ -269,12 +270,13 @@ class EngineProcess:
         self.sock = sock
         self.writer = FrameWriter(sock)
         self.metrics = Metrics()
-        self.cache = SessionCache.from_settings(settings, self.metrics)
+        self.cache = SessionCache.from_settings(settings.cache, self.metrics)
         # one budget per tier for both: entries take only the room sessions leave, and give it back
-        self.prefix_cache = PrefixCache.from_settings(settings, self.metrics, sessions=self.cache.manager)
+        self.prefix_cache = PrefixCache.from_settings(settings.prefix_cache, settings.cache, self.metrics,
+                                                     sessions=self.cache.manager)
         if self.prefix_cache is not None:
             self.cache.lend_to(self.prefix_cache)
-        self.models = load_models(settings, self.metrics, sink=self._send_events, prefix_cache=self.prefix_cache)
+        self.models = load_models(settings.engine, self.metrics, sink=self._send_events, prefix_cache=self.prefix_cache)
         self.sessions_found = self.cache.open({name: loaded.model for name, loaded in self.models.items()})
         self.metrics.declare_engine_series(list(self.models), list(self.cache.manager.tiers))
         # each tier's budget and how full it is, read from the manager at every scrape
@@ -293,7 +295,7 @@ class EngineProcess:
                                        initializer=own_torch_threads, initargs=(1,))
         # freed memory goes back to the system once the engines idle (server/engine/memory.py)
         self.memory = MemoryReturner.for_engine_process(
-            lambda: all(loaded.engine.idle for loaded in self.models.values()), settings.return_memory)
+            lambda: all(loaded.engine.idle for loaded in self.models.values()), settings.engine.return_memory)
 
     def ready(self) -> Ready:
         """The models (what /v1/models says, and what the API process needs to tokenise for
@@ -307,11 +309,11 @@ class EngineProcess:
                            "device": str(loaded.model.device),
                            "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else "none",
                            "load_seconds": round(loaded.load_seconds, 3)})
-        settings = self.settings
-        threads, prompt_threads = threads_per_engine(settings.torch_threads, settings.prompt_threads, len(self.models))
-        store = {"state_dir": str(Path(settings.state_dir).resolve()), "device_bytes": settings.device_state_bytes,
-                 "host_bytes": settings.host_state_bytes, "disk_bytes": settings.disk_state_bytes,
-                 "redis": masked_url(settings.redis_url) if settings.redis_url else None,
+        engine, cache = self.settings.engine, self.settings.cache
+        threads, prompt_threads = threads_per_engine(engine.torch_threads, engine.prompt_threads, len(self.models))
+        store = {"state_dir": str(Path(cache.state_dir).resolve()), "device_bytes": cache.device_state_bytes,
+                 "host_bytes": cache.host_state_bytes, "disk_bytes": cache.disk_state_bytes,
+                 "redis": masked_url(cache.redis_url) if cache.redis_url else None,
                  "sessions": self.sessions_found}
         return Ready(models, os.getpid(), {"forward": threads, "prompt": prompt_threads, "cores": os.cpu_count()},
                      store)
@@ -590,12 +592,12 @@ def _die_with_parent() -> None:
 
 
 def read_settings(stream) -> Settings:
-    """The first frame from the API process: `EngineSettings` (as JSON, without the API keys).
+    """The first frame from the API process: `StartWithSettings` (as JSON, without the API keys).
     Over the socket, not argv: a Redis URL may hold a password."""
     frame = read_frame(stream)
     if frame is None or frame[0].get("op") != FrameKind.SETTINGS.value:
         raise RuntimeError("the API process sent no settings")
-    return Settings(**EngineSettings.from_frame(frame[0]).settings)
+    return Settings.from_engine_process_frame(StartWithSettings.from_frame(frame[0]).settings)
 
 
 def main(argv: list[str]) -> None:
@@ -617,7 +619,7 @@ def main(argv: list[str]) -> None:
         # tell the API process why this process cannot start, in one line (it says it once, as
         # the reason the server stops); the traceback goes along for its debug log
         message, details = f"{type(error).__name__}: {error}", traceback.format_exc()
-        password = urlsplit_password(settings.redis_url) if settings is not None else None
+        password = urlsplit_password(settings.cache.redis_url) if settings is not None else None
         if password:
             message, details = message.replace(password, "***"), details.replace(password, "***")
         try:

@@ -128,7 +128,7 @@ class Operation(enum.Enum):
 class FrameKind(enum.Enum):
     """The frames that are not requests."""
 
-    SETTINGS = "settings"  # API -> engine, first: `EngineSettings`
+    SETTINGS = "settings"  # API -> engine, first: `StartWithSettings`
     SHUTDOWN = "shutdown"  # API -> engine, last: write the sessions down and exit
     READY = "ready"  # engine -> API, once: `Ready`
     FAILED = "failed"  # engine -> API, instead of `ready`: `StartFailed`
@@ -446,7 +446,7 @@ class ControlMessage(Message):
 
 
 @dataclass
-class EngineSettings(ControlMessage):
+class StartWithSettings(ControlMessage):
     """The first frame: the server's settings (server/settings.py, as JSON, without the API keys)."""
 
     kind: ClassVar[FrameKind] = FrameKind.SETTINGS

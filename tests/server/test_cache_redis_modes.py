@@ -56,7 +56,7 @@ def test_urls_name_one_redis_a_sentinel_or_a_cluster():
             parse_redis_url(wrong)
         assert "secret" not in str(refused.value)
     # the setting is checked at once, and a bad one is refused naming no credentials
-    assert Settings(redis_url=" redis+cluster://n1:7000 ").redis_url == "redis+cluster://n1:7000"
+    assert Settings(redis_url=" redis+cluster://n1:7000 ").cache.redis_url == "redis+cluster://n1:7000"
     with pytest.raises(ValueError, match="names the master's service") as refused:
         Settings(redis_url="redis+sentinel://:secret@s1")
     assert "secret" not in str(refused.value)  # pydantic would quote the input: settings hide it

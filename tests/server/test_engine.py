@@ -623,14 +623,14 @@ def test_big_prompt_forwards_run_on_the_prompt_threads():
 
 def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp_path):
     from xlserve.server.engine.process import load_models
-    from xlserve.server.settings import Settings
+    from xlserve.server.settings import EngineSettings
     from tests.e2e.server_process import make_checkpoint
 
     for name in ("first", "second"):
         make_checkpoint(tmp_path / name)
     before = torch.get_num_threads()
-    loaded = load_models(Settings(models=f"{tmp_path / 'first'},{tmp_path / 'second'}", device="cpu",
-                                  torch_threads=4, prompt_threads=6), Metrics(), local.SubmissionDelivery())
+    loaded = load_models(EngineSettings(models=f"{tmp_path / 'first'},{tmp_path / 'second'}", device="cpu",
+                                        torch_threads=4, prompt_threads=6), Metrics(), local.SubmissionDelivery())
     try:
         assert [model.engine.threads for model in loaded.values()] == [2, 2]
         assert [model.engine.prompt_threads for model in loaded.values()] == [3, 3]

@@ -16,7 +16,7 @@ from xlserve.server.engine.errors import (
 from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, PromptLogprobs, SamplingParams, TokenEvent
 from xlserve.server.engine.wire import (
     REQUESTS, Accepted, Acquire, Acquired, Append, Cancel, CheckIdle, Closed, Commit, ControlMessage, CreateSession,
-    DeleteSession, Done, EngineSettings, ExportedState, ExportState, ForkSession, FrameWriter, Generate, GetMetrics,
+    DeleteSession, Done, StartWithSettings, ExportedState, ExportState, ForkSession, FrameWriter, Generate, GetMetrics,
     GetSession, Idleness, ImportSession, ListSessions, Message, MetricsText, Operation, Ready, Release, ReplaceState,
     Reply, Request, SessionChanged, SessionDescription, SessionPage, Shutdown, StartFailed, StopAdmitting,
     answer_frame, decode_request, encode_frame, error_from_wire, error_to_wire, event_from_wire, event_to_wire,
@@ -61,7 +61,7 @@ SAMPLES = [
     ExportedState(INFO, STATE),
     Idleness(True),
     MetricsText("xlserve_requests_running{model=\"m\"} 0.0\n"),
-    EngineSettings({"models": "m", "redis_url": None, "max_batch_size": 8}),
+    StartWithSettings({"engine": {"models": "m", "max_batch_size": 8}, "cache": {"redis_url": ""}}),
     Shutdown(),
     Ready([{"name": "m", "directory": "/w/m", "vocab_size": 256, "checkpoint_config": {"d_model": 16},
             "card": {"id": "m", "object": "model"}, "device": "cpu", "dtype": "float32", "load_seconds": 0.25}],

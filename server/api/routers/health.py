@@ -58,7 +58,7 @@ async def ready(request: Request):
 async def metrics(request: Request):
     """Prometheus exposition: this process's metrics, then the engine process's."""
     state = app_state(request)
-    if state.settings.metrics_require_key:
+    if state.settings.security.metrics_require_key:
         owner_of(request)
     text = state.metrics.render(engine_side=False)
     if state.engine is not None and state.engine.alive:

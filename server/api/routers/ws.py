@@ -84,7 +84,7 @@ class _Connection:
         request_id = frame = None
         try:
             request_id = frame_id(text)
-            frame = parse_frame(text, max_bytes=self.state.settings.max_request_body_bytes)
+            frame = parse_frame(text, max_bytes=self.state.settings.server.max_request_body_bytes)
             if isinstance(frame, CancelFrame):
                 running = self.current
                 if running is None or (frame.id is not None and frame.id != running.id):

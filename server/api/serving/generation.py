@@ -46,7 +46,7 @@ class Generation:
         self.state, self.body, self.owner, self.echo = state, body, owner, echo
         self.served = state.served(body.model)
         self.params = sampling_params(body, echo, n)
-        limit = state.settings.max_tokens_limit
+        limit = state.settings.server.max_tokens_limit
         if body.max_tokens > limit:
             raise InvalidRequest(f"max_tokens is {body.max_tokens}; the limit is {limit} (XLSERVE_MAX_TOKENS_LIMIT)",
                                  param="max_tokens")

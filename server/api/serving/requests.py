@@ -48,7 +48,7 @@ def check_logit_bias(params: SamplingParams, served: ServedModel) -> None:
 def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int], param: str = "prompt") -> list[int]:
     """Tokenise a prompt (text or token ids), enforcing XLSERVE_MAX_PROMPT_BYTES; `param` names
     the field it came in."""
-    limit = state.settings.max_prompt_bytes
+    limit = state.settings.server.max_prompt_bytes
     if isinstance(prompt, str):
         size = len(prompt.encode("utf-8"))
         if size > limit:
@@ -72,7 +72,7 @@ def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int],
 async def read_body(request: Request) -> bytes:
     """The raw body (a session state), refused past XLSERVE_MAX_REQUEST_BODY_BYTES even when no
     Content-Length announced it."""
-    limit = app_state(request).settings.max_request_body_bytes
+    limit = app_state(request).settings.server.max_request_body_bytes
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
