@@ -16,9 +16,9 @@ from xlserve.server.engine.errors import (
 from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, PromptLogprobs, SamplingParams, TokenEvent
 from xlserve.server.engine.wire import (
     REQUESTS, Accepted, Acquire, Acquired, Append, Cancel, CheckIdle, Closed, Commit, ControlMessage, CreateSession,
-    DeleteSession, Done, StartWithSettings, ExportedState, ExportState, ForkSession, FrameWriter, Generate, GetMetrics,
-    GetSession, Idleness, ImportSession, ListSessions, Message, MetricsText, Operation, Ready, Release, ReplaceState,
-    Reply, Request, SessionChanged, SessionDescription, SessionPage, Shutdown, StartFailed, StopAdmitting,
+    DeleteSession, Done, ExportedState, ExportState, ForkSession, FrameWriter, Generate, GetMetrics, GetSession,
+    Idleness, ImportSession, ListSessions, Message, MetricsText, Operation, Ready, Release, ReplaceState, Reply,
+    Request, SessionChanged, SessionDescription, SessionPage, Shutdown, StartFailed, StartWithSettings, StopAdmitting,
     answer_frame, decode_request, encode_frame, error_from_wire, error_to_wire, event_from_wire, event_to_wire,
     is_last, read_frame, read_frame_async, request_frame,
 )
@@ -164,7 +164,7 @@ def test_every_operation_has_a_request_class_a_handler_and_a_caller():
         reader, writer = await asyncio.open_connection(sock=ours)
         client._attach(reader, writer, Ready([{"name": "m"}], pid=1))
         client._ready(restarted=False)
-        submission = await client.submit("m", [1, 2], {"max_tokens": 2, "logit_bias": {3: 1.0}}, None, b"\x0f")
+        submission = await client.submit("m", [1, 2], SamplingParams(max_tokens=2, logit_bias={3: 1.0}), None, b"\x0f")
         submission.cancel()
         lease = await client.acquire("sess_a", "alice", KEY)
         assert (lease.id, lease.info, lease.has_history) == (9, INFO, True)

@@ -104,7 +104,7 @@ class Generation:
         if len(self.prompts) > 1:
             return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params,
                                             self.prefix_scope())
-        return await self.state.engine.submit(self.served.name, self.tokens, dataclasses.asdict(self.params),
+        return await self.state.engine.submit(self.served.name, self.tokens, self.params,
                                               self.lease, self.prefix_scope())
 
     def prefix_scope(self) -> bytes | None:
@@ -163,7 +163,7 @@ class PromptBatch:
         submissions: list[Submission] = []
         try:
             for tokens in prompts:
-                submissions.append(await state.engine.submit(model, tokens, dataclasses.asdict(params), None,
+                submissions.append(await state.engine.submit(model, tokens, params, None,
                                                              prefix_scope))
         except BaseException:
             for submission in submissions:
