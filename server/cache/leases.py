@@ -9,6 +9,10 @@ A session has at most one holder at a time, and every hold has an id:
   for it waits until the move is done (one write or read) instead of being refused.
 - NEW: a session being written for the first time (create, fork, import). Nobody knows its id
   yet; it is left out of every listing until it is written.
+- COMMIT: a request's commit still being written after the request left (its release came while
+  the commit ran: a client that disconnects while its commit is awaited). The hold stays until
+  the write ends, so no later request starts from the state the commit is replacing; like a move,
+  a request for the session waits for it (one write) instead of being refused.
 
 The hold is what keeps a session's bytes still while they are read or written outside the cache's
 lock: nothing reads, writes or moves the copies of a held session but its holder. A held session
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
 REQUEST = "request"
 MOVE = "move"
 NEW = "new"
+COMMIT = "commit"
 
 
 @dataclass
@@ -50,6 +55,10 @@ class Lease:
     done: bool = field(default=False)
     replay: dict | None = None
     lease_id: int = 0  # the hold's id (Holds.take); 0 for a replay, which holds nothing
+    # a commit is writing the lease's state: a release meanwhile is only recorded (release_asked),
+    # and the commit ends the hold itself, whether it lands or fails
+    committing: bool = False
+    release_asked: bool = False
 
 
 class Holds:
@@ -98,9 +107,18 @@ class Holds:
         self._changed.notify_all()
         return True
 
+    def hand_over(self, session_id: str, hold_id: int) -> bool:
+        """A request's hold becomes a COMMIT hold, same id: its request left while its commit is
+        being written, and the commit gives the hold back when the write ends (False, changing
+        nothing, when `hold_id` is not the session's hold)."""
+        if not self.holds(session_id, hold_id):
+            return False
+        self._held[session_id] = (hold_id, COMMIT)
+        return True
+
     def settled(self, session_id: str) -> bool:
-        """True when the cache holds no move of the session; otherwise waits until one ends and
-        returns False (the caller looks the session up again: it may have changed meanwhile)."""
+        """True when the cache holds no move (nor a left request's commit) of the session;
+        otherwise waits until some hold ends and returns False (the caller looks the session up again: it may have changed meanwhile)."""
         if self.kind(session_id) in (None, REQUEST):
             return True
         self.wait()

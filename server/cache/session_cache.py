@@ -263,7 +263,8 @@ class SessionCache:
         `remember` ({key, fingerprint, result}) is an Idempotency-Key to remember with it, in the
         same write (`result` None: the commit's own info). On CacheFull, SessionTooLarge or
         SessionConflict nothing changed and the lease is still held (release it); on
-        CommitOutcomeUnknown the change may land or not, the lease is still held."""
+        CommitOutcomeUnknown the change may land or not, the lease is still held. A release that
+        comes while the commit runs (from another thread) takes effect when it ends."""
         data = self.placement.on_device(lease.info.model, data.compact())
         with self._lock:
             record = self._leased(lease)
@@ -280,18 +281,25 @@ class SessionCache:
                 if self.redis is None:  # in the file's metadata; Redis's script adds it itself
                     committed.remembered = kept(entry, record.remembered)
             meta = self.durable.metadata(committed)
+            lease.committing = True  # from here a release leaves the hold to this commit (`release`)
         try:  # the lease's hold keeps every other request of this replica off the session meanwhile
             self.durable.write(committed, encode(data, meta), expected=lease.version, entry=entry)
         except (SessionConflict, CommitOutcomeUnknown):
             transfer = Transfer(self.placement)
-            with self._lock:  # another replica committed first, or perhaps did we: local copies may be stale
-                self.placement.unreserve(record, previous)
-                self.placement.forget_local(record, transfer)
-            transfer.carry_out(self._lock)
+            try:
+                with self._lock:  # another replica committed first, or perhaps did we: local copies may be stale
+                    self.placement.unreserve(record, previous)
+                    self.placement.forget_local(record, transfer)
+                transfer.carry_out(self._lock)  # the stale file goes while the session is still held
+            finally:
+                self._commit_failed(lease)
             raise
         except BaseException:
-            with self._lock:
-                self.placement.unreserve(record, previous)
+            try:
+                with self._lock:
+                    self.placement.unreserve(record, previous)
+            finally:
+                self._commit_failed(lease)
             raise
         self.placement.drop_stale_file(record)
         with self._lock:
@@ -302,14 +310,19 @@ class SessionCache:
         return self._rebalanced(transfer, record)
 
     def release(self, lease: Lease) -> None:
-        """End a lease without changing the session (cancel, disconnect, error). Idempotent."""
+        """End a lease without changing the session (cancel, disconnect, error). Idempotent.
+        During the lease's commit (the request left while it was written) the release is only
+        recorded: the hold stays until the write ends, so that no later request starts from the
+        state the commit is replacing (a request for the session waits for it meanwhile), and the
+        commit ends it, whether it lands or fails."""
         with self._lock:
             if lease.done:
                 return
-            lease.done = True
-            if self.holds.give_back(lease.session_id, lease.lease_id) and self.manager.get(lease.session_id):
-                self.manager.touch(lease.session_id, time.time())
-                self.placement.publish()
+            if lease.committing:
+                lease.release_asked = True
+                self.holds.hand_over(lease.session_id, lease.lease_id)
+                return
+            self._end_lease(lease)
 
     def delete(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> Replay | None:
         """Delete the session. With `idempotency`, a tombstone remembers the key for
@@ -439,6 +452,21 @@ class SessionCache:
             transfer.finish()
             return self._info(record)
 
+    def _end_lease(self, lease: Lease) -> None:
+        """Under the lock: the lease's hold given back, the session's state as it was."""
+        lease.done = True
+        if self.holds.give_back(lease.session_id, lease.lease_id) and self.manager.get(lease.session_id):
+            self.manager.touch(lease.session_id, time.time())
+            self.placement.publish()
+
+    def _commit_failed(self, lease: Lease) -> None:
+        """After a commit's write failed: the lease is the request's again, or, when its release
+        came during the write, it ends now."""
+        with self._lock:
+            lease.committing = False
+            if lease.release_asked:
+                self._end_lease(lease)
+
     @contextmanager
     def _locked(self):
         """The lock; the files of sessions that left the books meanwhile go once it is released."""
@@ -476,6 +504,8 @@ class SessionCache:
     def _leased(self, lease: Lease) -> Record:
         if lease.done:
             raise RuntimeError("this lease has already ended")
+        if lease.committing:
+            raise RuntimeError("this lease is being committed already")
         record = self.manager.get(lease.session_id)
         if record is None or not self.holds.holds(lease.session_id, lease.lease_id):
             raise SessionNotFound(lease.session_id)

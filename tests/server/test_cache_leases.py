@@ -6,7 +6,7 @@ import time
 import pytest
 
 from xlserve.server.cache.errors import SessionLocked
-from xlserve.server.cache.leases import MOVE, NEW, REQUEST, Holds
+from xlserve.server.cache.leases import COMMIT, MOVE, NEW, REQUEST, Holds
 from xlserve.server.cache.manager import CacheManager, Record
 
 
@@ -85,3 +85,16 @@ def test_a_hold_outlives_the_record_it_held():
         manager.remove("a")  # deleted while held
         assert holds.give_back("a", hold)
         assert holds.kind("a") is None
+
+
+def test_a_request_that_leaves_during_its_commit_hands_its_hold_to_the_commit():
+    manager, holds, lock = books("a")
+    with lock:
+        lease = holds.take("a")
+        assert holds.hand_over("a", lease + 1) is False and holds.kind("a") == REQUEST  # not its hold
+        assert holds.hand_over("a", lease)
+        assert holds.kind("a") == COMMIT and not holds.leased("a") and manager.get("a").pinned
+        with pytest.raises(RuntimeError, match="wait for it"):
+            holds.take("a")  # a request waits for the write (settled), it is not told 409
+        assert holds.give_back("a", lease)  # the commit ends it, by the same id
+        assert holds.kind("a") is None and not manager.get("a").pinned

@@ -201,3 +201,60 @@ def test_a_request_for_a_session_in_transit_waits_for_its_bytes(tmp_path):
     assert same(got_a["value"].data, data(N, 0)) and same(got_b["value"].data, data(N, 2))
     for lease in (got_a["value"], got_b["value"]):
         cache.release(lease)
+
+
+# -- a release during a commit ----------------------------------------------------------------------
+
+
+def test_release_during_a_local_commit_does_not_let_another_request_overwrite_it(tmp_path):
+    """The engine handles Release inline while Commit runs on the pool (a client that disconnects
+    while its commit is awaited). The old cache held the lock across the disk write, so the
+    release waited and found the lease done. Now the release gives the hold back mid-write."""
+    cache = SessionCache(tmp_path / "state", None, None, None)
+    cache.open({"toy": MODEL})
+    sid = cache.create("toy", None, data(N, 0)).id
+    a = cache.acquire(sid, None)
+    writing, go = blocking_writes(cache, sid)
+    committing, outcome = in_thread(cache.commit, a, data(N, 1, tokens=9))
+    assert writing.wait(10)
+    cache.release(a)  # the API's `finally: release(lease)` after a cancelled commit
+    b_thread, b_out = in_thread(cache.acquire, sid, None)  # a second request for the session
+    b_thread.join(0.5)
+    go.set()
+    committing.join(10)
+    b_thread.join(10)
+    assert outcome["value"].version == 1  # A was told nothing (it left), but its change landed
+    b = b_out["value"]  # B got the session (at version 0, the state before A's change) ...
+    cache.commit(b, data(N, 2, tokens=11))  # ... and its commit silently overwrites A's version 1
+    assert cache.info(sid, None).version == 2, "lost update: B's commit rewrote version 1 over A's"
+
+
+def test_a_commit_that_fails_after_its_request_left_ends_the_lease_itself(tmp_path):
+    cache = SessionCache(tmp_path / "state", None, None, None)
+    cache.open({"toy": MODEL})
+    sid = cache.create("toy", None, data(N, 0)).id
+    lease = cache.acquire(sid, None)
+    writing, go = threading.Event(), threading.Event()
+
+    def failing_write(session_id, blob):
+        writing.set()
+        assert go.wait(30)
+        raise OSError("the disk went away")
+
+    cache.disk.write = failing_write
+    committing, outcome = in_thread(cache.commit, lease, data(N, 1, tokens=9))
+    assert writing.wait(10)
+    cache.release(lease)  # the request left: recorded, the hold stays with the write
+    assert not lease.done and not cache.info(sid, None).in_use
+    waiting, got = in_thread(cache.acquire, sid, None)
+    waiting.join(0.3)
+    assert waiting.is_alive()  # it waits for the write, rather than 409 or the state being replaced
+    go.set()
+    committing.join(10)
+    waiting.join(10)
+    assert isinstance(outcome.get("error"), OSError) and lease.done  # the commit ended the lease itself
+    after = got["value"]
+    assert after.version == 0 and same(after.data, data(N, 0))  # nothing changed: the write failed
+    cache.release(after)
+    cache.release(lease)  # a late release changes nothing
+    assert not cache.info(sid, None).in_use
