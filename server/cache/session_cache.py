@@ -307,7 +307,11 @@ class SessionCache:
             lease.done = True
             self.holds.give_back(record.id, lease.lease_id)
             transfer = self.placement.rebalance("device")  # it may step down itself, as its hold is given back
-        return self._rebalanced(transfer, record)
+            # the answer, taken before the lock is given up: once the rebalance's bytes move
+            # without it, another request may take the session and commit, and its commit is not this one's
+            info = self._info(record)
+        transfer.carry_out(self._lock)
+        return info
 
     def release(self, lease: Lease) -> None:
         """End a lease without changing the session (cancel, disconnect, error). Idempotent.
@@ -429,7 +433,9 @@ class SessionCache:
             self.placement.admitted(record, data)
             self.holds.give_back(record.id, hold)
             transfer = self.placement.rebalance("device")
-        return self._rebalanced(transfer, record)
+            info = self._info(record)  # before the lock is given up, as a commit's answer (see there)
+        transfer.carry_out(self._lock)
+        return info
 
     def _remember(self, lease: Lease, entry: dict) -> None:
         """Remember an Idempotency-Key on a leased session without changing its state (a fork's)."""
@@ -444,13 +450,6 @@ class SessionCache:
         self.durable.write(record, encode(lease.data, meta), expected=None)  # the lease holds the session
         with self._lock:
             record.remembered = remembered
-
-    def _rebalanced(self, transfer: Transfer, record: Record) -> SessionInfo:
-        """Carry out a rebalance of the device (outside the lock); then `record`'s info."""
-        transfer.run()
-        with self._lock:
-            transfer.finish()
-            return self._info(record)
 
     def _end_lease(self, lease: Lease) -> None:
         """Under the lock: the lease's hold given back, the session's state as it was."""

@@ -258,3 +258,31 @@ def test_a_commit_that_fails_after_its_request_left_ends_the_lease_itself(tmp_pa
     cache.release(after)
     cache.release(lease)  # a late release changes nothing
     assert not cache.info(sid, None).in_use
+
+
+def test_a_commits_answer_is_its_own_not_a_later_requests(tmp_path):
+    """commit() gives its hold back, then rebalances the device outside the lock, and only then
+    reads the session's info: a request that took the session meanwhile shows up in the answer."""
+    cache = SessionCache(tmp_path / "state", 2 * UNIT, None, None)
+    cache.open({"toy": MODEL})
+    x = cache.create("toy", None, data(N, 0)).id
+    s = cache.create("toy", None, data(N, 1)).id  # x and s on the device, x least recently used
+    moving, go = threading.Event(), threading.Event()
+    real = cache.placement.write
+
+    def write(record, tier, value):
+        if record.id == x and tier == "host":
+            moving.set()
+            assert go.wait(30)
+        return real(record, tier, value)
+
+    cache.placement.write = write
+    a = cache.acquire(s, None)
+    committing, outcome = in_thread(cache.commit, a, data(2 * N, 2, tokens=9))  # grows: x leaves the device
+    assert moving.wait(10)
+    b = cache.acquire(s, None)  # the hold was given back: another request takes the session ...
+    cache.commit(b, data(2 * N, 3, tokens=12))  # ... and commits, all before A's commit returns
+    go.set()
+    committing.join(10)
+    info = outcome["value"]
+    assert (info.version, info.tokens) == (1, 9), f"A was answered with B's commit: {info}"
