@@ -87,6 +87,7 @@ class CacheManager:
         self.budgets = dict(budgets)
         self.records: dict[str, Record] = {}
         self._used = {t: 0 for t in self.tiers}
+        self._reserved = {t: 0 for t in self.tiers}  # bytes booked for writes in flight (`reserve`)
         self._seq = itertools.count(1)
         self.lent: Callable[[str], int] = lambda tier: 0  # bytes of a tier the prefix cache holds
 
@@ -101,12 +102,13 @@ class CacheManager:
         return self.tiers[-1]
 
     def used(self, tier: str) -> int:
-        return self._used[tier]
+        """Bytes of `tier` the sessions' copies hold, and those booked for writes in flight."""
+        return self._used[tier] + self._reserved[tier]
 
     def free(self, tier: str) -> int | None:
         """Room the sessions leave in `tier` (lent bytes count as free: sessions may take them)."""
         budget = self.budgets[tier]
-        return None if budget is None else budget - self._used[tier]
+        return None if budget is None else budget - self.used(tier)
 
     def get(self, session_id: str) -> Record | None:
         return self.records.get(session_id)
@@ -131,7 +133,7 @@ class CacheManager:
         """Moves that leave `nbytes` free in `tier` (on top of what it holds now), or None when
         that is impossible without touching pinned or excluded sessions. nbytes=0 asks for a tier
         back within its budget."""
-        used = dict(self._used)
+        used = {t: self.used(t) for t in self.tiers}
         copies = {sid: set(r.copies) for sid, r in self.records.items()}
         moves: list[Move] = []
         if self._make_room(tier, nbytes, set(exclude), used, copies, moves):
@@ -244,6 +246,15 @@ class CacheManager:
             self.drop_copy(session_id, t)
         for t in tiers:
             self.add_copy(session_id, t)
+
+    def reserve(self, tier: str, nbytes: int) -> None:
+        """Book `nbytes` of `tier` for a write in flight (a commit's growth in the last tier): no
+        other plan counts them free until `unreserve`. Only that tier: the session's other copies
+        keep their size until the write lands and they are replaced."""
+        self._reserved[tier] += nbytes
+
+    def unreserve(self, tier: str, nbytes: int) -> None:
+        self._reserved[tier] -= nbytes
 
     def resize(self, session_id: str, nbytes: int) -> None:
         """A commit changed the state's size; every copy must be replaced by the caller."""

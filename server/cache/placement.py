@@ -169,19 +169,22 @@ class Placement:
         self.manager.add_copy(record.id, "device")
 
     def reserve(self, record: Record, nbytes: int) -> int:
-        """Book a commit's new size (`nbytes`) in the last tier before its write; returns the size
-        to go back to should the write fail (`unreserve`). SessionTooLarge or CacheFull when the
-        new size does not fit."""
+        """Book a commit's growth (to `nbytes`) in the last tier before its write; returns the
+        bytes booked, the commit's until its write lands or fails (then `unreserve`). Only there:
+        the session's copy on the device keeps its size in the books until the commit replaces it
+        (`committed`), so the growth never makes the device look fuller than it is to the
+        requests that run meanwhile. SessionTooLarge or CacheFull when the new size does not fit."""
         self.refuse_never_fits(record.model, nbytes, record.id, committing=True)
-        self._durable_room(record.model, nbytes - record.nbytes, record.id)
-        previous = record.nbytes
-        if nbytes > previous and self.manager.budgets[self.durable.tier] is not None:
-            self.manager.resize(record.id, nbytes)  # the room is this commit's until it lands or fails
-        return previous
+        growth = nbytes - record.nbytes
+        self._durable_room(record.model, growth, record.id)
+        booked = max(growth, 0)
+        self.manager.reserve(self.durable.tier, booked)
+        return booked
 
-    def unreserve(self, record: Record, previous: int) -> None:
-        if record.nbytes != previous:
-            self.manager.resize(record.id, previous)
+    def unreserve(self, booked: int) -> None:
+        """Give back what `reserve` booked (the write landed, its size now counted in `committed`;
+        or it failed)."""
+        self.manager.unreserve(self.durable.tier, booked)
 
     def committed(self, record: Record, committed: Record, data: SessionData) -> None:
         """The books after a commit's durable write: `record` becomes `committed`, its state

@@ -268,7 +268,7 @@ class SessionCache:
         data = self.placement.on_device(lease.info.model, data.compact())
         with self._lock:
             record = self._leased(lease)
-            previous = self.placement.reserve(record, data.nbytes())
+            booked = self.placement.reserve(record, data.nbytes())
             now = time.time()
             committed = Record(
                 id=record.id, model=record.model, owner=record.owner, nbytes=data.nbytes(), tokens=data.tokens,
@@ -288,7 +288,7 @@ class SessionCache:
             transfer = Transfer(self.placement)
             try:
                 with self._lock:  # another replica committed first, or perhaps did we: local copies may be stale
-                    self.placement.unreserve(record, previous)
+                    self.placement.unreserve(booked)
                     self.placement.forget_local(record, transfer)
                 transfer.carry_out(self._lock)  # the stale file goes while the session is still held
             finally:
@@ -297,12 +297,13 @@ class SessionCache:
         except BaseException:
             try:
                 with self._lock:
-                    self.placement.unreserve(record, previous)
+                    self.placement.unreserve(booked)
             finally:
                 self._commit_failed(lease)
             raise
         self.placement.drop_stale_file(record)
         with self._lock:
+            self.placement.unreserve(booked)  # the new size is counted in every copy from here
             self.placement.committed(record, committed, data)
             lease.done = True
             self.holds.give_back(record.id, lease.lease_id)

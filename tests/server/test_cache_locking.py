@@ -286,3 +286,24 @@ def test_a_commits_answer_is_its_own_not_a_later_requests(tmp_path):
     committing.join(10)
     info = outcome["value"]
     assert (info.version, info.tokens) == (1, 9), f"A was answered with B's commit: {info}"
+
+
+def test_a_commits_booked_growth_does_not_count_on_the_device(tmp_path):
+    """reserve() books a commit's growth with manager.resize, which grows every copy's count,
+    the device's too: while the write runs the device looks fuller than it is, and a request
+    that fits (and did fit with the old code, which finished the commit first) gets CacheFull."""
+    cache = SessionCache(tmp_path / "state", 2 * UNIT, None, 20 * UNIT)
+    cache.open({"toy": MODEL})
+    z, s, y = (cache.create("toy", None, data(N, i)).id for i in range(3))  # z went to host RAM
+    assert cache.info(z, None).tier == "host"
+    a = cache.acquire(s, None)
+    writing, go = blocking_writes(cache, s)
+    committing, outcome = in_thread(cache.commit, a, data(2 * N, 5, tokens=9))
+    assert writing.wait(10)
+    try:
+        lease = cache.acquire(z, None)  # y can leave the device: room for z
+        cache.release(lease)
+    finally:
+        go.set()
+        committing.join(10)
+    assert outcome["value"].version == 1 and outcome["value"].state_bytes == size(2 * N)

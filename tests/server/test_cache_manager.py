@@ -43,6 +43,17 @@ def test_bytes_are_counted_per_tier_exactly():
     assert m.by_tier() == {("m", "host"): (1, 41), ("m", "disk"): (1, 48)}
 
 
+def test_bytes_booked_for_a_write_in_flight_count_in_their_tier_only():
+    m = manager(device=100, disk=100)
+    m.add(record("a", 50))
+    m.reserve("disk", 30)  # a's commit grows it by 30: booked where it is written first
+    assert (m.used("device"), m.free("device"), m.used("disk"), m.free("disk")) == (50, 50, 80, 20)
+    assert m.plan_room("disk", 21) is None and m.plan_room("disk", 20) == []  # nobody else gets the 30
+    assert m.plan_room("device", 50) == []  # the device is as full as its copies, no fuller
+    m.unreserve("disk", 30)
+    assert m.used("disk") == 50 and m.by_tier() == {("m", "device"): (1, 50), ("m", "disk"): (0, 50)}
+
+
 def test_fits_without_moves():
     m = manager()
     m.add(record("a", 60))

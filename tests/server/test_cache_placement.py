@@ -153,16 +153,18 @@ def test_no_room_when_the_device_holds_only_sessions_in_use(tmp_path):
 
 
 def test_a_commit_books_its_growth_in_the_last_tier_until_it_lands_or_fails(tmp_path):
-    cache = Cache(tmp_path, disk=3 * UNIT)
-    a = cache.add("a", ())
+    cache = Cache(tmp_path, device=2 * UNIT, disk=3 * UNIT)
+    a = cache.add("a", ("device",))
     with cache.lock:
-        previous = cache.placement.reserve(a, 2 * UNIT)  # a commit of a, growing, in flight
-        assert cache.manager.used("disk") == 2 * UNIT
+        booked = cache.placement.reserve(a, 2 * UNIT)  # a commit of a, growing, in flight
+        assert booked == UNIT and cache.manager.used("disk") == 2 * UNIT
+        # only there: the device's copy is replaced when the commit lands, and counts its old size till then
+        assert cache.manager.used("device") == UNIT and cache.manager.free("device") == UNIT and a.nbytes == UNIT
         newcomer = Record(id="sess_" + "b" * 32, model="toy", owner=None, nbytes=2 * UNIT, tokens=0, version=0,
                           created_at=0, last_used_at=0)
         with pytest.raises(CacheFull, match="storage is full"):
             cache.placement.admit(newcomer)  # the room is the commit's: nobody else gets it meanwhile
-        cache.placement.unreserve(a, previous)  # the write failed
+        cache.placement.unreserve(booked)  # the write failed
         assert cache.manager.used("disk") == UNIT
         cache.placement.admit(newcomer)
         assert cache.manager.used("disk") == 3 * UNIT
