@@ -10,7 +10,6 @@ process metrics) are checked here too, on `Metrics` itself and on a real `Engine
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -21,45 +20,15 @@ from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.errors import ERROR_TYPES
 from xlserve.server.app import build_app, expected_responses
-from xlserve.server.cache.errors import SessionLocked, SessionNotFound
-from xlserve.server.engine.errors import Cancelled, EngineLoading, QueueFull, RequestFailed
-from xlserve.server.engine.types import ChoiceFinished, Finished, Submission, TokenEvent
+from xlserve.server.cache.errors import SessionLocked
+from xlserve.server.engine.errors import Cancelled, QueueFull, RequestFailed
+from xlserve.server.engine.types import ChoiceFinished, Finished, TokenEvent
 from xlserve.server.metrics import UNMATCHED_ROUTE, Metrics
 from xlserve.server.settings import Settings
 
+from tests.server.scripted_engine import ScriptedEngine
+
 MODEL = "m"
-
-
-class FakeEngine:
-    """What the routes ask the engine process for, answered from a script: `submit` hands out a
-    Submission filled with `events` (an exception among them is raised to the consumer), or
-    raises `refuse`; every session operation raises `session_error`."""
-
-    status = "ready"
-    alive = False  # /metrics renders the API half only
-
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
-        self.events: list = []
-        self.refuse: BaseException | None = None
-        self.session_error: BaseException = SessionNotFound("s")
-
-    async def submit(self, model, tokens, params, lease, scope):
-        if self.refuse is not None:
-            raise self.refuse
-        submission = Submission(model, self.metrics, threading.Event(), wake=lambda: None)
-        for event in self.events:
-            submission.queue.put_nowait(event)
-        return submission
-
-    async def session_info(self, session_id, owner):
-        raise self.session_error
-
-    async def acquire(self, session_id, owner, key):
-        raise self.session_error
-
-    def unavailable_error(self):
-        return EngineLoading("the server is still loading its models; retry shortly", code="loading")
 
 
 @pytest.fixture
@@ -69,7 +38,7 @@ def served():
     app = build_app(settings)
     metrics = Metrics()
     state = AppState(settings=settings, metrics=metrics, api_keys=["key"], ready=True)
-    state.engine = FakeEngine(metrics)
+    state.engine = ScriptedEngine(metrics, alive=False)
     card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
             "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
             "parameters": 0, "config": {}}  # every field of a card: /v1/models answers with it (protocol.ModelCard)

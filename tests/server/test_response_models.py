@@ -10,7 +10,6 @@ on the hot path and checked here. Sessions need a real engine process: tests/e2e
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 from jsonschema import Draft202012Validator
@@ -41,35 +40,17 @@ from xlserve.server.api.protocol import (
 from xlserve.server.api.serving import error_frame
 from xlserve.server.app import build_app
 from xlserve.server.engine.errors import QueueFull, RequestFailed
-from xlserve.server.engine.types import ChoiceFinished, Finished, PromptLogprobs, Submission, TokenEvent
+from xlserve.server.engine.types import ChoiceFinished, Finished, PromptLogprobs, TokenEvent
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
+
+from tests.server.scripted_engine import ScriptedEngine
 
 MODEL = "m"
 CARD = {"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "xlserve", "architecture": "transformer-xl",
         "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
         "parameters": 1234, "config": {"d_model": 8, "dropout": 1e-05, "tie_weights": True}}
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
-
-
-class ScriptedEngine:
-    """The engine process as the stateless routes see it: every `submit` gets a Submission that
-    plays `events` back (an exception among them is raised to the consumer), or `refuse` raised."""
-
-    status, reason, alive = "ready", "the engine process is ready", True
-
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
-        self.events: list = []
-        self.refuse: BaseException | None = None
-
-    async def submit(self, model, tokens, params, lease, scope):
-        if self.refuse is not None:
-            raise self.refuse
-        submission = Submission(model, self.metrics, threading.Event(), wake=lambda: None)
-        for event in self.events:
-            submission.queue.put_nowait(event)
-        return submission
 
 
 @pytest.fixture

@@ -1,0 +1,40 @@
+"""An engine client answered from a script, for tests of the API process's routes without an
+engine process: `submit` hands out a Submission filled with `events` (an exception among them is
+raised to the consumer), or raises `refuse`; every session operation raises `session_error`."""
+
+from __future__ import annotations
+
+import threading
+
+from xlserve.server.cache.errors import SessionNotFound
+from xlserve.server.engine.errors import EngineLoading
+from xlserve.server.engine.types import Submission
+from xlserve.server.metrics import Metrics
+
+
+class ScriptedEngine:
+    status, reason = "ready", "the engine process is ready"
+
+    def __init__(self, metrics: Metrics, alive: bool = True):
+        self.metrics = metrics
+        self.alive = alive  # False: /metrics renders the API half only, asking the engine nothing
+        self.events: list = []
+        self.refuse: BaseException | None = None
+        self.session_error: BaseException = SessionNotFound("s")
+
+    async def submit(self, model, tokens, params, lease, scope):
+        if self.refuse is not None:
+            raise self.refuse
+        submission = Submission(model, self.metrics, threading.Event(), wake=lambda: None)
+        for event in self.events:
+            submission.queue.put_nowait(event)
+        return submission
+
+    async def session_info(self, session_id, owner):
+        raise self.session_error
+
+    async def acquire(self, session_id, owner, key):
+        raise self.session_error
+
+    def unavailable_error(self):
+        return EngineLoading("the server is still loading its models; retry shortly", code="loading")
