@@ -116,14 +116,15 @@ class Holds:
         self._held[session_id] = (hold_id, COMMIT)
         return True
 
-    def settled(self, session_id: str) -> bool:
+    def settled(self, session_id: str, timeout: float | None = None) -> bool:
         """True when the cache holds no move (nor a left request's commit) of the session;
-        otherwise waits until some hold ends and returns False (the caller looks the session up again: it may have changed meanwhile)."""
+        otherwise waits until some hold ends, or `timeout` seconds pass, and returns False (the
+        caller looks the session up again: it may have changed meanwhile)."""
         if self.kind(session_id) in (None, REQUEST):
             return True
-        self.wait()
+        self.wait(timeout)
         return False
 
-    def wait(self) -> None:
-        """Until some hold ends (the lock is given up meanwhile)."""
-        self._changed.wait()
+    def wait(self, timeout: float | None = None) -> None:
+        """Until some hold ends, or `timeout` seconds pass (the lock is given up meanwhile)."""
+        self._changed.wait(timeout)

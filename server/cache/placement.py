@@ -145,15 +145,15 @@ class Placement:
         self.manager.add_copy(record.id, "device")  # the room the moves made is this session's now
         transfer.add(_Fetch(record, source, self._take_out(source, record.id) if source == "host" else None))
 
-    def rebalance(self, tier: str) -> Transfer:
-        """Moves that bring `tier` back within its budget (after a commit or a new session)."""
-        transfer = Transfer(self)
+    def rebalance(self, tier: str, transfer: Transfer) -> None:
+        """Moves that bring `tier` back within its budget (after a commit or a new session), their
+        bytes in `transfer`: the caller carries it out even when this raises partway, since the
+        sessions moved so far are held in it."""
         moves = self.manager.plan_room(tier, 0)
         if moves is None:  # only held sessions left above budget; they leave as soon as they are released
             log.warning("tier %s is over budget and every session in it is in use", tier)
-            return transfer
+            return
         self._execute(moves, transfer)
-        return transfer
 
     def admit(self, record: Record) -> None:
         """Book a new session's bytes in the last tier before its first write (it is held NEW by
@@ -247,7 +247,9 @@ class Placement:
                 self.manager.drop_copy(record.id, above)
 
     def _execute(self, moves: list[Move | Reclaim], transfer: Transfer) -> None:
-        """Book `moves` now and put their bytes in `transfer`."""
+        """Book `moves` now and put their bytes in `transfer`. Each move is booked and put in
+        `transfer` before anything else can fail (the borrower, the metrics), so that should this
+        raise partway, the books and `transfer` still agree on every move booked so far."""
         moving: dict[str, _Evict] = {}
         for move in moves:
             if isinstance(move, Reclaim):  # room the prefix cache borrowed: it drops entries (its own lock only)
@@ -255,18 +257,17 @@ class Placement:
                 continue
             record = self.manager.get(move.session)
             self.manager.apply(move)
-            if self.metrics is not None:
-                self.metrics.session_evictions.labels(record.model, move.src).inc()
             if record.id in moving:  # moved down twice in one plan: its bytes go straight to the second place
                 step = moving[record.id]
                 step.move = Move(record.id, step.move.src, move.dst)
-                continue
-            data = self._take_out(move.src, record.id) if move.src in MEMORY_TIERS else None
-            if move.dst is None and move.src in MEMORY_TIERS:
-                continue  # a copy in memory dropped, a lower tier has one: nothing to carry
-            transfer.hold(record.id, self.holds.take(record.id, MOVE))
-            moving[record.id] = _Evict(record, move, data)
-            transfer.add(moving[record.id])
+            else:
+                data = self._take_out(move.src, record.id) if move.src in MEMORY_TIERS else None
+                if move.dst is not None or move.src not in MEMORY_TIERS:  # else a lower tier has it: nothing to carry
+                    transfer.hold(record.id, self.holds.take(record.id, MOVE))
+                    moving[record.id] = _Evict(record, move, data)
+                    transfer.add(moving[record.id])
+            if self.metrics is not None:
+                self.metrics.session_evictions.labels(record.model, move.src).inc()
 
     def _durable_room(self, model: str, nbytes: int, session_id: str | None = None) -> None:
         room = self.manager.plan_room(self.durable.tier, nbytes)
@@ -360,10 +361,12 @@ class Transfer:
 
     def finish(self) -> SessionData | None:
         self.finished = True
-        errors = [step.finish(self.placement) for step in self.steps]
-        for session_id, hold_id in self.held:
-            self.placement.holds.give_back(session_id, hold_id)
-        self.placement.publish()
+        try:
+            errors = [step.finish(self.placement) for step in self.steps]
+        finally:  # whatever happens, the holds end: a session held for good would hang every request for it
+            for session_id, hold_id in self.held:
+                self.placement.holds.give_back(session_id, hold_id)
+            self.placement.publish()
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error

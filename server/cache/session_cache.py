@@ -68,6 +68,7 @@ from xlserve.server.cache.errors import (
     SessionConflict,
     SessionInfo,
     SessionNotFound,
+    SessionUnavailable,
 )
 from xlserve.server.cache.leases import MOVE, NEW, Holds, Lease
 from xlserve.server.cache.ledger import (
@@ -95,9 +96,15 @@ def new_session_id() -> str:
 
 class SessionCache:
     def __init__(self, state_dir, device_bytes: int | None, host_bytes: int | None, disk_bytes: int | None,
-                 redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0):
+                 redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0,
+                 hold_wait_s: float | None = None):
         """`store_timeout_s` bounds each Redis call; `settle_s` is how long a commit whose write
-        timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown."""
+        timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown;
+        `hold_wait_s` is how long a request waits for a session the cache holds (its bytes moving
+        between tiers, or the commit of a request that left being written) before it is refused
+        with SessionUnavailable (503): by default longer than such a write can take when Redis
+        answers within its timeouts, and bounded, so that a hold leaked by a bug is an error, not
+        a request that never returns."""
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         self.redis = RedisStore(redis_url, timeout_s=store_timeout_s) if redis_url else None
         if self.redis is not None:
@@ -106,6 +113,7 @@ class SessionCache:
         self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, check_session)
         self.disk = DiskStore(state_dir)
         self.durable = DurableStore(self.disk, self.redis, self.models, settle_s)
+        self.hold_wait_s = hold_wait_s if hold_wait_s is not None else max(30.0, settle_s + 3 * store_timeout_s)
         self._lock = threading.RLock()
         self.holds = Holds(self.manager, self._lock)
         self.placement = Placement(self.manager, self.durable, self.holds, self._lock, metrics)
@@ -175,18 +183,21 @@ class SessionCache:
 
     def info(self, session_id: str, owner: str | None) -> SessionInfo:
         head = self.durable.head(session_id)  # outside the lock: Redis may be slow
-        with self._locked():
-            record = self._lookup(session_id, owner, head)
-            if head is None or head.version <= record.version:
-                return self._info(record)
-            if record.pinned:  # held (a commit may be landing, or its bytes moving): report, change nothing
-                return dataclasses.replace(self._info(record), version=head.version, tokens=int(head.meta["tokens"]),
-                                           state_bytes=int(head.meta["nbytes"]))
-            transfer = Transfer(self.placement)
-            transfer.hold(session_id, self.holds.take(session_id, MOVE))  # while its stale file goes
-            self.placement.catch_up(record, head, transfer)
-            info = self._info(record)
-        transfer.carry_out(self._lock)
+        transfer = Transfer(self.placement)
+        try:
+            with self._locked():
+                record = self._lookup(session_id, owner, head)
+                if head is None or head.version <= record.version:
+                    return self._info(record)
+                if record.pinned:  # held (a commit may be landing, or its bytes moving): report, change nothing
+                    return dataclasses.replace(self._info(record), version=head.version,
+                                               tokens=int(head.meta["tokens"]), state_bytes=int(head.meta["nbytes"]))
+                transfer.hold(session_id, self.holds.take(session_id, MOVE))  # while its stale file goes
+                self.placement.catch_up(record, head, transfer)
+                info = self._info(record)
+        finally:
+            if transfer.held:  # carried out even after an error, which would otherwise keep the hold for good
+                transfer.carry_out(self._lock)
         return info
 
     def sessions(self) -> list[SessionInfo]:
@@ -244,19 +255,21 @@ class SessionCache:
                 if entry is None:
                     self.placement.promote(record, transfer)
             data = transfer.carry_out(self._lock)  # the moves and the fetch: outside the lock
-        except BaseException:
-            if not transfer.finished:  # what was booked is carried out (a stale file removed)
-                transfer.carry_out(self._lock)
             with self._lock:
-                self.holds.give_back(session_id, lease_id)
+                if entry is not None:  # a replay holds nothing
+                    self.holds.give_back(session_id, lease_id)
+                    return Lease(session_id, record.version, None, self._info(record), done=True, replay=entry)
+                self.manager.touch(session_id, time.time())
+                self.placement.publish()
+                return Lease(session_id, record.version, data, self._info(record), lease_id=lease_id)
+        except BaseException:
+            try:
+                if not transfer.finished:  # what was booked is carried out (a stale file removed), its holds end
+                    transfer.carry_out(self._lock)
+            finally:
+                with self._lock:
+                    self.holds.give_back(session_id, lease_id)
             raise
-        with self._lock:
-            if entry is not None:  # a replay holds nothing
-                self.holds.give_back(session_id, lease_id)
-                return Lease(session_id, record.version, None, self._info(record), done=True, replay=entry)
-            self.manager.touch(session_id, time.time())
-            self.placement.publish()
-            return Lease(session_id, record.version, data, self._info(record), lease_id=lease_id)
 
     def commit(self, lease: Lease, data: SessionData, remember: dict | None = None) -> SessionInfo:
         """Make `data` the session's state: durable when this returns, version + 1, lease ended.
@@ -302,16 +315,21 @@ class SessionCache:
                 self._commit_failed(lease)
             raise
         self.placement.drop_stale_file(record)
-        with self._lock:
-            self.placement.unreserve(booked)  # the new size is counted in every copy from here
-            self.placement.committed(record, committed, data)
-            lease.done = True
-            self.holds.give_back(record.id, lease.lease_id)
-            transfer = self.placement.rebalance("device")  # it may step down itself, as its hold is given back
-            # the answer, taken before the lock is given up: once the rebalance's bytes move
-            # without it, another request may take the session and commit, and its commit is not this one's
-            info = self._info(record)
-        transfer.carry_out(self._lock)
+        transfer = Transfer(self.placement)
+        try:
+            with self._lock:
+                try:
+                    self.placement.unreserve(booked)  # the new size is counted in every copy from here
+                    self.placement.committed(record, committed, data)
+                finally:  # the write landed: the lease ends, even should the books fail to record it
+                    lease.done = True
+                    self.holds.give_back(record.id, lease.lease_id)
+                self._rebalance_device(transfer)  # it may step down itself, as its hold is given back
+                # the answer, taken before the lock is given up: once the rebalance's bytes move
+                # without it, another request may take the session and commit, and its commit is not this one's
+                info = self._info(record)
+        finally:  # the sessions the rebalance holds move and are given back, whatever failed
+            transfer.carry_out(self._lock)
         return info
 
     def release(self, lease: Lease) -> None:
@@ -353,8 +371,10 @@ class SessionCache:
                 self.holds.give_back(session_id, hold)
             raise
         with self._locked():
-            self.placement.forget(record)
-            self.holds.give_back(session_id, hold)
+            try:
+                self.placement.forget(record)
+            finally:
+                self.holds.give_back(session_id, hold)
         return None
 
     def fork(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> SessionInfo | Replay:
@@ -402,14 +422,17 @@ class SessionCache:
     def move(self, session_id: str, tier: str) -> None:
         """Put an idle session's fastest copy in `tier` (benchmarks and tests): copies above it
         are dropped, one is made there if needed. Budgets are not checked."""
-        with self._lock:
-            record = self.manager.get(session_id)
-            if record is None or record.pinned or tier not in self.manager.tiers:
-                raise ValueError(f"cannot move {session_id} to {tier}")
-            transfer = Transfer(self.placement)
-            transfer.hold(session_id, self.holds.take(session_id, MOVE))
-            self.placement.move(record, tier, transfer)
-        transfer.carry_out(self._lock)
+        transfer = Transfer(self.placement)
+        try:
+            with self._lock:
+                record = self.manager.get(session_id)
+                if record is None or record.pinned or tier not in self.manager.tiers:
+                    raise ValueError(f"cannot move {session_id} to {tier}")
+                transfer.hold(session_id, self.holds.take(session_id, MOVE))
+                self.placement.move(record, tier, transfer)
+        finally:
+            if transfer.held:
+                transfer.carry_out(self._lock)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -430,12 +453,17 @@ class SessionCache:
                 self.holds.give_back(record.id, hold)
                 self.manager.remove(record.id)
             raise
-        with self._lock:
-            self.placement.admitted(record, data)
-            self.holds.give_back(record.id, hold)
-            transfer = self.placement.rebalance("device")
-            info = self._info(record)  # before the lock is given up, as a commit's answer (see there)
-        transfer.carry_out(self._lock)
+        transfer = Transfer(self.placement)
+        try:
+            with self._lock:
+                try:
+                    self.placement.admitted(record, data)
+                finally:
+                    self.holds.give_back(record.id, hold)
+                self._rebalance_device(transfer)
+                info = self._info(record)  # before the lock is given up, as a commit's answer (see there)
+        finally:
+            transfer.carry_out(self._lock)
         return info
 
     def _remember(self, lease: Lease, entry: dict) -> None:
@@ -451,6 +479,16 @@ class SessionCache:
         self.durable.write(record, encode(lease.data, meta), expected=None)  # the lease holds the session
         with self._lock:
             record.remembered = remembered
+
+    def _rebalance_device(self, transfer: Transfer) -> None:
+        """Under the lock, once a commit or a new session is written: the moves that bring the
+        device back within its budget, into `transfer`. The change is durable by then, so a
+        failure here is logged, not answered (the client would retry a change that landed): what
+        was booked before it is carried out with `transfer`, and the next plan moves the rest."""
+        try:
+            self.placement.rebalance("device", transfer)
+        except Exception:
+            log.exception("the device could not be brought back within its budget; the next plan tries again")
 
     def _end_lease(self, lease: Lease) -> None:
         """Under the lock: the lease's hold given back, the session's state as it was."""
@@ -495,11 +533,19 @@ class SessionCache:
         return record
 
     def _settled(self, session_id: str, owner: str | None, head: Head | None) -> Record:
-        """`_lookup`, once the cache is done moving the session's bytes (it waits for that)."""
+        """`_lookup`, once the cache is done moving the session's bytes (it waits for that, at
+        most `hold_wait_s`: then SessionUnavailable, a 503 the client may retry)."""
+        deadline = time.monotonic() + self.hold_wait_s
         while True:
             record = self._lookup(session_id, owner, head)
-            if self.holds.settled(session_id):
+            left = deadline - time.monotonic()
+            if self.holds.settled(session_id, timeout=max(left, 0.0)):
                 return record
+            if left <= 0:
+                log.error("session %s: still held by the cache (%s) after %.0fs", session_id,
+                          self.holds.kind(session_id), self.hold_wait_s)
+                raise SessionUnavailable(f"session '{session_id}' is still being moved or written after "
+                                         f"{self.hold_wait_s:.0f}s; retry later", session_id)
 
     def _leased(self, lease: Lease) -> Record:
         if lease.done:

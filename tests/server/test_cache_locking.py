@@ -13,7 +13,8 @@ from collections import Counter
 
 import pytest
 
-from xlserve.server.cache.errors import SessionLocked
+from xlserve.server.cache.errors import SessionLocked, SessionUnavailable
+from xlserve.server.cache.leases import MOVE
 from xlserve.server.cache.session_cache import SessionCache
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.cache_helpers import MODEL, data, same, size
@@ -307,3 +308,76 @@ def test_a_commits_booked_growth_does_not_count_on_the_device(tmp_path):
         go.set()
         committing.join(10)
     assert outcome["value"].version == 1 and outcome["value"].state_bytes == size(2 * N)
+
+
+# -- a hold that would never end -----------------------------------------------------------------
+
+
+def test_a_request_for_a_session_held_for_good_is_refused_in_time_not_hung(tmp_path):
+    cache = SessionCache(tmp_path / "state", None, None, None, hold_wait_s=0.3)
+    cache.open({"toy": MODEL})
+    sid = cache.create("toy", None, data(N, 0)).id
+    with cache._lock:
+        cache.holds.take(sid, MOVE)  # a hold nobody gives back (the bug a leaked hold would be)
+    started = time.monotonic()
+    for call in (lambda: cache.acquire(sid, None), lambda: cache.delete(sid, None)):
+        waiting, outcome = in_thread(call)
+        waiting.join(10)
+        assert isinstance(outcome.get("error"), SessionUnavailable), outcome
+    assert time.monotonic() - started < 5
+
+
+def test_a_rebalance_that_fails_partway_after_a_commit_gives_its_holds_back(tmp_path):
+    cache = SessionCache(tmp_path / "state", 2 * UNIT, None, None, hold_wait_s=2)
+    cache.open({"toy": MODEL})
+    x = cache.create("toy", None, data(N, 0)).id
+    s = cache.create("toy", None, data(N, 1)).id  # x and s on the device, x least recently used
+    held_when_it_failed = []
+    real = cache.placement.rebalance
+
+    def rebalance_then_fail(tier, transfer):
+        real(tier, transfer)  # x booked to leave the device, and held for its move ...
+        held_when_it_failed.extend(session_id for session_id, _ in transfer.held)
+        raise RuntimeError("injected: the prefix cache failed to give its room back")  # ... then a failure
+
+    cache.placement.rebalance = rebalance_then_fail
+    info = cache.commit(cache.acquire(s, None), data(2 * N, 2, tokens=9))  # grows: x must leave the device
+    assert held_when_it_failed == [x]
+    assert (info.version, info.tokens) == (1, 9)  # the commit landed: its answer says so
+    taking, outcome = in_thread(cache.acquire, x, None)
+    taking.join(10)  # a leaked hold would keep x waiting until hold_wait_s, then refuse it
+    assert "error" not in outcome, outcome
+    assert same(outcome["value"].data, data(N, 0))
+    cache.release(outcome["value"])
+    assert cache.holds.kind(x) is None and cache.holds.kind(s) is None
+
+
+def test_a_catch_up_that_fails_after_taking_its_hold_gives_it_back(tmp_path, redis_url):  # noqa: F811
+    one = SessionCache(tmp_path / "one", None, None, None, redis_url=redis_url, hold_wait_s=2)
+    two = SessionCache(tmp_path / "two", None, None, None, redis_url=redis_url, hold_wait_s=2)
+    for cache in (one, two):
+        cache.open({"toy": MODEL})
+    owner = "locking-" + tmp_path.name
+    sid = one.create("toy", owner, data(N, 0)).id
+    two.commit(two.acquire(sid, owner), data(N, 1, tokens=9))  # one's copies are stale now
+    real = one._info
+    failures = []
+
+    def info_failing_once(record, *args, **kwargs):
+        if not failures:
+            failures.append(record.id)
+            raise RuntimeError("injected: a failure while the catch-up holds the session")
+        return real(record, *args, **kwargs)
+
+    one._info = info_failing_once
+    with pytest.raises(RuntimeError, match="injected"):
+        one.info(sid, owner)  # it catches up (taking the session to remove its stale file), then fails
+    assert failures == [sid] and one.holds.kind(sid) is None
+    taking, outcome = in_thread(one.acquire, sid, owner)
+    taking.join(15)  # a leaked hold would keep this waiting until hold_wait_s, then refuse it
+    assert "error" not in outcome, outcome
+    lease = outcome["value"]
+    assert lease.version == 1 and same(lease.data, data(N, 1, tokens=9))
+    one.release(lease)
+    for cache in (one, two):
+        cache.close()
