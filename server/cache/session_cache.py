@@ -354,9 +354,13 @@ class SessionCache:
             head = self.durable.head(session_id, idempotency is not None)
             with self._locked():
                 record = self._settled(session_id, owner, head)
-                remembered = head.remembered if head is not None else record.remembered
-                remembered_entry(remembered or [], idempotency, session_id)  # a key used for another request: 422
-                hold = self.holds.take(session_id)  # SessionLocked while a request holds it
+                hold = self.holds.take(session_id)  # SessionLocked (409) while a request holds it, before ...
+                try:
+                    remembered = head.remembered if head is not None else record.remembered
+                    remembered_entry(remembered or [], idempotency, session_id)  # ... a key used elsewhere: 422
+                except BaseException:
+                    self.holds.give_back(session_id, hold)
+                    raise
         except SessionNotFound:
             replay = None if idempotency is None else deleted_before(
                 self.durable.tombstone(session_id), owner, idempotency, session_id)

@@ -9,6 +9,7 @@ import pytest
 from xlserve.server.cache import (
     CacheFull,
     IdempotencyKeyReused,
+    SessionLocked,
     SessionNotFound,
     SessionTooLarge,
 )
@@ -183,3 +184,18 @@ def test_the_new_refusals_cross_the_wire_and_map_to_their_own_statuses():
         assert (api_error.status, api_error.code, api_error.message) == (status, code, "what happened")
         assert "Retry-After" not in api_error.headers  # none of them is helped by a blind retry
     assert as_api_error(CacheFull("full", "sess_a")).headers == {"Retry-After": "1"}  # unlike merely full
+
+
+def test_a_delete_of_a_session_in_use_is_busy_before_its_key_is_checked(tmp_path):
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", "owner", data(10, 0)).id
+    lease = cache.acquire(sid, "owner", key("k"))
+    cache.commit(lease, data(10, 1), {**key("k"), "result": None})
+    lease = cache.acquire(sid, "owner")  # a request holds the session
+    with pytest.raises(SessionLocked):  # 409 session_busy, as ever: the busy session is the answer first
+        cache.delete(sid, "owner", key("k", "another-request"))
+    cache.release(lease)
+    with pytest.raises(IdempotencyKeyReused):  # 422 once it is free: the key was used for another request
+        cache.delete(sid, "owner", key("k", "another-request"))
+    assert cache.info(sid, "owner").version == 1  # nothing deleted, and nothing left holding it
+    cache.release(cache.acquire(sid, "owner"))
