@@ -425,9 +425,11 @@ class _Fetch(_Step):
 
     def finish(self, placement: Placement) -> BaseException | None:
         record, source, manager = self.record, self.source, placement.manager
-        if self.error is not None:  # the booked room goes back; a host copy goes back to host RAM
+        if self.error is not None:  # the booked room goes back; a host copy goes back to host RAM ...
             manager.drop_copy(record.id, "device")
-            if source == "host":
+            # ... if it still fits there: its room may have gone to the sessions moved down to make
+            # room on the device. If not, it is let go: the last tier has its copy (costs speed only)
+            if source == "host" and (manager.plan_room("host", record.nbytes) == [] or not record.copies):
                 placement.host.put(record.id, self.host_data)
                 manager.add_copy(record.id, "host")
             return self.error

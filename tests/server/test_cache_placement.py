@@ -140,6 +140,18 @@ def test_a_fetch_that_fails_gives_its_booked_room_back(tmp_path):
     assert cache.tiers(unserved) == [{"host", "disk"}] and unserved.id in cache.placement.host  # as it was
 
 
+def test_a_promotion_from_host_ram_that_fails_leaves_host_ram_within_its_budget(tmp_path):
+    cache = Cache(tmp_path, device=UNIT, host=UNIT)
+    a = cache.add("a", ("device",))
+    c = cache.add("c", ("host",))
+    c.model = "gone"  # its fetch fails: this server does not serve its model
+    transfer, hold = cache.promote(c)  # c's room in host RAM is a's now (a leaves the device for it)
+    with pytest.raises(SessionUnavailable, match="does not serve"):
+        transfer.carry_out(cache.lock)
+    # c does not go back to host RAM over its budget: it keeps its file, a keeps host RAM
+    assert cache.tiers(a, c) == [{"host", "disk"}, {"disk"}]
+    assert cache.manager.used("host") == UNIT and set(cache.placement.host._data) == {a.id}
+
 def test_no_room_when_the_device_holds_only_sessions_in_use(tmp_path):
     cache = Cache(tmp_path, device=UNIT)
     a, b = cache.add("a", ("device",)), cache.add("b", ())
