@@ -68,6 +68,8 @@ class Placement:
         self.borrower = None  # the prefix cache, once it shares the budgets (SessionCache.lend_to)
         self._lock = lock
         self._forgotten: list[str] = []  # sessions that left the books with a file perhaps left on disk
+        # sessions still in the books whose disk copy was dropped but whose file could not be removed
+        self._left_files: list[str] = []
         self._published: set[tuple[str, str]] = set()
 
     # -- bytes, outside the lock (the caller holds the session) --------------------------------
@@ -103,14 +105,40 @@ class Placement:
 
     def sweep(self) -> None:
         """Remove the files of sessions that left the books (no lock needed for the files:
-        nothing can reach those sessions any more)."""
+        nothing can reach those sessions any more), and the files left over by sessions still in
+        them (`leave_file`), each under a hold taken here, so that no spill of the session is
+        written or read meanwhile; a session held now keeps its file until a later sweep."""
         with self._lock:
             gone, self._forgotten = self._forgotten, []
-        for session_id in gone:
-            try:
-                self.disk.delete(session_id)
-            except OSError as error:
-                log.warning("session %s: its file could not be removed (%s)", session_id, error)
+            left, self._left_files = self._left_files, []
+            held: list[tuple[str, int]] = []
+            for session_id in dict.fromkeys(left):
+                record = self.manager.get(session_id)
+                if record is None:
+                    gone.append(session_id)
+                elif "disk" in record.copies:
+                    continue  # a newer copy was written to disk since: the file is no longer left over
+                elif self.holds.kind(session_id) is None:
+                    held.append((session_id, self.holds.take(session_id, MOVE)))
+                else:
+                    self._left_files.append(session_id)
+        try:
+            for session_id in gone + [session_id for session_id, _ in held]:
+                try:
+                    self.disk.delete(session_id)
+                except OSError as error:
+                    log.warning("session %s: its file could not be removed (%s)", session_id, error)
+        finally:
+            if held:
+                with self._lock:
+                    for session_id, hold_id in held:
+                        self.holds.give_back(session_id, hold_id)
+
+    def leave_file(self, session_id: str) -> None:
+        """A session's disk copy left the books but its file could not be removed: a later `sweep`
+        removes it (a file left over would be taken for a session on the next start)."""
+        with self._lock:
+            self._left_files.append(session_id)
 
     def drop_stale_file(self, record: Record) -> None:
         """After a commit to Redis: remove the disk spill of the old version (the committer holds
@@ -119,8 +147,9 @@ class Placement:
             try:
                 self.disk.delete(record.id)
             except OSError as error:
-                log.warning("session %s: the disk copy of version %d could not be removed (%s)", record.id,
-                            record.version, error)
+                log.warning("session %s: the disk copy of version %d could not be removed (%s); a later sweep "
+                            "removes it", record.id, record.version, error)
+                self.leave_file(record.id)
 
     # -- plans, under the lock -----------------------------------------------------------------
 
@@ -464,6 +493,8 @@ class _Evict(_Step):
             return None
         log.warning("session %s: moving it from %s to %s failed (%s); it keeps its copies below", record.id,
                     move.src, move.dst or "the tiers below", self.error)
+        if move.src == "disk":  # the books dropped its disk copy, the file may be there still
+            placement.leave_file(record.id)
         if move.dst is not None:
             manager.drop_copy(record.id, move.dst)
             if not record.copies and move.src in MEMORY_TIERS:  # no copy below after all: it stays where it was
@@ -504,5 +535,7 @@ class _Unlink(_Step):
 
     def finish(self, placement: Placement) -> BaseException | None:
         if self.error is not None:
-            log.warning("session %s: a stale file could not be removed (%s)", self.session_id, self.error)
+            log.warning("session %s: a stale file could not be removed (%s); a later sweep removes it",
+                        self.session_id, self.error)
+            placement.leave_file(self.session_id)
         return None

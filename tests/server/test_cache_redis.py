@@ -77,6 +77,30 @@ def test_with_redis_disk_is_a_spill_tier(tmp_path, redis_url):  # noqa: F811
         cache.release(lease)
 
 
+def test_a_spill_file_that_could_not_be_removed_goes_at_a_later_sweep(tmp_path, redis_url):  # noqa: F811
+    n = 100
+    cache = replica(tmp_path, "e", redis_url, device=size(n), host=size(n), disk=size(n))
+    first = cache.create("toy", None, data(n, 0)).id
+    for i in (1, 2):
+        cache.create("toy", None, data(n, i))
+    assert cache.info(first, None).tier == "disk"
+    real_delete, failed = cache.disk.delete, []
+
+    def delete_failing_once(session_id):
+        if session_id == first and not failed:
+            failed.append(session_id)
+            raise PermissionError("injected: the file could not be removed")
+        real_delete(session_id)
+
+    cache.disk.delete = delete_failing_once
+    cache.create("toy", None, data(n, 3))  # the disk spill is full: `first` leaves it (Redis has it)
+    assert failed == [first] and cache.disk.exists(first)  # left over: the books say Redis holds it only
+    assert cache.info(first, None).tier == "redis"  # the next operation's sweep removes it ...
+    assert not cache.disk.exists(first) and cache.holds.kind(first) is None
+    lease = cache.acquire(first, None)  # ... and the session is served from Redis, as before
+    assert same(lease.data, data(n, 0))
+    cache.release(lease)
+
 def test_a_full_redis_refuses_with_cache_full_and_keeps_what_it_has(tmp_path, redis_url):  # noqa: F811
     admin = redis.Redis.from_url(redis_url)
     cache = replica(tmp_path, "d", redis_url)
