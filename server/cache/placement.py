@@ -21,7 +21,8 @@ Bytes move outside the cache's lock, in three steps:
 3. under the lock again, `Transfer.finish` records what happened: the copies made go into the
    memory stores, the holds are given back, and the books are mended where a step failed. An
    evicted session whose new copy could not be made keeps the copies below it (the last tier
-   always has one), so a failed eviction costs speed, never a session.
+   always has one), so a failed eviction costs speed, never a session; a file that could not be
+   removed is removed at a later `sweep`.
 
 One step of a plan still runs under the lock: a `Reclaim`, room the prefix cache borrowed, which
 it gives back at once by dropping entries (prefix_cache.py `release`, under its own lock; for an

@@ -30,7 +30,10 @@ session, a plan booked at once), does the I/O without it, and records the outcom
 The hold keeps it correct meanwhile: nothing reads, writes or moves the bytes of a held session
 but its holder, and no plan moves a held session. A request's lease is such a hold (another
 request gets SessionLocked); the cache holds the sessions it moves between tiers (a request for
-one waits until its bytes have arrived). Commits serialise only per session, not on one lock:
+one waits until its bytes have arrived), and a commit whose request left while it was written
+keeps the lease's hold until the write ends (a request waits for it likewise). Such a wait lasts
+at most `hold_wait_s` (then SessionUnavailable), and every hold is given back in a `finally`, so
+no failure leaves a session held for good. Commits serialise only per session, not on one lock:
 two sessions' fsyncs overlap.
 
 Persistence: write-through, not a journal. Every commit (and every create, fork and import)
