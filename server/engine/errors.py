@@ -50,6 +50,15 @@ class RequestFailed(EngineError):
         return self.message
 
 
+class StateNotUsable(EngineError):
+    """A request that continues a session got a next-token row that is not finite: the values
+    came from the session's state (an import or PUT can hold a state that passes every check at
+    the door and still overflows later), not from a fault of the server, so the client is told
+    to replace or delete the session. Only this request fails; nothing is committed."""
+
+    http_status, error_type, default_code, default_param = 422, "invalid_request_error", "state_not_usable", "session_id"
+
+
 class ModelNotFound(EngineError):
     """No model of that name is loaded."""
 

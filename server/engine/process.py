@@ -192,12 +192,28 @@ def decode_import(blob: bytes):
                              code="invalid_state") from None
 
 
+# The largest magnitude a floating state tensor of an import may hold (float32, bfloat16 and
+# float64 tensors; a float16 tensor's own range, 65,504, is its bound). No state the shipped
+# checkpoints make comes near it: after a 4,000-token document the largest value is 4.6e4, in the
+# Performer's `value_sums`, a running sum that grows about 11 per token (1e12 is ~1e11 tokens
+# away); every other architecture stays under 2e3. And the model's arithmetic on such values
+# stays finite: a product of two of them, summed over a head's dimensions, is ~1e27, far below
+# float32's 3.4e38. A state of 3e38 passes the finiteness check and overflows the first forward.
+STATE_MAGNITUDE_BOUND = 1e12
+
+# the token the import probe feeds: any token does, the probe asks only whether the state still
+# gives finite log-probabilities after one more
+PROBE_TOKEN = 0
+
+
 def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tensors, next_log_probs) -> SessionData:
     """A decoded state that fits model `name`, on its device; InvalidInput (code "invalid_state",
     naming the tensor at fault) otherwise. Everything the model could not have produced is
     refused here (`LanguageModel.check_session`: finite tensors, lengths that agree with each
-    other and with the token count, a next-token row that is a log-distribution), before the
-    state replaces anything or runs beside another request."""
+    other and with the token count, a next-token row that is a log-distribution; magnitudes
+    within STATE_MAGNITUDE_BOUND), and so is a state the model cannot go on from (`probe_forward`:
+    one forward step on PROBE_TOKEN must give finite log-probabilities), before the state
+    replaces anything or runs beside another request."""
 
     def refuse(message: str):
         return InvalidInput(message, param="body", code="invalid_state")
@@ -209,9 +225,43 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
     try:
         data = session_data(model.state_class, meta, tensors, next_log_probs)
         model.check_session(data.state, data.tokens, data.next_log_probs)
+        check_state_magnitudes(data)
+        data = data.to(model.device)
+        probe_forward(model, data)
     except (ValueError, IndexError, RuntimeError) as error:  # RuntimeError: torch on a malformed tensor
         raise refuse(f"the state does not fit model '{name}': {error}") from None
-    return data.to(model.device)
+    return data
+
+
+def check_state_magnitudes(data: SessionData) -> None:
+    """Raise ValueError naming the first floating state tensor with a value beyond
+    STATE_MAGNITUDE_BOUND (in a dtype that can hold the bound)."""
+    for name, tensor in data.state.to_tensors().items():
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        if torch.finfo(tensor.dtype).max <= STATE_MAGNITUDE_BOUND:
+            continue  # float16: its range is already the bound, and the finiteness check holds it
+        largest = float(tensor.detach().abs().max())
+        if largest > STATE_MAGNITUDE_BOUND:
+            raise ValueError(f"state tensor '{name}' holds a value of magnitude {largest:.3g}, beyond "
+                             f"the {STATE_MAGNITUDE_BOUND:.0e} no state of this server reaches")
+
+
+def probe_forward(model: LanguageModel, data: SessionData) -> None:
+    """Raise ValueError when one forward step of `model` from the state on PROBE_TOKEN gives a
+    log-probability that is not finite: the first use of the session would fail the same way.
+    One token of batch one, on this session-op thread, beside (not in) the engine's batch: the
+    forward changes neither the model nor the state. A state with no room for one more token (a
+    model's history limit) is not probed: no request can feed it a token anyway."""
+    limit = model.history_limit
+    if limit is not None and data.tokens >= limit:
+        return
+    token = torch.tensor([[PROBE_TOKEN]], device=model.device)
+    with torch.no_grad():
+        log_probs, _ = model(token, data.state)
+    if not bool(torch.isfinite(log_probs).all()):
+        raise ValueError(f"one forward step from it on token {PROBE_TOKEN} gives log-probabilities that are "
+                         "not finite")
 
 
 # -- the process -------------------------------------------------------------------------------

@@ -85,6 +85,14 @@ class EngineRequest:
         return self.prefix_scope is not None and self.kind == "generate" and self.params.n == 1
 
     @property
+    def continues_session(self) -> bool:
+        """It starts from a session's stored state (a session generation, or an append, on a
+        session that has seen tokens), which a client can set (import, PUT): non-finite values
+        from it are that state's, not the server's. A session that has seen nothing starts from
+        a fresh state, as a stateless request does."""
+        return (self.keep_state or self.kind == "append") and self.start.tokens > 0
+
+    @property
     def feeds_every_token(self) -> bool:
         """Every generated token, the last one included, goes through the model."""
         return self.keep_state or self.offers_final_state

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from xlserve.server.engine.errors import InvalidInput, RequestFailed
+from xlserve.server.engine.errors import InvalidInput, RequestFailed, StateNotUsable
 from xlserve.server.engine.types import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy (vLLM's _SAMPLING_EPS)
@@ -58,11 +58,20 @@ def most_likely(row: torch.Tensor) -> tuple[int, float]:
     return token, float(row[token])
 
 
-def unusable_row(value: float) -> RequestFailed | None:
-    """The error for a row whose `most_likely` value is `value`, or None when it is usable."""
+def unusable_row(value: float, from_session_state: bool = False) -> RequestFailed | StateNotUsable | None:
+    """The error for a row whose `most_likely` value is `value`, or None when it is usable.
+
+    Who is at fault decides the answer. Given `from_session_state` (the row continues a
+    session's stored state, which a client can set by import or PUT) the values came from that
+    state: StateNotUsable, a 4xx telling the client to replace or delete it. Otherwise (a fresh
+    state, the prefix cache's) the server computed them: RequestFailed, internal."""
     if math.isfinite(value):
         return None
     reason = "holds NaN" if math.isnan(value) else ("holds +inf" if value > 0 else "gives no token a chance")
+    if from_session_state:
+        return StateNotUsable(f"the model's next-token distribution from this session's state {reason}: the state "
+                              "cannot be continued; replace it (PUT /v1/sessions/{id}/state) or delete the session. "
+                              "Nothing was committed", param="session_id", code="state_not_usable")
     return RequestFailed(f"the model's next-token distribution for this request {reason}; "
                          "its state may be corrupt. Nothing was committed", code="sampling_failed")
 

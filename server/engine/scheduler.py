@@ -368,7 +368,7 @@ class Engine:
         """The whole prompt is in the state: start decoding (or finish). A request whose
         next-token row is no distribution fails here, before anything of it can be committed."""
         if request.next_log_probs is not None:
-            failure = unusable_row(most_likely(request.next_log_probs.float().cpu())[1])
+            failure = unusable_row(most_likely(request.next_log_probs.float().cpu())[1], request.continues_session)
             if failure is not None:
                 self._fail(request, failure)
                 return
@@ -429,7 +429,7 @@ class Engine:
         (the row goes on, or it is a session's and the state keeps every token generated).
         Raises RequestFailed when the row is no distribution (NaN, +inf, no possible token)."""
         params = row.request.params
-        failure = unusable_row(row.greedy[1])
+        failure = unusable_row(row.greedy[1], row.request.continues_session)
         if failure is not None:
             raise failure
         if row.plain_greedy:  # argmax taken once for the whole batch
@@ -518,7 +518,7 @@ class Engine:
                         SessionData(state=first.state, tokens=first.tokens, next_log_probs=first.next_log_probs),
                         request.prompt_logprobs + first.generated_logprobs)
         if request.keep_state:
-            failure = unusable_row(first.greedy[1])  # never commit a state that predicts nothing
+            failure = unusable_row(first.greedy[1], request.continues_session)  # never commit a state that predicts nothing
             if failure is not None:
                 self._fail(request, failure)
                 return

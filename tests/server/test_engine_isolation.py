@@ -3,7 +3,8 @@ victim generation runs in the same batch as each poison request (a vanishing tem
 top_p, a seed at either end of the 64-bit range, a state or next-token row holding NaN, a row
 whose forward raises, a logit_bias outside the vocabulary) and gets exactly the tokens and
 log-probabilities it gets alone; the poison request gets a defined answer or its own clear
-error, and the engine goes on serving."""
+error (a session's own poisoned state: 422 state_not_usable, the client's to replace; the same
+in a state the server made: internal), and the engine goes on serving."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 from xlserve.server.cache.codec import SessionData
 from xlserve.server.engine import local
-from xlserve.server.engine.errors import InvalidInput, RequestFailed
+from xlserve.server.engine.errors import InvalidInput, RequestFailed, StateNotUsable
 from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine
 from xlserve.server.engine.types import ChoiceFinished, Finished, SamplingParams, TokenEvent
@@ -157,9 +158,25 @@ def test_a_nan_state_fails_its_request_alone(engine):
     poisoned = run_beside_victim(engine, request(engine, "x = ", SessionData(poisoned_state, data.tokens,
                                                                           data.next_log_probs),
                                                  keep_state=True, max_tokens=6, temperature=0.7, seed=1))
-    assert isinstance(poisoned["ended"], RequestFailed) and poisoned["ended"].code == "sampling_failed"
+    # a session's state is the client's (import, PUT): its non-finite values are a 4xx, not a 500
+    assert isinstance(poisoned["ended"], StateNotUsable) and poisoned["ended"].code == "state_not_usable"
+    assert poisoned["ended"].http_status == 422
     assert "NaN" in poisoned["ended"].message
     assert poisoned["tokens"] == []  # it failed before its first token: nothing sampled from NaN
+
+
+def test_the_same_nan_state_outside_a_session_is_the_servers_fault(engine):
+    # a stateless request starts from a state the server made (fresh, or the prefix cache's):
+    # non-finite values there are a server fault, answered as internal
+    data = session_after(engine, "import sys\n")
+    keys = [k.clone() for k in data.state.keys]
+    keys[1][0, 3] = float("nan")
+    poisoned_state = dataclasses.replace(data.state, keys=keys)
+    poisoned = run_beside_victim(engine, request(engine, "x = ", SessionData(poisoned_state, data.tokens,
+                                                                          data.next_log_probs),
+                                                 max_tokens=6, temperature=0.7, seed=1))
+    assert isinstance(poisoned["ended"], RequestFailed) and poisoned["ended"].code == "sampling_failed"
+    assert poisoned["ended"].internal
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -169,7 +186,7 @@ def test_a_non_finite_next_token_row_fails_its_request_alone(engine, bad):
     row[5] = bad
     poisoned = run_beside_victim(engine, request(engine, "", SessionData(data.state, data.tokens, row),
                                                  keep_state=True, max_tokens=6))
-    assert isinstance(poisoned["ended"], RequestFailed) and poisoned["ended"].code == "sampling_failed"
+    assert isinstance(poisoned["ended"], StateNotUsable) and poisoned["ended"].code == "state_not_usable"
     assert poisoned["tokens"] == []
 
 

@@ -45,6 +45,8 @@ ANSWERED = {
     "EngineRestarting": (503, "service_unavailable", "engine_restarting", None, {"Retry-After": "2"}),
     "EngineLoading": (503, "service_unavailable", "loading", None, {"Retry-After": "2"}),
     "RequestFailed": (500, "internal_error", "sampling_failed", None, {}),
+    # a session whose state gives non-finite log-probs at use (issue 35): the client's state, a 4xx
+    "StateNotUsable": (422, "invalid_request_error", "state_not_usable", "session_id", {}),
     "SessionNotFound": (404, "not_found_error", "session_not_found", "session_id", {}),
     "SessionLocked": (409, "session_busy", "session_busy", "session_id", {}),
     "SessionConflict": (409, "conflict", "session_version_conflict", "session_id", {}),
