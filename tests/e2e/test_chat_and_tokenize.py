@@ -186,6 +186,20 @@ def test_bad_chat_requests_are_400_naming_the_field(client, fields, param):
     assert error_of(client.post("/v1/chat/completions", json={"model": FILE, **fields}))["param"] == param
 
 
+def test_an_x_session_id_header_on_chat_is_a_mismatch_as_on_completions(client):
+    """Chat is about no session: an X-Session-Id header (a proxy routes by it) is refused as
+    /v1/completions refuses it on a request without session_id, streamed or not."""
+    header = {"X-Session-Id": "sess_elsewhere"}
+    plain = error_of(client.post("/v1/completions", json={"model": FILE, "prompt": "x", "max_tokens": 1},
+                                 headers=header))
+    for stream in (False, True):
+        chat = error_of(client.post("/v1/chat/completions", headers=header,
+                                    json={"model": FILE, "messages": MESSAGES, "max_tokens": 1, "stream": stream}))
+        assert chat == plain and chat["code"] == "session_id_mismatch" and chat["param"] == "X-Session-Id"
+        assert "sess_elsewhere" in chat["message"] and "no session" in chat["message"]
+    ok(client.post("/v1/chat/completions", json={"model": FILE, "messages": MESSAGES, "max_tokens": 1}))
+
+
 # -- tokenize and detokenize ------------------------------------------------------------------------------
 
 

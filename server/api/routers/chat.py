@@ -6,10 +6,11 @@ begins), which then runs as a completion: the same sampling fields, limits and e
 /v1/completions, answered as OpenAI does (`chat.completion`; streamed, `chat.completion.chunk`s
 whose first delta per choice carries the role, then `data: [DONE]`). A checkpoint without a
 template gets 400 `no_chat_template`, as vLLM answers. Chat keeps no session: the messages are
-the whole history.
+the whole history, so an X-Session-Id header (which a proxy routes by) gets 400
+`session_id_mismatch`, as on /v1/completions without `session_id`.
 """
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 
 from xlserve.server.api.protocol import (
@@ -19,7 +20,15 @@ from xlserve.server.api.protocol import (
     error_responses,
     event_stream,
 )
-from xlserve.server.api.serving import ChatCompletion, app_state, complete, owner_of, stream_completion
+from xlserve.server.api.serving import (
+    SESSION_ID_HEADER,
+    ChatCompletion,
+    app_state,
+    check_session_header,
+    complete,
+    owner_of,
+    stream_completion,
+)
 
 router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the bodies (routers/completions.py)
 
@@ -28,7 +37,9 @@ router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the
              responses={**error_responses(400, 401, 404, 413, 429, 500, 503),
                         200: event_stream(ChatCompletionStreamResponse,
                                           "The chat completion; with `stream`, its chunks.")})
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(owner_of)):
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(owner_of),
+                                 session_header: str | None = Header(None, alias=SESSION_ID_HEADER)):
+    check_session_header(session_header, None)  # chat is about no session
     completion = ChatCompletion(app_state(request), body, owner)
     if body.stream:
         return await stream_completion(completion)
