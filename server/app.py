@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.routing import WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,7 +48,7 @@ from xlserve.server.api.errors import (
 )
 from xlserve.server.api.routers import chat, completions, health, models, playground, sessions, tokenize, ws
 from xlserve.server.api.routers.playground import PAGE_PATHS
-from xlserve.server.api.serving import error_frame
+from xlserve.server.api.serving import error_frame, refuse_unknown_query_parameters
 from xlserve.server.engine.client import EngineClient
 from xlserve.server.engine.errors import EngineError, ShuttingDown
 from xlserve.server.metrics import HTTP_METHODS, OTHER_METHOD, UNMATCHED_ROUTE, Metrics
@@ -380,7 +380,11 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.server.max_request_body_bytes)
     app.add_middleware(ResponseMetrics)  # outermost: it counts what the others answer too
 
+    # every API route refuses a query parameter it does not take; the websocket checks its own
+    # once accepted (an error frame), and the playground's pages take whatever a browser adds
     for router in (health.router, models.router, completions.router, chat.router, tokenize.router,
-                   sessions.router, ws.router, playground.router):
-        app.include_router(router)
+                   sessions.router):
+        app.include_router(router, dependencies=[Depends(refuse_unknown_query_parameters)])
+    app.include_router(ws.router)
+    app.include_router(playground.router)
     return app

@@ -1,8 +1,9 @@
 """An API without surprises, against the real server (HTTP and websocket): unknown and unsupported
-fields are refused by name on both; seeds, temperature, top_p and logit_bias are checked
-where they enter; `prompt` takes OpenAI's list of prompts; malformed JSON is located by line and
-column; text that cannot become UTF-8 and JSON nested too deeply are 400s, never 500s, and the
-keep-alive connection stays usable after them. The test process runs no model."""
+fields are refused by name on both, and so are unknown query parameters on every route; seeds,
+temperature, top_p and logit_bias are checked where they enter; `prompt` takes OpenAI's list of
+prompts; malformed JSON is located by line and column; text that cannot become UTF-8 and JSON
+nested too deeply are 400s, never 500s, and the keep-alive connection stays usable after them.
+The test process runs no model."""
 
 from __future__ import annotations
 
@@ -56,6 +57,48 @@ def still_usable(ws) -> None:
     tokens, done = frame_answer(ws, {"type": "generate", "model": MODEL, "prompt": "ok", "max_tokens": 2,
                                      "temperature": 0})
     assert done["type"] == "done" and len(tokens) == 2, done
+
+
+# -- unknown query parameters: refused by name on every route, as unknown fields are ----------------
+
+
+def test_a_misspelt_query_parameter_is_refused_instead_of_falling_back(client):
+    """`import?modle=` used to import into the model named in the file; `?lmit=` listed 20."""
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    assert client.post(f"/v1/sessions/{session}/append", json={"text": "x = 1\n"}).status_code == 200
+    blob = client.get(f"/v1/sessions/{session}/state").content
+    listed = lambda: {s["id"] for s in client.get("/v1/sessions", params={"limit": 100}).json()["data"]}  # noqa: E731
+    before = listed()
+    error = error_of(post_raw(client, "/v1/sessions/import?modle=no-such-model", blob, "application/octet-stream"))
+    assert error["code"] == "unknown_parameter" and error["param"] == "modle"
+    assert error["type"] == "invalid_request_error"
+    assert "'modle'" in error["message"] and "takes only 'model'" in error["message"]
+    assert listed() == before  # nothing was imported
+    imported = post_raw(client, f"/v1/sessions/import?model={MODEL}", blob, "application/octet-stream")
+    assert imported.status_code == 200, imported.text
+    error = error_of(client.get("/v1/sessions", params={"limit": 1, "lmit": 5, "aftr": "x"}))
+    assert error["param"] == "lmit" and "unknown query parameters 'lmit', 'aftr'" in error["message"]
+    assert "takes only 'after', 'limit'" in error["message"]
+    assert len(client.get("/v1/sessions", params={"limit": 1}).json()["data"]) == 1
+
+
+def test_every_operation_refuses_an_unknown_query_parameter_and_takes_those_it_documents(client):
+    """Every operation in /openapi.json answers an unknown query parameter with its documented
+    400, before any work (a DELETE deletes nothing), and none of those it documents is unknown."""
+    document = client.get("/openapi.json").json()
+    session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    checked = 0
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            url = path.replace("{session_id}", session).replace("{name}", MODEL)
+            documented = {p["name"]: "1" for p in operation.get("parameters", []) if p["in"] == "query"}
+            response = client.request(method.upper(), url, params={**documented, "extra": "1"})
+            error = error_of(response)
+            assert error["code"] == "unknown_parameter" and error["param"] == "extra", (method, path, error)
+            assert "400" in operation["responses"], (method, path)
+            checked += 1
+    assert checked >= 19
+    assert client.get(f"/v1/sessions/{session}").status_code == 200  # the DELETE above deleted nothing
 
 
 # -- unknown and unsupported fields: refused by name, on HTTP and the websocket alike ------------------

@@ -167,8 +167,9 @@ def test_the_error_statuses_documented_are_those_each_route_answers(served):
     assert statuses["POST /v1/chat/completions"] == [400, 401, 404, 413, 429, 500, 503]  # chat has no session
     assert statuses["POST /v1/sessions/{session_id}/append"] == [400, 401, 404, 409, 413, 422, 429, 500, 503]
     assert statuses["GET /v1/sessions/{session_id}"] == [400, 401, 404, 413, 503]
-    assert statuses["GET /metrics"] == [401]  # open while loading and draining; a key only if configured
-    assert statuses["GET /ready"] == [503]
+    assert statuses["GET /metrics"] == [400, 401]  # open while loading and draining; a key only if configured
+    assert statuses["GET /ready"] == statuses["GET /health"] == [400, 503]  # 400: any query parameter
+    assert statuses["GET /version"] == [400]
 
 
 def chunk_validator(document: dict, path: str) -> Draft202012Validator:

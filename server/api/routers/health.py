@@ -5,7 +5,8 @@ died more often than XLSERVE_ENGINE_RESTART_LIMIT allows), so an orchestrator re
 server; while a dead engine process is being replaced it stays 200 (the server heals itself).
 `/ready` is 503 while the server loads its models, restarts its engine process or drains, with
 the reason, so no new traffic is routed to it meanwhile. Admission leaves /health, /ready and
-/metrics open while the server drains (server/api/admission.py).
+/metrics open while the server drains (server/api/admission.py). They take no query parameters:
+one is a 400 (`unknown_parameter`), as on every API route.
 """
 
 from fastapi import APIRouter, Request
@@ -29,7 +30,7 @@ def not_now(status: str, reason: str) -> JSONResponse:
 
 
 @router.get("/health", response_model=HealthResponse, response_model_exclude_unset=True,
-            responses={**error_responses(), 503: {"model": ServerStatus, "description": "The engine process is gone "
+            responses={**error_responses(400), 503: {"model": ServerStatus, "description": "The engine process is gone "
                                                   "for good (`failed`): restart the server."}})
 async def health(request: Request):
     engine = app_state(request).engine
@@ -39,7 +40,7 @@ async def health(request: Request):
 
 
 @router.get("/ready", response_model=ReadyResponse, response_model_exclude_unset=True,
-            responses={**error_responses(), 503: {"model": ServerStatus, "description": "Send no traffic now: the "
+            responses={**error_responses(400), 503: {"model": ServerStatus, "description": "Send no traffic now: the "
                                                   "server is loading, restarting its engine process or draining."}})
 async def ready(request: Request):
     state = app_state(request)
@@ -54,7 +55,7 @@ async def ready(request: Request):
 
 
 # Prometheus's text format; 401 only with XLSERVE_METRICS_REQUIRE_KEY
-@router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401, by_reference=True))
+@router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(400, 401, by_reference=True))
 async def metrics(request: Request):
     """Prometheus exposition: this process's metrics, then the engine process's."""
     state = app_state(request)
@@ -70,7 +71,7 @@ async def metrics(request: Request):
 
 
 @router.get("/version", response_model=VersionResponse, response_model_exclude_unset=True,
-            responses=error_responses())
+            responses=error_responses(400))
 async def version(request: Request):
     """The xlserve version (the package's metadata, or pyproject.toml's in a source tree)."""
     return VersionResponse(version=request.app.version)

@@ -46,6 +46,7 @@ from xlserve.server.api.serving.requests import (
     SESSION_ID_HEADER,
     check_session_header,
     read_body,
+    refuse_unknown_query_parameters,
     replayed_headers,
     session_header_matches_path,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "list_sessions",
     "owner_of",
     "read_body",
+    "refuse_unknown_query_parameters",
     "replace_session_state",
     "replayed_headers",
     "stream_completion",

@@ -8,6 +8,8 @@ import json
 import re
 
 from fastapi import Header, Request
+from fastapi.dependencies.models import Dependant
+from starlette.requests import HTTPConnection
 
 from xlserve.server.api.deps import AppState, ServedModel, app_state
 from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, as_api_error
@@ -102,6 +104,49 @@ def session_header_matches_path(session_id: str,
                                 header: str | None = Header(None, alias=SESSION_ID_HEADER)) -> None:
     """A dependency of the /v1/sessions/{session_id}... routes: check_session_header."""
     check_session_header(header, session_id)
+
+
+# -- query parameters -------------------------------------------------------------------------------
+
+# what an error message quotes of the unknown names, which a client can make as long as a URL
+MAX_NAMES_QUOTED, MAX_NAME_CHARACTERS = 5, 64
+
+
+def declared_query_parameters(dependant: Dependant) -> set[str]:
+    """The query parameter names a route takes: those of its endpoint and of every dependency
+    below it, as FastAPI reads them (by alias)."""
+    names, pending = set(), [dependant]
+    while pending:  # bounded: the dependency tree is the route's, declared in code
+        current = pending.pop()
+        names.update(field.alias for field in current.query_params)
+        pending.extend(current.dependencies)
+    return names
+
+
+def _quoted(names) -> str:
+    listed = [repr(name[:MAX_NAME_CHARACTERS] + ("..." if len(name) > MAX_NAME_CHARACTERS else "")) for name in names]
+    return ", ".join(listed[:MAX_NAMES_QUOTED]) + (f" and {len(listed) - MAX_NAMES_QUOTED} more"
+                                                   if len(listed) > MAX_NAMES_QUOTED else "")
+
+
+def refuse_unknown_query_parameters(connection: HTTPConnection) -> None:
+    """400 `unknown_parameter` naming the query parameters the matched route does not declare:
+    a misspelt one (`import?modle=`) would otherwise be ignored and the route's default used,
+    as no body field is ignored either. A dependency of every API route (server/app.py); the
+    websocket calls it once it has accepted, to answer with an error frame."""
+    if not connection.query_params:
+        return
+    route = connection.scope.get("route")
+    known = declared_query_parameters(route.dependant) if route is not None else set()
+    unknown = [name for name in dict.fromkeys(connection.query_params.keys()) if name not in known]
+    if not unknown:
+        return
+    takes = f"takes only {_quoted(sorted(known))}" if known else "takes no query parameters"
+    plural = "s" if len(unknown) > 1 else ""
+    where = getattr(route, "path", None) or connection.url.path
+    raise InvalidRequest(f"unknown query parameter{plural} {_quoted(unknown)}: {where} {takes} "
+                         "(no parameter is ignored silently)", param=unknown[0][:MAX_NAME_CHARACTERS],
+                         code="unknown_parameter")
 
 
 def error_for(error: BaseException) -> APIError:
