@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -64,16 +65,29 @@ def offered_subprotocols(request: Request) -> list[str]:
     return [item.strip() for item in header.split(",") if item.strip()]
 
 
+# base64url without padding: the only alphabet a subprotocol token can carry whole (RFC 6455
+# subprotocols are HTTP tokens, in which standard base64's '/' and '=' are not allowed, and
+# conforming clients refuse to send them). '+' is a token character: checked here, so that a key
+# in standard base64 is refused by name rather than decoded leniently.
+BASE64URL_UNPADDED = re.compile(r"[A-Za-z0-9_-]*")
+BAD_KEY_SUBPROTOCOL = (f"the {KEY_SUBPROTOCOL_PREFIX} subprotocol must carry the key in base64url without padding "
+                       "(letters, digits, '-' and '_'; not standard base64's '+' and '/', no '=')")
+
+
 def subprotocol_key(request: Request) -> str | None:
-    """The API key a browser sent as a websocket subprotocol, or None."""
+    """The API key a browser sent as a websocket subprotocol, or None; AuthenticationFailed
+    (naming the alphabet, never echoing the key) when it is not base64url of a UTF-8 key."""
     for item in offered_subprotocols(request):
         if item.startswith(KEY_SUBPROTOCOL_PREFIX):
             encoded = item[len(KEY_SUBPROTOCOL_PREFIX):]
+            # a length of 1 modulo 4 is no whole byte in any base64
+            if not BASE64URL_UNPADDED.fullmatch(encoded) or len(encoded) % 4 == 1:
+                raise AuthenticationFailed(BAD_KEY_SUBPROTOCOL, code="invalid_api_key")
             try:
                 return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
             except (ValueError, UnicodeDecodeError):
-                raise AuthenticationFailed("the key subprotocol is not base64url of a UTF-8 key",
-                                           code="invalid_api_key") from None
+                raise AuthenticationFailed(f"the {KEY_SUBPROTOCOL_PREFIX} subprotocol is base64url, but not of a "
+                                           "UTF-8 key", code="invalid_api_key") from None
     return None
 
 

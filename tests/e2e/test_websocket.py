@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import socket
 import time
 
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from tests.e2e.server_process import ServerProcess
 from tests.e2e.session_tools import metric
 
 MODEL = "txl-tiny"
@@ -199,3 +204,88 @@ def test_a_connection_routed_by_x_session_id_serves_that_session_only(server, cl
         send(ws, type="append", id="mine", session_id=session, text="import os\n")
         _, done = answer(ws)
         assert done["type"] == "done" and done["session_id"] == session
+
+
+# -- the key as a subprotocol: base64url without padding, anything else refused by name -----------
+
+# standard base64 of this key is "az8+fmtl", unpadded and with '+', a token character: a client
+# sends it, and a lenient decoder would read it as the base64url "az8-fmtl", the right key
+SUBPROTOCOL_KEY = "k?>~ke"
+
+
+def key_subprotocol(encoded: str) -> list[str]:
+    return ["xlserve", "xlserve.key." + encoded]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_checkpoint, tmp_path_factory):
+    process = ServerProcess([tiny_checkpoint], env={"XLSERVE_API_KEYS": SUBPROTOCOL_KEY},
+                            log_path=tmp_path_factory.mktemp("logs") / "keyed.log").start()
+    yield process
+    process.stop()
+
+
+def refusal(url: str, subprotocols: list[str]) -> tuple[str | None, dict, int]:
+    """(the accepted subprotocol, the one frame, the close code) of a connection the server refuses."""
+    with connect(url, subprotocols=subprotocols, open_timeout=30) as ws:
+        frame = json.loads(ws.recv(timeout=30))
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+        return ws.subprotocol, frame, ws.close_code
+
+
+def test_a_key_subprotocol_in_base64url_without_padding_authenticates(keyed_server):
+    encoded = base64.urlsafe_b64encode(SUBPROTOCOL_KEY.encode()).decode().rstrip("=")
+    with connect(ws_url(keyed_server), subprotocols=key_subprotocol(encoded)) as ws:
+        assert ws.subprotocol == "xlserve"
+        send(ws, type="generate", id="g", model=MODEL, prompt="x", max_tokens=2)
+        tokens, done = answer(ws)
+        assert done["type"] == "done" and len(tokens) == 2, done
+
+
+@pytest.mark.parametrize("encoded", [
+    base64.b64encode(SUBPROTOCOL_KEY.encode()).decode(),  # standard base64: '+'
+    "az8-fmtl.",  # a token character outside the alphabet
+    "az8-f",  # 1 modulo 4 characters: no whole byte
+    "",
+])
+def test_a_key_subprotocol_outside_base64url_gets_an_authentication_error_frame(keyed_server, encoded):
+    subprotocol, frame, close_code = refusal(ws_url(keyed_server), key_subprotocol(encoded))
+    assert subprotocol == "xlserve" and close_code == 1008
+    assert frame["type"] == "error" and frame["error"]["type"] == "authentication_error", frame
+    assert frame["error"]["code"] == "invalid_api_key"
+    if encoded:
+        assert "base64url without padding" in frame["error"]["message"]
+        assert encoded not in frame["error"]["message"]  # the key is never echoed
+    # offered without "xlserve", it is refused the same way, on a connection with no subprotocol
+    assert refusal(ws_url(keyed_server), key_subprotocol(encoded)[1:])[:2] == (None, frame)
+
+
+def test_base64url_of_bytes_that_are_not_utf8_is_a_clear_authentication_error(keyed_server):
+    encoded = base64.urlsafe_b64encode(b"\xff\xfe").decode().rstrip("=")
+    _, frame, _ = refusal(ws_url(keyed_server), key_subprotocol(encoded))
+    assert frame["error"]["type"] == "authentication_error" and "UTF-8" in frame["error"]["message"]
+
+
+@pytest.mark.parametrize("encoded", ["az8+fmtl=", "YT4/Yj4/"])  # '=' padding, '/': not token characters
+def test_a_subprotocol_that_is_no_http_token_never_reaches_the_server(keyed_server, encoded):
+    """What docs/websocket.md says of standard base64 with '/' or '=': the websockets client
+    refuses to send it, and a client that sends it anyway gets the HTTP server's 400."""
+    with pytest.raises(ValueError, match="invalid subprotocol"):
+        connect(ws_url(keyed_server), subprotocols=key_subprotocol(encoded), open_timeout=30)
+    handshake = ("GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n"
+                 f"Sec-WebSocket-Protocol: xlserve, xlserve.key.{encoded}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", keyed_server.port), timeout=30) as raw:
+        raw.sendall(handshake.encode())
+        status_line = raw.recv(4096).split(b"\r\n", 1)[0]
+    assert status_line == b"HTTP/1.1 400 Bad Request", status_line
+    assert encoded not in keyed_server.log_path.read_text()  # nor is the key logged
+
+
+def test_a_query_parameter_on_the_websocket_is_refused_by_name(server):
+    subprotocol, frame, close_code = refusal(ws_url(server) + "?model=txl-tiny", ["xlserve"])
+    assert subprotocol == "xlserve" and close_code == 1008
+    assert frame["type"] == "error" and frame["error"]["code"] == "unknown_parameter", frame
+    assert frame["error"]["type"] == "invalid_request_error" and frame["error"]["param"] == "model"
+    assert "/v1/stream takes no query parameters" in frame["error"]["message"]

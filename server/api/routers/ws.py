@@ -32,6 +32,7 @@ from xlserve.server.api.serving import (
     generation_frames,
     offered_subprotocols,
     owner_of,
+    refuse_unknown_query_parameters,
 )
 
 router = APIRouter()
@@ -133,10 +134,14 @@ async def stream(websocket: WebSocket):
     # a browser's page offers "xlserve" (and its key as a second subprotocol, never echoed)
     offered = WEBSOCKET_SUBPROTOCOL in offered_subprotocols(websocket)
     await websocket.accept(subprotocol=WEBSOCKET_SUBPROTOCOL if offered else None)
+    # refused once accepted, with an error frame a client can read (a refused handshake tells it
+    # nothing): a query parameter (the route takes none), then a missing or malformed key
     try:
+        refuse_unknown_query_parameters(websocket)
         owner = owner_of(websocket)
     except APIError as error:
         await websocket.send_text(json.dumps(error_frame(None, error, state)))
-        await websocket.close(code=1008, reason="authentication failed")
+        reason = "authentication failed" if error.status == 401 else "invalid request"
+        await websocket.close(code=1008, reason=reason)
         return
     await _Connection(websocket, state, owner).run()
