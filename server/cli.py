@@ -148,7 +148,7 @@ def cmd_new(args) -> None:
     from xlserve.models.training.train import preset_config
 
     torch.manual_seed(args.seed)
-    model = build_model(args.arch, preset_config(args.arch, args.preset))
+    model = build_model(args.arch, {**preset_config(args.arch, args.preset), **json.loads(args.config)})
     save_checkpoint(model.eval(), args.out)
     print(f"wrote a randomly initialised {args.arch}/{args.preset} to {args.out}")
 
@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     new.add_argument("--preset", default="tiny")
     new.add_argument("--out", required=True)
     new.add_argument("--seed", type=int, default=0)
+    new.add_argument("--config", default="{}", help="a JSON object of config fields that replace the preset's "
+                                                   "(e.g. '{\"axial_pos_shape\": [16, 16]}')")
     new.set_defaults(func=cmd_new)
 
     store = commands.add_parser("store", help="rewrite a checkpoint with its weights stored as float16/bfloat16/float32 "

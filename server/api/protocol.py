@@ -405,7 +405,7 @@ class Usage(ResponseBody):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReason = Literal["stop", "length"]  # a stop string, or max_tokens
+FinishReason = Literal["stop", "length"]  # a stop string, or max_tokens (or the model's max_context) reached
 
 
 # -- /v1/completions: the body and its SSE chunks --
@@ -680,7 +680,8 @@ server_frame = TypeAdapter(ServerFrame)
 
 ERROR_MEANINGS = {  # what each error status means, wherever it is answered
     400: "An invalid request: a field at fault (`param` names it), a body that is not JSON or nests too deeply, "
-         "text that cannot be UTF-8, an X-Session-Id header naming another session.",
+         "text that cannot be UTF-8, an X-Session-Id header naming another session, a prompt or append that would "
+         "take the context past the model's max_context (`context_length_exceeded`).",
     401: "No API key, or not one of the server's (`invalid_api_key`).",
     404: "No such model or session (`model_not_found`, `session_not_found`); another key's session is not found either.",
     409: "The session is busy with another request (`session_busy`) or was changed by another replica since this "

@@ -36,6 +36,15 @@ class InvalidInput(EngineError):
     http_status, error_type = 400, "invalid_request_error"
 
 
+class ContextLengthExceeded(InvalidInput):
+    """The request would take the context past the model's `max_context`, where the model stops
+    (models/interface.py `history_limit`: the Reformer's position embeddings end there): the
+    session's history plus the prompt or appended text, plus the first token of a generation.
+    Refused when it is queued (`Engine.check_context`), before anything runs."""
+
+    default_code = "context_length_exceeded"
+
+
 class RequestFailed(EngineError):
     """This request alone could not be computed: its row of log-probabilities is not finite
     (code "sampling_failed"), or the model's forward raised for its row alone ("forward_failed").

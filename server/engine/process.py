@@ -449,6 +449,8 @@ class EngineProcess:
     @handlers.register(Generate, inline=True)
     def generate(self, request: Generate) -> Accepted | Deferred:
         engine = self.loaded(request.model).engine
+        if request.lease is None:  # a prompt past the model's context is refused before any prefix lookup
+            engine.check_context("generate", 0, len(request.prompt), request.params.max_tokens)
         if request.lease is None and request.prefix_scope is not None and engine.prefix_lookup_waits:
             # the prefix cache asks Redis: not on the reader thread, where it would hold up every
             # other frame; registered first, so that a cancel sent meanwhile is not lost

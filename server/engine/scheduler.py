@@ -35,6 +35,11 @@ the batch goes on for everyone else: when a batched forward raises, its rows run
 one and only those whose own forward fails are failed. States are values (a forward never
 changes its input), so running a row again is safe.
 
+A model that stops at its max_context (`LanguageModel.history_limit`, the Reformer's) bounds
+every request's context: `enqueue` refuses one whose history and prompt (and a generation's
+first token) would pass it with `ContextLengthExceeded` (a 400), before anything runs, and a
+generation that reaches it ends there with finish_reason "length", as at max_tokens.
+
 The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait;
 `enqueue` refuses more with `QueueFull`. After `stop_admitting` (graceful shutdown) it refuses
 everything with `ShuttingDown` while running requests finish.
@@ -55,7 +60,15 @@ from xlserve.models.interface import LanguageModel, State
 from xlserve.server.cache.codec import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
-from xlserve.server.engine.errors import Cancelled, EngineError, InvalidInput, QueueFull, RequestFailed, ShuttingDown
+from xlserve.server.engine.errors import (
+    Cancelled,
+    ContextLengthExceeded,
+    EngineError,
+    InvalidInput,
+    QueueFull,
+    RequestFailed,
+    ShuttingDown,
+)
 from xlserve.server.engine.request import EngineRequest, Row
 from xlserve.server.engine.sampling import most_likely, top_alternatives, unusable_row
 from xlserve.server.engine.threads import ForwardThreads
@@ -78,6 +91,9 @@ class Engine:
         self.name = name
         self.prefix_cache = prefix_cache
         self.model = model
+        # the longest context a request may reach, where the model stops (None: no such bound):
+        # refused past it when queued (check_context), generation ends there (_sample)
+        self.history_limit = model.history_limit
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.prefill_chunk = max(1, prefill_chunk)
@@ -161,9 +177,33 @@ class Engine:
             raise ValueError("a prefix entry's token log-probs are not log-probabilities")
         return data, logprobs
 
+    def check_context(self, kind: str, history: int, prompt: int, max_tokens: int) -> None:
+        """Raise ContextLengthExceeded when a request would take the context past the model's
+        `history_limit`: the `history` tokens its state starts with (a session's; a prefix-cache
+        hit's are part of the prompt), its `prompt` tokens (an append's text), and, for a
+        generation that asks for any token, its first one. A generation that would pass the limit
+        later is not refused: it ends there with finish_reason "length" (`_sample`). Any thread."""
+        limit = self.history_limit
+        generating = kind == "generate" and max_tokens > 0
+        reach = history + prompt + int(generating)
+        if limit is None or reach <= limit:
+            return
+        parts = [f"{history} in the session's history"] if history else []
+        if prompt:
+            parts.append(f"{prompt} in the {'prompt' if kind == 'generate' else 'appended text'}")
+        if generating:
+            parts.append("1 to generate")
+        raise ContextLengthExceeded(
+            f"model '{self.name}' has a maximum context length of {limit} tokens (max_context); this request "
+            f"would take the context to {reach} tokens ({' + '.join(parts)})",
+            param="prompt" if kind == "generate" else "text", code="context_length_exceeded")
+
     def enqueue(self, request: EngineRequest) -> None:
         """Queue a request; its events go to the sink as (request.handle, event) pairs. Raises
+        ContextLengthExceeded when it cannot fit the model's context (`check_context`),
         ShuttingDown after `stop_admitting`, and QueueFull when too many requests wait."""
+        self.check_context(request.kind, request.start.tokens - request.reused, len(request.prompt),
+                           request.params.max_tokens)
         with self._condition:
             if not self._admitting or self._closed:
                 raise ShuttingDown("the server is shutting down and admits no new requests; retry on another replica",
@@ -447,12 +487,17 @@ class Engine:
             self._first_output(row.request)
         if stopped:
             row.finish_reason = "stop"
-        elif row.generated >= params.max_tokens:
+        elif row.generated >= params.max_tokens or self._context_full(row):
             row.finish_reason = "length"
         if row.finish_reason is None or row.request.feeds_every_token:
             row.pending = token
             return True
         return False
+
+    def _context_full(self, row: Row) -> bool:
+        """The token just sampled takes the row's context to the model's history_limit: no
+        token can follow it (check_context let the request in with room for its first)."""
+        return self.history_limit is not None and row.tokens + 1 >= self.history_limit
 
     def _forward_rows(self, rows: list[Row]) -> None:
         """Run each row's pending token through the model, one forward per group of rows that

@@ -27,9 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_checkpoint(directory: Path, arch: str = "transformer-xl", preset: str = "tiny", seed: int = 0) -> Path:
+def make_checkpoint(directory: Path, arch: str = "transformer-xl", preset: str = "tiny", seed: int = 0,
+                    config: dict | None = None) -> Path:
+    """A random checkpoint of `arch`'s `preset`, its `config` fields replaced by those given."""
     subprocess.run([sys.executable, "-m", "xlserve.server.cli", "new", "--arch", arch, "--preset", preset,
-                    "--out", str(directory), "--seed", str(seed)], check=True, cwd=REPO, capture_output=True)
+                    "--out", str(directory), "--seed", str(seed), "--config", json.dumps(config or {})],
+                   check=True, cwd=REPO, capture_output=True)
     return directory
 
 

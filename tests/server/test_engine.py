@@ -17,10 +17,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.interface import ArchConfig, LanguageModel, State
+from xlserve.models.reformer import Reformer, ReformerConfig
 from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 from xlserve.server.engine import local
-from xlserve.server.engine.errors import Cancelled, InvalidInput, QueueFull, RequestFailed, ShuttingDown
+from xlserve.server.engine.errors import (
+    Cancelled,
+    ContextLengthExceeded,
+    InvalidInput,
+    QueueFull,
+    RequestFailed,
+    ShuttingDown,
+)
 from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine
 from xlserve.server.engine.threads import PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS
@@ -534,6 +542,83 @@ def test_nothing_to_continue_from_is_refused_at_once():
         assert engine.idle
     finally:
         engine.close()
+
+
+def short_reformer() -> Reformer:
+    """A Reformer that stops at 256 positions (axial 16 x 16): its max_context."""
+    torch.manual_seed(0)
+    config = ReformerConfig(attn_layers=["local", "lsh"], d_model=32, n_head=2, d_head=16, d_inner=64, lsh_chunk=8,
+                            n_buckets=4, local_chunk=8, axial_pos_shape=[16, 16], axial_pos_dims=[8, 24])
+    return Reformer(config).eval()
+
+
+def test_a_request_past_the_models_context_is_refused_before_it_runs():
+    """A model that stops at its max_context (the Reformer): a prompt or append that would take
+    the context past it, or a generation with no room for its first token, is refused when it
+    is queued (a 400, naming the limit and the length it would reach), nothing runs; up to the
+    limit everything runs."""
+    engine = make_engine(short_reformer(), prefill_chunk=64)
+    assert engine.history_limit == 256
+
+    async def main():
+        at_250 = (await local.append(engine, engine.fresh_data(), list(range(250)))).data
+        refusals = {
+            "append": lambda: local.submit(engine, EngineRequest("append", [1] * 7, at_250)),
+            "fresh append": lambda: local.submit(engine, EngineRequest("append", [1] * 257, engine.fresh_data())),
+            "session prompt": lambda: local.submit(engine, generation(engine, "x" * 6, start=at_250, max_tokens=4)),
+            "prompt": lambda: local.submit(engine, generation(engine, "x" * 256, max_tokens=1)),
+        }
+        refused = {}
+        for name, submit in refusals.items():
+            with pytest.raises(ContextLengthExceeded) as error:
+                submit()
+            refused[name] = error.value
+        # exactly at the limit: an append, or a prompt scored without generating
+        at_256 = (await local.append(engine, at_250, [1] * 6)).data
+        echoed = await collect(engine, generation(engine, "x" * 256, max_tokens=0, echo=True, logprobs=0))
+        with pytest.raises(ContextLengthExceeded) as full:  # no room for one more token
+            local.submit(engine, generation(engine, "", start=at_256, max_tokens=1))
+        return refused, at_256, echoed, full.value
+
+    try:
+        refused, at_256, echoed, full = run(main())
+        assert engine.idle
+    finally:
+        engine.close()
+    for error in [*refused.values(), full]:
+        assert error.code == "context_length_exceeded" and "maximum context length of 256 tokens" in error.message
+    assert refused["append"].param == "text" and refused["prompt"].param == "prompt"
+    assert "to 257 tokens (250 in the session's history + 7 in the appended text)" in refused["append"].message
+    assert "to 257 tokens (257 in the appended text)" in refused["fresh append"].message
+    assert "to 257 tokens (250 in the session's history + 6 in the prompt + 1 to generate)" \
+        in refused["session prompt"].message
+    assert "to 257 tokens (256 in the prompt + 1 to generate)" in refused["prompt"].message
+    assert "to 257 tokens (256 in the session's history + 1 to generate)" in full.message
+    assert at_256.tokens == 256 and echoed["finished"].prompt_tokens == 256
+
+
+def test_a_generation_that_reaches_the_models_context_ends_there_with_length():
+    """max_tokens past the room left: the generation stops where the context is full, with
+    finish_reason "length", every choice alike; a session's new state holds exactly max_context
+    tokens, the same as a generation that asked for just that many."""
+    engine = make_engine(short_reformer())
+
+    async def main():
+        at_250 = (await local.append(engine, engine.fresh_data(), list(range(250)))).data
+        session = await collect(engine, generation(engine, "", start=at_250, keep_state=True, max_tokens=16))
+        exact = await collect(engine, generation(engine, "", start=at_250, keep_state=True, max_tokens=6))
+        plain = await collect(engine, generation(engine, "x" * 250, max_tokens=16, n=2, temperature=1.0, seed=3))
+        return session, exact, plain
+
+    try:
+        session, exact, plain = run(main())
+    finally:
+        engine.close()
+    assert session["tokens"] == exact["tokens"] and len(session["tokens"][0]) == 6
+    assert [c.finish_reason for c in session["finished"].choices] == ["length"]
+    assert session["finished"].data.tokens == exact["finished"].data.tokens == 256
+    assert [len(t) for t in plain["tokens"]] == [6, 6]
+    assert [(c.finish_reason, c.completion_tokens) for c in plain["finished"].choices] == [("length", 6)] * 2
 
 
 def test_close_fails_what_is_left():

@@ -38,6 +38,8 @@ NEVER_REACH_A_CLIENT = {
 # to spell out): class -> (status, type, default code, default param, headers)
 ANSWERED = {
     "InvalidInput": (400, "invalid_request_error", None, None, {}),
+    # added since: a prompt or append past a model's max_context (its param, prompt or text, is its own)
+    "ContextLengthExceeded": (400, "invalid_request_error", "context_length_exceeded", None, {}),
     "ModelNotFound": (404, "not_found_error", "model_not_found", "model", {}),
     "QueueFull": (429, "rate_limit_error", "queue_full", None, {"Retry-After": "1"}),
     "ShuttingDown": (503, "service_unavailable", "shutting_down", None, {}),

@@ -22,6 +22,7 @@ from xlserve.server.api.protocol import (
     CompletionRequest,
     SamplingOptions,
 )
+from xlserve.server.engine.errors import ContextLengthExceeded
 from xlserve.server.engine.types import (
     ChoiceFinished,
     Finished,
@@ -328,6 +329,13 @@ class ChatCompletion(Completion):
             raise validation_error(error.errors()) from None
         super().__init__(state, request, owner)
         self.id = "chatcmpl-" + secrets.token_hex(12)
+
+    async def submit(self) -> Submission:
+        try:
+            return await super().submit()
+        except ContextLengthExceeded as error:  # the prompt the engine measured is the rendered messages
+            error.param = "messages"
+            raise
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         kind = "chat.completion.chunk" if self.body.stream else "chat.completion"

@@ -79,7 +79,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
     async with session_lease(state, session_id, owner, key) as lease:
         if lease.replay is not None:
             return AppendResult.remembered(session_id, lease)
-        tokens = prompt_tokens(state, state.served(lease.info.model), text)
+        tokens = prompt_tokens(state, state.served(lease.info.model), text, param="text")
         if not tokens:
             raise InvalidRequest("text is empty", param="text")
         cached = lease.info.tokens
