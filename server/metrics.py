@@ -25,6 +25,9 @@ BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
 # falling among steps of exactly n rows reads n (histogram_quantile interpolates inside the
 # (n - 0.001, n] bucket), not a value between n and the bound below (0.5 for steps of one row).
 BATCH_SIZE_BUCKETS = tuple(bound for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) for bound in (n - 0.001, n))
+# prompt tokens a request's prefill computed: 0 (all of it from the prefix cache), then one
+# bucket per factor of 4 up to 4M tokens (a 300 KB document is 300,000 byte tokens)
+PREFILL_TOKENS_BUCKETS = (0,) + tuple(4**i for i in range(12))
 
 
 API_FAMILIES = frozenset({
@@ -113,6 +116,12 @@ class Metrics:
         self.request_decode_time = Histogram(
             "xlserve_request_decode_time_seconds", "Time from a request's first token to its last",
             ["model"], buckets=REQUEST_BUCKETS, registry=r,
+        )
+        # what fair prefill shares (Engine._prefill_plan): the prompt tokens each request ran
+        # through the model, observed when its prompt is in the state (a prefix hit's not counted)
+        self.prefill_tokens = Histogram(
+            "xlserve_prefill_tokens", "Prompt tokens each request prefilled (computed, not reused)", ["model"],
+            buckets=PREFILL_TOKENS_BUCKETS, registry=r,
         )
         self.batch_size = Histogram(
             "xlserve_batch_size", "Rows in each batched decode step", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=r,

@@ -25,6 +25,7 @@ BENCHMARKS = {
     "soak": "soak",
     "models": "models",
     "multi-turn": "multi_turn",
+    "fairness": "fairness",
 }
 
 # what each benchmark imports beyond the server's dependencies (pyproject.toml's `bench` extra)

@@ -44,6 +44,9 @@ class EngineRequest:
     tokens: int = field(init=False)  # tokens that state has seen
     next_log_probs: torch.Tensor | None = field(init=False, repr=False)  # predicts the next token; None: no context
     fed: int = field(init=False, default=0)  # prompt tokens run through the model so far
+    # the engine's prefill step in which its prompt last got tokens (-1: never): who goes first
+    # when the step's prefill budget is shared (Engine._prefill_plan)
+    prefill_turn: int = field(init=False, default=-1)
     prompt_top_k: int | None = field(init=False)  # echo with logprobs: alternatives per prompt token
     prompt_logprobs: list[float | None] = field(init=False, default_factory=list)
     prompt_top: list[list[tuple[int, float]]] = field(init=False, default_factory=list)

@@ -11,7 +11,9 @@ step:
 2. prefills prompts in chunks of at most `prefill_chunk` tokens, about one chunk's worth per
    step in all, so a long prompt delays running streams by one chunk per step instead of
    stalling them; prompt chunks run as one batch, right-padded, where the model takes rows of
-   different lengths (`LanguageModel.ragged_chunks`), else one batch per chunk length;
+   different lengths (`LanguageModel.ragged_chunks`), else one batch per chunk length. The
+   step's budget is shared fairly among the prompts being prefilled (`_prefill_plan`), so a
+   short prompt's first token never waits behind a long prompt's whole prefill;
 3. samples one token for every decoding row (each with its own generator, penalties and stop
    strings), sends the tokens out, and then runs all those tokens through the model in batched
    forwards of shape (B, 1): decoding is incremental, each row's state carries its context.
@@ -108,6 +110,7 @@ class Engine:
         self.layout = BatchLayout(self.max_batch_size)  # worker thread only
         self.forward_threads = ForwardThreads(threads, prompt_threads)
         self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
+        self._prefill_steps = 0  # steps that looked for prompts to prefill: EngineRequest.prefill_turn's clock
         self._sink = sink
         self._waiting_metric = metrics.requests_waiting.labels(name)
         self._running_metric = metrics.requests_running.labels(name)
@@ -116,6 +119,7 @@ class Engine:
         self._batch_metric = metrics.batch_size.labels(name)
         self._queue_time_metric = metrics.request_queue_time.labels(name)
         self._prefill_time_metric = metrics.request_prefill_time.labels(name)
+        self._prefill_tokens_metric = metrics.prefill_tokens.labels(name)
         self._decode_time_metric = metrics.request_decode_time.labels(name)
         self._cancelled_metric = metrics.requests.labels(name, "cancelled")  # outcomes: finish_reason
         thread_ready = threading.Event()
@@ -332,18 +336,18 @@ class Engine:
     # prefill ----------------------------------------------------------------------------------
 
     def _prefill(self) -> None:
-        budget, chunks = self.prefill_chunk, []
+        self._prefill_steps += 1
+        pending = []
         for request in list(self._running):
             if request.rows or request.failed:
                 continue
-            remaining = len(request.prompt) - request.fed
-            if remaining == 0:
+            if request.fed == len(request.prompt):
                 self._prefilled(request)
-                continue
-            if budget <= 0:
-                continue
-            size = min(remaining, self.prefill_chunk)
-            budget -= size
+            else:
+                pending.append(request)
+        chunks = []
+        for request, size in self._prefill_plan(pending):
+            request.prefill_turn = self._prefill_steps
             chunks.append((request, request.prompt[request.fed : request.fed + size]))
         # one forward per batch key, and per chunk length unless the model takes chunks of
         # different lengths in one batch (LanguageModel.ragged_chunks)
@@ -354,6 +358,50 @@ class Engine:
         for members in by_length.values():
             for batch in self.layout.batches(members, lambda member: member[0].state):
                 self._prefill_batch(batch)
+
+    def _prefill_plan(self, pending: list[EngineRequest]) -> list[tuple[EngineRequest, int]]:
+        """How many prompt tokens each request still prefilling gets this step: the step's budget
+        (`prefill_chunk` tokens) is shared round robin by request, so a short prompt that arrives
+        while a long one prefills has its first token after a step or two, not after the long
+        one's whole prefill, and the long one loses no more than the share it gives up.
+
+        Requests go in order of the step they last got tokens in (never first, then longest
+        ago; running order among equals), so whoever was left out or came last goes first.
+        A model whose results do not depend on the chunking gets an equal split (water-filling:
+        what a request needs less than its share of goes to the others). Any other model is
+        fed in whole `prefill_chunk` chunks only, as one pass of it would be: requests take one
+        chunk each, in that order, while budget is left (the last may pass it by less than a
+        chunk, as one request's chunk always could)."""
+        order = sorted(pending, key=lambda request: request.prefill_turn)  # stable: running order among equals
+        needs = {request: len(request.prompt) - request.fed for request in order}
+        budget = self.prefill_chunk
+        if not self.model.chunking_invariant:
+            plan = []
+            for request in order:
+                if budget <= 0:
+                    break
+                size = min(needs[request], self.prefill_chunk)
+                plan.append((request, size))
+                budget -= size
+            return plan
+        shares = dict.fromkeys(order, 0)
+        open_requests = list(order)
+        # each round either gives some request all it needs (at most len(order) such rounds) or
+        # leaves less budget than there are open requests, which the next round spends (one
+        # token each): len(order) + 2 rounds always suffice
+        for _ in range(len(order) + 2):
+            if budget <= 0 or not open_requests:
+                break
+            share = max(1, budget // len(open_requests))
+            for request in list(open_requests):
+                take = min(share, needs[request] - shares[request], budget)
+                shares[request] += take
+                budget -= take
+                if shares[request] == needs[request]:
+                    open_requests.remove(request)
+                if budget <= 0:
+                    break
+        return [(request, size) for request, size in shares.items() if size > 0]
 
     def _prefill_batch(self, batch: list[tuple[EngineRequest, list[int]]]) -> None:
         requests = [request for request, _ in batch]
@@ -412,6 +460,7 @@ class Engine:
             if failure is not None:
                 self._fail(request, failure)
                 return
+        self._prefill_tokens_metric.observe(request.fed - request.reused)
         next_log_probs = None if request.next_log_probs is None else request.next_log_probs.clone()
         data = SessionData(state=request.state, tokens=request.tokens, next_log_probs=next_log_probs)
         if self.model.chunking_invariant and request.fed > request.reused:
