@@ -94,12 +94,12 @@ def one_of(shapes: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
-# a JSON string, with its escapes: what the depth count skips over
-# (the unrolled form, which never backtracks much, even on an unterminated string)
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_JSON_STRING_BYTES = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
-_NOT_BRACKETS_BYTES = re.compile(rb"[^\[\]{}]+")
+# what the depth count looks at: an escape (a backslash and the character after it, which is
+# never a string's end), a quote (a string's start or end) and a bracket. One pass, left to right,
+# as a JSON parser reads: a regular expression for whole strings would try again from every quote
+# of an unterminated string full of escaped quotes ('"\\"\\"\\"...'), quadratic in the frame's size.
+_DEPTH_TOKENS = re.compile(r'\\.|["\[\]{}]', re.DOTALL)
+_DEPTH_TOKENS_BYTES = re.compile(rb'\\.|["\[\]{}]', re.DOTALL)
 
 
 def json_depth_exceeded(document: str | bytes, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -111,15 +111,21 @@ def json_depth_exceeded(document: str | bytes, limit: int = MAX_JSON_DEPTH) -> b
     opening = (b"[", b"{") if is_bytes else ("[", "{")
     if document.count(opening[0]) + document.count(opening[1]) <= limit:
         return False
-    if is_bytes:
-        brackets = _NOT_BRACKETS_BYTES.sub(b"", _JSON_STRING_BYTES.sub(b"", document)).decode("ascii")
-    else:
-        brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", document))
+    tokens = (_DEPTH_TOKENS_BYTES.findall(document) if is_bytes else _DEPTH_TOKENS.findall(document))
+    quote, openers = (b'"', (b"[", b"{")) if is_bytes else ('"', ("[", "{"))
+    in_string = False
     depth = 0
-    for bracket in brackets:
-        depth += 1 if bracket in "[{" else -1
-        if depth > limit:
-            return True
+    for token in tokens:  # bounded: one pass over the document's tokens
+        if token == quote:
+            in_string = not in_string
+        elif in_string or len(token) == 2:  # a bracket inside a string, or an escape
+            continue  # (an escape outside a string is not JSON: the parser stops there, no deeper)
+        elif token in openers:
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
     return False
 
 

@@ -89,6 +89,36 @@ def test_malformed_frame_gets_an_error_and_the_connection_stays_usable(server, r
         assert done["type"] == "done" and len(tokens) == 3
 
 
+DEPTH = 100_000
+
+
+@pytest.mark.parametrize("raw, too_deep", [
+    # brackets inside a string, behind an escaped quote: text, not nesting (refused for the missing model)
+    ('{"type": "generate", "prompt": "\\"' + "[[" * DEPTH + '"}', False),
+    # an escaped quote that ends nothing, then real nesting
+    ('{"type": "generate", "x": "\\"", "y": ' + "[" * DEPTH + "]" * DEPTH + "}", True),
+    # a string that never ends, made of escaped quotes: every quote looks like a string's start
+    ('{"type": "generate", "x": "' + '\\"' * DEPTH + "[" * DEPTH, False),
+    # a run of backslashes: an even run escapes itself, the quote after it ends the string
+    ('{"type": "generate", "x": "' + "\\\\" * DEPTH + '", "y": ' + "[" * DEPTH, True),
+    # an odd run: the last backslash escapes the quote, the string never ends
+    ('{"type": "generate", "x": "' + "\\" * (2 * DEPTH + 1) + '"' + "[" * DEPTH, False),
+    ("[" * DEPTH + "]" * DEPTH, True),
+    ('{"a": ' * DEPTH + "1" + "}" * DEPTH, True),
+    ('\\"' + "[" * DEPTH, True),  # an escape outside any string: not JSON
+], ids=["brackets-in-string", "escaped-quote-then-deep", "unterminated-escaped-quotes", "even-backslash-run",
+        "odd-backslash-run", "deep-arrays", "deep-objects", "escape-outside-string"])
+def test_deep_or_tricky_frames_get_an_error_and_the_connection_stays_usable(server, raw, too_deep):
+    with connect(ws_url(server)) as ws:
+        ws.send(raw)
+        frame = json.loads(ws.recv(timeout=30))
+        assert frame["type"] == "error" and frame["error"]["code"] == "malformed_frame", frame
+        assert ("levels deep" in frame["error"]["message"]) == too_deep, frame
+        send(ws, type="generate", id="after", model=MODEL, prompt="ok", max_tokens=3, temperature=0)
+        tokens, done = answer(ws, timeout=30)
+        assert done["type"] == "done" and done["id"] == "after" and len(tokens) == 3
+
+
 def test_errors_are_frames_with_the_one_schema(server):
     with connect(ws_url(server)) as ws:
         send(ws, type="generate", id="big", model=MODEL, prompt="x", max_tokens=10**6)
