@@ -78,6 +78,9 @@ class ServerSettings(SettingsGroup):
     # and the server exits non-zero instead, so a supervisor (systemd, Kubernetes) takes over
     engine_restart_limit: int = 3  # 0 = never restart: the first death stops the server
     engine_restart_window_seconds: float = 600
+    # an engine process that sends nothing (not even its heartbeat) for this long while work waits
+    # is frozen (SIGSTOP, a debugger): it is killed and restarted like a dead one
+    engine_stall_seconds: float = 60
 
 
 class EngineSettings(SettingsGroup):

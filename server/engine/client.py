@@ -154,6 +154,8 @@ class EngineClient:
         self.restarted_at: collections.deque[float] = collections.deque()  # within the window
         self.writer: asyncio.StreamWriter | None = None
         self.closing = False
+        self.heard_at = time.monotonic()  # the last frame from the engine process (its heartbeat at least)
+        self.watchdog: asyncio.Task | None = None
 
     @property
     def alive(self) -> bool:
@@ -200,6 +202,9 @@ class EngineClient:
         """Stop the engines, let the cache write its sessions down, wait for the process. An
         engine process still loading (or restarting) has served nothing yet: it is killed."""
         self.closing = True
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            await asyncio.gather(self.watchdog, return_exceptions=True)
         if self.supervisor is not None and not self.supervisor.done():
             self.supervisor.cancel()
             await asyncio.gather(self.supervisor, return_exceptions=True)
@@ -258,7 +263,10 @@ class EngineClient:
         self.generation += 1
         self.models = ready.models
         self.ready_frame = asdict(ready)
+        self.heard_at = time.monotonic()
         self.reader_task = asyncio.create_task(self._read(reader, self.generation))
+        if self.watchdog is None or self.watchdog.done():
+            self.watchdog = asyncio.create_task(self._watch())
 
     async def _reap(self, process: subprocess.Popen) -> int | None:
         """Wait for an engine process that is ending (killing it if it lingers); its exit code."""
@@ -300,6 +308,7 @@ class EngineClient:
                 if frame is None:
                     break
                 header, blob = frame
+                self.heard_at = time.monotonic()
                 kind = header["op"]
                 if kind == FrameKind.EVENTS.value:
                     self._route(header["events"])
@@ -314,20 +323,43 @@ class EngineClient:
             if not self.closing and generation == self.generation and self.status == "ready":
                 self._lost()
 
-    def _lost(self) -> None:
+    async def _watch(self) -> None:
+        """Restart an engine process that is frozen: silent, not even its heartbeat, for
+        XLSERVE_ENGINE_STALL_SECONDS while requests run or calls await answers. A dead one is
+        noticed by `_read`; a stopped one (SIGSTOP) keeps its socket open and would hang every
+        request. Idle, silence means nothing: no restart then."""
+        stall = self.settings.server.engine_stall_seconds
+        while not self.closing:  # ends with close()
+            await asyncio.sleep(min(1.0, stall / 4))
+            silent = time.monotonic() - self.heard_at
+            if self.status == "ready" and (self.calls or self.submissions) and silent > stall:
+                self._stalled(silent)
+
+    def _stalled(self, silent: float) -> None:
+        process = self.process
+        cause = (f"the engine process (pid {process.pid if process else '?'}) made no progress for {silent:.0f}s "
+                 f"while work waited (XLSERVE_ENGINE_STALL_SECONDS={self.settings.server.engine_stall_seconds:g}) "
+                 "and was killed")
+        if process is not None and process.poll() is None:
+            process.kill()  # SIGKILL ends a stopped process too
+        self._lost(cause)
+
+    def _lost(self, cause: str | None = None) -> None:
         """The engine process is gone without being asked to stop: fail what was in flight,
         then start a new one (or give up), in the background."""
-        self.status, self.reason = "restarting", "the engine process died; a new one is starting"
+        self.status = "restarting"
+        self.reason = f"{cause or 'the engine process died'}; a new one is starting"
         self._fail_in_flight(lambda: EngineRestarting(
             "the engine process died while this request ran; nothing of it was committed. A new engine "
             "process is starting: send the request again shortly", code="engine_restarting"))
-        self.supervisor = asyncio.create_task(self._restart())
+        self.supervisor = asyncio.create_task(self._restart(cause))
 
-    async def _restart(self) -> None:
+    async def _restart(self, cause: str | None = None) -> None:
+        """`cause`: why the engine process was killed, when it did not die of itself."""
         settings = self.settings.server
         dead = self.process
         code = await self._reap(dead) if dead is not None else None
-        what = f"the engine process (pid {dead.pid if dead else '?'}) {describe_exit(code)}"
+        what = cause or f"the engine process (pid {dead.pid if dead else '?'}) {describe_exit(code)}"
         failures = 0
         while True:
             now = time.monotonic()

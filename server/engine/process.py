@@ -64,6 +64,7 @@ from xlserve.server.engine.scheduler import Engine, EventSink
 from xlserve.server.engine.threads import own_torch_threads, threads_per_engine
 from xlserve.server.engine.types import SamplingParams
 from xlserve.server.engine.wire import (
+    HEARTBEAT_SECONDS,
     REQUESTS,
     Accepted,
     Acquire,
@@ -85,6 +86,7 @@ from xlserve.server.engine.wire import (
     Generate,
     GetMetrics,
     GetSession,
+    heartbeat_frame,
     Idleness,
     ImportSession,
     ListSessions,
@@ -372,6 +374,8 @@ class EngineProcess:
         """Answer frames until `shutdown` or until the API process is gone (`stream`: the socket's
         reader, when main() has already read the settings frame from it)."""
         self.writer.send(*self.ready().frame())
+        stopping = threading.Event()
+        threading.Thread(target=self._beat, args=(stopping,), name="heartbeat", daemon=True).start()
         stream = stream if stream is not None else self.sock.makefile("rb")
         graceful = False
         while True:
@@ -383,9 +387,21 @@ class EngineProcess:
                 graceful = True
                 break
             self.dispatch(header, blob)
+        stopping.set()
         self.close()
         if graceful:
             self.writer.send(*Closed().frame())
+
+    def _beat(self, stopping: threading.Event) -> None:
+        """Tell the API process, from a thread of its own, that this process runs: its watchdog
+        (XLSERVE_ENGINE_STALL_SECONDS) restarts one that falls silent while work waits. A thread
+        apart from the engines' steps, because a long prefill step is no stall; what silences it is
+        a frozen process (SIGSTOP, a debugger), not a step that runs long."""
+        while not stopping.wait(HEARTBEAT_SECONDS):  # ends with serve(), or when the API process is gone
+            try:
+                self.writer.send(*heartbeat_frame())
+            except OSError:
+                return
 
     def close(self) -> None:
         self.memory.close()

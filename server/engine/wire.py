@@ -135,6 +135,7 @@ class FrameKind(enum.Enum):
     ANSWER = "answer"  # engine -> API: a request's reply, or its error
     EVENTS = "events"  # engine -> API, once per engine step: its events
     CLOSED = "closed"  # engine -> API, after `shutdown`: everything is written
+    HEARTBEAT = "heartbeat"  # engine -> API, every HEARTBEAT_SECONDS from its own thread: not frozen
 
 
 # -- the codec shared by every message -------------------------------------------------------------
@@ -514,6 +515,14 @@ def answer_frame(call_id: int, reply: Reply) -> tuple[dict, bytes | None]:
 
 def error_answer_frame(call_id: int, error: BaseException) -> tuple[dict, None]:
     return {"op": FrameKind.ANSWER.value, "id": call_id, "error": error_to_wire(error)}, None
+
+
+# how often the engine process says it is not frozen; far below any XLSERVE_ENGINE_STALL_SECONDS
+HEARTBEAT_SECONDS = 0.5
+
+
+def heartbeat_frame() -> tuple[dict, None]:
+    return {"op": FrameKind.HEARTBEAT.value}, None
 
 
 def events_frame(events: list[list]) -> tuple[dict, None]:

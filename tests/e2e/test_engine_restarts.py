@@ -5,14 +5,18 @@ non-zero, for a supervisor to take over. Processes are looked up in /proc (Linux
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
+import time
+
+import httpx
 
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess
-from tests.e2e.session_tools import append, create, document, info, ok, wait_idle
+from tests.e2e.session_tools import MODEL, append, create, document, info, ok, wait_idle
 from tests.e2e.process_tools import (
     PlainCompletion, Stream, committed_content, engine_pid, error_of_stream, gone_within, replaced,
 )
@@ -98,3 +102,40 @@ def test_an_engine_process_that_keeps_dying_makes_the_server_exit_non_zero(tiny_
     assert "Traceback" not in output
     last = output.strip().splitlines()[-1]
     assert last.startswith("xlserve serve: the engine process") and "XLSERVE_ENGINE_RESTART_LIMIT=1" in last, last
+
+
+def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_checkpoint, tmp_path):
+    """SIGSTOP keeps the engine process's socket open, so nothing dies: the watchdog notices that
+    it says nothing (not even its heartbeat) while a request waits, for XLSERVE_ENGINE_STALL_SECONDS,
+    says so on /ready, kills it and starts a new one; the waiting request is told to retry."""
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_ENGINE_STALL_SECONDS": "3"},
+                           log_path=tmp_path / "server.log").start()
+    frozen = engine_pid(server)
+    try:
+        body = {"model": MODEL, "prompt": "def main(",
+                "max_tokens": 4, "temperature": 0}
+        ok(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+        time.sleep(5)  # idle beyond the stall setting: the heartbeat keeps a running engine from counting as frozen
+        assert engine_pid(server) == frozen
+        os.kill(frozen, signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
+            reasons = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any("made no progress" in r for r in reasons):
+                ready = httpx.get(server.url + "/ready", timeout=5)
+                if ready.status_code == 503:
+                    reasons.append(ready.json().get("reason", ""))
+                time.sleep(0.1)
+            refused = waiting.result(timeout=60)
+        assert any("made no progress" in r and "XLSERVE_ENGINE_STALL_SECONDS=3" in r for r in reasons), reasons
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarting", refused.text
+        assert gone_within(frozen, 30)
+        replaced(server, frozen)
+        assert ok(httpx.post(server.url + "/v1/completions", json=body, timeout=60))["choices"][0]["text"]
+    finally:
+        try:
+            os.kill(frozen, signal.SIGCONT)  # should the test fail before the watchdog acts
+        except ProcessLookupError:
+            pass
+        server.stop()
