@@ -11,7 +11,13 @@ driven over HTTP on loopback for --rounds rounds (default 50). Each round:
   socket mid-stream, after a few tokens (the request is cancelled, nothing is committed);
 - deletes half of the round's new sessions (the other half lives on until the end).
 
-After every round it records the resident memory (VmRSS and RssAnon from /proc/PID/status) of
+With --mode stateless, each round instead sends --sessions streamed completions about no session,
+each on a prompt of --chunks x --chunk-bytes not sent before (a share of them dropped mid-stream
+alike): what stateless traffic does, which fills the prefix cache (server/cache/prefix_cache.py)
+up to its caps rather than any session.
+
+After every round it records the prefix cache's bytes per tier (xlserve_prefix_cache_bytes from
+/metrics) and the resident memory (VmRSS and RssAnon from /proc/PID/status) of
 the API process and of the engine process; after the last round it deletes every session, waits
 --settle-seconds while the server is idle and records it again. The engine process's memory
 after that, against its memory after start-up, is what the soak is for: docs/design.md
@@ -138,7 +144,7 @@ class Load:
 
     def __init__(self, port: int):
         self.port = port
-        self.counts = {"created": 0, "appended": 0, "committed": 0, "disconnected": 0, "deleted": 0,
+        self.counts = {"created": 0, "appended": 0, "committed": 0, "completed": 0, "disconnected": 0, "deleted": 0,
                        "busy_retries": 0}
 
     async def call(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -167,12 +173,13 @@ class Load:
         await self.call("DELETE", f"/v1/sessions/{session_id}")
         self.counts["deleted"] += 1
 
-    async def complete(self, model: str, session_id: str, max_tokens: int, seed: int,
-                       disconnect_after: int | None) -> None:
-        """A streamed completion that continues `session_id`: read to the end (the server then
-        commits), or, with `disconnect_after`, close the socket once that many tokens came."""
-        body = {"model": model, "session_id": session_id, "max_tokens": max_tokens, "temperature": 0.8,
-                "seed": seed, "stream": True}
+    async def complete(self, model: str, session_id: str | None, max_tokens: int, seed: int,
+                       disconnect_after: int | None, prompt: str | None = None) -> None:
+        """A streamed completion that continues `session_id` (or, with None, completes `prompt`
+        about no session): read to the end (the server then commits), or, with
+        `disconnect_after`, close the socket once that many tokens came."""
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed, "stream": True}
+        body.update({"session_id": session_id} if session_id is not None else {"prompt": prompt})
         for _ in range(BUSY_RETRIES):
             if await asyncio.wait_for(self._stream(body, disconnect_after), REQUEST_TIMEOUT_S):
                 return
@@ -195,7 +202,7 @@ class Load:
                 data = await read_body(reader, headers)
                 if b"data: [DONE]" not in data or b'"error"' in data:
                     raise RuntimeError(f"the stream did not end well: {data[-300:]!r}")
-                self.counts["committed"] += 1
+                self.counts["committed" if "session_id" in body else "completed"] += 1  # completed: no session
                 return True
             seen = b""
             while seen.count(TOKEN_CHUNK) < disconnect_after and b"[DONE]" not in seen:
@@ -246,6 +253,40 @@ async def soak_round(load: Load, model: str, round_index: int, living: list[str]
     return living + new[len(new) // 2:]
 
 
+async def stateless_round(load: Load, model: str, round_index: int, args, text: str,
+                          chooser: random.Random) -> None:
+    """One round of completions about no session, each on a prompt not sent before (the round and
+    its index pick the document's slice, shifted by a round-specific prefix so that none repeats)."""
+    size = args.chunks * args.chunk_bytes
+
+    def completion(index: int):
+        start = (round_index * args.sessions + index) * size % max(1, len(text) - size)
+        disconnect = chooser.random() < args.disconnect_share
+        return load.complete(model, None, args.max_tokens * (4 if disconnect else 1),
+                             seed=round_index * 1000 + index,
+                             disconnect_after=chooser.randint(1, 8) if disconnect else None,
+                             prompt=f"# round {round_index}, request {index}\n" + text[start:start + size])
+
+    await asyncio.gather(*(completion(i) for i in range(args.sessions)))
+
+
+PREFIX_CACHE_BYTES = "xlserve_prefix_cache_bytes{"
+
+
+async def prefix_cache_mb(load: Load) -> dict[str, float]:
+    """The prefix cache's bytes per tier, summed over the models, in MB, from /metrics."""
+    status, data = await exchange(load.port, "GET", "/metrics")
+    if status != 200:
+        raise HttpError(status, data)
+    tiers: dict[str, float] = {}
+    for line in data.decode().splitlines():
+        if line.startswith(PREFIX_CACHE_BYTES):
+            labels, _, value = line.rpartition(" ")
+            tier = labels.split('tier="', 1)[1].split('"', 1)[0] if 'tier="' in labels else "all"
+            tiers[tier] = tiers.get(tier, 0.0) + float(value) / 2**20
+    return {tier: round(mb, 3) for tier, mb in sorted(tiers.items())}
+
+
 def sample(label: str, round_index: int | None, api_pid: int, engine_pid: int, living: int) -> dict:
     """Both processes' memory now. A server that restarted its engine process would mix two
     processes' numbers: the soak stops instead."""
@@ -263,15 +304,20 @@ async def drive(port: int, api_pid: int, engine_pid: int, model: str, args) -> t
     samples = [sample("start", None, api_pid, engine_pid, 0)]
     living: list[str] = []
     for round_index in range(args.rounds):
-        living = await soak_round(load, model, round_index, living, args, text, chooser)
+        if args.mode == "stateless":
+            await stateless_round(load, model, round_index, args, text, chooser)
+        else:
+            living = await soak_round(load, model, round_index, living, args, text, chooser)
         samples.append(sample("round", round_index + 1, api_pid, engine_pid, len(living)))
         row = samples[-1]
+        row["prefix_cache_mb"] = await prefix_cache_mb(load)
         # what the living sessions' states take, as the cache counts it (every one has seen more
         # than its memory holds after its appends, so one stands for all)
         info = await load.call("GET", f"/v1/sessions/{living[-1]}") if living else {"state_bytes": 0}
         row["session_states_mb"] = round(len(living) * info["state_bytes"] / 2**20, 3)
         print(f"  round {round_index + 1:>3}: {len(living):>4} sessions, engine {row['engine']['rss_mb']} MB, "
-              f"API {row['api']['rss_mb']} MB", flush=True)
+              f"API {row['api']['rss_mb']} MB, prefix cache {sum(row['prefix_cache_mb'].values()):.1f} MB "
+              f"{row['prefix_cache_mb']}", flush=True)
     for session_id in living:
         await load.delete(session_id)
     # the server is idle now: give it the time to hand back what it holds (server/engine/memory.py)
@@ -282,6 +328,7 @@ async def drive(port: int, api_pid: int, engine_pid: int, model: str, args) -> t
             break
         await asyncio.sleep(0.5)
     samples[-1]["label"] = "after_delete"
+    samples[-1]["prefix_cache_mb"] = await prefix_cache_mb(load)
     return samples, load.counts
 
 
@@ -324,11 +371,21 @@ def plot(result: dict, path: Path) -> None:
         plt.close(fig)
 
 
+def prefix_cache_summary(samples: list[dict]) -> dict:
+    """The prefix cache's total MB: max over the rounds, at the end of the last, after delete."""
+    totals = [sum(s["prefix_cache_mb"].values()) for s in samples if s["label"] == "round"]
+    return {"max_mb": round(max(totals, default=0.0), 3), "end_mb": round(totals[-1], 3) if totals else None,
+            "after_delete_mb": round(sum(samples[-1]["prefix_cache_mb"].values()), 3)}
+
+
 def print_table(result: dict) -> None:
-    print(f"{'process':>8} | {'start MB':>9} {'max MB':>9} {'end MB':>9} {'after delete':>12}")
+    print(f"{'process':>12} | {'start MB':>9} {'max MB':>9} {'end MB':>9} {'after delete':>12}")
     for process in ("engine", "api"):
         row = result[process]
-        print(f"{process:>8} | {row['start_mb']:>9} {row['max_mb']:>9} {row['end_mb']:>9} {row['after_delete_mb']:>12}")
+        print(f"{process:>12} | {row['start_mb']:>9} {row['max_mb']:>9} {row['end_mb']:>9} "
+              f"{row['after_delete_mb']:>12}")
+    cache = result["prefix_cache"]
+    print(f"{'prefix cache':>12} | {'':>9} {cache['max_mb']:>9} {cache['end_mb']:>9} {cache['after_delete_mb']:>12}")
     print(json.dumps(result["counts"]))
     print(f"engine after delete within start + {result['bound_mb']} MB: {result['within_bound']}")
 
@@ -337,9 +394,13 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="xlserve bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory or name under weights/")
+    parser.add_argument("--mode", choices=("sessions", "stateless"), default="sessions",
+                        help="session work, or completions about no session (which fill the prefix cache)")
     parser.add_argument("--rounds", type=int, default=50)
-    parser.add_argument("--sessions", type=int, default=8, help="new sessions per round (and older ones continued)")
-    parser.add_argument("--chunks", type=int, default=2, help="document chunks appended to each new session")
+    parser.add_argument("--sessions", type=int, default=8,
+                        help="new sessions per round (and older ones continued); stateless: completions per round")
+    parser.add_argument("--chunks", type=int, default=2,
+                        help="document chunks appended to each new session (stateless: in each prompt)")
     parser.add_argument("--chunk-bytes", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (4x for a disconnecting one)")
     parser.add_argument("--disconnect-share", type=float, default=0.25,
@@ -359,7 +420,8 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state_dir = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="xlserve-soak-state-"))
     env = {"XLSERVE_STATE_DIR": str(state_dir), "XLSERVE_TORCH_THREADS": str(args.threads)}
-    print(f"soak of {model_dir.name}: {args.rounds} rounds of {args.sessions} sessions", flush=True)
+    what = "sessions" if args.mode == "sessions" else "completions about no session"
+    print(f"soak of {model_dir.name}: {args.rounds} rounds of {args.sessions} {what}", flush=True)
     began = time.monotonic()
     process, port = start_server(model_dir, env)
     try:
@@ -378,13 +440,15 @@ def main(argv: list[str]) -> None:
 
     bound = IDLE_GROWTH_BOUND_MB
     result = {
-        "benchmark": "soak", "model": str(model_dir), "rounds": args.rounds, "sessions_per_round": args.sessions,
+        "benchmark": "soak", "mode": args.mode, "model": str(model_dir), "rounds": args.rounds,
+        "sessions_per_round": args.sessions,
         "chunks": args.chunks, "chunk_bytes": args.chunk_bytes, "max_tokens": args.max_tokens,
         "disconnect_share": args.disconnect_share, "settle_seconds": args.settle_seconds, "seed": args.seed,
         "threads": args.threads, "cpu_count": os.cpu_count(), "wall_s": round(time.monotonic() - began, 1),
         "environment": {key: os.environ[key] for key in ("MALLOC_ARENA_MAX", "XLSERVE_RETURN_MEMORY")
                         if key in os.environ},
         "counts": counts, "engine": summary(samples, "engine"), "api": summary(samples, "api"),
+        "prefix_cache": prefix_cache_summary(samples),
         "bound_mb": bound, "samples": samples,
     }
     engine = result["engine"]
