@@ -125,6 +125,22 @@ def blocking_writes(cache: SessionCache, session_id: str) -> tuple[threading.Eve
     return writing, go
 
 
+def blocking_moves(cache: SessionCache, session_id: str, tier: str) -> tuple[threading.Event, threading.Event]:
+    """Make the copy of `session_id` into `tier` (a move between tiers) wait for `go`; `moving`
+    is set once it waits."""
+    moving, go = threading.Event(), threading.Event()
+    real = cache.placement.write
+
+    def write(record, to_tier, value):
+        if record.id == session_id and to_tier == tier:
+            moving.set()
+            assert go.wait(30)
+        return real(record, to_tier, value)
+
+    cache.placement.write = write
+    return moving, go
+
+
 def in_thread(fn, *args):
     """Run `fn` in a thread; returns (thread, outcome dict with 'value' or 'error')."""
     outcome = {}
@@ -178,16 +194,7 @@ def test_a_request_for_a_session_in_transit_waits_for_its_bytes(tmp_path):
     cache.move(a, "device")  # a, c on the device (a least recently used), neither in host RAM; b only on disk
     assert [cache.info(s, None).tier for s in (a, c, b)] == ["device", "device", "disk"]
 
-    moving, go = threading.Event(), threading.Event()
-    real = cache.placement.write
-
-    def write(record, tier, value):
-        if record.id == a and tier == "host":
-            moving.set()
-            assert go.wait(30)
-        return real(record, tier, value)
-
-    cache.placement.write = write
+    moving, go = blocking_moves(cache, a, "host")
     taking_b, got_b = in_thread(cache.acquire, b, None)  # evicts a to host RAM: its copy is in transit
     assert moving.wait(10)
     info = cache.info(a, None)
@@ -268,16 +275,7 @@ def test_a_commits_answer_is_its_own_not_a_later_requests(tmp_path):
     cache.open({"toy": MODEL})
     x = cache.create("toy", None, data(N, 0)).id
     s = cache.create("toy", None, data(N, 1)).id  # x and s on the device, x least recently used
-    moving, go = threading.Event(), threading.Event()
-    real = cache.placement.write
-
-    def write(record, tier, value):
-        if record.id == x and tier == "host":
-            moving.set()
-            assert go.wait(30)
-        return real(record, tier, value)
-
-    cache.placement.write = write
+    moving, go = blocking_moves(cache, x, "host")
     a = cache.acquire(s, None)
     committing, outcome = in_thread(cache.commit, a, data(2 * N, 2, tokens=9))  # grows: x leaves the device
     assert moving.wait(10)

@@ -150,13 +150,16 @@ def test_seeds_at_the_ends_of_the_64_bit_range_work_and_harm_nobody(engine, seed
 # -- poisoned states: their request fails alone -------------------------------------------------
 
 
-def test_a_nan_state_fails_its_request_alone(engine):
-    data = session_after(engine, "import sys\n")
+def nan_in_its_keys(data: SessionData) -> SessionData:
+    """`data` with one NaN in its second layer's keys: a state no model makes."""
     keys = [k.clone() for k in data.state.keys]
     keys[1][0, 3] = float("nan")
-    poisoned_state = dataclasses.replace(data.state, keys=keys)
-    poisoned = run_beside_victim(engine, request(engine, "x = ", SessionData(poisoned_state, data.tokens,
-                                                                          data.next_log_probs),
+    return SessionData(dataclasses.replace(data.state, keys=keys), data.tokens, data.next_log_probs)
+
+
+def test_a_nan_state_fails_its_request_alone(engine):
+    session = nan_in_its_keys(session_after(engine, "import sys\n"))
+    poisoned = run_beside_victim(engine, request(engine, "x = ", session,
                                                  keep_state=True, max_tokens=6, temperature=0.7, seed=1))
     # a session's state is the client's (import, PUT): its non-finite values are a 4xx, not a 500
     assert isinstance(poisoned["ended"], StateNotUsable) and poisoned["ended"].code == "state_not_usable"
@@ -168,12 +171,8 @@ def test_a_nan_state_fails_its_request_alone(engine):
 def test_the_same_nan_state_outside_a_session_is_the_servers_fault(engine):
     # a stateless request starts from a state the server made (fresh, or the prefix cache's):
     # non-finite values there are a server fault, answered as internal
-    data = session_after(engine, "import sys\n")
-    keys = [k.clone() for k in data.state.keys]
-    keys[1][0, 3] = float("nan")
-    poisoned_state = dataclasses.replace(data.state, keys=keys)
-    poisoned = run_beside_victim(engine, request(engine, "x = ", SessionData(poisoned_state, data.tokens,
-                                                                          data.next_log_probs),
+    session = nan_in_its_keys(session_after(engine, "import sys\n"))
+    poisoned = run_beside_victim(engine, request(engine, "x = ", session,
                                                  max_tokens=6, temperature=0.7, seed=1))
     assert isinstance(poisoned["ended"], RequestFailed) and poisoned["ended"].code == "sampling_failed"
     assert poisoned["ended"].internal
