@@ -654,8 +654,12 @@ class Engine:
 
     def _dropped(self, request: EngineRequest) -> None:
         """A cancelled request leaves: like every request it ends with one last event
-        (Cancelled), so whoever tracks it (the engine process, its sink) can forget it."""
+        (Cancelled), so whoever tracks it (the engine process, its sink) can forget it. One
+        dropped during its prefill counts the prompt tokens it did compute (xlserve_prefill_tokens):
+        a cancel stops a long prompt between two chunks, and the metric shows where."""
         self._cancelled_metric.inc()
+        if request.scheduled_at is not None and not request.rows:  # still prefilling: not observed yet
+            self._prefill_tokens_metric.observe(request.fed - request.reused)
         self._emit(request, Cancelled())
 
     def _fail(self, request: EngineRequest, error: BaseException) -> None:

@@ -49,8 +49,10 @@ from xlserve.server.api.protocol import (
 )
 from xlserve.server.api.serving import (
     IDEMPOTENCY_KEY_HEADER,
+    Cancellation,
     app_state,
     append_to_session,
+    cancel_on_disconnect,
     delete_session as delete_one,
     fork_session as fork_one,
     list_sessions,
@@ -157,7 +159,10 @@ async def import_state(session_id: str, request: Request, response: Response, ow
 async def append(session_id: str, body: AppendRequest, request: Request, response: Response,
                  owner: str | None = Depends(owner_of),
                  idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
-    result = await append_to_session(app_state(request), owner, session_id, body.text, body.score,
-                                     idempotency_key=idempotency_key)
+    # a client that hangs up stops the append at the engine's next step, and nothing is
+    # committed unless the commit had begun (server/api/serving/cancellation.py)
+    async with cancel_on_disconnect(request, Cancellation()) as cancellation:
+        result = await append_to_session(app_state(request), owner, session_id, body.text, body.score,
+                                         cancellation, idempotency_key=idempotency_key)
     response.headers.update(replayed_headers(result.replayed))
     return result.body()

@@ -27,7 +27,8 @@ whole (an HTTP status), and the lease is held by the one `async with` around eve
 Modules: requests.py (building a request, usage, Idempotency-Key), leases.py (session_lease,
 queued), generation.py (Generation, PromptBatch), completions.py (completion and chat answers,
 SSE), tokens.py (tokenize, detokenize), sessions.py (append and the other session changes),
-websocket.py (the websocket's frames).
+websocket.py (the websocket's frames), cancellation.py (a cancel or disconnect against a commit:
+exactly one of them wins).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from xlserve.server.api.serving.requests import (
     replayed_headers,
     session_header_matches_path,
 )
+from xlserve.server.api.serving.cancellation import Cancellation, cancel_on_disconnect
 from xlserve.server.api.serving.sessions import (
-    Cancellation,
     append_to_session,
     delete_session,
     fork_session,
@@ -75,6 +76,7 @@ __all__ = [
     "app_state",
     "append_frames",
     "append_to_session",
+    "cancel_on_disconnect",
     "complete",
     "delete_session",
     "detokenize",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
@@ -16,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.chat import ChatTemplateError
 from xlserve.server.api.errors import APIError, InvalidRequest, validation_error
+from xlserve.server.api.serving.cancellation import Cancellation, cancel_on_disconnect
 from xlserve.server.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -123,25 +123,18 @@ class Completion(Generation):
         return body
 
 
-async def _cancel_on_disconnect(request: Request, submission: Submission) -> None:
-    """Cancel a non-streamed generation whose client went away (nothing is committed)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            submission.cancel()
-            return
-
-
 async def complete(completion: Completion, request: Request) -> dict:
-    """The whole answer of a non-streamed completion, as OpenAI's body."""
+    """The whole answer of a non-streamed completion, as OpenAI's body. A client that hangs up
+    stops the generation at the engine's next step; nothing is committed unless the commit had
+    begun (server/api/serving/cancellation.py)."""
     body = completion.body
     finished = None
-    async with completion.leased():
+    async with completion.leased(), cancel_on_disconnect(request, Cancellation()) as cancellation:
         if completion.replay is not None:
             completion.replayed = True
             return completion.replay["result"]
-        submission = await completion.submit()  # 429 / 503 here
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
+        cancellation.check()  # the client left while the session was being fetched
+        submission = cancellation.track(await completion.submit())  # 429 / 503 here
         try:
             if body.echo and body.logprobs is None:
                 for choice in completion.choices:
@@ -158,13 +151,11 @@ async def complete(completion: Completion, request: Request) -> dict:
                         choice.add(completion.token_name, event.tokens, event.logprobs, event.top, pieces)
                 elif isinstance(event, Finished):
                     finished = event
-            watcher.cancel()
             answer = completion.response(finished)
+            cancellation.begin_commit()  # a disconnect before this point wins: nothing is committed
             await completion.commit(finished, answer if completion.remembering else None)
         except ValueError as error:  # answered (and counted) by the app's error handlers
             raise InvalidRequest(str(error)) from None
-        finally:
-            watcher.cancel()
     return answer
 
 

@@ -12,7 +12,8 @@ from xlserve.server.api.errors import InvalidRequest
 from xlserve.server.api.protocol import AppendResponse, ForkedSession, SessionDeleted, SessionList, SessionObject
 from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.engine.client import RemoteLease
-from xlserve.server.engine.types import Cancelled, Submission, appended
+from xlserve.server.engine.types import appended
+from xlserve.server.api.serving.cancellation import Cancellation
 from xlserve.server.api.serving.leases import session_lease
 from xlserve.server.api.serving.requests import idempotency, prompt_tokens
 
@@ -46,33 +47,13 @@ class AppendResult:
                               version=self.info.version, cached_tokens=self.cached_tokens, **(self.scores or {}))
 
 
-class Cancellation:
-    """A client's wish to stop its request, which may come before the request reaches the engine:
-    the request checks `requested` before it queues, then `track`s its submission, through which
-    a cancel that comes later stops it in the engine."""
-
-    def __init__(self):
-        self.requested = False
-        self.submission: Submission | None = None
-
-    def cancel(self) -> None:
-        self.requested = True
-        if self.submission is not None:
-            self.submission.cancel()
-
-    def track(self, submission: Submission) -> Submission:
-        self.submission = submission
-        if self.requested:
-            submission.cancel()
-        return submission
-
-
 async def append_to_session(state: AppState, owner: str | None, session_id: str, text: str | list[int], score: bool,
                             cancellation: Cancellation | None = None,
                             idempotency_key: str | None = None) -> AppendResult:
     """Feed a document chunk into a session's memory and commit it; with `score`, also its
     log-probability given the memory. Appending a document chunk by chunk scores it exactly as
-    one pass would. Raises Cancelled when `cancellation` asks for it; nothing is committed then.
+    one pass would. Raises Cancelled when `cancellation` asks for it before the commit begins;
+    nothing is committed then (see server/api/serving/cancellation.py).
     With an Idempotency-Key seen before on the session, the first answer comes back, nothing runs."""
     cancellation = cancellation or Cancellation()
     key = idempotency(idempotency_key, "append", {"text": text, "score": score})
@@ -83,8 +64,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
         if not tokens:
             raise InvalidRequest("text is empty", param="text")
         cached = lease.info.tokens
-        if cancellation.requested:  # while the session was being fetched
-            raise Cancelled()
+        cancellation.check()  # a cancel while the session was being fetched
         submission = cancellation.track(await state.engine.append(lease, tokens, score))
         fed = await appended(submission)
         scores = None
@@ -94,6 +74,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
             scored_bytes = text_bytes - (len(tokens) - fed.scored)
             scores = {"logprob": fed.logprob, "scored_tokens": fed.scored,
                       "bits_per_byte": (-fed.logprob / math.log(2) / scored_bytes) if scored_bytes else None}
+        cancellation.begin_commit()  # a cancel or disconnect before this point wins: nothing is committed
         info = await state.engine.commit(lease, {"tokens": len(tokens), "cached_tokens": cached, "scores": scores})
     state.metrics.memory_reused_tokens.labels(info.model).inc(cached)
     state.metrics.state_bytes_per_session.labels(info.model).observe(info.state_bytes)

@@ -11,7 +11,8 @@ from xlserve.server.engine.types import Cancelled, ChoiceFinished, Finished, Tok
 from xlserve.server.api.serving.generation import Generation
 from xlserve.server.api.serving.leases import QUEUED, queued
 from xlserve.server.api.serving.requests import error_for, usage
-from xlserve.server.api.serving.sessions import Cancellation, append_to_session
+from xlserve.server.api.serving.cancellation import Cancellation
+from xlserve.server.api.serving.sessions import append_to_session
 
 
 # -- the websocket's answers (docs/websocket.md) --------------------------------------------------
@@ -73,6 +74,7 @@ async def _generation_frames(generation: Generation, request_id: str | None,
                     counts = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
                     remembered = {"finish_reason": event.finish_reason, "text": "".join(texts) + tail,
                                   "usage": counts}
+                    cancellation.begin_commit()  # a cancel that came first wins: nothing is committed
                     info = await generation.commit(event, remembered if generation.remembering else None)
                     done = {"type": "done", "id": request_id, "finish_reason": event.finish_reason,
                             "text": tail, "usage": counts, "session_id": body.session_id}

@@ -1,0 +1,212 @@
+"""A disconnect against a commit: exactly one of them wins (server/api/serving/cancellation.py).
+
+The app `build_app` makes is driven as an ASGI application, with a stand-in for the engine
+process whose append / generation finish when the test says, so that the client's disconnect
+can be placed exactly: before the engine's last event, in the same instant as it (the race a
+real server meets when a client gives up at the end of a long prefill), or while the commit
+runs. A disconnect that comes before the commit begins leaves the session as it was (nothing
+committed, the lease released, the request counted as a 499); one that comes while the commit
+runs changes nothing (committed once). The same against a real server, mid-prefill, is
+tests/e2e/test_cancellation.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from xlserve.models.tokenizer import ByteTokenizer
+from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.errors import ERROR_TYPES
+from xlserve.server.api.serving import Cancellation
+from xlserve.server.app import build_app
+from xlserve.server.cache.errors import SessionInfo
+from xlserve.server.engine.client import RemoteLease
+from xlserve.server.engine.types import Appended, Cancelled, ChoiceFinished, Finished, Submission
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
+
+from tests.server.scripted_engine import ScriptedEngine
+
+MODEL = "m"
+SESSION = "s1"
+
+
+def session_info(version: int = 0, tokens: int = 0) -> SessionInfo:
+    return SessionInfo(SESSION, MODEL, None, tokens, version, 10, "device", 0.0, 0.0)
+
+
+class SessionEngine(ScriptedEngine):
+    """Holds one session; each append or generation is a submission the test finishes by hand
+    (`submitted` is set when it is queued); `commit` waits for `commit_may_end`."""
+
+    def __init__(self, metrics: Metrics):
+        super().__init__(metrics)
+        self.submitted = asyncio.Event()
+        self.submission: Submission | None = None
+        self.commits: list[dict | None] = []
+        self.commit_started = asyncio.Event()
+        self.commit_may_end = asyncio.Event()
+        self.commit_may_end.set()
+        self.released = 0
+
+    async def acquire(self, session_id, owner, key):
+        return RemoteLease(1, session_id, session_info(), False)
+
+    def _queue(self) -> Submission:
+        self.submission = Submission(MODEL, self.metrics, threading.Event(), wake=lambda: None)
+        self.submitted.set()
+        return self.submission
+
+    async def append(self, lease, tokens, score, **_):
+        return self._queue()
+
+    async def submit(self, model, tokens, params, lease, scope, **_):
+        return self._queue()
+
+    async def commit(self, lease, result=None):
+        self.commits.append(result)
+        self.commit_started.set()
+        await self.commit_may_end.wait()
+        return session_info(version=1, tokens=3)
+
+    def release(self, lease):
+        self.released += 1
+
+
+@pytest.fixture
+def app_and_engine():
+    settings = Settings(models="none-loaded")
+    app = build_app(settings)
+    metrics = Metrics()
+    state = AppState(settings=settings, metrics=metrics, api_keys=[], ready=True)
+    card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
+            "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
+            "parameters": 0, "config": {}}
+    state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, card)}
+    metrics.declare_api_series(list(state.models), ERROR_TYPES)
+    app.state.xlserve = state
+    return app, state
+
+
+class Client:
+    """One plain HTTP request to the app, whose client hangs up when `hang_up` is called."""
+
+    def __init__(self, app, path: str, body: dict):
+        self.app, self.path = app, path
+        self.body = json.dumps(body).encode()
+        self.incoming: asyncio.Queue = asyncio.Queue()
+        self.incoming.put_nowait({"type": "http.request", "body": self.body, "more_body": False})
+        self.status: int | None = None
+
+    def hang_up(self) -> None:
+        self.incoming.put_nowait({"type": "http.disconnect"})
+
+    async def run(self) -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "query_string": b"",
+                 "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+                 "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(self.body)).encode())]}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+
+        await self.app(scope, self.incoming.get, send)
+
+
+def append_request(app) -> Client:
+    return Client(app, f"/v1/sessions/{SESSION}/append", {"text": "abc"})
+
+
+def completion_request(app) -> Client:
+    return Client(app, "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 1, "session_id": SESSION})
+
+
+def last_event(kind: str):
+    if kind == "append":
+        return Appended(None, -1.0, 2)
+    choice = ChoiceFinished(0, "length", "", 1)
+    return Finished([choice], 3, 1, 0, None)
+
+
+REQUESTS = {"append": append_request, "completion": completion_request}
+
+
+@pytest.mark.parametrize("kind", REQUESTS)
+def test_a_disconnect_during_the_work_commits_nothing(app_and_engine, kind):
+    app, state = app_and_engine
+    engine = state.engine = SessionEngine(state.metrics)
+
+    async def scenario():
+        client = REQUESTS[kind](app)
+        running = asyncio.create_task(client.run())
+        await asyncio.wait_for(engine.submitted.wait(), 5)
+        client.hang_up()
+        await asyncio.wait_for(running, 5)
+        return client, engine.submission
+
+    client, submission = asyncio.run(scenario())
+    assert submission.cancelled.is_set()  # the cancel went to the engine, which drops it at its next step
+    assert engine.commits == [] and engine.released == 1
+    assert client.status == 499
+
+
+@pytest.mark.parametrize("kind", REQUESTS)
+def test_a_disconnect_in_the_same_instant_as_the_result_commits_nothing(app_and_engine, kind):
+    """The engine's last event and the disconnect arrive together (the watcher hears the
+    disconnect first): the request has its whole result, and still commits nothing."""
+    app, state = app_and_engine
+    engine = state.engine = SessionEngine(state.metrics)
+
+    async def scenario():
+        client = REQUESTS[kind](app)
+        running = asyncio.create_task(client.run())
+        await asyncio.wait_for(engine.submitted.wait(), 5)
+        client.hang_up()
+        engine.submission.queue.put_nowait(last_event(kind))
+        await asyncio.wait_for(running, 5)
+        return client
+
+    client = asyncio.run(scenario())
+    assert engine.commits == [] and engine.released == 1
+    assert client.status == 499
+
+
+@pytest.mark.parametrize("kind", REQUESTS)
+def test_a_disconnect_while_the_commit_runs_changes_nothing(app_and_engine, kind):
+    app, state = app_and_engine
+    engine = state.engine = SessionEngine(state.metrics)
+    engine.commit_may_end.clear()
+
+    async def scenario():
+        client = REQUESTS[kind](app)
+        running = asyncio.create_task(client.run())
+        await asyncio.wait_for(engine.submitted.wait(), 5)
+        engine.submission.queue.put_nowait(last_event(kind))
+        await asyncio.wait_for(engine.commit_started.wait(), 5)
+        client.hang_up()
+        await asyncio.sleep(0.05)  # the watcher hears it while the commit is under way
+        engine.commit_may_end.set()
+        await asyncio.wait_for(running, 5)
+        return client
+
+    client = asyncio.run(scenario())
+    assert len(engine.commits) == 1 and engine.released == 1
+    assert client.status == 200  # answered (to nobody): the commit won
+    assert not engine.submission.cancelled.is_set() or engine.submission.queue.empty()
+
+
+def test_a_cancellation_decides_once():
+    cancellation = Cancellation()
+    cancellation.begin_commit()
+    cancellation.cancel()  # too late: the commit has begun
+    assert not cancellation.requested
+    stopped = Cancellation()
+    stopped.cancel()
+    with pytest.raises(Cancelled):
+        stopped.begin_commit()
+    assert not stopped.committing
