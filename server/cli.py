@@ -40,8 +40,21 @@ def _log_to_stderr(level: str) -> None:
     logger.propagate = False
 
 
+# uvicorn's HTTP parser (httptools) accepts a handshake with a header line of any length, then hands
+# it to the websockets library, which parses it again under limits of its own (8192 bytes a line,
+# 128 headers). Its refusal of a longer one (a 431) is never written by uvicorn's websocket
+# protocol, so the client waited for an answer that never came. Lifted past anything the HTTP
+# parser holds, the handshake reaches /v1/stream, which refuses a bad key with an error frame.
+# (Read once, when websockets is imported; an operator's own setting is kept.)
+WEBSOCKETS_PARSER_LIMITS = {"WEBSOCKETS_MAX_LINE_LENGTH": str(2**31), "WEBSOCKETS_MAX_NUM_HEADERS": str(2**31)}
+
+
 def cmd_serve(args) -> None:
     import asyncio
+    import os
+
+    for name, value in WEBSOCKETS_PARSER_LIMITS.items():
+        os.environ.setdefault(name, value)
 
     import pydantic
     import uvicorn

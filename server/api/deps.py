@@ -61,8 +61,10 @@ KEY_SUBPROTOCOL_PREFIX = "xlserve.key."
 
 
 def offered_subprotocols(request: Request) -> list[str]:
-    header = request.headers.get("sec-websocket-protocol", "")
-    return [item.strip() for item in header.split(",") if item.strip()]
+    """The subprotocols a websocket client offered, in order: from every Sec-WebSocket-Protocol
+    header line (RFC 6455 lets a client split its list over several), less empty list items."""
+    items = [item.strip() for header in request.headers.getlist("sec-websocket-protocol") for item in header.split(",")]
+    return [item for item in items if item]
 
 
 # base64url without padding: the only alphabet a subprotocol token can carry whole (RFC 6455
@@ -76,19 +78,24 @@ BAD_KEY_SUBPROTOCOL = (f"the {KEY_SUBPROTOCOL_PREFIX} subprotocol must carry the
 
 def subprotocol_key(request: Request) -> str | None:
     """The API key a browser sent as a websocket subprotocol, or None; AuthenticationFailed
-    (naming the alphabet, never echoing the key) when it is not base64url of a UTF-8 key."""
-    for item in offered_subprotocols(request):
-        if item.startswith(KEY_SUBPROTOCOL_PREFIX):
-            encoded = item[len(KEY_SUBPROTOCOL_PREFIX):]
-            # a length of 1 modulo 4 is no whole byte in any base64
-            if not BASE64URL_UNPADDED.fullmatch(encoded) or len(encoded) % 4 == 1:
-                raise AuthenticationFailed(BAD_KEY_SUBPROTOCOL, code="invalid_api_key")
-            try:
-                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
-            except (ValueError, UnicodeDecodeError):
-                raise AuthenticationFailed(f"the {KEY_SUBPROTOCOL_PREFIX} subprotocol is base64url, but not of a "
-                                           "UTF-8 key", code="invalid_api_key") from None
-    return None
+    (naming the alphabet, never echoing the key) when it is not base64url of a UTF-8 key, or
+    when more than one key subprotocol was offered."""
+    keys = [item for item in offered_subprotocols(request) if item.startswith(KEY_SUBPROTOCOL_PREFIX)]
+    # two keys leave it open which one authenticates: neither is tried
+    if len(keys) > 1:
+        raise AuthenticationFailed(f"more than one {KEY_SUBPROTOCOL_PREFIX} subprotocol was offered: send one key",
+                                   code="invalid_api_key")
+    if not keys:
+        return None
+    encoded = keys[0][len(KEY_SUBPROTOCOL_PREFIX):]
+    # a length of 1 modulo 4 is no whole byte in any base64
+    if not BASE64URL_UNPADDED.fullmatch(encoded) or len(encoded) % 4 == 1:
+        raise AuthenticationFailed(BAD_KEY_SUBPROTOCOL, code="invalid_api_key")
+    try:
+        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        raise AuthenticationFailed(f"the {KEY_SUBPROTOCOL_PREFIX} subprotocol is base64url, but not of a "
+                                   "UTF-8 key", code="invalid_api_key") from None
 
 
 def owner_of(request: Request) -> str | None:

@@ -319,3 +319,141 @@ def test_a_query_parameter_on_the_websocket_is_refused_by_name(server):
     assert frame["type"] == "error" and frame["error"]["code"] == "unknown_parameter", frame
     assert frame["error"]["type"] == "invalid_request_error" and frame["error"]["param"] == "model"
     assert "/v1/stream takes no query parameters" in frame["error"]["message"]
+
+
+# -- a malformed Sec-WebSocket-Protocol header, sent by hand (the client library refuses to) ------
+
+class RawConnection:
+    """A socket that has sent a handshake by hand, and the bytes received but not read yet."""
+
+    def __init__(self, port: int):
+        self.socket = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.pending = b""
+
+    def __enter__(self) -> "RawConnection":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.socket.close()
+
+    def receive(self) -> None:
+        chunk = self.socket.recv(65536)
+        assert chunk, f"the server closed the connection; unread: {self.pending!r}"
+        self.pending += chunk
+
+    def read_exactly(self, count: int) -> bytes:
+        while len(self.pending) < count:
+            self.receive()
+        data, self.pending = self.pending[:count], self.pending[count:]
+        return data
+
+    def read_frame(self) -> tuple[int, bytes]:
+        """(opcode, payload) of the next frame the server sends (server frames are not masked)."""
+        first, second = self.read_exactly(2)
+        length = second & 0x7F
+        if length == 126:
+            length = int.from_bytes(self.read_exactly(2), "big")
+        elif length == 127:
+            length = int.from_bytes(self.read_exactly(8), "big")
+        return first & 0x0F, self.read_exactly(length)
+
+    def send_text(self, text: str) -> None:
+        """A client's text frame (RFC 6455: a client masks what it sends); short frames only."""
+        payload, mask = text.encode(), os.urandom(4)
+        assert len(payload) < 126
+        masked = bytes(byte ^ mask[index % 4] for index, byte in enumerate(payload))
+        self.socket.sendall(bytes([0x81, 0x80 | len(payload)]) + mask + masked)
+
+
+def raw_handshake(port: int, subprotocol_lines: list[bytes]) -> tuple[bytes, list[bytes], RawConnection]:
+    """Open /v1/stream with these Sec-WebSocket-Protocol header lines; (the status line, the
+    response's header lines, the connection, positioned after the response's head)."""
+    handshake = (b"GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: " + base64.b64encode(os.urandom(16)) + b"\r\nSec-WebSocket-Version: 13\r\n"
+                 + b"".join(b"Sec-WebSocket-Protocol: " + line + b"\r\n" for line in subprotocol_lines) + b"\r\n")
+    connection = RawConnection(port)
+    connection.socket.sendall(handshake)
+    while b"\r\n\r\n" not in connection.pending:
+        connection.receive()
+    head, _, connection.pending = connection.pending.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.split(b"\r\n")
+    return status_line, header_lines, connection
+
+
+def refused_after_accepting(raw: RawConnection) -> tuple[dict, int]:
+    """(the error frame, the close code) of a connection the server accepted only to refuse it."""
+    opcode, payload = raw.read_frame()
+    assert opcode == 0x1, (opcode, payload)
+    frame = json.loads(payload)
+    opcode, payload = raw.read_frame()
+    assert opcode == 0x8, (opcode, payload)
+    return frame, int.from_bytes(payload[:2], "big")
+
+
+GOOD_KEY = base64.urlsafe_b64encode(SUBPROTOCOL_KEY.encode()).rstrip(b"=")
+
+
+@pytest.mark.parametrize("lines", [
+    [b"xlserve,,xlserve.key." + GOOD_KEY],  # empty list items: RFC 7230 has recipients ignore them
+    [b" , xlserve , , xlserve.key." + GOOD_KEY + b" ,"],
+    [b"xlserve", b"xlserve.key." + GOOD_KEY],  # the list split over two header lines (RFC 6455 allows it)
+], ids=["double-comma", "empty-items-and-spaces", "two-header-lines"])
+def test_a_key_in_an_unusual_but_valid_subprotocol_list_authenticates(keyed_server, lines):
+    status_line, header_lines, raw = raw_handshake(keyed_server.port, lines)
+    with raw:
+        assert status_line == b"HTTP/1.1 101 Switching Protocols", status_line
+        assert b"Sec-WebSocket-Protocol: xlserve" in header_lines
+        raw.send_text('{"type": "cancel"}')  # authenticated: the frame itself is answered
+        opcode, payload = raw.read_frame()
+    assert opcode == 0x1 and json.loads(payload)["error"]["code"] == "nothing_to_cancel", payload
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([b"xlserve, xlserve.key." + GOOD_KEY + b", xlserve.key." + GOOD_KEY], "more than one xlserve.key. subprotocol"),
+    ([b"xlserve.key." + GOOD_KEY, b"xlserve.key.YQ"], "more than one xlserve.key. subprotocol"),
+    ([b"xlserve,"], "missing API key"),  # a trailing comma: no key at all
+    ([b"xlserve, xlserve.key." + b"A" * 9000], "invalid API key"),  # longer than the websockets parser's 8192-byte line
+    ([b"xlserve, xlserve.key." + b"A" * 200_000], "invalid API key"),
+], ids=["two-keys", "two-keys-two-lines", "trailing-comma", "9-KB-header", "200-KB-header"])
+def test_a_malformed_subprotocol_list_that_reaches_the_server_gets_an_error_frame_and_1008(keyed_server, lines, message):
+    status_line, header_lines, raw = raw_handshake(keyed_server.port, lines)
+    with raw:
+        assert status_line == b"HTTP/1.1 101 Switching Protocols", status_line
+        frame, close_code = refused_after_accepting(raw)
+    assert close_code == 1008
+    assert frame["type"] == "error" and frame["error"]["type"] == "authentication_error", frame
+    assert frame["error"]["code"] == "invalid_api_key" and message in frame["error"]["message"], frame
+
+
+def test_a_very_long_key_subprotocol_from_the_client_library_is_refused_with_a_frame(keyed_server):
+    """Before the server lifted the websockets parser's 8192-byte line limit, such a handshake
+    was never answered: the client waited for its open timeout."""
+    subprotocol, frame, close_code = refusal(ws_url(keyed_server), key_subprotocol("A" * 20_000))
+    assert subprotocol == "xlserve" and close_code == 1008
+    assert frame["error"]["code"] == "invalid_api_key", frame
+
+
+@pytest.mark.parametrize("lines, problem", [
+    ([b""], b"expected token at 0"),  # an empty header
+    ([b",,,"], b"expected token at 3"),  # only commas
+    ([b"xlserve, xlserve.key.Y Q"], b"expected comma"),  # a space inside a token
+    ([b"xlserve, xlserv\xc3\xa9"], b"expected comma"),  # not ASCII (UTF-8)
+    ([b"xlserve, xlserv\xe9"], b"expected comma"),  # not ASCII (Latin-1)
+], ids=["empty", "only-commas", "space-in-token", "utf-8", "latin-1"])
+def test_a_subprotocol_header_that_is_no_token_list_gets_a_400_naming_the_header(keyed_server, lines, problem):
+    """The websockets library's handshake (inside uvicorn, before the app runs) refuses a header
+    that is not a comma-separated list of tokens: a 400 whose text body names the header and
+    where it went wrong. docs/websocket.md says so; the websockets client refuses to send these."""
+    status_line, header_lines, raw = raw_handshake(keyed_server.port, lines)
+    with raw:
+        assert status_line == b"HTTP/1.1 400 Bad Request", status_line
+        length = int(next(line for line in header_lines if line.lower().startswith(b"content-length:")).split(b":")[1])
+        body = raw.read_exactly(length)
+    assert b"invalid Sec-WebSocket-Protocol header" in body and problem in body, body
+
+
+def test_control_characters_in_the_header_get_the_http_servers_400(keyed_server):
+    """A control character is refused by the HTTP parser (httptools) before the handshake."""
+    status_line, _, raw = raw_handshake(keyed_server.port, [b"xlserve, a\x01b"])
+    with raw:
+        assert status_line == b"HTTP/1.1 400 Bad Request", status_line
