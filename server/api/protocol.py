@@ -612,7 +612,13 @@ class DetokenizeResponse(ResponseBody):
 
 
 class HealthResponse(ResponseBody):
+    """/health while the API process lives (200): `engine` is the engine process's state
+    (`loading`, `ready`, `restarting`, ...) and, when it is not `ready`, `reason` says why (a
+    frozen engine process the watchdog killed, say). /ready is the probe that routes traffic."""
+
     status: Literal["ok"]
+    engine: str
+    reason: str | None = None  # only when the engine process is not ready
 
 
 class ReadyResponse(ResponseBody):

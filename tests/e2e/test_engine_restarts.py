@@ -104,10 +104,15 @@ def test_an_engine_process_that_keeps_dying_makes_the_server_exit_non_zero(tiny_
     assert last.startswith("xlserve serve: the engine process") and "XLSERVE_ENGINE_RESTART_LIMIT=1" in last, last
 
 
+def names_the_stall(reasons: list[str]) -> bool:
+    return any("made no progress" in reason for reason in reasons)
+
+
 def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_checkpoint, tmp_path):
     """SIGSTOP keeps the engine process's socket open, so nothing dies: the watchdog notices that
     it says nothing (not even its heartbeat) while a request waits, for XLSERVE_ENGINE_STALL_SECONDS,
-    says so on /ready, kills it and starts a new one; the waiting request is told to retry."""
+    says so on /ready (503) and in /health's body (still 200: the API process lives), kills it and
+    starts a new one; the waiting request is told to retry."""
     server = ServerProcess([tiny_checkpoint], env={"XLSERVE_ENGINE_STALL_SECONDS": "3"},
                            log_path=tmp_path / "server.log").start()
     frozen = engine_pid(server)
@@ -120,15 +125,22 @@ def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_c
         os.kill(frozen, signal.SIGSTOP)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
-            reasons = []
+            reasons, health_bodies = [], []
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not any("made no progress" in r for r in reasons):
+            while time.monotonic() < deadline and not (names_the_stall(reasons) and names_the_stall(health_bodies)):
                 ready = httpx.get(server.url + "/ready", timeout=5)
                 if ready.status_code == 503:
                     reasons.append(ready.json().get("reason", ""))
+                    # liveness meanwhile: still 200 (the server heals itself), its body naming the stall
+                    health = httpx.get(server.url + "/health", timeout=5)
+                    assert health.status_code == 200, health.text
+                    if health.json().get("engine") == "restarting":
+                        health_bodies.append(health.json()["reason"])
+                        assert health.json()["status"] == "ok", health.json()
                 time.sleep(0.1)
             refused = waiting.result(timeout=60)
         assert any("made no progress" in r and "XLSERVE_ENGINE_STALL_SECONDS=3" in r for r in reasons), reasons
+        assert any("made no progress" in r and "XLSERVE_ENGINE_STALL_SECONDS=3" in r for r in health_bodies), health_bodies
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarting", refused.text
         assert gone_within(frozen, 30)
         replaced(server, frozen)

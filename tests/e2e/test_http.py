@@ -28,7 +28,7 @@ def parse_sse(text: str) -> list:
 
 
 def test_health_ready_models(client):
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "engine": "ready"}
     assert client.get("/ready").status_code == 200
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]

@@ -2,7 +2,8 @@
 
 `/health` fails (503) only when the engine process is gone for good (it could not start, or it
 died more often than XLSERVE_ENGINE_RESTART_LIMIT allows), so an orchestrator restarts the
-server; while a dead engine process is being replaced it stays 200 (the server heals itself).
+server; while a dead or frozen engine process is being replaced it stays 200 (the server heals
+itself), its body naming the engine process's state and why (`engine`, `reason`).
 `/ready` is 503 while the server loads its models, restarts its engine process or drains, with
 the reason, so no new traffic is routed to it meanwhile. Admission leaves /health, /ready and
 /metrics open while the server drains (server/api/admission.py). They take no query parameters:
@@ -34,9 +35,14 @@ def not_now(status: str, reason: str) -> JSONResponse:
                                                   "for good (`failed`): restart the server."}})
 async def health(request: Request):
     engine = app_state(request).engine
-    if engine is not None and engine.status == "failed":
+    if engine is None:  # the engine process is not started yet
+        return HealthResponse(status="ok", engine="loading", reason="the server is starting")
+    if engine.status == "failed":
         return not_now("failed", engine.reason)
-    return HealthResponse(status="ok")  # loading or restarting included: /ready says which
+    if engine.status == "ready":
+        return HealthResponse(status="ok", engine="ready")
+    # alive, while the engine process loads or is replaced (a dead or frozen one): the server heals itself
+    return HealthResponse(status="ok", engine=engine.status, reason=engine.reason)
 
 
 @router.get("/ready", response_model=ReadyResponse, response_model_exclude_unset=True,
