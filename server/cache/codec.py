@@ -117,7 +117,10 @@ def metadata_of(blob_or_head: bytes) -> dict[str, str]:
     """Only the metadata (no tensors read, no checksum verified): enough to index a file."""
     _, header = parse_header(blob_or_head)
     meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    # an imported blob's header is the client's: its metadata may be any JSON value
+    if not isinstance(meta, dict):
+        raise CorruptState(f"not an {FORMAT} blob (its metadata is a JSON {type(meta).__name__}, not an object)")
+    if meta.get("format") != FORMAT:
         raise CorruptState(f"not an {FORMAT} blob (metadata 'format' is {meta.get('format')!r})")
     return {str(k): str(v) for k, v in meta.items()}
 
