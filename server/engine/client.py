@@ -469,13 +469,13 @@ class EngineClient:
         return lease.id
 
     async def submit(self, model: str, prompt: list[int], params: SamplingParams, lease: RemoteLease | None,
-                     prefix_scope: bytes | None = None) -> RemoteSubmission:
+                     prefix_scope: bytes | None = None, owner: str | None = None) -> RemoteSubmission:
         """Queue a generation; raises QueueFull / ShuttingDown /
         ValueError before anything started. Without a lease, `prefix_scope`
         (server/cache/prefix_cache.py `scope_key`) lets it start from the longest cached prefix of
-        its prompt and offer its own states."""
+        its prompt and offer its own states. `owner`: whose share of each step's prefill it takes."""
         scope = None if prefix_scope is None or lease is not None else prefix_scope.hex()
-        request = Generate(next(self.ids), model, prompt, params, self._check(lease), scope)
+        request = Generate(next(self.ids), model, prompt, params, self._check(lease), scope, owner)
         return await self._queue(model, request)
 
     async def append(self, lease: RemoteLease, tokens: list[int], score: bool) -> RemoteSubmission:

@@ -487,8 +487,9 @@ class EngineProcess:
             fields = {"start": engine.fresh_data()}
         if cancelled is not None:
             fields["cancelled"] = cancelled
+        owner = self.lease(request.lease).info.owner if request.lease is not None else request.owner
         queued = EngineRequest("generate", request.prompt, params=params, keep_state=request.lease is not None,
-                               handle=request.request_id, **fields)
+                               handle=request.request_id, owner=owner, **fields)
         return self._enqueue(queued, engine, request.lease)
 
     @handlers.register(Append, inline=True)
@@ -496,7 +497,7 @@ class EngineProcess:
         lease = self.lease(request.lease)
         engine = self.loaded(lease.info.model).engine
         queued = EngineRequest("append", request.tokens, lease.data, SamplingParams(max_tokens=0), score=request.score,
-                               handle=request.request_id)
+                               handle=request.request_id, owner=lease.info.owner)
         return self._enqueue(queued, engine, request.lease)
 
     def _enqueue(self, request: EngineRequest, engine: Engine, lease_id: int | None) -> Accepted:

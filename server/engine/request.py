@@ -32,6 +32,9 @@ class EngineRequest:
     score: bool = False  # an append that sums the log-probabilities of its tokens
     cancelled: threading.Event = field(default_factory=threading.Event)  # set: drop it at the next step
     handle: object = None  # the caller's name for it, handed back with each of its events
+    # whose it is (the API key's owner id; None without keys): each step's prefill budget is
+    # shared among owners first, then among one owner's requests (Engine._prefill_plan)
+    owner: str | None = None
     # the prefix-state cache (server/cache/prefix_cache.py): the scope its states are offered
     # under (None: a session's request, or one that opted out), and how many prompt tokens a
     # hit already put into `start` (with their log-probs, None for a first token)

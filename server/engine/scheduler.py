@@ -111,6 +111,7 @@ class Engine:
         self.forward_threads = ForwardThreads(threads, prompt_threads)
         self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
         self._prefill_steps = 0  # steps that looked for prompts to prefill: EngineRequest.prefill_turn's clock
+        self._last_step_finished_only = False  # the last prefill step fed only prompts it could finish
         self._sink = sink
         self._waiting_metric = metrics.requests_waiting.labels(name)
         self._running_metric = metrics.requests_running.labels(name)
@@ -360,48 +361,75 @@ class Engine:
                 self._prefill_batch(batch)
 
     def _prefill_plan(self, pending: list[EngineRequest]) -> list[tuple[EngineRequest, int]]:
-        """How many prompt tokens each request still prefilling gets this step: the step's budget
-        (`prefill_chunk` tokens) is shared round robin by request, so a short prompt that arrives
-        while a long one prefills has its first token after a step or two, not after the long
-        one's whole prefill, and the long one loses no more than the share it gives up.
+        """How many prompt tokens each request still prefilling gets this step, within the step's
+        budget of `prefill_chunk` tokens, so that a short prompt that arrives while a long one
+        prefills has its first token after the step under way and one short step, not after the
+        long one's whole prefill, and the long one loses no more than the share it gives up:
 
-        Requests go in order of the step they last got tokens in (never first, then longest
-        ago; running order among equals), so whoever was left out or came last goes first.
-        A model whose results do not depend on the chunking gets an equal split (water-filling:
-        what a request needs less than its share of goes to the others). Any other model is
-        fed in whole `prefill_chunk` chunks only, as one pass of it would be: requests take one
-        chunk each, in that order, while budget is left (the last may pass it by less than a
-        chunk, as one request's chunk always could)."""
-        order = sorted(pending, key=lambda request: request.prefill_turn)  # stable: running order among equals
+        1. Prompts that can finish now go first, alone. When some prompts' remainders fit in the
+           budget together (shortest first) and others do not, the step feeds only those: a step
+           costs about what it feeds, so the short prompts' first tokens come after a short step,
+           not after one with a long prompt's chunk in it. Such a step is never taken twice in a
+           row, so a stream of short prompts slows a long one by at most half.
+        2. Otherwise the budget is shared round robin: among owners first (the API key each
+           request came with, `EngineRequest.owner`; a request without one is its own owner),
+           then among one owner's requests, so a client that sends many long prompts gets one
+           share, not one per prompt. Whoever got tokens longest ago (or never) goes first
+           (`prefill_turn`), then whoever has been given fewer, then running order: the odd
+           tokens of an unequal split go round.
+
+        A model whose results do not depend on the chunking splits the budget equally
+        (water-filling: what one needs less than its share of goes to the others). Any other
+        model is fed in whole `prefill_chunk` chunks only, as one pass of it would be: owners in
+        turn each give one request one chunk while budget is left (the last may pass it by less
+        than a chunk, as one request's chunk always could)."""
+        # stable: running order among equals
+        order = sorted(pending, key=lambda request: (request.prefill_turn, request.fed - request.reused))
         needs = {request: len(request.prompt) - request.fed for request in order}
         budget = self.prefill_chunk
+        if not order:
+            return []
+        finishing = self._finishing_now(order, needs, budget)
+        self._last_step_finished_only = bool(finishing)
+        if finishing:
+            return finishing
+        owners: dict[object, list[EngineRequest]] = {}
+        for request in order:
+            owners.setdefault(request if request.owner is None else request.owner, []).append(request)
+        # an owner's turn is its most recently fed request's: owners served longest ago go first
+        groups = sorted(owners.values(), key=lambda members: max(member.prefill_turn for member in members))
         if not self.model.chunking_invariant:
             plan = []
-            for request in order:
-                if budget <= 0:
-                    break
-                size = min(needs[request], self.prefill_chunk)
-                plan.append((request, size))
-                budget -= size
+            for round_index in range(max(len(members) for members in groups)):
+                for members in groups:
+                    if budget <= 0:
+                        return plan
+                    if round_index < len(members):
+                        size = min(needs[members[round_index]], self.prefill_chunk)
+                        plan.append((members[round_index], size))
+                        budget -= size
             return plan
-        shares = dict.fromkeys(order, 0)
-        open_requests = list(order)
-        # each round either gives some request all it needs (at most len(order) such rounds) or
-        # leaves less budget than there are open requests, which the next round spends (one
-        # token each): len(order) + 2 rounds always suffice
-        for _ in range(len(order) + 2):
-            if budget <= 0 or not open_requests:
+        group_shares = _water_fill([sum(needs[member] for member in members) for members in groups], budget)
+        plan = []
+        for members, share in zip(groups, group_shares):
+            for member, size in zip(members, _water_fill([needs[member] for member in members], share)):
+                if size > 0:
+                    plan.append((member, size))
+        return plan
+
+    def _finishing_now(self, order: list[EngineRequest], needs: dict[EngineRequest, int],
+                       budget: int) -> list[tuple[EngineRequest, int]]:
+        """The prompts a step may feed alone (step 1 of `_prefill_plan`): the shortest remainders
+        that fit in the budget together, when others do not and the last step was not one of these."""
+        if self._last_step_finished_only or len(order) < 2:
+            return []
+        plan = []
+        for request in sorted(order, key=lambda request: needs[request]):
+            if needs[request] > budget:
                 break
-            share = max(1, budget // len(open_requests))
-            for request in list(open_requests):
-                take = min(share, needs[request] - shares[request], budget)
-                shares[request] += take
-                budget -= take
-                if shares[request] == needs[request]:
-                    open_requests.remove(request)
-                if budget <= 0:
-                    break
-        return [(request, size) for request, size in shares.items() if size > 0]
+            plan.append((request, needs[request]))
+            budget -= needs[request]
+        return plan if 0 < len(plan) < len(order) else []
 
     def _prefill_batch(self, batch: list[tuple[EngineRequest, list[int]]]) -> None:
         requests = [request for request, _ in batch]
@@ -677,6 +705,29 @@ class Engine:
         if self._outbox:
             outbox, self._outbox = self._outbox, []
             self._sink(outbox)
+
+
+def _water_fill(needs: list[int], budget: int) -> list[int]:
+    """Split `budget` tokens equally among `needs` (in order), what one needs less than its share
+    of going to the others; the first ones get the odd tokens."""
+    shares = [0] * len(needs)
+    open_indexes = [index for index, need in enumerate(needs) if need > 0]
+    # each round either gives some entry all it needs (at most len(needs) such rounds) or leaves
+    # less budget than there are open entries, which the next round spends (one token each):
+    # len(needs) + 2 rounds always suffice
+    for _ in range(len(needs) + 2):
+        if budget <= 0 or not open_indexes:
+            break
+        share = max(1, budget // len(open_indexes))
+        for index in list(open_indexes):
+            take = min(share, needs[index] - shares[index], budget)
+            shares[index] += take
+            budget -= take
+            if shares[index] == needs[index]:
+                open_indexes.remove(index)
+            if budget <= 0:
+                break
+    return shares
 
 
 def request_error(error: BaseException, code: str) -> EngineError:

@@ -304,7 +304,8 @@ class Generate(Request, operation=Operation.GENERATE, reply=Accepted):
     """Queue a generation; its events follow, keyed by `request_id`. With a `lease` it continues
     that session (its new state waits for `Commit`); without one, `prefix_scope` (hex,
     server/cache/prefix_cache.py `scope_key`) lets it start from the longest cached prefix of
-    its prompt."""
+    its prompt. `owner` (the caller's API key identity, None without keys) is who it shares
+    each step's prefill budget as (Engine._prefill_plan); a session's request is its session's."""
 
     request_id: int
     model: str
@@ -312,6 +313,7 @@ class Generate(Request, operation=Operation.GENERATE, reply=Accepted):
     params: SamplingParams
     lease: int | None = None
     prefix_scope: str | None = None
+    owner: str | None = None
 
 
 @dataclass

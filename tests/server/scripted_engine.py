@@ -22,7 +22,7 @@ class ScriptedEngine:
         self.refuse: BaseException | None = None
         self.session_error: BaseException = SessionNotFound("s")
 
-    async def submit(self, model, tokens, params, lease, scope):
+    async def submit(self, model, tokens, params, lease, scope, owner=None):
         if self.refuse is not None:
             raise self.refuse
         submission = Submission(model, self.metrics, threading.Event(), wake=lambda: None)

@@ -1,9 +1,10 @@
 """Fair prefill, judged by the order of service: while a long prompt is prefilled, a short
-prompt that arrives gets its first token within a step or two, long before the long prompt's
-prefill ends, and both get the answers they get alone (a prompt fed in more, smaller pieces
-gives the same log-probabilities where the model is chunking invariant; any other model is
-fed whole prefill chunks only). Each request's prefilled tokens are counted in
-xlserve_prefill_tokens."""
+prompt that arrives gets its first token in the step after the one under way (a step that feeds
+it alone), long before the long prompt's prefill ends, and both get the answers they get alone
+(a prompt fed in more, smaller pieces gives the same log-probabilities where the model is
+chunking invariant; any other model is fed whole prefill chunks only). Long prompts share each
+step's budget round robin among owners (API keys), then among one owner's requests. Each
+request's prefilled tokens are counted in xlserve_prefill_tokens."""
 
 from __future__ import annotations
 
@@ -100,16 +101,17 @@ def test_a_short_prompt_gets_its_first_token_before_a_long_prompt_is_prefilled(m
     alone, together, watcher, long_request, short_request = serve_long_then_short(make_model)
     long_tokens = len(LONG_PROMPT.encode())
     fed_then = watcher.fed_at_first_token[id(short_request.handle)]
-    # the short prompt was served in the step after the held one, or the one after that: the
-    # long prompt had at most three steps' chunks in, of its 110
-    assert 0 < fed_then <= 3 * CHUNK < long_tokens
+    # the short prompt was served in the step right after the held one, a step of its own: the
+    # long prompt had that one chunk in, of its 110
+    assert fed_then == CHUNK < long_tokens
     assert watcher.fed_at_first_token[id(long_request.handle)] == long_tokens
     same_answers(together, alone)  # the long prompt in other pieces: the same log-probabilities
 
 
-def test_the_step_budget_is_shared_and_every_request_counts_its_prefill_tokens():
-    """Chunking-invariant model: the long prompt gives up only what the short one needs, so the
-    step budget is spent in full; each request's prefilled tokens land in the histogram."""
+def test_a_prompt_that_can_finish_gets_a_step_of_its_own_and_every_request_counts_its_prefill_tokens():
+    """The step after the held one feeds the short prompt alone (a short step: its first token
+    does not wait for a chunk of the long prompt), then the long prompt goes on in whole
+    chunks; each request's prefilled tokens land in the histogram."""
     model = InvariantHistoryModel()
     pieces: list[tuple[int, ...]] = []
     forward = model.forward
@@ -121,16 +123,79 @@ def test_the_step_budget_is_shared_and_every_request_counts_its_prefill_tokens()
     model.forward = recording
     alone, together, watcher, long_request, short_request = serve_long_then_short(lambda: model)
     engine = watcher.engine
-    prefill_pieces = [shape for shape in pieces if shape[1] > 1]
-    # alone, each prompt goes in whole chunks (and a tail: the long prompt's 1,760 = 110 x 16,
-    # the short one's 10), never 8, 2 or 14 tokens. Together the budget is split equally: the
-    # short prompt's first 8 tokens beside 8 of the long one's, then its last 2 beside 14 (each
-    # in its own forward: HistoryModel takes no ragged chunks), every step 16 tokens in all
-    lengths = [shape[1] for shape in prefill_pieces]
-    assert lengths.count(8) == 2 and lengths.count(2) == 1 and lengths.count(14) == 1
-    assert all(length <= CHUNK for length in lengths)
-    registry = engine.metrics.registry
     long_tokens, short_tokens = len(LONG_PROMPT.encode()), len(SHORT_PROMPT)
+    prefill_lengths = [shape[1] for shape in pieces if shape[1] > 1]
+    # alone: the long prompt's 110 chunks of 16, the short one's 10. Together: one held chunk of
+    # the long prompt, the short prompt's 10 alone, the long prompt's other 109 chunks
+    half = len(prefill_lengths) // 2
+    assert prefill_lengths[:half] == [CHUNK] * 110 + [short_tokens]
+    assert prefill_lengths[half:] == [CHUNK] + [short_tokens] + [CHUNK] * 109
+    registry = engine.metrics.registry
     assert registry.get_sample_value("xlserve_prefill_tokens_count", {"model": "m"}) == 4
     assert registry.get_sample_value("xlserve_prefill_tokens_sum", {"model": "m"}) == 2 * (long_tokens + short_tokens)
     assert registry.get_sample_value("xlserve_prefill_tokens_bucket", {"model": "m", "le": "16.0"}) == 2
+
+
+def planned_steps(engine: Engine, requests: list[EngineRequest], steps: int) -> list[dict[str, int]]:
+    """What `_prefill_plan` gives each request (by its owner and index) over `steps` steps,
+    the requests' progress recorded as the step would."""
+    names = {request: f"{request.owner}{index}" for index, request in enumerate(requests)}
+    given = []
+    for step in range(1, steps + 1):
+        plan = engine._prefill_plan([request for request in requests if request.fed < len(request.prompt)])
+        for request, size in plan:
+            request.fed += size
+            request.prefill_turn = step
+        given.append({names[request]: size for request, size in plan})
+    return given
+
+
+def test_owners_share_the_budget_first_then_their_requests():
+    """Chunking-invariant model, budget 16: owner A's three long prompts share one half, owner
+    B's one long prompt has the other; without owners each of the four has a quarter."""
+    engine = Engine("m", InvariantHistoryModel(), ByteTokenizer(), Metrics(), sink=lambda events: None,
+                    prefill_chunk=CHUNK)
+    try:
+        requests = [generation(engine, LONG_PROMPT) for _ in range(4)]
+        for request, owner in zip(requests, "AAAB"):
+            request.owner = owner
+        first, second = planned_steps(engine, requests, 2)
+        assert first == {"A0": 3, "A1": 3, "A2": 2, "B3": 8}
+        assert second == {"A2": 3, "A0": 3, "A1": 2, "B3": 8}  # whoever was given least goes first
+        anonymous = [generation(engine, LONG_PROMPT) for _ in range(4)]
+        assert planned_steps(engine, anonymous, 1) == [{"None0": 4, "None1": 4, "None2": 4, "None3": 4}]
+    finally:
+        engine.close()
+
+
+def test_owners_take_turns_with_whole_chunks():
+    """A model fed in whole chunks only: the owners alternate, and each owner's requests take
+    their turns within its own, so B's one prompt gets half the chunks, not a quarter."""
+    model = HistoryModel()
+    assert not model.chunking_invariant
+    engine = Engine("m", model, ByteTokenizer(), Metrics(), sink=lambda events: None, prefill_chunk=CHUNK)
+    try:
+        requests = [generation(engine, LONG_PROMPT) for _ in range(4)]
+        for request, owner in zip(requests, "AAAB"):
+            request.owner = owner
+        steps = planned_steps(engine, requests, 6)
+        assert steps == [{"A0": CHUNK}, {"B3": CHUNK}, {"A1": CHUNK}, {"B3": CHUNK}, {"A2": CHUNK}, {"B3": CHUNK}]
+    finally:
+        engine.close()
+
+
+def test_prompts_that_can_finish_never_take_two_steps_in_a_row():
+    """A short prompt in every step would starve a long one: a step that fed only prompts that
+    could finish is followed by a shared one."""
+    engine = Engine("m", InvariantHistoryModel(), ByteTokenizer(), Metrics(), sink=lambda events: None,
+                    prefill_chunk=CHUNK)
+    try:
+        long_request = generation(engine, LONG_PROMPT)
+        shorts = [generation(engine, SHORT_PROMPT) for _ in range(2)]
+        first = engine._prefill_plan([long_request, *shorts])
+        assert [(request, size) for request, size in first] == [(shorts[0], 10)]  # two 10s do not fit in 16
+        shorts[0].fed, shorts[0].prefill_turn = 10, 1
+        second = dict(engine._prefill_plan([long_request, shorts[1]]))
+        assert second == {long_request: 8, shorts[1]: 8}  # shared: the long prompt is fed too
+    finally:
+        engine.close()

@@ -103,9 +103,9 @@ class Generation:
         (answered, and counted, as an HTTP error or a websocket error frame)."""
         if len(self.prompts) > 1:
             return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params,
-                                            self.prefix_scope())
+                                            self.prefix_scope(), self.owner)
         return await self.state.engine.submit(self.served.name, self.tokens, self.params,
-                                              self.lease, self.prefix_scope())
+                                              self.lease, self.prefix_scope(), self.owner)
 
     def prefix_scope(self) -> bytes | None:
         """Where a request without a session files and finds cached prefix states: its model, its
@@ -158,13 +158,14 @@ class PromptBatch:
 
     @classmethod
     async def submit(cls, state: AppState, model: str, prompts: list[list[int]],
-                     params: SamplingParams, prefix_scope: bytes | None = None) -> "PromptBatch":
+                     params: SamplingParams, prefix_scope: bytes | None = None,
+                     owner: str | None = None) -> "PromptBatch":
         """Queue every prompt; if one is refused (QueueFull, ...), those queued already are dropped."""
         submissions: list[Submission] = []
         try:
             for tokens in prompts:
                 submissions.append(await state.engine.submit(model, tokens, params, None,
-                                                             prefix_scope))
+                                                             prefix_scope, owner))
         except BaseException:
             for submission in submissions:
                 submission.cancel()
