@@ -59,7 +59,7 @@ def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int],
         try:
             return served.tokenizer.encode(prompt)
         except ValueError as error:  # a word-level vocabulary without <unk> meets a word it lacks
-            raise InvalidRequest(str(error), param=param) from None
+            raise InvalidRequest(str(error), param=param, code="word_not_in_vocabulary") from None
     tokens = list(prompt)
     if len(tokens) > limit:
         raise InvalidRequest(f"{param} is {len(tokens)} tokens; the limit is {limit} (XLSERVE_MAX_PROMPT_BYTES)",
@@ -67,7 +67,8 @@ def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int],
     vocab = served.vocab_size
     bad = next((t for t in tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param,
+                             code="token_id_out_of_vocabulary")
     return tokens
 
 
