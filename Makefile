@@ -16,7 +16,7 @@ PORT ?= 8000
 # runs torch on one thread (tests/conftest.py), so the workers do not fight over cores.
 TEST_WORKERS ?= 2
 
-.PHONY: serve test fuzz bench gpu-check clean
+.PHONY: serve test fuzz chaos bench gpu-check clean
 
 # installs with the pins, less torch's block when the torch installed is not the pinned one (a GPU build)
 $(INSTALLED): pyproject.toml $(CONSTRAINTS)
@@ -42,6 +42,14 @@ test: $(INSTALLED)
 FUZZ_EXAMPLES ?= 300
 fuzz: $(INSTALLED)
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/e2e/test_fuzz.py
+
+# the chaos run of `make test` (tests/e2e/test_chaos.py: fairness, disconnects mid-prefill, poison
+# imports, a Redis pause during commits, engine kills beside streams, against one real server and
+# redis-server) with more rounds of each probe; it prints a table of probes and outcomes
+CHAOS_ROUNDS ?= 20
+chaos: $(INSTALLED)
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(PY) -m pytest -q -s tests/e2e/test_chaos.py
 
 bench: $(INSTALLED)
 	$(VENV)/bin/xlserve bench continuation
