@@ -12,6 +12,12 @@ their chunks checked the same way.
 The websocket is not in the OpenAPI document: Hypothesis draws frames for it directly, on one
 connection that must stay usable, and every frame it answers must fit protocol.ServerFrame.
 
+The server serves Transformer-XL, a chat copy of it, and a Reformer of 8 positions (its
+max_context), which the drawn requests and frames name too. Few requests drawn from the schema
+get past validation to the Reformer's limit, so Hypothesis also draws plausible completions and
+appends for it, alone and on a session that fills up: each one past the limit must get 400
+context_length_exceeded (and none within it), never a 5xx, and both kinds must occur.
+
 The budget is fixed (FUZZ_EXAMPLES examples per operation and kind, derandomized, so a run is
 repeatable); `make test` runs the small default, `make fuzz` a larger one. The server runs with
 small limits (XLSERVE_MAX_TOKENS_LIMIT, XLSERVE_MAX_PROMPT_BYTES) so that every valid request is
@@ -21,6 +27,7 @@ quick. The test process runs no model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections import Counter
@@ -38,12 +45,15 @@ from schemathesis.checks import content_type_conformance, response_schema_confor
 from schemathesis.core.failures import FailureGroup
 from websockets.sync.client import connect
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, make_checkpoint
 from xlserve.server.api.protocol import server_frame
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "30"))  # per operation and generation mode
 FRAMES = int(os.environ.get("FUZZ_FRAMES", str(EXAMPLES * 8)))  # websocket frames
-MODELS = ("txl-tiny", "chat-tiny")
+REFORMER = "reformer-tiny"
+REFORMER_AXIAL_SHAPE = [2, 4]  # max_context 8: short enough that drawn prompts (mostly a few characters) reach it
+REFORMER_LIMIT = math.prod(REFORMER_AXIAL_SHAPE)
+MODELS = ("txl-tiny", "chat-tiny", REFORMER)
 ERROR_FIELDS = {"message", "type", "param", "code"}
 CONFORMANCE = [response_schema_conformance, content_type_conformance]
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -54,8 +64,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfo
 def fuzz_server(tiny_checkpoint, tmp_path_factory):
     chat = shutil.copytree(tiny_checkpoint, tmp_path_factory.mktemp("fuzz-weights") / "chat-tiny")
     (chat / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    process = ServerProcess([tiny_checkpoint, chat], env={"XLSERVE_MAX_TOKENS_LIMIT": "16",
-                                                          "XLSERVE_MAX_PROMPT_BYTES": "2048"},
+    reformer = make_checkpoint(tmp_path_factory.mktemp("fuzz-weights") / REFORMER, arch="reformer",
+                               config={"axial_pos_shape": REFORMER_AXIAL_SHAPE})
+    process = ServerProcess([tiny_checkpoint, chat, reformer],
+                            env={"XLSERVE_MAX_TOKENS_LIMIT": "16", "XLSERVE_MAX_PROMPT_BYTES": "2048"},
                             log_path=tmp_path_factory.mktemp("logs") / "fuzz.log").start()
     yield process
     process.stop()
@@ -95,21 +107,23 @@ def response_problem(status: int, content_type: str, text: str) -> str | None:
 
 
 class LiveSessions:
-    """A few sessions that exist, for path parameters; one that a fuzzed DELETE removed is
-    replaced."""
+    """A few sessions that exist, for path parameters (one of the Reformer's, whose appends reach
+    its limit); one that a fuzzed DELETE removed is replaced by one of the same model."""
 
-    def __init__(self, url: str, count: int = 3):
+    def __init__(self, url: str, models: tuple[str, ...] = (MODELS[0], MODELS[0], REFORMER)):
         self.url = url
-        self.ids = [self._create() for _ in range(count)]
+        self.models = list(models)
+        self.ids = [self._create(model) for model in self.models]
 
-    def _create(self) -> str:
-        response = httpx.post(self.url + "/v1/sessions", json={"model": MODELS[0]}, timeout=30)
+    def _create(self, model: str) -> str:
+        response = httpx.post(self.url + "/v1/sessions", json={"model": model}, timeout=30)
         response.raise_for_status()
         return response.json()["id"]
 
     def deleted(self, session_id: str) -> None:
         if session_id in self.ids:
-            self.ids[self.ids.index(session_id)] = self._create()
+            index = self.ids.index(session_id)
+            self.ids[index] = self._create(self.models[index])
 
 
 def substitute(case, data, sessions: LiveSessions) -> None:
@@ -124,9 +138,18 @@ def substitute(case, data, sessions: LiveSessions) -> None:
         case.query["model"] = data.draw(st.sampled_from(MODELS))
 
 
+def error_code(text: str) -> str | None:
+    """The code of an error body, or None."""
+    try:
+        return json.loads(text)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def fuzz_operation(operation, mode: GenerationMode, base_url: str, sessions: LiveSessions,
-                   statuses: Counter, failures: list[str], documented: dict) -> None:
-    """Fuzz one operation; `documented` is its entry in /openapi.json."""
+                   statuses: Counter, codes: Counter, failures: list[str], documented: dict) -> None:
+    """Fuzz one operation; `documented` is its entry in /openapi.json; `codes` counts the codes
+    of the 4xx answers."""
     http_session = requests.Session()
     listed = set(documented["responses"]) - {"default"}
 
@@ -142,7 +165,10 @@ def fuzz_operation(operation, mode: GenerationMode, base_url: str, sessions: Liv
             return
         statuses[response.status_code] += 1
         content_type = (response.headers.get("content-type") or [""])[0]  # schemathesis: name -> values
-        problem = response_problem(response.status_code, content_type, response.content.decode("utf-8", "replace"))
+        text = response.content.decode("utf-8", "replace")
+        if 400 <= response.status_code < 500:
+            codes[error_code(text)] += 1
+        problem = response_problem(response.status_code, content_type, text)
         if problem is None and str(response.status_code) not in listed:
             problem = f"status {response.status_code} is not among those documented ({sorted(listed)})"
         if problem is None:
@@ -167,18 +193,82 @@ def test_fuzzed_http_requests_get_no_5xx_only_the_error_body_and_documented_answ
     document = httpx.get(fuzz_server.url + "/openapi.json", timeout=10).json()
     sessions = LiveSessions(fuzz_server.url)
     statuses: Counter = Counter()
+    codes: Counter = Counter()
     failures: list[str] = []
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 15, [op.label for op in operations]
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            fuzz_operation(operation, mode, fuzz_server.url, sessions, statuses, failures,
+            fuzz_operation(operation, mode, fuzz_server.url, sessions, statuses, codes, failures,
                            document["paths"][operation.path][operation.method.lower()])
     cases = sum(statuses.values())
-    print(f"\nfuzzed {cases} HTTP requests over {len(operations)} operations; statuses: {dict(statuses)}")
+    print(f"\nfuzzed {cases} HTTP requests over {len(operations)} operations; statuses: {dict(statuses)}; "
+          f"4xx codes: {dict(codes)}")
     assert not failures, "\n".join(failures[:20])
     assert cases >= len(operations) * EXAMPLES  # the budget was spent on real requests
     assert httpx.get(fuzz_server.url + "/ready", timeout=10).status_code == 200
+
+
+# -- the Reformer's limit: plausible requests, drawn ------------------------------------------------------
+
+PROMPTS = st.text(max_size=8) | st.lists(st.integers(0, 255), max_size=12)
+LIMIT_REQUESTS = st.one_of(
+    st.tuples(st.just("completion"), PROMPTS, st.integers(0, 8)),
+    st.tuples(st.just("session completion"), PROMPTS, st.integers(0, 8)),
+    st.tuples(st.just("append"), PROMPTS.filter(len), st.just(0)),
+)
+
+
+def ok_json(response: httpx.Response) -> dict:
+    response.raise_for_status()
+    return response.json()
+
+
+def prompt_length(prompt: str | list[int]) -> int:
+    return len(prompt.encode("utf-8")) if isinstance(prompt, str) else len(prompt)
+
+
+def test_drawn_requests_past_the_reformers_limit_get_400_context_length_exceeded(fuzz_server):
+    client = httpx.Client(base_url=fuzz_server.url, timeout=60)
+    outcomes: Counter = Counter()
+    failures: list[str] = []
+
+    def new_session() -> str:
+        return ok_json(client.post("/v1/sessions", json={"model": REFORMER}))["id"]
+
+    session = {"id": new_session()}
+
+    @settings(max_examples=EXAMPLES * 2, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(request=LIMIT_REQUESTS)
+    def run(request):
+        kind, prompt, max_tokens = request
+        history = 0 if kind == "completion" else ok_json(client.get(f"/v1/sessions/{session['id']}"))["tokens"]
+        reach = history + prompt_length(prompt) + (kind != "append" and max_tokens > 0)
+        if kind == "append":
+            response = client.post(f"/v1/sessions/{session['id']}/append", json={"text": prompt})
+        else:
+            body = {"model": REFORMER, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            if kind == "session completion":
+                body["session_id"] = session["id"]
+            response = client.post("/v1/completions", json=body)
+        problem = response_problem(response.status_code, response.headers.get("content-type", ""), response.text)
+        code = error_code(response.text) if response.status_code >= 400 else None
+        if problem is None and (reach > REFORMER_LIMIT) != (code == "context_length_exceeded"):
+            problem = f"reach {reach} of {REFORMER_LIMIT}: status {response.status_code}, code {code}"
+        if problem:
+            failures.append(f"{kind} {prompt!r} max_tokens={max_tokens} on {history}: {problem}")
+        outcomes["past the limit" if code == "context_length_exceeded" else response.status_code] += 1
+        if history + prompt_length(prompt) >= REFORMER_LIMIT:  # full, or nearly: start the session again
+            session["id"] = new_session()
+
+    try:
+        run()
+    finally:
+        client.close()
+    print(f"\ndrew {sum(outcomes.values())} requests for the Reformer's limit: {dict(outcomes)}")
+    assert not failures, "\n".join(failures[:20])
+    assert outcomes["past the limit"] > 0 and outcomes[200] > 0
 
 
 # requests whose answers are event streams, which drawn requests seldom get as far as; each of
@@ -252,6 +342,7 @@ FRAME_STRATEGY = st.one_of(
 def test_fuzzed_websocket_frames_get_answers_and_the_connection_stays_usable(fuzz_server):
     url = fuzz_server.url.replace("http://", "ws://") + "/v1/stream"
     kinds: Counter = Counter()
+    codes: Counter = Counter()
     failures: list[str] = []
     with connect(url, max_size=None) as ws:
 
@@ -270,6 +361,7 @@ def test_fuzzed_websocket_frames_get_answers_and_the_connection_stays_usable(fuz
                     continue
                 kinds[answer["type"]] += 1
                 if answer["type"] == "error":
+                    codes[answer["error"].get("code")] += 1
                     problem = error_body_problem({"error": answer["error"]})
                     if problem:
                         failures.append(f"{frame[:300]}: {problem}")
@@ -280,5 +372,6 @@ def test_fuzzed_websocket_frames_get_answers_and_the_connection_stays_usable(fuz
         run()
         ws.send(json.dumps({"type": "generate", "model": MODELS[0], "prompt": "ok", "max_tokens": 1}))
         assert json.loads(ws.recv(timeout=60))["type"] in ("token", "done")
-    print(f"\nfuzzed {sum(kinds.values())} websocket frames; answers: {dict(kinds)}")
+    print(f"\nfuzzed {sum(kinds.values())} websocket frames; answers: {dict(kinds)}; error codes: {dict(codes)}")
     assert not failures, "\n".join(failures[:20])
+    assert codes["context_length_exceeded"] > 0  # drawn frames reached the Reformer's limit, and got the error
