@@ -23,9 +23,10 @@ bytes would cost 64k forwards over its window); `history_fed_tokens` says so in 
 
 A model that stops at its `max_context` (the Reformer: longer histories are refused, it does not
 slide) is measured only where the history, and the history plus the append, fit: null in the
-JSON, `-` in the table, past that. Its state is also measured at that limit
-(`state_bytes_at_history_limit`), and it decodes from the longest measured history that leaves
-room for the decoded tokens when the first state history does not (`decode_after_tokens`).
+JSON, `-` in the table, past that. When a requested history passes the limit, its state is also
+measured at the limit (`state_bytes_at_history_limit`; null when every history fits, as in
+--quick), and it decodes from the longest measured history that leaves room for the decoded
+tokens when the first state history does not (`decode_after_tokens`).
 
 Results: bench-results/models.json (--quick: models-quick.json) and a plot beside it (bits per
 byte against state bytes after the longest state history, log x, one point per checkpoint), and a
@@ -209,7 +210,12 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
     model = load_checkpoint(directory, device=args.device).eval()
     evaluation = held_out_bits_per_byte(directory)
     limit = model.history_limit
-    marks = sorted(set(args.histories) | set(args.state_histories) | ({limit} if limit is not None else set()))
+    requested = set(args.histories) | set(args.state_histories)
+    # the state at the limit is measured only when a requested history passes it (it stands in for
+    # those): the text read reaches the longest requested history, not necessarily the limit
+    # (--quick reads about 1,152 tokens; the Reformer stops at 2,048)
+    passes_limit = limit is not None and limit < max(requested)
+    marks = sorted(requested | ({limit} if passes_limit else set()))
     sessions = history_states(model, tokens, marks, args.chunk)
     # each history is continued by the text that follows it, where the model can take that
     # much (a model that stops at max_context has no append past it: null in the JSON)
