@@ -47,6 +47,7 @@ from xlserve.server.api.errors import (
     send_error,
 )
 from xlserve.server.api.routers import chat, completions, health, models, playground, sessions, tokenize, ws
+from xlserve.server.api.routers.docs import DOCUMENTATION_PATHS, documentation_router
 from xlserve.server.api.routers.playground import PAGE_PATHS
 from xlserve.server.api.serving import error_frame, refuse_unknown_query_parameters
 from xlserve.server.engine.client import EngineClient
@@ -263,8 +264,8 @@ def _method(scope: Scope) -> str:
 
 
 def documentation_paths(app: FastAPI) -> set[str]:
-    return {path for path in (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
-            if path}
+    """/openapi.json, the reference pages (/docs, /redoc) and their assets (server/api/routers/docs.py)."""
+    return {app.openapi_url, *DOCUMENTATION_PATHS} if app.openapi_url else set(DOCUMENTATION_PATHS)
 
 
 def expected_responses(app: FastAPI) -> list[tuple[str, str, int]]:
@@ -372,10 +373,12 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
             state.ready = False
             await state.engine.close()
 
-    app = FastAPI(title="xlserve", version=package_version(), lifespan=lifespan)
+    # FastAPI's own /docs and /redoc load their scripts from a CDN: xlserve serves its own pages,
+    # with the assets of an installed package (documentation_router)
+    app = FastAPI(title="xlserve", version=package_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
 
-    open_paths = OPEN_PATHS | PAGE_PATHS | {path for path in (app.openapi_url, app.docs_url, app.redoc_url) if path}
+    open_paths = OPEN_PATHS | PAGE_PATHS | documentation_paths(app)
     app.add_middleware(LoadingGate, open_paths=frozenset(open_paths))
     app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.server.max_request_body_bytes)
     app.add_middleware(ResponseMetrics)  # outermost: it counts what the others answer too
@@ -387,4 +390,5 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
         app.include_router(router, dependencies=[Depends(refuse_unknown_query_parameters)])
     app.include_router(ws.router)
     app.include_router(playground.router)
+    app.include_router(documentation_router(app.title))
     return app
