@@ -40,17 +40,31 @@ const json = async (method, path, body) => (await api(method, path, body)).json(
 
 // -- models ------------------------------------------------------------------------------------
 
+// The model a first visit starts with: the shipped Transformer-XL, whose segment memory is what
+// the document panel shows best; else any Transformer-XL; else the first listed.
+const PREFERRED_MODEL = "transformer-xl-stdlib";
+
+function defaultModel(models) {
+  const preferred = models.find((m) => m.id === PREFERRED_MODEL) ||
+    models.find((m) => m.architecture === "transformer-xl") || models[0];
+  return preferred ? preferred.id : "";
+}
+
 async function loadModels() {
   try {
     const listing = await json("GET", "/v1/models");
     const select = $("model");
+    const previous = select.value;
     select.innerHTML = "";
+    state.models = {};
     for (const model of listing.data) {
       state.models[model.id] = model;
       select.add(new Option(model.id, model.id));
     }
+    select.value = state.models[previous] ? previous : defaultModel(listing.data);
     showModel();
     status(`${listing.data.length} model(s)`);
+    await refreshSessionList();
   } catch (error) {
     status("models: " + error.message, true);
   }
@@ -61,7 +75,16 @@ function showModel() {
   $("model-card").textContent = model ? `${model.architecture} · state ${model.state_kind}` +
     ` · context ${model.max_context === null ? "unbounded" : model.max_context}` : "";
 }
-$("model").addEventListener("change", showModel);
+
+$("model").addEventListener("change", () => {
+  showModel();
+  // a session belongs to one model: keep using it with another would only be refused, so it is
+  // put aside (not deleted: "your sessions" still lists it, and picking it switches back)
+  if (state.session && state.session.model !== $("model").value) {
+    status(`session ${state.session.id} is a ${state.session.model} session: put aside`);
+    showSession(null);
+  }
+});
 
 // -- generate over the websocket -----------------------------------------------------------------
 
@@ -93,16 +116,23 @@ function number(id) {
   return value === "" ? null : Number(value);
 }
 
-async function generate(prompt, target, withSession) {
+async function generate(prompt, target, stats, withSession) {
+  // target: where the text streams to; stats: where its timings and finish reason go
   if (state.running) return;
   const frame = { type: "generate", id: "g" + Date.now(), model: $("model").value, prompt,
                   max_tokens: number("max-tokens"), temperature: number("temperature"), top_p: number("top-p"),
                   top_k: number("top-k") };
   if (number("seed") !== null) frame.seed = number("seed");
-  if (withSession) frame.session_id = await ensureSession();
-  state.running = { id: frame.id, target, sent: performance.now(), first: null, tokens: 0 };
+  target.textContent = "";
+  stats.className = "muted";
+  delete stats.dataset.finish;
+  if (withSession) {
+    frame.session_id = await ensureSession();
+    frame.model = state.session.model;
+  }
+  state.running = { id: frame.id, target, stats, sent: performance.now(), first: null, tokens: 0 };
   $("generate").disabled = true; $("continue").disabled = true; $("cancel").disabled = false;
-  $("generation-stats").textContent = "generating…";
+  stats.textContent = "generating…";
   try {
     (await socket()).send(JSON.stringify(frame));
   } catch (error) {
@@ -131,7 +161,7 @@ function showRate(running) {
   const ttft = running.first === null ? null : running.first - running.sent;
   const seconds = (performance.now() - (running.first || running.sent)) / 1000;
   const rate = running.tokens > 1 && seconds > 0 ? (running.tokens - 1) / seconds : null;
-  $("generation-stats").textContent = `${running.tokens} tokens · time to first token ` +
+  running.stats.textContent = `${running.tokens} tokens · time to first token ` +
     `${ttft === null ? "–" : ttft.toFixed(0) + " ms"} · ${rate === null ? "–" : rate.toFixed(1)} tokens/s`;
 }
 
@@ -140,17 +170,16 @@ function finishGeneration(reason, isError = false) {
   state.running = null;
   $("generate").disabled = false; $("cancel").disabled = true;
   $("continue").disabled = !state.session;
-  if (running) showRate(running);
-  const el = $("generation-stats");
+  if (!running) return;
+  showRate(running);
+  const el = running.stats;
   el.textContent += ` · ${isError ? "error: " : "finished: "}${reason}`;
   el.dataset.finish = isError ? "error" : reason;
   if (isError) el.className = "error";
 }
 
 $("generate").addEventListener("click", () => {
-  $("output").textContent = "";
-  $("generation-stats").className = "muted";
-  generate($("prompt").value, $("output"), $("use-session").checked);
+  generate($("prompt").value, $("output"), $("generation-stats"), $("use-session").checked);
 });
 $("cancel").addEventListener("click", () => {
   if (state.running && state.socket) state.socket.send(JSON.stringify({ type: "cancel", id: state.running.id }));
@@ -196,27 +225,69 @@ function colour(bitsPerByte) {
 }
 
 const curves = { with: [], without: [] };
+// the legend's colours; "with memory" is drawn last so that where the curves meet it stays visible
+const CURVE_STYLES = [["without", "#d62728", 1.5], ["with", "#1f77b4", 2.5]];
+
+function niceStep(range, count) {
+  // a step of 1, 2 or 5 times a power of ten that cuts `range` into about `count` parts
+  const raw = range / count, magnitude = 10 ** Math.floor(Math.log10(raw)), norm = raw / magnitude;
+  return (norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10) * magnitude;
+}
+
+function tickLabel(value, step) {
+  if (value >= 1000 && step >= 100) return (value / 1000).toFixed(step >= 1000 ? 0 : 1) + "k";
+  return value.toFixed(step < 1 ? Math.min(3, -Math.floor(Math.log10(step))) : 0);
+}
 
 function drawCurves() {
-  const canvas = $("curve"), ctx = canvas.getContext("2d");
-  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  // the backing store follows the canvas's CSS size, so text stays sharp and legible at any width
+  const canvas = $("curve"), ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || 600, height = canvas.clientHeight || 240;
+  canvas.width = Math.round(width * ratio); canvas.height = Math.round(height * ratio);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
   const all = [...curves.with, ...curves.without];
   if (!all.length) return;
-  const maxX = Math.max(...all.map((p) => p[0])), maxY = Math.max(1, ...all.map((p) => p[1])) * 1.1;
-  const x = (v) => 40 + (canvas.width - 50) * v / maxX, y = (v) => canvas.height - 20 - (canvas.height - 30) * v / maxY;
-  ctx.strokeStyle = "#999"; ctx.fillStyle = "#666"; ctx.font = "11px sans-serif";
-  ctx.beginPath(); ctx.moveTo(40, 10); ctx.lineTo(40, canvas.height - 20); ctx.lineTo(canvas.width - 10, canvas.height - 20); ctx.stroke();
-  ctx.fillText(maxY.toFixed(1) + " bits/byte", 2, 12); ctx.fillText(maxX + " bytes", canvas.width - 70, canvas.height - 5);
-  for (const [name, colourName] of [["with", "#1f77b4"], ["without", "#d62728"]]) {
+
+  const left = 46, right = width - 14, top = 20, bottom = height - 34;
+  const maxX = Math.max(1, ...all.map((p) => p[0])), topY = Math.max(1, ...all.map((p) => p[1]));
+  const xStep = niceStep(maxX, Math.max(2, Math.floor((right - left) / 90)));
+  const yStep = niceStep(topY, 5), maxY = Math.ceil(topY / yStep) * yStep;
+  const x = (v) => left + (right - left) * v / maxX, y = (v) => bottom - (bottom - top) * v / maxY;
+
+  ctx.font = "11px system-ui, sans-serif"; ctx.lineWidth = 1;
+  // y: bits per byte, gridlines at each tick
+  ctx.textAlign = "right"; ctx.textBaseline = "middle";
+  for (let v = 0; v <= maxY + yStep / 2; v += yStep) {
+    ctx.strokeStyle = "#eee"; ctx.beginPath(); ctx.moveTo(left, y(v)); ctx.lineTo(right, y(v)); ctx.stroke();
+    ctx.strokeStyle = "#999"; ctx.beginPath(); ctx.moveTo(left - 4, y(v)); ctx.lineTo(left, y(v)); ctx.stroke();
+    ctx.fillStyle = "#666"; ctx.fillText(tickLabel(v, yStep), left - 6, y(v));
+  }
+  // x: bytes read so far
+  ctx.textAlign = "center"; ctx.textBaseline = "top";
+  for (let v = 0; v <= maxX; v += xStep) {
+    ctx.strokeStyle = "#999"; ctx.beginPath(); ctx.moveTo(x(v), bottom); ctx.lineTo(x(v), bottom + 4); ctx.stroke();
+    ctx.fillStyle = "#666"; ctx.fillText(tickLabel(v, xStep), x(v), bottom + 6);
+  }
+  ctx.strokeStyle = "#999"; ctx.beginPath();
+  ctx.moveTo(left, top); ctx.lineTo(left, bottom); ctx.lineTo(right, bottom); ctx.stroke();
+  // the units
+  ctx.fillStyle = "#333";
+  ctx.textAlign = "left"; ctx.textBaseline = "bottom"; ctx.fillText("bits/byte", 4, top - 6);
+  ctx.textAlign = "right"; ctx.textBaseline = "bottom"; ctx.fillText("bytes read", right, height - 2);
+
+  for (const [name, colourName, lineWidth] of CURVE_STYLES) {
     const points = curves[name];
     if (!points.length) continue;
-    ctx.strokeStyle = colourName; ctx.lineWidth = 2; ctx.beginPath();
+    ctx.strokeStyle = colourName; ctx.lineWidth = lineWidth; ctx.lineJoin = "round"; ctx.beginPath();
     points.forEach(([px, py], i) => (i ? ctx.lineTo(x(px), y(py)) : ctx.moveTo(x(px), y(py))));
     ctx.stroke();
   }
   canvas.dataset.withPoints = curves.with.length;
   canvas.dataset.withoutPoints = curves.without.length;
 }
+window.addEventListener("resize", drawCurves);
 
 function runningCurve(scored, into) {
   let bits = 0, bytes = 0, position = 0;
@@ -231,7 +302,7 @@ function runningCurve(scored, into) {
 $("read").addEventListener("click", async () => {
   const text = documentArea.value;
   if (!text) return;
-  const chunks = chunksOf(text, number("chunk-bytes") || 1024);
+  const chunks = chunksOf(text, number("chunk-bytes") || 128);
   $("read").disabled = true;
   $("coloured").innerHTML = "";
   curves.with = []; curves.without = [];
@@ -271,11 +342,7 @@ $("read").addEventListener("click", async () => {
 });
 
 $("continue").addEventListener("click", () => {
-  const target = document.createElement("span");
-  target.className = "continuation";
-  target.style.background = "#dff0d8";
-  $("coloured").appendChild(target);
-  generate("", target, true);
+  generate("", $("continuation"), $("continuation-stats"), true);
 });
 
 // -- the session ---------------------------------------------------------------------------------
@@ -283,12 +350,43 @@ $("continue").addEventListener("click", () => {
 function showSession(info) {
   state.session = info;
   $("session-id").textContent = info ? info.id : "–";
+  $("session-model").textContent = info ? info.model : "–";
   $("session-tokens").textContent = info ? info.tokens : "–";
   $("session-bytes").textContent = info ? info.state_bytes.toLocaleString() : "–";
   $("session-tier").textContent = info ? info.tier : "–";
   $("session-version").textContent = info ? info.version : "–";
-  $("continue").disabled = !info;
+  $("continue").disabled = !info || Boolean(state.running);
+  if (info && state.models[info.model] && $("model").value !== info.model) {
+    // a session answers only to its own model: the selector follows it
+    $("model").value = info.model;
+    showModel();
+  }
+  const list = $("session-list");
+  if (info) {
+    const listed = [...list.options].find((o) => o.value === info.id);
+    if (listed) listed.text = sessionOption(info).text; else list.add(sessionOption(info), 1);
+  }
+  list.value = info ? info.id : "";
 }
+
+function sessionOption(info) {
+  return new Option(`${info.id} · ${info.model} · ${info.tokens} tokens`, info.id);
+}
+
+async function refreshSessionList() {
+  // the caller's own sessions, newest first (GET /v1/sessions), to pick one up again
+  const listing = await json("GET", "/v1/sessions?limit=100");
+  const list = $("session-list");
+  list.innerHTML = "";
+  list.add(new Option("(none)", ""));
+  for (const info of listing.data) list.add(sessionOption(info));
+  list.value = state.session ? state.session.id : "";
+}
+
+$("session-list").addEventListener("change", guarded(async () => {
+  const id = $("session-list").value;
+  showSession(id ? await json("GET", `/v1/sessions/${encodeURIComponent(id)}`) : null);
+}));
 
 async function newSession() {
   showSession(await json("POST", "/v1/sessions", { model: $("model").value }));
@@ -313,7 +411,10 @@ $("fork-session").addEventListener("click", guarded(async () => {
   if (state.session) showSession(await json("POST", `/v1/sessions/${state.session.id}/fork`));
 }));
 $("delete-session").addEventListener("click", guarded(async () => {
-  if (state.session) { await api("DELETE", `/v1/sessions/${state.session.id}`); showSession(null); }
+  if (!state.session) return;
+  await api("DELETE", `/v1/sessions/${state.session.id}`);
+  showSession(null);
+  await refreshSessionList();
 }));
 $("export-session").addEventListener("click", guarded(async () => {
   if (!state.session) return;
