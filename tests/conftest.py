@@ -19,3 +19,10 @@ def file_rank(path: str) -> int:
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: file_rank(item.nodeid))  # sort is stable: file and test order kept
+
+
+def pytest_addoption(parser):
+    # here, in the top conftest, so that the option exists however pytest is started
+    parser.addoption("--screenshot-dir", default=None,
+                     help="save the browser tests' screenshots there (tests/e2e/test_playground.py; "
+                          "or $PLAYGROUND_SCREENSHOTS)")
