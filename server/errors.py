@@ -70,3 +70,44 @@ def answered_error_classes() -> list[type[RegisteredError]]:
     """The registered classes a client is answered with an error body for (the status table's
     rows): every one defined so far, less the abstract bases and those answered without a body."""
     return [cls for cls in ERROR_CLASSES.values() if not cls.abstract and cls.error_type is not None]
+
+
+# The codes a client can read beyond the registered classes' own (their `default_code`), each with
+# the error type it is answered with: the codes the API's own error classes are raised with
+# (server/api/errors.py: InvalidRequest, Conflict, ...) and those a registered class is raised
+# with at one place instead of its default. With the defaults (`error_codes`) they are every code
+# an error body can carry, and so every value the `code` label of xlserve_request_errors_total
+# can take besides "none" (server/metrics.py). tests/server/test_http_metrics.py checks that
+# every code written in server/ is listed here or is a class's default.
+RAISED_CODES: dict[str, str] = {
+    # 400s of the API layer: the request as sent
+    "invalid_text": "invalid_request_error",
+    "json_too_deep": "invalid_request_error",
+    "malformed_frame": "invalid_request_error",
+    "unknown_parameter": "invalid_request_error",
+    "session_id_mismatch": "invalid_request_error",
+    "invalid_idempotency_key": "invalid_request_error",
+    "prompt_too_long": "invalid_request_error",
+    "invalid_logit_bias": "invalid_request_error",
+    "token_id_out_of_vocabulary": "invalid_request_error",
+    "word_not_in_vocabulary": "invalid_request_error",
+    "no_chat_template": "invalid_request_error",
+    "chat_template_error": "invalid_request_error",
+    # an imported or PUT state the model cannot take (the engine's InvalidInput)
+    "invalid_state": "invalid_request_error",
+    "invalid_api_key": "authentication_error",
+    # the websocket's one request at a time
+    "nothing_to_cancel": "conflict",
+    "request_in_progress": "conflict",
+    # the model's forward raised for one request alone (RequestFailed's other code)
+    "forward_failed": "internal_error",
+    # requests still running when the shutdown grace period ended
+    "server_shutting_down": "service_unavailable",
+}
+
+
+def error_codes() -> dict[str, str]:
+    """Every code an error body can carry -> the error type it is answered with: the default codes
+    of the registered classes defined so far, and `RAISED_CODES`."""
+    defaults = {cls.default_code: cls.error_type for cls in answered_error_classes() if cls.default_code}
+    return {**defaults, **RAISED_CODES}

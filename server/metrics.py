@@ -5,7 +5,7 @@ Names follow vLLM's style (xlserve_<what>_<unit>), all labelled by model.
 The server runs two processes (server/engine/process.py, docs/design.md section 8) and each
 creates a `Metrics`. Each family is recorded by exactly one of them: the API process records
 what a client sees (every HTTP response by route and status, time to first token, inter-token
-and end-to-end latency as streamed, errors by type, memory reuse and state size at commit), the
+and end-to-end latency as streamed, errors by type and code, memory reuse and state size at commit), the
 engine process's restarts and its own process metrics (`process_*`, prometheus_client's process
 collector) (`is_api_family`); the engine process records the rest (tokens, queue, request
 phases, batch sizes, outcomes, the session cache and its tiers' budgets) and its own process
@@ -16,6 +16,8 @@ metrics as `xlserve_engine_process_*` (the same collector, reading the engine pr
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from xlserve.server.errors import error_codes
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # a request's phases and an HTTP response's whole time (a stream lasts as long as its generation)
@@ -46,6 +48,19 @@ ENGINE_PROCESS_NAMESPACE = "xlserve_engine"
 UNMATCHED_ROUTE = "unmatched"
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 OTHER_METHOD = "other"
+# the `code` of xlserve_request_errors_total: one of the error registry's codes
+# (server/errors.py `error_codes`), NO_CODE for an error that carries none, and UNREGISTERED_CODE
+# for a code the registry lacks (a bug tests/server/test_http_metrics.py is there to catch),
+# so that the label never takes a value nobody declared
+NO_CODE = "none"
+UNREGISTERED_CODE = "unregistered"
+
+
+def error_code_label(code: object) -> str:
+    """The `code` label value of an error whose body carries `code`."""
+    if code is None:
+        return NO_CODE
+    return code if isinstance(code, str) and code in error_codes() else UNREGISTERED_CODE
 
 
 def is_api_family(name: str) -> bool:
@@ -84,8 +99,11 @@ class Metrics:
         )
         # every error a client is answered with (an HTTP error status, an error event in a stream,
         # an error frame on the websocket), counted once where it is answered (server/api/errors.py);
-        # model is "" when the request names no model the server serves
-        self.request_errors = Counter("xlserve_request_errors", "Failed requests by error type", ["model", "type"], registry=r)
+        # model is "" when the request names no model the server serves; type and code are the
+        # error body's (code: `error_code_label`), so that errors of one type ("model not found"
+        # and "session not found", both not_found_error) can be told apart
+        self.request_errors = Counter("xlserve_request_errors", "Failed requests by error type and code",
+                                      ["model", "type", "code"], registry=r)
         # every HTTP response, as prometheus-fastapi-instrumentator counts them: by the route's path
         # template (never the raw path), method and status code; a stream once, when it ends; a
         # websocket handshake as GET with 101 (accepted) or the status it was refused with
@@ -211,14 +229,18 @@ class Metrics:
                     counter.labels(model, tier)
 
     def declare_api_series(self, models: list[str], error_types: list[str]) -> None:
-        """The API process's counters at 0 for every model and error type (errors also for model
-        "", those of requests that name no served model)."""
+        """The API process's counters at 0 for every model, and errors for every model (and model
+        "", requests that name no served model) by each error type without a code and with each
+        registered code of that type (server/errors.py `error_codes`): the pairs a client can be
+        answered with, not every type with every code."""
         for model in models:
             self.memory_reused_tokens.labels(model)
             self.engine_restarts.labels(model)
+        pairs = [(error_type, NO_CODE) for error_type in error_types]
+        pairs += [(error_type, code) for code, error_type in error_codes().items() if error_type in error_types]
         for model in [*models, ""]:
-            for error_type in error_types:
-                self.request_errors.labels(model, error_type)
+            for error_type, code in pairs:
+                self.request_errors.labels(model, error_type, code)
 
     def declare_http_series(self, responses: list[tuple[str, str, int]]) -> None:
         """xlserve_http_requests_total at 0 for each (route template, method, status)."""

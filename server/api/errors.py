@@ -7,7 +7,7 @@ what a client sees for it (server/errors.py `RegisteredError`); `ERROR_KINDS`, t
 is built from those declarations, and nothing here repeats them.
 
 Every error a client is answered with is counted once, by `count_error`
-(xlserve_request_errors_total{model, type}), where it is answered: here for HTTP error
+(xlserve_request_errors_total{model, type, code}), where it is answered: here for HTTP error
 responses (the app's exception handlers and `send_error`, which the ASGI middlewares use),
 and by serving for errors sent inside an SSE stream or as a websocket error frame.
 """
@@ -30,6 +30,7 @@ from starlette.types import Scope, Send
 import xlserve.server.cache.errors  # noqa: F401
 from xlserve.server.engine.errors import Cancelled
 from xlserve.server.errors import RegisteredError, answered_error_classes
+from xlserve.server.metrics import error_code_label
 
 
 class APIError(Exception):
@@ -188,15 +189,16 @@ def as_api_error(error: BaseException) -> APIError:
 
 
 def count_error(state: Any, error: APIError, model: str | None = None) -> None:
-    """Count one error answer in xlserve_request_errors_total{model, type}, where it is answered
-    (an HTTP error response, an error event in a stream, a websocket error frame). `state` is
-    the app's AppState (None before the app has started: nothing to count in); `model` the model
-    the request names, kept only when the server serves it ("" otherwise: a name a client chose
-    must never become a label value)."""
+    """Count one error answer in xlserve_request_errors_total{model, type, code}, where it is
+    answered (an HTTP error response, an error event in a stream, a websocket error frame).
+    `state` is the app's AppState (None before the app has started: nothing to count in); `model`
+    the model the request names, kept only when the server serves it ("" otherwise: a name a
+    client chose must never become a label value); `code` the body's code when the error registry
+    knows it ("none" without one: server/metrics.py `error_code_label`)."""
     if state is None:
         return
     label = model if isinstance(model, str) and model in state.models else ""
-    state.metrics.request_errors.labels(label, error.type).inc()
+    state.metrics.request_errors.labels(label, error.type, error_code_label(error.code)).inc()
 
 
 def requested_model(request: Request, body: Any = None) -> str | None:

@@ -77,6 +77,17 @@ def metric(text: str, name: str, **labels) -> float:
     return 0.0
 
 
+def metric_total(text: str, name: str, **labels) -> float:
+    """The sum of the samples of `name` whose labels include `labels`, whatever their other labels
+    (xlserve_request_errors_total{type="internal_error"} over every model and code)."""
+    wanted = {f'{key}="{value}"' for key, value in labels.items()}
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and wanted <= set(line[len(name) + 1 : line.index("}")].split(",")):
+            total += float(line.split()[-1])
+    return total
+
+
 def histogram(text: str, name: str, **labels) -> dict[str, float]:
     """le -> cumulative count of the Prometheus histogram `name` with `labels` (empty when absent)."""
     buckets = {}

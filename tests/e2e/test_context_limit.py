@@ -19,7 +19,7 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess, make_checkpoint
-from tests.e2e.session_tools import append, create, fork, info, metric, ok
+from tests.e2e.session_tools import append, create, fork, info, metric_total, ok
 
 MODEL = "reformer-short"
 LIMIT = 256  # its axial positions: 16 x 16
@@ -256,5 +256,5 @@ def test_user_input_that_cannot_run_is_a_4xx_never_a_500(served, client, name):
 
 def test_no_request_here_was_answered_with_an_internal_error(client):
     """Run last in this module: whatever the tests above sent, no answer was a 500."""
-    assert metric(client.get("/metrics").text, "xlserve_request_errors_total", model=MODEL,
-                  type="internal_error") == 0
+    assert metric_total(client.get("/metrics").text, "xlserve_request_errors_total", model=MODEL,
+                        type="internal_error") == 0

@@ -18,7 +18,7 @@ from safetensors.numpy import save as save_numpy
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess, make_checkpoint
-from tests.e2e.session_tools import append, create, document, info, metric, ok, safetensors_metadata
+from tests.e2e.session_tools import append, create, document, info, metric_total, ok, safetensors_metadata
 
 MODEL = "txl-tiny"
 REFORMER = "reformer-small"
@@ -152,4 +152,4 @@ def test_no_request_here_was_answered_with_an_internal_error(client):
     """Run last in this module: whatever the tests above sent, no answer was a 500."""
     text = client.get("/metrics").text
     for model in (MODEL, REFORMER):
-        assert metric(text, "xlserve_request_errors_total", model=model, type="internal_error") == 0
+        assert metric_total(text, "xlserve_request_errors_total", model=model, type="internal_error") == 0

@@ -1,21 +1,25 @@
 """HTTP responses and errors as the API process counts them: the app `build_app` makes, with a
 stand-in for the engine process (no model, no torch work), driven through starlette's test
 client. What each response counts in xlserve_http_requests_total{route, method, status} and
-xlserve_request_errors_total{model, type}: once, under the route's template, and an error
-under the model only when the server serves it.
+xlserve_request_errors_total{model, type, code}: once, under the route's template, and an
+error under the model only when the server serves it and under its code only when the error
+registry knows it.
 
 The engine-side metrics (tier budgets and usage, request phases, the engine process's own
 process metrics) are checked here too, on `Metrics` itself and on a real `Engine`."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+import xlserve.server
 from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.errors import ERROR_TYPES
@@ -23,12 +27,14 @@ from xlserve.server.app import build_app, expected_responses
 from xlserve.server.cache.errors import SessionLocked
 from xlserve.server.engine.errors import Cancelled, QueueFull, RequestFailed
 from xlserve.server.engine.types import ChoiceFinished, Finished, TokenEvent
-from xlserve.server.metrics import UNMATCHED_ROUTE, Metrics
+from xlserve.server.errors import error_codes
+from xlserve.server.metrics import NO_CODE, UNMATCHED_ROUTE, UNREGISTERED_CODE, Metrics, error_code_label
 from xlserve.server.settings import Settings
 
 from tests.server.scripted_engine import ScriptedEngine
 
 MODEL = "m"
+SERVER_ROOT = Path(xlserve.server.__file__).parent
 
 
 @pytest.fixture
@@ -67,8 +73,9 @@ def responses(state) -> dict[tuple, float]:
 
 
 def errors(state) -> dict[tuple, float]:
-    """(model, type) -> errors counted, those above 0."""
-    return {key: value for key, value in samples(state.metrics, "xlserve_request_errors_total").items() if value}
+    """(model, type, code) -> errors counted, those above 0."""
+    counted = samples(state.metrics, "xlserve_request_errors_total").items()  # keyed (code, model, type)
+    return {(model, type_, code): value for (code, model, type_), value in counted if value}
 
 
 def test_responses_are_counted_by_route_template_method_and_status(served):
@@ -114,13 +121,13 @@ def test_every_error_is_counted_once_by_type_and_served_model(served):
     assert client.post("/v1/completions", content=b'{"model": "m", "prompt": "' + b"x" * 2000 + b'"}',
                        headers={"content-type": "application/json"}).status_code == 413
     assert errors(state) == {
-        (MODEL, "invalid_request_error"): 2,
-        ("", "not_found_error"): 1,
-        (MODEL, "authentication_error"): 1,  # it names a served model: counted under it
-        (MODEL, "rate_limit_error"): 1,
-        (MODEL, "session_busy"): 1,
-        ("", "session_busy"): 1,
-        ("", "request_too_large"): 1,
+        (MODEL, "invalid_request_error", NO_CODE): 2,  # pydantic's validation errors carry no code
+        ("", "not_found_error", "model_not_found"): 1,
+        (MODEL, "authentication_error", "invalid_api_key"): 1,  # it names a served model: counted under it
+        (MODEL, "rate_limit_error", "queue_full"): 1,
+        (MODEL, "session_busy", "session_busy"): 1,
+        ("", "session_busy", "session_busy"): 1,
+        ("", "request_too_large", NO_CODE): 1,
     }
     counted = responses(state)
     assert counted[("POST", "/v1/completions", "413")] == 1  # answered before routing, under its route
@@ -142,7 +149,7 @@ def test_a_stream_counts_once_with_its_status_and_an_error_in_it_once(served):
     # a plain request that fails after it was accepted: the handler answers and counts it
     assert client.post("/v1/completions", json={**body, "stream": False}).status_code == 500
     assert responses(state) == {("POST", "/v1/completions", "200"): 2, ("POST", "/v1/completions", "500"): 1}
-    assert errors(state) == {(MODEL, "internal_error"): 2}
+    assert errors(state) == {(MODEL, "internal_error", "sampling_failed"): 2}
 
 
 def test_a_client_that_left_is_no_server_error(served):
@@ -168,7 +175,7 @@ def test_gate_answers_count_under_their_route(served):
     assert counted[("POST", "/v1/completions", "503")] == 1
     assert counted[("GET", "/v1/stream", "101")] == 1
     assert counted[("GET", "/v1/sessions/{session_id}", "503")] == 1
-    assert errors(state) == {("", "service_unavailable"): 3}
+    assert errors(state) == {("", "service_unavailable", "loading"): 2, ("", "service_unavailable", "shutting_down"): 1}
 
 
 def test_websocket_handshakes_and_frames_are_counted(served):
@@ -189,8 +196,10 @@ def test_websocket_handshakes_and_frames_are_counted(served):
     with TestClient(client.app).websocket_connect("/v1/stream") as ws:  # no key
         assert ws.receive_json()["error"]["type"] == "authentication_error"
     assert responses(state) == {("GET", "/v1/stream", "101"): 2}
-    assert errors(state) == {("", "invalid_request_error"): 2, (MODEL, "rate_limit_error"): 1,
-                             (MODEL, "internal_error"): 1, ("", "authentication_error"): 1}
+    assert errors(state) == {("", "invalid_request_error", "malformed_frame"): 2,
+                             (MODEL, "rate_limit_error", "queue_full"): 1,
+                             (MODEL, "internal_error", "sampling_failed"): 1,
+                             ("", "authentication_error", "invalid_api_key"): 1}
 
 
 def test_responses_the_api_answers_exist_at_zero(served):
@@ -206,11 +215,66 @@ def test_responses_the_api_answers_exist_at_zero(served):
     assert ("other", "/v1/models", "405") in responses(state)
 
 
-def test_errors_of_every_type_exist_at_zero_for_requests_of_no_served_model():
+def test_errors_of_every_type_and_code_exist_at_zero_for_requests_of_no_served_model():
+    """Each type without a code and with each registered code of that type, for every model and
+    for "": the pairs a client can be answered with, never every type with every code."""
     metrics = Metrics()
     metrics.declare_api_series([MODEL], ERROR_TYPES)
-    declared = samples(metrics, "xlserve_request_errors_total")
-    assert {("", t) for t in ERROR_TYPES} | {(MODEL, t) for t in ERROR_TYPES} == set(declared)
+    declared = {(model, type_, code) for code, model, type_ in samples(metrics, "xlserve_request_errors_total")}
+    pairs = {(t, NO_CODE) for t in ERROR_TYPES} | {(t, code) for code, t in error_codes().items()}
+    assert {(model, t, code) for model in ("", MODEL) for t, code in pairs} == declared
+    assert ("", "not_found_error", "model_not_found") in declared
+    assert (MODEL, "not_found_error", "session_not_found") in declared
+    assert (MODEL, "internal_error", "forward_failed") in declared  # a code raised in place of a default
+    assert not {code for _, _, code in declared} - set(error_codes()) - {NO_CODE}
+    assert len(declared) < 2 * (len(ERROR_TYPES) + len(error_codes())) + 1  # per model: linear, not a product
+
+
+def test_model_not_found_and_session_not_found_are_told_apart_by_code(served):
+    client, state = served
+    assert client.post("/v1/completions", json={"model": "someone-elses", "prompt": "x"}).status_code == 404
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "session_id": "s"}).status_code == 404
+    assert errors(state) == {("", "not_found_error", "model_not_found"): 1,
+                             (MODEL, "not_found_error", "session_not_found"): 1}
+
+
+def test_the_code_label_takes_only_registered_codes():
+    assert error_code_label(None) == NO_CODE
+    assert error_code_label("session_not_found") == "session_not_found"
+    assert error_code_label("malformed_frame") == "malformed_frame"  # one the API raises, not a class's default
+    for unknown in ("a code nobody registered", "", 404):
+        assert error_code_label(unknown) == UNREGISTERED_CODE
+    assert NO_CODE not in error_codes() and UNREGISTERED_CODE not in error_codes()
+
+
+def codes_written_in(source: str) -> set[str]:
+    """The string codes a module writes where an error is made: `code="..."` arguments,
+    `code or "..."` fallbacks and the code given to the scheduler's `request_error`."""
+    written = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.keyword) and node.arg == "code":
+            candidates = [node.value]
+        elif isinstance(node, ast.BoolOp) and isinstance(node.values[0], ast.Name) and node.values[0].id == "code":
+            candidates = node.values[1:]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "request_error" and len(node.args) > 1:
+            candidates = [node.args[1]]
+        else:
+            continue
+        written |= {c.value for c in candidates if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return written
+
+
+def test_every_code_written_in_the_server_is_registered():
+    """The label's values stay the registry's: a code a module raises an error with and the
+    registry (server/errors.py RAISED_CODES, or a class's default_code) lacks would be counted
+    as "unregistered"."""
+    written = {path.relative_to(SERVER_ROOT).as_posix(): codes_written_in(path.read_text())
+               for path in sorted(SERVER_ROOT.rglob("*.py"))}
+    everything = set().union(*written.values())
+    assert {"malformed_frame", "invalid_api_key", "forward_failed", "server_shutting_down"} <= everything  # the scan sees them
+    unregistered = {module: sorted(codes - set(error_codes())) for module, codes in written.items()
+                    if codes - set(error_codes())}
+    assert not unregistered, f"codes missing from server/errors.py RAISED_CODES: {unregistered}"
 
 
 # -- the engine process's side -------------------------------------------------------------------
