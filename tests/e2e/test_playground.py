@@ -303,6 +303,7 @@ def test_the_session_panel_names_the_model_and_picking_a_session_switches_to_it(
     page.choose("session-list", other_session)
     wait_for(lambda: page.text("session-id") == other_session, what="the picked session")
     assert page.value("model") == OTHER_MODEL and page.text("session-model") == OTHER_MODEL
+    assert "put aside" not in page.text("status")
     assert OTHER_MODEL.split("-stdlib")[0] in page.text("model-card")
     page.set_value("prompt", "ab")
     page.set_value("max-tokens", 5)

@@ -81,7 +81,7 @@ $("model").addEventListener("change", () => {
   // a session belongs to one model: keep using it with another would only be refused, so it is
   // put aside (not deleted: "your sessions" still lists it, and picking it switches back)
   if (state.session && state.session.model !== $("model").value) {
-    status(`session ${state.session.id} is a ${state.session.model} session: put aside`);
+    status(`session ${state.session.id} belongs to ${state.session.model}: put aside (pick it again under "your sessions")`);
     showSession(null);
   }
 });
@@ -386,6 +386,7 @@ async function refreshSessionList() {
 $("session-list").addEventListener("change", guarded(async () => {
   const id = $("session-list").value;
   showSession(id ? await json("GET", `/v1/sessions/${encodeURIComponent(id)}`) : null);
+  status(state.session ? `session ${state.session.id} of ${state.session.model}` : "no session");
 }));
 
 async function newSession() {
