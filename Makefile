@@ -1,8 +1,12 @@
 # Everything a fresh machine needs: `make serve` and `make test` create .venv and install.
+# `make serve` installs the package and what serving needs; `make test` adds the test extra (and
+# with it the bench extra), `make bench` the bench extra. Each install leaves its own stamp.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-INSTALLED := $(VENV)/.installed
+SERVE_INSTALLED := $(VENV)/.installed-serve
+BENCH_INSTALLED := $(VENV)/.installed-bench
+TEST_INSTALLED := $(VENV)/.installed-test
 # Every runtime package at the version constraints.txt pins (the images install from it too).
 # Torch: the CPU build of that version, on this machine's disk; GPU users install their own torch
 # first (pyproject says torch>=2.4) and keep it.
@@ -15,23 +19,50 @@ PORT ?= 8000
 # streaming and stopping, so two workers on CI's 2 cores overlap that waiting; every test process
 # runs torch on one thread (tests/conftest.py), so the workers do not fight over cores.
 TEST_WORKERS ?= 2
+# The interpreter must meet pyproject's requires-python (">=X.Y"), checked before anything is
+# installed; read with a regex, since tomllib is what an older Python lacks.
+CHECK_PYTHON := import re, sys; floor = tuple(map(int, re.search(r"requires-python\W+(\d+)\.(\d+)", \
+  open("pyproject.toml").read()).groups())); sys.exit(0 if sys.version_info >= floor else \
+  f"xlserve needs Python >= {floor[0]}.{floor[1]} (pyproject.toml); $(PYTHON) is {sys.version.split()[0]}: run make PYTHON=<a Python {floor[0]}.{floor[1]} or newer>")
+# Torch's version read from its metadata: importing torch before numpy is installed prints
+# "Failed to initialize NumPy"; and reading the version this way costs no torch import.
+TORCH_IS_PINNED := import sys; from importlib.metadata import version; \
+  sys.exit(version("torch").split("+")[0] != "$(TORCH_PIN)".split("==")[1])
 
 .PHONY: serve test fuzz chaos bench gpu-check clean
 
-# installs with the pins, less torch's block when the torch installed is not the pinned one (a GPU build)
-$(INSTALLED): pyproject.toml $(CONSTRAINTS)
+# The venv, torch, and the constraints every later install uses: the pins, less torch's block
+# when the torch installed is not the pinned one (a GPU build the user installed first)
+$(VENV)/constraints.txt: pyproject.toml $(CONSTRAINTS)
+	@$(PYTHON) -c '$(CHECK_PYTHON)'
+	@test -x $(PY) || echo "== creating $(VENV) with $$($(PYTHON) --version)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) "$(TORCH_PIN)"
-	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_PIN)'.split('==')[1])" \
-	  && cp $(CONSTRAINTS) $(VENV)/constraints.txt \
-	  || sed '/^# torch and what only torch needs/,$$d' $(CONSTRAINTS) > $(VENV)/constraints.txt
-	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
-	touch $(INSTALLED)
+	@$(PY) -m pip show torch >/dev/null 2>&1 \
+	  || echo "== installing $(TORCH_PIN), the largest download (the CPU build: about 190 MB)"
+	$(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install -c $(CONSTRAINTS) "$(TORCH_PIN)"
+	$(PY) -c '$(TORCH_IS_PINNED)' && cp $(CONSTRAINTS) $@ \
+	  || (echo "== keeping this venv's own torch: its pins are left out"; \
+	      sed '/^# torch and what only torch needs/,$$d' $(CONSTRAINTS) > $@)
 
-serve: $(INSTALLED)
+$(SERVE_INSTALLED): $(VENV)/constraints.txt
+	@echo "== installing xlserve (editable) and what serving needs: numpy, fastapi, uvicorn, safetensors, ..."
+	$(PY) -m pip install -c $(VENV)/constraints.txt -e .
+	touch $@
+
+$(BENCH_INSTALLED): $(SERVE_INSTALLED)
+	@echo "== installing the bench extra: matplotlib, transformers"
+	$(PY) -m pip install -c $(VENV)/constraints.txt -e ".[bench]"
+	touch $@
+
+$(TEST_INSTALLED): $(SERVE_INSTALLED)
+	@echo "== installing the test extra (and the bench extra): pytest, selenium, schemathesis, transformers, ..."
+	$(PY) -m pip install -c $(VENV)/constraints.txt -e ".[test]"
+	touch $@ $(BENCH_INSTALLED)
+
+serve: $(SERVE_INSTALLED)
 	$(VENV)/bin/xlserve serve --host $(HOST) --port $(PORT)
 
-test: $(INSTALLED)
+test: $(TEST_INSTALLED)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
@@ -40,21 +71,21 @@ test: $(INSTALLED)
 
 # the fuzz run of `make test` (tests/e2e/test_fuzz.py) with a larger budget: examples per operation and kind
 FUZZ_EXAMPLES ?= 300
-fuzz: $(INSTALLED)
+fuzz: $(TEST_INSTALLED)
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/e2e/test_fuzz.py
 
 # the chaos run of `make test` (tests/e2e/test_chaos.py: fairness, disconnects mid-prefill, poison
 # imports, a Redis pause during commits, engine kills beside streams, against one real server and
 # redis-server) with more rounds of each probe; it prints a table of probes and outcomes
 CHAOS_ROUNDS ?= 20
-chaos: $(INSTALLED)
+chaos: $(TEST_INSTALLED)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(PY) -m pytest -q -s tests/e2e/test_chaos.py
 
-bench: $(INSTALLED)
+bench: $(BENCH_INSTALLED)
 	$(VENV)/bin/xlserve bench continuation
 
-gpu-check: $(INSTALLED)
+gpu-check: $(TEST_INSTALLED)
 	XLSERVE_DEVICE=cuda $(PY) -m pytest -q -m gpu
 	XLSERVE_DEVICE=cuda $(VENV)/bin/xlserve bench continuation --device cuda
 

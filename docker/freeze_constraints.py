@@ -5,20 +5,18 @@ test` and both images install the same versions.
     .venv/bin/python docker/freeze_constraints.py > constraints.txt
 
 Only the runtime closure of pyproject.toml's `dependencies` is written (the test extra floats:
-tests run against whatever versions it resolves, CI shows when one breaks).
+tests run against whatever versions it resolves, CI shows when one breaks). Run it on the oldest
+Python pyproject's `requires-python` allows, or check that what it wrote still resolves there:
+tests/test_dependencies.py resolves every pin for that floor (a dry run of pip).
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")

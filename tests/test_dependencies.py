@@ -12,18 +12,20 @@ starlette) is installed wherever that one is, so it counts as declared.
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
 import sys
+import tomllib
+import urllib.error
+import urllib.request
 from importlib.metadata import PackageNotFoundError, packages_distributions, requires
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-try:
-    import tomllib  # Python 3.11+
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
@@ -149,3 +151,131 @@ def test_xlserve_bench_without_the_extra_says_what_to_install(monkeypatch):
         main(["bench", "vs-hf", "--quick"])
     assert str(refused.value) == 'xlserve bench vs-hf needs transformers, from the bench extra: pip install "xlserve[bench]"'
     assert bench.missing_packages("continuation") == []
+
+
+# --- what each make target installs (item 1 of issue 39)
+
+MAKEFILE = (ROOT / "Makefile").read_text()
+
+
+def make_rules() -> dict[str, tuple[list[str], list[str]]]:
+    """target -> (prerequisites, recipe lines) of the Makefile, variables as written ($(VENV))."""
+    rules, current = {}, None
+    lines = MAKEFILE.replace("\\\n", " ").splitlines()
+    for line in lines:
+        if line.startswith("\t") and current is not None:
+            rules[current][1].append(line.strip())
+        elif re.match(r"^[^\s#=:]+(\s[^\s#=:]+)*\s*:(?!=)", line) and not line.startswith(".PHONY"):
+            targets, _, prerequisites = line.partition(":")
+            current = targets.strip()
+            rules[current] = (prerequisites.split(), [])
+        elif line.strip() and not line.startswith("\t"):
+            current = None
+    return rules
+
+
+def installs_of(target: str, rules: dict) -> list[str]:
+    """Every `pip install` line that making `target` can run, its prerequisites' first."""
+    prerequisites, recipe = rules.get(target, ([], []))
+    lines = [line for prerequisite in prerequisites for line in installs_of(prerequisite, rules)]
+    return lines + [line for line in recipe if "pip install" in line]
+
+
+def extras_installed(lines: list[str]) -> set[str]:
+    """The extras of xlserve that these pip lines install (`-e ".[test]"` -> {"test"})."""
+    extras = set()
+    for line in lines:
+        for match in re.finditer(r'-e "?\.(\[([^\]]*)\])?"?', line):
+            extras.update(filter(None, (match.group(2) or "").split(",")))
+    return extras
+
+
+def test_make_serve_installs_no_extra_and_make_test_the_test_extra():
+    rules = make_rules()
+    serve = installs_of("serve", rules)
+    assert any(re.search(r"-e \.(\s|$)", line) for line in serve), serve  # the package itself, editable
+    assert extras_installed(serve) == set(), f"make serve installs extras: {serve}"
+    assert extras_installed(installs_of("bench", rules)) == {"bench"}
+    for target in ("test", "fuzz", "chaos", "gpu-check"):
+        assert extras_installed(installs_of(target, rules)) == {"test"}, target
+    # the test extra brings the bench extra: the benchmarks' quick forms are tested
+    assert "xlserve[bench]" in PROJECT["optional-dependencies"]["test"]
+
+
+def test_the_serve_install_brings_no_test_or_bench_package():
+    """What `pip install .` installs (the dependencies and everything they require, as installed
+    here) holds no package that only the test or bench extras declare."""
+    declared = distribution_names(PROJECT["dependencies"])
+    extras_only = (TEST_ONLY | with_their_requirements(BENCH)) - with_their_requirements(declared)
+    assert {"transformers", "matplotlib", "pytest", "selenium", "schemathesis", "hypothesis"} <= extras_only
+    assert not extras_only & RUNTIME, sorted(extras_only & RUNTIME)
+
+
+def test_the_install_imports_no_torch_and_shows_its_progress():
+    recipes = [line for _, recipe in make_rules().values() for line in recipe]
+    installs = [line for line in recipes if "pip install" in line]
+    assert installs
+    # pip's own progress is shown: no -q on an install (torch alone is about 190 MB)
+    assert not [line for line in installs if re.search(r"\s-q{1,3}\b|--quiet", line.split("pip install", 1)[1])]
+    # before numpy is installed, `import torch` prints "Failed to initialize NumPy": the Makefile
+    # reads torch's version from its metadata instead, and imports it nowhere
+    imports_torch = re.compile(r"\bimport\s+(?:[\w.]+\s*,\s*)*torch\b")
+    assert imports_torch.search('python -c "import sys, torch"') and not imports_torch.search("importing torch")
+    assert not imports_torch.search(MAKEFILE), imports_torch.search(MAKEFILE)
+    assert "importlib.metadata" in MAKEFILE
+    # and each long step says what it does first
+    for target in ("$(SERVE_INSTALLED)", "$(BENCH_INSTALLED)", "$(TEST_INSTALLED)"):
+        recipe = make_rules()[target][1]
+        assert recipe[0].startswith("@echo"), (target, recipe)
+
+
+# --- one Python floor (item 2 of issue 39)
+
+FLOOR = tuple(int(part) for part in re.fullmatch(r">=(\d+)\.(\d+)", PROJECT["requires-python"]).groups())
+
+
+def test_the_python_floor_is_the_same_everywhere():
+    floor = "%d.%d" % FLOOR
+    assert sys.version_info[:2] >= FLOOR, "the tests run on an interpreter below the floor"
+    readme = (ROOT / "README.md").read_text()
+    stated = set(re.findall(r"Python ≥ (\d+\.\d+)", readme))
+    assert stated == {floor}, f"README states Python ≥ {sorted(stated)}, pyproject {floor}"
+    cpu = re.search(r"^ARG PYTHON_IMAGE=python:(\d+)\.(\d+)", (ROOT / "docker" / "Dockerfile").read_text(), re.M)
+    assert cpu and tuple(map(int, cpu.groups())) >= FLOOR, "docker/Dockerfile's Python is below the floor"
+    cuda = re.search(r"^ARG PYTHON=python(\d+)\.(\d+)$", (ROOT / "docker" / "Dockerfile.cuda").read_text(), re.M)
+    assert cuda and tuple(map(int, cuda.groups())) >= FLOOR, "docker/Dockerfile.cuda's Python is below the floor"
+    # the Makefile refuses an older interpreter before installing anything, reading the same floor
+    assert "requires-python" in MAKEFILE and "CHECK_PYTHON" in make_rules()["$(VENV)/constraints.txt"][1][0]
+
+
+def package_index() -> str:
+    """The index pip uses here (PIP_INDEX_URL, pip's configuration, else PyPI)."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"]
+    configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                                capture_output=True, text=True, timeout=60)
+    return configured.stdout.strip() if configured.returncode == 0 and configured.stdout.strip() else \
+        "https://pypi.org/simple/"
+
+
+def test_the_constraints_resolve_for_the_python_floor(tmp_path):
+    """Every pin of constraints.txt, with what each requires, resolves for the oldest Python that
+    pyproject allows: binary wheels only (what an install on that Python gets), a dry run."""
+    index = package_index()
+    try:
+        urllib.request.urlopen(index.rstrip("/") + "/numpy/", timeout=20).close()
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+        pytest.skip(f"the package index {index} is unreachable ({error}): cannot resolve constraints.txt")
+    report = tmp_path / "report.json"
+    floor = "%d.%d" % FLOOR
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
+         "--python-version", floor, "--target", str(tmp_path / "target"), "--report", str(report), "--quiet", "-r", str(ROOT / "constraints.txt")],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"constraints.txt does not resolve for Python {floor}:\n{done.stderr[-4000:]}"
+    resolved = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert resolved.get(name, "").split("+")[0] == version, (name, version, resolved.get(name))

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 import zipfile
@@ -31,10 +32,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_INPUTS = ("pyproject.toml", "README.md", "models", "server")  # what docker/Dockerfile copies
-try:
-    import tomllib  # Python 3.11+
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 # source folder -> its place in the wheel, from pyproject.toml's [tool.setuptools] package-dir
 PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 SOURCES = {folder: name.replace(".", "/") for name, folder in PACKAGE_DIR.items()}
@@ -83,6 +80,8 @@ def check_wheel_contents(wheel: Path) -> None:
         names = archive.namelist()
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         scripts = archive.read(entry_points).decode()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    check_wheel_requirements(metadata)
     top = {name.split("/", 1)[0] for name in names}
     (dist_info,) = [t for t in top if t.endswith(".dist-info")]
     assert dist_info.startswith("xlserve-")
@@ -103,6 +102,29 @@ def check_wheel_contents(wheel: Path) -> None:
     assert not extra, f"files in the wheel that are not modules of server/ or models/: {extra}"
     assert not [n for n in names if n.endswith((".safetensors", ".pt", ".bin")) or "/weights/" in n or "/tests/" in n]
     assert "[console_scripts]" in scripts and "xlserve = xlserve.server.cli:main" in scripts, scripts
+
+
+def check_wheel_requirements(metadata: str) -> None:
+    """What `pip install xlserve` (and `make serve`, `-e .`) installs is the wheel's requirements
+    without an `extra ==` marker: pyproject's dependencies, none of the test or bench extras'
+    packages; those come only with `xlserve[test]` / `xlserve[bench]`. The wheel states the same
+    Python floor as pyproject."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    fields = [line.split(": ", 1) for line in metadata.split("\n\n", 1)[0].splitlines() if ": " in line]
+    requirements = [value for field, value in fields if field == "Requires-Dist"]
+    assert [value for field, value in fields if field == "Requires-Python"] == [project["requires-python"]]
+
+    def name(requirement: str) -> str:
+        return requirement.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip().lower()
+
+    unconditional = {name(r) for r in requirements if "extra ==" not in r}
+    assert unconditional == {name(r) for r in project["dependencies"]}, unconditional
+    extras = project["optional-dependencies"]
+    only_in_extras = {name(r) for r in extras["test"] + extras["bench"]} - unconditional - {"xlserve"}
+    assert {"transformers", "matplotlib", "pytest", "selenium", "schemathesis"} <= only_in_extras
+    for extra in ("test", "bench"):
+        gated = {name(r) for r in requirements if f'extra == "{extra}"' in r}
+        assert {name(r) for r in extras[extra]} - {"xlserve"} <= gated, extra
 
 
 def test_the_wheel_installs_outside_the_repository_and_serves(tmp_path):
@@ -177,6 +199,11 @@ def test_the_wheel_installs_outside_the_repository_and_serves(tmp_path):
             assert response.status == 200 and b"xlserve playground" in response.read()
         with urllib.request.urlopen(url + "/playground/playground.js", timeout=10) as response:
             assert response.status == 200 and b"/v1/stream" in response.read()
+        # the API reference pages, with their assets from the installed fastapi-offline package
+        with urllib.request.urlopen(url + "/docs", timeout=10) as response:
+            assert response.status == 200 and b"/docs/assets/swagger-ui-bundle.js" in response.read()
+        with urllib.request.urlopen(url + "/docs/assets/redoc.standalone.js", timeout=10) as response:
+            assert response.status == 200 and len(response.read()) > 100_000
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGTERM)
