@@ -100,15 +100,17 @@ def checkpoints_to_serve(settings: Settings) -> list[Path]:
     return directories
 
 
-def served_models(engine: EngineClient) -> dict[str, ServedModel]:
-    """What the engine process loaded, with a tokenizer here for prompts and logprob names."""
+def served_models(engine: EngineClient, chat_template_file: Path | None = None) -> dict[str, ServedModel]:
+    """What the engine process loaded, with a tokenizer here for prompts and logprob names, and
+    its chat template (`chat_template_file`, the chat_template setting, for one that has none)."""
     served = {}
     for described in engine.models:
         directory = Path(described["directory"])
         tokenizer = tokenizer_for_checkpoint(described["checkpoint_config"], directory)
         served[described["name"]] = ServedModel(described["name"], tokenizer, described["vocab_size"],
                                                 described["card"],
-                                                load_chat_template(described["checkpoint_config"], directory))
+                                                load_chat_template(described["checkpoint_config"], directory,
+                                                                   chat_template_file))
     return served
 
 
@@ -356,7 +358,7 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
 
         def ready(engine: EngineClient, restarted: bool) -> None:
             if not restarted:
-                state.models = served_models(engine)
+                state.models = served_models(engine, settings.server.chat_template)
                 state.metrics.declare_api_series(list(state.models), ERROR_TYPES)
                 log_startup(state, engine, time.monotonic() - started)
             state.ready = not state.draining

@@ -1,8 +1,15 @@
 """`xlserve serve | train | new | store | eval | bench | convert`, and `xlserve --version`.
 
-`serve` refuses settings that cannot work (no checkpoint to serve, a named one missing, an
-invalid value) in one line before it opens the port, and exits non-zero when the engine process
-cannot be started or restarted (server/engine/client.py), so that a supervisor takes over."""
+`serve` has a flag for every setting (server/settings.py), made from the settings classes: each
+flag's help names its environment variable and default, and a flag beats the environment, which
+beats the default. It refuses settings that cannot work (no checkpoint to serve, a named one
+missing, an invalid value, a chat template file that cannot be read) in one line before it opens
+the port, and exits non-zero when the engine process cannot be started or restarted
+(server/engine/client.py), so that a supervisor takes over.
+
+A user's mistake (an unknown flag or choice, a missing checkpoint, a bad value) is one line on
+stderr and exit status 1 or 2, never a traceback: a traceback says the program is broken. `--help`
+of each command lists its choices (benchmarks, architectures, presets)."""
 
 from __future__ import annotations
 
@@ -10,16 +17,142 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+SERVE_DESCRIPTION = """Start the HTTP server. Each setting below comes from its flag if given, else from its
+environment variable (XLSERVE_ and the setting's name), else its default: flag > environment >
+default. An XLSERVE_ variable that names no setting is warned about, with the closest one."""
 
 
-def _resolve_model_dir(name_or_path: str) -> Path:
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake in one line (argparse prints the whole usage first, which for
+    `serve` is dozens of flags long) and a pointer to --help. `epilog_when_asked`: a function
+    giving the help's epilog, called only when help is printed (see `model_choices`)."""
+
+    def __init__(self, *args, epilog_when_asked=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epilog_when_asked = epilog_when_asked
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def format_help(self) -> str:
+        if self.epilog_when_asked is not None:
+            self.epilog = self.epilog_when_asked()
+        return super().format_help()
+
+
+def model_choices() -> str:
+    """`train` / `new --help`: the architectures and each one's presets. Reading them imports torch
+    (models/registry.py), so it happens only when help is asked for, not on every `xlserve` call."""
+    from xlserve.models.training.train import PRESETS
+
+    rows = [f"  {architecture}: {', '.join(sorted(presets))}" for architecture, presets in sorted(PRESETS.items())]
+    return "architectures (--arch) and their presets (--preset):\n" + "\n".join(rows)
+
+
+def _settings_error_line(command: str, error) -> str:
+    """A pydantic ValidationError of the settings as one line naming the setting, its flag and its
+    environment variable (never the value: it may be a secret)."""
+    from xlserve.server.settings import Settings
+
+    first = error.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else "?"
+    where = name
+    if name in Settings.flat_names():
+        where = f"{name} ({Settings.flags(name)[0]} / {Settings.environment_variable(name)})"
+    return f"xlserve {command}: setting {where}: {first['msg']}"
+
+
+def _resolve_model_dir(name_or_path: str, command: str) -> Path:
+    import pydantic
+
     from xlserve.server.settings import EngineSettings, checkpoint_dir
 
-    weights_dir = EngineSettings().weights_dir  # XLSERVE_WEIGHTS_DIR, as `serve` uses it
+    try:
+        weights_dir = EngineSettings().weights_dir  # XLSERVE_WEIGHTS_DIR, as `serve` uses it
+    except pydantic.ValidationError as error:
+        raise SystemExit(_settings_error_line(command, error)) from None
     path = checkpoint_dir(name_or_path, weights_dir)
-    if not path.is_dir():
-        raise SystemExit(f"no checkpoint directory '{name_or_path}' (looked in . and {weights_dir})")
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"xlserve {command}: no checkpoint '{name_or_path}' (a directory with a config.json; "
+                         f"looked in . and {weights_dir})")
     return path
+
+
+def _check_architecture_and_preset(command: str, architecture: str, preset: str) -> None:
+    """An unknown --arch or --preset in one line naming the known ones (before any work)."""
+    from xlserve.models.training.train import PRESETS
+
+    if architecture not in PRESETS:
+        raise SystemExit(f"xlserve {command}: unknown architecture '{architecture}' "
+                         f"(have: {', '.join(sorted(PRESETS))})")
+    if preset not in PRESETS[architecture]:
+        raise SystemExit(f"xlserve {command}: no preset '{preset}' for {architecture} "
+                         f"(have: {', '.join(sorted(PRESETS[architecture]))})")
+
+
+def _default_text(value: Any) -> str:
+    """A setting's default as its flag's help shows it: sizes in bytes also in GiB / MiB."""
+    if value is None:
+        return "none"
+    if value == "":
+        return "empty"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        unit, size = ("GiB", value >> 30) if value % (1 << 30) == 0 else ("MiB", value >> 20)
+        return f"{value} ({size} {unit})"
+    return str(value)
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, grouped as the settings classes are, each defaulting to "not given"
+    (so that the environment, then the default, decide: pydantic-settings does that)."""
+    from xlserve.server.settings import Settings
+
+    for group, group_class in Settings.GROUPS.items():
+        flags = parser.add_argument_group(f"{group.replace('_', ' ')} settings", (group_class.__doc__ or "").strip())
+        for flat_name in group_class.flat_names():
+            field = Settings.field(flat_name)
+            help_text = (f"{field.description} (env {Settings.environment_variable(flat_name)}; "
+                         f"default {_default_text(field.default)})").replace("%", "%%")
+            if flat_name in SECRET_SETTINGS:
+                help_text += "; a flag's value is visible to every user in `ps`: prefer the environment"
+            options: dict[str, Any] = dict(dest=flat_name, default=argparse.SUPPRESS, help=help_text)
+            if field.annotation is bool:
+                options["action"] = argparse.BooleanOptionalAction
+            elif get_origin(field.annotation) is Literal:
+                options["choices"] = list(get_args(field.annotation))
+            else:  # pydantic converts and checks the text, naming the setting when it refuses it
+                options["metavar"] = _metavar(field.annotation, flat_name)
+            flags.add_argument(*Settings.flags(flat_name), **options)
+
+
+# settings that may hold a password or a key
+SECRET_SETTINGS = frozenset({"api_keys", "redis_url"})
+NAMED_METAVARS = {"models": "NAMES", "redis_url": "URL", "api_keys": "KEYS"}
+
+
+def _metavar(annotation, flat_name: str) -> str:
+    if flat_name in NAMED_METAVARS:
+        return NAMED_METAVARS[flat_name]
+    if annotation is int:
+        return "N"
+    if annotation is float:
+        return "SECONDS" if flat_name.endswith("seconds") else "X"
+    if "dir" in flat_name:
+        return "DIR"
+    if "template" in flat_name:
+        return "FILE"
+    return "TEXT"
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as `serve` flags, by flat name (those not given are left out)."""
+    from xlserve.server.settings import Settings
+
+    return {name: getattr(args, name) for name in Settings.flat_names() if hasattr(args, name)}
 
 
 def _log_to_stderr(level: str) -> None:
@@ -59,34 +192,29 @@ def cmd_serve(args) -> None:
     import pydantic
     import uvicorn
 
+    from xlserve.server.api.chat import ChatTemplateError, check_template_file
     from xlserve.server.app import StartupRefused, build_app, checkpoints_to_serve, cut_streams, drain
     from xlserve.server.settings import Settings
 
-    overrides = {}
-    if args.models:
-        overrides["models"] = args.models
-    if args.device:
-        overrides["device"] = args.device
-    if args.weights_dir:
-        overrides["weights_dir"] = args.weights_dir
-    if args.state_dir:
-        overrides["state_dir"] = args.state_dir
+    _log_to_stderr(args.log_level)  # first: reading the settings may warn (a misspelt XLSERVE_ variable)
     # refuse what cannot work in one line, before the port opens (no traceback: nothing is broken)
     try:
-        settings = Settings(**overrides)
+        settings = Settings(**serve_overrides(args))
         checkpoints_to_serve(settings)
         settings.security.api_key_list()  # a key file that cannot be read
+        if settings.server.chat_template is not None:
+            check_template_file(settings.server.chat_template)
     except pydantic.ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
-        raise SystemExit(f"xlserve serve: setting {field} (XLSERVE_{field.upper()}): {first['msg']}") from None
+        raise SystemExit(_settings_error_line("serve", error)) from None
     except StartupRefused as error:
         raise SystemExit(f"xlserve serve: {error}") from None
+    except ChatTemplateError as error:
+        raise SystemExit(f"xlserve serve: --chat-template / XLSERVE_CHAT_TEMPLATE: {error}") from None
     except OSError as error:
-        raise SystemExit(f"xlserve serve: XLSERVE_API_KEYS names a file that cannot be read: {error}") from None
-    _log_to_stderr(args.log_level)
+        raise SystemExit(f"xlserve serve: --api-key / XLSERVE_API_KEYS names a file that cannot be read: "
+                         f"{error}") from None
 
-    grace = settings.server.shutdown_grace_seconds if args.grace_seconds is None else args.grace_seconds
+    grace = settings.server.shutdown_grace_seconds
     failure: list[str] = []  # why the engine process is gone for good, when it is
 
     class GracefulServer(uvicorn.Server):
@@ -147,6 +275,7 @@ def cmd_train(args) -> None:
         print(f"copied the resume state of {args.out} at step {progress['step']} to {args.export_progress}"
               + (" (without the lanes' memory)" if args.without_lane_memory else ""))
         return
+    _check_architecture_and_preset("train", args.arch, args.preset)
     recipe = STANDARD_RECIPE
     if args.train_bytes:
         recipe = replace(recipe, train_bytes=args.train_bytes)
@@ -160,8 +289,18 @@ def cmd_new(args) -> None:
     from xlserve.models.registry import build_model
     from xlserve.models.training.train import preset_config
 
+    _check_architecture_and_preset("new", args.arch, args.preset)
+    try:
+        replaced = json.loads(args.config)
+    except ValueError as error:
+        raise SystemExit(f"xlserve new: --config is not JSON: {error}") from None
+    if not isinstance(replaced, dict):
+        raise SystemExit("xlserve new: --config must be a JSON object of config fields")
     torch.manual_seed(args.seed)
-    model = build_model(args.arch, {**preset_config(args.arch, args.preset), **json.loads(args.config)})
+    try:
+        model = build_model(args.arch, {**preset_config(args.arch, args.preset), **replaced})
+    except (TypeError, ValueError) as error:  # a field the config does not have, or a value it refuses
+        raise SystemExit(f"xlserve new: --config does not make a {args.arch} config: {error}") from None
     save_checkpoint(model.eval(), args.out)
     print(f"wrote a randomly initialised {args.arch}/{args.preset} to {args.out}")
 
@@ -169,7 +308,7 @@ def cmd_new(args) -> None:
 def cmd_store(args) -> None:
     from xlserve.models.checkpoint import load_checkpoint, read_config, save_checkpoint
 
-    directory = _resolve_model_dir(args.model)
+    directory = _resolve_model_dir(args.model, "store")
     config = read_config(directory)
     model = load_checkpoint(directory)
     extra = {k: v for k, v in config.items()
@@ -186,7 +325,7 @@ def cmd_eval(args) -> None:
     from xlserve.models.training.evaluate import bits_per_byte
     from xlserve.models.training.train import held_out_documents
 
-    directory = _resolve_model_dir(args.model)
+    directory = _resolve_model_dir(args.model, "eval")
     model = load_checkpoint(directory)
     if args.write_card:
         from xlserve.models.training.card import evaluate_for_card, sample, write_card
@@ -218,7 +357,7 @@ def cmd_bench(args) -> None:
     from xlserve.server.bench import BENCHMARKS, missing_packages
 
     if args.name not in BENCHMARKS:
-        raise SystemExit(f"unknown benchmark '{args.name}' (have: {', '.join(sorted(BENCHMARKS))})")
+        raise SystemExit(f"xlserve bench: unknown benchmark '{args.name}' (have: {', '.join(sorted(BENCHMARKS))})")
     missing = missing_packages(args.name)
     if missing:
         raise SystemExit(f"xlserve bench {args.name} needs {', '.join(missing)}, from the bench extra: "
@@ -238,31 +377,31 @@ def cmd_convert(args) -> None:
     print(json.dumps(summary))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its flags (`serve`'s made from the settings classes)."""
+    from xlserve.server.bench import BENCHMARKS
     from xlserve.server.version import package_version
 
-    parser = argparse.ArgumentParser(prog="xlserve")
+    parser = Parser(prog="xlserve", description="Serve, train, evaluate and benchmark long-context language "
+                                                "models with state kept between requests.")
     parser.add_argument("--version", action="version", version=f"xlserve {package_version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="start the HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--models", default=None,
-                       help="comma list of names under weights/ or checkpoint paths (default: all under weights/)")
-    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
-    serve.add_argument("--weights-dir", default=None,
-                       help="where checkpoints named by --models live (default XLSERVE_WEIGHTS_DIR, ./weights)")
-    serve.add_argument("--state-dir", default=None,
-                       help="where sessions are written down (default XLSERVE_STATE_DIR, ./state)")
-    serve.add_argument("--log-level", default="info")
-    serve.add_argument("--grace-seconds", type=float, default=None,
-                       help="how long running requests may finish on shutdown (default XLSERVE_SHUTDOWN_GRACE_SECONDS, 30)")
+    serve = commands.add_parser("serve", help="start the HTTP server (every setting has a flag)",
+                                description=SERVE_DESCRIPTION,
+                                usage="%(prog)s [-h] [--host HOST] [--port PORT] [--log-level LEVEL] "
+                                      "[SETTING FLAGS (below) ...]")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's and xlserve's log level (default info)")
+    add_setting_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    train = commands.add_parser("train", help="train a checkpoint on the stdlib corpus (resumable)")
-    train.add_argument("--arch", required=True)
-    train.add_argument("--preset", default="small")
+    train = commands.add_parser("train", help="train a checkpoint on the stdlib corpus (resumable)",
+                                epilog_when_asked=model_choices, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--arch", required=True, help="the architecture (listed below)")
+    train.add_argument("--preset", default="small", help="the architecture's preset (listed below; default small)")
     train.add_argument("--out", required=True)
     train.add_argument("--train-bytes", type=int, default=None, help="override the standard byte budget")
     train.add_argument("--export-progress", metavar="DIR", default=None,
@@ -271,9 +410,10 @@ def main(argv: list[str] | None = None) -> None:
                        help="with --export-progress: leave the lanes' memory out; a resume empties it")
     train.set_defaults(func=cmd_train)
 
-    new = commands.add_parser("new", help="write a randomly initialised checkpoint (for tests and deployment checks)")
-    new.add_argument("--arch", required=True)
-    new.add_argument("--preset", default="tiny")
+    new = commands.add_parser("new", help="write a randomly initialised checkpoint (for tests and deployment checks)",
+                              epilog_when_asked=model_choices, formatter_class=argparse.RawDescriptionHelpFormatter)
+    new.add_argument("--arch", required=True, help="the architecture (listed below)")
+    new.add_argument("--preset", default="tiny", help="the architecture's preset (listed below; default tiny)")
     new.add_argument("--out", required=True)
     new.add_argument("--seed", type=int, default=0)
     new.add_argument("--config", default="{}", help="a JSON object of config fields that replace the preset's "
@@ -296,8 +436,10 @@ def main(argv: list[str] | None = None) -> None:
     evaluate.add_argument("--segment-len", type=int, default=128, help="chunk length for the no-memory evaluation")
     evaluate.set_defaults(func=cmd_eval)
 
-    bench = commands.add_parser("bench", help="run a benchmark (JSON + plot under bench-results/)")
-    bench.add_argument("name")
+    bench = commands.add_parser("bench", help="run a benchmark (JSON + plot under bench-results/)",
+                                description="Run a benchmark alone on the machine; `xlserve bench NAME --help` "
+                                            "gives its own flags (docs/benchmarks.md describes each).")
+    bench.add_argument("name", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
     bench.set_defaults(func=cmd_bench)
 
@@ -307,7 +449,11 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("--symbols", default=None, help="word list for the tokenizer (.json list or one per line)")
     convert.set_defaults(func=cmd_convert)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.func(args)
 
 

@@ -24,10 +24,14 @@ to every user), and rebuilds them; every setting is listed in the README.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from xlserve.server.redis_urls import parse_redis_url
@@ -53,11 +57,66 @@ def _group_config(prefix: str = "") -> SettingsConfigDict:
     return SettingsConfigDict(env_prefix=ENVIRONMENT_PREFIX + prefix, extra="ignore", hide_input_in_errors=True)
 
 
+# `xlserve serve` flags named as vLLM names its flag for the same thing; every other setting's flag is
+# `--` and its flat name with dashes, which these keep as an alias (`--max-batch-size` still works)
+VLLM_FLAG_NAMES = {
+    "max_batch_size": "--max-num-seqs",
+    "api_keys": "--api-key",
+}
+# flags this project had before every setting had one, kept so that scripts using them still work
+EARLIER_FLAG_NAMES = {
+    "shutdown_grace_seconds": ("--grace-seconds",),
+}
+# XLSERVE_-prefixed environment variables that are not settings, and so are not warned about.
+# None today: every XLSERVE_ name in this repository (tests, Makefile, docker/, deploy/) is a setting,
+# which tests/server/test_settings.py checks; a helper variable with the prefix belongs here.
+NON_SETTING_ENVIRONMENT_VARIABLES: frozenset[str] = frozenset()
+
+log = logging.getLogger("xlserve.settings")
+_warned_environment_variables: set[str] = set()
+
+
+def unknown_environment_variables(environment: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each XLSERVE_ variable in `environment` (default: this process's) that no
+    setting reads, naming the closest setting's variable: a misspelt one is otherwise silently
+    ignored and its default used. Matched without regard to case, as pydantic-settings reads them."""
+    environment = os.environ if environment is None else environment
+    known = Settings.environment_variables()
+    warnings = []
+    for name in sorted(environment):
+        upper = name.upper()
+        if not upper.startswith(ENVIRONMENT_PREFIX) or upper in known or upper in NON_SETTING_ENVIRONMENT_VARIABLES:
+            continue
+        # compared without the prefix, which every name shares and which would make any two look alike
+        closest = difflib.get_close_matches(upper.removeprefix(ENVIRONMENT_PREFIX),
+                                            [variable.removeprefix(ENVIRONMENT_PREFIX) for variable in known],
+                                            n=1, cutoff=0.6)
+        hint = (f"did you mean {ENVIRONMENT_PREFIX}{closest[0]}?" if closest
+                else "`xlserve serve --help` lists the settings")
+        warnings.append(f"{name} is not an xlserve setting and is ignored; {hint}")
+    return warnings
+
+
+def warn_about_unknown_environment_variables() -> None:
+    """Log `unknown_environment_variables()`, each once per process (settings are read many times).
+    Without logging configured, Python's last-resort handler prints a warning as a bare line."""
+    for warning in unknown_environment_variables():
+        if warning not in _warned_environment_variables:
+            _warned_environment_variables.add(warning)
+            log.warning(warning)
+
+
 class SettingsGroup(BaseSettings):
     """One concern's settings. `flat_prefix` is what its flat names (and environment variables,
     after XLSERVE_) put before each field's name."""
 
     flat_prefix: ClassVar[str] = ""
+
+    def __init__(self, **values: Any):
+        # every read of the environment (a group alone, or all of them through Settings) checks it;
+        # the engine process rebuilds its settings with model_validate, which reads no environment
+        warn_about_unknown_environment_variables()
+        super().__init__(**values)
 
     @classmethod
     def flat_names(cls) -> dict[str, str]:
@@ -70,17 +129,23 @@ class ServerSettings(SettingsGroup):
 
     model_config = _group_config()
 
-    max_prompt_bytes: int = 1_000_000
-    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
-    max_request_body_bytes: int = 8_000_000
-    shutdown_grace_seconds: float = 30  # on SIGTERM, how long running requests may finish
+    max_prompt_bytes: int = Field(1_000_000, description="longest prompt: UTF-8 bytes of a text prompt, "
+                                  "or the number of token ids")
+    max_tokens_limit: int = Field(4096, description="largest max_tokens a request may ask for")
+    max_request_body_bytes: int = Field(8_000_000, description="larger request bodies get 413")
+    shutdown_grace_seconds: float = Field(30, description="on SIGTERM, how long running requests may finish")
     # the engine process is restarted when it dies; more than this many restarts within the window
     # and the server exits non-zero instead, so a supervisor (systemd, Kubernetes) takes over
-    engine_restart_limit: int = 3  # 0 = never restart: the first death stops the server
-    engine_restart_window_seconds: float = 600
+    engine_restart_limit: int = Field(3, description="restarts of a dead engine process allowed within the "
+                                      "window (0: the first death stops the server)")
+    engine_restart_window_seconds: float = Field(600, description="the window the restart limit counts in")
     # an engine process that sends nothing (not even its heartbeat) for this long while work waits
     # is frozen (SIGSTOP, a debugger): it is killed and restarted like a dead one
-    engine_stall_seconds: float = 60
+    engine_stall_seconds: float = Field(60, description="an engine process silent this long while work "
+                                        "waits is killed and restarted")
+    # read by the API process, which renders chat prompts (server/api/chat.py)
+    chat_template: Path | None = Field(None, description="a Jinja chat template file for checkpoints that "
+                                       "carry none (a checkpoint's own template is kept)")
 
 
 class EngineSettings(SettingsGroup):
@@ -88,17 +153,26 @@ class EngineSettings(SettingsGroup):
 
     model_config = _group_config()
 
-    models: str = ""  # comma list of names under weights_dir or checkpoint paths; "" = all
-    weights_dir: Path = WEIGHTS_DIR
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 (bfloat16 is opt-in on CUDA)
-    torch_threads: int = 0  # intra-op threads of the engines' model work; 0 = the cores less one (the API process's), shared by the models
-    prompt_threads: int = 0  # the same for forwards of 256 tokens or more (prompts); 0 = every core, shared by the models
-    prefill_chunk_tokens: int = 512  # prompts are fed to the model in chunks of this size
-    max_batch_size: int = 64  # rows decoded together per model step (a request with n choices takes n)
-    max_queued_requests: int = 256  # requests waiting for a batch slot per model; beyond: 429
+    models: str = Field("", description="comma list of checkpoint names under the weights directory or "
+                        "checkpoint paths; empty: every checkpoint there")
+    weights_dir: Path = Field(WEIGHTS_DIR, description="where named checkpoints live")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when torch sees it")
+    # auto: float32 (bfloat16 is opt-in on CUDA)
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: float32; bfloat16 on "
+                                                          "CUDA only")
+    # 0 = the cores less one (the API process's), shared by the models
+    torch_threads: int = Field(0, description="intra-op threads of the engines' forwards (0: the cores "
+                               "less one)")
+    prompt_threads: int = Field(0, description="intra-op threads of forwards of 256 tokens or more "
+                                "(0: every core)")
+    prefill_chunk_tokens: int = Field(512, description="prompts are fed to the model in chunks of this size")
+    max_batch_size: int = Field(64, description="rows decoded together per model step (a request with n "
+                                "choices takes n)")
+    max_queued_requests: int = Field(256, description="requests waiting for a batch slot per model; beyond "
+                                     "that 429")
     # the engine process hands freed memory back to the system when idle (server/engine/memory.py)
-    return_memory: bool = True
+    return_memory: bool = Field(True, description="hand freed memory back to the system once the engines "
+                                "are idle")
 
     def model_dirs(self) -> list[Path]:
         """Checkpoint directories to load: named ones, or every one under weights_dir."""
@@ -114,17 +188,20 @@ class CacheSettings(SettingsGroup):
 
     model_config = _group_config()
 
-    state_dir: Path = STATE_DIR  # where sessions are written down
-    device_state_bytes: int = 1 << 30
-    host_state_bytes: int = 4 << 30
-    disk_state_bytes: int = 64 << 30
+    state_dir: Path = Field(STATE_DIR, description="where sessions are written down (the disk tier)")
+    device_state_bytes: int = Field(1 << 30, description="budget of session state on the model's device")
+    host_state_bytes: int = Field(4 << 30, description="budget of session state in host RAM")
+    disk_state_bytes: int = Field(64 << 30, description="budget of session state on disk")
     # redis://, rediss://, unix:// (one server), redis+sentinel://sentinel:26379[,...]/<master>[/db],
     # redis+cluster://node:6379[,...] (server/cache/redis_client.py; README)
-    redis_url: str = ""
-    store_timeout_seconds: float = 5.0  # each call to the session store (Redis) gives up after this long
+    redis_url: str = Field("", description="share sessions between replicas through Redis (redis://, "
+                           "redis+sentinel://, redis+cluster://; see the README)")
+    store_timeout_seconds: float = Field(5.0, description="each call to the session store (Redis) gives up "
+                                         "after this long")
     # a store write that timed out: how long to keep asking the store whether it landed before
     # answering 503 commit_outcome_unknown
-    commit_settle_seconds: float = 15.0
+    commit_settle_seconds: float = Field(15.0, description="after a store write timed out, how long to ask "
+                                         "whether it landed before answering 503")
 
     @field_validator("redis_url")
     @classmethod
@@ -143,11 +220,13 @@ class PrefixCacheSettings(SettingsGroup):
     model_config = _group_config("PREFIX_CACHE_")
     flat_prefix: ClassVar[str] = "prefix_cache_"
 
-    bytes: int = 256 << 20  # its cap on the device (0 switches the cache off); and on every tier, never more than sessions leave
-    host_bytes: int = 1 << 30  # its cap in host RAM (0: no host tier for entries)
-    disk_bytes: int = 8 << 30  # its cap on disk, under state_dir/prefix-cache (0: none)
-    block_tokens: int = 16  # tokens per block of the prefix hash chain
-    redis_ttl_seconds: int = 24 * 3600  # with a Redis store: entries shared there expire after this long unused
+    # and on every tier, never more than sessions leave
+    bytes: int = Field(256 << 20, description="the prefix-state cache's cap on the device (0 switches it off)")
+    host_bytes: int = Field(1 << 30, description="its cap in host RAM (0: no host tier for entries)")
+    disk_bytes: int = Field(8 << 30, description="its cap on disk, under the state directory (0: none)")
+    block_tokens: int = Field(16, description="tokens per block of the prefix hash chain")
+    redis_ttl_seconds: int = Field(24 * 3600, description="with Redis: entries shared there expire after "
+                                   "this long unused")
 
 
 class SecuritySettings(SettingsGroup):
@@ -155,8 +234,9 @@ class SecuritySettings(SettingsGroup):
 
     model_config = _group_config()
 
-    api_keys: str = ""  # comma list, or "@/path/to/file" with one key per line; "" = open
-    metrics_require_key: bool = False
+    api_keys: str = Field("", description="comma list of keys, or @/path/to/file with one per line; "
+                          "empty: open")
+    metrics_require_key: bool = Field(False, description="put /metrics behind the API keys")
 
     @field_validator("api_keys")
     @classmethod
@@ -230,6 +310,24 @@ class Settings:
     @classmethod
     def environment_variables(cls) -> list[str]:
         return [ENVIRONMENT_PREFIX + name.upper() for name in cls.flat_names()]
+
+    @staticmethod
+    def environment_variable(flat_name: str) -> str:
+        return ENVIRONMENT_PREFIX + flat_name.upper()
+
+    @staticmethod
+    def flags(flat_name: str) -> list[str]:
+        """The `xlserve serve` flags of a setting, the one shown first: vLLM's name where vLLM has
+        one, then `--` and the flat name with dashes, then any earlier flag of this project."""
+        own = "--" + flat_name.replace("_", "-")
+        names = [VLLM_FLAG_NAMES.get(flat_name, own), own, *EARLIER_FLAG_NAMES.get(flat_name, ())]
+        return list(dict.fromkeys(names))  # without repeats, in order
+
+    @classmethod
+    def field(cls, flat_name: str):
+        """The pydantic FieldInfo of a flat name (its type, default and description)."""
+        group, field = cls.locate(flat_name)
+        return cls.GROUPS[group].model_fields[field]
 
     def flat(self) -> dict[str, Any]:
         """Flat name -> value, every setting (the secrets included)."""

@@ -19,9 +19,9 @@ MAX_CHECKPOINT_FILE_BYTES = 8 << 20
 # what a servable checkpoint directory holds: the files the loader reads (config.json,
 # model.safetensors, a tokenizer's own files for imported checkpoints) and the record of how it was
 # made and measured (card.md, evaluation.json, training.json: the recipe and its evaluations, a
-# few kB of JSON, never weights or optimiser moments)
+# few kB of JSON, never weights or optimiser moments), and the chat template the server reads
 CHECKPOINT_FILES = frozenset({
-    "config.json", "model.safetensors",
+    "config.json", "model.safetensors", "chat_template.jinja",
     "card.md", "evaluation.json", "training.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model", "vocab.json",
     "merges.txt", "vocab.txt",

@@ -16,8 +16,14 @@ the helpers `raise_exception(message)` and `strftime_now(format)`, and the varia
 the text ends where the assistant's answer begins), and `bos_token` / `eos_token` from
 tokenizer_config.json (empty when it has none).
 
-A checkpoint without a template answers /v1/chat/completions with 400 `no_chat_template`, as
-vLLM does; a template that does not compile is logged at start-up and answered with 400
+A checkpoint that carries none of these uses the template file the `chat_template` setting names
+(`xlserve serve --chat-template FILE`, XLSERVE_CHAT_TEMPLATE), as vLLM's `--chat-template` serves
+checkpoints without one; a checkpoint's own template is kept. The shipped checkpoints
+(weights/*-stdlib) carry a minimal one for byte-level models trained on plain text: each message
+as `role: content` on its own line, then `assistant: ` (their cards say so).
+
+A checkpoint without a template (and no setting) answers /v1/chat/completions with 400
+`no_chat_template`, as vLLM does; a template that does not compile is logged at start-up and answered with 400
 `chat_template_error`, with the reason (as is a template that refuses the messages).
 """
 
@@ -105,8 +111,28 @@ def _token_text(value) -> str:
     return value if isinstance(value, str) else ""
 
 
-def load_chat_template(config: dict, directory: str | Path | None) -> ChatTemplate | None:
-    """The chat template of the checkpoint with config.json `config` in `directory`, or None."""
+def read_template_file(path: str | Path) -> str:
+    """The text of a chat template file; ChatTemplateError saying why in one line when it cannot
+    be read (missing, a directory, not UTF-8)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise ChatTemplateError(f"cannot read the chat template file {path}: {reason}") from None
+
+
+def check_template_file(path: str | Path) -> None:
+    """ChatTemplateError, in one line, when the file cannot serve as a template (unreadable, or
+    Jinja that does not compile): `xlserve serve` refuses to start with it."""
+    template = ChatTemplate(read_template_file(path), str(path))
+    if template.error:
+        raise ChatTemplateError(template.error.splitlines()[0])
+
+
+def load_chat_template(config: dict, directory: str | Path | None,
+                       default_file: str | Path | None = None) -> ChatTemplate | None:
+    """The chat template of the checkpoint with config.json `config` in `directory`; else the one
+    in `default_file` (the chat_template setting); else None."""
     directory = Path(directory) if directory is not None else None
     tokenizer_config = _read_json(directory / TOKENIZER_CONFIG) if directory is not None else {}
     special = {"bos_token": _token_text(tokenizer_config.get("bos_token")),
@@ -121,6 +147,14 @@ def load_chat_template(config: dict, directory: str | Path | None) -> ChatTempla
         found = (_template_text(tokenizer_config["chat_template"]), f"{directory / TOKENIZER_CONFIG}")
     if found is None and _template_text(config.get("chat_template")) is not None:
         found = (_template_text(config["chat_template"]), "config.json")
+    if found is None and default_file is not None:
+        try:
+            found = (read_template_file(default_file), str(default_file))
+        except ChatTemplateError as error:  # `xlserve serve` checked it; it may have gone since
+            log.warning("%s; /v1/chat/completions will refuse requests for this model", error)
+            unusable = ChatTemplate("", str(default_file), **special)
+            unusable.template, unusable.error = None, str(error)  # answered as one that does not compile
+            return unusable
     if found is None:
         return None
     template = ChatTemplate(found[0], found[1], **special)

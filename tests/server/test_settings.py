@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from xlserve.server import settings as settings_module
 from xlserve.server.settings import (
+    NON_SETTING_ENVIRONMENT_VARIABLES,
     CacheSettings,
     EngineSettings,
     PrefixCacheSettings,
     SecuritySettings,
     ServerSettings,
     Settings,
+    unknown_environment_variables,
 )
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -117,3 +120,71 @@ def test_the_engine_process_checks_what_it_is_sent():
 def test_each_group_says_what_it_is_for(group):
     assert group.__doc__ and group.__doc__.strip()
     assert group in Settings.GROUPS.values()
+
+
+def test_every_setting_says_what_it_is_for():
+    """Its description is the help of its `xlserve serve` flag."""
+    for name in Settings.flat_names():
+        assert (Settings.field(name).description or "").strip(), name
+
+
+def test_the_readme_names_each_setting_s_flags():
+    rows = re.findall(r"^\| `XLSERVE_([A-Z_]+)` \|([^|]*)\|", README.read_text(), flags=re.MULTILINE)
+    assert rows
+    for variable, flags_cell in rows:
+        name = variable.lower()
+        listed = re.findall(r"`(--[a-z-]+)`", flags_cell)
+        if Settings.field(name).annotation is bool:  # listed as --name / --no-name
+            listed = [flag for flag in listed if not flag.startswith("--no-")]
+        assert listed == Settings.flags(name), variable
+
+
+def test_flags_are_named_as_vllm_names_them_and_keep_the_setting_s_name():
+    assert Settings.flags("max_batch_size") == ["--max-num-seqs", "--max-batch-size"]
+    assert Settings.flags("api_keys") == ["--api-key", "--api-keys"]
+    assert Settings.flags("shutdown_grace_seconds") == ["--shutdown-grace-seconds", "--grace-seconds"]
+    assert Settings.flags("chat_template") == ["--chat-template"]
+    assert Settings.flags("prefix_cache_block_tokens") == ["--prefix-cache-block-tokens"]
+    every_flag = [flag for name in Settings.flat_names() for flag in Settings.flags(name)]
+    assert len(every_flag) == len(set(every_flag)), "two settings share a flag"
+
+
+def test_a_misspelt_variable_is_warned_about_naming_the_closest_setting():
+    found = unknown_environment_variables({"XLSERVE_DEVCE": "cpu", "XLSERVE_DEVICE": "cpu", "HOME": "/root",
+                                           "xlserve_max_batch": "3", "XLSERVE_ZZZZZZ": "1"})
+    assert found == [
+        "XLSERVE_DEVCE is not an xlserve setting and is ignored; did you mean XLSERVE_DEVICE?",
+        "XLSERVE_ZZZZZZ is not an xlserve setting and is ignored; `xlserve serve --help` lists the settings",
+        "xlserve_max_batch is not an xlserve setting and is ignored; did you mean XLSERVE_MAX_BATCH_SIZE?",
+    ]
+    assert unknown_environment_variables({name: "1" for name in Settings.environment_variables()}) == []
+
+
+def test_reading_the_environment_warns_once_per_variable(monkeypatch, caplog):
+    monkeypatch.setenv("XLSERVE_PREFIX_CACHE_BYTE", "0")
+    monkeypatch.setattr(settings_module, "_warned_environment_variables", set())
+    with caplog.at_level("WARNING", logger="xlserve.settings"):
+        Settings()
+        EngineSettings()
+    warned = [record.getMessage() for record in caplog.records if record.name == "xlserve.settings"]
+    assert warned == ["XLSERVE_PREFIX_CACHE_BYTE is not an xlserve setting and is ignored; "
+                      "did you mean XLSERVE_PREFIX_CACHE_BYTES?"]
+
+
+def test_every_xlserve_variable_the_repository_uses_is_a_setting_or_listed_as_none():
+    """Tests, the Makefile, images and deployment files may set XLSERVE_ variables; each must be a
+    setting or in NON_SETTING_ENVIRONMENT_VARIABLES, or every server they start warns about it.
+    (Not the docs, nor the tests of the warning, which misspell names on purpose.)"""
+    repository = README.parent
+    misspelling_on_purpose = {Path(__file__).resolve(), repository / "tests" / "test_cli.py"}
+    used = set()
+    for directory in ("Makefile", "tests", "docker", "deploy", "server", "models"):
+        root = repository / directory
+        files = [root] if root.is_file() else [path for path in root.rglob("*") if path.is_file()] if root.exists() else []
+        for path in files:
+            if path.suffix in {".safetensors", ".png", ".pyc"} or path.resolve() in misspelling_on_purpose:
+                continue
+            used |= set(re.findall(r"XLSERVE_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")))
+    assert used, "the search found no XLSERVE_ variable at all"
+    unknown = used - set(Settings.environment_variables()) - NON_SETTING_ENVIRONMENT_VARIABLES
+    assert not unknown, f"XLSERVE_ variables that are not settings: add them to NON_SETTING_ENVIRONMENT_VARIABLES: {unknown}"

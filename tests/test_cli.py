@@ -1,0 +1,133 @@
+"""The command line explains itself: `--help` lists each command's choices, `serve` has a flag for
+every setting (flag > environment > default, each flag's help naming its variable and default), a
+misspelt XLSERVE_ variable is warned about, and a user's mistake is one line and a non-zero exit,
+never a traceback (run as a user runs it, in a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xlserve.server.bench import BENCHMARKS
+from xlserve.server.cli import build_parser, serve_overrides
+from xlserve.server.settings import Settings
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in list(os.environ):
+        if name.upper().startswith("XLSERVE_"):
+            monkeypatch.delenv(name)
+
+
+def xlserve(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    environment = {name: value for name, value in os.environ.items() if not name.upper().startswith("XLSERVE_")}
+    return subprocess.run([sys.executable, "-m", "xlserve.server.cli", *args], cwd=REPOSITORY, capture_output=True,
+                          text=True, timeout=timeout, env={**environment, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def serve_settings(*argv: str) -> Settings:
+    return Settings(**serve_overrides(build_parser().parse_args(["serve", *argv])))
+
+
+def test_flag_beats_environment_beats_default(monkeypatch):
+    assert serve_settings().engine.max_batch_size == 64
+    monkeypatch.setenv("XLSERVE_MAX_BATCH_SIZE", "3")
+    assert serve_settings().engine.max_batch_size == 3
+    assert serve_settings("--max-num-seqs", "9").engine.max_batch_size == 9
+    assert serve_settings("--max-batch-size", "7").engine.max_batch_size == 7  # the setting's own name
+
+
+def test_every_setting_is_a_serve_flag(tmp_path):
+    template = tmp_path / "chat.jinja"
+    settings = serve_settings(
+        "--max-prompt-bytes", "11", "--api-key", "a,b", "--no-return-memory", "--metrics-require-key",
+        "--dtype", "bfloat16", "--prefix-cache-block-tokens", "32", "--grace-seconds", "2.5",
+        "--state-dir", str(tmp_path), "--chat-template", str(template), "--redis-url", "redis://localhost:1/0")
+    assert settings.server.max_prompt_bytes == 11
+    assert settings.security.api_key_list() == ["a", "b"]
+    assert settings.engine.return_memory is False and settings.security.metrics_require_key is True
+    assert settings.engine.dtype == "bfloat16"
+    assert settings.prefix_cache.block_tokens == 32
+    assert settings.server.shutdown_grace_seconds == 2.5
+    assert settings.cache.state_dir == tmp_path and settings.server.chat_template == template
+    assert settings.cache.redis_url == "redis://localhost:1/0"
+    # a flag not given leaves the setting to the environment: nothing else was overridden
+    parsed = build_parser().parse_args(["serve", "--max-num-seqs", "5"])
+    assert serve_overrides(parsed) == {"max_batch_size": "5"}
+
+
+def test_serve_help_names_each_flag_s_variable_and_default():
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert "flag > environment > default" in help_text
+    for name in Settings.flat_names():
+        assert Settings.flags(name)[0] in help_text, name
+        assert f"(env {Settings.environment_variable(name)}; default" in help_text, name
+    assert "(env XLSERVE_MAX_BATCH_SIZE; default 64)" in help_text
+    assert "--device {auto,cpu,cuda}" in help_text
+
+
+def test_bench_help_lists_the_benchmarks():
+    done = xlserve("bench", "--help")
+    assert done.returncode == 0
+    listed = " ".join(done.stdout.split()).replace("- ", "-")  # argparse may wrap a name at its dash
+    for name in BENCHMARKS:
+        assert name in listed, name
+
+
+@pytest.mark.parametrize("command", ["new", "train"])
+def test_new_and_train_help_list_architectures_and_presets(command):
+    from xlserve.models.training.train import PRESETS
+
+    done = xlserve(command, "--help")
+    assert done.returncode == 0, done.stderr
+    for architecture, presets in PRESETS.items():
+        assert f"  {architecture}: {', '.join(sorted(presets))}" in done.stdout
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["new", "--arch", "nope", "--out", "unused"], {}, "xlserve new: unknown architecture 'nope' (have: adaptive-span"),
+    (["new", "--arch", "vanilla", "--preset", "huge", "--out", "unused"], {}, "no preset 'huge' for vanilla (have: small, tiny)"),
+    (["new", "--arch", "vanilla", "--config", "{", "--out", "unused"], {}, "xlserve new: --config is not JSON"),
+    (["eval", "--model", "no-such-model"], {}, "xlserve eval: no checkpoint 'no-such-model'"),
+    (["serve", "--models", "no-such-model"], {}, "xlserve serve: no checkpoint 'no-such-model'"),
+    (["serve", "--max-num-seqs", "lots"], {},
+     "xlserve serve: setting max_batch_size (--max-num-seqs / XLSERVE_MAX_BATCH_SIZE): Input should be a valid integer"),
+    (["serve"], {"XLSERVE_PREFIX_CACHE_BYTES": "lots"},
+     "setting prefix_cache_bytes (--prefix-cache-bytes / XLSERVE_PREFIX_CACHE_BYTES)"),
+    (["serve", "--device", "tpu"], {}, "xlserve serve: argument --device: invalid choice: 'tpu'"),
+    (["serve", "--chat-template", "/no/such/template.jinja"], {},
+     "xlserve serve: --chat-template / XLSERVE_CHAT_TEMPLATE: cannot read the chat template file"),
+    (["bench", "no-such-benchmark"], {}, "xlserve bench: unknown benchmark 'no-such-benchmark' (have: continuation"),
+    (["serve", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+])
+def test_a_user_error_is_one_line_and_a_non_zero_exit(argv, env, expected):
+    assert expected in one_line_error(xlserve(*argv, env=env))
+
+
+def test_a_chat_template_that_does_not_compile_stops_serve(tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}never closed")
+    line = one_line_error(xlserve("serve", "--chat-template", str(broken)))
+    assert "does not compile" in line and str(broken) in line
+
+
+def test_a_misspelt_variable_is_warned_about_at_serve_start():
+    # the unknown checkpoint stops serve right after the settings are read
+    done = xlserve("serve", "--models", "no-such-model", env={"XLSERVE_DEVCE": "cpu"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "XLSERVE_DEVCE is not an xlserve setting and is ignored; did you mean XLSERVE_DEVICE?" in done.stderr
