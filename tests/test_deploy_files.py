@@ -6,16 +6,19 @@ than against strings written down twice:
 - YAML parses and passes yamllint; the Kubernetes manifests, as `kubectl kustomize` renders the
   base and the GPU overlay, validate against the Kubernetes schema (kubernetes-validate, offline)
   and are wired together (probes, generated Secrets, Redis with its password and durability,
-  per-pod volume, HPA, NetworkPolicies); the apply fails until the secret files exist; the alert
-  rules pass `promtool check rules`; Prometheus's pod selection (the relabel `keep` rules)
-  really selects the Deployment's pods;
+  per-pod volume, HPA, NetworkPolicies); the apply fails until the secret files exist; the
+  promtool commands deploy/README.md gives pass (the file-SD config, the alert rules), the
+  Kubernetes config differs from the file-SD one only in discovery and fails Debian's promtool
+  (built without Kubernetes discovery) for that reason alone; Prometheus's pod selection (the
+  relabel `keep` rules) really selects the Deployment's pods;
 - every XLSERVE_* variable the files set is a field of `Settings` (server/settings.py; unknown
   ones would be ignored silently, extra="ignore") and its value validates;
 - probe, health-check and scrape paths are GET routes of the app `build_app` makes, open
   without an API key (the Deployment sets keys; probes and scrapes send none);
 - every series the Grafana dashboard and the alerts query is one `Metrics` (server/metrics.py)
   exports, under its exposition name (`_total` for a counter, `_bucket` for a histogram, ...),
-  with labels it has and label values the server writes; every metric has a panel; the
+  with labels it has and label values the server writes (error types and codes, tiers); every
+  metric has a panel, and one splits errors by code; the
   server-error alert counts exactly the error types answered with a 5xx;
 - one dependency truth: constraints.txt pins what the venv has, the Makefile and both images
   install every package with it;
@@ -27,6 +30,7 @@ than against strings written down twice:
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import json
@@ -269,6 +273,15 @@ def error_types() -> dict[str, int]:
     return types
 
 
+def error_code_labels() -> set[str]:
+    """Every value the `code` label of xlserve_request_errors_total takes: the error registry's
+    codes (server/errors.py), and the one for an error without a code."""
+    from xlserve.server.errors import error_codes
+    from xlserve.server.metrics import NO_CODE
+
+    return set(error_codes()) | {NO_CODE}
+
+
 def tiers() -> tuple[str, ...]:
     from xlserve.server.cache.manager import TIERS
 
@@ -321,7 +334,7 @@ def check_query(query: str) -> list[str]:
                 problems.append(f"{name} has no label {label}")
             if value.startswith("$"):
                 continue  # a Grafana variable
-            domain = {"type": set(error_types()), "tier": set(tiers())}.get(label)
+            domain = {"type": set(error_types()), "code": error_code_labels(), "tier": set(tiers())}.get(label)
             if domain is not None:
                 values = value.split("|") if op in ("=~", "!~") else [value]
                 problems += [f"{label}={v!r} is never written (the server's: {sorted(domain)})"
@@ -409,6 +422,58 @@ def test_yaml_files_pass_yamllint():
     result = subprocess.run([str(yamllint), "-f", "parsable", "-c", str(DEPLOY / ".yamllint.yaml"), str(DEPLOY)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+KUBERNETES_SD_MISSING = "field kubernetes_sd_configs not found in type config.ScrapeConfig"
+PROMETHEUS_FILE_SD = DEPLOY / "prometheus" / "prometheus-file-sd.yml"
+
+
+def documented_promtool_commands() -> list[list[str]]:
+    """The promtool commands of deploy/README.md's ```sh blocks, those every promtool takes."""
+    text = (DEPLOY / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith("promtool ")]
+
+
+def run_promtool(arguments: list[str]) -> subprocess.CompletedProcess:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Debian's prometheus, which `make test` installs) is not installed")
+    return subprocess.run([promtool, *arguments], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_the_promtool_commands_deploy_readme_gives_pass():
+    commands = documented_promtool_commands()
+    assert ["promtool", "check", "config", "deploy/prometheus/prometheus-file-sd.yml"] in commands
+    assert ["promtool", "check", "rules", "deploy/prometheus/alerts.yml"] in commands
+    for command in commands:
+        result = run_promtool(command[1:])
+        assert result.returncode == 0, (command, result.stdout + result.stderr)
+
+
+def test_the_kubernetes_config_fails_promtool_only_for_want_of_kubernetes_discovery():
+    """deploy/README.md: prometheus.yml needs a promtool with Kubernetes discovery, which
+    Debian's lacks; with one it passes, without one it fails with the message the README quotes."""
+    assert f"`{KUBERNETES_SD_MISSING}`" in (DEPLOY / "README.md").read_text()
+    relative = str(PROMETHEUS.relative_to(ROOT))
+    for syntax_only in ([], ["--syntax-only"]):
+        result = run_promtool(["check", "config", *syntax_only, relative])
+        output = result.stdout + result.stderr
+        if result.returncode != 0:
+            assert KUBERNETES_SD_MISSING in output, output
+            # the only unmarshal error: nothing else in the file is wrong for this promtool
+            assert output.count("not found in type") == 1, output
+
+
+def test_the_file_sd_config_differs_from_the_kubernetes_one_only_in_discovery():
+    # copies: load_all's documents are cached and shared with the other tests
+    (kubernetes,), (file_sd,) = copy.deepcopy(load_all(PROMETHEUS)), copy.deepcopy(load_all(PROMETHEUS_FILE_SD))
+    (kubernetes_job,), (file_sd_job,) = kubernetes.pop("scrape_configs"), file_sd.pop("scrape_configs")
+    assert kubernetes == file_sd  # global settings, rule files
+    assert kubernetes_job.pop("kubernetes_sd_configs") and kubernetes_job.pop("relabel_configs")
+    assert file_sd_job.pop("file_sd_configs")
+    assert kubernetes_job == file_sd_job
 
 
 def test_alert_rules_pass_promtool():
@@ -674,6 +739,18 @@ def test_every_metric_is_defined_in_metrics_py():
                  if p.name != "metrics.py" and pattern.search(p.read_text())]
     assert not elsewhere
     assert {"xlserve_prompt_tokens", "xlserve_time_to_first_token_seconds", "xlserve_session_evictions"} <= set(metric_families())
+
+
+def test_the_dashboard_tells_errors_of_one_type_apart_by_code():
+    """"model not found" and "session not found" are both not_found_error: a panel splits the
+    error rate by code as well as type, under the model variable."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    by_code = [q for q in dashboard_queries(dashboard)
+               if "xlserve_request_errors_total" in q and re.search(r"\bby\s*\([^)]*\bcode\b", q)]
+    assert by_code, "no panel aggregates xlserve_request_errors_total by code"
+    assert all("$model" in q for q in by_code)
+    assert {"model_not_found", "session_not_found"} <= error_code_labels()
+    assert check_query('xlserve_request_errors_total{code="a free-form string"}')  # only codes the server writes
 
 
 def test_dashboard_is_templated():

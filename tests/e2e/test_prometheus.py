@@ -9,8 +9,9 @@ Prometheus' HTTP API:
   $model as All, $__rate_interval as a window over the whole run) and of every alert rule
   (without its threshold) returns data, every rule evaluates without error, and the
   session-refusal alert's whole condition holds after the one 503;
-- the error panel shows every error type the workload caused, the HTTP panel every status,
-  and the counters hold exactly the errors and error statuses the client saw;
+- the error panels show every error type and every code the workload caused, the HTTP panel
+  every status, and the counters hold exactly the errors (by type and by code) and error
+  statuses the client saw;
 - decode batch size p50 and p99 read 1: every step had one row (XLSERVE_MAX_BATCH_SIZE=1);
 - the process metrics of each process are its own (their start times are those of the API
   process and of the engine process in /proc).
@@ -34,6 +35,8 @@ import httpx
 import pytest
 import yaml
 from websockets.sync.client import connect
+
+from xlserve.server.metrics import NO_CODE
 
 from tests.e2e.process_tools import engine_pid
 from tests.e2e.server_process import ServerProcess, free_port
@@ -148,19 +151,22 @@ def watched(tiny_checkpoint, tmp_path):
 
 
 class Client:
-    """An API client that tallies every status it gets (and each error's type)."""
+    """An API client that tallies every status it gets (and each error's type, and type and code)."""
 
     def __init__(self, server: ServerProcess):
         self.http = server.client(headers={"Authorization": f"Bearer {KEY}"})
         self.statuses: Counter = Counter()
         self.errors: Counter = Counter()
+        self.error_codes: Counter = Counter()
         self.lock = threading.Lock()
 
     def tally(self, response: httpx.Response) -> httpx.Response:
         with self.lock:
             self.statuses[response.status_code] += 1
             if response.status_code >= 400:
-                self.errors[response.json()["error"]["type"]] += 1
+                error = response.json()["error"]
+                self.errors[error["type"]] += 1
+                self.error_codes[(error["type"], error["code"] or NO_CODE)] += 1
         return response
 
     def request(self, method: str, path: str, expect: int, **kwargs) -> httpx.Response:
@@ -281,19 +287,28 @@ def test_every_dashboard_and_alert_expression_returns_data_under_a_workload_with
     expected_errors = {"invalid_request_error": 1, "not_found_error": 1, "authentication_error": 1,
                        "rate_limit_error": 1, "session_busy": 1, "service_unavailable": 1}
     assert client.errors == expected_errors
+    # the codes tell apart what one type lumps together (a 404 for a session, not a model)
+    expected_codes = {("invalid_request_error", NO_CODE): 1, ("not_found_error", "session_not_found"): 1,
+                      ("authentication_error", "invalid_api_key"): 1, ("rate_limit_error", "queue_full"): 1,
+                      ("session_busy", "session_busy"): 1, ("service_unavailable", "session_cache_full"): 1}
+    assert client.error_codes == expected_codes
     expected_statuses = {status: count for status, count in client.statuses.items() if status >= 400}
     assert set(expected_statuses) == {400, 401, 404, 409, 429, 503}
 
     # a scrape after the workload: the counters hold what the client saw, exactly (the polls of
     # /ready while the server loaded were 503s, and no errors)
-    def counted() -> tuple[dict, dict]:
+    def counted() -> tuple[dict, dict, dict]:
         errors = prometheus.values("sum by (type) (xlserve_request_errors_total)", "type")
+        codes = {(sample["metric"]["type"], sample["metric"]["code"]): float(sample["value"][1])
+                 for sample in prometheus.query("sum by (type, code) (xlserve_request_errors_total)")}
         statuses = prometheus.values('sum by (status) (xlserve_http_requests_total{route!="/ready"})', "status")
-        return ({t: v for t, v in errors.items() if v}, {int(s): v for s, v in statuses.items() if int(s) >= 400 and v})
+        return ({t: v for t, v in errors.items() if v}, {pair: v for pair, v in codes.items() if v},
+                {int(s): v for s, v in statuses.items() if int(s) >= 400 and v})
 
     prometheus.wait("the workload's errors and statuses scraped",
-                    lambda: counted() == (expected_errors, expected_statuses), timeout=15,
-                    explain=lambda: f"Prometheus has {counted()}, the client saw {expected_errors, expected_statuses}")
+                    lambda: counted() == (expected_errors, expected_codes, expected_statuses), timeout=15,
+                    explain=lambda: f"Prometheus has {counted()}, "
+                                    f"the client saw {expected_errors, expected_codes, expected_statuses}")
     statuses = prometheus.values("sum by (status) (xlserve_http_requests_total)", "status")
     assert statuses["101"] == 1  # the websocket's handshake
     routes = prometheus.values("sum by (route) (xlserve_http_requests_total)", "route")
@@ -315,6 +330,9 @@ def test_every_dashboard_and_alert_expression_returns_data_under_a_workload_with
     panels = {(title, ref): grafana_to_promql(expr) for title, ref, expr in dashboard_queries()}
     by_type = prometheus.values(panels[("Errors per second by type", "A")], "type")
     assert {t for t, rate in by_type.items() if rate > 0} == set(expected_errors), by_type
+    by_code = {(sample["metric"]["type"], sample["metric"]["code"]): float(sample["value"][1])
+               for sample in prometheus.query(panels[("Errors per second by code", "A")])}
+    assert {pair for pair, rate in by_code.items() if rate > 0} == set(expected_codes), by_code
     by_status = prometheus.values(panels[("HTTP responses/s by status", "A")], "status")
     assert {"400", "401", "404", "409", "429", "503", "200", "101"} <= {s for s, rate in by_status.items() if rate > 0}
     assert prometheus.values(panels[("Requests refused for lack of room (503)", "A")], "tier")["device"] > 0
