@@ -8,8 +8,7 @@ redoc.standalone.js, a favicon; MIT, Swagger UI's and ReDoc's own licences insid
 found through `importlib.resources` wherever that package is installed. Only the files named
 here are served. Swagger UI's online validator (a request to another host) is turned off, ReDoc
 does not load Google's fonts, and a Content-Security-Policy lets the pages load and ask only
-this server (`PAGE_POLICY`). Like the playground, the pages need no API key; the
-requests "Try it out" sends take the key typed into its Authorize dialog.
+this server (`PAGE_POLICY`). Like the playground, the pages need no API key.
 """
 
 from importlib.resources import files
