@@ -2,7 +2,8 @@
 it: every one gets a full row. The Reformer stops at 2,048 tokens, past the text quick mode
 reads; its limit must not become a measurement point there (it was an IndexError).
 
-About 16 s on 2 cores (12 checkpoints, the vanilla transformer's byte-by-byte window the slowest);
+16 s on 2 cores alone, 23 s beside other tests (12 checkpoints, the vanilla transformer's
+byte-by-byte window the slowest, about 6 s);
 the numbers themselves are not checked, only that each was measured."""
 
 import json

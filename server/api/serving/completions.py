@@ -287,7 +287,8 @@ def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation
     if template is None:
         raise InvalidRequest(f"model '{served.name}' has no chat template, so it cannot take chat messages: use "
                              "/v1/completions with a prompt, or give the checkpoint a chat template "
-                             "(chat_template.jinja, or chat_template in tokenizer_config.json or config.json)",
+                             "(chat_template.jinja, or chat_template in tokenizer_config.json or config.json) "
+                             "or start the server with --chat-template FILE",
                              param="model", code="no_chat_template")
     rendered = [{"role": message.role, "content": message.text(),
                  **({"name": message.name} if message.name is not None else {})} for message in messages]
