@@ -16,6 +16,11 @@ Every setting keeps one flat name, which is its environment variable less the `X
 (`XLSERVE_PREFIX_CACHE_BYTES` is `prefix_cache.bytes`); `Settings(**flat)` takes those names,
 so a test or the CLI sets any of them without knowing its group.
 
+Each setting is also an `xlserve serve` flag (server/cli.py makes them from these classes: the
+field's description is its help; `Settings.flags` gives its names, vLLM's first where vLLM has one).
+Reading the environment warns about an XLSERVE_ variable that names no setting, naming the closest
+one, since pydantic-settings would silently ignore a misspelling.
+
 Created in the app factory (or by `xlserve serve`), never at import time, so tests build apps
 with their own settings. The engine process gets the API process's settings as JSON (without the
 security group) in the first frame over its socket, never on its command line (which `ps` shows
