@@ -75,7 +75,7 @@ def test_a_burst_past_the_queue_gets_429s_and_no_5xx(limited):
         response = client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
         metrics = client.get("/metrics").text
-    assert 'xlserve_request_errors_total{model="txl-tiny",type="rate_limit_error",code="queue_full"}' in metrics
+    assert 'xlserve_request_errors_total{code="queue_full",model="txl-tiny",type="rate_limit_error"}' in metrics
     assert 'xlserve_requests_total{finish_reason="cancelled",model="txl-tiny"}' in metrics
 
 

@@ -205,8 +205,8 @@ def test_counters_exist_at_zero_before_their_first_event(client):
     """Every model's error, refusal, eviction and finish-reason counters are exported from the
     start, so that the first event reads as a rate above 0 and its alert can fire."""
     text = client.get("/metrics").text
-    for series in (f'xlserve_request_errors_total{{model="{MODEL}",type="service_unavailable",code="session_cache_full"}}',
-                   f'xlserve_request_errors_total{{model="{MODEL}",type="session_busy",code="session_busy"}}',
+    for series in (f'xlserve_request_errors_total{{code="session_cache_full",model="{MODEL}",type="service_unavailable"}}',
+                   f'xlserve_request_errors_total{{code="session_busy",model="{MODEL}",type="session_busy"}}',
                    f'xlserve_session_refusals_total{{model="{MODEL}",tier="device"}}',
                    f'xlserve_session_evictions_total{{model="{MODEL}",tier="disk"}}',
                    f'xlserve_requests_total{{finish_reason="cancelled",model="{MODEL}"}}',

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -245,6 +247,15 @@ def test_the_code_label_takes_only_registered_codes():
     for unknown in ("a code nobody registered", "", 404):
         assert error_code_label(unknown) == UNREGISTERED_CODE
     assert NO_CODE not in error_codes() and UNREGISTERED_CODE not in error_codes()
+
+
+def test_the_code_label_knows_every_registered_code_whoever_imports_metrics_first():
+    """The engine process imports server/metrics.py without the API's modules: the engine's and
+    the cache's codes are label values there too, and torch is not loaded for them."""
+    script = ("import sys\nfrom xlserve.server.metrics import error_code_label\n"
+              "assert error_code_label('session_not_found') == 'session_not_found'\n"
+              "assert error_code_label('queue_full') == 'queue_full'\nassert 'torch' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
 def codes_written_in(source: str) -> set[str]:
