@@ -17,11 +17,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-# the engine's and the cache's errors modules are imported for their classes (torch-free):
-# defining a class registers it and its default code, and the code label's values are the
-# registry's (server/errors.py `error_codes`) whoever imports this module first
-import xlserve.server.cache.errors  # noqa: F401
-import xlserve.server.engine.errors  # noqa: F401
 from xlserve.server.errors import error_codes
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -62,7 +57,10 @@ UNREGISTERED_CODE = "unregistered"
 
 
 def error_code_label(code: object) -> str:
-    """The `code` label value of an error whose body carries `code`."""
+    """The `code` label value of an error whose body carries `code`. The registry is read as
+    imported so far, and this module imports no layer (docs/design.md section 1): errors are
+    counted, and their series declared, in the API process, whose server/api/errors.py imports
+    the engine's and the cache's errors modules, so every class is registered there."""
     if code is None:
         return NO_CODE
     return code if isinstance(code, str) and code in error_codes() else UNREGISTERED_CODE

@@ -249,12 +249,24 @@ def test_the_code_label_takes_only_registered_codes():
     assert NO_CODE not in error_codes() and UNREGISTERED_CODE not in error_codes()
 
 
-def test_the_code_label_knows_every_registered_code_whoever_imports_metrics_first():
-    """The engine process imports server/metrics.py without the API's modules: the engine's and
-    the cache's codes are label values there too, and torch is not loaded for them."""
-    script = ("import sys\nfrom xlserve.server.metrics import error_code_label\n"
-              "assert error_code_label('session_not_found') == 'session_not_found'\n"
-              "assert error_code_label('queue_full') == 'queue_full'\nassert 'torch' not in sys.modules\n")
+def test_where_errors_are_counted_every_code_is_registered_and_metrics_imports_no_layer():
+    """server/metrics.py reads the registry as imported so far and imports no layer: in a fresh
+    interpreter, metrics alone loads neither the engine nor the cache, and once the module that
+    counts errors (server/api/errors.py) is imported, every engine and cache code is a label value
+    and is declared at 0."""
+    script = (
+        "import sys\n"
+        "from xlserve.server.metrics import Metrics, error_code_label\n"
+        "assert not [m for m in sys.modules if m.startswith(('xlserve.server.engine', 'xlserve.server.cache'))]\n"
+        "from xlserve.server.api.errors import ERROR_TYPES, count_error\n"
+        "assert error_code_label('session_not_found') == 'session_not_found'\n"
+        "assert error_code_label('queue_full') == 'queue_full'\n"
+        "metrics = Metrics()\n"
+        "metrics.declare_api_series(['m'], ERROR_TYPES)\n"
+        "text = metrics.render().decode()\n"
+        "assert 'xlserve_request_errors_total{code=\"session_not_found\",model=\"m\",type=\"not_found_error\"} 0.0' in text\n"
+        "assert 'torch' not in sys.modules\n"
+    )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
