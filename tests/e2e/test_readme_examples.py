@@ -12,9 +12,15 @@ a temporary directory). Then:
 - every number, `null`, boolean, string or list of numbers the README shows after `# ->` for a
   command (`"tokens": 28`, `"version": 1`, `"max_model_len": null`) is what the server
   answered under that key; what the README elides (`...`: ids, log-probs, bits per byte, which
-  vary with the machine's floating point) is not compared.
+  vary with the machine's floating point) is not compared; the fields a command's comment names
+  (`# {"id", "model", "tokens", ...}`) are in its answer.
 
-Nothing here knows what the examples are: a new example in that section is run, and a number
+The ```python blocks (the OpenAI client) run too, in this process, against a server that has
+answered nothing yet: "The OpenAI client" (its `sess_...` placeholder filled with a session made
+here), then "Reuse without sessions", whose printed cached tokens must be what its comment says:
+0, then the whole previous history.
+
+Nothing here knows what the sh examples are: a new one in that section is run, and a number
 shown for it is checked, as soon as it is written.
 """
 
@@ -28,6 +34,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.server_process import REPO, ServerProcess
@@ -60,13 +67,14 @@ class Example:
         return f"[{self.heading}] {self.command.splitlines()[0]}"
 
 
-def section_blocks(text: str) -> list[tuple[str, str]]:
-    """(the nearest heading, the block's text) of each ```sh block of the examples section."""
+def section_blocks(text: str, language: str = "sh") -> list[tuple[str, str]]:
+    """(the nearest heading, the block's text) of each ```sh (or other `language`) block of the
+    examples section."""
     start = text.index(SECTION)
     end = text.find("\n## ", start + len(SECTION))
     section = text[start:end if end != -1 else len(text)]
     blocks, heading = [], SECTION.lstrip("# ")
-    for match in re.finditer(r"^(#{2,4} [^\n]+)$|^```sh\n(.*?)^```", section, re.M | re.S):
+    for match in re.finditer(rf"^(#{{2,4}} [^\n]+)$|^```{language}\n(.*?)^```", section, re.M | re.S):
         if match.group(1):
             heading = match.group(1).lstrip("# ")
         else:
@@ -150,19 +158,24 @@ def run_block(examples: list[Example], url: str, directory: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def examples(tmp_path_factory) -> list[Example]:
-    """Every example of the section, run against a real server of the shipped checkpoint."""
+def server(tmp_path_factory):
+    """A real server of the shipped checkpoint the README's examples name."""
+    log = tmp_path_factory.mktemp("readme-server") / "server.log"
+    server = ServerProcess([CHECKPOINT], log_path=log).start(timeout=300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def examples(server, tmp_path_factory) -> list[Example]:
+    """Every sh example of the section, run against the server."""
     if shutil.which("curl") is None:
         pytest.skip("curl, which the README's examples use, is not installed")
     blocks = section_blocks(README.read_text())
     found = [block_examples(heading, block) for heading, block in blocks]
     directory = tmp_path_factory.mktemp("readme-examples")
-    server = ServerProcess([CHECKPOINT], log_path=directory / "server.log").start(timeout=300)
-    try:
-        for block in found:
-            run_block(block, server.url, directory)
-    finally:
-        server.stop()
+    for block in found:
+        run_block(block, server.url, directory)
     return [example for block in found for example in block]
 
 
@@ -256,3 +269,56 @@ def test_the_chat_example_runs(examples):
     for example in chat:
         (answer,) = answers(example.output)
         assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["role"] == "assistant"
+
+
+# -- the Python examples: the OpenAI client --------------------------------------------------------
+
+README_BASE_URL = "http://127.0.0.1:8000/v1"
+SESSION_PLACEHOLDER = '"sess_..."'  # the README's stand-in for the id of a session the reader made
+
+
+def python_blocks() -> dict[str, str]:
+    """The section's ```python blocks by heading."""
+    return dict(section_blocks(README.read_text(), "python"))
+
+
+def run_python(code: str, namespace: dict) -> list[tuple]:
+    """Run an example's code in `namespace`; what it prints, each call's arguments."""
+    printed = []
+    namespace["print"] = lambda *values, **_: printed.append((*values, namespace.get("history")))
+    exec(compile(code, "README.md", "exec"), namespace)
+    return printed
+
+
+@pytest.fixture
+def fresh_server(tmp_path):
+    """A server of the shipped checkpoint that has answered nothing yet: the README's reader's,
+    whose prefix cache holds none of the other examples' prompts ("import os\n" is one)."""
+    server = ServerProcess([CHECKPOINT], log_path=tmp_path / "server.log").start(timeout=300)
+    yield server
+    server.stop()
+
+
+def test_the_openai_client_examples_run_and_the_prefix_cache_reuses_the_whole_history(fresh_server):
+    """"The OpenAI client" as written (its session id, a placeholder, is a session made here), then
+    "Reuse without sessions" with its client: the cached tokens it prints are 0, then the whole
+    previous history, as its comment says."""
+    server = fresh_server
+    blocks = python_blocks()
+    client_example, reuse_example = blocks["The OpenAI client"], blocks["Reuse without sessions"]
+    assert README_BASE_URL in client_example and SESSION_PLACEHOLDER in client_example
+    session = httpx.post(server.url + "/v1/sessions", json={"model": "transformer-xl-stdlib"}, timeout=60)
+    session.raise_for_status()
+    runnable = client_example.replace(README_BASE_URL, server.url + "/v1").replace(
+        SESSION_PLACEHOLDER, json.dumps(session.json()["id"]))
+    namespace: dict = {}
+    ((result, usage, _),) = run_python(runnable, namespace)
+    assert isinstance(result, str) and usage.completion_tokens == 32
+
+    assert "# 0, then the whole previous history" in reuse_example
+    printed = run_python(reuse_example, namespace)
+    assert len(printed) == 3
+    cached = [value for value, _ in printed]
+    # the history each request found cached: the one before it, prompt and completion (byte tokens)
+    previous = [0] + [len(history.encode()) for _, history in printed[:-1]]
+    assert cached == previous
