@@ -5,9 +5,9 @@ Names follow vLLM's style (xlserve_<what>_<unit>), all labelled by model.
 The server runs two processes (server/engine/process.py, docs/design.md section 8) and each
 creates a `Metrics`. Each family is recorded by exactly one of them: the API process records
 what a client sees (every HTTP response by route and status, time to first token, inter-token
-and end-to-end latency as streamed, errors by type and code, memory reuse and state size at commit), the
-engine process's restarts and its own process metrics (`process_*`, prometheus_client's process
-collector) (`is_api_family`); the engine process records the rest (tokens, queue, request
+and end-to-end latency as streamed, errors by type and code, memory reuse and state size at
+commit), the engine process's restarts and its own process metrics (`process_*`,
+prometheus_client's process collector) (`is_api_family`); the engine process records the rest (tokens, queue, request
 phases, batch sizes, outcomes, the session cache and its tiers' budgets) and its own process
 metrics as `xlserve_engine_process_*` (the same collector, reading the engine process's /proc/self).
 /metrics renders both halves into one exposition.
