@@ -63,7 +63,7 @@ class SessionEngine(ScriptedEngine):
     async def append(self, lease, tokens, score, **_):
         return self._queue()
 
-    async def submit(self, model, tokens, params, lease, scope, **_):
+    async def submit(self, model, tokens, params, lease, scope, owner=None):
         return self._queue()
 
     async def commit(self, lease, result=None):
