@@ -6,7 +6,9 @@ the redis-server binary is absent (`make test` installs the Debian package when 
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -71,4 +73,16 @@ def redis_url(tmp_path_factory):
         pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; `make test` does it)")
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """The RedisServer itself, for tests that pause it (SIGSTOP): it is resumed before it stops,
+    should a test have failed while it was paused."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; `make test` does it)")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    os.kill(server.process.pid, signal.SIGCONT)
     server.stop()

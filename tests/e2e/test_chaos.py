@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import threading
 import time
@@ -51,7 +50,7 @@ from tests.e2e.server_process import ServerProcess
 from tests.e2e.session_tools import MODEL, document, metric
 from tests.e2e.test_isolation import VICTIM, poisoned_blobs, stream_events, tokens_of
 from tests.e2e.test_poison_imports import alternating_extreme, every_float_replaced, extreme
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, redis_server  # noqa: F401 (redis_server: a fixture)
 
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 KEY_A, KEY_B = "key-a", "key-b"
@@ -170,15 +169,6 @@ class StreamedCompletion(threading.Thread):
             return f"ended with an error event: {self.error()}"
         return None
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; `make test` does it)")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    os.kill(server.process.pid, signal.SIGCONT)  # should a probe have failed while it was paused
-    server.stop()
 
 
 @pytest.fixture(scope="module")

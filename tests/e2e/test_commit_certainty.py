@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -25,7 +24,7 @@ import pytest
 
 from tests.e2e.server_process import ServerProcess
 from tests.e2e.session_tools import MODEL, append, create, document, info
-from tests.redis_server import RedisServer
+from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 STORE_TIMEOUT = 1.0  # XLSERVE_STORE_TIMEOUT_SECONDS
 SETTLE = 4.0  # XLSERVE_COMMIT_SETTLE_SECONDS
@@ -33,15 +32,6 @@ MARGIN = 4.0  # seconds of slack on a loaded machine, for the one timing claim
 GENERATED = 400
 PROMPT = "x"
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; `make test` does it)")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    os.kill(server.process.pid, signal.SIGCONT)
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ Every wait is bounded; the only timing claim is "within the store timeout plus a
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -23,21 +22,12 @@ from xlserve.server.cache import (
 )
 from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.cache.stores import RedisStore, StoreUnavailable
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, redis_server  # noqa: F401 (redis_server: a fixture)
 from tests.server.cache_helpers import MODEL, data, same
 
 STORE_TIMEOUT = 0.5  # seconds: each Redis call
 MARGIN = 3.0  # seconds of slack on a loaded machine, for the one timing claim
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; `make test` does it)")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    os.kill(server.process.pid, signal.SIGCONT)
-    server.stop()
 
 
 class Paused:
