@@ -197,6 +197,11 @@ class CacheSettings(SettingsGroup):
     device_state_bytes: int = Field(1 << 30, description="budget of session state on the model's device")
     host_state_bytes: int = Field(4 << 30, description="budget of session state in host RAM")
     disk_state_bytes: int = Field(64 << 30, description="budget of session state on disk")
+    # every tier holds and counts states in this dtype (server/cache/codec.py); requests still
+    # compute in the model's own dtype, converting the state when they start and when they commit
+    state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype session states are kept in on every tier: bfloat16 or float16 halve "
+        "their bytes (bfloat16 keeps float32's range; float16 overflows past 65,504)")
     # redis://, rediss://, unix:// (one server), redis+sentinel://sentinel:26379[,...]/<master>[/db],
     # redis+cluster://node:6379[,...] (server/cache/redis_client.py; README)
     redis_url: str = Field("", description="share sessions between replicas through Redis (redis://, "

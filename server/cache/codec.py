@@ -8,6 +8,7 @@ moves between all of them unchanged. Layout:
               "next_log_probs" (V,) when the session has seen at least one token
     metadata  format="xlserve-session", format_version="1", session_id, model, architecture,
               state_class, owner, tokens, version, created_at, last_used_at, nbytes,
+              state_dtype (the floating state tensors' dtype, e.g. "bfloat16"),
               checksum="sha256:<hex>"
 
 The checksum is a SHA-256 over the metadata (every key but `checksum`, sorted) and every tensor
@@ -15,10 +16,17 @@ The checksum is a SHA-256 over the metadata (every key but `checksum`, sorted) a
 writer lays out the file. `decode` verifies it; a blob without one is refused unless the caller
 allows it (an import written by someone else's tool). Parsing never unpickles: the header is
 JSON and the tensors are read by safetensors.
+
+State dtype (XLSERVE_STATE_DTYPE): the session cache keeps every floating state tensor in one
+storage dtype (`SessionData.cast_state`), on every tier; a request computes in the model's own
+dtype (`floating_dtypes` of its fresh state). Only floating tensors are converted: masks and
+positions keep their integer or bool dtype, and `next_log_probs` stays float32 (one row of the
+vocabulary, small next to a state, and the exact distribution the next token is sampled from).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -35,6 +43,67 @@ FORMAT = "xlserve-session"
 FORMAT_VERSION = "1"
 STATE_PREFIX = "state."
 MAX_HEADER_BYTES = 64 << 20  # a sanity bound while parsing an untrusted header
+
+# The dtypes the cache may store states in (XLSERVE_STATE_DTYPE), by the name the setting and an
+# export's `state_dtype` metadata use. bfloat16 keeps float32's range with 8 bits of mantissa;
+# float16 keeps 11 bits but overflows past 65,504 (a running sum such as the Performer's reaches
+# that after some 6,000 tokens), so bfloat16 is the safe choice.
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the floating dtypes an imported state's tensors may come in: each is converted; any other
+# (float8 variants, complex) is refused by name
+IMPORTABLE_DTYPES = {**STATE_DTYPES, "float64": torch.float64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the name used by the setting and the metadata."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _map_named(state: State, convert) -> State:
+    """`state` with each tensor replaced by `convert(name, tensor)`, names as in `to_tensors`."""
+    changes = {}
+    for field in dataclasses.fields(state):
+        value = getattr(state, field.name)
+        if isinstance(value, torch.Tensor):
+            changes[field.name] = convert(field.name, value)
+        else:
+            changes[field.name] = [convert(f"{field.name}.{i}", t) for i, t in enumerate(value)]
+    return dataclasses.replace(state, **changes)
+
+
+def floating_dtypes(state: State) -> dict[str, torch.dtype]:
+    """Name -> dtype of each floating tensor of `state`: given a model's fresh state, the dtypes
+    its forward computes in, which a stored state is converted back to (`cast_state`)."""
+    return {name: t.dtype for name, t in state._named_tensors() if t.is_floating_point()}
+
+
+def state_dtype_of(state: State) -> str:
+    """The metadata's `state_dtype`: the floating tensors' dtype name (several, comma-separated
+    and sorted, should a state mix them; "none" when it has no floating tensor)."""
+    names = sorted({dtype_name(t.dtype) for _, t in state._named_tensors() if t.is_floating_point()})
+    return ",".join(names) or "none"
+
+
+def conform_import(tensors: dict[str, torch.Tensor], expected: dict[str, torch.dtype],
+                   recorded: str | None) -> dict[str, torch.Tensor]:
+    """An imported state's tensors with each floating one converted to `expected[name]` (the
+    model's compute dtype for that tensor). ValueError naming the dtype when the recorded
+    `state_dtype` metadata or a tensor's dtype is not one a state may be stored in (IMPORTABLE_DTYPES).
+    Tensors that are not floating are left for the model's check, which names a wrong dtype."""
+    if recorded is not None:
+        unknown = [name for name in recorded.split(",") if name not in IMPORTABLE_DTYPES and name != "none"]
+        if unknown:
+            raise ValueError(f"metadata 'state_dtype' names {', '.join(unknown)}, not one of "
+                             f"{', '.join(IMPORTABLE_DTYPES)}")
+    converted = {}
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and name in expected:
+            if dtype_name(tensor.dtype) not in IMPORTABLE_DTYPES:
+                raise ValueError(f"state tensor '{name}' is {dtype_name(tensor.dtype)}, not one of "
+                                 f"{', '.join(IMPORTABLE_DTYPES)}")
+            tensor = tensor.to(expected[name])
+        converted[name] = tensor
+    return converted
 
 
 @dataclass
@@ -68,6 +137,21 @@ class SessionData:
         logits = None if self.next_log_probs is None else self.next_log_probs.clone()
         return SessionData(state=self.state.clone(), tokens=self.tokens, next_log_probs=logits)
 
+    def cast_state(self, dtype: torch.dtype | dict[str, torch.dtype]) -> "SessionData":
+        """The same session with its floating state tensors in `dtype` (one for all, or by tensor
+        name as `floating_dtypes` gives them: a name missing keeps its dtype). Integer and bool
+        tensors and `next_log_probs` are kept as they are. A tensor already in its dtype is
+        shared, not copied, so a cast to the dtype a state is in costs nothing."""
+
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            if not tensor.is_floating_point():
+                return tensor
+            wanted = dtype.get(name, tensor.dtype) if isinstance(dtype, dict) else dtype
+            return tensor.to(wanted)
+
+        return SessionData(state=_map_named(self.state, convert), tokens=self.tokens,
+                           next_log_probs=self.next_log_probs)
+
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -91,7 +175,7 @@ def encode(data: SessionData, metadata: dict[str, str]) -> bytes:
         tensors["next_log_probs"] = data.next_log_probs.detach().contiguous().cpu().clone()
     meta = {k: str(v) for k, v in metadata.items()}
     meta.update(format=FORMAT, format_version=FORMAT_VERSION, tokens=str(data.tokens), nbytes=str(data.nbytes()),
-                state_class=type(data.state).__name__)
+                state_class=type(data.state).__name__, state_dtype=state_dtype_of(data.state))
     meta.pop("checksum", None)
     meta["checksum"] = checksum(meta, tensors)
     return save_safetensors(tensors, metadata=meta)

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 
-from xlserve.server.cache.codec import CorruptState, SessionData, decode, session_data
+from xlserve.server.cache.codec import CorruptState, SessionData, decode, floating_dtypes, session_data
 from xlserve.server.cache.errors import (
     CacheFull,
     CommitOutcomeUnknown,
@@ -61,7 +61,7 @@ def store_call(fn):
 
 class DurableStore:
     def __init__(self, disk: DiskStore, redis: RedisStore | None, models: dict[str, object], settle_s: float):
-        """`models`: name -> LanguageModel (architecture, state_class, check_session), shared with
+        """`models`: name -> LanguageModel (architecture, state_class, init_state, check_session), shared with
         the cache; `settle_s`: how long a Redis write without an answer is settled."""
         self.disk = disk
         self.redis = redis
@@ -123,8 +123,11 @@ class DurableStore:
                 raise CorruptState(f"{tier} holds session {meta.get('session_id')} version {meta.get('version')}, "
                                    f"expected version {record.version}")
             data = session_data(spec.state_class, meta, tensors, next_log_probs)
-            # the model's whole check, as an import gets it (finite, consistent, fits the token count)
-            spec.check_session(data.state, data.tokens, data.next_log_probs)
+            # the model's whole check, as an import gets it (finite, consistent, fits the token
+            # count), on the state in the dtypes the model computes in: it is stored in the cache's
+            # state dtype (a copy only where the two differ, dropped after the check)
+            computed = data.cast_state(floating_dtypes(spec.init_state(1)))
+            spec.check_session(computed.state, computed.tokens, computed.next_log_probs)
         except (CorruptState, ValueError) as error:
             log.error("session %s: %s copy is unusable: %s", record.id, tier, error)
             raise SessionUnavailable(f"session '{record.id}': the stored state is unusable ({error})", record.id) from None

@@ -53,6 +53,11 @@ Metrics: `xlserve_sessions{tier}` counts sessions by their fastest copy, while
 `xlserve_session_state_bytes{tier}` counts the bytes each tier holds (with write-through the last
 tier holds every session). An acquire is a hit on the tier it found the session in and a miss on
 every faster tier. Budgets count the bytes of committed states (`SessionData.nbytes()`).
+
+State dtype: every state that enters the cache (a commit, a create, fork, import or replace) has
+its floating tensors converted to `state_dtype` (XLSERVE_STATE_DTYPE; codec.py) first, so every
+tier, every budget and every export holds and counts that dtype, the device included. A lease
+hands out the state as stored; the engine converts it to its model's compute dtype for the request.
 """
 
 from __future__ import annotations
@@ -64,7 +69,9 @@ import threading
 import time
 from contextlib import contextmanager
 
-from xlserve.server.cache.codec import SessionData, encode
+import torch
+
+from xlserve.server.cache.codec import STATE_DTYPES, SessionData, encode
 from xlserve.server.cache.durable import DurableStore
 from xlserve.server.cache.errors import (
     CommitOutcomeUnknown,
@@ -100,20 +107,22 @@ def new_session_id() -> str:
 class SessionCache:
     def __init__(self, state_dir, device_bytes: int | None, host_bytes: int | None, disk_bytes: int | None,
                  redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0,
-                 hold_wait_s: float | None = None):
+                 hold_wait_s: float | None = None, state_dtype: torch.dtype = torch.float32):
         """`store_timeout_s` bounds each Redis call; `settle_s` is how long a commit whose write
         timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown;
         `hold_wait_s` is how long a request waits for a session the cache holds (its bytes moving
         between tiers, or the commit of a request that left being written) before it is refused
         with SessionUnavailable (503): by default longer than such a write can take when Redis
         answers within its timeouts, and bounded, so that a hold leaked by a bug is an error, not
-        a request that never returns."""
+        a request that never returns. `state_dtype` is the dtype every floating state tensor is
+        kept in (module docstring)."""
+        self.state_dtype = state_dtype
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         self.redis = RedisStore(redis_url, timeout_s=store_timeout_s) if redis_url else None
         if self.redis is not None:
             budgets["redis"] = None  # bounded by Redis's own maxmemory
         self.manager = CacheManager(budgets)
-        self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, check_session)
+        self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, init_state, check_session)
         self.disk = DiskStore(state_dir)
         self.durable = DurableStore(self.disk, self.redis, self.models, settle_s)
         self.hold_wait_s = hold_wait_s if hold_wait_s is not None else max(30.0, settle_s + 3 * store_timeout_s)
@@ -135,7 +144,8 @@ class SessionCache:
         cache reads its fields and imports nothing of server/settings.py)."""
         return cls(settings.state_dir, settings.device_state_bytes, settings.host_state_bytes,
                    settings.disk_state_bytes, settings.redis_url, metrics,
-                   store_timeout_s=settings.store_timeout_seconds, settle_s=settings.commit_settle_seconds)
+                   store_timeout_s=settings.store_timeout_seconds, settle_s=settings.commit_settle_seconds,
+                   state_dtype=STATE_DTYPES[settings.state_dtype])
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -281,7 +291,7 @@ class SessionCache:
         SessionConflict nothing changed and the lease is still held (release it); on
         CommitOutcomeUnknown the change may land or not, the lease is still held. A release that
         comes while the commit runs (from another thread) takes effect when it ends."""
-        data = self.placement.on_device(lease.info.model, data.compact())
+        data = self.placement.on_device(lease.info.model, data.cast_state(self.state_dtype).compact())
         with self._lock:
             record = self._leased(lease)
             booked = self.placement.reserve(record, data.nbytes())
@@ -445,7 +455,7 @@ class SessionCache:
 
     def _admit_new(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
         """Write a new session to the last tier, then put it on the device (create, fork, import)."""
-        data = self.placement.on_device(model, data.compact())
+        data = self.placement.on_device(model, data.cast_state(self.state_dtype).compact())
         now = time.time()
         record = Record(id=new_session_id(), model=model, owner=owner, nbytes=data.nbytes(), tokens=data.tokens,
                         version=0, created_at=now, last_used_at=now)

@@ -55,7 +55,7 @@ from xlserve.models.interface import LanguageModel
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.cache import CorruptState, SessionInfo
 from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
-from xlserve.server.cache.codec import SessionData, decode, session_data
+from xlserve.server.cache.codec import SessionData, conform_import, decode, floating_dtypes, session_data
 from xlserve.server.cache.prefix_cache import PrefixCache
 from xlserve.server.engine.errors import InvalidInput, ModelNotFound
 from xlserve.server.engine.memory import MemoryReturner
@@ -225,6 +225,9 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
     if meta.get("architecture") and meta["architecture"] != model.architecture:
         raise refuse(f"the state is of architecture '{meta['architecture']}', '{name}' is {model.architecture}")
     try:
+        # a state exported in any floating dtype (`state_dtype` metadata) is checked and probed in
+        # the model's compute dtype; the cache stores it in its own state dtype
+        tensors = conform_import(tensors, compute_dtypes(model), meta.get("state_dtype"))
         data = session_data(model.state_class, meta, tensors, next_log_probs)
         model.check_session(data.state, data.tokens, data.next_log_probs)
         check_state_magnitudes(data)
@@ -233,6 +236,15 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
     except (ValueError, IndexError, RuntimeError) as error:  # RuntimeError: torch on a malformed tensor
         raise refuse(f"the state does not fit model '{name}': {error}") from None
     return data
+
+
+@functools.cache
+def compute_dtypes(model: LanguageModel) -> dict[str, torch.dtype]:
+    """The dtype of each floating tensor of `model`'s fresh state: what its forward computes in,
+    and what a state kept in XLSERVE_STATE_DTYPE is converted to for a request. Once per model
+    (a served model lives as long as the process)."""
+    with torch.inference_mode():
+        return floating_dtypes(model.init_state(1))
 
 
 def check_state_magnitudes(data: SessionData) -> None:
@@ -479,7 +491,7 @@ class EngineProcess:
     def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None) -> Accepted:
         params = request.params
         if request.lease is not None:
-            fields = {"start": self.lease(request.lease).data}
+            fields = {"start": self.starting_data(request.lease, engine)}
         elif request.prefix_scope is not None:  # no session: reuse the longest cached prefix of the prompt
             echo_alternatives = params.echo and bool(params.logprobs)
             fields = engine.start_from_prefix(request.prompt, bytes.fromhex(request.prefix_scope), echo_alternatives)
@@ -496,9 +508,17 @@ class EngineProcess:
     def append(self, request: Append) -> Accepted:
         lease = self.lease(request.lease)
         engine = self.loaded(lease.info.model).engine
-        queued = EngineRequest("append", request.tokens, lease.data, SamplingParams(max_tokens=0), score=request.score,
+        queued = EngineRequest("append", request.tokens, self.starting_data(request.lease, engine),
+                               SamplingParams(max_tokens=0), score=request.score,
                                handle=request.request_id, owner=lease.info.owner)
         return self._enqueue(queued, engine, request.lease)
+
+    def starting_data(self, lease_id: int, engine: Engine) -> SessionData:
+        """The leased session's state in the dtypes `engine`'s model computes in: the cache keeps
+        it in XLSERVE_STATE_DTYPE, and the model code never sees another dtype than its own (with
+        the two alike, the lease's own tensors, not a copy). The request's new state goes back
+        to the state dtype when it is committed (SessionCache.commit)."""
+        return self.lease(lease_id).data.cast_state(compute_dtypes(engine.model))
 
     def _enqueue(self, request: EngineRequest, engine: Engine, lease_id: int | None) -> Accepted:
         """Queue `request` (its handle is its id), registered first: its events may come at once."""

@@ -31,8 +31,13 @@ def check_toy_session(state, tokens, next_log_probs):
     check_toy(state)
 
 
+def init_toy(batch_size: int) -> ToyState:
+    """A fresh toy state: its dtypes are those the toy model computes in (float32 memory)."""
+    return ToyState(memory=torch.zeros(batch_size, 0), layers=[torch.zeros(batch_size, 3, dtype=torch.long)] * 2)
+
+
 MODEL = SimpleNamespace(device=torch.device("cpu"), state_class=ToyState, architecture="toy", check_state=check_toy,
-                        check_session=check_toy_session)
+                        check_session=check_toy_session, init_state=init_toy)
 
 
 def data(n: int, seed: int, tokens: int = 5) -> SessionData:

@@ -1,0 +1,134 @@
+"""Session state kept in 16 bits (XLSERVE_STATE_DTYPE): the codec records and keeps the dtype,
+only floating tensors are converted, imports in another floating dtype are converted and others
+refused by name, and for every architecture a session stored in bfloat16 continues within a
+stated tolerance of one stored in float32, at half the bytes of its floating tensors."""
+
+import pytest
+import torch
+
+from xlserve.models.registry import ARCHITECTURES, build_model
+from xlserve.models.training.train import preset_config
+from xlserve.server.cache.codec import STATE_DTYPES, SessionData, conform_import, decode, encode, session_data
+from xlserve.server.cache.session_cache import SessionCache
+from xlserve.server.engine.errors import InvalidInput
+from xlserve.server.engine.process import compute_dtypes, validated_import
+
+# the largest difference in a continuation's log-probabilities (nats) between a session stored
+# in bfloat16 and the same session stored in float32, on the tiny random checkpoints: bfloat16
+# keeps 8 bits of mantissa (a relative rounding of at most 2^-9 per value); the largest seen is
+# 7e-4 (the Conformer), this bound leaves room for other seeds and torch versions
+LOG_PROB_TOLERANCE = 1e-2
+
+HISTORY = list(b"import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n" * 3)  # > one segment
+CONTINUATION = list(b"    print('done')\n")
+
+
+def tiny_model(architecture: str):
+    torch.manual_seed(0)
+    return build_model(architecture, preset_config(architecture, "tiny")).eval()
+
+
+def feed(model, data: SessionData, tokens: list[int]) -> tuple[torch.Tensor, SessionData]:
+    with torch.inference_mode():
+        log_probs, state = model(torch.tensor([tokens]), data.state)
+    return log_probs, SessionData(state=state, tokens=data.tokens + len(tokens), next_log_probs=log_probs[0, -1])
+
+
+def session_after_history(model) -> SessionData:
+    return feed(model, SessionData(model.init_state(1), 0, None), HISTORY)[1]
+
+
+def floating_bytes(data: SessionData) -> int:
+    return sum(t.numel() * t.element_size() for t in data.state.to_tensors().values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("dtype_name", sorted(STATE_DTYPES))
+def test_codec_round_trip_keeps_the_dtype_and_records_it(dtype_name):
+    model = tiny_model("reformer")  # float, int32, int64 and bool state tensors
+    data = session_after_history(model).cast_state(STATE_DTYPES[dtype_name])
+    meta, tensors, next_log_probs = decode(encode(data, {"model": "m"}))
+    assert meta["state_dtype"] == dtype_name
+    again = session_data(model.state_class, meta, tensors, next_log_probs)
+    for (name, before), (_, after) in zip(data.state.to_tensors().items(), again.state.to_tensors().items()):
+        assert after.dtype == before.dtype and torch.equal(after, before), name
+    assert next_log_probs.dtype == torch.float32 and torch.equal(next_log_probs, data.next_log_probs)
+    assert int(meta["nbytes"]) == data.nbytes()
+
+
+def test_only_floating_tensors_are_converted_and_a_cast_to_the_same_dtype_copies_nothing():
+    model = tiny_model("reformer")
+    data = session_after_history(model)
+    stored = data.cast_state(torch.bfloat16)
+    for (name, before), (_, after) in zip(data.state._named_tensors(), stored.state._named_tensors()):
+        if before.is_floating_point():
+            assert after.dtype == torch.bfloat16, name
+            assert torch.allclose(after.float(), before, rtol=2 ** -8, atol=0), name
+        else:  # masks, buckets and positions as they were
+            assert after is before, name
+    assert stored.next_log_probs is data.next_log_probs  # kept float32
+    assert floating_bytes(stored) * 2 == floating_bytes(data)
+    same = data.cast_state(torch.float32)
+    assert all(a is b for (_, a), (_, b) in zip(data.state._named_tensors(), same.state._named_tensors()))
+    # back to the model's own dtypes: every tensor as the fresh state has it
+    restored = stored.cast_state(compute_dtypes(model))
+    fresh = dict(model.init_state(1)._named_tensors())
+    assert all(t.dtype == fresh[name].dtype for name, t in restored.state._named_tensors())
+
+
+def test_an_import_is_converted_or_refused_naming_the_dtype():
+    model = tiny_model("transformer-xl")
+    data = session_after_history(model)
+    expected = compute_dtypes(model)
+    wide = {name: t.double() if t.is_floating_point() else t for name, t in data.state.to_tensors().items()}
+    converted = conform_import(wide, expected, "float64")
+    assert all(t.dtype == data.state.to_tensors()[name].dtype for name, t in converted.items())
+
+    name = next(iter(expected))
+    odd = dict(data.state.to_tensors(), **{name: data.state.to_tensors()[name].to(torch.float8_e4m3fn)})
+    with pytest.raises(ValueError, match=f"'{name}' is float8_e4m3fn"):
+        conform_import(odd, expected, None)
+    with pytest.raises(ValueError, match="'state_dtype' names int4"):
+        conform_import(data.state.to_tensors(), expected, "int4")
+
+
+def test_validated_import_takes_a_16_bit_export_and_refuses_an_integer_tensor_by_name():
+    model = tiny_model("transformer-xl")
+    data = session_after_history(model)
+    meta, tensors, next_log_probs = decode(encode(data.cast_state(torch.bfloat16), {"model": "m"}))
+    assert meta["state_dtype"] == "bfloat16"
+    imported = validated_import("m", model, meta, tensors, next_log_probs)
+    assert all(t.dtype == torch.float32 for t in imported.state.to_tensors().values() if t.is_floating_point())
+    name = next(iter(compute_dtypes(model)))
+    tensors[name] = tensors[name].to(torch.int64)
+    with pytest.raises(InvalidInput, match=f"'{name}' is torch.int64") as refused:
+        validated_import("m", model, meta, tensors, next_log_probs)
+    assert refused.value.code == "invalid_state"
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_a_session_stored_in_bfloat16_continues_like_float32_at_half_the_bytes(architecture, tmp_path):
+    model = tiny_model(architecture)
+    data = session_after_history(model)
+    expected, _ = feed(model, data, CONTINUATION)
+    sizes, results = {}, {}
+    for name in ("float32", "bfloat16"):
+        cache = SessionCache(tmp_path / name, None, None, None, state_dtype=STATE_DTYPES[name])
+        cache.open({"m": model})
+        session = cache.create("m", None, data.clone()).id
+        lease = cache.acquire(session, None)  # the copy kept on the device tier
+        kept = [t.dtype for t in lease.data.state.to_tensors().values() if t.is_floating_point()]
+        assert set(kept) <= {STATE_DTYPES[name]}
+        from_device, _ = feed(model, lease.data.cast_state(compute_dtypes(model)), CONTINUATION)
+        cache.release(lease)
+        cache.move(session, "disk")
+        lease = cache.acquire(session, None)  # read back from its safetensors file
+        from_disk, _ = feed(model, lease.data.cast_state(compute_dtypes(model)), CONTINUATION)
+        cache.release(lease)
+        assert torch.equal(from_device, from_disk)  # the disk holds exactly what the device held
+        sizes[name], results[name] = cache.info(session, None).state_bytes, from_disk
+        cache.close()
+    assert torch.equal(results["float32"], expected)
+    assert (results["bfloat16"] - expected).abs().max().item() <= LOG_PROB_TOLERANCE
+    floating = floating_bytes(data)  # the vanilla transformer keeps token ids only: nothing to halve
+    assert sizes["float32"] == data.nbytes()
+    assert sizes["bfloat16"] == data.nbytes() - floating // 2
