@@ -15,6 +15,13 @@ card.md; or those named by --models), measured in process through the model's `f
   after the first state history, the batch made of copies of that session joined by
   `State.concat` (as the engine batches rows); generated tokens (all rows) per second, median of
   a few runs.
+- with --state-dtype bfloat16 (or float16): the session state in that dtype against float32
+  (XLSERVE_STATE_DTYPE), in `state_dtype`: the state bytes after each state history in both, and
+  held-out bits per byte of the first --state-dtype-tokens held-out tokens scored as a session of
+  turns of --turn tokens, once with the state kept in float32 and once with it rounded to the
+  state dtype after every turn (as the session cache stores it at each commit); their difference
+  (the issue's bound is 0.01). The model computes in float32 in both; the next turn's first token
+  is scored from the float32 next-token row, which the cache keeps as it is.
 Histories are held-out stdlib text, fed in chunks of --chunk tokens, one pass that keeps the
 state at each length. A model with a fixed context of L bytes (`max_context`, the vanilla
 transformer) keeps nothing older than its last L bytes, so it is fed only those, when
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -45,13 +53,16 @@ import torch
 
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.training.card import STATE_HISTORIES
+from xlserve.server.cache.codec import STATE_DTYPES, SessionData, floating_dtypes
 from xlserve.server.bench.common import environment, figure, save_results
 from xlserve.server.bench.continuation import held_out_text, sync
 from xlserve.server.settings import BENCH_RESULTS_DIR, WEIGHTS_DIR, checkpoint_dir
 
 DEFAULTS = dict(histories="1024,10240,65536", state_histories=",".join(map(str, STATE_HISTORIES)),
-                decode=64, repeats=5)
-QUICK = dict(histories="128,512", state_histories="256,1024", decode=8, repeats=2)
+                decode=64, repeats=5, state_dtype_tokens=16384)
+QUICK = dict(histories="128,512", state_histories="256,1024", decode=8, repeats=2, state_dtype_tokens=1024)
+# the issue's bound on the held-out bits per byte lost by keeping the state in 16 bits
+STATE_DTYPE_BOUND = 0.01
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -73,6 +84,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed rounds of appends (default {DEFAULTS['repeats']}); decode: half as many runs")
     parser.add_argument("--chunk", type=int, default=512, help="tokens per forward call while feeding a history")
+    parser.add_argument("--state-dtype", choices=[d for d in STATE_DTYPES if d != "float32"], default=None,
+                        help="also measure the session state kept in this dtype against float32: its bytes, and "
+                             "held-out bits per byte with the state rounded to it after every turn")
+    parser.add_argument("--state-dtype-tokens", type=int, default=None,
+                        help="held-out tokens scored for --state-dtype "
+                             f"(default {DEFAULTS['state_dtype_tokens']}; --quick {QUICK['state_dtype_tokens']})")
+    parser.add_argument("--turn", type=int, default=128,
+                        help="tokens per turn for --state-dtype: the state is stored after each")
     parser.add_argument("--quick", action="store_true",
                         help=f"small settings for tests ({QUICK}); the numbers say nothing about the full ones")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -204,6 +223,51 @@ def decode_rate(model, session: dict, batch: int, steps: int, runs: int) -> tupl
     return statistics.median(rates), rates
 
 
+def turn_bits_per_byte(model, tokens: list[int], turn: int, state_dtype: torch.dtype | None) -> float:
+    """Held-out bits per byte of `tokens` (byte tokens: one token a byte) scored left to right from
+    an empty state as a session of `turn`-token turns, each token from the log-probs the model
+    gave after the one before it; with `state_dtype`, the state goes through that dtype after every
+    turn and comes back in the model's own dtypes for the next, as a session kept in the cache at
+    XLSERVE_STATE_DTYPE does. The next-token row stays float32, as the cache keeps it."""
+    computed = floating_dtypes(model.init_state(1))
+    state, previous_row, nats, scored = model.init_state(1), None, 0.0, 0
+    for start in range(0, len(tokens), turn):
+        piece = tokens[start:start + turn]
+        log_probs, state = model(torch.tensor([piece], device=model.device), state)
+        targets = torch.tensor(piece[1:], device=model.device)
+        nats -= float(log_probs[0, :-1].gather(1, targets[:, None]).sum())
+        if previous_row is not None:  # the first token of a turn, from the turn before
+            nats -= float(previous_row[piece[0]])
+        scored += len(piece) - 1 + (previous_row is not None)
+        previous_row = log_probs[0, -1]
+        if state_dtype is not None:
+            stored = SessionData(state, 0, None).cast_state(state_dtype)
+            state = stored.cast_state(computed).state
+    return nats / math.log(2) / max(scored, 1)
+
+
+def state_dtype_comparison(model, sessions: dict[int, dict], tokens: list[int], args: argparse.Namespace) -> dict:
+    """The `state_dtype` field of a row (module docstring): bytes and held-out bits per byte with
+    the state in float32 and in args.state_dtype."""
+    dtype = STATE_DTYPES[args.state_dtype]
+    limit = model.history_limit
+    scored = tokens[:args.state_dtype_tokens] if limit is None else tokens[:min(args.state_dtype_tokens, limit)]
+    bits = {"float32": turn_bits_per_byte(model, scored, args.turn, None),
+            args.state_dtype: turn_bits_per_byte(model, scored, args.turn, dtype)}
+    difference = bits[args.state_dtype] - bits["float32"]
+    return {
+        "dtype": args.state_dtype,
+        "state_bytes": {name: {str(h): SessionData(sessions[h]["state"], h, None).cast_state(STATE_DTYPES[name])
+                               .state.nbytes() if h in sessions else None for h in args.state_histories}
+                        for name in ("float32", args.state_dtype)},
+        "bits_per_byte": bits,
+        "difference": difference,
+        "within_bound": abs(difference) <= STATE_DTYPE_BOUND,
+        "scored_tokens": len(scored),
+        "turn_tokens": args.turn,
+    }
+
+
 @torch.inference_mode()
 def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dict:
     started = time.perf_counter()
@@ -246,6 +310,9 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
         "history_fed_tokens": {str(h): sessions[h]["fed"] for h in marks if h in sessions},
         "seconds": round(time.perf_counter() - started, 1),
     }
+    if args.state_dtype is not None:
+        row["state_dtype"] = state_dtype_comparison(model, sessions, tokens, args)
+        row["seconds"] = round(time.perf_counter() - started, 1)
     return row
 
 
@@ -255,7 +322,7 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(args.threads)
     paths = checkpoints(args.models, Path(args.weights_dir))
     longest = max(args.histories + args.state_histories)
-    tokens = held_out_text(longest + args.append)
+    tokens = held_out_text(max(longest + args.append, args.state_dtype_tokens if args.state_dtype else 0))
     started = time.perf_counter()
     rows = []
     for path in paths:
@@ -267,6 +334,7 @@ def main(argv: list[str]) -> None:
         "weights_dir": args.weights_dir, "history_text": "held-out stdlib files, concatenated",
         "histories": args.histories, "state_histories": args.state_histories, "append_tokens": args.append,
         "decode_tokens": args.decode, "batch_sizes": args.batch_sizes, "repeats": args.repeats, "chunk": args.chunk,
+        "state_dtype": args.state_dtype, "state_dtype_bound": STATE_DTYPE_BOUND if args.state_dtype else None,
         "results": rows, "seconds": round(time.perf_counter() - started, 1),
     }
     save_results(result, args.out, plot, print_table)
@@ -354,3 +422,28 @@ def print_table(result: dict) -> None:
                 for r in result["results"] if r.get("history_limit")]
     if stopping:
         print(f"-: past max_context, where these models stop (a longer history is refused): {', '.join(stopping)}")
+    if result.get("state_dtype"):
+        print_state_dtype_table(result)
+
+
+def print_state_dtype_table(result: dict) -> None:
+    """Bytes and held-out bits per byte with the state in float32 and in the 16-bit dtype."""
+    dtype, last = result["state_dtype"], str(result["state_histories"][-1])
+    rows = [r for r in result["results"] if "state_dtype" in r]
+    header = ["model", f"state @{_tokens(int(last))} float32", f"state @{_tokens(int(last))} {dtype}",
+              "scored tokens", "bits/byte float32", f"bits/byte {dtype}", "difference",
+              f"within {result['state_dtype_bound']}"]
+    lines = []
+    for row in rows:
+        compared = row["state_dtype"]
+        lines.append([row["model"], _missing_or(compared["state_bytes"]["float32"][last], _bytes),
+                      _missing_or(compared["state_bytes"][dtype][last], _bytes), f"{compared['scored_tokens']:,}",
+                      f"{compared['bits_per_byte']['float32']:.4f}", f"{compared['bits_per_byte'][dtype]:.4f}",
+                      f"{compared['difference']:+.4f}", "yes" if compared["within_bound"] else "NO"])
+    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
+    print(f"\nsession state in {dtype} against float32: held-out bits per byte scored in turns of "
+          f"{rows[0]['state_dtype']['turn_tokens'] if rows else 0} tokens, the state stored in {dtype} after each")
+    print("| " + " | ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths))) + " |")
+    print("|" + "|".join("-" * (w + 1) + ":" if i else ":" + "-" * (w + 1) for i, w in enumerate(widths)) + "|")
+    for line in lines:
+        print("| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) + " |")
