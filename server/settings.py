@@ -201,7 +201,7 @@ class CacheSettings(SettingsGroup):
     # compute in the model's own dtype, converting the state when they start and when they commit
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype session states are kept in on every tier: bfloat16 or float16 halve "
-        "their bytes (bfloat16 keeps float32's range; float16 overflows past 65,504)")
+        "their bytes (bfloat16 keeps float32's range; float16 saturates at 65,504)")
     # redis://, rediss://, unix:// (one server), redis+sentinel://sentinel:26379[,...]/<master>[/db],
     # redis+cluster://node:6379[,...] (server/cache/redis_client.py; README)
     redis_url: str = Field("", description="share sessions between replicas through Redis (redis://, "

@@ -46,8 +46,8 @@ MAX_HEADER_BYTES = 64 << 20  # a sanity bound while parsing an untrusted header
 
 # The dtypes the cache may store states in (XLSERVE_STATE_DTYPE), by the name the setting and an
 # export's `state_dtype` metadata use. bfloat16 keeps float32's range with 8 bits of mantissa;
-# float16 keeps 11 bits but overflows past 65,504 (a running sum such as the Performer's reaches
-# that after some 6,000 tokens), so bfloat16 is the safe choice.
+# float16 keeps 11 bits but saturates at 65,504 (`SessionData.cast_state`; a running sum such as
+# the Performer's reaches that after some 6,000 tokens), so bfloat16 is the safe choice.
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the floating dtypes an imported state's tensors may come in: each is converted; any other
 # (float8 variants, complex) is refused by name
@@ -141,12 +141,18 @@ class SessionData:
         """The same session with its floating state tensors in `dtype` (one for all, or by tensor
         name as `floating_dtypes` gives them: a name missing keeps its dtype). Integer and bool
         tensors and `next_log_probs` are kept as they are. A tensor already in its dtype is
-        shared, not copied, so a cast to the dtype a state is in costs nothing."""
+        shared, not copied, so a cast to the dtype a state is in costs nothing. A cast to a dtype of
+        narrower range (float16) saturates at its largest finite value rather than overflow to
+        infinity: a session whose running sums pass 65,504 goes on, less exactly, instead of
+        holding infinities that no request could continue from."""
 
         def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
             if not tensor.is_floating_point():
                 return tensor
             wanted = dtype.get(name, tensor.dtype) if isinstance(dtype, dict) else dtype
+            if wanted == torch.float16 and tensor.dtype != torch.float16:  # the one dtype of narrower range
+                largest = torch.finfo(torch.float16).max
+                tensor = tensor.clamp(-largest, largest)
             return tensor.to(wanted)
 
         return SessionData(state=_map_named(self.state, convert), tokens=self.tokens,

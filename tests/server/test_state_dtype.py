@@ -132,3 +132,18 @@ def test_a_session_stored_in_bfloat16_continues_like_float32_at_half_the_bytes(a
     floating = floating_bytes(data)  # the vanilla transformer keeps token ids only: nothing to halve
     assert sizes["float32"] == data.nbytes()
     assert sizes["bfloat16"] == data.nbytes() - floating // 2
+
+
+def test_float16_saturates_instead_of_overflowing():
+    model = tiny_model("performer")
+    data = session_after_history(model).clone()  # a clone made outside inference mode may be changed
+    name, tensor = next((n, t) for n, t in data.state._named_tensors() if t.is_floating_point())
+    tensor.view(-1)[0] = 1e6  # past float16's 65,504, as a long session's running sum gets
+    tensor.view(-1)[1] = -1e6
+    stored = data.cast_state(torch.float16)
+    kept = dict(stored.state._named_tensors())[name]
+    assert bool(torch.isfinite(kept).all())
+    assert kept.view(-1)[0].item() == torch.finfo(torch.float16).max == -kept.view(-1)[1].item()
+    # bfloat16 has float32's range: no saturation needed, the value kept to its precision
+    wide = dict(data.cast_state(torch.bfloat16).state._named_tensors())[name].view(-1)[0].item()
+    assert wide == pytest.approx(1e6, rel=2 ** -8)
