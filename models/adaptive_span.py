@@ -346,6 +346,12 @@ class AdaptiveSpan(LanguageModel):
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # a head's memory length (dim 1) varies
 
+    def _full_state_length(self, name: str) -> int | None:
+        """keys.i and values.i (i = l * n_head + h): the ceil(z) + R - 1 positions head h of
+        layer l keeps."""
+        kept = [n for row in self.kept_positions() for n in row]
+        return kept[int(name.split(".")[1])]
+
     def check_state(self, state: State, tokens: int | None = None) -> None:
         """LanguageModel.check_state, and: every head holds min(n, M) positions, n what it keeps
         (ceil(z) + R - 1), M the longest, and no more positions than the rows have seen."""

@@ -10,6 +10,7 @@ through the small interface below.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -245,6 +246,42 @@ class LanguageModel(nn.Module):
         """tokens (B, T) int64 -> float32 log-probabilities (B, T, V) of the next token after
         each position, and the state after these T tokens."""
         raise NotImplementedError
+
+    # -- the size of a full memory --------------------------------------------------------------
+
+    def full_state_bytes(self, floating_dtype: torch.dtype | None = None) -> int | None:
+        """Bytes of one session's state once its memory is full: what a long session settles at
+        (Transformer-XL's mem_len positions, a full window, running sums of fixed size), and for
+        a state that grows until `history_limit` (the Reformer's) its bytes there. None when the
+        state grows without bound (XLNet with mem_len None). `floating_dtype`, when given, is the
+        dtype floating tensors are counted in (the session cache's XLSERVE_STATE_DTYPE); integer
+        and bool tensors keep their own.
+
+        Computed from shapes, never by running the model (at real size a forward over a full
+        memory would cost seconds at start-up): a fresh state gives every tensor's name, dtype
+        and fixed dimensions (`_fixed_state_dims`), `_full_state_length` the length of the others
+        once the memory is full. A fresh state of fixed shape is a full one's size already, so
+        those architectures need nothing more (it costs one allocation of one session's state)."""
+        total = 0
+        for name, tensor in self.init_state(1)._named_tensors():
+            shape = list(tensor.shape)
+            for dim in sorted(set(range(1, tensor.dim())) - set(self._fixed_state_dims(name, tensor))):
+                length = self._full_state_length(name)
+                if length is None:
+                    return None
+                shape[dim] = length
+            element = tensor.element_size()
+            if floating_dtype is not None and tensor.is_floating_point():
+                element = torch.empty(0, dtype=floating_dtype).element_size()
+            total += math.prod(shape) * element
+        return total
+
+    def _full_state_length(self, name: str) -> int | None:
+        """The length of state tensor `name`'s varying dimensions (the positions it holds) once
+        the memory is full; None when it has no bound. Called only for tensors whose length
+        varies (`_fixed_state_dims`), so each architecture with such tensors overrides it."""
+        raise NotImplementedError(f"{type(self).__name__} has state tensors of varying length ('{name}') "
+                                  "and must say how long they are when the memory is full")
 
     # -- checking states that come from outside (imports, restores) ----------------------------
     # A state or a next-token row that the model could not have produced must be refused before

@@ -1074,6 +1074,10 @@ class Reformer(LanguageModel):
         """LSH tensors grow along dimension 1 (positions); every other dimension is fixed."""
         return range(2, fresh.dim()) if name.split(".")[0] in GROWING else range(1, fresh.dim())
 
+    def _full_state_length(self, name: str) -> int | None:
+        """The LSH tensors (the only ones of varying length) hold every position up to max_context."""
+        return self.history_limit
+
     def check_state(self, state: LSHMemory, tokens: int | None = None) -> None:
         """LanguageModel.check_state, and every stored bucket within the range its round's
         offset allows: r·n_b <= value <= r·(n_b + 1) + n_b − 1."""

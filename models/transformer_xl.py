@@ -390,6 +390,9 @@ class TransformerXL(LanguageModel):
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # memory length (dim 1) varies
 
+    def _full_state_length(self, name: str) -> int | None:
+        return self.config.mem_len  # a full memory holds the last mem_len positions
+
     def check_state(self, state: State, tokens: int | None = None) -> None:
         super().check_state(state, tokens)
         state.check_within(self.config.mem_len)

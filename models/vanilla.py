@@ -266,6 +266,12 @@ class VanillaTransformer(LanguageModel):
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # window and cache lengths (dim 1) vary
 
+    def _full_state_length(self, name: str) -> int | None:
+        """A full window holds L bytes and no key/value cache: the cache is dropped once the
+        window is full (the byte before that, at L - 1 bytes with their keys and values, is this
+        state's largest)."""
+        return self.config.context_len if name in ("tokens", "valid") else 0
+
     def check_state(self, state: State, tokens: int | None = None) -> None:
         super().check_state(state, tokens)  # valid, cached and the cache fit tokens: ByteWindow.check_consistent
         L = self.config.context_len

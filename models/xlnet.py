@@ -209,6 +209,9 @@ class XLNet(LanguageModel):
     def _fixed_state_dims(self, name: str, fresh: Tensor) -> range:
         return range(2, fresh.dim())  # memory length (dim 1) varies
 
+    def _full_state_length(self, name: str) -> int | None:
+        return self.config.mem_len  # the last mem_len positions; None: the memory keeps everything
+
     # Copied from xlserve.models.transformer_xl.TransformerXL.check_state
     def check_state(self, state: State, tokens: int | None = None) -> None:
         super().check_state(state, tokens)
