@@ -58,6 +58,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -226,6 +227,31 @@ class AdaptiveLogSoftmax(nn.Module):
             self.cluster_weight = nn.Parameter(torch.zeros(n_clusters - 1, d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(n_clusters - 1))
             nn.init.normal_(self.cluster_weight, std=0.02)
+        self.int8_products: nn.ModuleDict | None = None  # XLSERVE_QUANTIZE=int8: set by quantize_int8
+
+    def quantize_int8(self, int8_layer: Callable[[Tensor, Tensor | None], nn.Module | None]) -> None:
+        """Multiply through weight-only int8 copies of the products (`int8_layer(weight, bias)`:
+        models/quantize.py's Int8Linear.for_weight, None for a weight it cannot take, which stays
+        float): per cluster its projection and its output vectors with their bias, and the head's
+        cluster logits. The float tables stay: the input embedding shares them."""
+        b = self.bounds
+        products = {}
+        for i in range(len(b) - 1):
+            if len(self.projections):
+                products[f"project{i}"] = int8_layer(self.projections[i].t(), None)  # hidden @ P = linear(hidden, P.T)
+            products[f"output{i}"] = int8_layer(self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
+        if len(b) > 2:
+            products["clusters"] = int8_layer(self.cluster_weight, self.cluster_bias)
+        self.int8_products = nn.ModuleDict({name: layer for name, layer in products.items() if layer is not None})
+
+    def _int8(self, name: str) -> nn.Module | None:
+        """The int8 copy of the product called `name`, if quantize_int8 made one."""
+        return None if self.int8_products is None else self.int8_products[name] if name in self.int8_products else None
+
+    def _product(self, name: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """linear(x, weight, bias), through its int8 copy `name` when there is one."""
+        int8 = self._int8(name)
+        return int8(x) if int8 is not None else linear(x, weight, bias, self.streaming)
 
     def _cluster_vectors(self, i: int) -> Tensor:
         """(size_i, d_i): output vectors of cluster i."""
@@ -235,7 +261,10 @@ class AdaptiveLogSoftmax(nn.Module):
 
     def _project(self, hidden: Tensor, i: int) -> Tensor:
         """(N, d_model) -> (N, d_i) with cluster i's projection (identity when there is none)."""
-        return hidden @ self.projections[i] if len(self.projections) else hidden
+        if not len(self.projections):
+            return hidden
+        int8 = self._int8(f"project{i}")
+        return int8(hidden) if int8 is not None else hidden @ self.projections[i]
 
     def forward(self, hidden: Tensor) -> Tensor:
         shape = hidden.shape[:-1]
@@ -243,15 +272,15 @@ class AdaptiveLogSoftmax(nn.Module):
         b = self.bounds
         projected = self._project(h, 0)  # (N, d_0)
         # (N, cutoffs[0])
-        head_logits = linear(projected, self._cluster_vectors(0), self.bias[b[0] : b[1]], self.streaming)
+        head_logits = self._product("output0", projected, self._cluster_vectors(0), self.bias[b[0] : b[1]])
         if len(b) > 2:  # one more logit per tail cluster
-            cluster_logits = linear(projected, self.cluster_weight, self.cluster_bias, self.streaming)
+            cluster_logits = self._product("clusters", projected, self.cluster_weight, self.cluster_bias)
             head_logits = torch.cat([head_logits, cluster_logits], dim=-1)
         head = F.log_softmax(head_logits.float(), dim=-1)
         pieces = [head[:, : b[1]]]
         for i in range(1, len(b) - 1):
-            tail_logits = linear(
-                self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]], self.streaming
+            tail_logits = self._product(
+                f"output{i}", self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]]
             )
             pieces.append(head[:, b[1] + i - 1, None] + F.log_softmax(tail_logits.float(), dim=-1))
         return torch.cat(pieces, dim=-1).view(*shape, b[-1])  # (..., V)

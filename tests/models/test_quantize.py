@@ -1,0 +1,162 @@
+"""XLSERVE_QUANTIZE=int8 (models/quantize.py): weight-only int8 linear layers at load time.
+
+- every shipped checkpoint keeps its held-out bits per byte within 0.02 of float32 (the issue's
+  bound) on the first QUALITY_BYTES held-out bytes (about 30 s for all twelve on one thread);
+- the invariants the engine relies on hold for an int8 model: a row's tokens do not depend on
+  its batch companions, and chunked feeding gives what one pass gives;
+- Transformer-XL's adaptive softmax multiplies through int8 copies of its own weight matrices;
+- int8 is refused on any device but the CPU.
+
+tests/server/test_quantize_setting.py has the setting and the card.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.quantize import (
+    Int8Linear,
+    QuantizationError,
+    int8_weight,
+    parameter_count,
+    quantize_model,
+    weight_bytes,
+)
+from xlserve.models.training.data import stdlib_corpus
+from xlserve.models.training.evaluate import bits_per_byte, scored_part
+from xlserve.models.training.train import held_out_documents
+from xlserve.models.layers.xl_memory import XLMemory
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+
+from tests.models.helpers import run_in_chunks, tokens
+
+WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
+SHIPPED = sorted(p for p in WEIGHTS.glob("*-stdlib") if (p / "model.safetensors").is_file())
+QUALITY_BYTES = 4000  # held-out bytes scored per checkpoint, float32 and int8
+QUALITY_BOUND = 0.02  # bits per byte, issue 36 item 4
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def held_out() -> list[bytes]:
+    return held_out_documents(stdlib_corpus(), QUALITY_BYTES)
+
+
+def small_transformer_xl(**changes) -> TransformerXL:
+    torch.manual_seed(0)
+    config = dict(vocab_size=256, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8)
+    return TransformerXL(TransformerXLConfig(**{**config, **changes})).eval()
+
+
+def test_int8_weights_are_the_weight_to_half_a_step_per_output_channel():
+    weight = torch.randn(24, 32) * torch.logspace(-3, 1, 24)[:, None]  # channels of very different sizes
+    values, scales = int8_weight(weight)
+    assert values.dtype == torch.int8 and scales.dtype == torch.bfloat16 and values.abs().max() <= 127
+    rebuilt = values.float() * scales.float()[:, None]
+    assert ((rebuilt - weight).abs() <= scales.float()[:, None] / 2 + 1e-12).all()
+
+
+def test_a_row_is_the_same_alone_and_in_a_batch_and_close_to_float():
+    layer = nn.Linear(64, 48)
+    int8 = Int8Linear.from_linear(layer)
+    rows = torch.randn(9, 64)
+    batched = int8(rows)
+    for i in range(rows.shape[0]):
+        assert torch.equal(int8(rows[i : i + 1]), batched[i : i + 1])  # bit for bit: the engine batches sessions
+    with torch.no_grad():
+        expected = layer(rows)
+    assert ((batched - expected).norm() / expected.norm()).item() < 0.02
+    assert int8(torch.randn(2, 0, 64)).shape == (2, 0, 48)
+
+
+def test_a_width_the_kernel_cannot_take_stays_float():
+    assert Int8Linear.from_linear(nn.Linear(24, 8)) is None  # not a multiple of 16: the kernel would sum wrong
+    model = small_transformer_xl(d_inner=72)  # the feed-forward's second product takes 72 inputs
+    quantize_model(model, "int8")
+    widths = {type(m).__name__: set() for m in model.modules()}
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, Int8Linear)):
+            widths[type(module).__name__].add(module.in_features)
+    assert widths["Int8Linear"] == {32} and 72 in widths["Linear"]
+
+
+@pytest.mark.parametrize("directory", SHIPPED, ids=lambda d: d.name)
+def test_int8_bits_per_byte_are_within_the_bound_of_float32(directory, held_out, one_thread):
+    trained = json.loads((directory / "evaluation.json").read_text())[0]
+    model = load_checkpoint(directory)
+    documents = [scored_part(model, d) for d in held_out]
+    options = dict(chunk_len=trained["chunk_len"], window_stride=trained.get("window_stride"))
+    float_bits = bits_per_byte(model, documents, **options)
+    float_bytes, parameters = weight_bytes(model), parameter_count(model)
+    quantize_model(model, "int8")
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())  # every linear layer is int8
+    assert abs(bits_per_byte(model, documents, **options) - float_bits) <= QUALITY_BOUND
+    assert weight_bytes(model) < float_bytes / 2 and parameter_count(model) == parameters
+
+
+def test_an_int8_transformer_xl_keeps_the_engine_invariants():
+    model = quantize_model(small_transformer_xl(), "int8")
+    ids = tokens(2, 24)
+    # chunked feeding is one pass, to the bfloat16 rounding of the activations (a chunk's rows
+    # go through the kernel in other groups, summed in another order)
+    whole, whole_state = run_in_chunks(model, ids, ids.shape[1])
+    chunked, chunked_state = run_in_chunks(model, ids, 5)
+    assert (chunked - whole).abs().max().item() < 2e-2
+    for (name, a), (_, b) in zip(chunked_state._named_tensors(), whole_state._named_tensors()):
+        assert (a.float() - b.float()).abs().max().item() < 2e-2, name
+    # rows of different histories decoded in one batch are what they are alone: the int8 products
+    # are per row, bit for bit; what differs is float rounding elsewhere (one row alone takes
+    # Transformer-XL's one-row relative scores, through the dequantized weight)
+    histories = [tokens(1, 3, seed=2), tokens(1, 30, seed=3), tokens(1, 7, seed=4)]
+    steps = tokens(3, 4, seed=5)
+    with torch.no_grad():
+        alone_states = [model(history, model.init_state(1))[1] for history in histories]
+        batched, _ = run_in_chunks(model, steps, 1, XLMemory.concat(alone_states))
+        for row, state in enumerate(alone_states):
+            alone, _ = run_in_chunks(model, steps[row : row + 1], 1, state)
+            assert (batched[row] - alone[0]).abs().max().item() < 2e-2
+    state = model.init_state(1)
+    greedy = {}
+    for batch in (1, 4):  # greedy decoding of one prompt alone and as one row of four
+        with torch.no_grad():
+            log_probs, state = model(tokens(1, 6, seed=7).expand(batch, 6), model.init_state(batch))
+            picked = []
+            for _ in range(8):
+                token = log_probs[:, -1].argmax(-1, keepdim=True)
+                picked.append(token[0].item())
+                log_probs, state = model(token, state)
+        greedy[batch] = picked
+    assert greedy[1] == greedy[4]
+
+
+def test_the_adaptive_softmax_multiplies_with_int8_copies():
+    model = small_transformer_xl(adaptive=True, d_embed=32, cutoffs=[64, 160], div_val=2, tie_projs=[False, True, True])
+    ids = tokens(1, 12)
+    with torch.no_grad():
+        expected, _ = model(ids, model.init_state(1))
+    quantize_model(model, "int8")
+    # widths 32 and 16 are quantized; the last cluster's 8-wide vectors stay float (INPUT_MULTIPLE)
+    assert set(model.head.int8_products) == {"project0", "project1", "project2", "output0", "output1", "clusters"}
+    with torch.no_grad():
+        log_probs, _ = model(ids, model.init_state(1))
+    assert (log_probs.exp().sum(-1) - 1).abs().max().item() < 1e-4  # still a distribution over the vocabulary
+    assert (log_probs - expected).abs().max().item() < 5e-2
+
+
+def test_int8_is_cpu_only():
+    model = small_transformer_xl().to("meta")  # any device but the CPU: CUDA is refused the same way
+    with pytest.raises(QuantizationError, match="CPU only"):
+        quantize_model(model, "int8")
+    with pytest.raises(QuantizationError, match="not one of"):
+        quantize_model(small_transformer_xl(), "int4")
