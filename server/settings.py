@@ -153,6 +153,25 @@ class ServerSettings(SettingsGroup):
                                        "carry none (a checkpoint's own template is kept)")
 
 
+QUANTIZE_MODES = ("none", "int8")  # models/quantize.py's, which settings may not import (layers)
+
+
+def parse_quantize(value: str) -> dict[str, str]:
+    """XLSERVE_QUANTIZE -> {model name: mode}, the key "" holding the mode of every model not
+    named: "int8" -> {"": "int8"}; "a=int8,b=none" -> {"a": "int8", "b": "none"}."""
+    value = value.strip()
+    if value in QUANTIZE_MODES or not value:
+        return {"": value or "none"}
+    modes = {}
+    for entry in value.split(","):
+        name, equals, mode = (part.strip() for part in entry.partition("="))
+        if not equals or not name or mode not in QUANTIZE_MODES:
+            raise ValueError(f"quantize entry {entry.strip()!r} is not name=mode with a mode of "
+                             f"{', '.join(QUANTIZE_MODES)} (or the whole value one mode for every model)")
+        modes[name] = mode
+    return modes
+
+
 class EngineSettings(SettingsGroup):
     """The engine process: which checkpoints, on what, with how many threads and rows."""
 
@@ -165,6 +184,10 @@ class EngineSettings(SettingsGroup):
     # auto: float32 (bfloat16 is opt-in on CUDA)
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: float32; bfloat16 on "
                                                           "CUDA only")
+    # weight-only int8 at load (models/quantize.py): "none", "int8" for every model, or per model
+    # a comma list "name=int8,other=none" (a model it does not name stays float)
+    quantize: str = Field("none", description="weight-only int8 linear layers on CPU: none, int8 (every "
+                          "model) or a comma list name=int8,...")
     # 0 = the cores less one (the API process's), shared by the models
     torch_threads: int = Field(0, description="intra-op threads of the engines' forwards (0: the cores "
                                "less one)")
@@ -178,6 +201,18 @@ class EngineSettings(SettingsGroup):
     # the engine process hands freed memory back to the system when idle (server/engine/memory.py)
     return_memory: bool = Field(True, description="hand freed memory back to the system once the engines "
                                 "are idle")
+
+    @field_validator("quantize")
+    @classmethod
+    def _quantize(cls, value: str) -> str:
+        """A value naming no mode stops the server at once, saying what it may be."""
+        value = value.strip()
+        parse_quantize(value)
+        return value
+
+    def quantize_for(self, model: str) -> str:
+        """The quantize mode of the served model named `model` (its directory's name)."""
+        return parse_quantize(self.quantize).get(model, parse_quantize(self.quantize).get("", "none"))
 
     def model_dirs(self) -> list[Path]:
         """Checkpoint directories to load: named ones, or every one under weights_dir."""

@@ -540,6 +540,8 @@ class ModelCard(ResponseBody):
     max_context: int | None  # None: the context has no bound
     parameters: int
     config: dict[str, Any]  # the checkpoint's model configuration
+    quantize: Literal["none", "int8"]  # XLSERVE_QUANTIZE for this model: int8 weights of its linear layers
+    weight_bytes: int  # its weights in memory (int8 ones with their scales), tied ones once
 
 
 class ModelList(ResponseBody):

@@ -52,6 +52,7 @@ import torch
 
 from xlserve.models.checkpoint import load_checkpoint, read_config
 from xlserve.models.interface import LanguageModel
+from xlserve.models.quantize import QuantizationError, parameter_count, quantization_of, quantize_model, weight_bytes
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.cache import CorruptState, SessionInfo
 from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
@@ -112,7 +113,7 @@ from xlserve.server.engine.wire import (
 )
 from xlserve.server.metrics import Metrics
 from xlserve.server.redis_urls import masked_url
-from xlserve.server.settings import EngineSettings, Settings
+from xlserve.server.settings import EngineSettings, Settings, parse_quantize
 
 log = logging.getLogger("xlserve.engine_process")
 
@@ -160,10 +161,15 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
     directories = [Path(directory) for directory in settings.model_dirs()]
     threads, prompt_threads = threads_per_engine(settings.torch_threads, settings.prompt_threads, len(directories))
     own_torch_threads(1)
+    unknown = sorted(set(parse_quantize(settings.quantize)) - {""} - {directory.name for directory in directories})
+    if unknown:
+        raise QuantizationError(f"XLSERVE_QUANTIZE names {unknown[0]!r}, which is not a served model "
+                                f"(served: {', '.join(directory.name for directory in directories)})")
     loaded = {}
     for directory in directories:
         started = time.perf_counter()
         model = load_checkpoint(directory, device=device).to(dtype)
+        model = quantize_model(model, settings.quantize_for(directory.name))  # after .to(dtype): int8 stays int8
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         engine = Engine(directory.name, model, tokenizer, metrics, sink, prefill_chunk=settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
@@ -179,7 +185,8 @@ def model_card(loaded: LoadedModel, created: int) -> dict:
         "id": loaded.name, "object": "model", "created": created, "owned_by": "xlserve",
         "architecture": model.architecture, "state_kind": model.state_kind,
         "state_grows_with_context": model.state_grows_with_context, "max_context": model.max_context,
-        "parameters": sum(p.numel() for p in model.parameters()), "config": model.config.to_dict(),
+        "parameters": parameter_count(model), "config": model.config.to_dict(),
+        "quantize": quantization_of(model), "weight_bytes": weight_bytes(model),
     }
 
 

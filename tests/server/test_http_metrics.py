@@ -49,7 +49,8 @@ def served():
     state.engine = ScriptedEngine(metrics, alive=False)
     card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
             "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
-            "parameters": 0, "config": {}}  # every field of a card: /v1/models answers with it (protocol.ModelCard)
+            "parameters": 0, "config": {},
+            "quantize": "none", "weight_bytes": 0}  # every field of a card: /v1/models answers with it (protocol.ModelCard)
     state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, card)}
     metrics.declare_api_series(list(state.models), ERROR_TYPES)  # as the lifespan does
     metrics.declare_http_series(expected_responses(app))

@@ -49,7 +49,8 @@ from tests.server.scripted_engine import ScriptedEngine
 MODEL = "m"
 CARD = {"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "xlserve", "architecture": "transformer-xl",
         "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
-        "parameters": 1234, "config": {"d_model": 8, "dropout": 1e-05, "tie_weights": True}}
+        "parameters": 1234, "config": {"d_model": 8, "dropout": 1e-05, "tie_weights": True},
+        "quantize": "none", "weight_bytes": 4936}
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
 
 
