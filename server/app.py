@@ -118,6 +118,18 @@ def _gib(size: int) -> str:
     return f"{size / (1 << 30):.3g} GiB"
 
 
+def sessions_per_tier(card: dict, store: dict, redis: bool) -> str:
+    """How many sessions of a model fit in each tier's budget once their memories are full (the
+    card's state_bytes_per_session, in the cache's state dtype), for the start-up log: what an
+    operator sizes XLSERVE_*_STATE_BYTES by."""
+    per_session = card.get("state_bytes_per_session")
+    if per_session is None:
+        return "its state grows with every token, so no fixed number of sessions fits a tier"
+    counts = ", ".join(f"{tier} {store.get(f'{tier}_bytes', 0) // per_session:,}" for tier in ("device", "host", "disk"))
+    last = ", Redis up to its maxmemory" if redis else ""
+    return f"{per_session:,} bytes per session at full memory; sessions that fit: {counts}{last}"
+
+
 def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
     """One block of INFO lines: what this server runs and where its sessions go."""
     ready = engine.ready_frame
@@ -139,6 +151,8 @@ def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
     redis = store.get("redis") or (masked_url(settings.cache.redis_url) if settings.cache.redis_url else None)
     lines.append(f"  session store: {tiers} -> Redis {redis}" if redis else
                  f"  session store: {tiers} (no Redis: the disk is the last tier)")
+    for described in engine.models:
+        lines.append(f"  model {described['name']}: {sessions_per_tier(described['card'], store, redis is not None)}")
     keys = len(state.api_keys)
     lines.append(f"  API keys: {keys}" if keys else "  API keys: none, the API is open (XLSERVE_API_KEYS)")
     for line in lines:

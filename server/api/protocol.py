@@ -537,6 +537,9 @@ class ModelCard(ResponseBody):
     architecture: str
     state_kind: str  # what a session of the model holds: segment-recurrence, continuous, window, linear, none
     state_grows_with_context: bool
+    # what one session counts against the tier budgets once its memory is full: its state (floating
+    # tensors in XLSERVE_STATE_DTYPE) and its next-token row; None where the state grows without bound
+    state_bytes_per_session: int | None
     max_context: int | None  # None: the context has no bound
     parameters: int
     config: dict[str, Any]  # the checkpoint's model configuration

@@ -179,12 +179,22 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
     return loaded
 
 
-def model_card(loaded: LoadedModel, created: int) -> dict:
+def session_bytes_when_full(model: LanguageModel, state_dtype: torch.dtype) -> int | None:
+    """What one session of `model` counts against the tier budgets once its memory is full
+    (SessionData.nbytes): its state, floating tensors in the cache's `state_dtype`, and its
+    float32 next-token row. From shapes, without a forward; None where the state grows without bound."""
+    state = model.full_state_bytes(state_dtype)
+    return None if state is None else state + model.vocab_size * 4  # float32 row
+
+
+def model_card(loaded: LoadedModel, created: int, state_dtype: torch.dtype = torch.float32) -> dict:
+    """/v1/models' card of one loaded model; `state_dtype`: the dtype the session cache keeps states in."""
     model = loaded.model
     return {
         "id": loaded.name, "object": "model", "created": created, "owned_by": "xlserve",
         "architecture": model.architecture, "state_kind": model.state_kind,
         "state_grows_with_context": model.state_grows_with_context, "max_context": model.max_context,
+        "state_bytes_per_session": session_bytes_when_full(model, state_dtype),
         "parameters": parameter_count(model), "config": model.config.to_dict(),
         "quantize": quantization_of(model), "weight_bytes": weight_bytes(model),
     }
@@ -376,7 +386,8 @@ class EngineProcess:
             created = int((loaded.directory / "config.json").stat().st_mtime)
             weights = next(loaded.model.parameters(), None)
             models.append({"name": name, "directory": str(loaded.directory), "vocab_size": loaded.model.vocab_size,
-                           "checkpoint_config": read_config(loaded.directory), "card": model_card(loaded, created),
+                           "checkpoint_config": read_config(loaded.directory),
+                           "card": model_card(loaded, created, self.cache.state_dtype),
                            "device": str(loaded.model.device),
                            "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else "none",
                            "load_seconds": round(loaded.load_seconds, 3)})

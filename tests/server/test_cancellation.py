@@ -85,7 +85,8 @@ def app_and_engine():
     card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
             "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
             "parameters": 0, "config": {},
-            "quantize": "none", "weight_bytes": 0}
+            "quantize": "none", "weight_bytes": 0,
+            "state_bytes_per_session": 9216}
     state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, card)}
     metrics.declare_api_series(list(state.models), ERROR_TYPES)
     app.state.xlserve = state

@@ -50,7 +50,8 @@ def served():
     card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
             "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
             "parameters": 0, "config": {},
-            "quantize": "none", "weight_bytes": 0}  # every field of a card: /v1/models answers with it (protocol.ModelCard)
+            "quantize": "none", "weight_bytes": 0,
+            "state_bytes_per_session": 9216}  # every field of a card: /v1/models answers with it (protocol.ModelCard)
     state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, card)}
     metrics.declare_api_series(list(state.models), ERROR_TYPES)  # as the lifespan does
     metrics.declare_http_series(expected_responses(app))

@@ -50,7 +50,8 @@ MODEL = "m"
 CARD = {"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "xlserve", "architecture": "transformer-xl",
         "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
         "parameters": 1234, "config": {"d_model": 8, "dropout": 1e-05, "tie_weights": True},
-        "quantize": "none", "weight_bytes": 4936}
+        "quantize": "none", "weight_bytes": 4936,
+        "state_bytes_per_session": 9216}
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
 
 
