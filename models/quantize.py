@@ -37,6 +37,14 @@ INT8_LIMIT = 127  # symmetric: -127..127, so that negating a weight never overfl
 # (96 ... 768) are multiples of 16.
 INPUT_MULTIPLE = 16
 
+# Linear layers (by their attribute name) that stay float in an architecture because the model
+# reads their matrix itself at every decoding step, not only through the layer: Transformer-XL's
+# one decoding row scores distances as ((q + v) W_kR) . R_d, reading W_kR = r_net.weight, and an
+# int8 layer would rebuild that float matrix at each read (for an 18-layer d_model 1024 model,
+# a third more time per token than leaving r_net float, which costs 1/13 of the weight bytes).
+# Other readers of an int8 layer's `weight` (the ∞-former's ltm_k, once per memory update) do.
+KEPT_FLOAT: dict[str, frozenset[str]] = {"transformer-xl": frozenset({"r_net"})}
+
 # Architectures whose int8 quality is not within the 0.02 bits per byte of float32 on the
 # held-out slice (tests/models/test_quantize.py measures every shipped checkpoint); quantizing one
 # is refused with this reason rather than served worse than promised.
@@ -134,9 +142,10 @@ def quantize_model(model: LanguageModel, mode: str) -> LanguageModel:
                                 f"{EXCLUDED_ARCHITECTURES[model.architecture]}")
     model.checkpoint_parameters = sum(p.numel() for p in model.parameters())  # the card's count stays the checkpoint's
     replaced: dict[int, Int8Linear] = {}  # a layer shared by two parents becomes one int8 layer
+    kept_float = KEPT_FLOAT.get(model.architecture, frozenset())
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name not in kept_float:
                 if id(child) not in replaced:
                     replaced[id(child)] = Int8Linear.from_linear(child)
                 if replaced[id(child)] is not None:
