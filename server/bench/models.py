@@ -22,6 +22,11 @@ card.md; or those named by --models), measured in process through the model's `f
   state dtype after every turn (as the session cache stores it at each commit); their difference
   (the issue's bound is 0.01). The model computes in float32 in both; the next turn's first token
   is scored from the float32 next-token row, which the cache keeps as it is.
+- with --quantize int8: every checkpoint quantized at load as XLSERVE_QUANTIZE=int8 does
+  (models/quantize.py), so the appends and decode rates are the int8 model's; the row's
+  `quantize` gives the weight bytes in float32 and in int8. Its bits_per_byte stay the card's
+  (float32): tests/models/test_quantize.py holds int8 within 0.02 of them. Compare with a run
+  without the flag (results go to models-int8[-quick].json).
 Histories are held-out stdlib text, fed in chunks of --chunk tokens, one pass that keeps the
 state at each length. A model with a fixed context of L bytes (`max_context`, the vanilla
 transformer) keeps nothing older than its last L bytes, so it is fed only those, when
@@ -52,6 +57,7 @@ from pathlib import Path
 import torch
 
 from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.quantize import QUANTIZE_MODES, parameter_count, quantize_model, weight_bytes
 from xlserve.models.training.card import STATE_HISTORIES
 from xlserve.server.cache.codec import STATE_DTYPES, SessionData, floating_dtypes
 from xlserve.server.bench.common import environment, figure, save_results
@@ -92,6 +98,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(default {DEFAULTS['state_dtype_tokens']}; --quick {QUICK['state_dtype_tokens']})")
     parser.add_argument("--turn", type=int, default=128,
                         help="tokens per turn for --state-dtype: the state is stored after each")
+    parser.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
+                        help="int8: measure every checkpoint with weight-only int8 linear layers (XLSERVE_QUANTIZE)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small settings for tests ({QUICK}); the numbers say nothing about the full ones")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -105,7 +113,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.state_histories = _lengths(args.state_histories)
     args.batch_sizes = _lengths(args.batch_sizes)
     if args.out is None:
-        args.out = str(BENCH_RESULTS_DIR / f"models{'-quick' if args.quick else ''}.json")
+        quantized = "" if args.quantize == "none" else f"-{args.quantize}"
+        args.out = str(BENCH_RESULTS_DIR / f"models{quantized}{'-quick' if args.quick else ''}.json")
     return args
 
 
@@ -272,6 +281,8 @@ def state_dtype_comparison(model, sessions: dict[int, dict], tokens: list[int], 
 def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dict:
     started = time.perf_counter()
     model = load_checkpoint(directory, device=args.device).eval()
+    float_weight_bytes = weight_bytes(model)
+    model = quantize_model(model, args.quantize)
     evaluation = held_out_bits_per_byte(directory)
     limit = model.history_limit
     requested = set(args.histories) | set(args.state_histories)
@@ -295,7 +306,7 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
         "model": directory.name,
         "architecture": model.architecture,
         "state_kind": model.state_kind,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),
         "bits_per_byte": evaluation["bits_per_byte"] if evaluation else None,
         "bits_per_byte_scored_bytes": evaluation.get("scored_bytes") if evaluation else None,
         "state_bytes": {str(h): sessions[h]["state"].nbytes() if h in sessions else None for h in args.state_histories},
@@ -310,6 +321,9 @@ def measure(directory: Path, args: argparse.Namespace, tokens: list[int]) -> dic
         "history_fed_tokens": {str(h): sessions[h]["fed"] for h in marks if h in sessions},
         "seconds": round(time.perf_counter() - started, 1),
     }
+    if args.quantize != "none":
+        row["quantize"] = {"mode": args.quantize, "weight_bytes": weight_bytes(model),
+                           "float32_weight_bytes": float_weight_bytes}
     if args.state_dtype is not None:
         row["state_dtype"] = state_dtype_comparison(model, sessions, tokens, args)
         row["seconds"] = round(time.perf_counter() - started, 1)
@@ -334,6 +348,7 @@ def main(argv: list[str]) -> None:
         "weights_dir": args.weights_dir, "history_text": "held-out stdlib files, concatenated",
         "histories": args.histories, "state_histories": args.state_histories, "append_tokens": args.append,
         "decode_tokens": args.decode, "batch_sizes": args.batch_sizes, "repeats": args.repeats, "chunk": args.chunk,
+        "quantize": args.quantize,
         "state_dtype": args.state_dtype, "state_dtype_bound": STATE_DTYPE_BOUND if args.state_dtype else None,
         "results": rows, "seconds": round(time.perf_counter() - started, 1),
     }
