@@ -91,8 +91,10 @@ def poisoned_blobs(blob: bytes) -> dict[str, tuple[bytes, str]]:
         "values shorter than keys": (edited("state.values.1", lambda array: array[:, 1:]), "'values.1' has shape"),
         "keys longer than valid": (edited("state.keys.0", lambda array: np.concatenate([array, array[:, :1]], 1)),
                                    "'keys.0' has shape"),
-        "wrong dtype": (edited("state.keys.0", lambda array: array.astype(np.float64)),
-                        "'keys.0' is torch.float64"),
+        # a floating tensor in another floating dtype is converted (XLSERVE_STATE_DTYPE); an
+        # integer one where the model keeps floats is refused
+        "wrong dtype": (edited("state.keys.0", lambda array: array.astype(np.int32)),
+                        "'keys.0' is torch.int32"),
         # the memory is full (mem_len positions): a count of 1 token cannot have filled it
         "token count": (save_numpy(tensors, metadata={**metadata, "tokens": "1"}), "'valid' marks"),
     }

@@ -335,8 +335,10 @@ def test_the_import_button_looks_like_the_other_buttons(page_server, browser):
         style, height, top = look(other)
         assert imported == style, (other, {p: (imported[p], style[p]) for p in BUTTON_LOOK if imported[p] != style[p]})
         assert abs(imported_height - height) < 1, other
-        if other == "export-session":  # its neighbour in the row (the row may wrap before Delete)
-            assert abs(imported_top - top) < 1
+        if other == "export-session":  # its neighbour in the row: level with it, unless the row wrapped
+            # between them (the panel's width decides where the row wraps); never a few pixels off,
+            # which a label styled unlike a button would be
+            assert abs(imported_top - top) < 1 or imported_top - top >= height, (imported_top, top, height)
 
 
 @needs_browser

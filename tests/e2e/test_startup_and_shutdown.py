@@ -103,7 +103,7 @@ def test_the_port_opens_at_once_and_says_loading_until_the_models_are_loaded(tin
         assert server.stop() == 0
     lines = log_path.read_text().splitlines()
     (first,) = [i for i, line in enumerate(lines) if " ready in " in line]
-    block = "\n".join(lines[first:first + 6])
+    block = "\n".join(lines[first:first + 7])  # the ready line, one model's two lines, four more
     assert lines[first].startswith("INFO:") and f"xlserve {metadata.version('xlserve')} ready in" in lines[first]
     assert "model txl-tiny: transformer-xl, " in block and " parameters, cpu float32, loaded in " in block
     assert "threads per model: 1 for forwards" in block

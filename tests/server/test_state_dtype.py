@@ -6,12 +6,12 @@ stated tolerance of one stored in float32, at half the bytes of its floating ten
 import pytest
 import torch
 
-from xlserve.models.registry import ARCHITECTURES, build_model
-from xlserve.models.training.train import preset_config
+from xlserve.models.registry import ARCHITECTURES
 from xlserve.server.cache.codec import STATE_DTYPES, SessionData, conform_import, decode, encode, session_data
 from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.engine.errors import InvalidInput
 from xlserve.server.engine.process import compute_dtypes, validated_import
+from tests.server.test_cache_architectures import feed, tiny_model
 
 # the largest difference in a continuation's log-probabilities (nats) between a session stored
 # in bfloat16 and the same session stored in float32, on the tiny random checkpoints: bfloat16
@@ -21,17 +21,6 @@ LOG_PROB_TOLERANCE = 1e-2
 
 HISTORY = list(b"import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n" * 3)  # > one segment
 CONTINUATION = list(b"    print('done')\n")
-
-
-def tiny_model(architecture: str):
-    torch.manual_seed(0)
-    return build_model(architecture, preset_config(architecture, "tiny")).eval()
-
-
-def feed(model, data: SessionData, tokens: list[int]) -> tuple[torch.Tensor, SessionData]:
-    with torch.inference_mode():
-        log_probs, state = model(torch.tensor([tokens]), data.state)
-    return log_probs, SessionData(state=state, tokens=data.tokens + len(tokens), next_log_probs=log_probs[0, -1])
 
 
 def session_after_history(model) -> SessionData:
