@@ -325,14 +325,15 @@ BUTTON_LOOK = ("display", "box-sizing", "font-family", "font-size", "font-weight
 def test_the_import_button_looks_like_the_other_buttons(page_server, browser):
     page = Page(browser)
     page.open(page_server)
-    look = lambda element_id: browser.execute_script(  # noqa: E731
-        "const style = getComputedStyle(document.getElementById(arguments[0]));"
-        "const box = document.getElementById(arguments[0]).getBoundingClientRect();"
-        "return [Object.fromEntries(arguments[1].map(p => [p, style.getPropertyValue(p)])), box.height, box.top];",
-        element_id, list(BUTTON_LOOK))
-    imported, imported_height, imported_top = look("import-button")
-    for other in ("export-session", "new-session", "delete-session"):
-        style, height, top = look(other)
+    # every control measured in one script, at one moment: the session list fills in while the
+    # page settles and moves the whole panel down, so two separate measurements can disagree
+    looks = browser.execute_script(
+        "return arguments[0].map(id => { const element = document.getElementById(id);"
+        " const style = getComputedStyle(element); const box = element.getBoundingClientRect();"
+        " return [Object.fromEntries(arguments[1].map(p => [p, style.getPropertyValue(p)])), box.height, box.top]; });",
+        ["import-button", "export-session", "new-session", "delete-session"], list(BUTTON_LOOK))
+    (imported, imported_height, imported_top), *others = looks
+    for other, (style, height, top) in zip(("export-session", "new-session", "delete-session"), others):
         assert imported == style, (other, {p: (imported[p], style[p]) for p in BUTTON_LOOK if imported[p] != style[p]})
         assert abs(imported_height - height) < 1, other
         if other == "export-session":  # its neighbour in the row: level with it, unless the row wrapped
