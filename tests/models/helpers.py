@@ -98,3 +98,12 @@ def assert_rows_batch_like_single_rows(model, histories, step, decode, atol=1e-5
             assert (a - b).abs().max().item() < atol, name
         model.check_state(part, history.shape[1] + step.shape[1] + decode.shape[1])
     return batch_state, parts, decoded_state
+
+
+@pytest.fixture
+def one_thread():
+    """Evaluations on one intra-op thread, as the tests run beside other work on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -33,20 +33,12 @@ from xlserve.models.training.train import held_out_documents
 from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
-from tests.models.helpers import run_in_chunks, tokens
+from tests.models.helpers import one_thread, run_in_chunks, tokens  # noqa: F401 (one_thread: a fixture)
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
 SHIPPED = sorted(p for p in WEIGHTS.glob("*-stdlib") if (p / "model.safetensors").is_file())
 QUALITY_BYTES = 4000  # held-out bytes scored per checkpoint, float32 and int8
 QUALITY_BOUND = 0.02  # bits per byte, issue 36 item 4
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

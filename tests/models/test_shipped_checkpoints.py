@@ -30,6 +30,8 @@ from xlserve.models.training.data import stdlib_corpus
 from xlserve.models.training.evaluate import bits_per_byte, scored_part
 from xlserve.models.training.train import held_out_documents
 
+from tests.models.helpers import one_thread  # noqa: F401 (a fixture)
+
 WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
 SHIPPED = sorted(p for p in WEIGHTS.glob("*-stdlib") if (p / "model.safetensors").is_file())
 SAMPLE_PROMPT = "import os\n\n\ndef "  # what `xlserve eval --write-card` samples (server/cli.py)
@@ -82,15 +84,6 @@ def safetensors_dtypes(path: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def corpus():
     return stdlib_corpus()
-
-
-@pytest.fixture
-def one_thread():
-    """Evaluations on one intra-op thread, as the tests run beside other work on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_there_are_shipped_checkpoints():

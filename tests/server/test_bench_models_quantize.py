@@ -3,17 +3,10 @@ with XLSERVE_QUANTIZE=int8, and its row says so (weight bytes in float32 and int
 the flag has no such field (tests/server/test_bench_models.py checks its rows field by field)."""
 
 import json
-import subprocess
-import sys
 
 from xlserve.models.checkpoint import load_checkpoint
 
-
-def cli(*args, cwd):
-    done = subprocess.run([sys.executable, "-m", "xlserve.server.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+from tests.server.test_bench_models import cli
 
 
 def test_models_bench_measures_the_int8_model(tmp_path):
