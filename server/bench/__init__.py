@@ -26,12 +26,13 @@ BENCHMARKS = {
     "models": "models",
     "multi-turn": "multi_turn",
     "fairness": "fairness",
+    "real-size": "real_size",
 }
 
 # what each benchmark imports beyond the server's dependencies (pyproject.toml's `bench` extra)
 PLOTS = ("matplotlib",)
 EXTRA_PACKAGES = {name: PLOTS for name in BENCHMARKS}
-EXTRA_PACKAGES.update({name: (*PLOTS, "transformers") for name in ("vs-hf", "vs-hf-xlnet", "vs-hf-reformer")})
+EXTRA_PACKAGES.update({name: (*PLOTS, "transformers") for name in ("vs-hf", "vs-hf-xlnet", "vs-hf-reformer", "real-size")})
 
 
 def missing_packages(name: str) -> list[str]:

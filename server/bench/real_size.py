@@ -1,0 +1,558 @@
+"""`xlserve bench real-size`: xlserve at the sizes people run (issue 36).
+
+Three reference shapes, each built with random weights by the reference's own classes
+(transformers; nothing is downloaded), saved with save_pretrained and imported with `xlserve
+convert`, as a user's downloaded checkpoint would be:
+
+- transfo-xl-wt103: transfo-xl-wt103's exact shape (18 layers, d_model 1,024, 16 heads of 64,
+  d_inner 4,096, an adaptive softmax over 267,735 words with cutoffs 20k/40k/200k and div_val 4,
+  mem_len 1,600, clamp_len 1,000): 285 M parameters, 236 MB of memory per session in float32;
+- xlnet-large: XLNet-large's shape (24 layers, d_model 1,024, 16 heads, d_inner 4,096, the
+  32,000-piece vocabulary) with mem_len 512;
+- reformer-enwik8: google/reformer-enwik8's shape, as `bench vs-hf-reformer` builds it.
+
+For each it reports:
+- load: a real `xlserve serve` of the converted checkpoint, timed from the command to /ready,
+  and the resident memory of its two processes then (the API process and the engine process);
+- state bytes per session at full memory (float32 and bfloat16: XLSERVE_STATE_DTYPE), and how
+  many such sessions fit in each tier at the default budgets (device 1 GiB, host 4 GiB, disk
+  64 GiB);
+- appends: after 1k, 8k and 64k tokens of history (a history the model cannot hold, past the
+  Reformer's max_context, is reported as skipped), three successive appends of 128 tokens, each
+  committed through a real SessionCache: the forward alone (an append with no durable tier),
+  the commit to disk, and the commit to Redis, timed apart. Bytes written per commit: to disk,
+  the bytes this process passed to write() during the commit (/proc/self/io wchar), so the
+  figure is what the store really wrote whatever its format; to Redis, the growth of the
+  server's total_net_input_bytes. Beside them, the whole blob (what every commit wrote before
+  delta commits) and the bytes of the 128 new positions alone (the goal's unit);
+- decode: greedy tokens/s at batch 1 and 8 after a prompt of --decode-prompt tokens, for
+  xlserve in float32, xlserve with weight-only int8 (XLSERVE_QUANTIZE) and the Hugging Face
+  reference driven by the same loop with its cache, in the same run; whether xlserve's float32
+  tokens equal the reference's; and the fraction of this machine's measured read bandwidth that
+  the float32 batch-1 decode reaches (weight bytes read per step × steps/s ÷ bandwidth).
+
+Results: bench-results/real-size.json and real-size.png (--quick: small shapes, seconds;
+`tests/server/test_bench_real_size.py` runs it). Run the full form alone: it takes tens of minutes
+on 2 cores, mostly feeding the 64k-token histories, and a second torch-heavy process skews every
+figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from xlserve.server.bench.common import add_run_arguments, environment, figure, fill_defaults, generate_greedy, save_results
+from xlserve.server.bench.sessions import start_redis
+
+# reference shapes: the classes' own argument names, as vs-hf, vs-hf-xlnet and vs-hf-reformer take them
+TRANSFO_XL_WT103 = dict(n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096, vocab_size=267735,
+                        cutoffs=[20000, 40000, 200000], div_val=4, mem_len=1600, clamp_len=1000)
+XLNET_LARGE = dict(n_layer=24, d_model=1024, n_head=16, d_inner=4096, vocab_size=32000, mem_len=512)
+REFORMER_ENWIK8 = None  # vs_hf_reformer.FULL, read when used (it imports nothing heavy, but keep the table here)
+
+FULL = dict(shapes=["transfo-xl-wt103", "xlnet-large", "reformer-enwik8"], histories=[1024, 8192, 65536],
+            append=128, appends=3, history_chunk=512, decode_prompt=256, decode_tokens=16, batch_sizes=[1, 8])
+QUICK = dict(shapes=["transfo-xl-wt103", "xlnet-large", "reformer-enwik8"], histories=[64, 256], append=16,
+             appends=2, history_chunk=64, decode_prompt=16, decode_tokens=4, batch_sizes=[1, 2])
+QUICK_SHAPES = {
+    "transfo-xl-wt103": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, vocab_size=2000,
+                             cutoffs=[200, 1000], div_val=4, mem_len=48, clamp_len=40),
+    "xlnet-large": dict(n_layer=2, d_model=64, n_head=2, d_inner=128, vocab_size=500, mem_len=32),
+    "reformer-enwik8": dict(attn_layers=["local", "lsh"], hidden_size=64, num_heads=2, head_size=32,
+                            feed_forward_size=128, lsh_chunk=16, local_chunk=16, num_hashes=2, num_buckets=8,
+                            axial_shape=[16, 16], axial_dims=[16, 48]),
+}
+GIB = 1 << 30
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="xlserve bench real-size", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes (seconds) instead of the reference shapes")
+    parser.add_argument("--shapes", nargs="+", choices=FULL["shapes"])
+    parser.add_argument("--histories", type=int, nargs="+", help="tokens of history before the appends")
+    parser.add_argument("--append", type=int, help="tokens per append")
+    parser.add_argument("--appends", type=int, help="successive appends committed after each history")
+    parser.add_argument("--history-chunk", type=int, help="tokens per forward call while feeding a history")
+    parser.add_argument("--decode-prompt", type=int, help="prompt tokens before the decode is timed")
+    parser.add_argument("--decode-tokens", type=int, help="greedy steps timed")
+    parser.add_argument("--batch-sizes", type=int, nargs="+")
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis commits")
+    parser.add_argument("--no-serve", action="store_true", help="skip the real server's load time and memory")
+    parser.add_argument("--no-reference", action="store_true", help="skip the Hugging Face decode (it is the slowest part)")
+    add_run_arguments(parser, "real-size")
+    args = parser.parse_args(argv)
+    return fill_defaults(args, "real-size", QUICK if args.quick else FULL)
+
+
+# -- the shapes --------------------------------------------------------------------------------
+
+
+def shape_arguments(name: str, quick: bool, seed: int) -> SimpleNamespace:
+    """The namespace each vs-hf module's build_reference reads."""
+    from xlserve.server.bench import vs_hf_reformer
+
+    full = {"transfo-xl-wt103": TRANSFO_XL_WT103, "xlnet-large": XLNET_LARGE,
+            "reformer-enwik8": {k: v for k, v in vs_hf_reformer.FULL.items() if k not in ("prompt_len", "new_tokens")}}
+    return SimpleNamespace(**(QUICK_SHAPES if quick else full)[name], seed=seed)
+
+
+def build_reference(name: str, shape: SimpleNamespace):
+    if name == "transfo-xl-wt103":
+        from xlserve.server.bench.vs_hf import build_reference
+    elif name == "xlnet-large":
+        from xlserve.server.bench.vs_hf_xlnet import build_reference
+    else:
+        from xlserve.server.bench.vs_hf_reformer import build_reference
+    return build_reference(shape)
+
+
+def reference_step(name: str, reference):
+    """step(ids (B, T)) -> next-token scores (B, V) for the reference with its own cache."""
+    cache = {"mems": None}
+
+    def transfo_xl(ids):
+        if cache["mems"] is None:
+            cache["mems"] = [torch.zeros(0, ids.shape[0], reference.config.d_model) for _ in range(reference.config.n_layer)]
+        out = reference(input_ids=ids, mems=cache["mems"])
+        cache["mems"] = out.mems
+        return out.prediction_scores[:, -1]
+
+    def xlnet(ids):
+        from xlserve.server.bench.vs_hf_xlnet import _step_inputs
+
+        ids, perm_mask, target_mapping = _step_inputs(ids)
+        out = reference(ids, mems=cache["mems"], perm_mask=perm_mask, target_mapping=target_mapping, use_mems=True)
+        cache["mems"] = [m[:-1] for m in out.mems]  # the dummy position never joins the memory
+        return out.logits[:, -1]
+
+    def reformer(ids):
+        from xlserve.server.bench.vs_hf_reformer import BYTE_SHIFT
+
+        out = reference(input_ids=ids + BYTE_SHIFT, past_buckets_states=cache["mems"], use_cache=True)
+        cache["mems"] = out.past_buckets_states
+        return out.logits[:, -1, BYTE_SHIFT:]
+
+    return {"transfo-xl-wt103": transfo_xl, "xlnet-large": xlnet, "reformer-enwik8": reformer}[name]
+
+
+def state_step(model, batch: int):
+    state = model.init_state(batch)
+
+    def step(ids):
+        nonlocal state
+        out, state = model(ids, state)
+        return out[:, -1]
+
+    return step
+
+
+# -- measurements ------------------------------------------------------------------------------
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """This machine's read bandwidth in bytes/s, as torch reads memory: the best of `repeats`
+    sums over `gib` GiB of float32 (far larger than any cache), on torch's threads."""
+    data = torch.ones(int(gib * GIB) // 4)
+    data.sum()  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer of the module tree but
+    the input embedding tables, of which a step reads one row (the adaptive softmax's output
+    tables are read whole, tied or not; a tied table counts once)."""
+    from xlserve.models.quantize import weight_bytes
+
+    total = weight_bytes(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            tied = any(p is module.weight for m in model.modules() if m is not module for p in m.parameters(recurse=False))
+            if not tied:
+                total -= module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def process_tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its descendants (Linux /proc)."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{current}/task").iterdir():
+                children = (task / "children").read_text().split()
+                pending.extend(int(c) for c in children)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def serve_and_measure(checkpoint: Path, timeout_s: float = 900) -> dict:
+    """Start `xlserve serve` on the checkpoint; seconds to /ready and the processes' RSS then."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state_dir = tempfile.mkdtemp(prefix="xlserve-bench-state-")
+    env = {**os.environ, "XLSERVE_STATE_DIR": state_dir}
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "xlserve.server.cli", "serve", "--host", "127.0.0.1",
+                                "--port", str(port), "--models", str(checkpoint), "--log-level", "warning"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}: "
+                                   f"{process.stderr.read().decode(errors='replace')[-2000:]}")
+            if time.perf_counter() - start > timeout_s:
+                raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        ready_s = time.perf_counter() - start
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+        return {"ready_s": ready_s, "resident_bytes": process_tree_rss(process.pid),
+                "served_state_bytes_per_session": models[0].get("state_bytes_per_session")}
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def bytes_written_by_this_process() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def redis_bytes_received(url: str) -> int:
+    import redis
+
+    return int(redis.Redis.from_url(url).info("stats")["total_net_input_bytes"])
+
+
+@torch.inference_mode()
+def bytes_per_position(model) -> int:
+    """State bytes one more position of history adds while the memory is not yet full: the
+    unit of the goal "a 128-token append writes at most 2x the bytes of its 128 new positions".
+    0 for a state of fixed size."""
+    _, one = model(torch.zeros(1, 1, dtype=torch.long), model.init_state(1))
+    _, two = model(torch.zeros(1, 1, dtype=torch.long), one)
+    return two.nbytes() - one.nbytes()
+
+
+@torch.inference_mode()
+def feed(model, tokens: torch.Tensor, state, chunk: int):
+    """Feed tokens (1, T) in calls of `chunk`; the last log-probs row and the state."""
+    log_probs = None
+    for start in range(0, tokens.shape[1], chunk):
+        log_probs, state = model(tokens[:, start : start + chunk], state)
+    return log_probs, state
+
+
+@torch.inference_mode()
+def measure_appends(name: str, model, history: int, args, redis_url: str, vocab: int) -> dict:
+    from xlserve.server.cache.codec import SessionData, encode
+    from xlserve.server.cache.session_cache import SessionCache
+
+    generator = torch.Generator().manual_seed(history)
+    tokens = torch.randint(0, vocab, (1, history + args.append * args.appends), generator=generator)
+    start = time.perf_counter()
+    log_probs, state = feed(model, tokens[:, :history], model.init_state(1), args.history_chunk)
+    history_s = time.perf_counter() - start
+    sessions = [SessionData(state=state, tokens=history, next_log_probs=log_probs[0, -1].clone())]
+    forward_s = []
+    for k in range(args.appends):
+        piece = tokens[:, history + k * args.append : history + (k + 1) * args.append]
+        start = time.perf_counter()
+        log_probs, new_state = model(piece, sessions[-1].state)
+        forward_s.append(time.perf_counter() - start)
+        sessions.append(SessionData(state=new_state, tokens=sessions[-1].tokens + args.append,
+                                    next_log_probs=log_probs[0, -1].clone()))
+    row = {"shape": name, "history_tokens": history, "append_tokens": args.append,
+           "history_feed_s": history_s, "state_bytes": sessions[-1].nbytes(),
+           "whole_blob_bytes": len(encode(sessions[-1], {"session_id": "sess_bench", "model": name})),
+           "new_positions_bytes": bytes_per_position(model) * args.append,
+           "forward_s": statistics.median(forward_s)}
+    for durable in ["disk"] + (["redis"] if redis_url else []):
+        with tempfile.TemporaryDirectory(prefix="xlserve-bench-") as directory:
+            cache = SessionCache(Path(directory) / "state", None, None, None, redis_url if durable == "redis" else "")
+            cache.open({name: model})
+            session_id = cache.create(name, None, sessions[0]).id
+            times, written = [], []
+            for data in sessions[1:]:
+                lease = cache.acquire(session_id, None)
+                before = redis_bytes_received(redis_url) if durable == "redis" else bytes_written_by_this_process()
+                start = time.perf_counter()
+                cache.commit(lease, data)
+                times.append(time.perf_counter() - start)
+                after = redis_bytes_received(redis_url) if durable == "redis" else bytes_written_by_this_process()
+                written.append(after - before)
+            if durable == "redis":  # empty the shared Redis for the next row
+                import redis
+
+                redis.Redis.from_url(redis_url).flushdb()
+            cache.close()
+        row[f"commit_{durable}_s"] = statistics.median(times)
+        row[f"bytes_per_commit_{durable}"] = int(statistics.median(written))
+        row[f"append_with_{durable}_commit_over_forward"] = (row["forward_s"] + row[f"commit_{durable}_s"]) / row["forward_s"]
+        if row["new_positions_bytes"]:
+            row[f"bytes_per_commit_{durable}_over_new_positions"] = row[f"bytes_per_commit_{durable}"] / row["new_positions_bytes"]
+    return row
+
+
+@torch.inference_mode()
+def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: float) -> list[dict]:
+    from xlserve.models.quantize import quantize_model
+
+    import copy
+
+    quantized = quantize_model(copy.deepcopy(model), "int8")
+    rows = []
+    for batch in args.batch_sizes:
+        prompt = torch.randint(0, vocab, (batch, args.decode_prompt), generator=torch.Generator().manual_seed(batch))
+        generate_greedy(state_step(model, batch), prompt[:, :4], 1)  # warm up
+        ours = generate_greedy(state_step(model, batch), prompt, args.decode_tokens)
+        int8 = generate_greedy(state_step(quantized, batch), prompt, args.decode_tokens)
+        steps = args.decode_tokens
+        row = {"shape": name, "batch_size": batch, "prompt_tokens": args.decode_prompt, "new_tokens": steps,
+               "xlserve_float32_tokens_per_s": batch * steps / ours["decode_s"],
+               "xlserve_int8_tokens_per_s": batch * steps / int8["decode_s"],
+               "int8_tokens_equal_float32": float((int8["tokens"] == ours["tokens"]).float().mean()),
+               "weight_bytes_per_step_float32": weight_bytes_per_step(model),
+               "weight_bytes_per_step_int8": weight_bytes_per_step(quantized)}
+        row["float32_bandwidth_fraction"] = row["weight_bytes_per_step_float32"] * (steps / ours["decode_s"]) / bandwidth
+        row["int8_over_float32"] = row["xlserve_int8_tokens_per_s"] / row["xlserve_float32_tokens_per_s"]
+        if reference is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref = generate_greedy(reference_step(name, reference), prompt, steps)
+            row["reference_tokens_per_s"] = batch * steps / ref["decode_s"]
+            row["identical_tokens"] = torch.equal(ours["tokens"], ref["tokens"])
+            row["float32_over_reference"] = row["xlserve_float32_tokens_per_s"] / row["reference_tokens_per_s"]
+        rows.append(row)
+        print(f"  decode batch {batch}: float32 {row['xlserve_float32_tokens_per_s']:.2f} tok/s, int8 "
+              f"{row['xlserve_int8_tokens_per_s']:.2f}, reference {row.get('reference_tokens_per_s', float('nan')):.2f}",
+              flush=True)
+    one = next((r for r in rows if r["batch_size"] == 1), None)
+    for row in rows:
+        if one is not None:
+            row["float32_over_batch_1"] = row["xlserve_float32_tokens_per_s"] / one["xlserve_float32_tokens_per_s"]
+    return rows
+
+
+def tiers(state_bytes: int | None) -> dict:
+    """Sessions at full memory that fit each tier at its default budget."""
+    from xlserve.server.settings import CacheSettings
+
+    budgets = {tier: CacheSettings.model_fields[f"{tier}_state_bytes"].default for tier in ("device", "host", "disk")}
+    return {tier: (None if not state_bytes else budget // state_bytes) for tier, budget in budgets.items()} | {
+        "budgets": budgets}
+
+
+def sentencepiece_model(vocab_size: int) -> bytes:
+    """A sentencepiece model of exactly `vocab_size` pieces, trained here in a fraction of a second:
+    a few hundred pieces learnt from two stdlib sources, the rest made-up words (the bench
+    measures speed and bytes; what the pieces are does not matter, only that there are as many as
+    the model's vocabulary)."""
+    import inspect
+    import io
+    import json
+
+    import sentencepiece
+
+    text = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
+    learnt = min(300, vocab_size // 2)
+    buffer = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in text.splitlines() if line.strip()]), model_writer=buffer,
+        vocab_size=vocab_size, model_type="unigram", character_coverage=1.0, minloglevel=2, hard_vocab_limit=False,
+        control_symbols=["<cls>", "<sep>", "<pad>", "<mask>", "<eod>", "<eop>"],
+        user_defined_symbols=[f"\u2581w{i}" for i in range(vocab_size - learnt)])
+    pieces = sentencepiece.SentencePieceProcessor(model_proto=buffer.getvalue()).get_piece_size()
+    if pieces != vocab_size:
+        raise RuntimeError(f"the made-up sentencepiece model has {pieces} pieces, not {vocab_size}")
+    return buffer.getvalue()
+
+
+def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
+    from xlserve.models.checkpoint import load_checkpoint
+    from xlserve.models.convert import convert
+    from xlserve.server.engine.process import session_bytes_when_full
+
+    print(f"{name}: building the reference", flush=True)
+    shape = shape_arguments(name, args.quick, args.seed)
+    reference = build_reference(name, shape)
+    with tempfile.TemporaryDirectory(prefix="xlserve-real-size-") as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference.save_pretrained(Path(tmp) / "hf")
+        symbols = None
+        if name == "transfo-xl-wt103":  # a word-level model serves with its symbol list: a made-up one
+            symbols = Path(tmp) / "vocab.txt"
+            words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(shape.vocab_size - 2)]
+            symbols.write_text("\n".join(words) + "\n")
+        if name == "xlnet-large":  # and a sentencepiece model serves with its spiece.model: a made-up one
+            (Path(tmp) / "hf" / "spiece.model").write_bytes(sentencepiece_model(shape.vocab_size))
+        start = time.perf_counter()
+        convert(Path(tmp) / "hf", Path(tmp) / "xlserve", symbols)
+        convert_s = time.perf_counter() - start
+        served = None if args.no_serve else serve_and_measure(Path(tmp) / "xlserve")
+        start = time.perf_counter()
+        model = load_checkpoint(Path(tmp) / "xlserve").eval()
+        load_s = time.perf_counter() - start
+    vocab = model.vocab_size
+    result = {"shape": name, "setting": {k: v for k, v in vars(shape).items() if k != "seed"},
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "convert_s": convert_s, "load_checkpoint_s": load_s, "served": served,
+              # what a session counts against the tiers once its memory is full: the state and its
+              # float32 next-token row, as /v1/models reports it
+              "state_bytes_per_session": {"float32": session_bytes_when_full(model, torch.float32),
+                                          "bfloat16": session_bytes_when_full(model, torch.bfloat16)}}
+    result["sessions_per_tier"] = {dtype: tiers(b) for dtype, b in result["state_bytes_per_session"].items()}
+    limit = model.history_limit
+    result["appends"] = []
+    for history in args.histories:
+        if limit is not None and history + args.append * args.appends > limit:
+            result["appends"].append({"shape": name, "history_tokens": history, "skipped": f"past max_context {limit}"})
+            continue
+        print(f"  history {history}", flush=True)
+        result["appends"].append(measure_appends(name, model, history, args, redis_url, vocab))
+    reference = None if args.no_reference else reference
+    result["decode"] = measure_decode(name, model, reference, args, vocab, bandwidth)
+    return result
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth(0.25 if args.quick else 1.0)
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    redis_process, redis_url, redis_dir = None, "", None
+    if not args.no_redis and shutil.which("redis-server"):
+        redis_dir = tempfile.mkdtemp(prefix="xlserve-bench-redis-")
+        redis_process, redis_url = start_redis(redis_dir)
+    try:
+        shapes = [measure_shape(name, args, redis_url, bandwidth) for name in args.shapes]
+    finally:
+        if redis_process is not None:
+            redis_process.kill()
+            redis_process.wait()
+            shutil.rmtree(redis_dir, ignore_errors=True)
+    return {"benchmark": "real-size", "quick": args.quick, "read_bandwidth_bytes_per_s": bandwidth,
+            "setting": {k: getattr(args, k) for k in ("histories", "append", "appends", "history_chunk",
+                                                      "decode_prompt", "decode_tokens", "batch_sizes", "seed")},
+            "environment": environment(with_transformers=True), "shapes": shapes}
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def print_table(result: dict) -> None:
+    print(f"\nread bandwidth {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    for shape in result["shapes"]:
+        served = shape["served"] or {}
+        print(f"\n{shape['shape']}: {shape['parameters'] / 1e6:.0f} M parameters; served ready in "
+              f"{served.get('ready_s', float('nan')):.1f} s, resident {_mb(served.get('resident_bytes'))}; "
+              f"state per session {_mb(shape['state_bytes_per_session']['float32'])} float32, "
+              f"{_mb(shape['state_bytes_per_session']['bfloat16'])} bfloat16")
+        fits = shape["sessions_per_tier"]["float32"]
+        print(f"  sessions at default budgets (float32): device {fits['device']}, host {fits['host']}, disk {fits['disk']}")
+        print("  history | forward | disk commit | redis commit | whole blob | new positions | bytes/commit disk | redis")
+        for row in shape["appends"]:
+            if "skipped" in row:
+                print(f"  {row['history_tokens']:>7} | skipped: {row['skipped']}")
+                continue
+            print(f"  {row['history_tokens']:>7} | {row['forward_s'] * 1000:7.0f} ms | "
+                  f"{row['commit_disk_s'] * 1000:8.0f} ms | {row.get('commit_redis_s', float('nan')) * 1000:9.0f} ms | "
+                  f"{_mb(row['whole_blob_bytes'])} | {_mb(row['new_positions_bytes'])} | "
+                  f"{_mb(row['bytes_per_commit_disk'])} | {_mb(row.get('bytes_per_commit_redis'))}")
+        print("  batch | float32 tok/s | int8 tok/s | reference tok/s | identical | bandwidth fraction (float32)")
+        for row in shape["decode"]:
+            print(f"  {row['batch_size']:>5} | {row['xlserve_float32_tokens_per_s']:13.2f} | "
+                  f"{row['xlserve_int8_tokens_per_s']:10.2f} | {row.get('reference_tokens_per_s', float('nan')):15.2f} | "
+                  f"{row.get('identical_tokens', '-')!s:>9} | {row['float32_bandwidth_fraction']:.2f}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = result["shapes"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    left, right = axes
+    labels, whole, disk, redis_bytes, new = [], [], [], [], []
+    for shape in shapes:
+        for row in shape["appends"]:
+            if "skipped" in row:
+                continue
+            labels.append(f"{shape['shape']}\n{row['history_tokens']} tok")
+            whole.append(row["whole_blob_bytes"])
+            disk.append(row["bytes_per_commit_disk"])
+            redis_bytes.append(row.get("bytes_per_commit_redis", 0))
+            new.append(row["new_positions_bytes"])
+    width = 0.2
+    xs = range(len(labels))
+    for k, (values, label) in enumerate([(whole, "whole state (before delta commits)"), (disk, "written to disk"),
+                                         (redis_bytes, "sent to Redis"), (new, "the new positions")]):
+        left.bar([x + (k - 1.5) * width for x in xs], [max(v, 1) for v in values], width, label=label)
+    left.set_xticks(list(xs), labels, fontsize=6)
+    left.set_yscale("log")
+    left.set_ylabel(f"bytes per commit of a {result['setting']['append']}-token append")
+    left.set_title("What a commit writes", fontsize=9)
+    left.legend(fontsize=7)
+    rows = [(shape["shape"], row) for shape in shapes for row in shape["decode"]]
+    xs = range(len(rows))
+    series = [("xlserve_float32_tokens_per_s", "xlserve float32"), ("xlserve_int8_tokens_per_s", "xlserve int8"),
+              ("reference_tokens_per_s", "transformers")]
+    for k, (key, label) in enumerate(series):
+        right.bar([x + (k - 1) * 0.27 for x in xs], [row.get(key, 0) or 0 for _, row in rows], 0.27, label=label)
+    right.set_xticks(list(xs), [f"{name}\nbatch {row['batch_size']}" for name, row in rows], fontsize=6)
+    right.set_yscale("log")
+    right.set_ylabel("greedy decode tokens / s")
+    right.set_title(f"Decode ({result['environment']['threads']} threads, "
+                    f"read bandwidth {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)", fontsize=9)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    save_results(run(args), args.out, plot, print_table)

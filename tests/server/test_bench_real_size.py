@@ -1,0 +1,70 @@
+"""`xlserve bench real-size --quick` end to end on small shapes (the reference shapes are run
+alone, never in the tests): each shape is built by transformers' own classes, converted, served by
+a real `xlserve serve`, fed histories and appends committed through a real SessionCache to disk and
+to a real redis-server, and decoded beside the reference."""
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from xlserve.server.cli import main as cli  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make test installs it)")
+    out = tmp_path_factory.mktemp("real-size") / "real-size.json"
+    cli(["bench", "real-size", "--quick", "--threads", "1", "--out", str(out)])
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
+    return json.loads(out.read_text())
+
+
+def test_every_shape_is_served_and_sized(result):
+    assert result["benchmark"] == "real-size" and result["quick"]
+    assert [shape["shape"] for shape in result["shapes"]] == ["transfo-xl-wt103", "xlnet-large", "reformer-enwik8"]
+    assert result["read_bandwidth_bytes_per_s"] > 1e8
+    for shape in result["shapes"]:
+        served = shape["served"]
+        assert served["ready_s"] > 0 and served["resident_bytes"] > 10 << 20
+        full = shape["state_bytes_per_session"]
+        # /v1/models reports the same state bytes per session as the model computes from its shapes
+        assert served["served_state_bytes_per_session"] == full["float32"] > 0
+        assert full["bfloat16"] < full["float32"]
+        fits = shape["sessions_per_tier"]["float32"]
+        assert fits["device"] == fits["budgets"]["device"] // full["float32"]
+        assert fits["device"] < fits["host"] < fits["disk"]
+
+
+def test_appends_are_timed_and_their_bytes_counted_on_disk_and_in_redis(result):
+    for shape in result["shapes"]:
+        rows = [row for row in shape["appends"] if "skipped" not in row]
+        assert rows, shape["shape"]
+        for row in rows:
+            assert row["forward_s"] > 0 and row["commit_disk_s"] > 0 and row["commit_redis_s"] > 0
+            assert row["new_positions_bytes"] > 0
+            # a commit writes at least its new positions, and never more than a whole blob and its
+            # metadata twice over (a compaction of a log no larger than the base)
+            for store in ("disk", "redis"):
+                assert row["new_positions_bytes"] <= row[f"bytes_per_commit_{store}"] <= 2.2 * row["whole_blob_bytes"]
+    # the Reformer's state grows until max_context: a history past it is skipped, not failed
+    reformer = result["shapes"][2]
+    assert any("skipped" in row and "max_context" in row["skipped"] for row in reformer["appends"])
+
+
+def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
+    for shape in result["shapes"]:
+        rows = {row["batch_size"]: row for row in shape["decode"]}
+        assert set(rows) == {1, 2}
+        for batch, row in rows.items():
+            assert row["xlserve_float32_tokens_per_s"] > 0 and row["xlserve_int8_tokens_per_s"] > 0
+            assert row["reference_tokens_per_s"] > 0
+            assert 0 < row["float32_bandwidth_fraction"] < 1.5
+            assert row["weight_bytes_per_step_int8"] < row["weight_bytes_per_step_float32"]
+            if shape["shape"] != "reformer-enwik8" or batch == 1:
+                assert row["identical_tokens"], (shape["shape"], batch)
