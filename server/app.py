@@ -127,7 +127,10 @@ def sessions_per_tier(card: dict, store: dict, redis: bool) -> str:
         return "its state grows with every token, so no fixed number of sessions fits a tier"
     counts = ", ".join(f"{tier} {store.get(f'{tier}_bytes', 0) // per_session:,}" for tier in ("device", "host", "disk"))
     last = ", Redis up to its maxmemory" if redis else ""
-    return f"{per_session:,} bytes per session at full memory; sessions that fit: {counts}{last}"
+    # larger than the device's whole budget: each lives on host RAM and runs on the device per request
+    on_host = ("; larger than the device budget, so they live on host RAM and visit the device per request"
+               if per_session > store.get("device_bytes", 0) and store.get("host_bytes", 0) >= per_session else "")
+    return f"{per_session:,} bytes per session at full memory; sessions that fit: {counts}{last}{on_host}"
 
 
 def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:

@@ -7,8 +7,14 @@ XLSERVE_REDIS_URL), each with a byte budget. A request needs its session on the 
 disk → Redis: the manager's plan, manager.py), and a commit that grew the device's sessions moves
 them down again (`rebalance`). The last tier holds every session (durable.py) and never evicts:
 its budget is an admission limit. When no room can be made the answer is CacheFull (503, retry
-later); a state larger than the whole budget of the device or of the last tier is SessionTooLarge
-(413), since no wait could help.
+later); a state larger than the whole budget of the last tier, or of both memory tiers, is
+SessionTooLarge (413), since no wait could help.
+
+A session larger than the device's whole budget lives on host RAM instead (its home, `home`):
+it is kept, booked and committed there, and a request runs it on the model's device unbooked, for
+that request alone (on a CPU server the device is host RAM and the copy is the same tensors). So a
+236 MB session with a 128 MB device budget is served, slower on a GPU (a copy to the device per
+request), rather than refused.
 
 Bytes move outside the cache's lock, in three steps:
 
@@ -83,7 +89,7 @@ class Placement:
         if tier == "host":
             data = self.host.get(record.id)
         elif tier == "disk":
-            data = self.durable.decode(record, "disk", self.disk.read(record.id))
+            data = self.durable.read_disk(record)
         else:
             data = self.durable.fetch(record)
         return data.to(self.durable.spec(record).device) if to_device else data
@@ -164,6 +170,15 @@ class Placement:
             self.count_hit(record.model, "device")
             transfer.add(_Fetched(self.device.get(record.id)))
             return
+        if self.home(record.nbytes) == "host":  # larger than the device's budget: it stays on host RAM
+            if source != "host":
+                moves = self.manager.plan_room("host", record.nbytes, exclude={record.id})
+                if moves is None:
+                    raise self.full("host", record.model, record.nbytes, record.id)
+                self._execute(moves, transfer)
+                self.manager.add_copy(record.id, "host")
+            transfer.add(_Fetch(record, source, self.host.get(record.id) if source == "host" else None, home="host"))
+            return
         if source == "host":  # the copy leaves host RAM: its room there is free for the moves below
             self.manager.drop_copy(record.id, "host")
         moves = self.manager.plan_room("device", record.nbytes, exclude={record.id})
@@ -194,9 +209,21 @@ class Placement:
         self.manager.add(record)
 
     def admitted(self, record: Record, data: SessionData) -> None:
-        """A new session is written: its state goes to the device (`data` is already there)."""
-        self.device.put(record.id, data)
-        self.manager.add_copy(record.id, "device")
+        """A new session is written: its state goes to its home, the device (`data` is already
+        there) or, larger than the device's budget, host RAM (the caller's rebalance makes room)."""
+        self._keep(record.id, record.nbytes, data)
+
+    def home(self, nbytes: int) -> str:
+        """Where a session of `nbytes` is kept between requests: the device, or host RAM when it
+        is larger than the device's whole budget (and the host tier is there to hold it)."""
+        budget = self.manager.budgets.get("device")
+        host = self.manager.budgets.get("host", 0)  # 0: no host tier
+        return "host" if budget is not None and nbytes > budget and host != 0 else "device"
+
+    def _keep(self, session_id: str, nbytes: int, data: SessionData) -> None:
+        tier = self.home(nbytes)
+        self._store(tier).put(session_id, data if tier == "device" else data.to("cpu"))
+        self.manager.add_copy(session_id, tier)
 
     def reserve(self, record: Record, nbytes: int) -> int:
         """Book a commit's growth (to `nbytes`) in the last tier before its write; returns the
@@ -228,8 +255,7 @@ class Placement:
         self.manager.resize(record.id, committed.nbytes)
         record.tokens, record.version, record.last_used_at = committed.tokens, committed.version, committed.last_used_at
         record.remembered = committed.remembered
-        self.device.put(record.id, data)
-        self.manager.add_copy(record.id, "device")
+        self._keep(record.id, committed.nbytes, data)
         self.manager.touch(record.id)
 
     def catch_up(self, record: Record, head: Head | None, transfer: Transfer) -> None:
@@ -317,9 +343,10 @@ class Placement:
 
     def refuse_never_fits(self, model: str, nbytes: int, session_id: str | None = None,
                           committing: bool = False) -> None:
-        """SessionTooLarge when `nbytes` of state exceed the whole budget of the device (where
-        every request runs it) or of the last tier (where it is kept): no wait could help."""
-        for tier in dict.fromkeys(("device", self.durable.tier)):
+        """SessionTooLarge when `nbytes` of state exceed the whole budget of the last tier (where
+        it is kept), or of its home (`home`: the device, or host RAM for a session larger than the
+        device's budget): no wait could help."""
+        for tier in dict.fromkeys((self.home(nbytes), self.durable.tier)):
             budget = self.manager.budgets.get(tier)
             if budget is not None and nbytes > budget:
                 if self.metrics is not None:
@@ -335,7 +362,7 @@ class Placement:
         """CacheFull (503, retry later), or SessionTooLarge (413) when `nbytes` exceed the tier's
         whole budget."""
         budget = self.manager.budgets[tier]
-        if budget is not None and nbytes > budget and tier in ("device", self.durable.tier):
+        if budget is not None and nbytes > budget and tier in ("device", "host", self.durable.tier):
             self.refuse_never_fits(model, nbytes, session_id)
         if self.metrics is not None:
             self.metrics.session_refusals.labels(model, tier).inc()
@@ -438,10 +465,12 @@ class _Fetched(_Step):
 class _Fetch(_Step):
     """A held session's committed state from `source` to its model's device (its room there is
     booked): a host copy taken out of host RAM (`host_data`), or a disk file or Redis value read
-    and checked."""
+    and checked. With `home` "host" (a session larger than the device's budget) the device's copy
+    is the request's alone, unbooked, and host RAM keeps (or, read from below, gets) a copy: its
+    room there is booked."""
 
-    def __init__(self, record: Record, source: str, host_data: SessionData | None):
-        self.record, self.source, self.host_data = record, source, host_data
+    def __init__(self, record: Record, source: str, host_data: SessionData | None, home: str = "device"):
+        self.record, self.source, self.host_data, self.home = record, source, host_data, home
         self.data: SessionData | None = None
         self.seconds = 0.0
 
@@ -455,6 +484,15 @@ class _Fetch(_Step):
 
     def finish(self, placement: Placement) -> BaseException | None:
         record, source, manager = self.record, self.source, placement.manager
+        if self.home == "host":
+            if self.error is not None:
+                if source != "host":  # the room booked on host goes back
+                    manager.drop_copy(record.id, "host")
+                return self.error
+            if source != "host":
+                placement.host.put(record.id, self.data.to("cpu"))
+            self._count(placement)
+            return None
         if self.error is not None:  # the booked room goes back; a host copy goes back to host RAM ...
             manager.drop_copy(record.id, "device")
             # ... if it still fits there: its room may have gone to the sessions moved down to make
@@ -464,6 +502,11 @@ class _Fetch(_Step):
                 manager.add_copy(record.id, "host")
             return self.error
         placement.device.put(record.id, self.data)
+        self._count(placement)
+        return None
+
+    def _count(self, placement: Placement) -> None:
+        record, source = self.record, self.source
         placement.count_hit(record.model, source)
         if placement.metrics is not None:
             placement.metrics.session_restore_latency.labels(record.model, source).observe(self.seconds)

@@ -493,17 +493,36 @@ class SessionCache:
             record = self.manager.get(lease.session_id)
             remembered = kept(entry, record.remembered)
             meta = self.durable.metadata(dataclasses.replace(record, remembered=remembered))
-        self.durable.write(record, encode(lease.data, meta), expected=None)  # the lease holds the session
+        # the lease holds the session; only the metadata changes: a delta block of no tensors
+        self.durable.write(record, lambda: encode(lease.data, meta), expected=None,
+                           delta=encode_delta({}, state_metadata(lease.data), "same", meta))
         with self._lock:
             record.remembered = remembered
 
+    @staticmethod
+    def _changes(old: SessionData, new: SessionData) -> dict | None:
+        """What a commit changed from the leased version (models/interface.py `State.delta_from`),
+        or None for a whole write: a model whose state changes as a whole, or a change that costs
+        more than half the state to describe (writing it whole then costs little more, and
+        starts a new base). Any failure to compute it is a whole write too, never a wrong one."""
+        try:
+            changes = new.state.delta_from(old.state, new.tokens - old.tokens)
+        except Exception:  # a model's state the change cannot be described for: written whole
+            log.exception("the change of a %s could not be computed; writing it whole", type(new.state).__name__)
+            return None
+        if changes is None or 2 * sum(change.nbytes() for change in changes.values()) > new.state.nbytes():
+            return None
+        return changes
+
     def _rebalance_device(self, transfer: Transfer) -> None:
         """Under the lock, once a commit or a new session is written: the moves that bring the
-        device back within its budget, into `transfer`. The change is durable by then, so a
+        device, then host RAM (the home of sessions larger than the device's budget), back within
+        their budgets, into `transfer`. The change is durable by then, so a
         failure here is logged, not answered (the client would retry a change that landed): what
         was booked before it is carried out with `transfer`, and the next plan moves the rest."""
         try:
             self.placement.rebalance("device", transfer)
+            self.placement.rebalance("host", transfer)  # where a session larger than the device's budget lives
         except Exception:
             log.exception("the device could not be brought back within its budget; the next plan tries again")
 

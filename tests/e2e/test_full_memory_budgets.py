@@ -23,4 +23,7 @@ def test_the_start_up_line_counts_sessions_per_tier():
     assert line == (f"{wt103:,} bytes per session at full memory; sessions that fit: device 4, host 18, disk 289")
     assert sessions_per_tier({"state_bytes_per_session": wt103}, store, redis=True).endswith(
         ", Redis up to its maxmemory")
+    small_device = sessions_per_tier({"state_bytes_per_session": wt103}, store | {"device_bytes": 128 << 20}, redis=False)
+    assert small_device.startswith(f"{wt103:,} bytes per session at full memory; sessions that fit: device 0, host 18")
+    assert small_device.endswith("they live on host RAM and visit the device per request")
     assert "grows with every token" in sessions_per_tier({"state_bytes_per_session": None}, store, redis=False)

@@ -1,7 +1,8 @@
 """GET /v1/sessions (the caller's own sessions, paginated, newest first), the non-retryable
-413 `session_too_large` for a session that can never fit the device budget, and Idempotency-Keys
-that outlive a restart; against a real server with two API keys and a device budget of half a
-full session."""
+413 `session_too_large` for a session that can never fit (larger than the device budget and the
+host budget both: tests/e2e/test_sessions_on_host.py has one larger than the device's alone), and
+Idempotency-Keys that outlive a restart; against a real server with two API keys and device and
+host budgets of half a full session."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ KEYS = ("key-one", "key-two")
 @pytest.fixture(scope="module")
 def environment(tiny_checkpoint, tmp_path_factory) -> dict:
     return {"XLSERVE_API_KEYS": ",".join(KEYS), "XLSERVE_STATE_DIR": str(tmp_path_factory.mktemp("state")),
-            "XLSERVE_DEVICE_STATE_BYTES": str(full_state_bytes(tiny_checkpoint) // 2)}
+            "XLSERVE_DEVICE_STATE_BYTES": str(full_state_bytes(tiny_checkpoint) // 2),
+            "XLSERVE_HOST_STATE_BYTES": str(full_state_bytes(tiny_checkpoint) // 2)}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_a_session_that_can_never_fit_gets_413_without_retry_after(small, server
         error = grown.json()["error"]
         assert (error["code"], error["type"], error["param"]) == ("session_too_large", "request_too_large",
                                                                   "session_id")
-        assert "XLSERVE_DEVICE_STATE_BYTES" in error["message"]
+        assert "XLSERVE_HOST_STATE_BYTES" in error["message"]
         assert client.get(f"/v1/sessions/{session}").json()["version"] == 0  # nothing changed
 
         with server.client() as roomy:  # a full state, made where it fits, imported where it cannot

@@ -103,23 +103,45 @@ def test_fork_replace_and_delete_with_a_key_answer_their_retry_the_same(tmp_path
     assert [s.id for s in restarted.sessions()] == [sid]
 
 
-def test_a_session_that_can_never_fit_is_too_large_not_full(tmp_path):
+def test_a_session_larger_than_the_device_budget_is_served_from_host_ram(tmp_path):
     n = 100
-    cache = make_cache(tmp_path, device=2 * size(n), disk=10 * size(n))
+    cache = make_cache(tmp_path, device=2 * size(n), disk=10 * size(n))  # host RAM: the default, unbounded
     sid = cache.create("toy", None, data(n, 0)).id
     lease = cache.acquire(sid, None)
-    with pytest.raises(SessionTooLarge, match="XLSERVE_DEVICE_STATE_BYTES"):
-        cache.commit(lease, data(3 * n, 1))  # more than the whole device budget
+    committed = cache.commit(lease, data(3 * n, 1))  # more than the whole device budget: no error
+    assert committed.version == 1 and committed.tier == "host"
+    assert cache.manager.used("device") == 0 and cache.manager.used("host") == size(3 * n)
+    for _ in range(2):  # served from host RAM, and kept there between requests
+        lease = cache.acquire(sid, None)
+        assert same(lease.data, data(3 * n, 1))
+        cache.release(lease)
+        assert cache.info(sid, None).tier == "host" and cache.manager.used("device") == 0
+    other = cache.create("toy", None, data(n, 2)).id  # sessions that fit the device still go there
+    assert cache.info(other, None).tier == "device"
+    del cache
+    restarted = make_cache(tmp_path, device=2 * size(n), disk=10 * size(n))
+    lease = restarted.acquire(sid, None)  # from disk after a restart, to host RAM
+    assert same(lease.data, data(3 * n, 1)) and restarted.info(sid, None).tier == "host"
+    restarted.release(lease)
+
+
+def test_a_session_that_can_never_fit_is_too_large_not_full(tmp_path):
+    n = 100
+    cache = make_cache(tmp_path, device=2 * size(n), host=2 * size(n), disk=10 * size(n))
+    sid = cache.create("toy", None, data(n, 0)).id
+    lease = cache.acquire(sid, None)
+    with pytest.raises(SessionTooLarge, match="XLSERVE_HOST_STATE_BYTES"):
+        cache.commit(lease, data(3 * n, 1))  # more than the whole device budget and the whole host budget
     cache.release(lease)
     assert cache.info(sid, None).version == 0  # nothing changed
     with pytest.raises(SessionTooLarge, match="XLSERVE_DISK_STATE_BYTES"):
         make_cache(tmp_path / "disk-bound", disk=10 * size(n)).create("toy", None, data(20 * n, 2))
-    small = make_cache(tmp_path / "other", device=size(n) // 2)
+    small = make_cache(tmp_path / "other", device=size(n) // 2, host=size(n) // 2)
     with pytest.raises(SessionTooLarge):
         small.create("toy", None, data(n, 3))
     del cache
 
-    shrunk = make_cache(tmp_path, device=size(n) // 2)  # restarted with a smaller device budget
+    shrunk = make_cache(tmp_path, device=size(n) // 2, host=size(n) // 2)  # restarted with smaller budgets
     with pytest.raises(SessionTooLarge, match="never be served"):
         shrunk.acquire(sid, None)
     assert not shrunk.info(sid, None).in_use

@@ -51,6 +51,10 @@ class Cache:
             self.placement.promote(record, transfer)
             return transfer, hold
 
+    def value(self, record: Record, units: int):
+        """The state `add` stored for `record`."""
+        return data(units * N, self.seeds[record.id])
+
     def tiers(self, *records: Record) -> list[set[str]]:
         return [set(r.copies) for r in records]
 
@@ -160,8 +164,30 @@ def test_no_room_when_the_device_holds_only_sessions_in_use(tmp_path):
     with pytest.raises(CacheFull, match="in use"):
         cache.promote(b)
     assert cache.manager.used("device") == UNIT and cache.tiers(b) == [{"disk"}]
+    no_host = Cache(tmp_path / "no-host", device=UNIT, host=0)
     with pytest.raises(SessionTooLarge, match="XLSERVE_DEVICE_STATE_BYTES"):
-        cache.promote(cache.add("c", (), units=2))  # more than the whole device: never
+        no_host.promote(no_host.add("c", (), units=2))  # more than the whole device, and no host RAM to live in
+
+
+def test_a_session_larger_than_the_device_budget_lives_on_host_ram(tmp_path):
+    cache = Cache(tmp_path, device=UNIT, host=size(2 * N))
+    small, large, other = cache.add("a", ("device",)), cache.add("b", (), units=2), cache.add("c", ("host",), units=2)
+    transfer, hold = cache.promote(large)  # from disk: room is made on host RAM (c goes down), not on the device
+    data = transfer.carry_out(cache.lock)
+    assert same(data, cache.value(large, 2))
+    assert cache.tiers(small, large, other) == [{"device", "disk"}, {"host", "disk"}, {"disk"}]
+    assert cache.manager.used("device") == UNIT and cache.manager.used("host") == size(2 * N)
+    with cache.lock:
+        cache.holds.give_back(large.id, hold)
+    transfer, hold = cache.promote(large)  # from host RAM: it stays there, the device keeps its one session
+    assert same(transfer.carry_out(cache.lock), data)
+    assert cache.tiers(small, large) == [{"device", "disk"}, {"host", "disk"}]
+    assert set(cache.placement.host._data) == {large.id} and set(cache.placement.device._data) == {small.id}
+    with cache.lock:
+        cache.holds.give_back(large.id, hold)
+    huge = cache.add("d", (), units=4)  # larger than host RAM's budget too: never
+    with pytest.raises(SessionTooLarge, match="XLSERVE_HOST_STATE_BYTES"):
+        cache.promote(huge)
 
 
 def test_a_commit_books_its_growth_in_the_last_tier_until_it_lands_or_fails(tmp_path):
