@@ -108,6 +108,8 @@ class SpanMemory(State):
 
     keys: list[Tensor]  # n_layer * n_head tensors (B, m, D), index l * n_head + h
     values: list[Tensor]  # the same shapes as keys
+    # a commit slides each head's window by the new positions (State.delta_from)
+    delta_axes = {"keys": 1, "values": 1}
     position: Tensor  # (B,) int64: tokens seen per row (the position of the next one)
 
     @property

@@ -53,6 +53,89 @@ class TransformerConfig(ArchConfig):
     d_inner: int = 768  # width of the position-wise feed-forward layer
 
 
+# -- what a commit changed: the positions a state added, dropped or overwrote ------------------------
+#
+# A session's commit writes only what changed when its model's state grows or slides by appending
+# (issue 36, "commits that cost the new tokens"). The state class names, per field, the axis its
+# positions lie along (`State.delta_axes`); `State.delta_from` then describes each tensor's
+# change as one of
+#     same    unchanged, nothing written
+#     slide   the first `drop` positions dropped, `values` appended (a sliding or growing memory)
+#     slots   the positions `index` overwritten with `values` (a ring buffer)
+#     whole   `values` is the new tensor (a counter, a mask that changed shape, anything else)
+# and every candidate is checked bit for bit against the new tensor before it is chosen, so a
+# delta applied to the old state gives exactly the new one, whatever the model did: a change
+# that is neither slide nor slots (every position rewritten) is written whole, never wrongly.
+
+
+@dataclass
+class TensorChange:
+    """How one state tensor changed between two versions of a session (module comment above)."""
+
+    op: str  # "same", "slide", "slots" or "whole"
+    axis: int = 0
+    drop: int = 0  # slide: how many positions left the front
+    values: Tensor | None = None  # slide: the appended positions; slots: the new slots; whole: the tensor
+    index: Tensor | None = None  # slots: (n,) int64, which positions along `axis` were overwritten
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.index) if t is not None)
+
+
+def _bits(t: Tensor) -> Tensor:
+    """`t` viewed as integers of its element size: equal bits compare equal (-0.0 and 0.0 differ,
+    a NaN equals itself), which is what a stored state must reproduce."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_floating_point():
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def tensor_change(old: Tensor, new: Tensor, axis: int | None, appended: int) -> TensorChange:
+    """The cheapest exact description of `old` -> `new`: positions along `axis` (None: the tensor
+    has no positions, it is same or whole) slid by `appended` new ones, or overwritten in place."""
+    if same_bits(old, new):
+        return TensorChange("same")
+    whole = TensorChange("whole", values=new)
+    if axis is None or old.dtype != new.dtype or old.dim() != new.dim() or \
+            any(o != n for d, (o, n) in enumerate(zip(old.shape, new.shape)) if d != axis):
+        return whole
+    best = whole
+    old_len, new_len = old.shape[axis], new.shape[axis]
+    drop = min(max(old_len + appended - new_len, 0), old_len)  # what `appended` new positions pushed out
+    kept = old_len - drop
+    if kept <= new_len and same_bits(new.narrow(axis, 0, kept), old.narrow(axis, drop, kept)):
+        slide = TensorChange("slide", axis=axis, drop=drop, values=new.narrow(axis, kept, new_len - kept))
+        if slide.nbytes() < best.nbytes():
+            best = slide
+    if old.shape == new.shape:
+        differs = (_bits(old) != _bits(new)).movedim(axis, 0).reshape(old_len, -1).any(dim=1)
+        index = differs.nonzero().flatten()
+        slots = TensorChange("slots", axis=axis, values=new.index_select(axis, index), index=index)
+        if slots.nbytes() < best.nbytes():
+            best = slots
+    return best
+
+
+def apply_change(old: Tensor | None, change: TensorChange) -> Tensor:
+    """`old` with `change` applied (out of place: states are values)."""
+    if change.op == "same":
+        return old
+    if change.op == "whole":
+        return change.values
+    if change.op == "slide":
+        kept = old.shape[change.axis] - change.drop
+        return torch.cat([old.narrow(change.axis, change.drop, kept), change.values.to(old.device)], dim=change.axis)
+    if change.op == "slots":
+        return old.index_copy(change.axis, change.index.to(old.device), change.values.to(old.device))
+    raise ValueError(f"unknown state change {change.op!r}")
+
+
 @dataclass
 class State:
     """Per-session model state: a dataclass whose fields are tensors or lists of tensors.
@@ -60,7 +143,35 @@ class State:
     Every tensor has the batch on dimension 0, so a state can be split into per-session states
     and concatenated back into a batch. Subclasses whose tensors vary in length between sessions
     (a memory that is not full yet) override `concat` to pad.
+
+    `delta_axes` says what kind of state this is for a commit (the comment above `TensorChange`):
+    field name -> the axis its positions lie along, for the fields a new token appends to, slides
+    or overwrites a few positions of; empty (the default) for a state that changes as a whole
+    (running sums, compressed slots), whose every commit is a whole write.
     """
+
+    delta_axes: ClassVar[dict[str, int]] = {}
+
+    @classmethod
+    def commits_deltas(cls) -> bool:
+        return bool(cls.delta_axes)
+
+    def delta_from(self, old: "State", appended: int) -> dict[str, TensorChange] | None:
+        """What changed from `old` to this state, `appended` tokens later, by tensor name
+        (`to_tensors`' names); None for a state that changes as a whole, or when the two do
+        not have the same tensors (nothing to describe a change against)."""
+        if not self.delta_axes:
+            return None
+        mine, theirs = dict(self._named_tensors()), dict(old._named_tensors())
+        if mine.keys() != theirs.keys():
+            return None
+        return {name: tensor_change(theirs[name], new, self.delta_axes.get(name.split(".")[0]), appended)
+                for name, new in mine.items()}
+
+    def apply_delta(self, delta: dict[str, TensorChange]) -> "State":
+        """The state `delta` (from `delta_from`) leads to from this one."""
+        named = dict(self._named_tensors())
+        return type(self).from_tensors({name: apply_change(named.get(name), change) for name, change in delta.items()})
 
     def _named_tensors(self) -> list[tuple[str, Tensor]]:
         named = []

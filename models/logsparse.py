@@ -108,6 +108,9 @@ class LookbackMemory(FixedShapeState):
     values: list[Tensor]
     position: Tensor
 
+    # a commit slides the look-back window by the new positions (State.delta_from)
+    delta_axes = {"keys": 1, "values": 1}
+
     @property
     def slots(self) -> int:
         """S: the positions kept per row."""

@@ -123,6 +123,9 @@ class SlidingWindowMemory(FixedShapeState):
     global_values: list[Tensor]
     position: Tensor
 
+    # a commit overwrites the ring slots (and global slots) of its new positions (State.delta_from)
+    delta_axes = {"ring_keys": 2, "ring_values": 2, "global_keys": 2, "global_values": 2}
+
     @classmethod
     def empty(cls, batch_size: int, capacities: list[int], n_global: int, n_head: int, d_head: int,
               like: Tensor) -> "SlidingWindowMemory":

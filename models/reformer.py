@@ -242,6 +242,10 @@ class LSHMemory(State):
     position: Tensor  # (B,) int64: tokens seen
     hashed: Tensor  # (B,) bool: the reference holds buckets for this history
 
+    # a commit appends its positions to the LSH layers' tensors and slides the local windows
+    # (State.delta_from); the buckets are rewritten whole the one time the history is first hashed
+    delta_axes = {"lsh_keys": 1, "lsh_values": 1, "buckets": 1, "local_keys": 1, "local_values": 1}
+
     @classmethod
     def empty(cls, batch_size: int, n_lsh: int, n_local: int, n_head: int, d_head: int, n_hashes: int,
               window: int, like: Tensor) -> "LSHMemory":

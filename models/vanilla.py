@@ -89,6 +89,9 @@ class ByteWindow(State):
     keys: list[Tensor]
     values: list[Tensor]
 
+    # a commit slides the byte window (and grows its cache) by the new positions (State.delta_from)
+    delta_axes = {"tokens": 1, "valid": 1, "keys": 1, "values": 1}
+
     @property
     def length(self) -> int:
         return self.tokens.shape[1]

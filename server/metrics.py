@@ -165,6 +165,15 @@ class Metrics:
             "xlserve_state_bytes_per_session", "State bytes of a session at commit", ["model"],
             buckets=BYTES_BUCKETS, registry=r,
         )
+        # the last tier's writes (server/cache/durable.py): a commit appends a delta block, or
+        # writes the session whole (a model whose state changes as a whole, an import), or
+        # compacts its log into a whole copy; a fork on disk copies a log and links a base
+        self.session_commit_bytes = Counter(
+            "xlserve_session_commit_bytes", "Bytes written to the durable tier, by kind of write (delta, whole, "
+            "compaction, fork)", ["model", "kind"], registry=r)
+        self.session_commit_writes = Counter(
+            "xlserve_session_commit_writes", "Writes to the durable tier, by kind (delta, whole, compaction, fork)",
+            ["model", "kind"], registry=r)
         # session cache (server/cache): hits/misses count where an acquired session was found
         # (a hit on that tier, a miss on every faster one); evictions count moves down, by tier left
         self.session_cache_hits = Counter("xlserve_session_cache_hits", "Sessions found in a tier", ["model", "tier"], registry=r)

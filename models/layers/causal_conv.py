@@ -72,6 +72,9 @@ class ConvWindowMemory(FixedShapeState):
     values: list[Tensor]
     position: Tensor
 
+    # a commit slides the convolution inputs and overwrites its positions' ring slots (State.delta_from)
+    delta_axes = {"conv_inputs": 1, "keys": 2, "values": 2}
+
     @classmethod
     def empty(cls, batch_size: int, kernel_sizes: list[int], conv_channels: int, capacity: int, n_head: int,
               d_head: int, like: Tensor) -> "ConvWindowMemory":

@@ -31,6 +31,9 @@ class XLMemory(State):
     values: list[Tensor]
     valid: Tensor
 
+    # a commit drops the oldest positions and appends the new ones (State.delta_from)
+    delta_axes = {"keys": 1, "values": 1, "valid": 1}
+
     @property
     def length(self) -> int:
         return self.valid.shape[1]

@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from xlserve.models.interface import State
+from xlserve.models.interface import State, TensorChange, apply_change
 from xlserve.server.cache.errors import CorruptState
 
 FORMAT = "xlserve-session"
@@ -247,3 +247,91 @@ def session_data(state_class: type[State], meta: dict[str, str], state_tensors: 
     if tokens < 0:
         raise ValueError("metadata 'tokens' is negative")
     return SessionData(state=state_class.from_tensors(state_tensors), tokens=tokens, next_log_probs=next_log_probs)
+
+
+# -- a commit's delta: what changed since the version before (issue 36, "commits that cost the new
+# tokens"). The same safetensors encoding with a checksum, as a block of a session's append-only
+# log on disk (stores.py `DiskStore.append`) or in Redis (`RedisStore.append`). Tensors:
+# "values/<name>" and "index/<name>" of each changed state tensor (models/interface.py
+# `TensorChange`), "next_log_probs" when the session has one; metadata: the session's metadata at
+# the new version (as `encode` writes it), plus "delta" = JSON {name: [op, axis, drop]} for every
+# tensor that changed, and "next_log_probs" = "set", "none" or "same". A blob with a "delta"
+# key is never a session (`decode` refuses its tensors), so an import of one is refused.
+
+DELTA_VALUES, DELTA_INDEX = "values/", "index/"
+
+
+def encode_delta(changes: dict, state_meta: dict[str, str], next_log_probs: torch.Tensor | None | str,
+                 metadata: dict[str, str]) -> bytes:
+    """A delta block: `changes` (name -> TensorChange, from `State.delta_from`; empty: only the
+    metadata changed), `state_meta` (tokens, nbytes, state_class, state_dtype of the new version:
+    `state_metadata`), `next_log_probs` (a tensor, None, or "same": unchanged) and the session's
+    `metadata` at the new version."""
+    tensors, ops = {}, {}
+    for name, change in changes.items():
+        if change.op == "same":
+            continue
+        ops[name] = [change.op, change.axis, change.drop]
+        tensors[DELTA_VALUES + name] = change.values.detach().contiguous().cpu().clone()
+        if change.index is not None:
+            tensors[DELTA_INDEX + name] = change.index.detach().contiguous().cpu().to(torch.int64)
+    if isinstance(next_log_probs, torch.Tensor):
+        tensors["next_log_probs"] = next_log_probs.detach().contiguous().cpu().clone()
+        logits = "set"
+    else:
+        logits = "none" if next_log_probs is None else "same"
+    meta = {k: str(v) for k, v in metadata.items()} | state_meta
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, delta=json.dumps(ops, sort_keys=True),
+                next_log_probs=logits)
+    meta.pop("checksum", None)
+    meta["checksum"] = checksum(meta, tensors)
+    return save_safetensors(tensors, metadata=meta)
+
+
+def state_metadata(data: SessionData) -> dict[str, str]:
+    """The metadata `encode` derives from the data itself."""
+    return {"tokens": str(data.tokens), "nbytes": str(data.nbytes()), "state_class": type(data.state).__name__,
+            "state_dtype": state_dtype_of(data.state)}
+
+
+def decode_delta(blob: bytes) -> tuple[dict[str, str], dict, str, torch.Tensor | None]:
+    """A delta block -> (metadata, changes by tensor name, next_log_probs mode, next_log_probs).
+    CorruptState when unreadable, not a delta, or its checksum does not match."""
+    meta = metadata_of(blob)
+    if "delta" not in meta:
+        raise CorruptState("a log block that is not a delta")
+    try:
+        tensors = load_safetensors(blob)
+    except Exception as error:  # safetensors raises its own error types
+        raise CorruptState(f"unreadable delta block: {error}") from None
+    if checksum(meta, tensors) != meta.get("checksum"):
+        raise CorruptState("checksum mismatch in a delta block")
+    try:
+        ops = json.loads(meta["delta"])
+        changes = {name: TensorChange(op, axis=int(axis), drop=int(drop), values=tensors[DELTA_VALUES + name],
+                                      index=tensors.get(DELTA_INDEX + name))
+                   for name, (op, axis, drop) in ops.items()}
+    except (ValueError, KeyError, TypeError) as error:
+        raise CorruptState(f"a delta block's description is unreadable: {error}") from None
+    return meta, changes, meta.get("next_log_probs", "same"), tensors.get("next_log_probs")
+
+
+def materialise(base: bytes, deltas: list[bytes]) -> tuple[dict[str, str], dict[str, torch.Tensor], torch.Tensor | None]:
+    """A base blob and the delta blocks after it, in order -> what `decode` gives for the session
+    at the last block's version. CorruptState when any part is unreadable or does not apply."""
+    meta, tensors, next_log_probs = decode(base)
+    for blob in deltas:
+        meta, changes, logits, logits_tensor = decode_delta(blob)
+        try:
+            for name, change in changes.items():
+                if change.op != "whole" and name not in tensors:
+                    raise CorruptState(f"a delta block changes state tensor {name!r}, which the session lacks")
+                tensors[name] = apply_change(tensors.get(name), change)
+        except (RuntimeError, IndexError) as error:
+            raise CorruptState(f"a delta block does not apply to the state before it: {error}") from None
+        if logits == "set":
+            next_log_probs = logits_tensor
+        elif logits == "none":
+            next_log_probs = None
+    meta = {k: v for k, v in meta.items() if k not in ("delta", "next_log_probs")}
+    return meta, tensors, next_log_probs

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
-from xlserve.server.cache.codec import CorruptState, SessionData, decode, floating_dtypes, session_data
+from xlserve.server.cache.codec import CorruptState, SessionData, floating_dtypes, materialise, session_data
 from xlserve.server.cache.errors import (
     CacheFull,
     CommitOutcomeUnknown,
@@ -60,14 +61,22 @@ def store_call(fn):
 
 
 class DurableStore:
-    def __init__(self, disk: DiskStore, redis: RedisStore | None, models: dict[str, object], settle_s: float):
+    def __init__(self, disk: DiskStore, redis: RedisStore | None, models: dict[str, object], settle_s: float,
+                 compact_ratio: float = 1.0, metrics=None):
         """`models`: name -> LanguageModel (architecture, state_class, init_state, check_session), shared with
-        the cache; `settle_s`: how long a Redis write without an answer is settled."""
+        the cache; `settle_s`: how long a Redis write without an answer is settled; `compact_ratio`:
+        a session's log of delta blocks is compacted into a new base once it would hold more than
+        this times the base's bytes (XLSERVE_COMPACT_RATIO)."""
         self.disk = disk
         self.redis = redis
         self.models = models
         self.settle_s = settle_s
+        self.compact_ratio = compact_ratio
+        self.metrics = metrics
         self.tier = "disk" if redis is None else "redis"
+        # (writes, bytes) to the last tier by kind ("delta", "whole", "compaction", "fork"): what
+        # a benchmark reads as the cost of a commit (also xlserve_session_commit_bytes_total{kind})
+        self.written: dict[str, list[int]] = {}
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -114,11 +123,12 @@ class DurableStore:
             created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
             in_use=in_use)
 
-    def decode(self, record: Record, tier: str, blob: bytes) -> SessionData:
-        """A stored blob back into the session's state, checked against the record and its model."""
+    def decode(self, record: Record, tier: str, blob: bytes, deltas: list[bytes] = ()) -> SessionData:
+        """A stored blob (and the delta blocks of its log after it) back into the session's state,
+        checked against the record and its model."""
         spec = self.spec(record)
         try:
-            meta, tensors, next_log_probs = decode(blob)
+            meta, tensors, next_log_probs = materialise(blob, list(deltas))
             if meta.get("session_id") != record.id or int(meta.get("version", -1)) != record.version:
                 raise CorruptState(f"{tier} holds session {meta.get('session_id')} version {meta.get('version')}, "
                                    f"expected version {record.version}")
@@ -160,12 +170,21 @@ class DurableStore:
     def fetch(self, record: Record) -> SessionData:
         """The committed state from Redis, checked: SessionNotFound when Redis no longer has it,
         SessionConflict when another replica committed since `record` was read."""
-        got = store_call(lambda: self.redis.get(record.id))
+        got = store_call(lambda: self.redis.get_chain(record.id))
         if got is None:
             raise SessionNotFound(record.id)
         if got[0] != record.version:  # another replica committed a moment ago
             raise SessionConflict(record.id)
-        return self.decode(record, "redis", got[2])
+        return self.decode(record, "redis", got[2], got[3])
+
+    def read_disk(self, record: Record) -> SessionData:
+        """The session's disk copy (its base file and log), checked."""
+        try:
+            base, deltas = self.disk.read_chain(record.id)
+        except CorruptState as error:
+            log.error("session %s: disk copy is unusable: %s", record.id, error)
+            raise SessionUnavailable(f"session '{record.id}': the stored state is unusable ({error})", record.id) from None
+        return self.decode(record, "disk", base, deltas)
 
     def tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
         """(owner, remembered keys) of a session deleted with an Idempotency-Key, or None."""
@@ -177,29 +196,85 @@ class DurableStore:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def write(self, record: Record, blob: bytes, expected: int | None, entry: dict | None = None) -> None:
-        """Write `record`'s state (`blob`, encoded with `metadata(record)`) to the last tier: the
-        disk file (its metadata carries `record.remembered`), or Redis, compare-and-set on
-        `expected` (None: a new session), with `entry` added to the remembered Idempotency-Keys.
-        Durable when this returns. A Redis write that gets no answer is settled (`_settle`)."""
+    def write(self, record: Record, blob: bytes | Callable[[], bytes], expected: int | None,
+              entry: dict | None = None, delta: bytes | None = None) -> str:
+        """Write `record`'s state (`blob`, encoded with `metadata(record)`, or a function that
+        encodes it, called only when a whole write is needed) to the last tier: the disk file (its
+        metadata carries `record.remembered`), or Redis, compare-and-set on `expected` (None: a new
+        session), with `entry` added to the remembered Idempotency-Keys. With `delta` (a block of
+        codec.py `encode_delta` from the version `expected` to this one) only the block is
+        appended to the session's log, unless the log would outgrow `compact_ratio` times its
+        base: then the session is written whole, which compacts it. Durable when this returns. A
+        Redis write that gets no answer is settled (`_settle`). Returns the kind of write made:
+        "delta", "whole" or "compaction"."""
+        whole = blob if callable(blob) else (lambda: blob)
         if self.redis is None:
-            store_call(lambda: self.disk.write(record.id, blob))
-            return
+            if delta is not None:
+                written = store_call(lambda: self.disk.append(record.id, delta, self.compact_ratio))
+                if written is not None:
+                    return self._count(record, "delta", written)
+            encoded = whole()
+            store_call(lambda: self.disk.write(record.id, encoded))
+            return self._count(record, "whole" if delta is None else "compaction", len(encoded))
         meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
                 "created_at": record.created_at, "last_used_at": record.last_used_at}
-        write_id = secrets.token_hex(8)
-        try:
-            written = self.redis.put(record.id, expected, record.version, meta, blob, write_id, entry,
-                                     IDEMPOTENCY_KEYS_PER_SESSION)
-        except StoreFull as error:  # refused before anything was written
-            raise CacheFull(f"session storage is full: {error}") from None
-        except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
-            written = self._settle(record, write_id, error)
+        kind = "whole"
+        written = None
+        if delta is not None and expected is not None:
+            write_id = secrets.token_hex(8)
+            try:
+                written = self.redis.append(record.id, expected, record.version, meta, delta, self.compact_ratio,
+                                            write_id, entry, IDEMPOTENCY_KEYS_PER_SESSION)
+            except StoreFull as error:  # refused before anything was written
+                raise CacheFull(f"session storage is full: {error}") from None
+            except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
+                written = self._settle(record, write_id, error)
+            kind = "delta"
+            if written == 2:  # the log would outgrow its base: written whole instead, nothing appended
+                written, kind = None, "compaction"
+        if written is None:
+            encoded = whole()
+            write_id = secrets.token_hex(8)
+            try:
+                written = self.redis.put(record.id, expected, record.version, meta, encoded, write_id, entry,
+                                         IDEMPOTENCY_KEYS_PER_SESSION)
+            except StoreFull as error:  # refused before anything was written
+                raise CacheFull(f"session storage is full: {error}") from None
+            except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
+                written = self._settle(record, write_id, error)
+            nbytes = len(encoded)
+        else:
+            nbytes = len(delta)
         if written == -1:  # cannot happen before a settle; as settled, it was not written
             raise SessionUnavailable(f"session '{record.id}': the write was refused as settled; nothing was "
                                      "written", record.id)
         if written != 1:
             raise SessionConflict(record.id)
+        return self._count(record, kind, nbytes)
+
+    def _count(self, record: Record, kind: str, nbytes: int) -> str:
+        counts = self.written.setdefault(kind, [0, 0])
+        counts[0] += 1
+        counts[1] += nbytes
+        if self.metrics is not None:
+            self.metrics.session_commit_bytes.labels(record.model, kind).inc(nbytes)
+            self.metrics.session_commit_writes.labels(record.model, kind).inc()
+        return kind
+
+    def fork(self, source_id: str, record: Record, blob: Callable[[], bytes], meta_block: bytes) -> str:
+        """Write the new session `record`, a fork of `source` (which the caller holds), to the last
+        tier. On disk it shares the source's base file (a hard link) and copies the source's log,
+        then `meta_block` (a delta block that changes only the metadata); with Redis, or when the
+        disk cannot link, it is written whole (`blob()`): a Redis hash is one key, in one
+        cluster slot, and another key's value cannot be shared."""
+        if self.redis is None:
+            try:
+                nbytes = self.disk.fork(source_id, record.id, meta_block)
+            except StoreUnavailable as error:
+                log.warning("session %s: fork of %s written whole (%s)", record.id, source_id, error)
+            else:
+                return self._count(record, "fork", nbytes)
+        return self.write(record, blob, expected=None)
 
     def _settle(self, record: Record, write_id: str, error: StoreUnavailable) -> int:
         """After a Redis write failed without an answer: ask Redis, for up to `settle_s`, whether

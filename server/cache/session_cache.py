@@ -71,7 +71,7 @@ from contextlib import contextmanager
 
 import torch
 
-from xlserve.server.cache.codec import STATE_DTYPES, SessionData, encode
+from xlserve.server.cache.codec import STATE_DTYPES, SessionData, encode, encode_delta, state_metadata
 from xlserve.server.cache.durable import DurableStore
 from xlserve.server.cache.errors import (
     CommitOutcomeUnknown,
@@ -107,7 +107,8 @@ def new_session_id() -> str:
 class SessionCache:
     def __init__(self, state_dir, device_bytes: int | None, host_bytes: int | None, disk_bytes: int | None,
                  redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0,
-                 hold_wait_s: float | None = None, state_dtype: torch.dtype = torch.float32):
+                 hold_wait_s: float | None = None, state_dtype: torch.dtype = torch.float32,
+                 compact_ratio: float = 1.0):
         """`store_timeout_s` bounds each Redis call; `settle_s` is how long a commit whose write
         timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown;
         `hold_wait_s` is how long a request waits for a session the cache holds (its bytes moving
@@ -115,7 +116,8 @@ class SessionCache:
         with SessionUnavailable (503): by default longer than such a write can take when Redis
         answers within its timeouts, and bounded, so that a hold leaked by a bug is an error, not
         a request that never returns. `state_dtype` is the dtype every floating state tensor is
-        kept in (module docstring)."""
+        kept in (module docstring). `compact_ratio`: a session's log of delta commits is
+        compacted into a new base once it would outgrow this times the base (durable.py)."""
         self.state_dtype = state_dtype
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         self.redis = RedisStore(redis_url, timeout_s=store_timeout_s) if redis_url else None
@@ -124,7 +126,7 @@ class SessionCache:
         self.manager = CacheManager(budgets)
         self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, init_state, check_session)
         self.disk = DiskStore(state_dir)
-        self.durable = DurableStore(self.disk, self.redis, self.models, settle_s)
+        self.durable = DurableStore(self.disk, self.redis, self.models, settle_s, compact_ratio, metrics)
         self.hold_wait_s = hold_wait_s if hold_wait_s is not None else max(30.0, settle_s + 3 * store_timeout_s)
         self._lock = threading.RLock()
         self.holds = Holds(self.manager, self._lock)
@@ -145,7 +147,8 @@ class SessionCache:
         return cls(settings.state_dir, settings.device_state_bytes, settings.host_state_bytes,
                    settings.disk_state_bytes, settings.redis_url, metrics,
                    store_timeout_s=settings.store_timeout_seconds, settle_s=settings.commit_settle_seconds,
-                   state_dtype=STATE_DTYPES[settings.state_dtype])
+                   state_dtype=STATE_DTYPES[settings.state_dtype],
+                   compact_ratio=getattr(settings, "compact_ratio", 1.0))
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -284,14 +287,19 @@ class SessionCache:
                     self.holds.give_back(session_id, lease_id)
             raise
 
-    def commit(self, lease: Lease, data: SessionData, remember: dict | None = None) -> SessionInfo:
+    def commit(self, lease: Lease, data: SessionData, remember: dict | None = None, whole: bool = False) -> SessionInfo:
         """Make `data` the session's state: durable when this returns, version + 1, lease ended.
         `remember` ({key, fingerprint, result}) is an Idempotency-Key to remember with it, in the
         same write (`result` None: the commit's own info). On CacheFull, SessionTooLarge or
         SessionConflict nothing changed and the lease is still held (release it); on
         CommitOutcomeUnknown the change may land or not, the lease is still held. A release that
-        comes while the commit runs (from another thread) takes effect when it ends."""
+        comes while the commit runs (from another thread) takes effect when it ends.
+
+        A model whose state grows or slides by appending has only what changed since the lease's
+        version written (a delta block, durable.py), unless `whole` (an import) or the change is
+        no delta (`_changes`)."""
         data = self.placement.on_device(lease.info.model, data.cast_state(self.state_dtype).compact())
+        changes = None if whole or lease.data is None else self._changes(lease.data, data)
         with self._lock:
             record = self._leased(lease)
             booked = self.placement.reserve(record, data.nbytes())
@@ -309,7 +317,8 @@ class SessionCache:
             meta = self.durable.metadata(committed)
             lease.committing = True  # from here a release leaves the hold to this commit (`release`)
         try:  # the lease's hold keeps every other request of this replica off the session meanwhile
-            self.durable.write(committed, encode(data, meta), expected=lease.version, entry=entry)
+            delta = None if changes is None else encode_delta(changes, state_metadata(data), data.next_log_probs, meta)
+            self.durable.write(committed, lambda: encode(data, meta), expected=lease.version, entry=entry, delta=delta)
         except (SessionConflict, CommitOutcomeUnknown):
             transfer = Transfer(self.placement)
             try:
@@ -402,7 +411,7 @@ class SessionCache:
         if lease.replay is not None:
             return Replay(lease.replay)
         try:
-            info = self._admit_new(lease.info.model, owner, lease.data.clone())
+            info = self._admit_new(lease.info.model, owner, lease.data.clone(), source_id=session_id)
             if idempotency is not None:
                 self._remember(lease, new_entry(idempotency, dataclasses.asdict(info), lease.version, lease.info.tokens))
             return info
@@ -429,7 +438,8 @@ class SessionCache:
         if lease.replay is not None:
             return Replay(lease.replay)
         try:
-            return self.commit(lease, data, None if idempotency is None else {**idempotency, "result": None})
+            return self.commit(lease, data, None if idempotency is None else {**idempotency, "result": None},
+                               whole=True)
         finally:
             self.release(lease)
 
@@ -453,18 +463,24 @@ class SessionCache:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _admit_new(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
-        """Write a new session to the last tier, then put it on the device (create, fork, import)."""
+    def _admit_new(self, model: str, owner: str | None, data: SessionData, source_id: str | None = None) -> SessionInfo:
+        """Write a new session to the last tier, then put it on the device (create, fork, import).
+        A fork (`source_id`, held by the caller) shares its source's stored base where the last
+        tier can (durable.py `fork`)."""
         data = self.placement.on_device(model, data.cast_state(self.state_dtype).compact())
         now = time.time()
         record = Record(id=new_session_id(), model=model, owner=owner, nbytes=data.nbytes(), tokens=data.tokens,
                         version=0, created_at=now, last_used_at=now)
-        blob = encode(data, self.durable.metadata(record))
+        meta = self.durable.metadata(record)
         with self._lock:
             self.placement.admit(record)  # its bytes booked in the last tier
             hold = self.holds.take(record.id, NEW)
-        try:
-            self.durable.write(record, blob, expected=None)  # outside the lock
+        try:  # outside the lock
+            if source_id is None:
+                self.durable.write(record, lambda: encode(data, meta), expected=None)
+            else:
+                self.durable.fork(source_id, record, lambda: encode(data, meta),
+                                  encode_delta({}, state_metadata(data), "same", meta))
         except BaseException:
             with self._lock:
                 self.holds.give_back(record.id, hold)

@@ -8,6 +8,14 @@
   files are removed when the directory is opened. A session deleted with an Idempotency-Key
   leaves `<id>.deleted` (JSON: owner, remembered keys), removed when the directory is opened a
   day later.
+  As the durable tier, a session whose model's state grows or slides by appending also has
+  `<id>.log`: its commits since the base file, as delta blocks (codec.py `encode_delta`) appended
+  and fsynced, each framed with the length, the base file's id (a hash of its checksum), its place
+  in the chain after that base and a SHA-256 over the frame (`append`, `read_chain`). A block
+  torn by a crash (never acknowledged) is cut off when the directory is opened; a block of
+  another base (left by a crash between a compaction's rename and the log's removal) is ignored.
+  A whole write (a compaction) renames the new base in, then removes the log. A fork's base is
+  a hard link to its source's (`fork`), with a copy of the source's log blocks.
 - `RedisStore(url)`: one hash per session, `xlserve:session:<id>` = {version, meta (JSON),
   blob (the same safetensors bytes), idempotency (the remembered Idempotency-Keys), writes (the
   ids of the latest writes)}. Writes are compare-and-set on `version` in a Lua script, so a
@@ -42,11 +50,13 @@ the keys) that expires after a day, so that its retry can be answered.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
 import re
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,13 +65,32 @@ from typing import NamedTuple
 
 import torch
 
-from xlserve.server.cache.codec import CorruptState, SessionData, metadata_of, parse_header
+from xlserve.server.cache.codec import MAX_HEADER_BYTES, CorruptState, SessionData, metadata_of, parse_header
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
 log = logging.getLogger("xlserve.cache")
 
 SESSION_ID = re.compile(r"^sess_[0-9a-f]{32}$")  # also what makes an id safe as a file name
+
+
+# Tests of kill -9 (tests/server/test_cache_deltas.py) stop a process at a chosen point of a log
+# write or a compaction: XLSERVE_TEST_CRASH_AT names the point, and the process kills itself
+# there (SIGKILL, as `kill -9` would), after writing part of the frame at "log-write-torn".
+_CRASH_AT = os.environ.get("XLSERVE_TEST_CRASH_AT", "")
+
+
+def _crash_point(point: str, frame: bytes = b"", f=None) -> None:
+    if not _CRASH_AT or not _CRASH_AT.startswith(point):
+        return
+    if _CRASH_AT == point + "-torn" and f is not None:
+        f.write(frame[: len(frame) // 2])
+        f.flush()
+    elif _CRASH_AT != point:
+        return
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class StoreUnavailable(RuntimeError):
@@ -95,11 +124,24 @@ class DiskStore:
     SUFFIX = ".safetensors"
     TOMBSTONE_SUFFIX = ".deleted"
 
+    LOG_SUFFIX = ".log"
+    # a log block's frame: magic, the delta blob's length, the base's id, the block's place after
+    # that base (from 1); then the blob, then a SHA-256 over all of it
+    FRAME = struct.Struct("<4sQ32sQ")
+    BLOCK_MAGIC = b"xlsD"
+    DIGEST_BYTES = 32
+
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         for stray in self.directory.glob(".*.tmp"):  # a write that a crash interrupted
             stray.unlink(missing_ok=True)
+        for log in self.directory.glob("sess_*" + self.LOG_SUFFIX):  # a fork that a crash interrupted
+            if not log.with_suffix(self.SUFFIX).exists():
+                log.unlink(missing_ok=True)
+        # bytes written to the disk since this store was made, by kind ("whole", "delta", "fork"):
+        # what a benchmark reads as the cost of a commit
+        self.bytes_written: dict[str, int] = {}
 
     def path(self, session_id: str) -> Path:
         if not SESSION_ID.match(session_id):
@@ -107,7 +149,16 @@ class DiskStore:
         return self.directory / (session_id + self.SUFFIX)
 
     def write(self, session_id: str, blob: bytes) -> None:
+        """A whole write: the blob becomes the session's base, and its log (the deltas on the old
+        base, which no longer apply) goes. A crash between the two leaves a log whose blocks name
+        the old base: they are ignored."""
         self._write_file(self.path(session_id), session_id, blob)
+        self._count("whole", len(blob))
+        _crash_point("compaction-renamed")
+        self.log_path(session_id).unlink(missing_ok=True)
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.bytes_written[kind] = self.bytes_written.get(kind, 0) + nbytes
 
     def _write_file(self, final: Path, session_id: str, blob: bytes) -> None:
         temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
@@ -116,6 +167,7 @@ class DiskStore:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
+            _crash_point("compaction-temp")
             os.replace(temporary, final)
             self._sync_directory()
         except OSError as error:
@@ -128,6 +180,188 @@ class DiskStore:
 
     def delete(self, session_id: str) -> None:
         self.path(session_id).unlink(missing_ok=True)
+        self.log_path(session_id).unlink(missing_ok=True)
+
+    # -- the log of delta blocks ----------------------------------------------------------------
+
+    def log_path(self, session_id: str) -> Path:
+        return self.path(session_id).with_suffix(self.LOG_SUFFIX)
+
+    @staticmethod
+    def _base_id(meta: dict[str, str]) -> bytes:
+        return hashlib.sha256(meta.get("checksum", "").encode()).digest()
+
+    def _read_head(self, path: Path) -> dict[str, str]:
+        """A safetensors file's metadata, from its header only."""
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+            head += f.read(min(length, 64 << 20))
+        return metadata_of(head)
+
+    def _frames(self, f, size: int) -> tuple[list[tuple[int, int, bytes, int]], int]:
+        """(offset, blob length, base id, place) of each whole frame of an open log, from the
+        frames' headers only, and where the last whole frame ends (short of `size`: a torn tail)."""
+        frames, offset = [], 0
+        while offset + self.FRAME.size <= size:
+            f.seek(offset)
+            magic, length, base, place = self.FRAME.unpack(f.read(self.FRAME.size))
+            end = offset + self.FRAME.size + length + self.DIGEST_BYTES
+            if magic != self.BLOCK_MAGIC or end > size:
+                break
+            frames.append((offset, length, base, place))
+            offset = end
+        return frames, offset
+
+    def _frame(self, base: bytes, place: int, blob: bytes) -> bytes:
+        frame = self.FRAME.pack(self.BLOCK_MAGIC, len(blob), base, place) + blob
+        return frame + hashlib.sha256(frame).digest()
+
+    @staticmethod
+    def _chain(frames: list, base: bytes) -> list:
+        """The frames that follow `base`, in order; CorruptState when their places skip."""
+        chain = [frame for frame in frames if frame[2] == base]
+        for expected, frame in enumerate(chain, start=1):
+            if frame[3] != expected:
+                raise CorruptState(f"log block {frame[3]} where block {expected} was expected")
+        return chain
+
+    def append(self, session_id: str, blob: bytes, ratio: float) -> int | None:
+        """Append a delta block after the session's base and log, fsynced before this returns;
+        the bytes written. None, writing nothing, when there is no base to append to or when the
+        log would outgrow `ratio` times the base: the caller writes the session whole instead (a
+        compaction). A torn tail (a crash in an earlier append, never acknowledged) is cut off
+        first. The caller holds the session: nothing else writes its files meanwhile."""
+        base_path, log_path = self.path(session_id), self.log_path(session_id)
+        try:
+            base = self._base_id(self._read_head(base_path))
+            base_size = base_path.stat().st_size
+        except (OSError, CorruptState):
+            return None
+        created = not log_path.exists()
+        size = None
+        try:
+            with open(log_path, "ab+") as f:
+                size = f.seek(0, os.SEEK_END)
+                frames, end = self._frames(f, size)
+                if end < size:
+                    log.warning("session %s: a torn log block (%d bytes) is cut off", session_id, size - end)
+                    f.truncate(end)
+                    size = end
+                chain = self._chain(frames, base)
+                frame = self._frame(base, len(chain) + 1, blob)
+                if size + len(frame) > ratio * base_size:
+                    return None
+                _crash_point("log-write", frame, f)
+                f.write(frame)
+                f.flush()
+                os.fsync(f.fileno())
+                _crash_point("log-synced")
+            if created:
+                self._sync_directory()
+        except OSError as error:
+            if size is not None:
+                try:
+                    os.truncate(log_path, size)  # no half block stays behind a failed append
+                except OSError:
+                    pass
+            kind = StoreFull if error.errno in (errno.ENOSPC, errno.EDQUOT) else StoreUnavailable
+            raise kind(f"cannot append to the session log {log_path}: {error}") from error
+        self._count("delta", len(frame))
+        return len(frame)
+
+    def _read_log(self, session_id: str, base: bytes) -> tuple[list[bytes], list[bytes]]:
+        """(the delta blobs that follow `base`, in order; every verified frame's raw bytes that
+        follow it). A last frame that is torn or fails its checksum was never acknowledged and is
+        left out; one that fails with frames after it is CorruptState."""
+        try:
+            data = self.log_path(session_id).read_bytes()
+        except FileNotFoundError:
+            return [], []
+        frames, offset = [], 0
+        while offset + self.FRAME.size <= len(data):
+            magic, length, frame_base, place = self.FRAME.unpack_from(data, offset)
+            end = offset + self.FRAME.size + length + self.DIGEST_BYTES
+            if magic != self.BLOCK_MAGIC or end > len(data):
+                break
+            if hashlib.sha256(data[offset : end - self.DIGEST_BYTES]).digest() != data[end - self.DIGEST_BYTES : end]:
+                if end < len(data):
+                    raise CorruptState(f"log block at byte {offset} fails its checksum")
+                break
+            frames.append((offset, length, frame_base, place, end))
+            offset = end
+        chain = self._chain(frames, base)
+        blobs = [data[o + self.FRAME.size : o + self.FRAME.size + n] for o, n, _, _, _ in chain]
+        raw = [data[o:e] for o, _, _, _, e in chain]
+        return blobs, raw
+
+    def read_chain(self, session_id: str) -> tuple[bytes, list[bytes]]:
+        """The session's base blob and the delta blobs that follow it (codec.py `materialise`)."""
+        base = self.read(session_id)
+        try:
+            base_id = self._base_id(metadata_of(base))
+        except CorruptState:
+            return base, []  # decoding the base says what is wrong with it
+        return base, self._read_log(session_id, base_id)[0]
+
+    def fork(self, source_id: str, session_id: str, blob: bytes) -> int:
+        """A new session `session_id` from `source_id`'s base and log: its base a hard link to the
+        source's (a later whole write of either renames a new file over its own name and leaves
+        the other's alone), its log a copy of the source's blocks and then `blob`, the delta block
+        that gives it its own metadata. Bytes written. The log is in place before the base, so a
+        crash in between leaves a log without a base, removed when the directory is opened."""
+        base_path, log_path = self.path(source_id), self.log_path(session_id)
+        temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
+        try:
+            base = self._base_id(self._read_head(base_path))
+            raw = self._read_log(source_id, base)[1]
+            body = b"".join(raw) + self._frame(base, len(raw) + 1, blob)
+            with open(temporary, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, log_path)
+            os.link(base_path, self.path(session_id))
+            self._sync_directory()
+        except (OSError, CorruptState) as error:
+            temporary.unlink(missing_ok=True)
+            log_path.unlink(missing_ok=True)
+            kind = StoreFull if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else StoreUnavailable
+            raise kind(f"cannot fork session {source_id} on disk: {error}") from error
+        self._count("fork", len(body))
+        return len(body)
+
+    def _scan_log(self, session_id: str, meta: dict[str, str]) -> dict[str, str]:
+        """On open: cut off a torn or unverifiable last block, and return the metadata of the
+        session's last block (its base's when it has none)."""
+        path = self.log_path(session_id)
+        if not path.exists():
+            return meta
+        base = self._base_id(meta)
+        with open(path, "rb+") as f:
+            while True:
+                size = f.seek(0, os.SEEK_END)
+                frames, end = self._frames(f, size)
+                if frames and end == size:  # the last whole frame: a crash may have left it unwritten
+                    offset, length, _, _ = frames[-1]
+                    f.seek(offset)
+                    body = f.read(self.FRAME.size + length)
+                    if hashlib.sha256(body).digest() != f.read(self.DIGEST_BYTES):
+                        end = offset
+                if end == size:
+                    break
+                log.warning("session %s: a torn log block (%d bytes) is cut off", session_id, size - end)
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+            chain = self._chain(frames, base)
+            if not chain:
+                return meta
+            offset, length, _, _ = chain[-1]
+            f.seek(offset + self.FRAME.size)
+            head = f.read(min(length, 8 + MAX_HEADER_BYTES))
+        block_meta = metadata_of(head)
+        return {k: v for k, v in block_meta.items() if k not in ("delta", "next_log_probs")}
 
     def exists(self, session_id: str) -> bool:
         return self.path(session_id).is_file()
@@ -178,7 +412,7 @@ class DiskStore:
                     length = int.from_bytes(head, "little") if len(head) == 8 else 0
                     head += f.read(min(length, 64 << 20))
                 parse_header(head)
-                meta = metadata_of(head)
+                meta = self._scan_log(session_id, metadata_of(head))
                 if meta.get("session_id") != session_id:
                     raise CorruptState(f"file holds session {meta.get('session_id')!r}")
             except (OSError, CorruptState) as error:
@@ -220,6 +454,32 @@ if ARGV[6] ~= '' then
   fields[#fields + 1] = 'idempotency'
   fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]))
 end
+local blocks = tonumber(redis.call('HGET', KEYS[1], 'logn') or '0')
+for i = 1, blocks do redis.call('HDEL', KEYS[1], 'log:' .. i) end
+if blocks > 0 then redis.call('HDEL', KEYS[1], 'logn', 'logbytes') end
+redis.call('HSET', KEYS[1], unpack(fields))
+return 1
+"""
+
+# A delta commit: the block appended to the session's log (`log:<n>`, `logn` blocks, `logbytes`
+# in all), version, meta, writes and remembered keys as the CAS script sets them, in one atomic
+# step. KEYS and ARGV[1..8] as the CAS script's (ARGV[4] the block; the expected version is never
+# ''), ARGV[9]: the ratio of log bytes to the base's past which the log is compacted instead.
+# Returns 1, 0 and -1 as the CAS script; 2 when the block would outgrow the base (nothing written:
+# the caller writes the session whole, with the CAS script, which clears the log).
+_APPEND_SCRIPT = _PREPEND + """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+if redis.call('HGET', KEYS[1], 'version') ~= ARGV[1] then return 0 end
+local logbytes = tonumber(redis.call('HGET', KEYS[1], 'logbytes') or '0') + string.len(ARGV[4])
+if logbytes > tonumber(ARGV[9]) * redis.call('HSTRLEN', KEYS[1], 'blob') then return 2 end
+local blocks = tonumber(redis.call('HGET', KEYS[1], 'logn') or '0') + 1
+local fields = {'version', ARGV[2], 'meta', ARGV[3], 'log:' .. blocks, ARGV[4], 'logn', tostring(blocks),
+                'logbytes', tostring(logbytes),
+                'writes', prepend(redis.call('HGET', KEYS[1], 'writes'), ARGV[5], tonumber(ARGV[8]))}
+if ARGV[6] ~= '' then
+  fields[#fields + 1] = 'idempotency'
+  fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]))
+end
 redis.call('HSET', KEYS[1], unpack(fields))
 return 1
 """
@@ -251,7 +511,7 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 1
 """
 
-_SCRIPTS = {"cas": _CAS_SCRIPT, "settle": _SETTLE_SCRIPT, "remember": _REMEMBER_SCRIPT, "tombstone": _TOMBSTONE_SCRIPT}
+_SCRIPTS = {"cas": _CAS_SCRIPT, "append": _APPEND_SCRIPT, "settle": _SETTLE_SCRIPT, "remember": _REMEMBER_SCRIPT, "tombstone": _TOMBSTONE_SCRIPT}
 
 
 class Head(NamedTuple):
@@ -378,6 +638,18 @@ class RedisStore:
             return None
         return int(version), json.loads(meta), blob
 
+    def get_chain(self, session_id: str) -> tuple[int, dict, bytes, list[bytes]] | None:
+        """(version, meta, base blob, the log's delta blocks in order), read in one atomic
+        command; None when Redis has no such session."""
+        fields = self._read(lambda: self.client.hgetall(self._key(session_id)))
+        fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in (fields or {}).items()}
+        if fields.get("version") is None or fields.get("blob") is None:
+            return None
+        blocks = [fields.get(f"log:{i}") for i in range(1, int(fields.get("logn") or 0) + 1)]
+        if any(block is None for block in blocks):
+            raise StoreUnavailable(f"Redis at {self._safe_url()} holds session {session_id} with a log block missing")
+        return int(fields["version"]), json.loads(fields["meta"]), fields["blob"], blocks
+
     def heads(self) -> dict[str, tuple[int, dict]]:
         """(version, meta) of every session Redis holds (tombstones and fences left out). In a
         cluster, scan_iter walks every primary; the pipeline is split by node."""
@@ -408,6 +680,17 @@ class RedisStore:
                 "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT)]
         keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
         return int(self._call(lambda: self._script("cas", keys, args)))
+
+    def append(self, session_id: str, expected: int, version: int, meta: dict, block: bytes, ratio: float,
+               write_id: str = "", entry: dict | None = None, keys_kept: int = 32) -> int:
+        """Append a delta block as `version` if Redis holds `expected`: 1, 0 and -1 as `put`; 2
+        (nothing written) when the log would pass `ratio` times the base: write it whole with
+        `put` (a compaction)."""
+        write_id = write_id or secrets.token_hex(8)
+        args = [str(expected), str(version), json.dumps(meta), block, write_id,
+                "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT), repr(float(ratio))]
+        keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
+        return int(self._call(lambda: self._script("append", keys, args)))
 
     def settle(self, session_id: str, write_id: str) -> bool:
         """Whether the write `write_id` landed; when it has not, it never will (it is fenced).

@@ -1,0 +1,309 @@
+"""Commits that cost the new tokens (issue 36): a model whose state grows or slides by appending
+has each commit written as a delta block appended to the session's log (on disk and in Redis),
+compacted into a new base when the log outgrows it. What must hold: the stored session is bit
+for bit the state a whole write would have stored, through forks, deletes, evictions, restarts
+and compactions; a kill -9 at any point of a log write or a compaction leaves a whole version;
+replicas still compare-and-set on the version; an append writes about its new positions' bytes."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from xlserve.models.interface import same_bits
+from xlserve.models.registry import ARCHITECTURES
+from xlserve.models.training.train import PRESETS
+from xlserve.server.cache import SessionConflict
+from xlserve.server.cache.codec import SessionData, decode, encode, floating_dtypes, session_data
+from xlserve.server.cache.session_cache import SessionCache
+from xlserve.server.metrics import Metrics
+from tests.redis_server import redis_url  # noqa: F401  (fixture)
+from tests.server.test_cache_architectures import feed, tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+# the states that change as a whole: running sums (Performer), a continuous memory refitted at
+# every segment (∞-former), compressed segment slots (Linformer), recurrent states (Mamba, RWKV);
+# every other architecture's state grows or slides by appending, or overwrites ring slots
+WHOLE = {"infinity-former", "performer", "linformer", "mamba", "mamba2", "rwkv"}
+# the architectures with a tiny preset (one being added may not have one yet)
+TINY = sorted(name for name in ARCHITECTURES if "tiny" in PRESETS.get(name, {}))
+
+
+def identical(a: SessionData, b: SessionData) -> bool:
+    """Bit for bit: tokens, every state tensor (names, dtypes, shapes, bits) and next_log_probs."""
+    ta, tb = a.state.to_tensors(), b.state.to_tensors()
+    if a.tokens != b.tokens or ta.keys() != tb.keys() or not all(same_bits(ta[n], tb[n]) for n in ta):
+        return False
+    if (a.next_log_probs is None) != (b.next_log_probs is None):
+        return False
+    return a.next_log_probs is None or same_bits(a.next_log_probs.cpu(), b.next_log_probs.cpu())
+
+
+def stored(cache: SessionCache, session_id: str) -> SessionData:
+    """The session as its last tier holds it (disk: base file and log; Redis: base and log)."""
+    if cache.redis is None:
+        return cache.durable.read_disk(cache.manager.get(session_id))
+    cache.info(session_id, None)  # a replica that has not seen it yet takes it into its books
+    return cache.durable.fetch(cache.manager.get(session_id))
+
+
+def full_write(data: SessionData, state_class) -> SessionData:
+    """What a whole write of `data` reads back as: the reference the stored session must equal."""
+    meta, tensors, next_log_probs = decode(encode(data, {"model": "m"}))
+    return session_data(state_class, meta, tensors, next_log_probs)
+
+
+def step(model, cache: SessionCache, session_id: str, tokens: list[int]) -> SessionData:
+    """One append through the cache: acquire, run the model on the tokens, commit."""
+    lease = cache.acquire(session_id, None)
+    computed = lease.data.cast_state(floating_dtypes(model.init_state(1)))  # as the engine does
+    new = feed(model, computed, tokens)[1]
+    cache.commit(lease, new)
+    return new.cast_state(cache.state_dtype)
+
+
+@pytest.mark.parametrize("architecture", TINY)
+def test_every_commit_stores_exactly_the_new_state(architecture, tmp_path):
+    """Per architecture: each commit's delta applied to the old state is the new state, bit for
+    bit, and the session read back from its base and log is the state a whole write stores; the
+    architectures whose state changes as a whole write whole, the others write deltas."""
+    model = tiny_model(architecture)
+    assert model.state_class.commits_deltas() == (architecture not in WHOLE)
+    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=4.0)
+    cache.open({"m": model})
+    rng = random.Random(architecture)
+    session_id = cache.create("m", None, SessionData(model.init_state(1), 0, None)).id
+    for n in [40] + [rng.choice([1, 2, 3, 5, 9]) for _ in range(7)]:  # a prefill, then short appends
+        tokens = [rng.randrange(model.vocab_size) for _ in range(n)]
+        lease = cache.acquire(session_id, None)
+        old = lease.data
+        cache.release(lease)
+        new = step(model, cache, session_id, tokens)
+        changes = new.state.delta_from(old.state, len(tokens))
+        if changes is not None:
+            assert identical(SessionData(old.state.apply_delta(changes), new.tokens, new.next_log_probs), new)
+        assert identical(stored(cache, session_id), full_write(new, model.state_class))
+    kinds = cache.durable.written
+    if architecture in WHOLE:
+        assert set(kinds) == {"whole"}
+    else:
+        assert kinds["delta"][0] >= 3, kinds
+
+
+@pytest.mark.parametrize("architecture", ["transformer-xl", "longformer"])
+def test_deltas_of_a_bfloat16_state(architecture, tmp_path):
+    """XLSERVE_STATE_DTYPE=bfloat16: the kept positions survive bfloat16 -> float32 -> bfloat16
+    exactly, so the commit is still a delta, and it stores exactly the new state."""
+    model = tiny_model(architecture)
+    cache = SessionCache(tmp_path / "state", None, None, None, state_dtype=torch.bfloat16)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, SessionData(model.init_state(1), 0, None)).id
+    for n in (30, 7, 3, 12):
+        new = step(model, cache, session_id, list(range(n)))
+        assert identical(stored(cache, session_id), new)
+    assert cache.durable.written["delta"][0] >= 2
+
+
+def run_random_operations(make_cache, models, tiers: list[str], seed: int, operations: int = 200) -> None:
+    """`operations` random appends, forks, deletes, evictions and restarts on a cache; after each,
+    a session's stored copy equals a whole write of what it should hold, and at the end all do,
+    and each continues from exactly that state after a restart."""
+    rng = random.Random(seed)
+    cache = make_cache()
+    expected: dict[str, tuple[str, SessionData]] = {}
+    for name, model in models.items():
+        data = feed(model, SessionData(model.init_state(1), 0, None), list(range(20)))[1]
+        expected[cache.create(name, None, data).id] = (name, data)
+    for _ in range(operations):
+        op = rng.choices(["append", "fork", "delete", "evict", "restart"], weights=[60, 10, 6, 16, 4])[0]
+        session_id = rng.choice(sorted(expected))
+        name, data = expected[session_id]
+        if op == "append":
+            lease = cache.acquire(session_id, None)
+            assert identical(lease.data, data)  # the cache hands out exactly the committed state
+            cache.release(lease)
+            tokens = [rng.randrange(256) for _ in range(rng.choice([1, 1, 2, 3, 8, 24]))]
+            expected[session_id] = (name, step(models[name], cache, session_id, tokens))
+        elif op == "fork":
+            expected[cache.fork(session_id, None).id] = (name, data)
+        elif op == "delete" and len(expected) > 2:
+            cache.delete(session_id, None)
+            del expected[session_id]
+        elif op == "evict":
+            cache.info(session_id, None)  # after a restart on Redis: into this replica's books first
+            cache.move(session_id, rng.choice(tiers))
+        elif op == "restart":
+            cache.close()
+            cache = make_cache()
+        checked = rng.choice(sorted(expected))
+        name, data = expected[checked]
+        assert identical(stored(cache, checked), full_write(data, models[name].state_class)), (op, checked)
+    cache.close()
+    cache = make_cache()
+    for session_id, (name, data) in expected.items():
+        assert identical(stored(cache, session_id), full_write(data, models[name].state_class))
+        lease = cache.acquire(session_id, None)
+        assert identical(lease.data, data)
+        cache.release(lease)
+    cache.close()
+
+
+@pytest.fixture(scope="module")
+def two_models():
+    """A sliding memory (Transformer-XL) and ring buffers (Longformer)."""
+    return {"xl": tiny_model("transformer-xl"), "lf": tiny_model("longformer")}
+
+
+def test_random_operations_on_disk_equal_whole_writes(two_models, tmp_path):
+    written = {}
+
+    def make_cache():
+        cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=1.0)
+        cache.open(two_models)
+        cache.durable.written = written  # one count across restarts
+        return cache
+
+    run_random_operations(make_cache, two_models, ["host", "disk"], seed=1)
+    assert written["delta"][0] > 50 and written["compaction"][0] > 0 and written["fork"][0] > 0, written
+    assert not any((tmp_path / "state").glob("*.corrupt"))
+
+
+def test_random_operations_on_redis_equal_whole_writes(two_models, tmp_path, redis_url):  # noqa: F811
+    written = {}
+
+    def make_cache():
+        cache = SessionCache(tmp_path / "state", None, None, None, redis_url=redis_url, compact_ratio=1.0)
+        cache.open(two_models)
+        cache.durable.written = written
+        return cache
+
+    run_random_operations(make_cache, two_models, ["host", "disk", "redis"], seed=2)
+    assert written["delta"][0] > 50 and written["compaction"][0] > 0, written
+
+
+# -- kill -9 in the middle of a log write or a compaction ------------------------------------------
+
+CHILD = """
+import sys
+import torch
+torch.set_num_threads(1)
+from tests.server.test_cache_architectures import feed, tiny_model
+from xlserve.server.cache.codec import floating_dtypes
+from xlserve.server.cache.session_cache import SessionCache
+state_dir, session_id, ratio, n = sys.argv[1:]
+model = tiny_model("transformer-xl")
+cache = SessionCache(state_dir, None, None, None, compact_ratio=float(ratio))
+cache.open({"m": model})
+lease = cache.acquire(session_id, None)
+cache.commit(lease, feed(model, lease.data, list(range(int(n))))[1])
+print("acknowledged", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point, ratio, lands", [
+    ("log-write", 100.0, False),  # killed before the block's first byte
+    ("log-write-torn", 100.0, False),  # half a block written: cut off on open
+    ("log-synced", 100.0, True),  # the block is durable, the commit not yet answered
+    ("compaction-temp", 0.01, False),  # the new base written under its temporary name
+    ("compaction-renamed", 0.01, True),  # the new base in place, the old log not yet removed
+])
+def test_kill_9_during_a_log_write_or_a_compaction(point, ratio, lands, tmp_path):
+    """A process is killed (SIGKILL) at `point` of a commit; the directory opened again holds
+    exactly the last acknowledged version (or, past the point where the write is durable, the new
+    one, whole, as with a whole write killed after its rename), and later commits go on from it."""
+    model = tiny_model("transformer-xl")
+    state_dir = tmp_path / "state"
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, SessionData(model.init_state(1), 0, None)).id
+    for n in (40, 5, 9):  # a base and a log of two blocks
+        acknowledged = step(model, cache, session_id, list(range(n)))
+    cache.close()
+    assert state_dir.joinpath(session_id + ".log").exists()
+
+    child = subprocess.run([sys.executable, "-c", CHILD, str(state_dir), session_id, str(ratio), "6"], cwd=REPO,
+                           env={**os.environ, "XLSERVE_TEST_CRASH_AT": point, "OMP_NUM_THREADS": "1"},
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert "acknowledged" not in child.stdout
+
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    landed = feed(model, acknowledged, list(range(6)))[1]
+    now = landed if lands else acknowledged
+    assert cache.info(session_id, None).version == (4 if lands else 3)
+    assert identical(stored(cache, session_id), now)
+    after = step(model, cache, session_id, list(range(3)))  # the log takes blocks again after a cut
+    cache.close()
+    cache = SessionCache(state_dir, None, None, None)
+    cache.open({"m": model})
+    assert identical(stored(cache, session_id), after)
+    assert not list(state_dir.glob("*.corrupt")) and not list(state_dir.glob(".*.tmp"))
+
+
+# -- replicas -----------------------------------------------------------------------------------
+
+
+def test_two_replicas_race_with_delta_commits(tmp_path, redis_url):  # noqa: F811
+    """Two replicas on one Redis commit deltas from the same version: one wins, the other gets
+    SessionConflict and writes nothing; the loser then reads the winner's state (base and log)
+    and commits a delta on top of it, and a compaction on one replica is read by the other."""
+    model = tiny_model("transformer-xl")
+    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url)
+    b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url, compact_ratio=0.05)
+    a.open({"m": model})
+    b.open({"m": model})
+    session_id = a.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(30)))[1]).id
+    step(model, a, session_id, [1, 2, 3])  # version 1, a delta
+
+    lease_a, lease_b = a.acquire(session_id, None), b.acquire(session_id, None)  # both at version 1
+    assert identical(lease_a.data, lease_b.data)
+    mine = feed(model, lease_a.data, [7, 7])[1]
+    theirs = feed(model, lease_b.data, [9, 9, 9])[1]
+    a.commit(lease_a, mine)  # wins
+    with pytest.raises(SessionConflict):
+        b.commit(lease_b, theirs)
+    b.release(lease_b)
+    assert a.durable.written["delta"][0] == 2 and "delta" not in b.durable.written
+    assert identical(stored(b, session_id), mine) and b.info(session_id, None).version == 2
+
+    after_b = step(model, b, session_id, [4, 5])  # b's log would outgrow 5% of the base: compacted
+    assert b.durable.written == {"compaction": [1, b.durable.written["compaction"][1]]}
+    lease = a.acquire(session_id, None)
+    assert identical(lease.data, after_b) and lease.version == 3
+    a.release(lease)
+    after_a = step(model, a, session_id, [6])  # a delta on b's new base
+    assert a.durable.written["delta"][0] == 3
+    assert identical(stored(b, session_id), after_a)
+    a.close()
+    b.close()
+
+
+# -- what a commit costs -------------------------------------------------------------------------
+
+
+def test_an_append_writes_about_its_new_positions(tmp_path):
+    """An append of k tokens to a full Transformer-XL memory writes at most twice the bytes of
+    its k new positions (keys, values and mask of every layer) plus a small header; the metric
+    xlserve_session_commit_bytes_total{kind} counts the same bytes."""
+    model = tiny_model("transformer-xl")
+    metrics = Metrics()
+    cache = SessionCache(tmp_path / "state", None, None, None, metrics=metrics, compact_ratio=100.0)
+    cache.open({"m": model})
+    full = feed(model, SessionData(model.init_state(1), 0, None), list(range(model.config.mem_len + 5)))[1]
+    session_id = cache.create("m", None, full).id
+    per_position = full.state.nbytes() // model.config.mem_len  # the memory is full: mem_len positions
+    for k in (16, 1, 5):
+        before = cache.durable.written.get("delta", [0, 0])[1]
+        step(model, cache, session_id, list(range(k)))
+        written = cache.durable.written["delta"][1] - before
+        assert k * per_position < written <= 2 * k * per_position + 4096, (k, written, per_position)
+    whole = cache.durable.written["whole"][1]
+    assert whole > full.state.nbytes()  # the create: one whole write
+    sample = metrics.registry.get_sample_value("xlserve_session_commit_bytes_total", {"model": "m", "kind": "delta"})
+    assert sample == cache.durable.written["delta"][1]
