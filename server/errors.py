@@ -93,6 +93,11 @@ RAISED_CODES: dict[str, str] = {
     "word_not_in_vocabulary": "invalid_request_error",
     "no_chat_template": "invalid_request_error",
     "chat_template_error": "invalid_request_error",
+    # structured output (server/engine/constraints.py): a schema, regex, grammar or tool list that
+    # llguidance rejects; one over a size or compile-time limit; a model whose tokens are not bytes
+    "invalid_response_format": "invalid_request_error",
+    "grammar_too_large": "invalid_request_error",
+    "constraint_not_supported": "invalid_request_error",
     # an imported or PUT state the model cannot take (the engine's InvalidInput)
     "invalid_state": "invalid_request_error",
     "invalid_api_key": "authentication_error",

@@ -12,7 +12,8 @@ A checkpoint carries its template as Hugging Face checkpoints do, found in this 
 transformers renders it: in jinja2's sandboxed environment (a template can read its variables
 but call nothing unsafe), with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension,
 the helpers `raise_exception(message)` and `strftime_now(format)`, and the variables `messages`
-(a list of {"role", "content"[, "name"]}), `add_generation_prompt` (True for a chat request:
+(a list of {"role", "content"[, "name", "tool_calls", "tool_call_id"]}), `tools` (a chat request's
+tools as OpenAI sends them, or None; server/api/structured.py), `add_generation_prompt` (True for a chat request:
 the text ends where the assistant's answer begins), and `bos_token` / `eos_token` from
 tokenizer_config.json (empty when it has none).
 
@@ -72,13 +73,15 @@ class ChatTemplate:
             self.template = None
             self.error = f"the chat template in {origin} does not compile: {error}"
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; ChatTemplateError if the template cannot render them."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` (and `tools`, OpenAI's list of {"type": "function",
+        "function": {...}}, for a template that describes them); ChatTemplateError if the
+        template cannot render them."""
         if self.template is None:
             raise ChatTemplateError(self.error)
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as error:

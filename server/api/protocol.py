@@ -158,6 +158,63 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# -- structured output (server/api/structured.py) --
+
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+MAX_TOOLS = 128  # OpenAI's limit
+JsonObject = dict[str, Any]
+
+
+class JsonSchemaFormat(RequestBody):
+    """OpenAI's `response_format.json_schema`: the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: Text | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")  # `schema` itself is a BaseModel method's name
+    strict: bool | None = None  # accepted: the schema is always enforced
+
+
+class ResponseFormat(RequestBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(RequestBody):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: Text | None = None
+    parameters: JsonObject | None = None  # a JSON schema for the arguments; none: any object
+    strict: bool | None = None  # accepted: the arguments always fit `parameters`
+
+
+class ToolDefinition(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestBody):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(RequestBody):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(RequestBody):
+    """A call an assistant message made (sent back in the history of the next request)."""
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class SamplingOptions(RequestBody):
     """How tokens are drawn; shared by completions, chat completions and the websocket's `generate`.
     The engine reads temperature < 1e-5 as greedy and top_p < 1e-5 as "the most likely token
@@ -178,6 +235,13 @@ class SamplingOptions(RequestBody):
     # prefix_cache false a request neither starts from a cached state nor leaves one behind
     cache_salt: Text | None = Field(None, max_length=256)
     prefix_cache: bool = True
+    # structured output, at most one of them (server/api/structured.py): OpenAI's response_format,
+    # and vLLM's guided_* fields (guided_grammar is a Lark grammar in llguidance's dialect)
+    response_format: ResponseFormat | None = None
+    guided_json: Annotated[JsonObject | Text | None, one_of("a JSON schema: an object, or its JSON text")] = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
 
 
 class SamplingFields(SamplingOptions):
@@ -225,6 +289,8 @@ class ChatMessage(RequestBody):
     # a string, or OpenAI's list of content parts (their texts are joined with newlines)
     content: Annotated[Text | list[TextPart] | None, one_of("a string or a list of {\"type\": \"text\"} parts")] = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -246,6 +312,10 @@ class ChatCompletionRequest(SamplingOptions):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: Text | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                           one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')] = None
+    parallel_tool_calls: bool = True
 
 
 # -- /tokenize and /detokenize (as vLLM) ----------------------------------------------------------
@@ -411,7 +481,9 @@ class Usage(ResponseBody):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReason = Literal["stop", "length"]  # a stop string, or max_tokens (or the model's max_context) reached
+# a stop string or a complete structured output; max_tokens (or the model's max_context) reached;
+# tool calls (chat); a structured-output constraint that allowed no token (server/engine/constraints.py)
+FinishReason = Literal["stop", "length", "tool_calls", "no_allowed_token"]
 
 
 # -- /v1/completions: the body and its SSE chunks --
@@ -478,9 +550,21 @@ class ChatLogprobs(ResponseBody):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(ResponseBody):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseBody):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(ResponseBody):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(ResponseBody):
@@ -501,11 +585,26 @@ class ChatCompletionResponse(ResponseBody):
     usage: Usage
 
 
+class ToolCallFunctionDelta(ResponseBody):
+    name: str | None = None  # in a call's first delta
+    arguments: str  # more of its arguments' JSON text ("" in the first delta)
+
+
+class ToolCallDelta(ResponseBody):
+    """A piece of a streamed tool call: its first has id, type and name; the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunctionDelta
+
+
 class ChatDelta(ResponseBody):
     """What a chunk adds to a choice's message: the role in its first chunk, then text."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(ResponseBody):
@@ -667,7 +766,7 @@ class DoneFrame(ResponseBody):
 
     type: Literal["done"]
     id: str | None
-    finish_reason: Literal["stop", "length", "cancelled"] | None
+    finish_reason: Literal["stop", "length", "no_allowed_token", "cancelled"] | None
     session_id: str | None
     text: str | None = None
     usage: Usage | None = None

@@ -173,7 +173,9 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         engine = Engine(directory.name, model, tokenizer, metrics, sink, prefill_chunk=settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
-                        threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache)
+                        threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache,
+                        constraint_cache_size=settings.structured_cache_size,
+                        constraint_compile_seconds=settings.structured_compile_seconds)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine,
                                              time.perf_counter() - started)
     return loaded
@@ -504,7 +506,26 @@ class EngineProcess:
             with self.lock:
                 self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
             return Deferred(lambda: self._generate(request, engine, cancelled))
+        params = request.params
+        if params.constraint_kind is not None and not engine.constraints.cached(params.constraint_kind,
+                                                                                params.constraint or ""):
+            # a constraint compiled for the first time may take up to its time limit: not on the
+            # reader thread, where it would hold up every other frame (a cancel among them)
+            cancelled = threading.Event()
+            with self.lock:
+                self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
+            return Deferred(lambda: self._compile_then_generate(request, engine, cancelled))
         return self._generate(request, engine)
+
+    def _compile_then_generate(self, request: Generate, engine: Engine, cancelled: threading.Event) -> Accepted:
+        params = request.params
+        try:
+            engine.constraints.matcher(params.constraint_kind, params.constraint or "", params.constraint_param)
+        except BaseException:
+            with self.lock:
+                self.requests.pop(request.request_id, None)
+            raise
+        return self._generate(request, engine, cancelled)  # compiled and cached: enqueue finds it there
 
     def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None) -> Accepted:
         params = request.params

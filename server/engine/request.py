@@ -18,6 +18,7 @@ import torch
 
 from xlserve.models.interface import State
 from xlserve.server.cache.codec import SessionData
+from xlserve.server.engine.constraints import RowConstraint
 from xlserve.server.engine.sampling import Sampler, StopChecker, is_plain_greedy, most_likely
 from xlserve.server.engine.types import ChoiceFinished, SamplingParams
 
@@ -41,6 +42,9 @@ class EngineRequest:
     prefix_scope: bytes | None = None
     reused: int = 0
     reused_logprobs: list[float | None] = field(default_factory=list, repr=False)
+    # its structured-output constraint, compiled (an llguidance LLMatcher, server/engine/constraints.py),
+    # set by Engine.enqueue; each row decodes with a copy of its own
+    constraint: object = field(default=None, repr=False)
 
     # -- the scheduler's bookkeeping (worker thread) --
     state: State = field(init=False, repr=False)  # the state after the prompt tokens fed so far
@@ -121,7 +125,10 @@ class Row:
         # the token of a plain greedy row, and whether the row can be sampled from at all
         self.greedy: tuple[int, float] = most_likely(self.host_log_probs)
         self.tokens = request.tokens  # tokens the state has seen
-        self.plain_greedy = is_plain_greedy(params)
+        # its own matcher: choices, and the prompts of a batched request, never share parser state
+        self.constraint = (None if request.constraint is None else
+                           RowConstraint(request.constraint, next_log_probs.shape[-1]))
+        self.plain_greedy = is_plain_greedy(params) and self.constraint is None
         self.generated = 0
         self.generated_tokens: list[int] = []  # with their log-probs: a prefix-cache entry's tail
         self.generated_logprobs: list[float] = []

@@ -121,19 +121,31 @@ class Sampler:
         return logits
 
     def _record(self, token: int) -> None:
-        if self._counts is not None:
+        if self._counts is not None and token < self._counts.numel():  # not a constraint's "end here"
             self._counts[token] += 1
             self._seen[token] = True
 
-    def choose(self, log_probs: torch.Tensor) -> int:
+    def choose(self, log_probs: torch.Tensor, allowed: torch.Tensor | None = None, may_end: bool = False) -> int:
         """log_probs (V,) -> token id. Raises RequestFailed for a row that is no distribution,
-        InvalidInput for a logit_bias that does not fit the vocabulary."""
+        InvalidInput for a logit_bias that does not fit the vocabulary.
+
+        With `allowed` ((V,) bool, a structured-output constraint's mask, server/engine/constraints.py)
+        only those tokens may be drawn; with `may_end` too, "end here" is one more choice, token
+        V, whose logit is the log of the mass the biased, penalised row puts on every forbidden
+        token. The mask goes after logit_bias and the penalties and before the temperature, so
+        the rest of the order stands; it needs at least one allowed token or `may_end`."""
         p = self.params
         logits = log_probs.float().cpu()  # (V,)
         if p.logit_bias:
             logits = self._biased(logits)
         if p.penalised:
             logits = self._penalise(logits)
+        if allowed is not None:
+            forbidden = ~allowed
+            # nothing forbidden: the model wants nothing the output may not hold, so it never ends here
+            end = (torch.logsumexp(logits[forbidden], dim=0) if may_end and bool(forbidden.any())
+                   else torch.tensor(float("-inf")))
+            logits = torch.cat([logits.masked_fill(forbidden, float("-inf")), end.reshape(1)])  # (V + 1,)
         best, value = most_likely(logits)
         failure = unusable_row(value)
         if failure is not None:

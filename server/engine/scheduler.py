@@ -62,6 +62,7 @@ from xlserve.models.interface import LanguageModel, State
 from xlserve.server.cache.codec import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
+from xlserve.server.engine.constraints import NO_ALLOWED_TOKEN, ConstraintCompiler
 from xlserve.server.engine.errors import (
     Cancelled,
     ContextLengthExceeded,
@@ -89,8 +90,11 @@ class Engine:
 
     def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, sink: EventSink,
                  prefill_chunk: int = 512, max_batch_size: int = 64, max_queued: int = 256, threads: int = 0,
-                 prompt_threads: int = 0, prefix_cache: PrefixCache | None = None):
+                 prompt_threads: int = 0, prefix_cache: PrefixCache | None = None,
+                 constraint_cache_size: int = 256, constraint_compile_seconds: float = 5.0):
         self.name = name
+        # structured output: constraints compiled once per distinct text, cached with a bound
+        self.constraints = ConstraintCompiler(tokenizer, name, constraint_cache_size, constraint_compile_seconds)
         self.prefix_cache = prefix_cache
         self.model = model
         # the longest context a request may reach, where the model stops (None: no such bound):
@@ -209,6 +213,11 @@ class Engine:
         ShuttingDown after `stop_admitting`, and QueueFull when too many requests wait."""
         self.check_context(request.kind, request.start.tokens - request.reused, len(request.prompt),
                            request.params.max_tokens)
+        params = request.params
+        if request.kind == "generate" and params.constraint_kind is not None and request.constraint is None:
+            # 400 for a schema or grammar that does not compile, before anything is queued
+            request.constraint = self.constraints.matcher(params.constraint_kind, params.constraint or "",
+                                                          params.constraint_param)
         with self._condition:
             if not self._admitting or self._closed:
                 raise ShuttingDown("the server is shutting down and admits no new requests; retry on another replica",
@@ -537,6 +546,10 @@ class Engine:
         if forward:
             self._batch_metric.observe(len(forward))
             self._forward_rows(forward)
+        elif any(row.finish_reason is not None and row.keeps_state for row in rows):
+            # rows that ended without a token (a constraint's end) and keep their state take it
+            # out of their groups; with nothing left to decode every group is let go
+            self.layout.arrange([])
         for row in rows:
             if row.finish_reason is not None and not row.request.failed:
                 self._finish_row(row)
@@ -549,8 +562,17 @@ class Engine:
         failure = unusable_row(row.greedy[1], row.request.continues_session)
         if failure is not None:
             raise failure
+        constraint = row.constraint
         if row.plain_greedy:  # argmax taken once for the whole batch
             token, logprob = row.greedy
+        elif constraint is not None:
+            allowed, may_end = constraint.allowed()
+            if not may_end and not bool(allowed.any()):  # nothing may follow and it may not end: that row alone ends
+                return self._constraint_ends(row, NO_ALLOWED_TOKEN)
+            token = row.sampler.choose(row.host_log_probs, allowed, may_end)
+            if token >= allowed.numel():  # "end here" (server/engine/sampling.py)
+                return self._constraint_ends(row, "stop")
+            logprob = float(row.host_log_probs[token])
         else:
             token = row.sampler.choose(row.host_log_probs)
             logprob = float(row.host_log_probs[token])
@@ -564,11 +586,22 @@ class Engine:
             self._first_output(row.request)
         if stopped:
             row.finish_reason = "stop"
+        elif constraint is not None and constraint.advance(token):  # the output is complete
+            row.finish_reason, constraint.ended = "stop", True
         elif row.generated >= params.max_tokens or self._context_full(row):
             row.finish_reason = "length"
         if row.finish_reason is None or row.request.feeds_every_token:
             row.pending = token
             return True
+        return False
+
+    def _constraint_ends(self, row: Row, reason: str) -> bool:
+        """The row ends without a token of this step: its constraint is complete ("stop") or
+        allows nothing ("no_allowed_token"). Every token it drew went through the model already,
+        so a session's state holds exactly the text sent. Nothing to feed."""
+        row.finish_reason, row.constraint.ended = reason, True
+        if row.request.first_token_at is None:
+            self._first_output(row.request)
         return False
 
     def _context_full(self, row: Row) -> bool:
@@ -624,8 +657,8 @@ class Engine:
 
     def _finish_row(self, row: Row) -> None:
         request = row.request
-        if row.finish_reason == "stop":
-            tail = ""
+        if row.finish_reason == "stop" and not (row.constraint is not None and row.constraint.ended):
+            tail = ""  # a stop string: the text held back was its start
         else:
             tail = row.stops.push(row.detokenizer.flush())[0] + row.stops.flush()
         choice = ChoiceFinished(row.index, row.finish_reason, tail, row.generated)

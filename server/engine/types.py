@@ -33,6 +33,11 @@ class SamplingParams:
     echo: bool = False
     n: int = 1  # independent choices sharing one prompt (prefilled once)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (as OpenAI)
+    # structured output (server/engine/constraints.py): what the output must match, the request
+    # field it came from (named by a refusal), e.g. ("json_schema", '{"type": ...}', "response_format")
+    constraint_kind: str | None = None
+    constraint: str | None = None
+    constraint_param: str | None = None
 
     def __post_init__(self):
         # JSON (the wire, server/engine/process.py) turns the token ids into strings: back to ints
@@ -69,7 +74,7 @@ class TokenEvent:
 @dataclass
 class ChoiceFinished:
     index: int
-    finish_reason: str  # "length" or "stop"
+    finish_reason: str  # "length", "stop", or "no_allowed_token" (server/engine/constraints.py)
     text_tail: str  # text held back until the end of the stream
     completion_tokens: int
 

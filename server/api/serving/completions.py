@@ -33,6 +33,13 @@ from xlserve.server.engine.types import (
 from xlserve.server.api.serving.generation import Generation
 from xlserve.server.api.serving.leases import QUEUED, queued
 from xlserve.server.api.serving.requests import error_for, replayed_headers, usage
+from xlserve.server.api.structured import (
+    CONSTRAINT_FIELDS,
+    ToolCallStream,
+    called_functions,
+    render_message,
+    tool_grammar,
+)
 
 
 # -- POST /v1/completions -------------------------------------------------------------------------
@@ -280,7 +287,8 @@ async def _completion_chunks(completion: Completion) -> AsyncGenerator:
 # -- POST /v1/chat/completions ----------------------------------------------------------------------
 
 
-def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
     """The prompt text the model's chat template makes of `messages` (server/api/chat.py); 400
     when the model has no template or its template refuses them."""
     template = served.chat_template
@@ -290,10 +298,9 @@ def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation
                              "(chat_template.jinja, or chat_template in tokenizer_config.json or config.json) "
                              "or start the server with --chat-template FILE",
                              param="model", code="no_chat_template")
-    rendered = [{"role": message.role, "content": message.text(),
-                 **({"name": message.name} if message.name is not None else {})} for message in messages]
+    rendered = [render_message(message) for message in messages]
     try:
-        return template.render(rendered, add_generation_prompt)
+        return template.render(rendered, add_generation_prompt, tools)
     except ChatTemplateError as error:
         raise InvalidRequest(f"the chat template of model '{served.name}' cannot render these messages: {error}",
                              param="messages", code="chat_template_error") from None
@@ -308,8 +315,18 @@ class ChatCompletion(Completion):
         self.chat = body
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        # tools: the functions it may call, enforced as a grammar (server/api/structured.py)
+        functions = called_functions(body.tools, body.tool_choice)
+        if functions is not None:
+            other = next((name for name in CONSTRAINT_FIELDS if getattr(body, name) is not None
+                          and not (name == "response_format" and body.response_format.type == "text")), None)
+            if other is not None:
+                raise InvalidRequest(f"{other} cannot be combined with tools: the answer is text or tool calls",
+                                     param=other, code="invalid_response_format")
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         fields = {name: getattr(body, name) for name in SamplingOptions.model_fields}
-        fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages), n=body.n,
+        fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages, tools=tools),
+                      n=body.n,
                       stream=body.stream, stream_options=body.stream_options,
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -321,6 +338,15 @@ class ChatCompletion(Completion):
             raise validation_error(error.errors()) from None
         super().__init__(state, request, owner)
         self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.calls_tools = functions is not None
+        if functions is not None:
+            grammar = tool_grammar(functions, auto=body.tool_choice in (None, "auto"),
+                                   parallel=body.parallel_tool_calls)
+            limit = state.settings.engine.structured_max_bytes
+            if len(grammar.encode("utf-8")) > limit:
+                raise InvalidRequest(f"the tools make a grammar of {len(grammar.encode('utf-8'))} bytes; the limit is "
+                                     f"{limit} (XLSERVE_STRUCTURED_MAX_BYTES)", param="tools", code="grammar_too_large")
+            self.set_constraint(("grammar", grammar, "tools"))
 
     async def submit(self) -> Submission:
         try:
@@ -344,23 +370,48 @@ class ChatCompletion(Completion):
             for token, logprob, top in zip(piece["tokens"], piece["token_logprobs"], piece["top_logprobs"])]}
 
     def response(self, finished: Finished) -> dict:
-        choices = [{"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                    "logprobs": self.chat_logprobs(choice.logprobs), "finish_reason": choice.finish_reason}
-                   for choice in self.choices]
+        choices = []
+        for choice in self.choices:
+            message = {"role": "assistant", "content": "".join(choice.text)}
+            finish_reason = choice.finish_reason
+            if self.calls_tools:
+                calls = ToolCallStream()
+                calls.push(message["content"])
+                if calls.complete and finish_reason == "stop":
+                    message, finish_reason = {"role": "assistant", "content": None, "tool_calls": calls.calls}, \
+                        "tool_calls"
+            choices.append({"index": choice.index, "message": message, "logprobs": self.chat_logprobs(choice.logprobs),
+                            "finish_reason": finish_reason})
         return self.envelope(choices, usage=usage(finished.prompt_tokens, finished.completion_tokens,
                                                   finished.cached_tokens))
 
     def chunk_format(self, extra: dict) -> Callable[..., bytes]:
         started: set[int] = set()  # choices whose role went out
+        # with tools, each choice's text is read for tool calls as it comes (server/api/structured.py)
+        calls = [ToolCallStream() for _ in self.choices] if self.calls_tools else None
 
-        def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
-            delta: dict = {}
+        def event(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> bytes:
             if index not in started:
                 started.add(index)
-                delta["role"] = "assistant"
-            if text or finish_reason is None:
-                delta["content"] = text
+                delta = {"role": "assistant", **delta}
             return sse(self.envelope([{"index": index, "delta": delta, "logprobs": self.chat_logprobs(logprobs),
                                        "finish_reason": finish_reason}], **extra))
+
+        def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
+            if calls is None:
+                return event(index, {"content": text} if text or finish_reason is None else {}, logprobs,
+                             finish_reason)
+            stream = calls[index]
+            deltas = stream.push(text)
+            if finish_reason is not None:
+                if stream.buffer:  # cut short (max_tokens): what is left goes out as it is
+                    deltas.append({"content": stream.buffer})
+                    stream.buffer = ""
+                if stream.complete and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            events = [event(index, delta, logprobs if "content" in delta else None, None) for delta in deltas]
+            if finish_reason is not None:
+                events.append(event(index, {}, None, finish_reason))
+            return b"".join(events)
 
         return chunk

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest, count_error
 from xlserve.server.api.protocol import MAX_PROMPTS, CompletionRequest, SamplingFields
+from xlserve.server.api.structured import requested_constraint
 from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.cache.prefix_keys import scope_key
 from xlserve.server.engine.client import RemoteLease
@@ -54,6 +55,8 @@ class Generation:
             raise InvalidRequest("n > 1 cannot be combined with session_id: a session keeps one continuation",
                                  param="n")
         check_logit_bias(self.params, self.served)
+        # structured output: compiled and enforced per row in the engine (400 there for a bad schema)
+        self.set_constraint(requested_constraint(body, state.settings.engine.structured_max_bytes))
         # OpenAI's batched form (completions only): several prompts, each run with n choices
         batch = body.prompts() if isinstance(body, CompletionRequest) else None
         if batch is not None:
@@ -69,6 +72,11 @@ class Generation:
         # a key only means something for a request that changes a session
         request = {**body.model_dump(include=set(SamplingFields.model_fields)), "echo": echo, "n": n}
         self.key = idempotency(idempotency_key, kind, request) if body.session_id else None
+
+    def set_constraint(self, constraint: tuple[str, str, str] | None) -> None:
+        """The engine's (kind, text) of what the output must match, and the field it came from."""
+        kind, text, param = constraint if constraint is not None else (None, None, None)
+        self.params.constraint_kind, self.params.constraint, self.params.constraint_param = kind, text, param
 
     @property
     def replay(self) -> dict | None:

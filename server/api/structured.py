@@ -1,0 +1,229 @@
+"""Structured output at the API (API process, no torch): which constraint a request asks for,
+and chat's tool calls, written into the output and read back out of it.
+
+A request names at most one constraint, in any of these forms (each becomes the engine's
+(kind, text), compiled and enforced per row in the engine, server/engine/constraints.py):
+
+- OpenAI's `response_format`: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+  {"name": ..., "schema": {...}}}; {"type": "text"} is no constraint;
+- vLLM's `guided_json` (a schema, as an object or its JSON text), `guided_regex`, `guided_choice`
+  (a list of strings) and `guided_grammar` (a Lark grammar, llguidance's dialect);
+- on /v1/chat/completions, `tools` with `tool_choice` "auto", "required" or a named function.
+
+Tool calls are text the model writes, in the form Hermes-style templates use:
+`<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`, one block per
+call, nothing between them. The constraint is a grammar that allows exactly those blocks with
+each function's `parameters` schema for its arguments ("required", a named function), or either
+those blocks or text that does not start with "<" ("auto": the first character decides). The
+answer carries the calls as OpenAI's `tool_calls` (finish_reason "tool_calls"); a stream sends
+each call's id and name once its name is complete and then its arguments as they are generated
+(`ToolCallStream`). The chat template gets `tools` (as Hugging Face templates do) to describe
+them to the model; an assistant message's `tool_calls` are rendered back as the same blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+from xlserve.server.api.errors import InvalidRequest
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_END = "}" + TOOL_CLOSE  # what follows a call's arguments: the call object's brace, the closing tag
+# how the engine lays out JSON (server/engine/constraints.py JSON_OPTIONS), for schemas embedded in a grammar
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CALL_HEAD = re.compile(r'<tool_call>\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _too_large(text: str, param: str, limit: int) -> None:
+    size = len(text.encode("utf-8"))
+    if size > limit:
+        raise InvalidRequest(f"{param} is {size} bytes as a constraint; the limit is {limit} "
+                             "(XLSERVE_STRUCTURED_MAX_BYTES)", param=param, code="grammar_too_large")
+
+
+def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
+    """(kind, text, the field it came from) of the one constraint `body` asks for, or None;
+    400 for two at once, a json_schema format without its schema, or a text over `limit` bytes."""
+    given = []
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        given.append("response_format")
+    given += [name for name in CONSTRAINT_FIELDS[1:] if getattr(body, name, None) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequest(f"{' and '.join(given)} both constrain the output; give one", param=given[1],
+                             code="invalid_response_format")
+    param = given[0]
+    if param == "response_format":
+        if response_format.type == "json_object":
+            kind, text = "json_object", ""
+        else:
+            spec = response_format.json_schema
+            if spec is None:
+                raise InvalidRequest('response_format of type "json_schema" needs json_schema: {"name": ..., '
+                                     '"schema": {...}}', param="response_format", code="invalid_response_format")
+            kind, text = ("json_object", "") if spec.schema_ is None else ("json_schema", json.dumps(spec.schema_))
+    elif param == "guided_json":
+        value = body.guided_json
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as error:
+                raise InvalidRequest(f"guided_json is not JSON: {error}", param=param,
+                                     code="invalid_response_format") from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidRequest("guided_json must be a JSON schema (an object)", param=param,
+                                 code="invalid_response_format")
+        kind, text = "json_schema", json.dumps(value)
+    elif param == "guided_regex":
+        kind, text = "regex", body.guided_regex
+    elif param == "guided_choice":
+        kind, text = "choice", json.dumps(body.guided_choice)
+    else:
+        kind, text = "grammar", body.guided_grammar
+    _too_large(text, param, limit)
+    return kind, text, param
+
+
+# -- tools ---------------------------------------------------------------------------------------
+
+
+def called_functions(tools: list, tool_choice) -> list | None:
+    """The functions a chat request may call (its `tools`, or the one `tool_choice` names), or
+    None when it calls none ("none", no tools); 400 for a tool_choice that does not fit."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return None
+    if tool_choice == "none":
+        return None
+    if tool_choice in (None, "auto", "required"):
+        return [tool.function for tool in tools]
+    chosen = [tool.function for tool in tools if tool.function.name == tool_choice.function.name]
+    if not chosen:
+        raise InvalidRequest(f"tool_choice names function '{tool_choice.function.name}', which is not among the "
+                             f"tools: {[tool.function.name for tool in tools][:10]}", param="tool_choice")
+    return chosen
+
+
+def tool_grammar(functions: list, auto: bool, parallel: bool) -> str:
+    """The Lark grammar (llguidance's dialect) of an answer that calls `functions`: one call
+    block (or, with `parallel`, one or more), or with `auto` also text that does not start
+    with "<". Each call is JSON with the function's name and arguments that fit its parameters."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": function.name},
+                             "arguments": function.parameters if function.parameters is not None
+                             else {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for function in functions]
+    schema = {"x-guidance": JSON_LAYOUT, "anyOf": calls}
+    lines = [f"start: calls{' | TEXT' if auto else ''}",
+             f"calls: call{'+' if parallel else ''}",
+             f"call: {json.dumps(TOOL_OPEN)} body {json.dumps(TOOL_CLOSE)}",
+             f"body: %json {json.dumps(schema)}"]
+    if auto:
+        lines.append(r"TEXT: /[^<][\s\S]*/")
+    return "\n".join(lines) + "\n"
+
+
+def tool_call_text(name: str, arguments: str) -> str:
+    """A call as the model writes it (an assistant message's tool_calls rendered for the template)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = arguments
+    return TOOL_OPEN + json.dumps({"name": name, "arguments": parsed}) + TOOL_CLOSE
+
+
+class ToolCallStream:
+    """Reads one choice's text as it is generated: plain text (content), or tool call blocks.
+    `push` returns the deltas to send: {"content": text} or {"tool_calls": [delta]} in OpenAI's
+    streamed shape (a call's first delta has its index, id, type and name with empty arguments;
+    the following ones add to its arguments)."""
+
+    def __init__(self):
+        self.mode: str | None = None  # None until the first character: "text" or "tools"
+        self.buffer = ""  # text of the call being read, not yet sent
+        self.calls: list[dict] = []  # {"id", "type", "function": {"name", "arguments"}}, as sent so far
+        self.open = False  # a call's arguments are being read
+        self.content = ""
+
+    @property
+    def complete(self) -> bool:
+        """Tool calls were read, every one whole."""
+        return self.mode == "tools" and bool(self.calls) and not self.open and not self.buffer
+
+    def push(self, text: str) -> list[dict]:
+        if self.mode == "text":
+            self.content += text
+            return [{"content": text}] if text else []
+        self.buffer += text
+        if self.mode is None:
+            if not self.buffer:
+                return []
+            if not self.buffer.startswith("<"):
+                self.mode, released, self.buffer = "text", self.buffer, ""
+                self.content += released
+                return [{"content": released}]
+            self.mode = "tools"
+        deltas = []
+        while True:  # bounded: each turn consumes a head or a whole call from the buffer
+            if not self.open:
+                head = _CALL_HEAD.match(self.buffer)
+                if head is None:
+                    return deltas
+                self.buffer = self.buffer[head.end():]
+                self.open = True
+                call = {"id": "call_" + secrets.token_hex(12), "type": "function",
+                        "function": {"name": head.group(1), "arguments": ""}}
+                self.calls.append(call)
+                deltas.append({"tool_calls": [{"index": len(self.calls) - 1, **call,
+                                               "function": {"name": head.group(1), "arguments": ""}}]})
+            sent = self.calls[-1]["function"]["arguments"]
+            end = _arguments_end(sent + self.buffer)
+            if end is None:  # hold back what may be the call's end, send the rest
+                released = self.buffer[: max(0, len(self.buffer) - len(CALL_END))]
+                self._add_arguments(deltas, released)
+                self.buffer = self.buffer[len(released):]
+                return deltas
+            self._add_arguments(deltas, self.buffer[: end - len(sent)])
+            self.buffer = self.buffer[end - len(sent) + len(CALL_END):]
+            self.open = False
+
+    def _add_arguments(self, deltas: list[dict], text: str) -> None:
+        if not text:
+            return
+        self.calls[-1]["function"]["arguments"] += text
+        deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
+
+
+def _arguments_end(buffer: str) -> int | None:
+    """Where a call's arguments end in `buffer` (which starts with them): the end of the JSON
+    value, once the call's closing brace and tag follow it; None before then."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(buffer)
+    except ValueError:
+        return None
+    return end if buffer.startswith(CALL_END, end) else None
+
+
+def render_message(message) -> dict[str, Any]:
+    """A chat message for the template: its role and text (an assistant's tool calls as the
+    blocks the model writes), its name, and a tool message's tool_call_id."""
+    content = message.text()
+    if message.tool_calls:
+        content += "".join(tool_call_text(call.function.name, call.function.arguments) for call in message.tool_calls)
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"id": call.id, "type": "function",
+                                   "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                                  for call in message.tool_calls]
+    return rendered

@@ -1,0 +1,204 @@
+"""Structured output: what a row may generate, as a mask over the vocabulary before sampling
+(engine process; any process that runs an `Engine`).
+
+A request may carry one constraint (`SamplingParams.constraint_kind` and `constraint`, as the
+API built them from `response_format`, vLLM's `guided_*` fields or chat's `tools`):
+
+- "json_schema": a JSON schema (the text of one JSON object); "json_object" is any JSON object;
+- "regex": a regular expression the whole output matches (Rust's regex syntax);
+- "choice": a JSON list of strings, the output is one of them;
+- "grammar": a Lark grammar in llguidance's dialect (which can embed JSON schemas, `%json {...}`).
+
+The constraint engine is llguidance (a kept library: Earley parsing over a lazily built lexer,
+JSON schema to grammar, masks over token byte strings). A compiled constraint is an `LLMatcher`
+over the model's tokens; each row decodes with its own copy (`RowConstraint`), so n > 1 choices
+and the prompts of a batched request never share parser state.
+
+Tokens as bytes: llguidance needs each token's byte string. A byte-level vocabulary (token i is
+byte i) has exactly that; one extra token, past the model's vocabulary, stands for "the output
+may end here" (llguidance's EOS). Word-level and SentencePiece vocabularies are refused
+(400 `constraint_not_supported`): their decoded text is not the concatenation of per-token bytes (words
+are joined by spaces, pieces lose their leading space at the start), so a mask over them would
+allow text the constraint does not.
+
+Ending. These models have no end-of-text token, so a row cannot stop by itself. Where the
+constraint is complete but could go on (a number's digits, text after a tool call), "end here"
+is drawn as one more choice beside the allowed tokens, with the probability the model gives to
+every token the constraint forbids: the model "wanted" something the output may not contain, so
+the output ends (server/engine/sampling.py, `Sampler.choose`). Where the constraint can only end
+(a JSON object's closing brace), the row ends after that token. Both end with finish_reason
+"stop". A row whose constraint allows no token and cannot end (llguidance ran out of its
+per-step budget, say) ends with finish_reason "no_allowed_token"; the rest of the batch goes on.
+
+Compiling happens once per distinct constraint text: compiled matchers are kept in a bounded
+LRU cache (`structured_cache_size`), and so are refusals, so a repeated bad schema costs nothing.
+A compile runs on a worker thread and is given `structured_compile_seconds`: one that takes
+longer is refused (400 `grammar_too_large`), and so is a constraint text over
+`structured_max_bytes` (checked by the API before it gets here) or a grammar llguidance finds
+too large (its own limits). A schema or grammar llguidance rejects is 400
+`invalid_response_format`, with llguidance's message.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+import torch
+
+from xlserve.models.tokenizer import ByteTokenizer
+from xlserve.server.engine.errors import InvalidInput
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+NO_ALLOWED_TOKEN = "no_allowed_token"  # the finish_reason of a row its constraint leaves nothing to draw
+# how JSON is laid out: compact separators with one space, as json.dumps writes, and no other
+# whitespace. A free-whitespace JSON grammar lets a small model pad an object with newlines until
+# max_tokens; this way every token goes to content, and the output is still any parser's JSON
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPILE_THREADS = 2  # compiles of distinct constraints at once (a timed-out one finishes in the background)
+
+
+def llguidance_grammar(kind: str, text: str) -> str:
+    """llguidance's grammar for a constraint of `kind` with `text`; ValueError when `text` is
+    not even the right shape (not a JSON object, not a list of strings)."""
+    import llguidance  # the engine process's dependency only: the API process never compiles
+
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "json_schema":
+        schema = json.loads(text)
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("a JSON schema is an object")
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        choices = json.loads(text)
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError("a choice is a non-empty list of strings")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    raise ValueError(f"unknown constraint kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def byte_level_tokenizer(vocab_size: int):
+    """llguidance's tokenizer for a byte-level vocabulary: token i is byte i, and token
+    `vocab_size` is the end of the output (a special token, never fed to the model)."""
+    import llguidance
+
+    class Tokens:
+        eos_token_id = vocab_size
+        bos_token_id = None
+        tokens = [bytes([i]) for i in range(vocab_size)] + [b"\xff[end]"]  # \xff: llguidance's special-token mark
+        special_token_ids = [vocab_size]
+
+        def __call__(self, text):
+            return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+    # slices=[]: with 256 tokens a mask is computed by walking them all, faster than slicing
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()), slices=[])
+
+
+class ConstraintCompiler:
+    """One model's constraints: compiles them (once per distinct text, on a worker thread, within
+    a time limit) and keeps the results in a bounded LRU cache. Any thread."""
+
+    def __init__(self, tokenizer, model_name: str, cache_size: int = 256, compile_seconds: float = 5.0):
+        self.model_name = model_name
+        self.vocab_size = tokenizer.vocab_size
+        self.unsupported = (None if isinstance(tokenizer, ByteTokenizer) else
+                            f"model '{model_name}' has a {type(tokenizer).__name__}, whose tokens are not byte strings "
+                            "that concatenate to the text (words are joined by spaces, pieces lose a leading space), so "
+                            "structured output cannot be enforced on it; use a byte-level model")
+        self._tokenizer = None  # llguidance's, built at the first constraint
+        self.cache_size = max(0, cache_size)
+        self.compile_seconds = compile_seconds
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()  # -> LLMatcher, or the InvalidInput it got
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.compiles = 0  # how many compiles ran (tests and the benchmark read it)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def cached(self, kind: str, text: str) -> bool:
+        with self._lock:
+            return (kind, text) in self._cache
+
+    def matcher(self, kind: str, text: str, param: str | None = None):
+        """A fresh matcher for the constraint (a copy of the compiled one, for one request);
+        raises InvalidInput naming `param` when it cannot be compiled or is too large."""
+        if self.unsupported is not None:
+            raise InvalidInput(self.unsupported, param=param, code="constraint_not_supported")
+        key = (kind, text)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+        if compiled is None:
+            compiled = self._compile(kind, text, param)
+            with self._lock:
+                self._cache[key] = compiled
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(compiled, InvalidInput):
+            raise type(compiled)(compiled.message, param=param, code=compiled.code)
+        return compiled
+
+    def _compile(self, kind: str, text: str, param: str | None):
+        import llguidance
+
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = byte_level_tokenizer(self.vocab_size)
+                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="constraint-compile")
+            tokenizer, pool = self._tokenizer, self._pool
+        what = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+                "choice": "choice list", "grammar": "Lark grammar"}.get(kind, kind)
+        try:
+            grammar = llguidance_grammar(kind, text)
+        except ValueError as error:
+            return InvalidInput(f"the {what} is not valid: {error}", code="invalid_response_format")
+
+        def build():
+            # the constructor never raises for a bad grammar: the matcher is left in an error state
+            return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+
+        self.compiles += 1
+        future = pool.submit(build)
+        try:
+            matcher = future.result(timeout=self.compile_seconds)
+        except FutureTimeout:
+            return InvalidInput(f"the {what} took more than {self.compile_seconds:g} s to compile "
+                                "(XLSERVE_STRUCTURED_COMPILE_SECONDS); simplify it", code="grammar_too_large")
+        if matcher.is_error():
+            message = matcher.get_error().strip()
+            code = "grammar_too_large" if "limit" in message.lower() else "invalid_response_format"
+            return InvalidInput(f"the {what} is not valid: {message}", code=code)
+        return matcher
+
+
+class RowConstraint:
+    """One row's matcher: which tokens it may draw next, and what it has drawn."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher.deep_copy()
+        self.vocab_size = vocab_size
+        self.ended = False  # the row ended because of its constraint (its text is flushed, not cut)
+
+    def allowed(self) -> tuple[torch.Tensor, bool]:
+        """((V,) bool: the tokens that keep the output valid, whether it may end here)."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(words, bitorder="little")  # bit i of the little-endian words is token i
+        may_end = bool(bits[self.vocab_size]) and self.matcher.is_accepting()
+        return torch.from_numpy(bits[: self.vocab_size].astype(bool)), may_end
+
+    def advance(self, token: int) -> bool:
+        """Record the token drawn; True when the output is complete (nothing may follow)."""
+        self.matcher.consume_token(token)
+        return self.matcher.is_stopped() and not self.matcher.is_error()

@@ -1,0 +1,274 @@
+"""Structured output and tool calls (issue 38) through the unmodified `openai` client against a
+real server running the shipped byte-level Transformer-XL: every output is a real model sample,
+kept inside its constraint by the engine's per-row mask (server/engine/constraints.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.e2e.server_process import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "transformer-xl-stdlib"
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
+          "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                  "maximum": 14}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = ServerProcess([REPO / "weights" / MODEL], env={"XLSERVE_STRUCTURED_MAX_BYTES": "20000"},
+                            log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def test_json_schema_outputs_validate_for_20_seeds(oai):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = [oai.chat.completions.create(model=MODEL, messages=ASK, response_format=response_format, seed=seed,
+                                        temperature=1.0, max_tokens=160) for seed in range(10)]
+    # completions: one request, n=10, choice i draws from seed 100 + i
+    completion = oai.completions.create(model=MODEL, prompt="person = ", seed=100, n=10, temperature=1.0,
+                                        max_tokens=160, extra_body={"response_format": response_format})
+    texts = [c.choices[0].message.content for c in chat] + [choice.text for choice in completion.choices]
+    reasons = [c.choices[0].finish_reason for c in chat] + [choice.finish_reason for choice in completion.choices]
+    assert reasons == ["stop"] * 20
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 5  # real samples at temperature 1, not one forced answer
+
+
+def test_json_object_and_guided_json(oai):
+    result = oai.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"}, seed=3,
+                                         max_tokens=300, temperature=0.7)
+    if result.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(result.choices[0].message.content), dict)
+    else:  # a free-form object may run past max_tokens; it is still a prefix of one
+        assert result.choices[0].message.content.startswith("{")
+    guided = oai.completions.create(model=MODEL, prompt="x = ", max_tokens=160, seed=4, n=4,
+                                    extra_body={"guided_json": json.dumps(PERSON)})
+    for choice in guided.choices:
+        jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+def test_regex_choice_and_grammar(oai):
+    pattern = r"[A-Z][a-z]{2,8}-[0-9]{2,4}"
+    result = oai.completions.create(model=MODEL, prompt=["id: ", "key = "], n=5, seed=1, temperature=1.0,
+                                    max_tokens=40, extra_body={"guided_regex": pattern})
+    assert len(result.choices) == 10  # two prompts, each with its own five matchers
+    assert all(re.fullmatch(pattern, choice.text) for choice in result.choices), [c.text for c in result.choices]
+
+    choices = ["red", "green", "blue"]
+    picked = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A colour?"}], n=6, seed=2,
+                                         max_tokens=10, extra_body={"guided_choice": choices})
+    assert all(choice.message.content in choices for choice in picked.choices)
+
+    grammar = 'start: "(" NUM (OP NUM)* ")"\nNUM: /[1-9][0-9]{0,2}/\nOP: "+" | "*"\n'
+    summed = oai.completions.create(model=MODEL, prompt="y = ", n=4, seed=3, max_tokens=60,
+                                    extra_body={"guided_grammar": grammar})
+    for choice in summed.choices:
+        assert choice.finish_reason == "stop" and re.fullmatch(r"\([1-9][0-9]{0,2}([+*][1-9][0-9]{0,2})*\)",
+                                                               choice.text), choice.text
+
+
+def test_streamed_constrained_text_is_the_plain_answer(oai):
+    kwargs = dict(model=MODEL, prompt="v = ", max_tokens=40, seed=9, extra_body={"guided_regex": r"[a-z]{3,30}"})
+    plain = oai.completions.create(**kwargs).choices[0].text
+    chunks = list(oai.completions.create(stream=True, **kwargs))
+    pieces = [c.text for chunk in chunks for c in chunk.choices if c.text]
+    assert "".join(pieces) == plain and len(pieces) > 1  # released as generated, not at the end
+
+
+def _arguments(call, tool) -> dict:
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+def test_tool_calls_required_named_and_auto(oai):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(4):
+        result = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                             tool_choice="required", seed=seed, max_tokens=200)
+        choice = result.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls and all(call.type == "function" and call.id for call in
+                                                 choice.message.tool_calls)
+        for call in choice.message.tool_calls:
+            _arguments(call, {"get_weather": WEATHER, "get_time": TIME}[call.function.name])
+
+    named = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], seed=5, max_tokens=200,
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                        parallel_tool_calls=False)
+    calls = named.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_time"
+    _arguments(calls[0], TIME)
+
+    # auto: text or calls, as the model draws; either parses
+    answers = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="auto", n=6,
+                                          seed=6, max_tokens=120)
+    for choice in answers.choices:
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            for call in choice.message.tool_calls:
+                _arguments(call, WEATHER)
+        else:
+            assert choice.message.content is not None and not choice.message.content.startswith("<")
+
+    # the call sent back in the history, with the tool's answer, is a valid next request
+    follow = oai.chat.completions.create(model=MODEL, max_tokens=5, seed=1, messages=[
+        *messages, {"role": "assistant", "tool_calls": [c.model_dump() for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "12:00"}])
+    assert follow.choices[0].finish_reason == "length"
+
+
+def test_streamed_tool_calls_rebuild_the_plain_answer(oai):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME],
+                  tool_choice="required", seed=11, max_tokens=200)
+    plain = oai.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish, argument_chunks = None, 0
+    for chunk in oai.chat.completions.create(stream=True, **kwargs):  # as OpenAI's docs accumulate a stream
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                call["name"] += (delta.function.name or "") if delta.function else ""
+                if delta.function and delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+                    argument_chunks += 1
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
+        [(c.function.name, c.function.arguments) for c in plain]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert argument_chunks > len(calls)  # arguments stream as they are generated
+
+
+def test_an_unconstrained_stream_beside_a_constrained_one_is_its_solo_run(oai):
+    plain = dict(model=MODEL, prompt="def main():\n", max_tokens=48, seed=21, temperature=1.0)
+    solo = oai.completions.create(**plain).choices[0].text
+    results: dict[str, str] = {}
+
+    def run(name, **kwargs):
+        results[name] = "".join(c.text for chunk in oai.completions.create(stream=True, **kwargs)
+                                for c in chunk.choices)
+
+    threads = [threading.Thread(target=run, args=("constrained",), kwargs=dict(
+                   model=MODEL, prompt="data = ", max_tokens=160, seed=5, n=3, extra_body={"response_format": {
+                       "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})),
+               threading.Thread(target=run, args=("plain",), kwargs=plain)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results["plain"] == solo
+
+
+def test_a_session_continued_after_a_constrained_completion_equals_one_fed_the_text(server, oai):
+    with server.client() as http:
+        constrained = http.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+        fed = http.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+        for session in (constrained, fed):
+            assert http.post(f"/v1/sessions/{session}/append", json={"text": "record = "}).status_code == 200
+        text = oai.completions.create(model=MODEL, prompt="", max_tokens=160, seed=8, extra_body={
+            "session_id": constrained, "guided_json": PERSON}).choices[0].text
+        jsonschema.validate(json.loads(text), PERSON)
+        assert http.post(f"/v1/sessions/{fed}/append", json={"text": text}).status_code == 200
+        infos = [http.get(f"/v1/sessions/{session}").json() for session in (constrained, fed)]
+        assert infos[0]["tokens"] == infos[1]["tokens"]
+    after = [oai.completions.create(model=MODEL, prompt="\n", max_tokens=24, temperature=0, logprobs=1,
+                                    extra_body={"session_id": session}).choices[0] for session in (constrained, fed)]
+    assert after[0].text == after[1].text
+    assert after[0].logprobs.token_logprobs == pytest.approx(after[1].logprobs.token_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "wat"}}}}}, "response_format", "invalid_response_format"),
+    ({"extra_body": {"guided_json": {"$ref": "#/nowhere"}}}, "guided_json", "invalid_response_format"),
+    ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex", "invalid_response_format"),
+    ({"extra_body": {"guided_grammar": "start: undefined_rule"}}, "guided_grammar", "invalid_response_format"),
+    ({"extra_body": {"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(4000))}}, "guided_grammar",
+     "grammar_too_large"),
+    ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_choice", "invalid_response_format"),
+])
+def test_bad_constraints_are_400_naming_the_field(oai, fields, param, code):
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=4, **fields)
+    error = refused.value.body
+    assert (error["param"], error["code"]) == (param, code), error
+    with pytest.raises(openai.BadRequestError) as again:  # the refusal is cached: the same answer
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=4, **fields)
+    assert again.value.body == error
+
+
+def test_bad_tools_are_400(oai):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "nonsense"}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(model=MODEL, messages=ASK, tools=[bad], tool_choice="required", max_tokens=4)
+    assert (refused.value.body["param"], refused.value.body["code"]) == ("tools", "invalid_response_format")
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=4,
+                                    tool_choice={"type": "function", "function": {"name": "missing"}})
+    assert refused.value.body["param"] == "tool_choice"
+
+
+def test_a_flood_of_distinct_schemas_is_answered(oai):
+    for i in range(12):  # each compiles once; the engine's cache stays bounded (tests/server/test_constraints.py)
+        schema = {"type": "object", "properties": {f"field_{i}": {"enum": [i]}}, "required": [f"field_{i}"],
+                  "additionalProperties": False}
+        text = oai.completions.create(model=MODEL, prompt="x", max_tokens=40, extra_body={"guided_json": schema}
+                                      ).choices[0].text
+        assert json.loads(text) == {f"field_{i}": i}
+
+
+def test_the_websocket_generate_frame_takes_the_same_fields(server):
+    from websockets.sync.client import connect
+
+    with connect(server.url.replace("http", "ws") + "/v1/stream") as socket:
+        socket.send(json.dumps({"type": "generate", "id": "g", "model": MODEL, "prompt": "n = ", "max_tokens": 30,
+                                "seed": 1, "guided_regex": "[0-9]{3}"}))
+        texts, done = [], None
+        while done is None:
+            frame = json.loads(socket.recv(timeout=60))
+            if frame["type"] == "token":
+                texts.append(frame["text"])
+            elif frame["type"] == "done":
+                done = frame
+            else:
+                raise AssertionError(frame)
+        assert done["finish_reason"] == "stop" and re.fullmatch("[0-9]{3}", "".join(texts) + done["text"])
+        socket.send(json.dumps({"type": "generate", "id": "h", "model": MODEL, "prompt": "n", "max_tokens": 3,
+                                "guided_regex": "("}))
+        refused = json.loads(socket.recv(timeout=60))
+        assert refused["type"] == "error" and refused["error"]["code"] == "invalid_response_format"
