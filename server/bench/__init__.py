@@ -27,6 +27,7 @@ BENCHMARKS = {
     "multi-turn": "multi_turn",
     "fairness": "fairness",
     "real-size": "real_size",
+    "structured": "structured",
 }
 
 # what each benchmark imports beyond the server's dependencies (pyproject.toml's `bench` extra)
