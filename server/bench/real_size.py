@@ -87,6 +87,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--append", type=int, help="tokens per append")
     parser.add_argument("--appends", type=int, help="successive appends committed after each history")
     parser.add_argument("--history-chunk", type=int, help="tokens per forward call while feeding a history")
+    parser.add_argument("--max-fed-history", type=int, default=None,
+                        help="feed at most this many tokens of a longer history, its last ones, and count the "
+                             "session as having seen all of them; only for a state of fixed size past its memory "
+                             "(Transformer-XL, XLNet with mem_len), where what an append costs cannot depend on "
+                             "the tokens before; every row says how many were fed (default: feed them all)")
     parser.add_argument("--decode-prompt", type=int, help="prompt tokens before the decode is timed")
     parser.add_argument("--decode-tokens", type=int, help="greedy steps timed")
     parser.add_argument("--batch-sizes", type=int, nargs="+")
@@ -286,8 +291,12 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
 
     generator = torch.Generator().manual_seed(history)
     tokens = torch.randint(0, vocab, (1, history + args.append * args.appends), generator=generator)
+    fed = history
+    if args.max_fed_history and history > args.max_fed_history and model.history_limit is None \
+            and model.full_state_bytes() is not None:  # a state of fixed size once its memory is full
+        fed = args.max_fed_history
     start = time.perf_counter()
-    log_probs, state = feed(model, tokens[:, :history], model.init_state(1), args.history_chunk)
+    log_probs, state = feed(model, tokens[:, history - fed : history], model.init_state(1), args.history_chunk)
     history_s = time.perf_counter() - start
     sessions = [SessionData(state=state, tokens=history, next_log_probs=log_probs[0, -1].clone())]
     forward_s = []
@@ -298,7 +307,7 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
         forward_s.append(time.perf_counter() - start)
         sessions.append(SessionData(state=new_state, tokens=sessions[-1].tokens + args.append,
                                     next_log_probs=log_probs[0, -1].clone()))
-    row = {"shape": name, "history_tokens": history, "append_tokens": args.append,
+    row = {"shape": name, "history_tokens": history, "history_fed_tokens": fed, "append_tokens": args.append,
            "history_feed_s": history_s, "state_bytes": sessions[-1].nbytes(),
            "whole_blob_bytes": len(encode(sessions[-1], {"session_id": "sess_bench", "model": name})),
            "new_positions_bytes": bytes_per_position(model) * args.append,
@@ -469,7 +478,7 @@ def run(args) -> dict:
             redis_process.wait()
             shutil.rmtree(redis_dir, ignore_errors=True)
     return {"benchmark": "real-size", "quick": args.quick, "read_bandwidth_bytes_per_s": bandwidth,
-            "setting": {k: getattr(args, k) for k in ("histories", "append", "appends", "history_chunk",
+            "setting": {k: getattr(args, k) for k in ("histories", "max_fed_history", "append", "appends", "history_chunk",
                                                       "decode_prompt", "decode_tokens", "batch_sizes", "seed")},
             "environment": environment(with_transformers=True), "shapes": shapes}
 

@@ -20,7 +20,7 @@ def result(tmp_path_factory):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (make test installs it)")
     out = tmp_path_factory.mktemp("real-size") / "real-size.json"
-    cli(["bench", "real-size", "--quick", "--threads", "1", "--out", str(out)])
+    cli(["bench", "real-size", "--quick", "--threads", "1", "--max-fed-history", "128", "--out", str(out)])
     assert out.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
     return json.loads(out.read_text())
 
@@ -52,6 +52,11 @@ def test_appends_are_timed_and_their_bytes_counted_on_disk_and_in_redis(result):
             # metadata twice over (a compaction of a log no larger than the base)
             for store in ("disk", "redis"):
                 assert row["new_positions_bytes"] <= row[f"bytes_per_commit_{store}"] <= 2.2 * row["whole_blob_bytes"]
+    # a capped feed is said per row, and only where the state is of fixed size past its memory
+    fed = {(shape["shape"], row["history_tokens"]): row["history_fed_tokens"]
+           for shape in result["shapes"] for row in shape["appends"] if "skipped" not in row}
+    assert fed == {("transfo-xl-wt103", 64): 64, ("transfo-xl-wt103", 256): 128, ("xlnet-large", 64): 64,
+                   ("xlnet-large", 256): 128, ("reformer-enwik8", 64): 64}
     # the Reformer's state grows until max_context: a history past it is skipped, not failed
     reformer = result["shapes"][2]
     assert any("skipped" in row and "max_context" in row["skipped"] for row in reformer["appends"])
