@@ -1,0 +1,144 @@
+"""Structured output in the engine (server/engine/constraints.py): the compiled-constraint cache
+and its limits, the sampler's mask and its "end here" choice, and rows of the shipped byte-level
+Transformer-XL that end by their constraint, alone or beside unconstrained rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.tokenizer import ByteTokenizer, WordTokenizer
+from xlserve.server.engine import local
+from xlserve.server.engine.constraints import NO_ALLOWED_TOKEN, ConstraintCompiler
+from xlserve.server.engine.errors import InvalidInput
+from xlserve.server.engine.request import EngineRequest
+from xlserve.server.engine.sampling import Sampler
+from xlserve.server.engine.scheduler import Engine
+from xlserve.server.engine.types import ChoiceFinished, Finished, SamplingParams, TokenEvent
+from xlserve.server.metrics import Metrics
+
+SHIPPED = Path(__file__).resolve().parents[2] / "weights" / "transformer-xl-stdlib"
+
+
+def schema(i: int) -> str:
+    return json.dumps({"type": "object", "properties": {f"f{i}": {"type": "integer"}}, "required": [f"f{i}"]})
+
+
+def test_a_flood_of_distinct_schemas_stays_within_the_cache_bound():
+    compiler = ConstraintCompiler(ByteTokenizer(), "m", cache_size=8)
+    for i in range(40):
+        compiler.matcher("json_schema", schema(i))
+        assert len(compiler) <= 8
+    assert compiler.compiles == 40
+    compiler.matcher("json_schema", schema(39))  # recent: cached, not compiled again
+    assert compiler.compiles == 40
+    compiler.matcher("json_schema", schema(0))  # dropped long ago: compiled again
+    assert compiler.compiles == 41 and len(compiler) == 8
+
+
+def test_a_refused_schema_is_remembered_and_refused_the_same_way():
+    compiler = ConstraintCompiler(ByteTokenizer(), "m")
+    for _ in range(3):
+        with pytest.raises(InvalidInput) as refused:
+            compiler.matcher("json_schema", '{"type": "nonsense"}', param="guided_json")
+        assert (refused.value.code, refused.value.param) == ("invalid_response_format", "guided_json")
+        assert "nonsense" in refused.value.message
+    assert compiler.compiles == 1
+
+
+def test_a_compile_past_the_time_limit_is_grammar_too_large():
+    properties = {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},40}}"} for i in range(400)}
+    big = json.dumps({"type": "object", "properties": properties, "required": list(properties)})
+    compiler = ConstraintCompiler(ByteTokenizer(), "m", compile_seconds=1e-6)
+    with pytest.raises(InvalidInput) as refused:
+        compiler.matcher("json_schema", big, param="response_format")
+    assert refused.value.code == "grammar_too_large" and "XLSERVE_STRUCTURED_COMPILE_SECONDS" in refused.value.message
+
+
+def test_a_vocabulary_that_is_not_bytes_is_refused_naming_why():
+    compiler = ConstraintCompiler(WordTokenizer(["the", "cat", "<eos>"]), "wt103")
+    with pytest.raises(InvalidInput) as refused:
+        compiler.matcher("regex", "the", param="guided_regex")
+    assert refused.value.code == "constraint_not_supported" and "WordTokenizer" in refused.value.message
+
+
+def test_the_sampler_draws_only_allowed_tokens_and_ends_with_the_forbidden_mass():
+    log_probs = torch.log_softmax(torch.randn(256, generator=torch.Generator().manual_seed(0)), -1)
+    allowed = torch.zeros(256, dtype=torch.bool)
+    allowed[ord("0"):ord("9") + 1] = True
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    drawn = [sampler.choose(log_probs, allowed, may_end=False) for _ in range(300)]
+    assert all(allowed[token] for token in drawn)
+    # may end: "end here" (token 256) carries the mass of the 246 forbidden tokens, most of it
+    ends = [sampler.choose(log_probs, allowed, may_end=True) for _ in range(300)]
+    forbidden_mass = float(log_probs[~allowed].exp().sum())
+    assert abs(ends.count(256) / 300 - forbidden_mass) < 0.1
+    greedy = Sampler(SamplingParams(temperature=0))
+    best_allowed = int(torch.where(allowed, log_probs, float("-inf")).argmax())
+    assert greedy.choose(log_probs, allowed, may_end=False) == best_allowed
+    everything = torch.ones(256, dtype=torch.bool)  # nothing forbidden: it never ends by itself
+    assert greedy.choose(log_probs, everything, may_end=True) == int(log_probs.argmax())
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    engine = Engine("m", load_checkpoint(SHIPPED), ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery())
+    yield engine
+    engine.close()
+
+
+def request(engine, prompt: str, keep_state: bool = False, matcher=None, **params) -> EngineRequest:
+    """A generation; `matcher`, a compiled constraint given directly (else params name one)."""
+    return EngineRequest("generate", list(prompt.encode()), engine.fresh_data(), SamplingParams(**params),
+                         keep_state=keep_state, constraint=matcher)
+
+
+async def collect(engine, queued: EngineRequest) -> dict:
+    texts, reasons, finished = {}, {}, None
+    async for event in local.generate(engine, queued):
+        if isinstance(event, TokenEvent):
+            texts[event.index] = texts.get(event.index, "") + event.text
+        elif isinstance(event, ChoiceFinished):
+            texts[event.index] = texts.get(event.index, "") + event.text_tail
+            reasons[event.index] = event.finish_reason
+        elif isinstance(event, Finished):
+            finished = event
+    return {"texts": [texts.get(i, "") for i in sorted(reasons)], "reasons": [reasons[i] for i in sorted(reasons)],
+            "finished": finished}
+
+
+def test_a_row_its_constraint_leaves_no_token_ends_alone(engine):
+    dead = engine.constraints.matcher("regex", "[0-9]+").deep_copy()
+    dead.consume_token(ord("x"))  # a token the regex forbids: the matcher is in its error state for good
+    assert dead.is_error()
+    plain = dict(max_tokens=24, temperature=1.0, seed=5)
+
+    async def together():
+        return await asyncio.gather(collect(engine, request(engine, "n = ", matcher=dead, max_tokens=24)),
+                                    collect(engine, request(engine, "def f():\n", **plain)))
+
+    stuck, beside = asyncio.run(together())
+    alone = asyncio.run(collect(engine, request(engine, "def f():\n", **plain)))
+    assert stuck["reasons"] == [NO_ALLOWED_TOKEN] and stuck["texts"] == [""]
+    assert beside["texts"] == alone["texts"] and beside["reasons"] == ["length"]
+
+
+def test_a_session_row_that_ends_by_choice_keeps_exactly_the_text_sent(engine):
+    """A regex that can always go on ("[0-9]+") ends only by drawing "end here", without a token
+    of that step: the session's state must then be the state after prompt + text, as if fed."""
+    prompt = "x = "
+    ended = asyncio.run(collect(engine, request(engine, prompt, keep_state=True, max_tokens=40, temperature=0.8,
+                                                seed=2, constraint_kind="regex", constraint="[0-9]+")))
+    (text,) = ended["texts"]
+    assert ended["reasons"] == ["stop"] and re.fullmatch("[0-9]+", text) and len(text) < 40
+    data = ended["finished"].data
+    fed = asyncio.run(local.append(engine, engine.fresh_data(), list((prompt + text).encode())))
+    assert data.tokens == fed.data.tokens == len(prompt) + len(text)
+    torch.testing.assert_close(data.next_log_probs, fed.data.next_log_probs, atol=1e-4, rtol=1e-4)
