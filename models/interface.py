@@ -98,28 +98,30 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
 
 def tensor_change(old: Tensor, new: Tensor, axis: int | None, appended: int) -> TensorChange:
     """The cheapest exact description of `old` -> `new`: positions along `axis` (None: the tensor
-    has no positions, it is same or whole) slid by `appended` new ones, or overwritten in place."""
-    if same_bits(old, new):
-        return TensorChange("same")
+    has no positions, it is same or whole) slid by `appended` new ones, or else overwritten in
+    place. One pass over the tensor for a sliding memory, two for a ring (the slide is tried
+    first, then the slots), which on the state's device costs far less than writing it."""
     whole = TensorChange("whole", values=new)
     if axis is None or old.dtype != new.dtype or old.dim() != new.dim() or \
             any(o != n for d, (o, n) in enumerate(zip(old.shape, new.shape)) if d != axis):
-        return whole
-    best = whole
+        return TensorChange("same") if same_bits(old, new) else whole
     old_len, new_len = old.shape[axis], new.shape[axis]
     drop = min(max(old_len + appended - new_len, 0), old_len)  # what `appended` new positions pushed out
     kept = old_len - drop
     if kept <= new_len and same_bits(new.narrow(axis, 0, kept), old.narrow(axis, drop, kept)):
+        if drop == 0 and kept == new_len:
+            return TensorChange("same")
         slide = TensorChange("slide", axis=axis, drop=drop, values=new.narrow(axis, kept, new_len - kept))
-        if slide.nbytes() < best.nbytes():
-            best = slide
+        if slide.nbytes() < whole.nbytes():
+            return slide
     if old.shape == new.shape:
         differs = (_bits(old) != _bits(new)).movedim(axis, 0).reshape(old_len, -1).any(dim=1)
         index = differs.nonzero().flatten()
+        if index.numel() == 0:
+            return TensorChange("same")
         slots = TensorChange("slots", axis=axis, values=new.index_select(axis, index), index=index)
-        if slots.nbytes() < best.nbytes():
-            best = slots
-    return best
+        return slots if slots.nbytes() < whole.nbytes() else whole
+    return whole
 
 
 def apply_change(old: Tensor | None, change: TensorChange) -> Tensor:

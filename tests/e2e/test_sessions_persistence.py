@@ -1,5 +1,6 @@
 """Sessions outlive the server: kill -9 mid-request, restart, every committed session continues
-exactly; a graceful SIGTERM and restart likewise."""
+exactly (one of them stored as a base file and a log of delta commits, and forked from there);
+a graceful SIGTERM and restart likewise."""
 
 import signal
 
@@ -19,9 +20,14 @@ def test_sessions_survive_kill_and_graceful_restart(tiny_checkpoint, tmp_path):
             busy = create(client)
             append(client, busy, document(3))  # version 1
             empty = create(client)  # version 0, no state yet
-            twins = {s: ok(client.post(f"/v1/sessions/{s}/fork"))["id"] for s in (growing, busy)}
+            logged = create(client)
+            append(client, logged, document(5))
+            for text in ("x = 1\n", "y = 2\n"):  # short appends to a full memory: delta blocks in its log
+                append(client, logged, text)
+            assert (tmp_path / "state" / f"{logged}.log").stat().st_size > 0  # version 3 = base + log
+            twins = {s: ok(client.post(f"/v1/sessions/{s}/fork"))["id"] for s in (growing, busy, logged)}
             expected = {s: score(client, twin) for s, twin in twins.items()}  # computed before the crash
-            before = {s: info(client, s) for s in (growing, busy, empty)}
+            before = {s: info(client, s) for s in (growing, busy, empty, logged)}
             with first.client() as streaming, streaming.stream("POST", "/v1/completions", json={
                     "model": "txl-tiny", "prompt": "x", "max_tokens": 4000, "stream": True, "session_id": busy}) as response:
                 lines = response.iter_lines()
@@ -42,7 +48,7 @@ def test_sessions_survive_kill_and_graceful_restart(tiny_checkpoint, tmp_path):
                 assert score(client, session) == logprobs  # bit-identical continuation
             assert info(client, twins[growing])["version"] == 1
             append(client, empty, document(4))
-            after_graceful = {s: info(client, s) for s in (growing, busy, empty)}
+            after_graceful = {s: info(client, s) for s in (growing, busy, empty, logged)}
         assert second.stop(signal.SIGTERM) == 0
     finally:
         second.stop(signal.SIGKILL)
