@@ -40,6 +40,7 @@ from pydantic import (
     ValidationError,
     WithJsonSchema,
     WrapValidator,
+    field_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -289,8 +290,15 @@ class ChatMessage(RequestBody):
     # a string, or OpenAI's list of content parts (their texts are joined with newlines)
     content: Annotated[Text | list[TextPart] | None, one_of("a string or a list of {\"type\": \"text\"} parts")] = None
     name: Text | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_calls: list[MessageToolCall] | None = Field(None, min_length=1)  # an assistant's calls
     tool_call_id: Text | None = None  # a tool message: the call it answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_an_assistants(cls, value, info):
+        if value is not None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only an assistant message makes tool calls")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -312,7 +320,7 @@ class ChatCompletionRequest(SamplingOptions):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: Text | None = None
-    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
                            one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')] = None
     parallel_tool_calls: bool = True
