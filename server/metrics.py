@@ -225,7 +225,7 @@ class Metrics:
     # A counter appears at its first increment, so without these the first error, refusal or
     # eviction reads as a rate of 0 (there was no earlier sample) and alerts on it cannot fire.
 
-    FINISH_REASONS = ("stop", "length", "cancelled")
+    FINISH_REASONS = ("stop", "length", "no_allowed_token", "cancelled")
 
     def declare_engine_series(self, models: list[str], tiers: list[str]) -> None:
         """The engine process's counters at 0 for every model, finish reason and cache tier."""
