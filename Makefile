@@ -7,6 +7,12 @@ PY := $(VENV)/bin/python
 SERVE_INSTALLED := $(VENV)/.installed-serve
 BENCH_INSTALLED := $(VENV)/.installed-bench
 TEST_INSTALLED := $(VENV)/.installed-test
+# The second reference environment of the Mamba, Mamba-2 and RWKV parity tests and of `bench
+# vs-hf-mamba`: a newer transformers installed apart (--target), put first on PYTHONPATH by the
+# subprocesses that run it; the test extra's transformers 4.37.2 stays the one the TransfoXL,
+# XLNet and Reformer parity tests import (tests/models/hf_reference.py, docs/convert.md)
+HF_REFERENCE_DIR := $(VENV)/hf-reference
+HF_REFERENCE := transformers==4.57.1 tokenizers==0.22.1
 # Every runtime package at the version constraints.txt pins (the images install from it too).
 # Torch: the CPU build of that version, on this machine's disk; GPU users install their own torch
 # first (pyproject says torch>=2.4) and keep it.
@@ -57,6 +63,7 @@ $(BENCH_INSTALLED): $(SERVE_INSTALLED)
 $(TEST_INSTALLED): $(SERVE_INSTALLED)
 	@echo "== installing the test extra (and the bench extra): pytest, selenium, schemathesis, transformers, ..."
 	$(PY) -m pip install -c $(VENV)/constraints.txt -e ".[test]"
+	$(PY) -m pip install --upgrade --no-deps --target $(HF_REFERENCE_DIR) $(HF_REFERENCE)
 	touch $@ $(BENCH_INSTALLED)
 
 serve: $(SERVE_INSTALLED)

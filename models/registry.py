@@ -23,6 +23,9 @@ ARCHITECTURES: dict[str, str] = {
     "lite-transformer": "xlserve.models.lite_transformer:LiteTransformer",
     "conformer": "xlserve.models.conformer:Conformer",
     "reformer": "xlserve.models.reformer:Reformer",
+    "mamba": "xlserve.models.mamba:Mamba",
+    "mamba2": "xlserve.models.mamba2:Mamba2",
+    "rwkv": "xlserve.models.rwkv:Rwkv",
 }
 
 

@@ -6,7 +6,9 @@ back an incomplete character until its last byte arrives.
 
 Imported word-level models (Transformer-XL on WikiText-103) use `WordTokenizer`: one id per
 symbol of a list stored beside the weights as plain text or JSON (see its docstring and
-docs/convert.md; the pickled vocab.pkl of Hugging Face is never read).
+docs/convert.md; the pickled vocab.pkl of Hugging Face is never read). Imported Mamba, Mamba-2
+and RWKV checkpoints use `TokenizersTokenizer`: their own tokenizer.json, run by Hugging Face's
+`tokenizers` library.
 """
 
 from __future__ import annotations
@@ -177,7 +179,69 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
         if not path.is_file():
             raise ValueError(f"{path} does not exist: this converted model needs its sentencepiece model")
         return SentencePieceTokenizer.from_file(path, **config.get("tokenizer_options", {}))
+    if kind == "tokenizers":
+        if directory is None:
+            raise ValueError("a tokenizer.json checkpoint needs its directory to find the file")
+        path = Path(directory) / config.get("tokenizer_file", "tokenizer.json")
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist: this converted model needs its tokenizer.json")
+        tokenizer = TokenizersTokenizer.from_file(path)
+        vocab_size = config.get("config", {}).get("vocab_size")
+        if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"{path} has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+        return tokenizer
     raise ValueError(f"unknown tokenizer {kind!r} in checkpoint config")
+
+
+def describe_tokenizer(config: dict) -> str:
+    """The tokenizer a checkpoint's config.json names, in a few words (for the start-up log)."""
+    kind = config.get("tokenizer", "bytes")
+    if kind == "bytes":
+        return "bytes"
+    default_file = {"words": "symbols.json", "sentencepiece": "spiece.model", "tokenizers": "tokenizer.json"}
+    library = {"tokenizers": "the tokenizers library", "sentencepiece": "sentencepiece", "words": "a word list"}
+    return f"{config.get('tokenizer_file', default_file.get(kind, '?'))} ({library.get(kind, kind)})"
+
+
+class TokenizersTokenizer:
+    """A Hugging Face tokenizer.json (the byte-level BPE of GPT-NeoX that Mamba and RWKV-4 use,
+    or any other the `tokenizers` library reads), run by that library. encode adds no special
+    tokens of the post-processor (a language model continues the text as given) but still
+    recognises added tokens written in the text ("<|endoftext|>", a chat template's markers).
+    The model's vocabulary may be larger than the tokenizer's (padded embeddings: 50,280 rows
+    for 50,277 tokens); ids past the tokenizer's decode to nothing and are named "<id N>"."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TokenizersTokenizer":
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_bytes(cls, content: bytes) -> "TokenizersTokenizer":
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(content.decode("utf-8")))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
+
+    def token_text(self, token: int) -> str:
+        name = self.tokenizer.id_to_token(int(token))
+        return name if name is not None else f"<id {int(token)}>"
+
+    def detokenizer(self) -> "SentencePieceDetokenizer":
+        return SentencePieceDetokenizer(self)
 
 
 class SentencePieceTokenizer:
@@ -244,10 +308,11 @@ class SentencePieceTokenizer:
 
 
 class SentencePieceDetokenizer:
-    """Incremental `SentencePieceTokenizer.decode`: decodes everything so far and hands out what
-    is new, holding back a trailing U+FFFD (an incomplete byte-fallback character)."""
+    """Incremental `SentencePieceTokenizer.decode` (and `TokenizersTokenizer.decode`): decodes
+    everything so far and hands out what is new, holding back a trailing U+FFFD (an incomplete
+    byte-fallback or byte-level character)."""
 
-    def __init__(self, tokenizer: SentencePieceTokenizer) -> None:
+    def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._sent = 0

@@ -34,7 +34,7 @@ from fastapi import Depends, FastAPI
 from starlette.routing import WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from xlserve.models.tokenizer import tokenizer_for_checkpoint
+from xlserve.models.tokenizer import describe_tokenizer, tokenizer_for_checkpoint
 from xlserve.server.api.admission import OPEN_PATHS, AdmissionMiddleware
 from xlserve.server.api.chat import load_chat_template
 from xlserve.server.api.deps import AppState, ServedModel
@@ -142,7 +142,8 @@ def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
         card = described["card"]
         lines.append(f"  model {described['name']}: {card['architecture']}, {card['parameters']:,} parameters, "
                      f"{described.get('device')} {described.get('dtype')}, loaded in "
-                     f"{described.get('load_seconds', 0):.2f}s from {described['directory']}")
+                     f"{described.get('load_seconds', 0):.2f}s from {described['directory']}, tokenizer "
+                     f"{describe_tokenizer(described['checkpoint_config'])}")
     threads = ready.get("threads", {})
     lines.append(f"  threads per model: {threads.get('forward')} for forwards, {threads.get('prompt')} for prompts "
                  f"of 256 tokens or more ({threads.get('cores')} cores; XLSERVE_TORCH_THREADS, "

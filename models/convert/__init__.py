@@ -39,6 +39,9 @@ IMPORTERS: dict[str, str] = {
     "transfo-xl": "xlserve.models.convert.transfo_xl",
     "xlnet": "xlserve.models.convert.xlnet",
     "reformer": "xlserve.models.convert.reformer",
+    "mamba": "xlserve.models.convert.mamba",
+    "mamba2": "xlserve.models.convert.mamba2",
+    "rwkv": "xlserve.models.convert.rwkv",
 }
 
 

@@ -1,0 +1,85 @@
+"""The tokenizer files of a Hugging Face directory whose tokenizer is a `tokenizer.json` (Mamba,
+Mamba-2 and RWKV-4 checkpoints: GPT-NeoX's byte-level BPE), and what their importers share.
+
+tokenizer.json is read by the `tokenizers` library (never by hand-written BPE) to check it
+before it is copied beside the weights; models.tokenizer.TokenizersTokenizer serves it.
+tokenizer_config.json and chat_template.jinja are copied when the directory has them: the
+server's chat completions take the checkpoint's chat template (and bos/eos tokens) from them
+(server/api/chat.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
+
+TOKENIZER_FILE = "tokenizer.json"
+COPIED_IF_PRESENT = ("tokenizer_config.json", "chat_template.jinja")
+
+
+def tokenizer_files(directory: Path, vocab_size: int) -> tuple[dict[str, bytes], list[str]]:
+    """The files that go beside the converted weights, and notes for the user."""
+    files: dict[str, bytes] = {}
+    path = directory / TOKENIZER_FILE
+    if not path.is_file():
+        return files, [f"no {TOKENIZER_FILE} in {directory}: the weights convert, but serving text needs the "
+                       f"checkpoint's {TOKENIZER_FILE} in the output directory"]
+    from xlserve.models.tokenizer import TokenizersTokenizer
+
+    content = path.read_bytes()
+    try:
+        tokenizer = TokenizersTokenizer.from_bytes(content)
+    except Exception as e:  # the library raises its own Exception subclass on a bad file
+        raise ConversionError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConversionError(f"{path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size {vocab_size}")
+    files[TOKENIZER_FILE] = content
+    for name in COPIED_IF_PRESENT:
+        extra = directory / name
+        if not extra.is_file():
+            continue
+        if name.endswith(".json"):
+            try:
+                parsed = json.loads(extra.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConversionError(f"{extra} is not valid JSON: {e}") from None
+            if not isinstance(parsed, dict):
+                raise ConversionError(f"{extra} does not hold a JSON object")
+        files[name] = extra.read_bytes()
+    return files, []
+
+
+def finish_import(source: SourceCheckpoint, model, place, architecture: str, symbols: Path | None,
+                  notes: list[str]) -> Imported:
+    """`model` (built from the translated config) with the tensors `place(model, tensors)` maps
+    onto it, its tokenizer files and our config.json's extra fields."""
+    if symbols is not None:
+        raise ConversionError(f"--symbols is for word-level models; {architecture}'s tokenizer is its {TOKENIZER_FILE}")
+    files, tokenizer_notes = tokenizer_files(source.directory, model.config.vocab_size)
+    extra = {
+        "tokenizer": "tokenizers",
+        "tokenizer_file": TOKENIZER_FILE,
+        "converted_from": {
+            "format": "huggingface",
+            "architecture": architecture,
+            "transformers_version": source.config.get("transformers_version"),
+            "weights_file": source.weights_file,
+        },
+    }
+    tensors = SourceTensors(source)
+    model = load_placed(model, place(model, tensors), tensors)
+    return Imported(model=model, config_extra=extra, files=files, notes=notes + tokenizer_notes)
+
+
+def check_architecture(hf: dict, where: Path, architecture: str) -> None:
+    architectures = hf.get("architectures") or [architecture]
+    if architecture not in architectures:
+        raise ConversionError(f"{where} describes {architectures}; only {architecture} (with its LM head) converts")
+
+
+def positive_int(value, name: str, where: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConversionError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,243 @@
+"""`xlserve convert` for Hugging Face MambaForCausalLM, Mamba2ForCausalLM and RwkvForCausalLM:
+parity with transformers 4.57.1 (the second reference environment, tests/models/hf_reference.py)
+on three random configurations of each, the tokenizer.json tokenizer with its chat template, and
+the refusals, which name the problem and write nothing. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.models.hf_reference import reference_runs
+from xlserve.models.checkpoint import load_checkpoint, read_config
+from xlserve.models.convert import ConversionError, convert
+from xlserve.models.tokenizer import TokenizersTokenizer, tokenizer_for_checkpoint
+
+TOLERANCE = 1e-4
+LENGTH, PROMPT, NEW = 80, 24, 12
+
+# three configurations per architecture: depth, widths, kernel, groups, biases, tying and
+# rescaling vary; the sequences are longer than our prefill chunks (64 for the two Mambas, 32 for
+# RWKV's WKV) and than transformers' Mamba-2 chunks (chunk_size), so both carry state across chunks
+CONFIGS = {
+    "mamba": [
+        dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4, expand=2,
+             time_step_rank=4),
+        dict(vocab_size=120, hidden_size=48, num_hidden_layers=3, state_size=4, conv_kernel=3, expand=1,
+             time_step_rank="auto", use_bias=True, use_conv_bias=False, tie_word_embeddings=False),
+        dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=16, conv_kernel=2, expand=3,
+             time_step_rank=2),
+    ],
+    "mamba2": [
+        dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4, expand=2,
+             num_heads=8, head_dim=8, n_groups=2, chunk_size=16),
+        dict(vocab_size=120, hidden_size=24, num_hidden_layers=3, state_size=16, conv_kernel=3, expand=2,
+             num_heads=4, head_dim=12, n_groups=1, chunk_size=32, use_bias=True,
+             time_step_limit=(0.0, 0.5)),
+        dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4, conv_kernel=4, expand=4,
+             num_heads=16, head_dim=4, n_groups=4, chunk_size=8, use_conv_bias=False),
+    ],
+    "rwkv": [
+        dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, intermediate_size=64, rescale_every=2,
+             context_length=128),
+        dict(vocab_size=120, hidden_size=24, num_hidden_layers=3, rescale_every=0, context_length=128,
+             tie_word_embeddings=True, layer_norm_epsilon=1e-6),
+        dict(vocab_size=64, hidden_size=16, num_hidden_layers=7, intermediate_size=24, rescale_every=6,
+             context_length=128),
+    ],
+}
+CASES = [(arch, i) for arch in CONFIGS for i in range(len(CONFIGS[arch]))]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict:
+    """Every configuration's reference, built, saved and run in one reference subprocess."""
+    root = tmp_path_factory.mktemp("references")
+    generator = torch.Generator().manual_seed(0)
+    specs = []
+    for seed, (arch, i) in enumerate(CASES):
+        vocab = CONFIGS[arch][i]["vocab_size"]
+        specs.append(dict(arch=arch, config=CONFIGS[arch][i], seed=seed, dir=str(root / f"{arch}-{i}"),
+                          tokens=torch.randint(0, vocab, (2, LENGTH), generator=generator).tolist(),
+                          prompt=PROMPT, new=NEW))
+    reference_runs(specs)
+    return {(spec["arch"], i): spec for spec, (_, i) in zip(specs, CASES)}
+
+
+def converted(spec: dict, tmp_path: Path):
+    summary = convert(Path(spec["dir"]) / "hf", tmp_path / "ours")
+    return load_checkpoint(tmp_path / "ours"), summary
+
+
+def greedy(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    log_probs, state = model(prompt, model.init_state(prompt.shape[0]))
+    chosen = []
+    for _ in range(new):
+        token = log_probs[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        chosen.append(token)
+        log_probs, state = model(token, state)
+    return torch.cat(chosen, dim=1)
+
+
+@pytest.mark.parametrize("arch,index", CASES)
+@torch.no_grad()
+def test_parity_with_transformers(references, tmp_path, arch, index):
+    """One pass and token by token (the reference's own cache) within 1e-4 of the reference's
+    log-probabilities; greedy tokens identical to its generate()."""
+    spec = references[(arch, index)]
+    expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))
+    model, summary = converted(spec, tmp_path)
+    assert summary["architecture"] == arch
+    tokens = torch.tensor(spec["tokens"])
+    assert expected["one_pass"].std() > 0.1  # logits spread wider than the tolerance: a comparison that can fail
+
+    one_pass, _ = model(tokens, model.init_state(2))
+    assert (one_pass - expected["one_pass"]).abs().max() < TOLERANCE
+
+    state, steps = model.init_state(2), []
+    for t in range(LENGTH):
+        out, state = model(tokens[:, t : t + 1], state)
+        steps.append(out)
+    assert (torch.cat(steps, dim=1) - expected["step_by_step"]).abs().max() < TOLERANCE
+    assert torch.equal(greedy(model, tokens[:, :PROMPT], NEW), expected["greedy"])
+
+
+# -- the tokenizer ------------------------------------------------------------------------------------
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def byte_level_tokenizer_json(vocab_size: int) -> str:
+    """A small byte-level BPE (GPT-NeoX's kind) trained here on stdlib source."""
+    import inspect
+    import json as json_module
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([inspect.getsource(json_module.decoder)], trainer)
+    return tokenizer.to_str()
+
+
+def with_tokenizer(spec: dict, tmp_path: Path, vocab_size: int) -> Path:
+    source = tmp_path / "hf"
+    shutil.copytree(Path(spec["dir"]) / "hf", source)
+    (source / "tokenizer.json").write_text(byte_level_tokenizer_json(vocab_size))
+    (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
+    return source
+
+
+def test_tokenizer_json_and_chat_template_go_with_the_weights(references, tmp_path):
+    spec = references[("mamba", 1)]  # vocabulary 120 < 256 + merges: a larger tokenizer is refused
+    source = with_tokenizer(spec, tmp_path, 300)
+    with pytest.raises(ConversionError, match=r"tokenizer.json has \d+ tokens, more than the model's vocab_size 120"):
+        convert(source, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+    spec = references[("mamba", 0)]
+    config = json.loads((Path(spec["dir"]) / "hf" / "config.json").read_text())
+    config["vocab_size"] = 300  # the embeddings widened to fit a byte-level tokenizer
+    tensors = load_file(str(Path(spec["dir"]) / "hf" / "model.safetensors"))
+    tensors["backbone.embeddings.weight"] = torch.randn(300, config["hidden_size"])
+    tensors.pop("lm_head.weight", None)
+    source = tmp_path / "wide"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(source / "model.safetensors"))
+    (source / "tokenizer.json").write_text(byte_level_tokenizer_json(290))  # fewer tokens than embedding rows
+    (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
+    summary = convert(source, tmp_path / "ours")
+    assert summary["tokenizer"] == "tokenizers"
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(summary["files"])
+    tokenizer = tokenizer_for_checkpoint(read_config(tmp_path / "ours"), tmp_path / "ours")
+    assert isinstance(tokenizer, TokenizersTokenizer) and tokenizer.vocab_size == 290
+    text = 'def decode(self, s):\n    """Return the Python representation of ``s``."""\n  ünïcode ✓'
+    ids = tokenizer.encode(text)
+    assert len(ids) < len(text.encode()) and tokenizer.decode(ids) == text  # merges used, byte-exact round trip
+    assert tokenizer.encode("a<|endoftext|>b")[1] == tokenizer.tokenizer.token_to_id("<|endoftext|>")
+    detokenizer = tokenizer.detokenizer()
+    assert "".join(detokenizer.push(t) for t in ids) + detokenizer.flush() == text  # streamed: the same text
+
+    from xlserve.server.api.chat import load_chat_template
+
+    template = load_chat_template(read_config(tmp_path / "ours"), tmp_path / "ours")
+    assert template.render([{"role": "user", "content": "hi"}]) == "<|user|>hi<|endoftext|><|assistant|>"
+
+
+# -- refusals: each names the problem and writes nothing -------------------------------------------------
+
+
+def refused(source: Path, out: Path, match: str) -> None:
+    with pytest.raises(ConversionError, match=match):
+        convert(source, out)
+    assert not out.exists() and not any(p.name.startswith(f".{out.name}.") for p in out.parent.iterdir())
+
+
+def copy_of(spec: dict, tmp_path: Path) -> Path:
+    source = tmp_path / "source"
+    shutil.copytree(Path(spec["dir"]) / "hf", source)
+    return source
+
+
+def edit_tensors(source: Path, edit) -> None:
+    tensors = load_file(str(source / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(source / "model.safetensors"))
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_refusals_name_the_problem_and_write_nothing(references, tmp_path, arch):
+    spec = references[(arch, 0)]
+    prefix = {"mamba": "backbone.layers.0.mixer.", "mamba2": "backbone.layers.0.mixer.", "rwkv": "rwkv.blocks.0.attention."}[arch]
+    name = prefix + ("in_proj.weight" if arch != "rwkv" else "key.weight")
+
+    source = copy_of(spec, tmp_path / "missing")
+    edit_tensors(source, lambda t: t.pop(name))
+    refused(source, tmp_path / "out", f"tensor '{name}' is missing")
+
+    source = copy_of(spec, tmp_path / "shape")
+    edit_tensors(source, lambda t: t.__setitem__(name, t[name][:-1]))
+    refused(source, tmp_path / "out", f"tensor '{name}' has shape")
+
+    source = copy_of(spec, tmp_path / "nan")
+    edit_tensors(source, lambda t: t[name].view(-1).__setitem__(3, float("nan")))
+    refused(source, tmp_path / "out", f"tensor '{name}' contains NaN")
+
+    source = copy_of(spec, tmp_path / "extra")
+    edit_tensors(source, lambda t: t.__setitem__("backbone.stray", torch.zeros(2)))
+    refused(source, tmp_path / "out", "cannot place tensor 'backbone.stray'")
+
+    source = copy_of(spec, tmp_path / "type")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    refused(source, tmp_path / "out", r"type 'gpt2'.*imports: \[.*'mamba', 'mamba2'.*'rwkv'")
+
+    source = copy_of(spec, tmp_path / "head")
+    (source / "config.json").write_text(json.dumps({**config, "architectures": ["SomethingForSequenceClassification"]}))
+    refused(source, tmp_path / "out", "only .*ForCausalLM .*converts")
+
+
+def test_weights_only_pickle_converts_like_safetensors(references, tmp_path):
+    """pytorch_model.bin, read through torch.load(weights_only=True), gives the same model."""
+    spec = references[("mamba2", 0)]
+    source = copy_of(spec, tmp_path)
+    torch.save(load_file(str(source / "model.safetensors")), source / "pytorch_model.bin")
+    (source / "model.safetensors").unlink()
+    summary = convert(source, tmp_path / "ours")
+    assert summary["weights_file"] == "pytorch_model.bin"
+    tokens = torch.tensor(spec["tokens"])
+    expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
+    model = load_checkpoint(tmp_path / "ours")
+    with torch.no_grad():
+        assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
