@@ -9,6 +9,17 @@ settled (`_settle`): Redis is asked whether it landed, and it is fenced if it ha
 answer is final either way; only a Redis silent for the whole settle wait makes it
 CommitOutcomeUnknown.
 
+Commits that cost the new tokens: a model whose state grows or slides by appending (its State
+class names the axes of its positions, models/interface.py `delta_axes`) has each commit written
+as a delta block (codec.py `encode_delta`: the positions added, dropped or overwritten, checked bit
+for bit) appended to the session's log, on disk (stores.py `DiskStore.append`: fsynced, framed,
+checksummed) or in Redis (`RedisStore.append`: the same compare-and-set, fences and settle as a
+whole write). Once the log would hold more than `compact_ratio` times its base's bytes, the commit
+is written whole instead, which compacts it (a new base, the log removed). A read gets the base
+and the log and applies the blocks in order (codec.py `materialise`). `written` counts the writes
+and bytes of each kind (delta, whole, compaction, fork), as does the metric
+xlserve_session_commit_bytes_total{model,kind}.
+
 Also here: the session's metadata as it is written (`metadata`) and read back (`record_from_meta`,
 `decode`, which checks a stored state against its record and its model), Redis's view of a session
 (`head`, `heads`), and the deleted sessions' tombstones.

@@ -36,8 +36,11 @@ at most `hold_wait_s` (then SessionUnavailable), and every hold is given back in
 no failure leaves a session held for good. Commits serialise only per session, not on one lock:
 two sessions' fsyncs overlap.
 
-Persistence: write-through, not a journal. Every commit (and every create, fork and import)
-writes the session's new state to the last tier before it returns (durable.py), so a `kill -9`
+Persistence: write-through. Every commit (and every create, fork and import) writes the
+session's new state to the last tier before it returns (durable.py): whole, or, for a model whose
+state grows or slides by appending, as a delta block on the session's log that holds only what
+changed since the lease's version (`_changes`; compacted into a new whole copy when the log
+outgrows it; a fork on disk shares its source's base file). So a `kill -9`
 at any moment finds every session at its last committed version, and a graceful shutdown has
 nothing left to write (close() checks that every session has its durable copy and writes any that
 lack one). On start, `open()` indexes the session files by their headers (the checksum is verified

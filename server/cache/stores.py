@@ -18,8 +18,11 @@
   a hard link to its source's (`fork`), with a copy of the source's log blocks.
 - `RedisStore(url)`: one hash per session, `xlserve:session:<id>` = {version, meta (JSON),
   blob (the same safetensors bytes), idempotency (the remembered Idempotency-Keys), writes (the
-  ids of the latest writes)}. Writes are compare-and-set on `version` in a Lua script, so a
-  replica holding a stale version can never overwrite a newer one. The URL may name one Redis,
+  ids of the latest writes), and for a session committed by deltas `log:1` .. `log:<logn>` (its
+  delta blocks since `blob`), `logn`, `logbytes`}. Writes are compare-and-set on `version` in a
+  Lua script, so a replica holding a stale version can never overwrite a newer one; a delta
+  commit appends its block in the same script (`append`), a whole write clears the log, and a
+  read takes the hash in one HGETALL (`get_chain`), so it never sees half a change. The URL may name one Redis,
   a Sentinel-managed master or a Redis Cluster (redis_client.py).
 
 Redis Cluster: a script runs on one node, so every key it touches must hash to one slot. The only
