@@ -141,11 +141,14 @@ class Sampler:
         if p.penalised:
             logits = self._penalise(logits)
         if allowed is not None:
-            forbidden = ~allowed
-            # nothing forbidden: the model wants nothing the output may not hold, so it never ends here
-            end = (torch.logsumexp(logits[forbidden], dim=0) if may_end and bool(forbidden.any())
-                   else torch.tensor(float("-inf")))
-            logits = torch.cat([logits.masked_fill(forbidden, float("-inf")), end.reshape(1)])  # (V + 1,)
+            masked = logits.masked_fill(~allowed, float("-inf"))
+            if may_end:  # "end here" as token V: the log of the forbidden tokens' mass, shifted by the
+                # row's largest value so that no exp overflows (logit_bias can lift a value to +100);
+                # with nothing forbidden the model wants nothing the output may not hold: it never ends here
+                top = logits.max()
+                forbidden = torch.exp(logits - top).masked_fill(allowed, 0.0).sum()
+                masked = torch.cat([masked, (top + torch.log(forbidden)).reshape(1)])  # (V + 1,)
+            logits = masked
         best, value = most_likely(logits)
         failure = unusable_row(value)
         if failure is not None:
