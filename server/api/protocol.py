@@ -182,6 +182,18 @@ class ResponseFormat(RequestBody):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(RequestBody):
+    """vLLM's newer `structured_outputs` object: the same constraints as the guided_* fields, one of them."""
+
+    json_: Annotated[JsonObject | Text | None, one_of("a JSON schema: an object, or its JSON text")] = \
+        Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
 class FunctionDefinition(RequestBody):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: Text | None = None
@@ -243,6 +255,7 @@ class SamplingOptions(RequestBody):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = Field(None, min_length=1)
     guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class SamplingFields(SamplingOptions):

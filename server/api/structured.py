@@ -7,7 +7,8 @@ A request names at most one constraint, in any of these forms (each becomes the 
 - OpenAI's `response_format`: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
   {"name": ..., "schema": {...}}}; {"type": "text"} is no constraint;
 - vLLM's `guided_json` (a schema, as an object or its JSON text), `guided_regex`, `guided_choice`
-  (a list of strings) and `guided_grammar` (a Lark grammar, llguidance's dialect);
+  (a list of strings) and `guided_grammar` (a Lark grammar, llguidance's dialect), or the same in
+  vLLM's newer `structured_outputs` object (`json`, `regex`, `choice`, `grammar`);
 - on /v1/chat/completions, `tools` with `tool_choice` "auto", "required" or a named function.
 
 Tool calls are text the model writes, in the form Hermes-style templates use:
@@ -35,7 +36,11 @@ CALL_END = "}" + TOOL_CLOSE  # what follows a call's arguments: the call object'
 # how the engine lays out JSON (server/engine/constraints.py JSON_OPTIONS), for schemas embedded in a grammar
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CALL_HEAD = re.compile(r'<tool_call>\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
-CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+# vLLM's structured_outputs object: its fields and the guided_* field each stands for
+STRUCTURED_OUTPUTS = {"json_": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                      "grammar": "guided_grammar"}
 
 
 def _too_large(text: str, param: str, limit: int) -> None:
@@ -52,14 +57,23 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
     response_format = getattr(body, "response_format", None)
     if response_format is not None and response_format.type != "text":
         given.append("response_format")
-    given += [name for name in CONSTRAINT_FIELDS[1:] if getattr(body, name, None) is not None]
+    given += [name for name in CONSTRAINT_FIELDS[1:-1] if getattr(body, name, None) is not None]
+    values = {name: getattr(body, name, None) for name in STRUCTURED_OUTPUTS.values()}
+    structured = getattr(body, "structured_outputs", None)
+    if structured is not None:  # vLLM's newer form: each of its fields as the guided_* field it stands for
+        inner = [field for field in STRUCTURED_OUTPUTS if getattr(structured, field) is not None]
+        given += [f"structured_outputs.{field.rstrip('_')}" for field in inner]
+        values.update({STRUCTURED_OUTPUTS[field]: getattr(structured, field) for field in inner})
     if not given:
         return None
     if len(given) > 1:
         raise InvalidRequest(f"{' and '.join(given)} both constrain the output; give one", param=given[1],
                              code="invalid_response_format")
     param = given[0]
-    if param == "response_format":
+    # the guided_* field the constraint is, whichever form named it
+    form = {f"structured_outputs.{field.rstrip('_')}": guided for field, guided in STRUCTURED_OUTPUTS.items()
+            }.get(param, param)
+    if form == "response_format":
         if response_format.type == "json_object":
             kind, text = "json_object", ""
         else:
@@ -68,8 +82,8 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
                 raise InvalidRequest('response_format of type "json_schema" needs json_schema: {"name": ..., '
                                      '"schema": {...}}', param="response_format", code="invalid_response_format")
             kind, text = ("json_object", "") if spec.schema_ is None else ("json_schema", json.dumps(spec.schema_))
-    elif param == "guided_json":
-        value = body.guided_json
+    elif form == "guided_json":
+        value = values["guided_json"]
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -80,12 +94,12 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
             raise InvalidRequest("guided_json must be a JSON schema (an object)", param=param,
                                  code="invalid_response_format")
         kind, text = "json_schema", json.dumps(value)
-    elif param == "guided_regex":
-        kind, text = "regex", body.guided_regex
-    elif param == "guided_choice":
-        kind, text = "choice", json.dumps(body.guided_choice)
+    elif form == "guided_regex":
+        kind, text = "regex", values["guided_regex"]
+    elif form == "guided_choice":
+        kind, text = "choice", json.dumps(values["guided_choice"])
     else:
-        kind, text = "grammar", body.guided_grammar
+        kind, text = "grammar", values["guided_grammar"]
     _too_large(text, param, limit)
     return kind, text, param
 

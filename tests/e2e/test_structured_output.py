@@ -91,6 +91,10 @@ def test_regex_choice_and_grammar(oai):
                                          max_tokens=10, extra_body={"guided_choice": choices})
     assert all(choice.message.content in choices for choice in picked.choices)
 
+    newer = oai.completions.create(model=MODEL, prompt="c = ", n=3, seed=2, max_tokens=10,  # vLLM's newer form
+                                   extra_body={"structured_outputs": {"choice": choices}})
+    assert all(choice.text in choices for choice in newer.choices)
+
     grammar = 'start: "(" NUM (OP NUM)* ")"\nNUM: /[1-9][0-9]{0,2}/\nOP: "+" | "*"\n'
     summed = oai.completions.create(model=MODEL, prompt="y = ", n=4, seed=3, max_tokens=60,
                                     extra_body={"guided_grammar": grammar})
@@ -220,6 +224,8 @@ def test_a_session_continued_after_a_constrained_completion_equals_one_fed_the_t
     ({"extra_body": {"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(4000))}}, "guided_grammar",
      "grammar_too_large"),
     ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_choice", "invalid_response_format"),
+    ({"extra_body": {"structured_outputs": {"json": {"type": "wat"}}}}, "structured_outputs.json",
+     "invalid_response_format"),
 ])
 def test_bad_constraints_are_400_naming_the_field(oai, fields, param, code):
     with pytest.raises(openai.BadRequestError) as refused:
