@@ -6,8 +6,10 @@ Each choice of each request draws from its own generator, so the same seed gives
 whether the request runs alone or beside others in a batch (choice i of a request with seed s
 draws from seed s + i, so choice 0 of an n > 1 request is the n = 1 text).
 
-Order of operations (vLLM's): logit_bias -> penalties -> temperature (0 = greedy: argmax of the
-biased, penalised row) -> top-k -> top-p -> min-p -> draw. Log-probabilities reported back to
+Order of operations (vLLM's): logit_bias -> penalties -> a structured-output constraint's mask
+(server/engine/constraints.py: forbidden tokens to -inf, and "end here" as one more choice where
+the output may end) -> temperature (0 = greedy: argmax of the biased, penalised, masked row) ->
+top-k -> top-p -> min-p -> draw. Log-probabilities reported back to
 the client are always the model's own, before any of this. `logit_bias` (OpenAI's) adds its
 value to the log-probability of each token it names; ids outside the vocabulary are refused.
 
