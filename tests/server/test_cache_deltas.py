@@ -307,3 +307,32 @@ def test_an_append_writes_about_its_new_positions(tmp_path):
     assert whole > full.state.nbytes()  # the create: one whole write
     sample = metrics.registry.get_sample_value("xlserve_session_commit_bytes_total", {"model": "m", "kind": "delta"})
     assert sample == cache.durable.written["delta"][1]
+
+
+def test_a_fork_shares_its_base_and_an_import_is_a_whole_write(tmp_path):
+    """On disk a fork hard-links its source's base file and copies only its log (then goes its
+    own way: the source's compaction or deletion leaves it whole); an import into a session
+    (PUT) is a whole write, which removes the log it replaces."""
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    source = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
+    for n in (2, 3):
+        state = step(model, cache, source, list(range(n)))
+    fork = cache.fork(source, None).id
+    base, fork_base = tmp_path / "state" / f"{source}.safetensors", tmp_path / "state" / f"{fork}.safetensors"
+    assert base.stat().st_ino == fork_base.stat().st_ino and base.stat().st_nlink == 2
+    assert cache.durable.written["fork"][1] < (tmp_path / "state" / f"{source}.log").stat().st_size + 4096
+    assert identical(stored(cache, fork), state)
+    forked = step(model, cache, fork, [5])
+    imported = feed(model, SessionData(model.init_state(1), 0, None), list(range(9)))[1]
+    cache.replace(source, None, imported)  # an import over the source: a new base of its own
+    assert cache.durable.written["whole"][0] == 2 and not (tmp_path / "state" / f"{source}.log").exists()
+    assert identical(stored(cache, source), imported)
+    assert fork_base.stat().st_nlink == 1 and identical(stored(cache, fork), forked)
+    cache.delete(source, None)
+    cache.close()
+    cache = SessionCache(tmp_path / "state", None, None, None)
+    cache.open({"m": model})
+    assert identical(stored(cache, fork), forked)
+    assert not list((tmp_path / "state").glob("*.corrupt"))
