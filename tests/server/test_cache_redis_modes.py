@@ -124,6 +124,26 @@ def test_the_store_on_a_cluster_keeps_every_guarantee_of_one_redis(redis_cluster
     prefix.close()
 
 
+def test_delta_commits_on_a_cluster_stay_in_the_session_slot(redis_cluster):  # noqa: F811
+    """A delta block is appended by a script that touches the session's hash and its write's
+    fence only, both in the session's slot: compare-and-set, fences and compaction as on one Redis."""
+    store = RedisStore(redis_cluster.url, prefix="modes-log:", timeout_s=3, max_connections=4)
+    ids = [sid(2000 + i) for i in range(6)]
+    assert len({redis_cluster.node_of(store._key(s)) for s in ids}) > 1
+    for i, s in enumerate(ids):
+        assert store.put(s, None, 0, {"v": 0}, b"base" * 8, f"b{i}") == 1
+        assert store.append(s, 0, 1, {"v": 1}, b"d1", 1.0, f"a{i}") == 1
+        assert store.append(s, 0, 1, {}, b"stale", 1.0) == 0  # compare-and-set on the version
+        assert store.settle(s, f"late{i}") is False
+        assert store.append(s, 1, 2, {}, b"fenced", 1.0, f"late{i}") == -1
+        assert store.append(s, 1, 2, {"v": 2}, b"d2", 1.0, f"c{i}") == 1
+        assert store.get_chain(s) == (2, {"v": 2}, b"base" * 8, [b"d1", b"d2"]) and store.settle(s, f"c{i}")
+        assert store.append(s, 2, 3, {}, b"x" * 40, 1.0) == 2  # would outgrow its base: nothing written
+        assert store.put(s, 2, 3, {"v": 3}, b"new base", f"w{i}") == 1  # the compaction clears the log
+        assert store.get_chain(s) == (3, {"v": 3}, b"new base", [])
+    store.close()
+
+
 def test_a_cluster_that_is_not_there_is_unavailable_not_a_crash():
     store = RedisStore("redis+cluster://127.0.0.1:1", timeout_s=0.3)  # made at once: nothing is connected
     with pytest.raises(StoreUnavailable, match="Redis Cluster"):
