@@ -525,7 +525,8 @@ class SessionCache:
         more than half the state to describe (writing it whole then costs little more, and
         starts a new base). Any failure to compute it is a whole write too, never a wrong one."""
         try:
-            changes = new.state.delta_from(old.state, new.tokens - old.tokens)
+            device = new.state._named_tensors()[0][1].device  # the lease's copy may be elsewhere (a host-homed session)
+            changes = new.state.delta_from(old.state.to(device), new.tokens - old.tokens)
         except Exception:  # a model's state the change cannot be described for: written whole
             log.exception("the change of a %s could not be computed; writing it whole", type(new.state).__name__)
             return None
