@@ -111,7 +111,7 @@ def scan_piece(h0: Tensor, log_decay: Tensor, inputs: Tensor) -> Tensor:
     if L == 1:
         return (torch.exp(log_decay[:, 0]) * h0 + inputs[:, 0]).unsqueeze(1)
     total = log_decay.cumsum(dim=1)  # (B, L, E, N) P_t, non-increasing along t
-    if float(total[:, -1].min()) < -SCAN_EXPONENT_LIMIT:
+    if float(total[:, -1].detach().min()) < -SCAN_EXPONENT_LIMIT:
         half = L // 2
         first = scan_piece(h0, log_decay[:, :half], inputs[:, :half])
         second = scan_piece(first[:, -1], log_decay[:, half:], inputs[:, half:])

@@ -1,0 +1,102 @@
+"""Mamba (Gu and Dao 2023): the chunked selective scan against the recurrence, and the state
+invariants every architecture keeps. Parity with transformers: tests/models/test_convert_recurrent.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.models.helpers import (
+    assert_rows_batch_like_single_rows, assert_same_as_one_pass, assert_state_round_trips,
+    state_bytes_after_4_kb_and_64_kb, tokens,
+)
+from xlserve.models.checkpoint import load_checkpoint
+from xlserve.models.mamba import SCAN_EXPONENT_LIMIT, Mamba, MambaConfig, selective_scan
+from xlserve.models.registry import build_model
+from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+
+
+def small_model(seed: int = 0, **overrides) -> Mamba:
+    torch.manual_seed(seed)
+    config = MambaConfig(n_layer=2, d_model=32, d_inner=64, d_state=8, d_conv=4, dt_rank=4, chunk_size=16, **overrides)
+    return Mamba(config).eval()
+
+
+def recurrence(u, dt, A, B, C, h):
+    """The paper's recurrence, one position at a time."""
+    outputs = []
+    for t in range(u.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[:, :, None] * B[:, t, None, :]
+        outputs.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(outputs, dim=1), h
+
+
+@pytest.mark.parametrize("decay_scale", [0.1, 20.0])
+def test_the_chunked_scan_is_the_recurrence(decay_scale):
+    """Two cumulative sums per chunk give the recurrence's outputs and state; with decays large
+    enough that a chunk's exponent passes SCAN_EXPONENT_LIMIT, the split keeps them finite and exact."""
+    g = torch.Generator().manual_seed(0)
+    u, dt = torch.randn(2, 70, 6, generator=g), torch.rand(2, 70, 6, generator=g) * decay_scale
+    A, B, C = -torch.rand(6, 5, generator=g) * 4, torch.randn(2, 70, 5, generator=g), torch.randn(2, 70, 5, generator=g)
+    h = torch.randn(2, 6, 5, generator=g)
+    if decay_scale > 1:
+        assert float((dt[:, :32, :, None] * A).sum(1).min()) < -SCAN_EXPONENT_LIMIT  # the split is exercised
+    y, after = selective_scan(u, dt, A, B, C, h, chunk_size=32)
+    expected, expected_after = recurrence(u, dt, A, B, C, h)
+    assert torch.isfinite(y).all()
+    assert (y - expected).abs().max() < 1e-4 and (after - expected_after).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 37])
+def test_chunked_feeding_equals_one_pass(chunk):
+    assert_same_as_one_pass(small_model(), tokens(2, 90, 3), chunk)
+
+
+def test_rows_of_different_histories_batch_like_single_rows():
+    model = small_model(1)
+    histories = [tokens(1, n, 10 + n) for n in (1, 7, 40)]
+    assert_rows_batch_like_single_rows(model, histories, tokens(3, 5, 4), tokens(3, 4, 5))
+
+
+def test_state_round_trips_through_safetensors(tmp_path):
+    model = small_model(2)
+    _, state = model(tokens(1, 30, 6), model.init_state(1))
+    assert_state_round_trips(model, state, 30, tokens(1, 9, 7), tmp_path)
+
+
+def test_state_is_constant_from_4_kb_to_64_kb():
+    model = build_model("mamba", preset_config("mamba", "tiny")).eval()
+    small, large, state = state_bytes_after_4_kb_and_64_kb(model, seed=8)
+    c = model.config
+    assert small == large == c.n_layer * ((c.d_conv - 1) * c.d_inner * 4 + c.d_inner * c.d_state * 4) + 8
+    assert model.full_state_bytes() == large
+
+
+def test_states_the_model_could_not_have_made_are_refused():
+    model = small_model(3)
+    _, state = model(tokens(1, 2, 9), model.init_state(1))
+    nan = replace(state, ssm=[state.ssm[0].clone().fill_(math.nan), state.ssm[1]])
+    with pytest.raises(ValueError, match="'ssm.0' holds NaN"):
+        model.check_state(nan, 2)
+    # after 2 tokens the first K − 1 − 2 = 1 convolution input is still the zero padding
+    padded = replace(state, conv_inputs=[state.conv_inputs[0].clone().fill_(1.0), state.conv_inputs[1]])
+    with pytest.raises(ValueError, match="'conv_inputs.0' holds inputs before the first"):
+        model.check_state(padded, 2)
+    with pytest.raises(ValueError, match="'ssm.0' has shape"):
+        model.check_state(replace(state, ssm=[state.ssm[0][:, :3], state.ssm[1]]), 2)
+
+
+def test_training_a_few_steps_with_the_standard_loop(tmp_path):
+    """`xlserve train --arch mamba` runs (the tiny preset; mamba-stdlib's is "stdlib"), and the
+    checkpoint it writes loads and computes what the trained model does."""
+    recipe = replace(STANDARD_RECIPE, train_bytes=4 * 32 * 3, batch_size=4, segment_len=32,
+                     eval_every=1000, save_every=2, quick_eval_bytes=1000, warmup_steps=1)
+    model = train("mamba", "tiny", tmp_path / "out", recipe, log=lambda s: None)
+    loaded = load_checkpoint(tmp_path / "out")
+    text = tokens(1, 20, 24)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(text, model.init_state(1))[0], loaded(text, loaded.init_state(1))[0])
+    assert preset_config("mamba", "stdlib") == preset_config("mamba", "small")
