@@ -324,6 +324,7 @@ class DiskStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, log_path)
+            _crash_point("fork-log")
             os.link(base_path, self.path(session_id))
             self._sync_directory()
         except (OSError, CorruptState) as error:

@@ -199,8 +199,11 @@ state_dir, session_id, ratio, n = sys.argv[1:]
 model = tiny_model("transformer-xl")
 cache = SessionCache(state_dir, None, None, None, compact_ratio=float(ratio))
 cache.open({"m": model})
-lease = cache.acquire(session_id, None)
-cache.commit(lease, feed(model, lease.data, list(range(int(n))))[1])
+if n == "fork":
+    cache.fork(session_id, None)
+else:
+    lease = cache.acquire(session_id, None)
+    cache.commit(lease, feed(model, lease.data, list(range(int(n))))[1])
 print("acknowledged", flush=True)
 """
 
@@ -244,6 +247,27 @@ def test_kill_9_during_a_log_write_or_a_compaction(point, ratio, lands, tmp_path
     cache.open({"m": model})
     assert identical(stored(cache, session_id), after)
     assert not list(state_dir.glob("*.corrupt")) and not list(state_dir.glob(".*.tmp"))
+
+
+def test_kill_9_during_a_fork_on_disk(tmp_path):
+    """Killed between the fork's log and the link to its base: the fork was never acknowledged,
+    and the directory opened again holds the source alone, unchanged (the fork's log removed)."""
+    model = tiny_model("transformer-xl")
+    state_dir = tmp_path / "state"
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
+    acknowledged = step(model, cache, session_id, [1, 2])
+    cache.close()
+    child = subprocess.run([sys.executable, "-c", CHILD, str(state_dir), session_id, "100", "fork"], cwd=REPO,
+                           env={**os.environ, "XLSERVE_TEST_CRASH_AT": "fork-log", "OMP_NUM_THREADS": "1"},
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert len(list(state_dir.glob("sess_*.log"))) == 2  # the source's and the fork's, without its base
+    cache = SessionCache(state_dir, None, None, None)
+    assert cache.open({"m": model}) == 1
+    assert sorted(p.name for p in state_dir.glob("sess_*")) == [f"{session_id}.log", f"{session_id}.safetensors"]
+    assert identical(stored(cache, session_id), acknowledged)
 
 
 # -- replicas -----------------------------------------------------------------------------------
