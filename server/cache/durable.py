@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 
@@ -88,6 +89,7 @@ class DurableStore:
         # (writes, bytes) to the last tier by kind ("delta", "whole", "compaction", "fork"): what
         # a benchmark reads as the cost of a commit (also xlserve_session_commit_bytes_total{kind})
         self.written: dict[str, list[int]] = {}
+        self._written_lock = threading.Lock()  # commits of different sessions count at once
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -264,9 +266,10 @@ class DurableStore:
         return self._count(record, kind, nbytes)
 
     def _count(self, record: Record, kind: str, nbytes: int) -> str:
-        counts = self.written.setdefault(kind, [0, 0])
-        counts[0] += 1
-        counts[1] += nbytes
+        with self._written_lock:
+            counts = self.written.setdefault(kind, [0, 0])
+            counts[0] += 1
+            counts[1] += nbytes
         if self.metrics is not None:
             self.metrics.session_commit_bytes.labels(record.model, kind).inc(nbytes)
             self.metrics.session_commit_writes.labels(record.model, kind).inc()

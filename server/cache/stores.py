@@ -145,6 +145,7 @@ class DiskStore:
         # bytes written to the disk since this store was made, by kind ("whole", "delta", "fork"):
         # what a benchmark reads as the cost of a commit
         self.bytes_written: dict[str, int] = {}
+        self._count_lock = threading.Lock()
 
     def path(self, session_id: str) -> Path:
         if not SESSION_ID.match(session_id):
@@ -161,7 +162,8 @@ class DiskStore:
         self.log_path(session_id).unlink(missing_ok=True)
 
     def _count(self, kind: str, nbytes: int) -> None:
-        self.bytes_written[kind] = self.bytes_written.get(kind, 0) + nbytes
+        with self._count_lock:  # sessions are written from several threads at once
+            self.bytes_written[kind] = self.bytes_written.get(kind, 0) + nbytes
 
     def _write_file(self, final: Path, session_id: str, blob: bytes) -> None:
         temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
