@@ -9,7 +9,9 @@
    row). Goal: constrained p50 within 10% of unconstrained.
 2. Compile time of a 50-property schema: a cold compile (a schema never seen, distinct each
    time) and a cached one (the same text again), median over several.
-3. The mask's own cost per token: one row's `allowed()` + `advance()`, timed alone.
+3. The mask's own cost per token: one row's whole mask (`allowed()`) and the step (`consume()`),
+   timed alone; most steps of a row that samples without truncation need no mask
+   (server/engine/constraints.py, "Drawing").
 
 Run alone (`--quick`: batch 1 and 4, a few tokens, to check that it runs).
 """
@@ -129,7 +131,7 @@ def measure_mask(compiler, vocab_size: int, tokens: int) -> dict:
     for byte in data:
         allowed, _ = row.allowed()
         assert allowed[byte], "the bench's own text must fit its schema"
-        row.advance(byte)
+        row.consume(byte)
     return {"tokens": len(data), "us_per_token": round((time.perf_counter() - start) / len(data) * 1e6, 2)}
 
 

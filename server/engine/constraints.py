@@ -21,14 +21,26 @@ may end here" (llguidance's EOS). Word-level and SentencePiece vocabularies are 
 are joined by spaces, pieces lose their leading space at the start), so a mask over them would
 allow text the constraint does not.
 
+Drawing (server/engine/scheduler.py `_draw_constrained`). Where the sampler does not truncate
+the row (no top-k, top-p or min-p; greedy counts as untruncated), the row is perturbed once with
+Gumbel noise from the choice's generator (`Sampler.perturbed`): the argmax of the perturbed row
+over any set of tokens is a draw from the row restricted to that set (the Gumbel-max trick). The
+argmax over all tokens is offered to the matcher (one parser step); only when the constraint
+forbids it is the mask computed, and the argmax over the allowed tokens taken: exactly a draw
+from the masked row, with no second draw, and most steps never compute a mask. With truncation
+the mask comes first and the sampler draws as usual (`Sampler.choose`), as in vLLM's order.
+
 Ending. These models have no end-of-text token, so a row cannot stop by itself. Where the
-constraint is complete but could go on (a number's digits, text after a tool call), "end here"
-is drawn as one more choice beside the allowed tokens, with the probability the model gives to
-every token the constraint forbids: the model "wanted" something the output may not contain, so
-the output ends (server/engine/sampling.py, `Sampler.choose`). Where the constraint can only end
-(a JSON object's closing brace), the row ends after that token. Both end with finish_reason
-"stop". A row whose constraint allows no token and cannot end (llguidance ran out of its
-per-step budget, say) ends with finish_reason "no_allowed_token"; the rest of the batch goes on.
+constraint is complete but could go on (a number's digits, text after a tool call), the output
+ends when the model's draw is a token the constraint forbids: the model "wanted" something the
+output may not contain. So "end here" has the probability the model gives to every forbidden
+token (the perturbed row's argmax is forbidden; with truncation "end here" is drawn as one more
+choice beside the allowed tokens with that mass, server/engine/sampling.py `Sampler.choose`;
+greedy ends when the most likely token is forbidden).
+Where the constraint can only end (a JSON object's closing brace), the row ends after that token.
+Both end with finish_reason "stop". A row whose constraint allows no token and cannot end
+(llguidance ran out of its per-step budget, say) ends with finish_reason "no_allowed_token"; the
+rest of the batch goes on.
 
 Compiling happens once per distinct constraint text: compiled matchers are kept in a bounded
 LRU cache (`structured_cache_size`), and so are refusals, so a repeated bad schema costs nothing.
@@ -198,7 +210,24 @@ class RowConstraint:
         may_end = bool(bits[self.vocab_size]) and self.matcher.is_accepting()
         return torch.from_numpy(bits[: self.vocab_size].astype(bool)), may_end
 
-    def advance(self, token: int) -> bool:
-        """Record the token drawn; True when the output is complete (nothing may follow)."""
+    def allowed_bits(self) -> np.ndarray:
+        """(V,) bool, NumPy: the tokens that keep the output valid."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
+
+    def may_end(self) -> bool:
+        return self.matcher.is_accepting() and not self.matcher.is_error()
+
+    def accept(self, token: int) -> bool:
+        """Take `token` if the constraint allows it (True), else change nothing (False): one
+        step of the parser, far cheaper than a whole mask."""
+        return self.matcher.try_consume_tokens([token]) == 1
+
+    def consume(self, token: int) -> None:
+        """Take a token drawn from the mask."""
         self.matcher.consume_token(token)
+
+    @property
+    def complete(self) -> bool:
+        """Nothing may follow what it has taken."""
         return self.matcher.is_stopped() and not self.matcher.is_error()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from xlserve.server.engine.errors import InvalidInput, RequestFailed, StateNotUsable
@@ -84,10 +85,12 @@ class Sampler:
     def __init__(self, params: SamplingParams, prompt: list[int] | None = None, index: int = 0):
         self.params = params
         self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed((int(params.seed) + index) % SEED_MODULUS)
+        self._seed = None if params.seed is None else (int(params.seed) + index) % SEED_MODULUS
+        if self._seed is not None:
+            self.generator.manual_seed(self._seed)
         else:
             self.generator.seed()
+        self._noise: np.random.Generator | None = None  # `perturbed`'s Gumbel noise (a constrained row's)
         self._prompt = list(prompt or [])
         self._counts: torch.Tensor | None = None  # (V,) float32, how often each token was generated
         self._seen: torch.Tensor | None = None  # (V,) bool, in the prompt or generated
@@ -127,7 +130,39 @@ class Sampler:
             self._counts[token] += 1
             self._seen[token] = True
 
-    def choose(self, log_probs: torch.Tensor, allowed: torch.Tensor | None = None, may_end: bool = False) -> int:
+    @property
+    def truncates(self) -> bool:
+        """Whether a draw is made from only part of the row (top-k, top-p, min-p); greedy is not."""
+        p = self.params
+        return not is_greedy(p) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+    def perturbed(self, log_probs: torch.Tensor) -> np.ndarray:
+        """(V,) float64 scores whose argmax over any set of tokens is a draw from the row restricted to
+        that set (for a sampler that does not truncate): the biased, penalised row, divided by
+        the temperature and plus Gumbel noise from this choice's generator (the Gumbel-max
+        trick); greedy, the row itself. A constrained row takes the argmax, and where the
+        constraint forbids it, the argmax over the allowed tokens: no second draw."""
+        p = self.params
+        logits = log_probs.float().cpu()  # (V,)
+        if p.logit_bias:
+            logits = self._biased(logits)
+        if p.penalised:
+            logits = self._penalise(logits)
+        scores = logits.numpy().astype(np.float64)  # NumPy: a few operations on 256 values, each cheaper than torch's
+        if is_greedy(p):
+            return scores
+        if self._noise is None:  # its own stream, seeded as the torch generator is (seed + choice index)
+            self._noise = np.random.default_rng(self._seed)
+        uniform = self._noise.random(scores.shape[0])  # in [0, 1): a 0 gives a -inf score, never drawn
+        with np.errstate(divide="ignore"):
+            return (scores - scores.max()) / p.temperature - np.log(-np.log(uniform))
+
+    def record(self, token: int) -> None:
+        """Count a token drawn with `choose(..., record=False)` and kept (for the penalties)."""
+        self._record(token)
+
+    def choose(self, log_probs: torch.Tensor, allowed: torch.Tensor | None = None, may_end: bool = False,
+               record: bool = True) -> int:
         """log_probs (V,) -> token id. Raises RequestFailed for a row that is no distribution,
         InvalidInput for a logit_bias that does not fit the vocabulary.
 
@@ -156,7 +191,8 @@ class Sampler:
         if failure is not None:
             raise failure
         if is_greedy(p):
-            self._record(best)
+            if record:
+                self._record(best)
             return best
         # shifted so that the most likely is 0: dividing by any temperature keeps it at 0, and
         # the rest only fall (to -inf at worst), so the softmax below is always defined
@@ -179,7 +215,8 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)  # the most likely always stays
         token = int(torch.multinomial(probs, 1, generator=self.generator))
-        self._record(token)
+        if record:
+            self._record(token)
         return token
 
 

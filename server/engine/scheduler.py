@@ -56,6 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from xlserve.models.interface import LanguageModel, State
@@ -566,12 +567,9 @@ class Engine:
         if row.plain_greedy:  # argmax taken once for the whole batch
             token, logprob = row.greedy
         elif constraint is not None:
-            allowed, may_end = constraint.allowed()
-            if not may_end and not bool(allowed.any()):  # nothing may follow and it may not end: that row alone ends
-                return self._constraint_ends(row, NO_ALLOWED_TOKEN)
-            token = row.sampler.choose(row.host_log_probs, allowed, may_end)
-            if token >= allowed.numel():  # "end here" (server/engine/sampling.py)
-                return self._constraint_ends(row, "stop")
+            token = self._draw_constrained(row)
+            if isinstance(token, str):  # it ends here, with this finish reason
+                return self._constraint_ends(row, token)
             logprob = float(row.host_log_probs[token])
         else:
             token = row.sampler.choose(row.host_log_probs)
@@ -586,7 +584,7 @@ class Engine:
             self._first_output(row.request)
         if stopped:
             row.finish_reason = "stop"
-        elif constraint is not None and constraint.advance(token):  # the output is complete
+        elif constraint is not None and constraint.complete:  # nothing may follow: the output is complete
             row.finish_reason, constraint.ended = "stop", True
         elif row.generated >= params.max_tokens or self._context_full(row):
             row.finish_reason = "length"
@@ -594,6 +592,37 @@ class Engine:
             row.pending = token
             return True
         return False
+
+    def _draw_constrained(self, row: Row) -> int | str:
+        """The next token of a row with a constraint, taken by its matcher; or the finish
+        reason of a row that ends here ("stop": the output may end and the model drew a token
+        the constraint forbids; "no_allowed_token"). Draw first, mask only when the draw is
+        forbidden (server/engine/constraints.py, "Drawing")."""
+        sampler, constraint = row.sampler, row.constraint
+        if not sampler.truncates:
+            scores = sampler.perturbed(row.host_log_probs)  # (V,) NumPy: its argmax is a draw
+            token = int(scores.argmax())
+            failure = unusable_row(float(scores[token]))
+            if failure is not None:
+                raise failure
+            if not constraint.accept(token):
+                if constraint.may_end():
+                    return "stop"
+                allowed = constraint.allowed_bits()
+                if not allowed.any():
+                    return NO_ALLOWED_TOKEN
+                token = int(np.where(allowed, scores, -np.inf).argmax())  # the same draw, from the allowed tokens
+                constraint.consume(token)
+            sampler.record(token)
+            return token
+        allowed, may_end = constraint.allowed()
+        if not may_end and not bool(allowed.any()):  # nothing may follow and it may not end: that row alone ends
+            return NO_ALLOWED_TOKEN
+        token = sampler.choose(row.host_log_probs, allowed, may_end)
+        if token >= allowed.numel():  # "end here" (server/engine/sampling.py)
+            return "stop"
+        constraint.consume(token)
+        return token
 
     def _constraint_ends(self, row: Row, reason: str) -> bool:
         """The row ends without a token of this step: its constraint is complete ("stop") or

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,22 @@ def test_the_sampler_draws_only_allowed_tokens_and_ends_with_the_forbidden_mass(
     assert greedy.choose(log_probs, allowed, may_end=False) == best_allowed
     everything = torch.ones(256, dtype=torch.bool)  # nothing forbidden: it never ends by itself
     assert greedy.choose(log_probs, everything, may_end=True) == int(log_probs.argmax())
+
+
+def test_the_perturbed_row_draws_from_the_allowed_tokens_in_their_proportions():
+    """A constrained row that does not truncate draws with the Gumbel-max trick: the argmax of
+    one perturbed row over the allowed tokens is a draw from the row restricted to them."""
+    log_probs = torch.log_softmax(torch.randn(256, generator=torch.Generator().manual_seed(1)) * 2, -1)
+    allowed = torch.zeros(256, dtype=torch.bool)
+    allowed[[3, 50, 97, 200]] = True
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=11))
+    draws = [int(np.where(allowed.numpy(), sampler.perturbed(log_probs), -np.inf).argmax()) for _ in range(4000)]
+    expected = torch.softmax(log_probs[allowed], -1).tolist()
+    observed = [draws.count(token) / len(draws) for token in (3, 50, 97, 200)]
+    assert observed == pytest.approx(expected, abs=0.03)
+    again = Sampler(SamplingParams(temperature=1.0, seed=11))  # seeded: the same noise
+    assert np.array_equal(again.perturbed(log_probs), Sampler(SamplingParams(temperature=1.0, seed=11)).perturbed(
+        log_probs))
 
 
 @pytest.fixture(scope="module")
