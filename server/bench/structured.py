@@ -155,7 +155,7 @@ def print_table(result: dict) -> None:
               f"{row['overhead'] * 100:>8.1f}% {str(row['meets_goal']):>5}")
     compiled = result["compile"]
     print(f"\n50-property schema: cold compile p50 {compiled['cold_ms_p50']} ms (max {compiled['cold_ms_max']} ms), "
-          f"cached {compiled['cached_ms_p50']} ms; mask + advance {result['mask']['us_per_token']} us per token")
+          f"cached {compiled['cached_ms_p50']} ms; whole mask + step {result['mask']['us_per_token']} us per token")
 
 
 def main(argv: list[str]) -> None:
