@@ -278,3 +278,27 @@ def test_the_websocket_generate_frame_takes_the_same_fields(server):
                                 "guided_regex": "("}))
         refused = json.loads(socket.recv(timeout=60))
         assert refused["type"] == "error" and refused["error"]["code"] == "invalid_response_format"
+
+
+def test_the_openai_client_s_parse_helpers_get_their_pydantic_models(oai):
+    """`chat.completions.parse` sends a pydantic model as a strict json_schema (or as a strict
+    function tool) and parses the answer back into it: both parse."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=99)
+        role: Literal["admin", "user"]
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=12)
+
+    parse = getattr(oai.chat.completions, "parse", None) or oai.beta.chat.completions.parse
+    person = parse(model=MODEL, messages=ASK, response_format=Person, max_tokens=100, seed=1).choices[0]
+    assert isinstance(person.message.parsed, Person) and person.finish_reason == "stop"
+    weather = parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
+                    tool_choice="required", max_tokens=100, seed=2).choices[0]
+    assert weather.finish_reason == "tool_calls"
+    assert isinstance(weather.message.tool_calls[0].function.parsed_arguments, GetWeather)
