@@ -44,8 +44,11 @@ from xlserve.models.interface import ArchConfig, FixedShapeState, LanguageModel
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.linear import Linear
 
-CHUNK = 32  # positions whose WKV is computed at once (memory B · CHUNK² · d_attention per layer)
-EMPTY_EXPONENT = -1e30  # the state's exponent before the first token: e^EMPTY_EXPONENT is 0
+CHUNK = 16  # positions whose WKV is computed at once (work and memory B · CHUNK² · d_attention per layer)
+# the state's exponent before the first token: e^(EMPTY_EXPONENT − x) is exactly 0 in float32 for
+# any key x a model produces (transformers starts at −1e30, the same zeros), yet its magnitude stays
+# within what the server accepts in an imported state (server/engine/process.py, 1e12)
+EMPTY_EXPONENT = -1e9
 
 
 @dataclass
@@ -100,26 +103,23 @@ def wkv(decay: Tensor, first: Tensor, k: Tensor, v: Tensor, num: Tensor, den: Te
         chunk: int = CHUNK) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """RWKV-4's weighted key-value average for k, v (B, T, A) float32, decay w > 0 and first u
     (A), from the carried (num, den, mx) (B, A) -> wkv (B, T, A) and the state after."""
-    outputs = []
+    outputs, offsets = [], {}
     for start in range(0, k.shape[1], chunk):
         kc, vc = k[:, start : start + chunk], v[:, start : start + chunk]  # (B, L, A)
         L = kc.shape[1]
-        j = torch.arange(L, device=k.device, dtype=k.dtype)
-        lag = (j[:, None] - 1 - j[None, :])[None, :, :, None]  # (1, L_j, L_i, 1): j − 1 − i
-        # exponent of position i's term in output j: −(j−1−i)w + k_i before j, u + k_j at j, none after
-        terms = kc[:, None, :, :] - lag * decay  # (B, L, L, A)
-        own = (first + kc)[:, :, None, :]  # (B, L, 1, A)
-        diagonal = torch.eye(L, dtype=torch.bool, device=k.device)[None, :, :, None]
-        terms = torch.where(diagonal, own, terms).masked_fill(lag < -1, float("-inf"))
-        carried = mx[:, None, :] - j[None, :, None] * decay  # (B, L, A): the state's exponent at output j
+        if L not in offsets:  # the same for every chunk of this length
+            offsets[L] = _chunk_offsets(decay, first, L)
+        pairs, carried_by, to_end = offsets[L]
+        terms = kc[:, None, :, :] + pairs  # (B, L_j, L_i, A): position i's exponent in output j
+        carried = mx[:, None, :] - carried_by  # (B, L, A): the state's exponent at output j
         top = torch.maximum(terms.amax(dim=2), carried)  # (B, L, A)
-        weights = torch.exp(terms - top[:, :, None, :])  # (B, L, L, A)
+        weights = torch.exp(terms - top[:, :, None, :])  # (B, L, L, A), 0 where i > j
         scale = torch.exp(carried - top)  # (B, L, A)
         numerator = scale * num[:, None, :] + (weights * vc[:, None, :, :]).sum(dim=2)
         denominator = scale * den[:, None, :] + weights.sum(dim=2)
         outputs.append(numerator / denominator)
         # the state after the chunk: e^{−Lw} · before + Σ_i e^{−(L−1−i)w + k_i}
-        after = kc - (L - 1 - j)[None, :, None] * decay  # (B, L, A)
+        after = kc - to_end  # (B, L, A)
         old = mx - L * decay  # (B, A)
         new_mx = torch.maximum(after.amax(dim=1), old)
         w_after = torch.exp(after - new_mx[:, None, :])
@@ -128,6 +128,16 @@ def wkv(decay: Tensor, first: Tensor, k: Tensor, v: Tensor, num: Tensor, den: Te
         den = w_old * den + w_after.sum(dim=1)
         mx = new_mx
     return torch.cat(outputs, dim=1), num, den, mx
+
+
+def _chunk_offsets(decay: Tensor, first: Tensor, L: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What a chunk of L positions adds to the keys, for decay w and first u (A): the exponent
+    offset of position i in output j (L, L, A): −(j−1−i)w before j, u at j, −inf after; the
+    state's decay at output j, j·w (L, A); and position i's decay to the chunk's end, (L−1−i)w."""
+    j = torch.arange(L, device=decay.device, dtype=decay.dtype)
+    lag = (j[:, None] - 1 - j[None, :])[:, :, None]  # (L_j, L_i, 1): j − 1 − i
+    pairs = torch.where(lag == -1, first, -lag * decay).masked_fill(lag < -1, float("-inf"))
+    return pairs, j[:, None] * decay, (L - 1 - j)[:, None] * decay
 
 
 def token_shift(x: Tensor, last: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ TINY_ARCHITECTURES = {
     "inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny": "xlnet", "longformer-tiny": "longformer",
     "logsparse-tiny": "logsparse", "adaptive-span-tiny": "adaptive-span", "performer-tiny": "performer",
     "linformer-tiny": "linformer", "conformer-tiny": "conformer", "lite-tiny": "lite-transformer",
-    "reformer-tiny": "reformer",
+    "reformer-tiny": "reformer", "mamba-tiny": "mamba", "mamba2-tiny": "mamba2", "rwkv-tiny": "rwkv",
 }
 
 

@@ -33,11 +33,14 @@ OTHERS = {"inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny"
 # the efficient-attention family's second half (issue 19); the Reformer, whose state grows and whose
 # results depend on its first call, has its own file (test_reformer_served.py)
 SECOND = {"linformer-tiny": "linformer", "conformer-tiny": "conformer", "lite-tiny": "lite-transformer"}
-ARCHITECTURES = {TXL: "transformer-xl", **OTHERS, **NEW, **SECOND}  # every registered architecture but the Reformer
+# the recurrent models of issue 37: a convolution window and a selective state, or RWKV's WKV sums
+RECURRENT = {"mamba-tiny": "mamba", "mamba2-tiny": "mamba2", "rwkv-tiny": "rwkv"}
+ARCHITECTURES = {TXL: "transformer-xl", **OTHERS, **NEW, **SECOND, **RECURRENT}  # every registered architecture but the Reformer
 REFORMER = "reformer-tiny"  # only in the Redis test: its one-pass first call is equal on both replicas
 STATE_KINDS = {"transformer-xl": "segment-recurrence", "xlnet": "segment-recurrence", "infinity-former": "continuous",
                "vanilla": "window", "longformer": "window", "logsparse": "window", "adaptive-span": "window",
-               "performer": "linear", "linformer": "window", "conformer": "window", "lite-transformer": "window"}
+               "performer": "linear", "linformer": "window", "conformer": "window", "lite-transformer": "window",
+               "mamba": "linear", "mamba2": "linear", "rwkv": "linear"}
 # adaptive-span tiny (max_span 48, ramp 8): span fractions per layer and head, none of them
 # giving a whole span, so ceil matters: z = 14.4, 48 | 0, 28.8
 SPAN_FRACTIONS = [[0.3, 1.0], [0.0, 0.6]]
@@ -195,8 +198,9 @@ def test_performer_state_bytes_constant_over_1k_10k_100k(client):
     assert sizes[1_000] == sizes[10_000] == sizes[100_000] > 0, sizes
 
 
-@pytest.mark.parametrize("model", ["longformer-tiny", "logsparse-tiny", *SECOND])
+@pytest.mark.parametrize("model", ["longformer-tiny", "logsparse-tiny", *SECOND, *RECURRENT])
 def test_windowed_state_bytes_equal_after_4kb_and_64kb(client, model):
+    """The windows of the efficient-attention models, and the recurrent models' fixed states."""
     session = create(client, model)
     sizes, fed = {}, 0
     for mark in (4_096, 65_536):

@@ -14,7 +14,7 @@ SHIPPED = sorted(p for p in (REPO / "weights").glob("*-stdlib") if (p / "model.s
 ARCHITECTURES = {"inf-tiny": "infinity-former", "vanilla-tiny": "vanilla", "xlnet-tiny": "xlnet",
                  "longformer-tiny": "longformer", "performer-tiny": "performer", "adaptive-span-tiny": "adaptive-span",
                  "logsparse-tiny": "logsparse", "linformer-tiny": "linformer", "conformer-tiny": "conformer",
-                 "lite-tiny": "lite-transformer"}
+                 "lite-tiny": "lite-transformer", "mamba-tiny": "mamba", "mamba2-tiny": "mamba2", "rwkv-tiny": "rwkv"}
 # the Reformer's results depend on its first call (tests/e2e/test_reformer_served.py), so it joins
 # only the tests that feed a session the way they feed its twin
 REFORMER = "reformer-tiny"

@@ -22,7 +22,7 @@ TOLERANCE = 1e-4
 LENGTH, PROMPT, NEW = 80, 24, 12
 
 # three configurations per architecture: depth, widths, kernel, groups, biases, tying and
-# rescaling vary; the sequences are longer than our prefill chunks (64 for the two Mambas, 32 for
+# rescaling vary; the sequences are longer than our prefill chunks (64 for the two Mambas, 16 for
 # RWKV's WKV) and than transformers' Mamba-2 chunks (chunk_size), so both carry state across chunks
 CONFIGS = {
     "mamba": [

@@ -17,7 +17,8 @@ from xlserve.server.engine.errors import InvalidInput
 from xlserve.server.engine.process import STATE_MAGNITUDE_BOUND, decode_import, validated_import
 
 ARCHITECTURES = ["transformer-xl", "infinity-former", "vanilla", "xlnet", "longformer", "logsparse",
-                 "adaptive-span", "performer", "linformer", "conformer", "lite-transformer", "reformer"]
+                 "adaptive-span", "performer", "linformer", "conformer", "lite-transformer", "reformer",
+                 "mamba", "mamba2", "rwkv"]
 # the vanilla transformer's state is its window of token ids: nothing floating to poison
 FLOATING_STATE_ARCHITECTURES = [architecture for architecture in ARCHITECTURES if architecture != "vanilla"]
 DOCUMENT = list(b"import os\nimport sys\n\ndef main(argv):\n    return len(argv) * 2\n" * 4)
