@@ -203,8 +203,9 @@ def test_a_session_continued_after_a_constrained_completion_equals_one_fed_the_t
         fed = http.post("/v1/sessions", json={"model": MODEL}).json()["id"]
         for session in (constrained, fed):
             assert http.post(f"/v1/sessions/{session}/append", json={"text": "record = "}).status_code == 200
+        schema = {**PERSON, "description": "a schema no other test sends: compiled while the session is leased"}
         text = oai.completions.create(model=MODEL, prompt="", max_tokens=160, seed=8, extra_body={
-            "session_id": constrained, "guided_json": PERSON}).choices[0].text
+            "session_id": constrained, "guided_json": schema}).choices[0].text
         jsonschema.validate(json.loads(text), PERSON)
         assert http.post(f"/v1/sessions/{fed}/append", json={"text": text}).status_code == 200
         infos = [http.get(f"/v1/sessions/{session}").json() for session in (constrained, fed)]
@@ -213,6 +214,11 @@ def test_a_session_continued_after_a_constrained_completion_equals_one_fed_the_t
                                     extra_body={"session_id": session}).choices[0] for session in (constrained, fed)]
     assert after[0].text == after[1].text
     assert after[0].logprobs.token_logprobs == pytest.approx(after[1].logprobs.token_logprobs, abs=1e-4)
+    with pytest.raises(openai.BadRequestError):  # refused at compile time: the session is let go, unchanged
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={
+            "session_id": constrained, "guided_json": {"type": "never-seen"}})
+    with server.client() as http:
+        assert http.get(f"/v1/sessions/{constrained}").json()["tokens"] == infos[0]["tokens"] + 1 + 24  # the "\n" prompt and 24 tokens
 
 
 @pytest.mark.parametrize("fields, param, code", [
