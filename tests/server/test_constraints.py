@@ -159,3 +159,16 @@ def test_a_session_row_that_ends_by_choice_keeps_exactly_the_text_sent(engine):
     fed = asyncio.run(local.append(engine, engine.fresh_data(), list((prompt + text).encode())))
     assert data.tokens == fed.data.tokens == len(prompt) + len(text)
     torch.testing.assert_close(data.next_log_probs, fed.data.next_log_probs, atol=1e-4, rtol=1e-4)
+
+
+def test_truncated_sampling_masks_first_and_still_matches(engine):
+    """With top-k, top-p or min-p the mask comes before the truncation (vLLM's order), through
+    the sampler's masked draw: every choice still matches, and a seed repeats its text."""
+    pattern = "[a-z]{2,6}=[0-9]{1,3}"
+    kwargs = dict(max_tokens=30, temperature=0.9, top_k=8, top_p=0.9, min_p=0.01, seed=4, n=4,
+                  constraint_kind="regex", constraint=pattern)
+    first = asyncio.run(collect(engine, request(engine, "config: ", **kwargs)))
+    assert all(re.fullmatch(pattern, text) for text in first["texts"]), first["texts"]
+    assert first["reasons"] == ["stop"] * 4
+    again = asyncio.run(collect(engine, request(engine, "config: ", **kwargs)))
+    assert again["texts"] == first["texts"]
