@@ -47,8 +47,10 @@ def make_checkpoints(directory: Path, architectures: dict[str, str], preset: str
 
 
 class ServerProcess:
-    def __init__(self, models: list[Path | str], env: dict | None = None, port: int | None = None, log_path: Path | None = None):
+    def __init__(self, models: list[Path | str], env: dict | None = None, port: int | None = None, log_path: Path | None = None,
+                 log_level: str = "warning"):
         self.port = port or free_port()
+        self.log_level = log_level  # "info" writes the start-up block into log_path
         self.url = f"http://127.0.0.1:{self.port}"
         self.models = models
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "XLSERVE_TORCH_THREADS": "1", **(env or {})}
@@ -61,7 +63,7 @@ class ServerProcess:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             [sys.executable, "-m", "xlserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--models", ",".join(str(m) for m in self.models), "--log-level", "warning"],
+             "--models", ",".join(str(m) for m in self.models), "--log-level", self.log_level],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout
