@@ -54,10 +54,10 @@ def oai(server):
 def test_json_schema_outputs_validate_for_20_seeds(oai):
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     chat = [oai.chat.completions.create(model=MODEL, messages=ASK, response_format=response_format, seed=seed,
-                                        temperature=1.0, max_tokens=160) for seed in range(10)]
+                                        temperature=1.0, max_tokens=400) for seed in range(10)]
     # completions: one request, n=10, choice i draws from seed 100 + i
     completion = oai.completions.create(model=MODEL, prompt="person = ", seed=100, n=10, temperature=1.0,
-                                        max_tokens=160, extra_body={"response_format": response_format})
+                                        max_tokens=400, extra_body={"response_format": response_format})
     texts = [c.choices[0].message.content for c in chat] + [choice.text for choice in completion.choices]
     reasons = [c.choices[0].finish_reason for c in chat] + [choice.finish_reason for choice in completion.choices]
     assert reasons == ["stop"] * 20
@@ -73,7 +73,7 @@ def test_json_object_and_guided_json(oai):
         assert isinstance(json.loads(result.choices[0].message.content), dict)
     else:  # a free-form object may run past max_tokens; it is still a prefix of one
         assert result.choices[0].message.content.startswith("{")
-    guided = oai.completions.create(model=MODEL, prompt="x = ", max_tokens=160, seed=4, n=4,
+    guided = oai.completions.create(model=MODEL, prompt="x = ", max_tokens=400, seed=4, n=4,
                                     extra_body={"guided_json": json.dumps(PERSON)})
     for choice in guided.choices:
         jsonschema.validate(json.loads(choice.text), PERSON)
@@ -187,7 +187,7 @@ def test_an_unconstrained_stream_beside_a_constrained_one_is_its_solo_run(oai):
                                 for c in chunk.choices)
 
     threads = [threading.Thread(target=run, args=("constrained",), kwargs=dict(
-                   model=MODEL, prompt="data = ", max_tokens=160, seed=5, n=3, extra_body={"response_format": {
+                   model=MODEL, prompt="data = ", max_tokens=400, seed=5, n=3, extra_body={"response_format": {
                        "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})),
                threading.Thread(target=run, args=("plain",), kwargs=plain)]
     for thread in threads:
@@ -204,7 +204,7 @@ def test_a_session_continued_after_a_constrained_completion_equals_one_fed_the_t
         for session in (constrained, fed):
             assert http.post(f"/v1/sessions/{session}/append", json={"text": "record = "}).status_code == 200
         schema = {**PERSON, "description": "a schema no other test sends: compiled while the session is leased"}
-        text = oai.completions.create(model=MODEL, prompt="", max_tokens=160, seed=8, extra_body={
+        text = oai.completions.create(model=MODEL, prompt="", max_tokens=400, seed=8, extra_body={
             "session_id": constrained, "guided_json": schema}).choices[0].text
         jsonschema.validate(json.loads(text), PERSON)
         assert http.post(f"/v1/sessions/{fed}/append", json={"text": text}).status_code == 200
