@@ -215,7 +215,9 @@ def process_tree_rss(pid: int) -> int:
 
 def serve_and_measure(checkpoint: Path, timeout_s: float = 900) -> dict:
     """Start `xlserve serve` on the checkpoint; seconds to /ready and the processes' RSS then."""
-    import httpx
+    import json
+    import urllib.error
+    import urllib.request
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -234,13 +236,15 @@ def serve_and_measure(checkpoint: Path, timeout_s: float = 900) -> dict:
             if time.perf_counter() - start > timeout_s:
                 raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.1)
         ready_s = time.perf_counter() - start
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as answer:
+            models = json.load(answer)["data"]
         return {"ready_s": ready_s, "resident_bytes": process_tree_rss(process.pid),
                 "served_state_bytes_per_session": models[0].get("state_bytes_per_session")}
     finally:
