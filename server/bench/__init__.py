@@ -20,6 +20,7 @@ BENCHMARKS = {
     "throughput": "throughput",
     "vs-hf-xlnet": "vs_hf_xlnet",
     "vs-hf-reformer": "vs_hf_reformer",
+    "vs-hf-mamba": "vs_hf_mamba",  # its reference runs in another process (transformers with Mamba)
     "eval-speed": "eval_speed",
     "memory-quality": "memory_quality",
     "soak": "soak",
