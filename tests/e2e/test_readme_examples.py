@@ -18,7 +18,9 @@ a temporary directory). Then:
 The ```python blocks (the OpenAI client) run too, in this process, against a server that has
 answered nothing yet: "The OpenAI client" (its `sess_...` placeholder filled with a session made
 here), then "Reuse without sessions", whose printed cached tokens must be what its comment says:
-0, then the whole previous history.
+0, then the whole previous history. "Structured output and tool calls" runs against the module's
+server: what it prints must validate against its schema, match its regex and parse as its tool's
+arguments.
 
 Nothing here knows what the sh examples are: a new one in that section is run, and a number
 shown for it is checked, as soon as it is written.
@@ -322,3 +324,16 @@ def test_the_openai_client_examples_run_and_the_prefix_cache_reuses_the_whole_hi
     # the history each request found cached: the one before it, prompt and completion (byte tokens)
     previous = [0] + [len(history.encode()) for _, history in printed[:-1]]
     assert cached == previous
+
+
+def test_the_structured_output_example_prints_what_its_comments_say(server):
+    import jsonschema
+
+    example = python_blocks()["Structured output and tool calls"]
+    assert README_BASE_URL in example
+    namespace: dict = {}
+    printed = run_python(example.replace(README_BASE_URL, server.url + "/v1"), namespace)
+    (person, _), (code, _), (arguments, _) = printed
+    jsonschema.validate(json.loads(person), namespace["schema"])
+    assert re.fullmatch(r"[A-Z][a-z]+-[0-9]{3}", code), code
+    jsonschema.validate(json.loads(arguments), namespace["weather"]["function"]["parameters"])
