@@ -143,11 +143,7 @@ class Sampler:
         trick); greedy, the row itself. A constrained row takes the argmax, and where the
         constraint forbids it, the argmax over the allowed tokens: no second draw."""
         p = self.params
-        logits = log_probs.float().cpu()  # (V,)
-        if p.logit_bias:
-            logits = self._biased(logits)
-        if p.penalised:
-            logits = self._penalise(logits)
+        logits = self._adjusted(log_probs)
         scores = logits.numpy().astype(np.float64)  # NumPy: a few operations on 256 values, each cheaper than torch's
         if is_greedy(p):
             return scores
@@ -156,6 +152,16 @@ class Sampler:
         uniform = self._noise.random(scores.shape[0])  # in [0, 1): a 0 gives a -inf score, never drawn
         with np.errstate(divide="ignore"):
             return (scores - scores.max()) / p.temperature - np.log(-np.log(uniform))
+
+    def _adjusted(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """The row (V,) float32 on the CPU with logit_bias and the penalties applied: the first two
+        steps of the order, shared by every way of drawing."""
+        logits = log_probs.float().cpu()
+        if self.params.logit_bias:
+            logits = self._biased(logits)
+        if self.params.penalised:
+            logits = self._penalise(logits)
+        return logits
 
     def record(self, token: int) -> None:
         """Count a token drawn with `choose(..., record=False)` and kept (for the penalties)."""
@@ -172,11 +178,7 @@ class Sampler:
         token. The mask goes after logit_bias and the penalties and before the temperature, so
         the rest of the order stands; it needs at least one allowed token or `may_end`."""
         p = self.params
-        logits = log_probs.float().cpu()  # (V,)
-        if p.logit_bias:
-            logits = self._biased(logits)
-        if p.penalised:
-            logits = self._penalise(logits)
+        logits = self._adjusted(log_probs)
         if allowed is not None:
             masked = logits.masked_fill(~allowed, float("-inf"))
             if may_end:  # "end here" as token V: the log of the forbidden tokens' mass, shifted by the
