@@ -103,6 +103,14 @@ def wkv(decay: Tensor, first: Tensor, k: Tensor, v: Tensor, num: Tensor, den: Te
         chunk: int = CHUNK) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """RWKV-4's weighted key-value average for k, v (B, T, A) float32, decay w > 0 and first u
     (A), from the carried (num, den, mx) (B, A) -> wkv (B, T, A) and the state after."""
+    if k.shape[1] == 1:  # decoding: the recurrence itself, a chunk of one without its tables
+        k, v = k[:, 0], v[:, 0]
+        top = torch.maximum(mx, first + k)
+        scale, own = torch.exp(mx - top), torch.exp(first + k - top)
+        out = (scale * num + own * v) / (scale * den + own)
+        new_mx = torch.maximum(mx - decay, k)
+        kept, added = torch.exp(mx - decay - new_mx), torch.exp(k - new_mx)
+        return out[:, None], kept * num + added * v, kept * den + added, new_mx
     outputs, offsets = [], {}
     for start in range(0, k.shape[1], chunk):
         kc, vc = k[:, start : start + chunk], v[:, start : start + chunk]  # (B, L, A)
