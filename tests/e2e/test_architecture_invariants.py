@@ -198,7 +198,12 @@ def test_performer_state_bytes_constant_over_1k_10k_100k(client):
     assert sizes[1_000] == sizes[10_000] == sizes[100_000] > 0, sizes
 
 
-@pytest.mark.parametrize("model", ["longformer-tiny", "logsparse-tiny", *SECOND, *RECURRENT])
+# 64 KB through the recurrent models costs 6-9 s each on 2 cores: Mamba in the default run, the
+# other two with -m slow (tests/models/test_mamba2.py and test_rwkv.py check the same in process)
+RECURRENT_64KB = ["mamba-tiny", *(pytest.param(name, marks=pytest.mark.slow) for name in RECURRENT if name != "mamba-tiny")]
+
+
+@pytest.mark.parametrize("model", ["longformer-tiny", "logsparse-tiny", *SECOND, *RECURRENT_64KB])
 def test_windowed_state_bytes_equal_after_4kb_and_64kb(client, model):
     """The windows of the efficient-attention models, and the recurrent models' fixed states."""
     session = create(client, model)
