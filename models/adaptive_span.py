@@ -60,7 +60,6 @@ from torch import Tensor, nn
 from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import left_pad
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.relative import RelativeAttentionBlock, RelativeKeys, relative_scores
 
 
@@ -303,7 +302,7 @@ class AdaptiveSpan(LanguageModel):
         self.r_w_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # u per layer
         self.r_r_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # v per layer
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon) if c.pre_norm else None
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         init_weights(self, [self.r_w_bias, self.r_r_bias])

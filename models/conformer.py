@@ -98,7 +98,6 @@ from xlserve.models.layers.block import forward_in_pieces
 from xlserve.models.layers.causal_conv import ConvWindowMemory, causal_depthwise_conv
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.relative import RelativeKeys, relative_scores
 from xlserve.models.layers.ring_buffer import ring_positions, ring_write
 
@@ -143,9 +142,9 @@ class WindowedRelativeAttention(nn.Module):
         self.config = c
         self.capacity = c.mem_len - 1  # C: positions before a query that it still sees
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
-        self.r_net = Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
+        self.r_net = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.drop = nn.Dropout(c.dropout)
         self.dropatt = nn.Dropout(c.dropatt)
         self.scale = 1.0 / math.sqrt(c.d_head)
@@ -194,13 +193,13 @@ class ConvolutionModule(nn.Module):
         c = config
         self.kernel_size = c.kernel_size
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.pointwise_in = Linear(c.d_model, 2 * c.d_model)
+        self.pointwise_in = nn.Linear(c.d_model, 2 * c.d_model)
         # depthwise filter: output t = Σ_s weight[:, s] · input[t − (K − 1) + s] + bias (tap K − 1 is t)
         self.depthwise_weight = nn.Parameter(torch.empty(c.d_model, c.kernel_size))
         self.depthwise_bias = nn.Parameter(torch.zeros(c.d_model))
         # per position, over channels: batch statistics would mix rows and reach future positions
         self.conv_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.pointwise_out = Linear(c.d_model, c.d_model)
+        self.pointwise_out = nn.Linear(c.d_model, c.d_model)
         self.drop = nn.Dropout(c.dropout)
         # as nn.Conv1d draws a depthwise filter (±1/√fan-in, fan-in K): init_weights's N(0, 0.02²)
         # would leave the depthwise output near LayerNorm's epsilon
@@ -273,7 +272,7 @@ class Conformer(LanguageModel):
         self.relative_keys = RelativeKeys(c.d_model, c.n_head, c.d_head, c.dropout)
         self.r_w_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # u per layer
         self.r_r_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # v per layer
-        self.head = Linear(c.d_model, c.vocab_size)  # after the last block's LayerNorm
+        self.head = nn.Linear(c.d_model, c.vocab_size)  # after the last block's LayerNorm
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         init_weights(self, [self.r_w_bias, self.r_r_bias])  # the depthwise filters keep their own draw

@@ -71,7 +71,6 @@ from torch import Tensor, nn
 from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.relative import RelativeKeys, relative_scores
 
 
@@ -369,14 +368,14 @@ class InfinityLayer(nn.Module):
         self.memory = [memory]  # shared geometry; a list so it is not registered twice
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         # short-term (Transformer-XL) attention
-        self.qkv_net = Linear(c.d_model, 3 * hd, bias=False)  # W_q, W_kE, W_v
-        self.r_net = Linear(c.d_model, hd, bias=False)  # W_kR
-        self.o_net = Linear(hd, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * hd, bias=False)  # W_q, W_kE, W_v
+        self.r_net = nn.Linear(c.d_model, hd, bias=False)  # W_kR
+        self.o_net = nn.Linear(hd, c.d_model, bias=False)
         # continuous long-term attention (its queries are the short-term attention's)
-        self.ltm_k = Linear(c.d_model, hd, bias=False)  # W_K, applied to B
-        self.ltm_v = Linear(c.d_model, hd, bias=False)  # W_V, applied to B
+        self.ltm_k = nn.Linear(c.d_model, hd, bias=False)  # W_K, applied to B
+        self.ltm_v = nn.Linear(c.d_model, hd, bias=False)  # W_V, applied to B
         self.ltm_density = nn.Parameter(torch.zeros(c.n_head, 2, c.n_basis))  # w_μ, w_σ per head
-        self.ltm_o = Linear(hd, c.d_model, bias=False)
+        self.ltm_o = nn.Linear(hd, c.d_model, bias=False)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
         self.drop = nn.Dropout(c.dropout)
@@ -531,7 +530,7 @@ class InfinityFormer(LanguageModel):
         self.r_w_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # u
         self.r_r_bias = nn.Parameter(torch.zeros(c.n_layer, c.n_head, c.d_head))  # v
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         init_weights(self, [self.r_w_bias, self.r_r_bias, *(layer.ltm_density for layer in self.layers)])

@@ -88,7 +88,6 @@ from torch import Tensor, nn
 from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 
 
 @dataclass
@@ -278,8 +277,8 @@ class SegmentCompressedAttention(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.key_projection = nn.Parameter(pooling_projection(c.compressed_len, c.segment_len))  # E (k, L)
         self.value_projection = nn.Parameter(pooling_projection(c.compressed_len, c.segment_len))  # F (k, L)
         self.slot_bias = nn.Parameter(torch.zeros(c.n_head, c.memory_segments, c.compressed_len))  # b_h[M − age, r]
@@ -364,7 +363,7 @@ class Linformer(LanguageModel):
         self.layers = nn.ModuleList(PreNormBlock(SegmentCompressedAttention(c), c.d_model, c.d_inner, c.dropout,
                                                  c.layer_norm_epsilon) for _ in range(c.n_layer))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         init_weights(self, [self.offset_embedding] + [layer.attention.slot_bias for layer in self.layers])

@@ -104,7 +104,6 @@ from xlserve.models.interface import ArchConfig, LanguageModel
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.causal_conv import ConvWindowMemory, causal_depthwise_conv, with_history
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.ring_buffer import ring_positions, ring_write
 
 CONV_TYPES = ("dynamic", "lightweight")
@@ -153,7 +152,7 @@ class WindowAttention(nn.Module):
         self.d_attn = c.d_model // 2  # the attention half of the channels
         self.d_head = self.d_attn // c.n_head
         self.capacity = c.mem_len - 1  # C: positions the ring keeps
-        self.qkv_net = Linear(self.d_attn, 3 * self.d_attn, bias=False)  # W_q, W_k, W_v
+        self.qkv_net = nn.Linear(self.d_attn, 3 * self.d_attn, bias=False)  # W_q, W_k, W_v
         self.distance_bias = nn.Parameter(torch.zeros(c.n_head, c.mem_len))  # r_h[i − j]
 
     def pattern(self, query_positions: Tensor, key_positions: Tensor, key_valid: Tensor) -> Tensor:
@@ -226,9 +225,9 @@ class ConvolutionBranch(nn.Module):
         self.config = c
         self.kernel = kernel  # K
         self.d_conv = c.d_model - c.d_model // 2  # the convolution half of the channels
-        self.glu_net = Linear(self.d_conv, 2 * self.d_conv)  # W_g, b_g: value and gate halves
+        self.glu_net = nn.Linear(self.d_conv, 2 * self.d_conv)  # W_g, b_g: value and gate halves
         if c.conv_type == "dynamic":
-            self.kernel_net = Linear(self.d_conv, c.n_conv_head * kernel, bias=False)  # W_w: u_i -> kernel logits
+            self.kernel_net = nn.Linear(self.d_conv, c.n_conv_head * kernel, bias=False)  # W_w: u_i -> kernel logits
             self.kernel_logits = None
         else:
             self.kernel_net = None
@@ -265,7 +264,7 @@ class LongShortRangeAttention(nn.Module):
         self.d_attn = c.d_model // 2
         self.attention = WindowAttention(c)
         self.convolution = ConvolutionBranch(c, kernel)
-        self.o_net = Linear(c.d_model, c.d_model)  # W_o, b_o over [global ; local]
+        self.o_net = nn.Linear(c.d_model, c.d_model)  # W_o, b_o over [global ; local]
 
     def forward(self, x: Tensor, position: Tensor, memory: tuple[Tensor, Tensor, Tensor]):
         """x (B, T, d) and this layer's (ring keys, ring values, convolution inputs) -> output
@@ -312,7 +311,7 @@ class LiteTransformer(LanguageModel):
         self.layers = nn.ModuleList(PreNormBlock(LongShortRangeAttention(c, k), c.d_model, c.d_inner, c.dropout,
                                                  c.layer_norm_epsilon) for k in kernels)
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         extra = []

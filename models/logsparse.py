@@ -73,7 +73,6 @@ from torch import Tensor, nn
 from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 
 
 @dataclass
@@ -256,8 +255,8 @@ class LogSparseLayer(nn.Module):
         c = config
         self.config = c
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
         self.drop = nn.Dropout(c.dropout)
@@ -311,7 +310,7 @@ class LogSparseTransformer(LanguageModel):
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(LogSparseLayer(c) for _ in range(c.n_layer))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         init_weights(self, [self.offset_embedding])

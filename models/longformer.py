@@ -64,7 +64,6 @@ from torch import Tensor, nn
 from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.block import PreNormBlock, forward_in_pieces
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.ring_buffer import ring_positions, ring_write
 
 
@@ -196,8 +195,8 @@ class SlidingWindowAttention(nn.Module):
         self.window = window  # w: window slots per head
         self.capacity = window * max(dilations)  # C: positions the ring keeps
         self.register_buffer("dilation", torch.tensor(dilations, dtype=torch.long), persistent=False)  # (H,)
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.window_bias = nn.Parameter(torch.zeros(c.n_head, window))  # r_h[k], k = (i − j) / d_h
         self.global_bias = nn.Parameter(torch.zeros(c.n_head, c.n_global)) if c.n_global > 0 else None  # s_h[j]
 
@@ -286,7 +285,7 @@ class Longformer(LanguageModel):
             PreNormBlock(SlidingWindowAttention(c, w, d), c.d_model, c.d_inner, c.dropout, c.layer_norm_epsilon)
             for w, d in zip(windows, dilations))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         extra = []

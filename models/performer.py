@@ -87,7 +87,6 @@ from torch import Tensor, nn
 from xlserve.models.interface import FixedShapeState, LanguageModel, TransformerConfig
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 
 BLOCK = 64  # positions whose causal products are formed explicitly at once (memory B·H·BLOCK² per layer)
 
@@ -268,8 +267,8 @@ class PerformerLayer(nn.Module):
         # depthwise causal convolution: output t = Σ_s conv_weight[:, s] * input[t − (K − 1) + s] + conv_bias
         self.conv_weight = nn.Parameter(torch.zeros(c.d_model, c.conv_width))
         self.conv_bias = nn.Parameter(torch.zeros(c.d_model))
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
         self.drop = nn.Dropout(c.dropout)
@@ -319,7 +318,7 @@ class Performer(LanguageModel):
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(PerformerLayer(c) for _ in range(c.n_layer))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         init_weights(self, [layer.conv_weight for layer in self.layers])

@@ -126,7 +126,6 @@ from xlserve.models.interface import ArchConfig, LanguageModel, State
 from xlserve.models.layers.buffers import extend_memory, left_pad
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 
 ATTENTION_KINDS = ("lsh", "local")
 
@@ -637,9 +636,9 @@ class LSHAttention(nn.Module):
     def __init__(self, config: ReformerConfig):
         super().__init__()
         c = self.config = config
-        self.query_key = Linear(c.d_model, c.n_head * c.d_head, bias=False)
-        self.value = Linear(c.d_model, c.n_head * c.d_head, bias=False)
-        self.out = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.query_key = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)
+        self.value = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)
+        self.out = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         rotations = torch.randn(c.n_head, c.d_head, c.n_hashes, rotation_columns(c.n_buckets))
         self.register_buffer("rotations", rotations, persistent=True)  # (H, D, R, n_b/2): fixed in the checkpoint
 
@@ -813,10 +812,10 @@ class LocalAttention(nn.Module):
     def __init__(self, config: ReformerConfig):
         super().__init__()
         c = self.config = config
-        self.query = Linear(c.d_model, c.n_head * c.d_head, bias=False)
-        self.key = Linear(c.d_model, c.n_head * c.d_head, bias=False)
-        self.value = Linear(c.d_model, c.n_head * c.d_head, bias=False)
-        self.out = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.query = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)
+        self.key = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)
+        self.value = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)
+        self.out = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
 
     def forward(self, x: Tensor, context) -> tuple[Tensor, tuple]:
         c = self.config
@@ -1002,8 +1001,8 @@ class ReformerLayer(nn.Module):
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.attention = LSHAttention(c) if kind == "lsh" else LocalAttention(c)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ff_in = Linear(c.d_model, c.d_inner)
-        self.ff_out = Linear(c.d_inner, c.d_model)
+        self.ff_in = nn.Linear(c.d_model, c.d_inner)
+        self.ff_out = nn.Linear(c.d_inner, c.d_model)
         self.activation = ACTIVATIONS[c.activation]
         self.drop = nn.Dropout(c.dropout)
         self.ff_chunk = c.ff_chunk
@@ -1046,7 +1045,7 @@ class Reformer(LanguageModel):
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(ReformerLayer(c, kind) for kind in c.attn_layers)
         self.final_norm = nn.LayerNorm(2 * c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(2 * c.d_model, c.vocab_size)
+        self.head = nn.Linear(2 * c.d_model, c.vocab_size)
         init_weights(self, list(self.positions.weights) if c.axial_pos_shape is not None else [])
 
     @property

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 
 from xlserve.models.interface import LanguageModel
-from xlserve.models.layers.linear import choose_kernels
 
 ARCHITECTURES: dict[str, str] = {
     "transformer-xl": "xlserve.models.transformer_xl:TransformerXL",
@@ -42,5 +41,4 @@ def model_class(architecture: str) -> type[LanguageModel]:
 def build_model(architecture: str, config: dict) -> LanguageModel:
     cls = model_class(architecture)
     model = cls(cls.config_class.from_dict(config))
-    choose_kernels(model)  # decoding kernels suited to the model's size (models/layers/linear.py)
     return model

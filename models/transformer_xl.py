@@ -68,7 +68,6 @@ from torch import Tensor, nn
 from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear, linear
 from xlserve.models.layers.relative import (
     RelativeAttentionBlock, RelativeKeys, rel_shift, relative_scores, scores_by_distance,
 )
@@ -147,7 +146,6 @@ def cluster_widths(d_embed: int, n_clusters: int, div_val: int) -> list[int]:
 class AdaptiveEmbedding(nn.Module):
     """tokens (B, T) -> (B, T, d_model), unscaled."""
 
-    streaming = False  # products through models/layers/linear.py's streaming path (choose_kernels)
 
     def __init__(self, vocab_size: int, d_embed: int, d_model: int, cutoffs: list[int], div_val: int):
         super().__init__()
@@ -170,21 +168,20 @@ class AdaptiveEmbedding(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         if len(self.tables) == 1:
             x = self.tables[0](tokens)  # (B, T, d_embed)
-            return linear(x, self.projections[0], streaming=self.streaming) if len(self.projections) else x
+            return F.linear(x, self.projections[0]) if len(self.projections) else x
         flat = tokens.reshape(-1)
         out = self.projections[0].new_zeros(flat.shape[0], self.d_model)  # (B*T, d_model)
         for i, (table, projection) in enumerate(zip(self.tables, self.projections)):
             low, high = self.bounds[i], self.bounds[i + 1]
             rows = ((flat >= low) & (flat < high)).nonzero().squeeze(1)
             if rows.numel():
-                out.index_copy_(0, rows, linear(table(flat[rows] - low), projection, streaming=self.streaming))
+                out.index_copy_(0, rows, F.linear(table(flat[rows] - low), projection))
         return out.view(*tokens.shape, self.d_model)
 
 
 class AdaptiveLogSoftmax(nn.Module):
     """hidden (..., d_model) -> log-probabilities (..., vocab_size) in float32."""
 
-    streaming = False  # products through models/layers/linear.py's streaming path (choose_kernels)
 
     def __init__(
         self,
@@ -251,7 +248,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def _product(self, name: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """linear(x, weight, bias), through its int8 copy `name` when there is one."""
         int8 = self._int8(name)
-        return int8(x) if int8 is not None else linear(x, weight, bias, self.streaming)
+        return int8(x) if int8 is not None else F.linear(x, weight, bias)
 
     def _cluster_vectors(self, i: int) -> Tensor:
         """(size_i, d_i): output vectors of cluster i."""
@@ -403,7 +400,7 @@ class TransformerXL(LanguageModel):
                 c.vocab_size, d_embed, c.d_model, c.cutoffs, c.div_val, self.embedding, c.tie_embedding, c.tie_projs
             )
         else:
-            self.head = Linear(c.d_model, c.vocab_size)
+            self.head = nn.Linear(c.d_model, c.vocab_size)
             if c.tie_embedding:
                 self.head.weight = self.embedding.weight
         init_weights(self, [self.r_w_bias, self.r_r_bias])

@@ -48,7 +48,6 @@ from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import check_padding_on_the_left, check_same_positions, left_pad, left_padding
 from xlserve.models.layers.feedforward import FeedForward
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 
 
 @dataclass
@@ -177,8 +176,8 @@ class CausalLayer(nn.Module):
         self.config = c
         self.position = nn.Parameter(torch.zeros(c.context_len, c.d_model))  # this layer's positions
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
         self.drop = nn.Dropout(c.dropout)
@@ -241,11 +240,11 @@ class VanillaTransformer(LanguageModel):
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(CausalLayer(c) for _ in range(c.n_layer))
         self.final_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         # the multiple-targets classifier (two steps ahead); separate from `head`, training only
-        self.second_head = Linear(c.d_model, c.vocab_size) if c.aux_targets else None
+        self.second_head = nn.Linear(c.d_model, c.vocab_size) if c.aux_targets else None
         init_weights(self, [layer.position for layer in self.layers])
 
     @property

@@ -67,7 +67,6 @@ from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import Linear
 from xlserve.models.layers.relative import RelativeKeys, rel_shift, relative_scores, scores_by_distance
 from xlserve.models.layers.xl_memory import XLMemory
 
@@ -101,11 +100,11 @@ class TwoStreamLayer(nn.Module):
         c = config
         self.config = c
         inner = c.n_head * c.d_head
-        self.q_net = Linear(c.d_model, inner, bias=False)
-        self.k_net = Linear(c.d_model, inner, bias=False)
-        self.v_net = Linear(c.d_model, inner, bias=False)
-        self.r_net = Linear(c.d_model, inner, bias=False)  # W_r: relative encodings -> keys
-        self.o_net = Linear(inner, c.d_model, bias=False)
+        self.q_net = nn.Linear(c.d_model, inner, bias=False)
+        self.k_net = nn.Linear(c.d_model, inner, bias=False)
+        self.v_net = nn.Linear(c.d_model, inner, bias=False)
+        self.r_net = nn.Linear(c.d_model, inner, bias=False)  # W_r: relative encodings -> keys
+        self.o_net = nn.Linear(inner, c.d_model, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # u (content)
         self.r_r_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # v (position)
         self.r_s_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))  # b (segment)
@@ -113,8 +112,8 @@ class TwoStreamLayer(nn.Module):
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         # the feed-forward's two projections under the names of the reference's layer_1 and
         # layer_2, which checkpoints store them by (models/convert/xlnet.py)
-        self.ff_in = Linear(c.d_model, c.d_inner)
-        self.ff_out = Linear(c.d_inner, c.d_model)
+        self.ff_in = nn.Linear(c.d_model, c.d_inner)
+        self.ff_out = nn.Linear(c.d_inner, c.d_model)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.activation = ACTIVATIONS[c.ff_activation]
         self.drop = nn.Dropout(c.dropout)
@@ -184,7 +183,7 @@ class XLNet(LanguageModel):
         self.drop = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(TwoStreamLayer(c) for _ in range(c.n_layer))
         self.relative_keys = RelativeKeys(c.d_model, c.n_head, c.d_head, c.dropout, c.clamp_len)
-        self.head = Linear(c.d_model, c.vocab_size)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
         if c.tie_embedding:
             self.head.weight = self.embedding.weight
         init_weights(self, [self.mask_emb, *(p for layer in self.layers

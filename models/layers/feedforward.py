@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from xlserve.models.layers.linear import Linear
 
 # activation name (Hugging Face's `ff_activation`) -> function
 ACTIVATIONS = {
@@ -31,9 +30,9 @@ class FeedForward(nn.Sequential):
 
     def __init__(self, d_model: int, d_inner: int, dropout: float):
         super().__init__(
-            Linear(d_model, d_inner),
+            nn.Linear(d_model, d_inner),
             nn.ReLU(),
             nn.Dropout(dropout),
-            Linear(d_inner, d_model),
+            nn.Linear(d_inner, d_model),
             nn.Dropout(dropout),
         )

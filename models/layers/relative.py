@@ -28,7 +28,6 @@ import torch
 from torch import Tensor, nn
 
 from xlserve.models.layers.feedforward import FeedForward
-from xlserve.models.layers.linear import Linear
 
 
 def sinusoid_encoding(distances: Tensor, d_model: int) -> Tensor:
@@ -121,9 +120,9 @@ class RelativeAttentionBlock(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.qkv_net = Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
-        self.r_net = Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
-        self.o_net = Linear(c.n_head * c.d_head, c.d_model, bias=False)
+        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)  # W_q, W_kE, W_v
+        self.r_net = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)  # W_kR
+        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
         self.attn_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.ff = FeedForward(c.d_model, c.d_inner, c.dropout)
         self.ff_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_epsilon)
