@@ -231,7 +231,10 @@ class Mamba2(LanguageModel):
             position=torch.zeros(batch_size, dtype=torch.long, device=like.device),
         )
 
+    # Copied from xlserve.models.mamba.Mamba._check_tokens with SelectiveState->SSDState
     def _check_tokens(self, state: SSDState, tokens: int) -> None:
+        """Before any token every state is zero; while fewer than K − 1 tokens have been seen,
+        the convolution's padding rows are still zero."""
         padding = max(0, self.config.d_conv - 1 - tokens)
         for i, recent in enumerate(state.conv_inputs):
             if padding and bool(recent[:, :padding].any()):
@@ -241,6 +244,7 @@ class Mamba2(LanguageModel):
                 if bool(h.any()):
                     raise ValueError(f"state tensor 'ssm.{i}' is not 0 before the first token")
 
+    # Copied from xlserve.models.mamba.Mamba.forward with SelectiveState->SSDState
     def forward(self, tokens: Tensor, state: SSDState) -> tuple[Tensor, SSDState]:
         B, T = tokens.shape
         if T == 0:
@@ -249,7 +253,7 @@ class Mamba2(LanguageModel):
         conv_inputs, ssm = [], []
         for i, block in enumerate(self.layers):
             x, recent, h = block(x, state.conv_inputs[i], state.ssm[i])
-            conv_inputs.append(recent.detach())
+            conv_inputs.append(recent.detach())  # a state is a value: no gradient into the next call
             ssm.append(h.detach())
         log_probs = F.log_softmax(self.head(self.final_norm(x)).float(), dim=-1)  # (B, T, V)
         return log_probs, SSDState(conv_inputs, ssm, state.position + T)
