@@ -920,6 +920,13 @@ def test_make_and_both_images_install_from_the_constraints():
     assert "CONSTRAINTS := constraints.txt" in makefile
     assert re.search(r"^TORCH_PIN \?= \$\(shell grep '\^torch==' \$\(CONSTRAINTS\)\)$", makefile, re.MULTILINE)
     installs = [line for line in makefile.splitlines() if "pip install" in line]
+    # the parity tests' second reference environment (.venv/hf-reference) is pinned by exact
+    # versions of its own, installed apart (--target, --no-deps); every other install takes the constraints
+    reference = [line for line in installs if "$(HF_REFERENCE_DIR)" in line]
+    assert len(reference) == 1 and "--no-deps --target $(HF_REFERENCE_DIR) $(HF_REFERENCE)" in reference[0]
+    pins = re.search(r"^HF_REFERENCE := (.+)$", makefile, re.MULTILINE).group(1).split()
+    assert pins and all(re.fullmatch(r"[\w.-]+==[\w.]+", pin) for pin in pins), pins
+    installs = [line for line in installs if line not in reference]
     assert installs and all(re.search(r"-c \$\((VENV)\)/constraints\.txt|-c \$\(CONSTRAINTS\)", line) for line in installs)
     for path in DOCKERFILES:
         runs = [rest for word, rest in dockerfile_instructions(path) if word == "RUN" and "pip install" in rest]
