@@ -262,7 +262,7 @@ def cmd_serve(args) -> None:
 def cmd_train(args) -> None:
     from dataclasses import replace
 
-    from xlserve.models.training.train import STANDARD_RECIPE, train
+    from xlserve.models.training.train import STANDARD_RECIPE, TrainingDiverged, train
 
     if args.without_lane_memory and not args.export_progress:
         # a training run always saves the lanes' memory; accepting the flag here would promise otherwise
@@ -279,7 +279,10 @@ def cmd_train(args) -> None:
     recipe = STANDARD_RECIPE
     if args.train_bytes:
         recipe = replace(recipe, train_bytes=args.train_bytes)
-    train(args.arch, args.preset, args.out, recipe, log=lambda s: print(s, flush=True))
+    try:
+        train(args.arch, args.preset, args.out, recipe, log=lambda s: print(s, flush=True))
+    except TrainingDiverged as error:
+        raise SystemExit(f"xlserve train: {error}") from None
 
 
 def cmd_new(args) -> None:

@@ -29,6 +29,10 @@ from xlserve.models.training.data import SegmentStream, stdlib_corpus
 from xlserve.models.training.evaluate import bits_per_byte
 
 
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient was not finite: the run stops before applying it."""
+
+
 @dataclass
 class Recipe:
     train_bytes: int = 20_000_000  # the token budget: bytes of training text consumed
@@ -335,7 +339,14 @@ def train(
         loss, state = training_loss(model, inputs, targets, state, step / total)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        gradient_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        if not (math.isfinite(loss.item()) and math.isfinite(float(gradient_norm))):
+            # one non-finite gradient turns every weight to NaN at the optimiser step, and the run would go on
+            # for hours saving NaN: stop before it, with the last save (at most save_every steps ago) intact
+            raise TrainingDiverged(
+                f"{architecture}/{preset}: step {step} has loss {loss.item()} and gradient norm "
+                f"{float(gradient_norm)}; nothing of this step was applied. The last save in {resume_dir} is "
+                f"from step {step - step % recipe.save_every} (a rerun resumes there)")
         optimizer.step()
         progress["step"] = step + 1
         window_loss += loss.item()

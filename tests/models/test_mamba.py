@@ -49,6 +49,29 @@ def test_the_chunked_scan_is_the_recurrence(decay_scale):
     assert (y - expected).abs().max() < 1e-4 and (after - expected_after).abs().max() < 1e-5
 
 
+def test_the_scan_s_gradients_stay_finite_when_a_chunk_decays_near_the_limit():
+    """Training went NaN at step ~350 of mamba-stdlib: a chunk whose decay reached |P| ≈ 59 (under
+    SCAN_EXPONENT_LIMIT, so not split) had a quotient whose gradient holds 1 / exp(P)², past
+    float32's range. The gradients must be finite and equal the recurrence's."""
+    g = torch.Generator().manual_seed(0)
+    u, dt = torch.randn(2, 32, 8, generator=g), torch.rand(2, 32, 8, generator=g) * 3.2 + 0.05
+    A = -(torch.rand(8, 4, generator=g) + 0.05)
+    A[0, 0] = -1.0
+    B, C = torch.randn(2, 32, 4, generator=g), torch.randn(2, 32, 4, generator=g)
+    h = torch.zeros(2, 8, 4)
+    exponent = float((dt.sum(1) * A.amin(1)).min())
+    assert -SCAN_EXPONENT_LIMIT < exponent < -44  # one piece, past where exp(P)² underflows
+    grads = []
+    for scan in (lambda *a: selective_scan(*a, chunk_size=32), recurrence):
+        inputs = [t.clone().requires_grad_(True) for t in (u, dt, A, B, C)]
+        y, after = scan(*inputs, h)
+        (y.sum() + after.sum()).backward()
+        grads.append([t.grad for t in inputs])
+    for ours, expected in zip(*grads):
+        assert torch.isfinite(ours).all()
+        assert torch.allclose(ours, expected, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16, 37])
 def test_chunked_feeding_equals_one_pass(chunk):
     assert_same_as_one_pass(small_model(), tokens(2, 90, 3), chunk)
