@@ -8,7 +8,10 @@ session state bytes (`State.nbytes()`, what the cache manager stores per session
   long-term memory must help;
 - the Transformer-XL checkpoint with mem_len chosen so that its state takes as many bytes as
   the ∞-former's (its state grows by a fixed number of bytes per remembered position, so the
-  equal-bytes mem_len is solved from two measurements), and as trained (mem_len 128).
+  equal-bytes mem_len is solved from two measurements), and as trained (mem_len 128);
+- Mamba (`--mamba`, mamba-stdlib when it is shipped), whose state is a fixed summary of the whole
+  history, beside Transformer-XL with mem_len chosen so that its state takes as many bytes as
+  Mamba's: the same state budget spent on a window of exact positions.
 The ∞-former's state is the same size after any history; Transformer-XL's stops growing at
 mem_len. Results: bench-results/memory-quality.json and .png. Run it alone.
 """
@@ -56,8 +59,12 @@ def main(argv: list[str]) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--infinity-former", default="infinity-former-stdlib", help="name under weights/ or a path")
     parser.add_argument("--transformer-xl", default="transformer-xl-stdlib", help="name under weights/ or a path")
+    parser.add_argument("--mamba", default="mamba-stdlib",
+                        help="name under weights/ or a path; 'none' leaves the Mamba rows out (so does a name not found)")
     parser.add_argument("--min-file-bytes", type=int, default=20_000)
     parser.add_argument("--max-files", type=int, default=None, help="only the first N long files (a quick look)")
+    parser.add_argument("--max-file-bytes", type=int, default=None,
+                        help="score only each file's first N bytes (a quick look; the files are still chosen by --min-file-bytes)")
     parser.add_argument("--chunk", type=int, default=512, help="bytes fed per forward call")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=str(BENCH_RESULTS_DIR / "memory-quality.json"))
@@ -68,7 +75,7 @@ def main(argv: list[str]) -> None:
     infinity_former = load_checkpoint(checkpoint_dir(args.infinity_former))
     transformer_xl = load_checkpoint(checkpoint_dir(args.transformer_xl))
     files = long_held_out_files(args.min_file_bytes, args.max_files)
-    documents = [data for _, data in files]
+    documents = [data[:args.max_file_bytes] if args.max_file_bytes else data for _, data in files]
     target = state_bytes(infinity_former)
     matched = equal_bytes_mem_len(transformer_xl, target)
     trained_mem_len = transformer_xl.config.mem_len
@@ -78,6 +85,17 @@ def main(argv: list[str]) -> None:
         ("Transformer-XL, equal state bytes", f"mem_len {matched}", transformer_xl.with_mem_len(matched)),
         ("Transformer-XL, as trained", f"mem_len {trained_mem_len}", transformer_xl),
     ]
+    mamba, mamba_matched = None, None
+    if args.mamba != "none":
+        if (checkpoint_dir(args.mamba) / "config.json").is_file():
+            mamba = load_checkpoint(checkpoint_dir(args.mamba))
+            mamba_matched = equal_bytes_mem_len(transformer_xl, state_bytes(mamba))
+            variants += [
+                ("Mamba", "fixed summary of the whole history", mamba),
+                ("Transformer-XL, Mamba's state bytes", f"mem_len {mamba_matched}", transformer_xl.with_mem_len(mamba_matched)),
+            ]
+        else:
+            print(f"no checkpoint {checkpoint_dir(args.mamba)}: the Mamba rows are left out", flush=True)
     rows = []
     for label, memory, model in variants:
         started = time.perf_counter()
@@ -89,9 +107,10 @@ def main(argv: list[str]) -> None:
     result = {
         "benchmark": "memory-quality", **environment(),
         "files": [name for name, _ in files], "scored_bytes": sum(len(d) - 1 for d in documents),
-        "min_file_bytes": args.min_file_bytes, "chunk": args.chunk,
+        "min_file_bytes": args.min_file_bytes, "max_file_bytes": args.max_file_bytes, "chunk": args.chunk,
         "infinity_former": args.infinity_former, "transformer_xl": args.transformer_xl,
-        "equal_bytes_mem_len": matched, "results": rows,
+        "equal_bytes_mem_len": matched, "mamba": args.mamba if mamba is not None else None,
+        "mamba_equal_bytes_mem_len": mamba_matched, "results": rows,
         "long_term_memory_gain_bits_per_byte": round(without_ltm - with_ltm, 4),
     }
     save_results(result, args.out, plot, print_table)
