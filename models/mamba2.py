@@ -167,11 +167,27 @@ class Mamba2Mixer(nn.Module):
         B = B.view(Bsz, T, c.n_groups, c.d_state).repeat_interleave(per_group, dim=2)  # (B, T, H, N)
         C = C.view(Bsz, T, c.n_groups, c.d_state).repeat_interleave(per_group, dim=2)
         x = x.view(Bsz, T, c.n_head, c.head_dim)  # (B, T, H, P)
-        A = -torch.exp(self.A_log.float())  # (H,) < 0
+        A = self.decay_rates()  # (H,) < 0
         y, ssm = ssd_scan(x, dt, A, B, C, ssm, c.chunk_size)
         y = y + x * self.D.float()[:, None]  # (B, T, H, P)
         y = self.norm(y.reshape(Bsz, T, c.d_inner), gate)
         return self.out_proj(y.to(h.dtype)), conv_inputs, ssm
+
+    # Copied from xlserve.models.mamba.MambaMixer.decay_rates
+    def decay_rates(self) -> Tensor:
+        """A = −exp(A_log) in float32. Outside autograd it depends on the weights alone, so it is
+        kept until A_log changes (a new tensor, or its version counter moved by an in-place update):
+        a decode step makes ~25 small operations per layer, and outside a micro-benchmark each
+        costs tens of µs, so these two were 6 of a mamba-130m-shaped step's 42 ms. A cached
+        weight, not a state: nothing of any request lives on the model."""
+        if torch.is_grad_enabled() and self.A_log.requires_grad:
+            return -torch.exp(self.A_log.float())
+        key = (self.A_log.data_ptr(), self.A_log._version, self.A_log.dtype, self.A_log.device)
+        cached = self.__dict__.get("_decay_rates")
+        if cached is None or cached[0] != key:
+            cached = (key, -torch.exp(self.A_log.detach().float()))
+            self.__dict__["_decay_rates"] = cached
+        return cached[1]
 
 
 class Mamba2Block(nn.Module):

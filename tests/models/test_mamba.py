@@ -72,6 +72,23 @@ def test_the_scan_s_gradients_stay_finite_when_a_chunk_decays_near_the_limit():
         assert torch.allclose(ours, expected, rtol=1e-3, atol=1e-3)
 
 
+def test_the_kept_decay_rates_follow_the_weights():
+    """A = −exp(A_log) is kept between calls outside autograd: an in-place change of A_log (an
+    optimiser step, a load) and a new tensor (load_state_dict with assign) must both be seen, and
+    with autograd on it is computed in the graph."""
+    mixer = small_model(3).layers[0].mixer
+    with torch.no_grad():
+        kept = mixer.decay_rates()
+        assert mixer.decay_rates() is kept and torch.equal(kept, -torch.exp(mixer.A_log))
+        mixer.A_log.add_(2.0)
+        assert torch.equal(mixer.decay_rates(), -torch.exp(mixer.A_log))
+        fresh = {name: value.clone() - 1.0 if name == "A_log" else value for name, value in mixer.state_dict().items()}
+        mixer.load_state_dict(fresh, assign=True)
+        assert torch.equal(mixer.decay_rates(), -torch.exp(fresh["A_log"]))
+    with_graph = mixer.decay_rates()
+    assert with_graph.requires_grad and with_graph is not mixer.decay_rates()
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16, 37])
 def test_chunked_feeding_equals_one_pass(chunk):
     assert_same_as_one_pass(small_model(), tokens(2, 90, 3), chunk)
