@@ -182,7 +182,10 @@ class Mamba2Mixer(nn.Module):
         weight, not a state: nothing of any request lives on the model."""
         if torch.is_grad_enabled() and self.A_log.requires_grad:
             return -torch.exp(self.A_log.float())
-        key = (self.A_log.data_ptr(), self.A_log._version, self.A_log.dtype, self.A_log.device)
+        # weights loaded under inference_mode have no version counter; no xlserve code writes a
+        # loaded weight in place (a load or a conversion makes new tensors, which the pointer sees)
+        version = -1 if self.A_log.is_inference() else self.A_log._version
+        key = (self.A_log.data_ptr(), version, self.A_log.dtype, self.A_log.device)
         cached = self.__dict__.get("_decay_rates")
         if cached is None or cached[0] != key:
             cached = (key, -torch.exp(self.A_log.detach().float()))

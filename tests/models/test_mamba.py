@@ -87,6 +87,9 @@ def test_the_kept_decay_rates_follow_the_weights():
         assert torch.equal(mixer.decay_rates(), -torch.exp(fresh["A_log"]))
     with_graph = mixer.decay_rates()
     assert with_graph.requires_grad and with_graph is not mixer.decay_rates()
+    with torch.inference_mode():  # weights made here (as a load may make them) have no version counter
+        mixer.A_log = torch.nn.Parameter(torch.zeros_like(mixer.A_log), requires_grad=False)
+        assert mixer.A_log.is_inference() and torch.equal(mixer.decay_rates(), -torch.ones_like(mixer.A_log))
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 37])
