@@ -339,19 +339,20 @@ def train(
         loss, state = training_loss(model, inputs, targets, state, step / total)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        gradient_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        if not (math.isfinite(loss.item()) and math.isfinite(float(gradient_norm))):
+        gradient_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
+        loss_value = loss.item()  # read once: on a GPU each read waits for the device
+        if not (math.isfinite(loss_value) and math.isfinite(gradient_norm)):
             # one non-finite gradient turns every weight to NaN at the optimiser step, and the run would go on
             # for hours saving NaN: stop before it, with the last save (at most save_every steps ago) intact
             raise TrainingDiverged(
-                f"{architecture}/{preset}: step {step} has loss {loss.item()} and gradient norm "
-                f"{float(gradient_norm)}; nothing of this step was applied. The last save in {resume_dir} is "
+                f"{architecture}/{preset}: step {step} has loss {loss_value} and gradient norm "
+                f"{gradient_norm}; nothing of this step was applied. The last save in {resume_dir} is "
                 f"from step {step - step % recipe.save_every} (a rerun resumes there)")
         optimizer.step()
         progress["step"] = step + 1
-        window_loss += loss.item()
+        window_loss += loss_value
         window_steps += 1
-        recent_losses = (recent_losses + [loss.item()])[-50:]
+        recent_losses = (recent_losses + [loss_value])[-50:]
 
         if progress["step"] % 20 == 0 or progress["step"] == total:
             elapsed = time.time() - started

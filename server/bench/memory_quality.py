@@ -87,15 +87,16 @@ def main(argv: list[str]) -> None:
     ]
     mamba, mamba_matched = None, None
     if args.mamba != "none":
-        if (checkpoint_dir(args.mamba) / "config.json").is_file():
-            mamba = load_checkpoint(checkpoint_dir(args.mamba))
+        mamba_dir = checkpoint_dir(args.mamba)
+        if (mamba_dir / "config.json").is_file():
+            mamba = load_checkpoint(mamba_dir)
             mamba_matched = equal_bytes_mem_len(transformer_xl, state_bytes(mamba))
             variants += [
                 ("Mamba", "fixed summary of the whole history", mamba),
                 ("Transformer-XL, Mamba's state bytes", f"mem_len {mamba_matched}", transformer_xl.with_mem_len(mamba_matched)),
             ]
         else:
-            print(f"no checkpoint {checkpoint_dir(args.mamba)}: the Mamba rows are left out", flush=True)
+            print(f"no checkpoint {mamba_dir}: the Mamba rows are left out", flush=True)
     rows = []
     for label, memory, model in variants:
         started = time.perf_counter()
