@@ -208,6 +208,19 @@ class ToolCallStream:
             self.buffer = self.buffer[end - len(sent) + len(CALL_END):]
             self.open = False
 
+    def finish(self) -> list[dict]:
+        """The deltas of what is held back when the text ends short of a whole call (max_tokens):
+        inside a call's arguments it is the rest of those arguments, cut as they are (OpenAI's
+        "length" answer has such arguments too); between calls it is content."""
+        held, self.buffer = self.buffer, ""
+        deltas: list[dict] = []
+        if self.open:
+            self._add_arguments(deltas, held)
+        elif held:
+            self.content += held
+            deltas.append({"content": held})
+        return deltas
+
     def _add_arguments(self, deltas: list[dict], text: str) -> None:
         if not text:
             return

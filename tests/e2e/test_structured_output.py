@@ -177,6 +177,28 @@ def test_streamed_tool_calls_rebuild_the_plain_answer(oai):
     assert argument_chunks > len(calls)  # arguments stream as they are generated
 
 
+def test_a_call_cut_short_by_max_tokens_is_in_tool_calls_as_the_stream_sends_it(oai):
+    """max_tokens ends the answer inside the call's arguments: finish_reason "length", the call
+    with its arguments as far as they were written, and no content; the stream sends the same."""
+    head = '<tool_call>{"name": "get_weather", "arguments": '
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER], seed=3,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=len(head) + 12)
+    choice = oai.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    # 12 byte tokens of arguments; a character they cut in two is still held by the detokenizer
+    assert call.function.name == "get_weather" and 9 <= len(call.function.arguments.encode()) <= 12
+    assert call.function.arguments.startswith('{"')
+    arguments, content, finish = "", "", None
+    for chunk in oai.chat.completions.create(stream=True, **kwargs):
+        for streamed in chunk.choices:
+            content += streamed.delta.content or ""
+            for delta in streamed.delta.tool_calls or []:
+                arguments += delta.function.arguments or "" if delta.function else ""
+            finish = streamed.finish_reason or finish
+    assert (arguments, content, finish) == (call.function.arguments, "", "length")
+
+
 def test_an_unconstrained_stream_beside_a_constrained_one_is_its_solo_run(oai):
     plain = dict(model=MODEL, prompt="def main():\n", max_tokens=48, seed=21, temperature=1.0)
     solo = oai.completions.create(**plain).choices[0].text

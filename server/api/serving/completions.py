@@ -374,12 +374,14 @@ class ChatCompletion(Completion):
         for choice in self.choices:
             message = {"role": "assistant", "content": "".join(choice.text)}
             finish_reason = choice.finish_reason
-            if self.calls_tools:
+            if self.calls_tools:  # the message a client rebuilds from the stream of the same text
                 calls = ToolCallStream()
                 calls.push(message["content"])
                 if calls.complete and finish_reason == "stop":
-                    message, finish_reason = {"role": "assistant", "content": None, "tool_calls": calls.calls}, \
-                        "tool_calls"
+                    finish_reason = "tool_calls"
+                calls.finish()
+                if calls.calls:  # calls, the last one cut short by max_tokens where finish_reason is "length"
+                    message = {"role": "assistant", "content": calls.content or None, "tool_calls": calls.calls}
             choices.append({"index": choice.index, "message": message, "logprobs": self.chat_logprobs(choice.logprobs),
                             "finish_reason": finish_reason})
         return self.envelope(choices, usage=usage(finished.prompt_tokens, finished.completion_tokens,
@@ -404,11 +406,9 @@ class ChatCompletion(Completion):
             stream = calls[index]
             deltas = stream.push(text)
             if finish_reason is not None:
-                if stream.buffer:  # cut short (max_tokens): what is left goes out as it is
-                    deltas.append({"content": stream.buffer})
-                    stream.buffer = ""
                 if stream.complete and finish_reason == "stop":
                     finish_reason = "tool_calls"
+                deltas += stream.finish()  # cut short (max_tokens): what is held back goes out
             events = [event(index, delta, logprobs if "content" in delta else None, None) for delta in deltas]
             if finish_reason is not None:
                 events.append(event(index, {}, None, finish_reason))
