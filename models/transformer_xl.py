@@ -68,6 +68,7 @@ from torch import Tensor, nn
 from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.init import init_weights
+from xlserve.models.layers.linear import linear
 from xlserve.models.layers.relative import (
     RelativeAttentionBlock, RelativeKeys, rel_shift, relative_scores, scores_by_distance,
 )
@@ -248,7 +249,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def _product(self, name: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """linear(x, weight, bias), through its int8 copy `name` when there is one."""
         int8 = self._int8(name)
-        return int8(x) if int8 is not None else F.linear(x, weight, bias)
+        return int8(x) if int8 is not None else linear(x, weight, bias)
 
     def _cluster_vectors(self, i: int) -> Tensor:
         """(size_i, d_i): output vectors of cluster i."""
