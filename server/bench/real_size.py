@@ -187,13 +187,21 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def weight_bytes_per_step(model) -> int:
     """Bytes of weights one decode step reads: every parameter and buffer of the module tree but
-    the input embedding tables, of which a step reads one row (the adaptive softmax's output
-    tables are read whole, tied or not; a tied table counts once)."""
+    the input embedding tables, of which a step reads one row. An embedding table is read whole
+    when it is an output too: its weight is another module's parameter (a tied head), or the
+    table lies under an adaptive softmax, which scores every word with it (tied: the module is
+    shared with the adaptive input, reachable by both names; untied: its own tables). A table
+    counts once however many names reach it."""
     from xlserve.models.quantize import weight_bytes
+    from xlserve.models.transformer_xl import AdaptiveLogSoftmax
 
+    read_whole: set[int] = set()
+    for _, module in model.named_modules(remove_duplicate=False):  # every path to a shared module
+        if isinstance(module, AdaptiveLogSoftmax):
+            read_whole.update(id(table) for table in module.modules() if isinstance(table, torch.nn.Embedding))
     total = weight_bytes(model)
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
+        if isinstance(module, torch.nn.Embedding) and id(module) not in read_whole:
             tied = any(p is module.weight for m in model.modules() if m is not module for p in m.parameters(recurse=False))
             if not tied:
                 total -= module.weight.numel() * module.weight.element_size()

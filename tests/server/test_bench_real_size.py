@@ -73,3 +73,18 @@ def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
             assert row["weight_bytes_per_step_int8"] < row["weight_bytes_per_step_float32"]
             if shape["shape"] != "reformer-enwik8" or batch == 1:
                 assert row["identical_tokens"], (shape["shape"], batch)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_per_step_count_the_output_tables_of_an_adaptive_softmax(tied):
+    """A decode step reads the adaptive softmax's tables whole (tied to the input's or its own)
+    and one row of an input table: tied, every parameter once; untied, all but the input tables."""
+    from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+    from xlserve.server.bench.real_size import weight_bytes_per_step
+
+    model = TransformerXL(TransformerXLConfig(n_layer=1, d_model=64, n_head=2, d_head=32, d_inner=128, vocab_size=1000,
+                                              adaptive=True, cutoffs=[100, 400], div_val=2, mem_len=8,
+                                              tie_embedding=tied))
+    every_parameter = sum(p.numel() * p.element_size() for p in model.parameters())
+    input_tables = sum(t.weight.numel() * t.weight.element_size() for t in model.embedding.tables)
+    assert weight_bytes_per_step(model) == every_parameter - (0 if tied else input_tables)
