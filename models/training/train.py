@@ -344,10 +344,12 @@ def train(
         if not (math.isfinite(loss_value) and math.isfinite(gradient_norm)):
             # one non-finite gradient turns every weight to NaN at the optimiser step, and the run would go on
             # for hours saving NaN: stop before it, with the last save (at most save_every steps ago) intact
+            last_save = step - step % recipe.save_every  # saves happen at multiples of save_every
+            saved = (f"the last save in {resume_dir} is from step {last_save} (a rerun resumes there)" if last_save
+                     else "nothing was saved yet (a rerun starts from step 0)")
             raise TrainingDiverged(
                 f"{architecture}/{preset}: step {step} has loss {loss_value} and gradient norm "
-                f"{gradient_norm}; nothing of this step was applied. The last save in {resume_dir} is "
-                f"from step {step - step % recipe.save_every} (a rerun resumes there)")
+                f"{gradient_norm}; nothing of this step was applied; {saved}")
         optimizer.step()
         progress["step"] = step + 1
         window_loss += loss_value

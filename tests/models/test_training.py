@@ -179,25 +179,30 @@ def test_the_training_loop_gives_an_empty_state_to_lanes_that_start_a_file(tmp_p
     assert checked[True] > 2 and checked[False] > 2  # a restart after step 0 and carried memory were both seen
 
 
-def test_a_step_with_a_non_finite_loss_stops_the_run_before_it_is_applied(tmp_path, monkeypatch):
+@pytest.mark.parametrize("nan_step, said", [(3, "the last save in .* is from step 2 "),
+                                             (1, "nothing was saved yet .a rerun starts from step 0.")])
+def test_a_step_with_a_non_finite_loss_stops_the_run_before_it_is_applied(tmp_path, monkeypatch, nan_step, said):
     """A NaN step would turn every weight to NaN and the run would go on saving NaN for hours
-    (mamba-stdlib's first run did): the loop stops at that step, naming it, and the last save
-    still holds finite weights to resume from."""
+    (mamba-stdlib's first run did): the loop stops at that step, naming it and the save a rerun
+    resumes from, and that save still holds finite weights."""
     corpus = _small_corpus(tmp_path / "corpus", [40, 70, 33, 100, 45, 90, 38, 60])
     corpus.held_out = corpus.train[:1]
     monkeypatch.setattr(train_module, "stdlib_corpus", lambda: corpus)
     standard_loss, calls = train_module.training_loss, []
 
-    def loss_going_nan_at_step_3(model, inputs, targets, state, fraction_done):
+    def loss_going_nan(model, inputs, targets, state, fraction_done):
         calls.append(1)
         loss, state = standard_loss(model, inputs, targets, state, fraction_done)
-        return (loss * float("nan") if len(calls) == 4 else loss), state
+        return (loss * float("nan") if len(calls) == nan_step + 1 else loss), state
 
-    monkeypatch.setattr(train_module, "training_loss", loss_going_nan_at_step_3)
+    monkeypatch.setattr(train_module, "training_loss", loss_going_nan)
     recipe = replace(STANDARD_RECIPE, train_bytes=2 * 16 * 6, batch_size=2, segment_len=16, eval_every=1000,
                      save_every=2, quick_eval_bytes=40, warmup_steps=2)
-    with pytest.raises(train_module.TrainingDiverged, match="step 3 has loss nan"):
+    with pytest.raises(train_module.TrainingDiverged, match=f"step {nan_step} has loss nan.*; {said}"):
         train("performer", "tiny", tmp_path / "out", recipe, log=lambda s: None)
+    if nan_step < recipe.save_every:
+        assert not (tmp_path / "out" / ".resume" / "progress.json").exists()
+        return
     progress, tensors = train_module._read_progress(tmp_path / "out" / ".resume")
     assert progress["step"] == 2
     assert all(torch.isfinite(value).all() for name, value in tensors.items() if name.startswith("model."))
