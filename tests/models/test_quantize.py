@@ -19,6 +19,7 @@ from torch import nn
 
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.quantize import (
+    INPUT_MULTIPLE,
     KEPT_FLOAT,
     Int8Linear,
     QuantizationError,
@@ -93,9 +94,13 @@ def test_int8_bits_per_byte_are_within_the_bound_of_float32(directory, held_out,
     options = dict(chunk_len=trained["chunk_len"], window_stride=trained.get("window_stride"))
     float_bits = bits_per_byte(model, documents, **options)
     float_bytes, parameters = weight_bytes(model), parameter_count(model)
+    # every linear layer becomes int8 but those the architecture keeps float and those whose input
+    # width the kernel cannot take (mamba-stdlib's dt_proj reads dt_rank = 12 values)
+    too_narrow = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                  if isinstance(m, nn.Linear) and m.in_features % INPUT_MULTIPLE}
     quantize_model(model, "int8")
     float_layers = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert float_layers == set(KEPT_FLOAT.get(model.architecture, ()))  # every other linear layer is int8
+    assert float_layers == set(KEPT_FLOAT.get(model.architecture, ())) | too_narrow
     assert abs(bits_per_byte(model, documents, **options) - float_bits) <= QUALITY_BOUND
     assert weight_bytes(model) < float_bytes / 2 and parameter_count(model) == parameters
 
