@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from xlserve.models.interface import LanguageModel
-from xlserve.models.layers.linear import use_batched_products
+from xlserve.models.linear import use_batched_products
 from xlserve.models.registry import ARCHITECTURES, build_model
 
 CONFIG_FILE = "config.json"
@@ -140,5 +140,5 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         if not torch.isfinite(tensor).all():
             raise CheckpointError(f"{weights_path}: tensor '{name}' contains NaN or infinity")
     model.load_state_dict(tensors, strict=False)  # names already checked; tied copies share storage
-    use_batched_products(model)  # a decode batch's products through the faster kernel (models/layers/linear.py)
+    use_batched_products(model)  # a decode batch's products through the faster kernel (models/linear.py)
     return model.to(device).eval()

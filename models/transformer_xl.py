@@ -68,11 +68,11 @@ from torch import Tensor, nn
 from xlserve.models.interface import LanguageModel, State, TransformerConfig
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.init import init_weights
-from xlserve.models.layers.linear import linear
 from xlserve.models.layers.relative import (
     RelativeAttentionBlock, RelativeKeys, rel_shift, relative_scores, scores_by_distance,
 )
 from xlserve.models.layers.xl_memory import XLMemory
+from xlserve.models.linear import linear
 
 
 @dataclass

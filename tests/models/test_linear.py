@@ -1,4 +1,4 @@
-"""models/layers/linear.py: decode products through oneDNN for a few rows of a large weight,
+"""models/linear.py: decode products through oneDNN for a few rows of a large weight,
 the same numbers as F.linear up to summation order, and a loaded model whose layers use it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
-from xlserve.models.layers import linear as linear_module
-from xlserve.models.layers.linear import FEW_ROWS, LARGE_WEIGHT, Linear, linear, onednn_available, use_batched_products
+from xlserve.models import linear as linear_module
+from xlserve.models.linear import FEW_ROWS, LARGE_WEIGHT, Linear, linear, onednn_available, use_batched_products
 from xlserve.models.registry import build_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear product")
