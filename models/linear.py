@@ -17,7 +17,7 @@ same module. Training (autograd) always takes `F.linear`.
 
 Numbers differ from `F.linear` by summation order only (a few parts in a million of the output's scale), as
 MKL's own answer for one row differs from its answer for that row within a batch.
-`use_batched_products(model)` turns every `nn.Linear` of a loaded model into a `Linear` (the
+`use_batched_products(model)` turns every large `nn.Linear` of a loaded model into a `Linear` (the
 same object, its class changed: parameters, hooks and names stay); models/checkpoint.py calls
 it on every model it loads.
 """
@@ -55,11 +55,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)`: x (..., in), weight (out, in) -> (..., out), through oneDNN
     where it reads the weight faster (see the module docstring)."""
     rows = x.numel() // max(1, x.shape[-1])
-    if (rows < FEW_ROWS or weight.numel() < LARGE_WEIGHT or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or torch.is_grad_enabled() or not onednn_available()):
+    # a transposed weight (a tied projection) stays with MKL, which reads it in place
+    if (weight.numel() < LARGE_WEIGHT or rows < FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or not weight.is_contiguous() or torch.is_grad_enabled()
+            or not onednn_available()):
         return F.linear(x, weight, bias)
-    if not weight.is_contiguous():
-        return F.linear(x, weight, bias)  # a transposed view (a tied projection): MKL reads it in place
     flat = x.reshape(rows, x.shape[-1]).contiguous()  # (N, in)
     out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")  # (N, out)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -73,9 +73,10 @@ class Linear(nn.Linear):
 
 
 def use_batched_products(model: nn.Module) -> nn.Module:
-    """Every `nn.Linear` of `model` (exactly that class: subclasses keep their own product)
-    becomes a `Linear`, in place."""
+    """Every `nn.Linear` of `model` (exactly that class: subclasses keep their own product) with
+    a weight of at least LARGE_WEIGHT elements becomes a `Linear`, in place; smaller layers would
+    only ever take `F.linear`, so they stay as they are and pay nothing for the check."""
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and module.weight.numel() >= LARGE_WEIGHT:
             module.__class__ = Linear
     return model

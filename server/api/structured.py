@@ -208,10 +208,14 @@ class ToolCallStream:
             self.buffer = self.buffer[end - len(sent) + len(CALL_END):]
             self.open = False
 
-    def finish(self) -> list[dict]:
-        """The deltas of what is held back when the text ends short of a whole call (max_tokens):
-        inside a call's arguments it is the rest of those arguments, cut as they are (OpenAI's
-        "length" answer has such arguments too); between calls it is content."""
+    def finish(self, finish_reason: str) -> tuple[list[dict], str]:
+        """At the end of the text: the deltas of what is held back, and the finish reason to send
+        ("tool_calls" for whole calls that stopped; otherwise `finish_reason`). Held back when the
+        text ends short of a whole call (max_tokens): inside a call's arguments, the rest of those
+        arguments, cut as they are (OpenAI's "length" answer has such arguments too); between
+        calls, content."""
+        if self.complete and finish_reason == "stop":
+            finish_reason = "tool_calls"
         held, self.buffer = self.buffer, ""
         deltas: list[dict] = []
         if self.open:
@@ -219,7 +223,7 @@ class ToolCallStream:
         elif held:
             self.content += held
             deltas.append({"content": held})
-        return deltas
+        return deltas, finish_reason
 
     def _add_arguments(self, deltas: list[dict], text: str) -> None:
         if not text:

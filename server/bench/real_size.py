@@ -190,13 +190,12 @@ def weight_bytes_per_step(model) -> int:
     the input embedding tables, of which a step reads one row. An embedding table is read whole
     when it is an output too: its weight is another module's parameter (a tied head), or the
     table lies under an adaptive softmax, which scores every word with it (tied: the module is
-    shared with the adaptive input, reachable by both names; untied: its own tables). A table
-    counts once however many names reach it."""
+    shared with the adaptive input; untied: its own tables). A table counts once."""
     from xlserve.models.quantize import weight_bytes
     from xlserve.models.transformer_xl import AdaptiveLogSoftmax
 
     read_whole: set[int] = set()
-    for _, module in model.named_modules(remove_duplicate=False):  # every path to a shared module
+    for module in model.modules():  # a table shared with the adaptive input is among the softmax's modules too
         if isinstance(module, AdaptiveLogSoftmax):
             read_whole.update(id(table) for table in module.modules() if isinstance(table, torch.nn.Embedding))
     total = weight_bytes(model)

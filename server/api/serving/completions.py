@@ -377,9 +377,7 @@ class ChatCompletion(Completion):
             if self.calls_tools:  # the message a client rebuilds from the stream of the same text
                 calls = ToolCallStream()
                 calls.push(message["content"])
-                if calls.complete and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-                calls.finish()
+                _, finish_reason = calls.finish(finish_reason)
                 if calls.calls:  # calls, the last one cut short by max_tokens where finish_reason is "length"
                     message = {"role": "assistant", "content": calls.content or None, "tool_calls": calls.calls}
             choices.append({"index": choice.index, "message": message, "logprobs": self.chat_logprobs(choice.logprobs),
@@ -406,9 +404,8 @@ class ChatCompletion(Completion):
             stream = calls[index]
             deltas = stream.push(text)
             if finish_reason is not None:
-                if stream.complete and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-                deltas += stream.finish()  # cut short (max_tokens): what is held back goes out
+                held, finish_reason = stream.finish(finish_reason)  # cut short (max_tokens): what is held back
+                deltas += held
             events = [event(index, delta, logprobs if "content" in delta else None, None) for delta in deltas]
             if finish_reason is not None:
                 events.append(event(index, {}, None, finish_reason))
