@@ -149,3 +149,65 @@ def save_comparison(result: dict, out: str | Path, plot: Callable[[dict, Path], 
     save_results(result, out, plot, print_table)
     if not result["all_identical"]:
         raise SystemExit(f"generated tokens differ between xlserve and {reference}")
+
+
+# -- what a decode step must read, and the fastest it can then be ----------------------------------
+
+GIB = 1 << 30
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """This machine's read bandwidth in bytes/s, as torch reads memory: the best of `repeats`
+    passes over `gib` GiB of float32 (far larger than any cache), on torch's threads, by the faster
+    of two kernels that read every byte once: a sum, and a matrix-vector product (what a decode
+    step's linear layers do). The larger figure makes the decode's fraction of it the harder goal."""
+    data = torch.ones(int(gib * GIB) // 4)
+    matrix, vector = data.view(-1, 1024), torch.ones(1, 1024)
+    data.sum()  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        for read in (data.sum, lambda: torch.nn.functional.linear(vector, matrix)):
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer of the module tree but
+    the input embedding tables, of which a step reads one row. An embedding table is read whole
+    when it is an output too: its weight is another module's parameter (a tied head), or the
+    table lies under an adaptive softmax, which scores every word with it (tied: the module is
+    shared with the adaptive input; untied: its own tables). A table counts once."""
+    from xlserve.models.quantize import weight_bytes
+    from xlserve.models.transformer_xl import AdaptiveLogSoftmax
+
+    read_whole: set[int] = set()
+    for module in model.modules():  # a table shared with the adaptive input is among the softmax's modules too
+        if isinstance(module, AdaptiveLogSoftmax):
+            read_whole.update(id(table) for table in module.modules() if isinstance(table, torch.nn.Embedding))
+    total = weight_bytes(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and id(module) not in read_whole:
+            tied = any(p is module.weight for m in model.modules() if m is not module for p in m.parameters(recurse=False))
+            if not tied:
+                total -= module.weight.numel() * module.weight.element_size()
+    return total
+
+
+@torch.inference_mode()
+def state_bytes_per_row(model, tokens: int, vocab: int) -> int:
+    """Bytes of one row's state after `tokens` tokens: what each decode step of that row reads
+    besides the weights (attention reads every position of its memory; a recurrent model its
+    whole state)."""
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    return model(ids, model.init_state(1))[1].nbytes()
+
+
+def decode_ceiling(weight_bytes: int, state_bytes: int, batch: int, bandwidth: float) -> dict:
+    """The fastest a decode step of `batch` rows can be when reading memory is all it does: it
+    reads the weights once for every row and each row's own state, at `bandwidth` bytes/s. A batch
+    shares the weights' read, never the states': its gain over one row is bounded by
+    batch · (weights + state) / (weights + batch · state), below `batch` once the states weigh."""
+    read = weight_bytes + batch * state_bytes
+    return {"bytes_read_per_step": read, "ceiling_tokens_per_s": batch * bandwidth / read}

@@ -29,7 +29,10 @@ For each it reports:
   xlserve in float32, xlserve with weight-only int8 (XLSERVE_QUANTIZE) and the Hugging Face
   reference driven by the same loop with its cache, in the same run; whether xlserve's float32
   tokens equal the reference's; and the fraction of this machine's measured read bandwidth that
-  the float32 batch-1 decode reaches (weight bytes read per step × steps/s ÷ bandwidth).
+  the float32 decode reaches, twice: weight bytes read per step × steps/s ÷ bandwidth, and with
+  every row's state added to the bytes (attention reads its whole memory each step). The second
+  gives the ceiling: the tokens/s of a step that only reads memory, and how much a batch can gain
+  over one row at most, since a batch shares the weights' read but reads each row's state.
 
 Results: bench-results/real-size.json and real-size.png (--quick: small shapes, seconds;
 `tests/server/test_bench_real_size.py` runs it). Run the full form alone: it takes tens of minutes
@@ -55,7 +58,8 @@ from types import SimpleNamespace
 
 import torch
 
-from xlserve.server.bench.common import add_run_arguments, environment, figure, fill_defaults, generate_greedy, save_results
+from xlserve.server.bench.common import (add_run_arguments, decode_ceiling, environment, fill_defaults, generate_greedy,
+                                         read_bandwidth, save_results, state_bytes_per_row, weight_bytes_per_step)
 from xlserve.server.bench.sessions import start_redis
 
 # reference shapes: the classes' own argument names, as vs-hf, vs-hf-xlnet and vs-hf-reformer take them
@@ -76,7 +80,6 @@ QUICK_SHAPES = {
                             feed_forward_size=128, lsh_chunk=16, local_chunk=16, num_hashes=2, num_buckets=8,
                             axial_shape=[16, 16], axial_dims=[16, 48]),
 }
-GIB = 1 << 30
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -166,45 +169,6 @@ def state_step(model, batch: int):
 
 
 # -- measurements ------------------------------------------------------------------------------
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """This machine's read bandwidth in bytes/s, as torch reads memory: the best of `repeats`
-    passes over `gib` GiB of float32 (far larger than any cache), on torch's threads, by the faster
-    of two kernels that read every byte once: a sum, and a matrix-vector product (what a decode
-    step's linear layers do). The larger figure makes the decode's fraction of it the harder goal."""
-    data = torch.ones(int(gib * GIB) // 4)
-    matrix, vector = data.view(-1, 1024), torch.ones(1, 1024)
-    data.sum()  # touch every page first
-    best = float("inf")
-    for _ in range(repeats):
-        for read in (data.sum, lambda: torch.nn.functional.linear(vector, matrix)):
-            start = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads: every parameter and buffer of the module tree but
-    the input embedding tables, of which a step reads one row. An embedding table is read whole
-    when it is an output too: its weight is another module's parameter (a tied head), or the
-    table lies under an adaptive softmax, which scores every word with it (tied: the module is
-    shared with the adaptive input; untied: its own tables). A table counts once."""
-    from xlserve.models.quantize import weight_bytes
-    from xlserve.models.transformer_xl import AdaptiveLogSoftmax
-
-    read_whole: set[int] = set()
-    for module in model.modules():  # a table shared with the adaptive input is among the softmax's modules too
-        if isinstance(module, AdaptiveLogSoftmax):
-            read_whole.update(id(table) for table in module.modules() if isinstance(table, torch.nn.Embedding))
-    total = weight_bytes(model)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) and id(module) not in read_whole:
-            tied = any(p is module.weight for m in model.modules() if m is not module for p in m.parameters(recurse=False))
-            if not tied:
-                total -= module.weight.numel() * module.weight.element_size()
-    return total
 
 
 def process_tree_rss(pid: int) -> int:
@@ -361,6 +325,8 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
     import copy
 
     quantized = quantize_model(copy.deepcopy(model), "int8")
+    # a row's state halfway through the timed steps: what each step reads beside the weights
+    state_bytes = state_bytes_per_row(model, args.decode_prompt + args.decode_tokens // 2, vocab)
     rows = []
     for batch in args.batch_sizes:
         prompt = torch.randint(0, vocab, (batch, args.decode_prompt), generator=torch.Generator().manual_seed(batch))
@@ -375,6 +341,12 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
                "weight_bytes_per_step_float32": weight_bytes_per_step(model),
                "weight_bytes_per_step_int8": weight_bytes_per_step(quantized)}
         row["float32_bandwidth_fraction"] = row["weight_bytes_per_step_float32"] * (steps / ours["decode_s"]) / bandwidth
+        ceiling = decode_ceiling(row["weight_bytes_per_step_float32"], state_bytes, batch, bandwidth)
+        row["state_bytes_per_row"] = state_bytes
+        row["bytes_read_per_step_float32"] = ceiling["bytes_read_per_step"]
+        row["float32_ceiling_tokens_per_s"] = ceiling["ceiling_tokens_per_s"]
+        # the same fraction counting every byte a step reads: its tokens/s over the ceiling's
+        row["float32_read_fraction"] = row["xlserve_float32_tokens_per_s"] / ceiling["ceiling_tokens_per_s"]
         row["int8_over_float32"] = row["xlserve_int8_tokens_per_s"] / row["xlserve_float32_tokens_per_s"]
         if reference is not None:
             with warnings.catch_warnings():
@@ -391,6 +363,8 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
     for row in rows:
         if one is not None:
             row["float32_over_batch_1"] = row["xlserve_float32_tokens_per_s"] / one["xlserve_float32_tokens_per_s"]
+            # the most a batch can gain over one row when reading memory is all a step does
+            row["ceiling_over_batch_1"] = row["float32_ceiling_tokens_per_s"] / one["float32_ceiling_tokens_per_s"]
     return rows
 
 
@@ -524,11 +498,14 @@ def print_table(result: dict) -> None:
                   f"{row['commit_disk_s'] * 1000:8.0f} ms | {row.get('commit_redis_s', float('nan')) * 1000:9.0f} ms | "
                   f"{_mb(row['whole_blob_bytes'])} | {_mb(row['new_positions_bytes'])} | "
                   f"{_mb(row['bytes_per_commit_disk'])} | {_mb(row.get('bytes_per_commit_redis'))}")
-        print("  batch | float32 tok/s | int8 tok/s | reference tok/s | identical | bandwidth fraction (float32)")
+        print("  batch | float32 tok/s | int8 tok/s | reference tok/s | identical | fraction: weights | weights + state "
+              "| ceiling tok/s | over batch 1 (ceiling)")
         for row in shape["decode"]:
             print(f"  {row['batch_size']:>5} | {row['xlserve_float32_tokens_per_s']:13.2f} | "
                   f"{row['xlserve_int8_tokens_per_s']:10.2f} | {row.get('reference_tokens_per_s', float('nan')):15.2f} | "
-                  f"{row.get('identical_tokens', '-')!s:>9} | {row['float32_bandwidth_fraction']:.2f}")
+                  f"{row.get('identical_tokens', '-')!s:>9} | {row['float32_bandwidth_fraction']:17.2f} | "
+                  f"{row['float32_read_fraction']:15.2f} | {row['float32_ceiling_tokens_per_s']:13.2f} | "
+                  f"{row.get('float32_over_batch_1', float('nan')):.2f} ({row.get('ceiling_over_batch_1', float('nan')):.2f})")
 
 
 def plot(result: dict, path: Path) -> None:

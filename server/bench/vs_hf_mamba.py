@@ -11,7 +11,11 @@ converted with `xlserve convert`:
   identical. Decode rates: xlserve's steps, and generate()'s time after its first token (a
   second generate() of one token measures the prompt's forward and first step, subtracted);
 - prefill: one batch-1 forward over --prefill-len tokens that leaves a state (the reference:
-  use_cache=True), timed on each side.
+  use_cache=True), timed on each side;
+- the ceiling: this machine's measured read bandwidth over the bytes a step must read (every
+  weight once, the tied embedding whole since the head scores every token with it, and each
+  row's state): the fastest any float32 decode of these weights can go on this machine, and what
+  that is in multiples of the reference.
 
 The reference runs in a process of its own (server/bench/mamba_reference.py): the test extra's
 transformers (4.37.2, kept for TransfoXL) has no Mamba, so --reference-path names a directory to
@@ -35,7 +39,9 @@ from pathlib import Path
 
 import torch
 
-from xlserve.server.bench.common import add_run_arguments, environment, figure, fill_defaults, generate_with_state, save_results
+from xlserve.server.bench.common import (add_run_arguments, decode_ceiling, environment, figure, fill_defaults,
+                                         generate_with_state, read_bandwidth, save_results, state_bytes_per_row,
+                                         weight_bytes_per_step)
 
 FULL = dict(n_layer=24, d_model=768, vocab_size=50280, prefill_len=2048, prompt_len=64, new_tokens=64,
             batch_sizes=[1, 8])
@@ -106,6 +112,10 @@ def run(args) -> dict:
         convert(Path(tmp) / "hf", Path(tmp) / "xl")
         model = load_checkpoint(Path(tmp) / "xl")
     long, batches = prompts(args.seed, args.vocab_size, args.prefill_len, args.prompt_len, args.batch_sizes)
+    bandwidth = read_bandwidth(0.25 if args.quick else 1.0)
+    weight_bytes, state_bytes = weight_bytes_per_step(model), state_bytes_per_row(model, 1, args.vocab_size)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; a step reads {weight_bytes / 1e6:.0f} MB of weights and "
+          f"{state_bytes / 1e3:.0f} kB of state per row", flush=True)
 
     model(long[:, :8], model.init_state(1))  # warm up
     start = time.perf_counter()
@@ -140,10 +150,17 @@ def run(args) -> dict:
             "reference_prompt_and_first_token_s": ref["prompt_and_first_s"],
             "distinct_tokens_generated": len(set(ours["tokens"].flatten().tolist())),
         }
+        # the fastest any float32 decode of these weights can be here, ours or the reference's: a
+        # step that only reads its weights and states at the measured bandwidth
+        ceiling = decode_ceiling(weight_bytes, state_bytes, batch, bandwidth)["ceiling_tokens_per_s"]
+        row.update(ceiling_tokens_per_s=ceiling, xlserve_of_ceiling=row["xlserve_decode_tokens_per_s"] / ceiling,
+                   reference_of_ceiling=row["reference_decode_tokens_per_s"] / ceiling,
+                   ceiling_over_reference=ceiling / row["reference_decode_tokens_per_s"])
         rows.append(row)
         print(f"batch {batch}: decode xlserve {row['xlserve_decode_tokens_per_s']:.1f} tok/s, generate() "
               f"{row['reference_decode_tokens_per_s']:.1f} tok/s ({row['decode_speedup']:.1f}x), "
-              f"identical={row['identical_tokens']}", flush=True)
+              f"identical={row['identical_tokens']}; ceiling {ceiling:.1f} tok/s "
+              f"({row['ceiling_over_reference']:.1f}x the reference)", flush=True)
 
     setting = {name: getattr(args, name) for name in
                ("n_layer", "d_model", "vocab_size", "prefill_len", "prompt_len", "new_tokens", "batch_sizes", "seed")}
@@ -153,6 +170,7 @@ def run(args) -> dict:
         "setting": {**setting, "d_inner": 2 * args.d_model, "d_state": 16, "dtype": "float32", "decoding": "greedy",
                     "reference_path": str(reference_path(args))},
         "parameters": sum(p.numel() for p in model.parameters()),
+        "read_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": weight_bytes, "state_bytes_per_row": state_bytes,
         "environment": {**environment(), "transformers": reference["transformers"]},
         "prefill": prefill,
         "results": rows,
@@ -185,11 +203,15 @@ def print_table(result: dict) -> None:
     print()
     print(f"prefill {p['prefill_len']} tokens (batch 1): xlserve {p['xlserve_s']:.3f}s | reference {p['reference_s']:.3f}s | "
           f"{p['speedup']:.2f}x")
-    print(f"{'batch':>5} | {'generate() decode tok/s':>23} | {'xlserve decode tok/s':>20} | {'speedup':>7} | identical")
-    print("-" * 78)
+    print(f"read bandwidth {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; a step reads "
+          f"{result['weight_bytes_per_step'] / 1e6:.0f} MB of weights + {result['state_bytes_per_row'] / 1e3:.0f} kB per row")
+    print(f"{'batch':>5} | {'generate() decode tok/s':>23} | {'xlserve decode tok/s':>20} | {'speedup':>7} | identical | "
+          f"ceiling tok/s (x reference)")
+    print("-" * 106)
     for r in result["results"]:
         print(f"{r['batch_size']:>5} | {r['reference_decode_tokens_per_s']:>23.1f} | {r['xlserve_decode_tokens_per_s']:>20.1f} | "
-              f"{r['decode_speedup']:>6.1f}x | {r['identical_tokens']}")
+              f"{r['decode_speedup']:>6.1f}x | {r['identical_tokens']!s:>9} | {r['ceiling_tokens_per_s']:.1f} "
+              f"({r['ceiling_over_reference']:.1f}x)")
 
 
 def main(argv: list[str]) -> None:

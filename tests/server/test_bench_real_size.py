@@ -70,9 +70,19 @@ def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
             assert row["xlserve_float32_tokens_per_s"] > 0 and row["xlserve_int8_tokens_per_s"] > 0
             assert row["reference_tokens_per_s"] > 0
             assert 0 < row["float32_bandwidth_fraction"] < 1.5
+            # counting each row's state too: more bytes per step, so a larger fraction at the same speed
+            assert row["state_bytes_per_row"] > 0
+            assert row["bytes_read_per_step_float32"] == row["weight_bytes_per_step_float32"] + batch * row["state_bytes_per_row"]
+            assert row["float32_read_fraction"] > row["float32_bandwidth_fraction"]
+            assert row["float32_read_fraction"] == pytest.approx(
+                row["xlserve_float32_tokens_per_s"] / row["float32_ceiling_tokens_per_s"])
             assert row["weight_bytes_per_step_int8"] < row["weight_bytes_per_step_float32"]
             if shape["shape"] != "reformer-enwik8" or batch == 1:
                 assert row["identical_tokens"], (shape["shape"], batch)
+        # a batch gains at most its size over one row, less as its rows' states weigh
+        assert 1 < rows[2]["ceiling_over_batch_1"] < 2
+        assert rows[2]["float32_over_batch_1"] == pytest.approx(
+            rows[2]["xlserve_float32_tokens_per_s"] / rows[1]["xlserve_float32_tokens_per_s"])
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -80,7 +90,7 @@ def test_weight_bytes_per_step_count_the_output_tables_of_an_adaptive_softmax(ti
     """A decode step reads the adaptive softmax's tables whole (tied to the input's or its own)
     and one row of an input table: tied, every parameter once; untied, all but the input tables."""
     from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
-    from xlserve.server.bench.real_size import weight_bytes_per_step
+    from xlserve.server.bench.common import weight_bytes_per_step
 
     model = TransformerXL(TransformerXLConfig(n_layer=1, d_model=64, n_head=2, d_head=32, d_inner=128, vocab_size=1000,
                                               adaptive=True, cutoffs=[100, 400], div_val=2, mem_len=8,
@@ -88,3 +98,30 @@ def test_weight_bytes_per_step_count_the_output_tables_of_an_adaptive_softmax(ti
     every_parameter = sum(p.numel() * p.element_size() for p in model.parameters())
     input_tables = sum(t.weight.numel() * t.weight.element_size() for t in model.embedding.tables)
     assert weight_bytes_per_step(model) == every_parameter - (0 if tied else input_tables)
+
+
+def test_the_decode_ceiling_shares_the_weights_read_across_a_batch_but_never_the_states():
+    from xlserve.server.bench.common import decode_ceiling
+
+    one = decode_ceiling(weight_bytes=1000, state_bytes=0, batch=1, bandwidth=1e6)
+    assert one == {"bytes_read_per_step": 1000, "ceiling_tokens_per_s": 1000.0}
+    # no state: eight rows cost one read of the weights, eight times the tokens
+    assert decode_ceiling(1000, 0, 8, 1e6)["ceiling_tokens_per_s"] == 8000.0
+    # wt103's weights (1,141 MB) with 38 MB of memory per row: eight rows gain 6.5x at most, not 8x
+    gain = (decode_ceiling(1141, 38, 8, 1.0)["ceiling_tokens_per_s"] / decode_ceiling(1141, 38, 1, 1.0)["ceiling_tokens_per_s"])
+    assert gain == pytest.approx(8 * (1141 + 38) / (1141 + 8 * 38))
+    assert 6.4 < gain < 6.6
+
+
+def test_a_rows_state_bytes_are_what_its_model_holds_after_those_tokens():
+    from xlserve.models.mamba import Mamba, MambaConfig
+    from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+    from xlserve.server.bench.common import state_bytes_per_row
+
+    xl = TransformerXL(TransformerXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, vocab_size=50,
+                                           mem_len=20)).eval()
+    # the memory grows with the tokens up to mem_len: keys and values of every layer, 4 bytes each
+    assert state_bytes_per_row(xl, 20, 50) - state_bytes_per_row(xl, 10, 50) == 10 * 2 * 2 * 32 * 4 + 10
+    assert state_bytes_per_row(xl, 30, 50) == state_bytes_per_row(xl, 20, 50)
+    mamba = Mamba(MambaConfig(vocab_size=50, n_layer=2, d_model=16, d_inner=32)).eval()
+    assert state_bytes_per_row(mamba, 5, 50) == state_bytes_per_row(mamba, 50, 50) == mamba.init_state(1).nbytes()

@@ -24,6 +24,13 @@ def test_vs_hf_mamba_quick(tmp_path, capsys):
     for row in result["results"]:
         assert row["identical_tokens"] and row["distinct_tokens_generated"] > 1
         assert row["decode_speedup"] == pytest.approx(row["xlserve_decode_tokens_per_s"] / row["reference_decode_tokens_per_s"])
+        # the ceiling: every weight and each row's state read once per step at the measured bandwidth
+        read = result["weight_bytes_per_step"] + row["batch_size"] * result["state_bytes_per_row"]
+        assert row["ceiling_tokens_per_s"] == pytest.approx(row["batch_size"] * result["read_bandwidth_bytes_per_s"] / read)
+        assert row["ceiling_over_reference"] == pytest.approx(row["ceiling_tokens_per_s"] / row["reference_decode_tokens_per_s"])
+    # the tied embedding is read whole (the head), so every parameter counts; the state is Mamba's fixed size
+    assert result["weight_bytes_per_step"] == 4 * result["parameters"]
+    assert result["state_bytes_per_row"] == 2 * (3 * 128 + 128 * 16) * 4 + 8
     prefill = result["prefill"]
     assert prefill["prefill_len"] == 128 and prefill["speedup"] == pytest.approx(prefill["reference_s"] / prefill["xlserve_s"])
     assert out.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
