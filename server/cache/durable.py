@@ -265,6 +265,11 @@ class DurableStore:
             raise SessionConflict(record.id)
         return self._count(record, kind, nbytes)
 
+    def disk_log_bytes(self, session_id: str) -> int:
+        """Bytes of the session's log on disk, where the disk is the last tier (with Redis the
+        disk holds whole spills only, no logs): `Record.disk_log_bytes`, which its budget counts."""
+        return 0 if self.redis is not None else self.disk.log_bytes(session_id)
+
     def _count(self, record: Record, kind: str, nbytes: int) -> str:
         with self._written_lock:
             counts = self.written.setdefault(kind, [0, 0])

@@ -16,8 +16,9 @@ refused.
 Eviction: when a tier is over budget, its least recently used idle session moves down: its copy
 there is dropped, after a copy is made in the next tier below that can hold it, unless a lower
 tier already has one (with write-through it usually has: moving a session from host to disk
-costs nothing). Pinned sessions never move. Byte counts are exact sums of `nbytes` of the
-copies a tier holds; a session counts once per tier that holds a copy.
+costs nothing). Pinned sessions never move. Byte counts are exact sums of what the copies a
+tier holds occupy (`Record.size_in`: the state's `nbytes`, and on disk the session's log of
+delta commits besides); a session counts once per tier that holds a copy.
 
 Lent bytes: a tier's budget is shared with the prefix-state cache (prefix_cache.py), which may
 keep its entries in whatever room the sessions leave (`lent(tier)`: the bytes it holds there).
@@ -53,10 +54,18 @@ class Record:
     # Redis holds them and they are read from there when a request carries a key)
     remembered: list[dict] = field(default_factory=list)
     use_seq: int = 0  # monotonic use counter: the LRU order (wall clocks can tie or step back)
+    # bytes of the session's log of delta commits beside its base file, where the disk is the last
+    # tier (stores.py `DiskStore.append`): up to compact_ratio times the base, on disk as surely
+    # as the base, so the disk's budget counts them too
+    disk_log_bytes: int = 0
 
     @property
     def tier(self) -> str:
         return next(t for t in TIERS if t in self.copies) if self.copies else "none"
+
+    def size_in(self, tier: str) -> int:
+        """Bytes a copy in `tier` occupies: the state, and on disk its log as well."""
+        return self.nbytes + (self.disk_log_bytes if tier == "disk" else 0)
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,7 @@ class CacheManager:
         for r in self.records.values():
             out.setdefault((r.model, r.tier), [0, 0])[0] += 1
             for t in r.copies:
-                out.setdefault((r.model, t), [0, 0])[1] += r.nbytes
+                out.setdefault((r.model, t), [0, 0])[1] += r.size_in(t)
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def lru(self, tier: str, exclude: set[str] = frozenset()) -> list[Record]:
@@ -175,7 +184,7 @@ class CacheManager:
             if candidate in have:
                 break  # a lower copy exists: dropping this one loses nothing
             mark = len(moves)
-            if self._make_room(candidate, victim.nbytes, exclude | {victim.id}, used, copies, moves):
+            if self._make_room(candidate, victim.size_in(candidate), exclude | {victim.id}, used, copies, moves):
                 dst = candidate
                 break
             self._undo(moves, mark, used, copies)
@@ -183,9 +192,9 @@ class CacheManager:
             return False
         if dst is not None:
             have.add(dst)
-            used[dst] += victim.nbytes
+            used[dst] += victim.size_in(dst)
         have.discard(tier)
-        used[tier] -= victim.nbytes
+        used[tier] -= victim.size_in(tier)
         moves.append(Move(victim.id, tier, dst))
         return True
 
@@ -195,12 +204,12 @@ class CacheManager:
             if isinstance(move, Reclaim):
                 used[("reclaimed", move.tier)] -= move.nbytes
                 continue
-            nbytes = self.records[move.session].nbytes
+            record = self.records[move.session]
             copies[move.session].add(move.src)
-            used[move.src] += nbytes
+            used[move.src] += record.size_in(move.src)
             if move.dst is not None:
                 copies[move.session].discard(move.dst)
-                used[move.dst] -= nbytes
+                used[move.dst] -= record.size_in(move.dst)
 
     # -- changes ------------------------------------------------------------------------------
 
@@ -210,12 +219,12 @@ class CacheManager:
         record.use_seq = next(self._seq)
         self.records[record.id] = record
         for t in record.copies:
-            self._used[t] += record.nbytes
+            self._used[t] += record.size_in(t)
 
     def remove(self, session_id: str) -> Record:
         record = self.records.pop(session_id)
         for t in record.copies:
-            self._used[t] -= record.nbytes
+            self._used[t] -= record.size_in(t)
         return record
 
     def apply(self, move: Move | Reclaim) -> None:
@@ -224,22 +233,22 @@ class CacheManager:
         record = self.records[move.session]
         if move.dst is not None and move.dst not in record.copies:
             record.copies.add(move.dst)
-            self._used[move.dst] += record.nbytes
+            self._used[move.dst] += record.size_in(move.dst)
         if move.src in record.copies:
             record.copies.discard(move.src)
-            self._used[move.src] -= record.nbytes
+            self._used[move.src] -= record.size_in(move.src)
 
     def add_copy(self, session_id: str, tier: str) -> None:
         record = self.records[session_id]
         if tier not in record.copies:
             record.copies.add(tier)
-            self._used[tier] += record.nbytes
+            self._used[tier] += record.size_in(tier)
 
     def drop_copy(self, session_id: str, tier: str) -> None:
         record = self.records[session_id]
         if tier in record.copies:
             record.copies.discard(tier)
-            self._used[tier] -= record.nbytes
+            self._used[tier] -= record.size_in(tier)
 
     def set_copies(self, session_id: str, tiers: set[str]) -> None:
         for t in set(self.records[session_id].copies) - tiers:
@@ -256,12 +265,17 @@ class CacheManager:
     def unreserve(self, tier: str, nbytes: int) -> None:
         self._reserved[tier] -= nbytes
 
-    def resize(self, session_id: str, nbytes: int) -> None:
-        """A commit changed the state's size; every copy must be replaced by the caller."""
+    def resize(self, session_id: str, nbytes: int, disk_log_bytes: int | None = None) -> None:
+        """A commit changed the state's size (and the disk log's, when given); every copy must be
+        replaced by the caller."""
         record = self.records[session_id]
         for t in record.copies:
-            self._used[t] += nbytes - record.nbytes
+            self._used[t] -= record.size_in(t)
         record.nbytes = nbytes
+        if disk_log_bytes is not None:
+            record.disk_log_bytes = disk_log_bytes
+        for t in record.copies:
+            self._used[t] += record.size_in(t)
 
     def touch(self, session_id: str, now: float | None = None) -> None:
         record = self.records[session_id]

@@ -225,14 +225,18 @@ class Placement:
         self._store(tier).put(session_id, data if tier == "device" else data.to("cpu"))
         self.manager.add_copy(session_id, tier)
 
-    def reserve(self, record: Record, nbytes: int) -> int:
+    def reserve(self, record: Record, nbytes: int, log_growth: int | None = None) -> int:
         """Book a commit's growth (to `nbytes`) in the last tier before its write; returns the
         bytes booked, the commit's until its write lands or fails (then `unreserve`). Only there:
         the session's copy on the device keeps its size in the books until the commit replaces it
         (`committed`), so the growth never makes the device look fuller than it is to the
-        requests that run meanwhile. SessionTooLarge or CacheFull when the new size does not fit."""
+        requests that run meanwhile. SessionTooLarge or CacheFull when the new size does not fit.
+        On disk the session's log counts too: a delta commit adds about `log_growth` bytes to it,
+        a whole write (`log_growth` None) removes it."""
         self.refuse_never_fits(record.model, nbytes, record.id, committing=True)
         growth = nbytes - record.nbytes
+        if self.durable.tier == "disk":
+            growth += -record.disk_log_bytes if log_growth is None else log_growth
         self._durable_room(record.model, growth, record.id)
         booked = max(growth, 0)
         self.manager.reserve(self.durable.tier, booked)
@@ -245,14 +249,14 @@ class Placement:
 
     def committed(self, record: Record, committed: Record, data: SessionData) -> None:
         """The books after a commit's durable write: `record` becomes `committed`, its state
-        `data` (on its device)."""
+        `data` (on its device), its disk log `committed.disk_log_bytes`."""
         # the old copies are stale: only the durable one (just overwritten) and the device one remain
         for tier in [t for t in record.copies if t != self.durable.tier]:
             if tier in MEMORY_TIERS:
                 self._store(tier).drop(record.id)
             self.manager.drop_copy(record.id, tier)  # a disk spill: removed by the committer (drop_stale_file)
         self.manager.add_copy(record.id, self.durable.tier)
-        self.manager.resize(record.id, committed.nbytes)
+        self.manager.resize(record.id, committed.nbytes, committed.disk_log_bytes)
         record.tokens, record.version, record.last_used_at = committed.tokens, committed.version, committed.last_used_at
         record.remembered = committed.remembered
         self._keep(record.id, committed.nbytes, data)

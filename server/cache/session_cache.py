@@ -77,6 +77,7 @@ import torch
 from xlserve.server.cache.codec import STATE_DTYPES, SessionData, encode, encode_delta, state_metadata
 from xlserve.server.cache.durable import DurableStore
 from xlserve.server.cache.errors import (
+    CacheFull,
     CommitOutcomeUnknown,
     SessionConflict,
     SessionInfo,
@@ -160,11 +161,14 @@ class SessionCache:
         many were found."""
         self.models.update(models)
         found = self.durable.open()  # file headers and a Redis ping: outside the lock
+        log_bytes = {session_id: self.durable.disk_log_bytes(session_id) for session_id, _ in found}
         copies = {"disk"} | ({"redis"} if self.redis is not None else set())
         with self._lock:
             for session_id, meta in found:
                 if self.manager.get(session_id) is None:
-                    self.manager.add(DurableStore.record_from_meta(session_id, meta, copies))
+                    record = DurableStore.record_from_meta(session_id, meta, copies)
+                    record.disk_log_bytes = log_bytes[session_id]
+                    self.manager.add(record)
             if self.manager.free("disk") is not None and self.manager.free("disk") < 0:
                 log.warning("sessions on disk hold %d bytes, over XLSERVE_DISK_STATE_BYTES=%d; new sessions are "
                             "refused until some are deleted", self.manager.used("disk"), self.manager.budgets["disk"])
@@ -303,9 +307,16 @@ class SessionCache:
         no delta (`_changes`)."""
         data = self.placement.on_device(lease.info.model, data.cast_state(self.state_dtype).compact())
         changes = None if whole or lease.data is None else self._changes(lease.data, data)
+        log_growth = None if changes is None else sum(change.nbytes() for change in changes.values())
         with self._lock:
             record = self._leased(lease)
-            booked = self.placement.reserve(record, data.nbytes())
+            try:
+                booked = self.placement.reserve(record, data.nbytes(), log_growth)
+            except CacheFull:
+                if changes is None:
+                    raise
+                # a full disk compacts before it refuses: written whole, the session's log goes
+                booked, changes = self.placement.reserve(record, data.nbytes()), None
             now = time.time()
             committed = Record(
                 id=record.id, model=record.model, owner=record.owner, nbytes=data.nbytes(), tokens=data.tokens,
@@ -322,6 +333,7 @@ class SessionCache:
         try:  # the lease's hold keeps every other request of this replica off the session meanwhile
             delta = None if changes is None else encode_delta(changes, state_metadata(data), data.next_log_probs, meta)
             self.durable.write(committed, lambda: encode(data, meta), expected=lease.version, entry=entry, delta=delta)
+            committed.disk_log_bytes = self.durable.disk_log_bytes(record.id)
         except (SessionConflict, CommitOutcomeUnknown):
             transfer = Transfer(self.placement)
             try:
@@ -489,10 +501,12 @@ class SessionCache:
                 self.holds.give_back(record.id, hold)
                 self.manager.remove(record.id)
             raise
+        log_bytes = self.durable.disk_log_bytes(record.id)  # a fork's copy of its source's log
         transfer = Transfer(self.placement)
         try:
             with self._lock:
                 try:
+                    self.manager.resize(record.id, record.nbytes, log_bytes)
                     self.placement.admitted(record, data)
                 finally:
                     self.holds.give_back(record.id, hold)
@@ -515,8 +529,10 @@ class SessionCache:
         # the lease holds the session; only the metadata changes: a delta block of no tensors
         self.durable.write(record, lambda: encode(lease.data, meta), expected=None,
                            delta=encode_delta({}, state_metadata(lease.data), "same", meta))
+        log_bytes = self.durable.disk_log_bytes(record.id)
         with self._lock:
             record.remembered = remembered
+            self.manager.resize(record.id, record.nbytes, log_bytes)
 
     @staticmethod
     def _changes(old: SessionData, new: SessionData) -> dict | None:

@@ -189,6 +189,14 @@ class DiskStore:
 
     # -- the log of delta blocks ----------------------------------------------------------------
 
+    def log_bytes(self, session_id: str) -> int:
+        """Bytes of the session's log of delta blocks (0 without one): what the disk holds of it
+        beside its base. 0 when it cannot be read either: the books never fail a write."""
+        try:
+            return self.log_path(session_id).stat().st_size
+        except OSError:
+            return 0
+
     def log_path(self, session_id: str) -> Path:
         return self.path(session_id).with_suffix(self.LOG_SUFFIX)
 

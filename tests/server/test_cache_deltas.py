@@ -109,6 +109,15 @@ def test_deltas_of_a_bfloat16_state(architecture, tmp_path):
     assert cache.durable.written["delta"][0] >= 2
 
 
+def assert_books_count_the_logs(cache: SessionCache) -> None:
+    """Every session's log on disk is in the books, and the disk's bytes are the states' and
+    their logs': the disk's budget counts what the disk holds."""
+    records = list(cache.manager.records.values())
+    for record in records:
+        assert record.disk_log_bytes == cache.durable.disk_log_bytes(record.id), record.id
+    assert cache.manager.used("disk") == sum(r.nbytes + r.disk_log_bytes for r in records if "disk" in r.copies)
+
+
 def run_random_operations(make_cache, models, tiers: list[str], seed: int, operations: int = 200) -> None:
     """`operations` random appends, forks, deletes, evictions and restarts on a cache; after each,
     a session's stored copy equals a whole write of what it should hold, and at the end all do,
@@ -143,6 +152,7 @@ def run_random_operations(make_cache, models, tiers: list[str], seed: int, opera
         checked = rng.choice(sorted(expected))
         name, data = expected[checked]
         assert identical(stored(cache, checked), full_write(data, models[name].state_class)), (op, checked)
+        assert_books_count_the_logs(cache)
     cache.close()
     cache = make_cache()
     for session_id, (name, data) in expected.items():
@@ -331,6 +341,41 @@ def test_an_append_writes_about_its_new_positions(tmp_path):
     assert whole > full.state.nbytes()  # the create: one whole write
     sample = metrics.registry.get_sample_value("xlserve_session_commit_bytes_total", {"model": "m", "kind": "delta"})
     assert sample == cache.durable.written["delta"][1]
+
+
+def test_the_disk_budget_counts_the_logs_and_a_full_disk_compacts_before_it_refuses(tmp_path):
+    """Where the disk is the last tier, a session's log counts against its budget with its state:
+    without that, logs up to compact_ratio times their bases would fill a disk past its budget.
+    A delta commit that would pass the budget is written whole instead, which removes the log;
+    only a state that does not fit whole is refused."""
+    from xlserve.server.cache import CacheFull
+
+    model = tiny_model("transformer-xl")
+    full = feed(model, SessionData(model.init_state(1), 0, None), list(range(model.config.mem_len + 5)))[1]
+    budget = int(1.5 * full.nbytes())
+    cache = SessionCache(tmp_path / "state", None, None, budget, compact_ratio=100.0)  # logs may grow long
+    cache.open({"m": model})
+    session_id = cache.create("m", None, full).id
+    for _ in range(12):
+        step(model, cache, session_id, list(range(8)))
+        assert_books_count_the_logs(cache)
+        record = cache.manager.get(session_id)
+        assert cache.manager.used("disk") <= budget
+        on_disk = sum(path.stat().st_size for path in (tmp_path / "state").glob(f"{session_id}.*"))
+        assert on_disk <= budget + (64 << 10)  # the base file's header and the log's frames beside the books
+    written = cache.durable.written
+    assert written["delta"][0] >= 4 and written["whole"][0] >= 2, written  # the create, then compactions
+    assert record.disk_log_bytes < budget - full.nbytes()
+    # the books after a restart count the log found on disk
+    cache.close()
+    cache = SessionCache(tmp_path / "state", None, None, budget, compact_ratio=100.0)
+    cache.open({"m": model})
+    assert_books_count_the_logs(cache)
+    # a second session whose state fits the budget whole but not beside the first: refused, nothing written
+    with pytest.raises(CacheFull):
+        cache.create("m", None, full)
+    assert [p.name for p in (tmp_path / "state").glob("*.safetensors")] == [f"{session_id}.safetensors"]
+    cache.close()
 
 
 def test_a_fork_shares_its_base_and_an_import_is_a_whole_write(tmp_path):

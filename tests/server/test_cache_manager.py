@@ -43,6 +43,25 @@ def test_bytes_are_counted_per_tier_exactly():
     assert m.by_tier() == {("m", "host"): (1, 41), ("m", "disk"): (1, 48)}
 
 
+def test_a_disk_log_counts_in_the_disk_tier_only_and_moves_with_the_copy():
+    m = manager(disk=200)
+    m.add(record("a", 30, copies=("device", "disk"), disk_log_bytes=25))
+    assert (m.used("device"), m.used("disk")) == (30, 55)
+    m.resize("a", 40, disk_log_bytes=5)  # a commit: the state grew, a compaction shortened the log
+    assert (m.used("device"), m.used("disk")) == (40, 45)
+    m.resize("a", 44)  # the log untouched
+    assert (m.used("device"), m.used("disk")) == (44, 49)
+    m.drop_copy("a", "disk")
+    assert m.used("disk") == 0
+    m.add_copy("a", "disk")
+    assert m.used("disk") == 49
+    # the last tier admits by what it holds, logs included
+    m.add(record("b", 150, copies=("disk",)))
+    assert m.plan_room("disk", 2) is None  # 199 of 200 used: the last tier refuses, it never evicts
+    m.remove("a")
+    assert m.used("disk") == 150
+
+
 def test_bytes_booked_for_a_write_in_flight_count_in_their_tier_only():
     m = manager(device=100, disk=100)
     m.add(record("a", 50))
