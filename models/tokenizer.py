@@ -308,25 +308,41 @@ class SentencePieceTokenizer:
 
 
 class SentencePieceDetokenizer:
-    """Incremental `SentencePieceTokenizer.decode` (and `TokenizersTokenizer.decode`): decodes
-    everything so far and hands out what is new, holding back a trailing U+FFFD (an incomplete
-    byte-fallback or byte-level character)."""
+    """Incremental `SentencePieceTokenizer.decode` (and `TokenizersTokenizer.decode`) in constant
+    work per token, where decoding everything so far each time costs the square of the length.
+
+    A piece's text depends on the pieces just before it: sentencepiece drops the word-start
+    space of the text's first piece, a byte-level or byte-fallback character spans several
+    tokens. So each push decodes a short window twice: from `_context` (a few tokens before the
+    first one not yet handed out, `_read`) to `_read`, and from `_context` to the end; the new
+    text is what the second has past the first. It is held back while it ends in U+FFFD (a
+    character whose bytes are still arriving). The window starts at least CONTEXT tokens back,
+    and further while those decode to nothing (control pieces), so the new pieces never sit at
+    the start of a text."""
+
+    CONTEXT = 4
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._sent = 0
+        self._context = 0  # the window decoded for context starts here
+        self._read = 0  # every token before this has been handed out
 
     def push(self, token: int) -> str:
         self._ids.append(int(token))
-        text = self._tokenizer.decode(self._ids)
-        stable = len(text.rstrip("\ufffd"))
-        if stable <= self._sent:
+        before = self._tokenizer.decode(self._ids[self._context : self._read])
+        text = self._tokenizer.decode(self._ids[self._context :])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        new, self._sent = text[self._sent : stable], stable
+        new = text[len(before) :]
+        self._read = len(self._ids)
+        self._context = max(0, self._read - self.CONTEXT)
+        while self._context > 0 and not self._tokenizer.decode(self._ids[self._context : self._read]):
+            self._context = max(0, self._context - self.CONTEXT)
         return new
 
     def flush(self) -> str:
-        text = self._tokenizer.decode(self._ids)
-        new, self._sent = text[self._sent :], len(text)
+        before = self._tokenizer.decode(self._ids[self._context : self._read])
+        new = self._tokenizer.decode(self._ids[self._context :])[len(before) :]
+        self._read = len(self._ids)
         return new

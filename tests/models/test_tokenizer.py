@@ -1,3 +1,7 @@
+import random
+
+import pytest
+
 from xlserve.models.tokenizer import ByteTokenizer
 
 
@@ -22,3 +26,58 @@ def test_incomplete_tail_is_flushed_as_replacement():
     detokenizer = ByteTokenizer().detokenizer()
     assert detokenizer.push(0xF0) == ""
     assert detokenizer.flush() == "\ufffd"
+
+
+def counting(tokenizer):
+    """`tokenizer` with its decode wrapped to record how many ids each call decodes."""
+    lengths = []
+    decode = tokenizer.decode
+
+    def counted(tokens):
+        tokens = list(tokens)
+        lengths.append(len(tokens))
+        return decode(tokens)
+
+    tokenizer.decode = counted
+    return tokenizer, lengths
+
+
+def streamed(tokenizer, ids) -> tuple[list[str], str]:
+    detokenizer = tokenizer.detokenizer()
+    pieces = [detokenizer.push(t) for t in ids]
+    return pieces, "".join(pieces) + detokenizer.flush()
+
+
+@pytest.fixture(scope="module")
+def subword_tokenizers():
+    """A byte-level BPE read by the tokenizers library (Mamba's and RWKV's kind) and a
+    sentencepiece model (XLNet's kind), both trained here in a fraction of a second."""
+    from tests.models.test_convert_recurrent import byte_level_tokenizer_json
+    from xlserve.models.tokenizer import SentencePieceTokenizer, TokenizersTokenizer
+    from xlserve.server.bench.real_size import sentencepiece_model
+
+    return {"tokenizers": lambda: TokenizersTokenizer.from_bytes(byte_level_tokenizer_json(400).encode()),
+            "sentencepiece": lambda: SentencePieceTokenizer(sentencepiece_model(600))}
+
+
+@pytest.mark.parametrize("kind", ["tokenizers", "sentencepiece"])
+def test_a_subword_stream_is_the_whole_decode_in_constant_work_per_token(subword_tokenizers, kind):
+    """Streamed text equals one decode of all the tokens, for real text and for random ids
+    (byte-level pieces that split characters, control pieces, unknown pieces), and no push
+    decodes more than a short window, however long the stream: n tokens cost O(n), not O(n²)."""
+    pytest.importorskip("tokenizers" if kind == "tokenizers" else "sentencepiece")
+    tokenizer, lengths = counting(subword_tokenizers[kind]())
+    text = 'def decode(self, s):\n    """Return ``s``, 1990, ünïcode ✓ 😀."""\n' * 40
+    rng = random.Random(0)
+    streams = [tokenizer.encode(text)] + [[rng.randrange(tokenizer.vocab_size) for _ in range(300)] for _ in range(20)]
+    for ids in streams:
+        whole = tokenizer.decode(ids)
+        lengths.clear()
+        pieces, joined = streamed(tokenizer, ids)
+        assert joined == whole
+        if "\ufffd" not in whole:  # real text: no piece ever hands out half a character
+            assert not any("\ufffd" in piece for piece in pieces)
+    # the longest stream (about 2,000 tokens of real text) decoded windows of a few tokens only
+    lengths.clear()
+    streamed(tokenizer, streams[0])
+    assert len(streams[0]) > 1000 and max(lengths) <= 16, max(lengths)
