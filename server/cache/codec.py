@@ -288,6 +288,18 @@ def encode_delta(changes: dict, state_meta: dict[str, str], next_log_probs: torc
     return save_safetensors(tensors, metadata=meta)
 
 
+def delta_bytes_bound(changes: dict, next_log_probs: torch.Tensor | None, metadata: dict[str, str]) -> int:
+    """At most the bytes `encode_delta(changes, ..., next_log_probs, metadata)` writes, framed in a
+    log: every changed tensor (values and index), the next-token row, the metadata (as JSON, with
+    the Idempotency-Keys it remembers), 512 bytes per tensor for its header entries (name, dtype,
+    shape, offsets; its operation) and 4 kB for the rest of the header and the frame. What a
+    delta commit books on disk before it is encoded."""
+    changed = [change for change in changes.values() if change.op != "same"]
+    logits = 0 if next_log_probs is None else next_log_probs.numel() * next_log_probs.element_size()
+    header = len(json.dumps({k: str(v) for k, v in metadata.items()})) + 512 * (len(changed) + 1) + 4096
+    return sum(change.nbytes() for change in changed) + logits + header
+
+
 def state_metadata(data: SessionData) -> dict[str, str]:
     """The metadata `encode` derives from the data itself."""
     return {"tokens": str(data.tokens), "nbytes": str(data.nbytes()), "state_class": type(data.state).__name__,

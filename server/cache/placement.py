@@ -200,13 +200,19 @@ class Placement:
             return
         self._execute(moves, transfer)
 
-    def admit(self, record: Record) -> None:
+    def admit(self, record: Record, log_bytes: int = 0) -> int:
         """Book a new session's bytes in the last tier before its first write (it is held NEW by
-        the caller afterwards); SessionTooLarge or CacheFull when they do not fit."""
+        the caller afterwards), with `log_bytes` more for a log it starts with on disk (a fork's
+        copy of its source's); SessionTooLarge or CacheFull when they do not fit. Returns the
+        bytes booked beside the state, the caller's to `unreserve` once the write has landed or
+        failed."""
         self.refuse_never_fits(record.model, record.nbytes)
-        self._durable_room(record.model, record.nbytes)
+        extra = log_bytes if self.durable.tier == "disk" else 0
+        self._durable_room(record.model, record.nbytes + extra)
         record.copies = {self.durable.tier}
         self.manager.add(record)
+        self.manager.reserve(self.durable.tier, extra)
+        return extra
 
     def admitted(self, record: Record, data: SessionData) -> None:
         """A new session is written: its state goes to its home, the device (`data` is already
@@ -230,17 +236,29 @@ class Placement:
         bytes booked, the commit's until its write lands or fails (then `unreserve`). Only there:
         the session's copy on the device keeps its size in the books until the commit replaces it
         (`committed`), so the growth never makes the device look fuller than it is to the
-        requests that run meanwhile. SessionTooLarge or CacheFull when the new size does not fit.
-        On disk the session's log counts too: a delta commit adds about `log_growth` bytes to it,
-        a whole write (`log_growth` None) removes it."""
+        requests that run meanwhile. SessionTooLarge or CacheFull when the new size does not fit;
+        a commit that does not grow the last tier is never refused, however full it is. On disk
+        the session's log counts too: a delta commit adds at most `log_growth` bytes to it, a
+        whole write (`log_growth` None) removes it."""
         self.refuse_never_fits(record.model, nbytes, record.id, committing=True)
-        growth = nbytes - record.nbytes
-        if self.durable.tier == "disk":
-            growth += -record.disk_log_bytes if log_growth is None else log_growth
-        self._durable_room(record.model, growth, record.id)
+        growth = self.commit_growth(record, nbytes, log_growth)
+        if growth > 0:
+            self._durable_room(record.model, growth, record.id)
         booked = max(growth, 0)
         self.manager.reserve(self.durable.tier, booked)
         return booked
+
+    def commit_growth(self, record: Record, nbytes: int, log_growth: int | None = None) -> int:
+        """Bytes a commit to `nbytes` adds to the last tier (`reserve`'s arguments)."""
+        growth = nbytes - record.nbytes
+        if self.durable.tier == "disk":
+            growth += -record.disk_log_bytes if log_growth is None else log_growth
+        return growth
+
+    def fits_in_durable(self, growth: int) -> bool:
+        """Whether `growth` more bytes fit the last tier now (a pure question: nothing is counted
+        or refused)."""
+        return growth <= 0 or self.manager.plan_room(self.durable.tier, growth) is not None
 
     def unreserve(self, booked: int) -> None:
         """Give back what `reserve` booked (the write landed, its size now counted in `committed`;

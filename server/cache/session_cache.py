@@ -74,10 +74,16 @@ from contextlib import contextmanager
 
 import torch
 
-from xlserve.server.cache.codec import STATE_DTYPES, SessionData, encode, encode_delta, state_metadata
+from xlserve.server.cache.codec import (
+    STATE_DTYPES,
+    SessionData,
+    delta_bytes_bound,
+    encode,
+    encode_delta,
+    state_metadata,
+)
 from xlserve.server.cache.durable import DurableStore
 from xlserve.server.cache.errors import (
-    CacheFull,
     CommitOutcomeUnknown,
     SessionConflict,
     SessionInfo,
@@ -170,8 +176,9 @@ class SessionCache:
                     record.disk_log_bytes = log_bytes[session_id]
                     self.manager.add(record)
             if self.manager.free("disk") is not None and self.manager.free("disk") < 0:
-                log.warning("sessions on disk hold %d bytes, over XLSERVE_DISK_STATE_BYTES=%d; new sessions are "
-                            "refused until some are deleted", self.manager.used("disk"), self.manager.budgets["disk"])
+                log.warning("sessions on disk hold %d bytes (their logs of delta commits included), over "
+                            "XLSERVE_DISK_STATE_BYTES=%d; new sessions and commits that grow the disk are refused "
+                            "until some are deleted (a commit that would grow a log is written whole instead)", self.manager.used("disk"), self.manager.budgets["disk"])
             self.placement.publish()
         return len(found)
 
@@ -307,16 +314,8 @@ class SessionCache:
         no delta (`_changes`)."""
         data = self.placement.on_device(lease.info.model, data.cast_state(self.state_dtype).compact())
         changes = None if whole or lease.data is None else self._changes(lease.data, data)
-        log_growth = None if changes is None else sum(change.nbytes() for change in changes.values())
         with self._lock:
             record = self._leased(lease)
-            try:
-                booked = self.placement.reserve(record, data.nbytes(), log_growth)
-            except CacheFull:
-                if changes is None:
-                    raise
-                # a full disk compacts before it refuses: written whole, the session's log goes
-                booked, changes = self.placement.reserve(record, data.nbytes()), None
             now = time.time()
             committed = Record(
                 id=record.id, model=record.model, owner=record.owner, nbytes=data.nbytes(), tokens=data.tokens,
@@ -329,6 +328,12 @@ class SessionCache:
                 if self.redis is None:  # in the file's metadata; Redis's script adds it itself
                     committed.remembered = kept(entry, record.remembered)
             meta = self.durable.metadata(committed)
+            log_growth = None if changes is None else delta_bytes_bound(changes, data.next_log_probs, meta)
+            if changes is not None and not self.placement.fits_in_durable(
+                    self.placement.commit_growth(record, data.nbytes(), log_growth)):
+                # a full disk compacts before it refuses: written whole, the session's log goes
+                changes, log_growth = None, None
+            booked = self.placement.reserve(record, data.nbytes(), log_growth)
             lease.committing = True  # from here a release leaves the hold to this commit (`release`)
         try:  # the lease's hold keeps every other request of this replica off the session meanwhile
             delta = None if changes is None else encode_delta(changes, state_metadata(data), data.next_log_probs, meta)
@@ -487,17 +492,21 @@ class SessionCache:
         record = Record(id=new_session_id(), model=model, owner=owner, nbytes=data.nbytes(), tokens=data.tokens,
                         version=0, created_at=now, last_used_at=now)
         meta = self.durable.metadata(record)
+        meta_block = None if source_id is None else encode_delta({}, state_metadata(data), "same", meta)
         with self._lock:
-            self.placement.admit(record)  # its bytes booked in the last tier
+            # its bytes booked in the last tier; a fork's also its copy of the source's log and a block
+            source = None if source_id is None else self.manager.get(source_id)
+            log_bytes = 0 if meta_block is None else (source.disk_log_bytes if source else 0) + len(meta_block) + 4096
+            booked = self.placement.admit(record, log_bytes)
             hold = self.holds.take(record.id, NEW)
         try:  # outside the lock
             if source_id is None:
                 self.durable.write(record, lambda: encode(data, meta), expected=None)
             else:
-                self.durable.fork(source_id, record, lambda: encode(data, meta),
-                                  encode_delta({}, state_metadata(data), "same", meta))
+                self.durable.fork(source_id, record, lambda: encode(data, meta), meta_block)
         except BaseException:
             with self._lock:
+                self.placement.unreserve(booked)
                 self.holds.give_back(record.id, hold)
                 self.manager.remove(record.id)
             raise
@@ -506,6 +515,7 @@ class SessionCache:
         try:
             with self._lock:
                 try:
+                    self.placement.unreserve(booked)
                     self.manager.resize(record.id, record.nbytes, log_bytes)
                     self.placement.admitted(record, data)
                 finally:

@@ -378,6 +378,78 @@ def test_the_disk_budget_counts_the_logs_and_a_full_disk_compacts_before_it_refu
     cache.close()
 
 
+def test_a_delta_books_its_whole_block_and_a_disk_over_budget_still_takes_commits_that_shrink_it(tmp_path):
+    """A delta block holds more than the changed positions (the next-token row, the metadata):
+    a commit books all of it, so a budget a few kB above the state is never passed. And a disk
+    over its budget (a smaller budget after a restart) still takes a commit that does not grow
+    it: a delta becomes a whole write, which removes the log, and is not refused."""
+    from xlserve.server.cache import CacheFull
+
+    model = tiny_model("transformer-xl")
+    full = feed(model, SessionData(model.init_state(1), 0, None), list(range(model.config.mem_len + 5)))[1]
+    budget = full.nbytes() + 8500
+    cache = SessionCache(tmp_path / "tight", None, None, budget, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, full).id
+    for i in range(12):
+        step(model, cache, session_id, [i])
+        assert cache.manager.used("disk") <= budget
+        assert_books_count_the_logs(cache)
+    cache.close()
+
+    roomy = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    roomy.open({"m": model})
+    session_id = roomy.create("m", None, full).id
+    for i in range(6):
+        step(model, roomy, session_id, [i, i + 1])
+    log_bytes = roomy.manager.get(session_id).disk_log_bytes
+    assert roomy.durable.written["delta"][0] == 6 and log_bytes > 0
+    roomy.close()
+    budget = full.nbytes() + log_bytes // 2  # the disk is now over its budget
+    cache = SessionCache(tmp_path / "state", None, None, budget, compact_ratio=100.0)
+    cache.open({"m": model})
+    assert cache.manager.used("disk") > budget
+    with pytest.raises(CacheFull):  # nothing new fits
+        cache.create("m", None, full)
+    step(model, cache, session_id, [7])  # not refused: written whole, it shrinks the disk
+    assert cache.durable.written == {"whole": [1, cache.durable.written["whole"][1]]}
+    assert cache.manager.get(session_id).disk_log_bytes == 0 and cache.manager.used("disk") <= budget
+    assert_books_count_the_logs(cache)
+    cache.close()
+
+
+def test_a_fork_books_the_log_it_copies(tmp_path):
+    """A fork on disk copies its source's log: its admission counts it, so a fork whose copy does
+    not fit is refused with nothing written, and one that fits leaves the books equal to the files."""
+    from xlserve.server.cache import CacheFull
+
+    model = tiny_model("transformer-xl")
+    full = feed(model, SessionData(model.init_state(1), 0, None), list(range(model.config.mem_len + 5)))[1]
+    roomy = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    roomy.open({"m": model})
+    source = roomy.create("m", None, full).id
+    for i in range(6):
+        step(model, roomy, source, [i, i + 1])
+    log_bytes = roomy.manager.get(source).disk_log_bytes
+    used = roomy.manager.used("disk")
+    roomy.close()
+    # room for a second state but not for its copy of the log: refused, no file left behind
+    cache = SessionCache(tmp_path / "state", None, None, used + full.nbytes() + log_bytes // 2, compact_ratio=100.0)
+    cache.open({"m": model})
+    with pytest.raises(CacheFull):
+        cache.fork(source, None)
+    assert len(list((tmp_path / "state").glob("*.safetensors"))) == 1 and cache.manager.used("disk") == used
+    cache.close()
+    cache = SessionCache(tmp_path / "state", None, None, used + full.nbytes() + 2 * log_bytes + 8192,
+                         compact_ratio=100.0)
+    cache.open({"m": model})
+    fork = cache.fork(source, None).id
+    assert cache.manager.get(fork).disk_log_bytes > log_bytes  # the copy and its metadata block
+    assert_books_count_the_logs(cache)
+    assert cache.manager.used("disk") <= cache.manager.budgets["disk"]
+    cache.close()
+
+
 def test_a_fork_shares_its_base_and_an_import_is_a_whole_write(tmp_path):
     """On disk a fork hard-links its source's base file and copies only its log (then goes its
     own way: the source's compaction or deletion leaves it whole); an import into a session
