@@ -308,7 +308,7 @@ class SentencePieceTokenizer:
 
 
 class SentencePieceDetokenizer:
-    """Incremental `SentencePieceTokenizer.decode` (and `TokenizersTokenizer.decode`) in constant
+    """Incremental `SentencePieceTokenizer.decode` (and `TokenizersTokenizer.decode`) in bounded
     work per token, where decoding everything so far each time costs the square of the length.
 
     A piece's text depends on the pieces just before it: sentencepiece drops the word-start
@@ -316,33 +316,73 @@ class SentencePieceDetokenizer:
     tokens. So each push decodes a short window twice: from `_context` (a few tokens before the
     first one not yet handed out, `_read`) to `_read`, and from `_context` to the end; the new
     text is what the second has past the first. It is held back while it ends in U+FFFD (a
-    character whose bytes are still arriving). The window starts at least CONTEXT tokens back,
-    and further while those decode to nothing (control pieces), so the new pieces never sit at
-    the start of a text."""
+    character whose bytes are still arriving) or adds nothing, for at most HOLD tokens: then
+    what the last 3 tokens cannot change any more is handed out (a character's bytes span at
+    most 4), so a run of broken characters neither stalls the stream nor grows the window. A
+    piece that adds no text after text (a control piece, an id past the vocabulary) is left out
+    of the window, which keeps the text before it: a piece after a thousand control pieces is
+    not at a text's start. The window reaches at least CONTEXT tokens back, and up to REACH while
+    those decode to nothing. A decoder whose text is not local (the window's first part is not a
+    prefix of the whole) falls back to decoding everything."""
 
     CONTEXT = 4
+    HOLD = 8
+    REACH = 32
+    STABLE_AFTER = 3  # tokens after which no earlier character can change
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._context = 0  # the window decoded for context starts here
         self._read = 0  # every token before this has been handed out
+        self._sent = 0  # characters handed out
 
     def push(self, token: int) -> str:
         self._ids.append(int(token))
-        before = self._tokenizer.decode(self._ids[self._context : self._read])
-        text = self._tokenizer.decode(self._ids[self._context :])
-        if len(text) <= len(before) or text.endswith("\ufffd"):
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._context : self._read])
+        text = decode(self._ids[self._context :])
+        if not text.startswith(before):
+            return self._from_whole()
+        if text == before and before:  # a piece without text after text (a control piece): it changes
+            self._ids.pop()  # nothing, now or later, so the window leaves it out and keeps its text
             return ""
-        new = text[len(before) :]
-        self._read = len(self._ids)
-        self._context = max(0, self._read - self.CONTEXT)
-        while self._context > 0 and not self._tokenizer.decode(self._ids[self._context : self._read]):
-            self._context = max(0, self._context - self.CONTEXT)
-        return new
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            return self._hand_out(len(self._ids), text, before)
+        if len(self._ids) - self._read <= self.HOLD:
+            return ""
+        # held too long: hand out up to the last cut that what follows it no longer changes
+        for cut in range(len(self._ids) - self.STABLE_AFTER, self._read, -1):
+            stable = decode(self._ids[self._context : cut])
+            if text.startswith(stable) and stable.startswith(before):
+                return self._hand_out(cut, stable, before)
+        return ""
 
     def flush(self) -> str:
         before = self._tokenizer.decode(self._ids[self._context : self._read])
-        new = self._tokenizer.decode(self._ids[self._context :])[len(before) :]
+        text = self._tokenizer.decode(self._ids[self._context :])
+        if not text.startswith(before):
+            return self._from_whole(final=True)
+        return self._hand_out(len(self._ids), text, before)
+
+    def _hand_out(self, cut: int, text: str, before: str) -> str:
+        """text[len(before):], the window's text up to token `cut`, which moves the window there."""
+        new = text[len(before) :]
+        self._sent += len(new)
+        self._read = cut
+        self._context = max(0, cut - self.CONTEXT)
+        decode = self._tokenizer.decode
+        while self._context > max(0, cut - self.REACH) and not decode(self._ids[self._context : cut]):
+            self._context = max(0, self._context - self.CONTEXT, cut - self.REACH)
+        return new
+
+    def _from_whole(self, final: bool = False) -> str:
+        """The new text from a decode of every token (a decoder whose text is not local)."""
+        text = self._tokenizer.decode(self._ids)
+        if not final and text.endswith("\ufffd") and len(self._ids) - self._read <= self.HOLD:
+            return ""
+        new = text[self._sent :]
+        self._sent = len(text)
         self._read = len(self._ids)
+        self._context = max(0, self._read - self.CONTEXT)  # the next window checks itself again
         return new

@@ -81,3 +81,31 @@ def test_a_subword_stream_is_the_whole_decode_in_constant_work_per_token(subword
     lengths.clear()
     streamed(tokenizer, streams[0])
     assert len(streams[0]) > 1000 and max(lengths) <= 16, max(lengths)
+
+
+@pytest.mark.parametrize("kind", ["tokenizers", "sentencepiece"])
+def test_runs_without_text_or_of_broken_characters_neither_stall_nor_grow_the_window(subword_tokenizers, kind):
+    """Pieces that decode to nothing (sentencepiece's control pieces) and bytes that never make a
+    character (lone continuation bytes), a thousand in a row: the stream still equals one decode,
+    no push decodes more than a bounded window, and text that can no longer change is handed out
+    while the run goes on instead of at its end."""
+    pytest.importorskip("tokenizers" if kind == "tokenizers" else "sentencepiece")
+    from xlserve.models.tokenizer import SentencePieceDetokenizer
+
+    tokenizer, lengths = counting(subword_tokenizers[kind]())
+    word = tokenizer.encode(" word")
+    if kind == "sentencepiece":
+        runs = {"control": [tokenizer.processor.PieceToId("<cls>")]}
+    else:  # a byte that is no character on its own, however many follow: U+FFFD each
+        broken = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i] * 3) == "\ufffd" * 3)
+        runs = {"broken": [broken], "replacement characters": tokenizer.encode("\ufffd")}
+    bound = SentencePieceDetokenizer.REACH + SentencePieceDetokenizer.HOLD + 8
+    for name, unit in runs.items():
+        ids = word + unit * 1000 + word
+        whole = tokenizer.decode(ids)
+        lengths.clear()
+        pieces, joined = streamed(tokenizer, ids)
+        assert joined == whole, name
+        assert max(lengths) <= bound, (name, max(lengths))
+        if whole != tokenizer.decode(word * 2):  # the run has text: most of it leaves before the run ends
+            assert len("".join(pieces[: len(word) + 1000 * len(unit) - 20])) > len(whole) // 2, name
