@@ -378,6 +378,20 @@ def test_the_disk_budget_counts_the_logs_and_a_full_disk_compacts_before_it_refu
     cache.close()
 
 
+def a_session_with_a_log(model, full: SessionData, directory: Path) -> tuple[str, int, int]:
+    """A session of `full` memory in `directory` with six delta commits in its log, written with
+    no disk budget: (its id, its log's bytes, the disk's bytes used)."""
+    cache = SessionCache(directory, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, full).id
+    for i in range(6):
+        step(model, cache, session_id, [i, i + 1])
+    log_bytes, used = cache.manager.get(session_id).disk_log_bytes, cache.manager.used("disk")
+    assert cache.durable.written["delta"][0] == 6 and log_bytes > 0
+    cache.close()
+    return session_id, log_bytes, used
+
+
 def test_a_delta_books_its_whole_block_and_a_disk_over_budget_still_takes_commits_that_shrink_it(tmp_path):
     """A delta block holds more than the changed positions (the next-token row, the metadata):
     a commit books all of it, so a budget a few kB above the state is never passed. And a disk
@@ -397,14 +411,7 @@ def test_a_delta_books_its_whole_block_and_a_disk_over_budget_still_takes_commit
         assert_books_count_the_logs(cache)
     cache.close()
 
-    roomy = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
-    roomy.open({"m": model})
-    session_id = roomy.create("m", None, full).id
-    for i in range(6):
-        step(model, roomy, session_id, [i, i + 1])
-    log_bytes = roomy.manager.get(session_id).disk_log_bytes
-    assert roomy.durable.written["delta"][0] == 6 and log_bytes > 0
-    roomy.close()
+    session_id, log_bytes, _ = a_session_with_a_log(model, full, tmp_path / "state")
     budget = full.nbytes() + log_bytes // 2  # the disk is now over its budget
     cache = SessionCache(tmp_path / "state", None, None, budget, compact_ratio=100.0)
     cache.open({"m": model})
@@ -425,14 +432,7 @@ def test_a_fork_books_the_log_it_copies(tmp_path):
 
     model = tiny_model("transformer-xl")
     full = feed(model, SessionData(model.init_state(1), 0, None), list(range(model.config.mem_len + 5)))[1]
-    roomy = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
-    roomy.open({"m": model})
-    source = roomy.create("m", None, full).id
-    for i in range(6):
-        step(model, roomy, source, [i, i + 1])
-    log_bytes = roomy.manager.get(source).disk_log_bytes
-    used = roomy.manager.used("disk")
-    roomy.close()
+    source, log_bytes, used = a_session_with_a_log(model, full, tmp_path / "state")
     # room for a second state but not for its copy of the log: refused, no file left behind
     cache = SessionCache(tmp_path / "state", None, None, used + full.nbytes() + log_bytes // 2, compact_ratio=100.0)
     cache.open({"m": model})
