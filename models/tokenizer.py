@@ -339,9 +339,7 @@ class SentencePieceDetokenizer:
 
     def push(self, token: int) -> str:
         self._ids.append(int(token))
-        decode = self._tokenizer.decode
-        before = decode(self._ids[self._context : self._read])
-        text = decode(self._ids[self._context :])
+        before, text = self._window()
         if not text.startswith(before):
             return self._from_whole()
         if text == before and before:  # a piece without text after text (a control piece): it changes
@@ -353,17 +351,21 @@ class SentencePieceDetokenizer:
             return ""
         # held too long: hand out up to the last cut that what follows it no longer changes
         for cut in range(len(self._ids) - self.STABLE_AFTER, self._read, -1):
-            stable = decode(self._ids[self._context : cut])
+            stable = self._tokenizer.decode(self._ids[self._context : cut])
             if text.startswith(stable) and stable.startswith(before):
                 return self._hand_out(cut, stable, before)
         return ""
 
     def flush(self) -> str:
-        before = self._tokenizer.decode(self._ids[self._context : self._read])
-        text = self._tokenizer.decode(self._ids[self._context :])
+        before, text = self._window()
         if not text.startswith(before):
             return self._from_whole(final=True)
         return self._hand_out(len(self._ids), text, before)
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text up to the first token not handed out, and up to the last token."""
+        return (self._tokenizer.decode(self._ids[self._context : self._read]),
+                self._tokenizer.decode(self._ids[self._context :]))
 
     def _hand_out(self, cut: int, text: str, before: str) -> str:
         """text[len(before):], the window's text up to token `cut`, which moves the window there."""

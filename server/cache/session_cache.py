@@ -178,7 +178,8 @@ class SessionCache:
             if self.manager.free("disk") is not None and self.manager.free("disk") < 0:
                 log.warning("sessions on disk hold %d bytes (their logs of delta commits included), over "
                             "XLSERVE_DISK_STATE_BYTES=%d; new sessions and commits that grow the disk are refused "
-                            "until some are deleted (a commit that would grow a log is written whole instead)", self.manager.used("disk"), self.manager.budgets["disk"])
+                            "until some are deleted (a commit that would grow a log is written whole instead)",
+                            self.manager.used("disk"), self.manager.budgets["disk"])
             self.placement.publish()
         return len(found)
 
@@ -496,7 +497,8 @@ class SessionCache:
         with self._lock:
             # its bytes booked in the last tier; a fork's also its copy of the source's log and a block
             source = None if source_id is None else self.manager.get(source_id)
-            log_bytes = 0 if meta_block is None else (source.disk_log_bytes if source else 0) + len(meta_block) + 4096
+            log_bytes = 0 if meta_block is None else (
+                (source.disk_log_bytes if source else 0) + DiskStore.framed_bytes(len(meta_block)))
             booked = self.placement.admit(record, log_bytes)
             hold = self.holds.take(record.id, NEW)
         try:  # outside the lock

@@ -226,6 +226,11 @@ class DiskStore:
             offset = end
         return frames, offset
 
+    @classmethod
+    def framed_bytes(cls, nbytes: int) -> int:
+        """Bytes a blob of `nbytes` takes in a log: its frame's header, itself, its digest."""
+        return cls.FRAME.size + nbytes + cls.DIGEST_BYTES
+
     def _frame(self, base: bytes, place: int, blob: bytes) -> bytes:
         frame = self.FRAME.pack(self.BLOCK_MAGIC, len(blob), base, place) + blob
         return frame + hashlib.sha256(frame).digest()
