@@ -7,10 +7,10 @@ a step writes into that room (`extend_memory`); the memory is copied once per ME
 steps instead of once per step.
 
 The buffers are laid out for the matrix products that read them while decoding: each head's
-keys as one contiguous (positions, D) matrix, and each head's values either the same way or,
-with `positions_last`, as one contiguous (D, positions) matrix (models/transformer_xl.py says
-which product uses which). The matrix-product kernels then stream whole rows instead of rows
-strided by H * D. Callers never see the layout: a memory is always a (B, M, H, D) view.
+keys and values as one contiguous (positions, D) matrix, (B, H, capacity, D), which the query
+and the attention probabilities multiply from the left (models/transformer_xl.py); the kernels
+then stream whole rows instead of rows strided by H * D. Callers never see the layout: a memory
+is always a (B, M, H, D) view.
 
 States are values: a buffer's room is written only by the first continuation of the state
 that ends where the buffer's filled part ends, so every earlier state stays valid and a second
@@ -33,51 +33,46 @@ MEMORY_ROOM = 64  # spare positions after a memory buffer: decoding copies the m
 _CLAIM = threading.Lock()  # two threads continuing the same state must not both take its room
 
 
-def extend_memory(memory: Tensor, new: Tensor, positions_last: bool = False) -> Tensor:
+def extend_memory(memory: Tensor, new: Tensor) -> Tensor:
     """torch.cat([memory, new], dim=1) for (B, M, H, D) + (B, T, H, D), without copying `memory`
     when it can be avoided. With autograd on (training) it is torch.cat itself: a buffer written
     in place would break the graph.
 
     The result is a (B, M + T, H, D) view of a buffer with MEMORY_ROOM spare positions after it,
-    laid out as (B, H, capacity, D) by default or (B, H, D, capacity) with `positions_last`. The
-    buffer's storage records its layout and how far it has been written (`_xl_positions_last`,
-    `_xl_filled`); when `memory` is a full-batch view of such a buffer that ends exactly there
-    and the room suffices, `new` is written into the room and the longer view returned.
-    Otherwise the memory is copied into a new buffer.
+    laid out as (B, H, capacity, D). The buffer's storage records how far it has been written
+    (`_xl_filled`, which also marks it as ours); when `memory` is a full-batch view of such a
+    buffer that ends exactly there and the room suffices, `new` is written into the room and the
+    longer view returned. Otherwise the memory is copied into a new buffer.
     """
     if torch.is_grad_enabled():
         return torch.cat([memory, new], dim=1)
     B, M, H, D = memory.shape
     T = new.shape[1]
-    appended = _append_in_room(memory, new, positions_last)
+    appended = _append_in_room(memory, new)
     if appended is not None:
         return appended
-    out = memory_buffer(memory, B, M + T, positions_last)
+    out = memory_buffer(memory, B, M + T)
     out.narrow(1, 0, M).copy_(memory)
     out.narrow(1, M, T).copy_(new)
     return out
 
 
-def _append_in_room(memory: Tensor, new: Tensor, positions_last: bool) -> Tensor | None:
+def _append_in_room(memory: Tensor, new: Tensor) -> Tensor | None:
     """`new` written into the room after `memory` and the longer view, or None when `memory` is
-    not a full-batch view of one of our buffers of this layout that ends where its buffer is
-    filled, or the room is too small."""
+    not a full-batch view of one of our buffers that ends where its buffer is filled, or the
+    room is too small."""
     B, M, H, D = memory.shape
     T = new.shape[1]
     storage = memory.untyped_storage()
-    ours = getattr(storage, "_xl_positions_last", None) == positions_last  # a buffer of this layout made here
+    ours = hasattr(storage, "_xl_filled")  # a buffer made here
     if not (ours and memory.dtype == new.dtype and memory.device == new.device and B * H * D > 0):
         return None
-    positions = 3 if positions_last else 2  # the buffer's position dimension
-    to_view = (0, 3, 1, 2) if positions_last else (0, 2, 1, 3)  # buffer (B, H, ., .) -> (B, M, H, D)
-    to_buffer = (0, 2, 3, 1) if positions_last else (0, 2, 1, 3)  # (B, T, H, D) -> buffer order
     capacity = storage.nbytes() // (B * H * D * memory.element_size())
-    shape = (B, H, D, capacity) if positions_last else (B, H, capacity, D)
-    buffer = memory.as_strided(shape, (H * D * capacity, D * capacity, shape[3], 1), 0)
-    step = buffer.stride(positions)  # storage elements between two positions
+    buffer = memory.as_strided((B, H, capacity, D), (H * D * capacity, D * capacity, D, 1), 0)
+    step = D  # storage elements between two positions
     offset = memory.storage_offset()
     if not (
-        memory.stride() == buffer.permute(*to_view).stride()  # a view of this buffer ...
+        memory.stride() == buffer.transpose(1, 2).stride()  # a view of this buffer ...
         and buffer.numel() * memory.element_size() == storage.nbytes()  # ... of every batch row
         and offset % step == 0
         and offset < capacity * step  # starting in batch row 0, head 0
@@ -90,23 +85,20 @@ def _append_in_room(memory: Tensor, new: Tensor, positions_last: bool) -> Tensor
             storage._xl_filled = start + M + T
     if not claimed:
         return None
-    buffer.narrow(positions, start + M, T).copy_(new.permute(*to_buffer))
-    return buffer.narrow(positions, start, M + T).permute(*to_view)
+    buffer.narrow(2, start + M, T).copy_(new.transpose(1, 2))
+    return buffer.narrow(2, start, M + T).transpose(1, 2)
 
 
-def memory_buffer(like: Tensor, batch: int, length: int, positions_last: bool = False) -> Tensor:
+def memory_buffer(like: Tensor, batch: int, length: int) -> Tensor:
     """A new, unwritten (batch, length, H, D) memory (H, D, dtype and device as `like`'s) at the
     start of a buffer with MEMORY_ROOM spare positions after it, in `extend_memory`'s layout and
     recorded as filled up to `length`: the caller writes it, and extend_memory then appends into
     its room."""
     _, _, H, D = like.shape
     capacity = length + MEMORY_ROOM
-    buffer = like.new_empty((batch, H, D, capacity) if positions_last else (batch, H, capacity, D))
-    buffer.untyped_storage()._xl_positions_last = positions_last
+    buffer = like.new_empty((batch, H, capacity, D))
     buffer.untyped_storage()._xl_filled = length
-    if positions_last:
-        return buffer.narrow(3, 0, length).permute(0, 3, 1, 2)  # (B, length, H, D)
-    return buffer.narrow(2, 0, length).permute(0, 2, 1, 3)
+    return buffer.narrow(2, 0, length).transpose(1, 2)  # (B, length, H, D)
 
 
 def left_pad(t: Tensor, length: int, fill) -> Tensor:

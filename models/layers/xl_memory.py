@@ -81,10 +81,10 @@ class XLMemory(State):
         longest = max(s.length for s in states)
         batch = sum(s.valid.shape[0] for s in states)
 
-        def stack(parts: list[Tensor], positions_last: bool) -> Tensor:  # (b_i, M_i, H, D) each -> (B, longest, H, D)
+        def stack(parts: list[Tensor]) -> Tensor:  # (b_i, M_i, H, D) each -> (B, longest, H, D)
             if torch.is_grad_enabled():
                 return torch.cat([left_pad(t, longest, 0) for t in parts])
-            out = memory_buffer(parts[0], batch, longest, positions_last)
+            out = memory_buffer(parts[0], batch, longest)
             start = 0
             for t in parts:
                 write_left_padded(out.narrow(0, start, t.shape[0]), t)
@@ -93,8 +93,8 @@ class XLMemory(State):
 
         n_layer = len(states[0].keys)
         return cls(
-            keys=[stack([s.keys[i] for s in states], False) for i in range(n_layer)],
-            values=[stack([s.values[i] for s in states], batch > 1) for i in range(n_layer)],
+            keys=[stack([s.keys[i] for s in states]) for i in range(n_layer)],
+            values=[stack([s.values[i] for s in states]) for i in range(n_layer)],
             valid=torch.cat([left_pad(s.valid, longest, False) for s in states]),
         )
 

@@ -73,28 +73,17 @@ def test_split_rows_continue_like_the_batch():
     assert torch.equal(again, batched)
 
 
-@pytest.mark.parametrize("positions_last", [False, True])
 @torch.inference_mode()
-def test_extend_memory_is_a_concatenation(positions_last):
+def test_extend_memory_is_a_concatenation():
     memory = torch.randn(2, 5, 3, 4)
     storages = set()
     for _ in range(MEMORY_ROOM + 3):
         new = torch.randn(2, 1, 3, 4)
-        extended = extend_memory(memory, new, positions_last)
+        extended = extend_memory(memory, new)
         assert torch.equal(extended, torch.cat([memory, new], dim=1))
         storages.add(extended.untyped_storage().data_ptr())
         memory = extended[:, 1:]  # keep a sliding window, as the model does
     assert len(storages) == 2  # one copy when the first buffer's room ran out
-
-
-@torch.inference_mode()
-def test_extend_memory_never_appends_into_a_buffer_of_the_other_layout():
-    memory = extend_memory(torch.randn(2, 5, 3, 4), torch.randn(2, 1, 3, 4), positions_last=True)
-    new = torch.randn(2, 1, 3, 4)
-    extended = extend_memory(memory, new)  # keys' layout: must copy into a buffer of its own
-    assert extended.untyped_storage().data_ptr() != memory.untyped_storage().data_ptr()
-    assert torch.equal(extended, torch.cat([memory, new], dim=1))
-    assert torch.equal(extend_memory(memory, new, positions_last=True), extended)  # its room is still free
 
 
 def test_extend_memory_under_autograd_is_torch_cat():
@@ -124,11 +113,8 @@ def test_decoding_appends_in_place_to_one_buffer_per_layer_laid_out_for_the_prod
     assert [t.untyped_storage().data_ptr() for t in (state.keys[0], state.values[0])] == buffers
     assert state.keys[0].shape == state.values[0].shape == (batch, 16, 2, 16)
     for row in range(batch):
-        assert all(state.keys[0][row, :, h].is_contiguous() for h in range(2))  # each head's keys: (M, D) rows
-        if batch == 1:  # one row's values like its keys
-            assert all(state.values[0][row, :, h].is_contiguous() for h in range(2))
-        else:  # a batch's values: (D, positions) rows, the positions of one dimension side by side
-            assert all(state.values[0][row, :, h].t().stride(1) == 1 for h in range(2))
+        for memory in (state.keys[0], state.values[0]):  # each head's keys and values: (M, D) rows
+            assert all(memory[row, :, h].is_contiguous() for h in range(2))
 
 
 @torch.inference_mode()
