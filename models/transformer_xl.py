@@ -433,8 +433,11 @@ class TransformerXL(LanguageModel):
         K = state.length + T
         distance, allowed, valid = self._visibility(tokens, state)
         encoding, rel_keys = self.relative_keys([layer.r_net for layer in self.layers], 0, K - 1, like=self.r_w_bias)
-        if T == 1 and B == 1 and not torch.is_grad_enabled() and not self.training:
-            rel_keys = [None] * c.n_layer  # one decoding row reads R itself (_one_row_by_distance)
+        if T == 1 and B == 1 and not torch.is_grad_enabled() and not self.training and K > c.d_model:
+            # one decoding row reads R itself (_one_row_by_distance): a layer's W_kR (d_model, H, D)
+            # instead of its table (K, H, D), which is the smaller read while K < d_model (a
+            # wt103-shaped step after 256 tokens: 59.6 against 62.9 ms)
+            rel_keys = [None] * c.n_layer
         x = self.drop(self.embedding(tokens) * math.sqrt(c.d_model))  # (B, T, d_model)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):

@@ -6,12 +6,13 @@ import torch
 
 from xlserve.models.layers.buffers import MEMORY_ROOM, extend_memory
 from xlserve.models.layers.xl_memory import XLMemory
-from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
+from xlserve.models.transformer_xl import RelativeAttentionLayer, TransformerXL, TransformerXLConfig
 
 
 def small_model(**overrides) -> TransformerXL:
     torch.manual_seed(0)
-    config = TransformerXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, **overrides)
+    config = TransformerXLConfig(**{"n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "mem_len": 16,
+                                    **overrides})
     return TransformerXL(config).eval()
 
 
@@ -185,16 +186,23 @@ def test_put_row_gives_a_new_row_the_place_of_another_in_place():
     assert not batch.put_row(0, longer)
 
 
+@pytest.mark.parametrize("memory", [16, 48])
 @torch.inference_mode()
-def test_one_row_decode_scores_positions_like_the_tables():
-    """A single decoding row takes the shared-encoding path; a batch of two takes the per-layer
-    tables. Both rows of the batch must agree with the single row."""
+def test_one_row_decode_scores_positions_like_the_tables(memory, monkeypatch):
+    """A single decoding row over more positions than d_model (32) takes the shared-encoding
+    path, over fewer the per-layer tables; a batch of two always takes the tables. Both rows of
+    the batch must agree with the single row."""
+    encoding_path = []
+    one_row = RelativeAttentionLayer._one_row_by_distance
+    monkeypatch.setattr(RelativeAttentionLayer, "_one_row_by_distance",
+                        lambda self, *a: encoding_path.append(1) or one_row(self, *a))
     for clamp_len in (-1, 6):
-        model = small_model(clamp_len=clamp_len)
-        prompt = torch.randint(0, 256, (1, 20))
+        model = small_model(clamp_len=clamp_len, mem_len=memory)
+        prompt = torch.randint(0, 256, (1, memory + 4))
         _, state = model(prompt, model.init_state(1))
         step = torch.randint(0, 256, (1, 1))
         single, _ = model(step, state)
+        assert bool(encoding_path) == (memory + 1 > model.config.d_model)
         _, pair_state = model(prompt.expand(2, -1), model.init_state(2))
         pair, _ = model(step.expand(2, -1), pair_state)
         torch.testing.assert_close(pair, single.expand(2, -1, -1), rtol=0, atol=1e-5)
