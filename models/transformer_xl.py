@@ -264,9 +264,9 @@ class AdaptiveLogSoftmax(nn.Module):
         int8 = self._int8(f"project{i}")
         return int8(hidden) if int8 is not None else hidden @ self.projections[i]
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        shape = hidden.shape[:-1]
-        h = hidden.reshape(-1, hidden.shape[-1])  # (N, d_model)
+    def _head(self, h: Tensor) -> Tensor:
+        """(N, d_model) -> (N, cutoffs[0] + tail clusters): log-probabilities of the head's ids
+        and of each tail cluster."""
         b = self.bounds
         projected = self._project(h, 0)  # (N, d_0)
         # (N, cutoffs[0])
@@ -274,14 +274,39 @@ class AdaptiveLogSoftmax(nn.Module):
         if len(b) > 2:  # one more logit per tail cluster
             cluster_logits = self._product("clusters", projected, self.cluster_weight, self.cluster_bias)
             head_logits = torch.cat([head_logits, cluster_logits], dim=-1)
-        head = F.log_softmax(head_logits.float(), dim=-1)
+        return F.log_softmax(head_logits.float(), dim=-1)
+
+    def _tail(self, h: Tensor, i: int) -> Tensor:
+        """(N, d_model) -> (N, size_i): log-probabilities of tail cluster i's ids within it."""
+        b = self.bounds
+        tail_logits = self._product(f"output{i}", self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
+        return F.log_softmax(tail_logits.float(), dim=-1)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        shape = hidden.shape[:-1]
+        h = hidden.reshape(-1, hidden.shape[-1])  # (N, d_model)
+        b = self.bounds
+        head = self._head(h)
         pieces = [head[:, : b[1]]]
         for i in range(1, len(b) - 1):
-            tail_logits = self._product(
-                f"output{i}", self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]]
-            )
-            pieces.append(head[:, b[1] + i - 1, None] + F.log_softmax(tail_logits.float(), dim=-1))
+            pieces.append(head[:, b[1] + i - 1, None] + self._tail(h, i))
         return torch.cat(pieces, dim=-1).view(*shape, b[-1])  # (..., V)
+
+    def log_prob_of(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        """log p(targets[n]) after hidden[n]: (N, d_model), (N,) -> (N,), as forward(hidden)
+        gathered at targets, without its whole rows: the head for every row, and a tail
+        cluster only for the rows whose target is in it (most words of a text are in the
+        head), each scored against its own cluster alone."""
+        b = self.bounds
+        head = self._head(hidden)  # (N, cutoffs[0] + tail clusters)
+        scores = head.gather(1, targets.clamp(max=b[1] - 1)[:, None])[:, 0]  # right for targets in the head
+        for i in range(1, len(b) - 1):
+            rows = ((targets >= b[i]) & (targets < b[i + 1])).nonzero()[:, 0]  # (n,)
+            if rows.numel():
+                tail = self._tail(hidden[rows], i)  # (n, size_i)
+                within = tail.gather(1, (targets[rows] - b[i])[:, None])[:, 0]
+                scores[rows] = head[rows, b[1] + i - 1] + within
+        return scores
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -428,6 +453,27 @@ class TransformerXL(LanguageModel):
         row b's chunk is tokens[b, :lengths[b]], right-padded: the padding comes after every
         real token, so causality already hides it from them, and only the memory kept needs
         care (each row's window ends at its own last token)."""
+        x, memory = self._layers(tokens, state, lengths)
+        return self._log_probs(x), memory
+
+    def forward_scored(self, tokens: Tensor, state: XLMemory,
+                       lengths: Tensor | None = None) -> tuple[Tensor, Tensor, XLMemory]:
+        """LanguageModel.forward_scored. With the adaptive softmax, whole rows only after each
+        row's last token and every other position scored at its next token alone
+        (AdaptiveLogSoftmax.log_prob_of): at wt103's shape the whole rows of a 128-token
+        chunk are 137 MB and a third of its forward."""
+        if not self.config.adaptive:
+            return super().forward_scored(tokens, state, lengths)
+        x, memory = self._layers(tokens, state, lengths)
+        h = self._head_input(x)  # (B, T, d_model)
+        B, T, d = h.shape
+        last = torch.full((B,), T - 1, device=h.device) if lengths is None else lengths.to(h.device) - 1
+        next_rows = self.head(h[torch.arange(B, device=h.device), last])  # (B, V)
+        scores = self.head.log_prob_of(h[:, :-1].reshape(-1, d), tokens[:, 1:].reshape(-1)).view(B, T - 1)
+        return next_rows, scores, memory
+
+    def _layers(self, tokens: Tensor, state: XLMemory, lengths: Tensor | None) -> tuple[Tensor, XLMemory]:
+        """tokens (B, T) -> the top layer's output (B, T, d_model) and the memory after them."""
         c = self.config
         B, T = tokens.shape
         K = state.length + T
@@ -448,12 +494,11 @@ class TransformerXL(LanguageModel):
             )
             new_keys.append(keys.detach())  # (B, K, H, D); trimmed to the memory below
             new_values.append(values.detach())
-        log_probs = self._log_probs(x)  # (B, T, V)
         keep = max(0, K - c.mem_len)  # first index of what stays in memory
         if lengths is not None and bool((lengths < T).any()):
-            return log_probs, self._ragged_memory(new_keys, new_values, valid, T - lengths.to(tokens.device), K - keep)
-        return log_probs, XLMemory(keys=[k[:, keep:] for k in new_keys], values=[v[:, keep:] for v in new_values],
-                                   valid=valid[:, keep:])
+            return x, self._ragged_memory(new_keys, new_values, valid, T - lengths.to(tokens.device), K - keep)
+        return x, XLMemory(keys=[k[:, keep:] for k in new_keys], values=[v[:, keep:] for v in new_values],
+                           valid=valid[:, keep:])
 
     def _visibility(self, tokens: Tensor, state: XLMemory) -> tuple[Tensor, Tensor, Tensor]:
         """For the chunk `tokens` (B, T) after `state`'s M positions: the distance (T, K) from
@@ -472,11 +517,15 @@ class TransformerXL(LanguageModel):
         allowed = allowed[None, None] & valid[:, None, None, :]  # (B, 1, T, K)
         return distance.clamp(min=0), allowed, valid
 
-    def _log_probs(self, x: Tensor) -> Tensor:
-        """Top layer's output (B, T, d_model) -> log-probabilities (B, T, V)."""
+    def _head_input(self, x: Tensor) -> Tensor:
+        """Top layer's output -> what the softmax reads (the final norm, dropout)."""
         if self.final_norm is not None:
             x = self.final_norm(x)
-        x = self.drop(x)
+        return self.drop(x)
+
+    def _log_probs(self, x: Tensor) -> Tensor:
+        """Top layer's output (B, T, d_model) -> log-probabilities (B, T, V)."""
+        x = self._head_input(x)
         if self.config.adaptive:
             return self.head(x)
         return F.log_softmax(self.head(x).float(), dim=-1)

@@ -256,11 +256,12 @@ def bytes_per_position(model) -> int:
 
 @torch.inference_mode()
 def feed(model, tokens: torch.Tensor, state, chunk: int):
-    """Feed tokens (1, T) in calls of `chunk`; the last log-probs row and the state."""
-    log_probs = None
+    """Feed tokens (1, T) in calls of `chunk`, as the engine prefills (forward_scored); the
+    next-token row (V,) after the last one and the state."""
+    next_rows = None
     for start in range(0, tokens.shape[1], chunk):
-        log_probs, state = model(tokens[:, start : start + chunk], state)
-    return log_probs, state
+        next_rows, _, state = model.forward_scored(tokens[:, start : start + chunk], state)
+    return next_rows[0], state
 
 
 @torch.inference_mode()
@@ -275,17 +276,17 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
             and model.full_state_bytes() is not None:  # a state of fixed size once its memory is full
         fed = args.max_fed_history
     start = time.perf_counter()
-    log_probs, state = feed(model, tokens[:, history - fed : history], model.init_state(1), args.history_chunk)
+    next_row, state = feed(model, tokens[:, history - fed : history], model.init_state(1), args.history_chunk)
     history_s = time.perf_counter() - start
-    sessions = [SessionData(state=state, tokens=history, next_log_probs=log_probs[0, -1].clone())]
+    sessions = [SessionData(state=state, tokens=history, next_log_probs=next_row)]
     forward_s = []
     for k in range(args.appends):
         piece = tokens[:, history + k * args.append : history + (k + 1) * args.append]
-        start = time.perf_counter()
-        log_probs, new_state = model(piece, sessions[-1].state)
+        start = time.perf_counter()  # the append's forward as the engine runs it, its tokens scored
+        next_rows, _, new_state = model.forward_scored(piece, sessions[-1].state)
         forward_s.append(time.perf_counter() - start)
         sessions.append(SessionData(state=new_state, tokens=sessions[-1].tokens + args.append,
-                                    next_log_probs=log_probs[0, -1].clone()))
+                                    next_log_probs=next_rows[0]))
     row = {"shape": name, "history_tokens": history, "history_fed_tokens": fed, "append_tokens": args.append,
            "history_feed_s": history_s, "state_bytes": sessions[-1].nbytes(),
            "whole_blob_bytes": len(encode(sessions[-1], {"session_id": "sess_bench", "model": name})),

@@ -59,7 +59,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from xlserve.models.interface import LanguageModel, State
+from xlserve.models.interface import LanguageModel, State, rows_and_scores
 from xlserve.server.cache.codec import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
@@ -344,6 +344,12 @@ class Engine:
             return self.model(tokens, state, lengths=lengths)
         return self.model(tokens, state)
 
+    def _forward_scored(self, tokens: torch.Tensor, state: State,
+                        lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, State]:
+        """`_forward` without whole rows but each row's last (LanguageModel.forward_scored)."""
+        self.forward_threads.use_for(tokens.numel())
+        return self.model.forward_scored(tokens, state, lengths)
+
     # prefill ----------------------------------------------------------------------------------
 
     def _prefill(self) -> None:
@@ -453,10 +459,13 @@ class Engine:
             longest = max(lengths)
             tokens = torch.tensor([chunk + [0] * (longest - len(chunk)) for _, chunk in batch],
                                   device=self.model.device)  # (B, T), right-padded when lengths differ
-            if longest == min(lengths):
-                log_probs, state = self._forward(tokens, state)  # (B, T, V)
-            else:
-                log_probs, state = self._forward(tokens, state, torch.tensor(lengths, device=self.model.device))
+            ragged = None if longest == min(lengths) else torch.tensor(lengths, device=self.model.device)
+            if any(request.prompt_top_k is not None for request in requests):  # whole rows: their top tokens
+                log_probs, state = self._forward(tokens, state, ragged)  # (B, T, V)
+                next_rows, scores = rows_and_scores(log_probs, tokens, ragged)
+            else:  # each row's last one, and the log-probability of each next prompt token
+                log_probs = None
+                next_rows, scores, state = self._forward_scored(tokens, state, ragged)  # (B, V), (B, T - 1)
             states = [state] if len(requests) == 1 else state.split()
         except Exception as error:
             if len(batch) > 1:  # find the culprits: each request's chunk alone
@@ -468,9 +477,10 @@ class Engine:
         self._prompt_metric.inc(sum(lengths))
         for i, (request, chunk) in enumerate(batch):
             if request.prompt_top_k is not None or request.score or request.prefix_scope is not None:
-                self._record_prompt_logprobs(request, chunk, log_probs[i, : len(chunk)])
+                self._record_prompt_logprobs(request, chunk, scores[i, : len(chunk) - 1],
+                                             None if log_probs is None else log_probs[i, : len(chunk)])
             request.state = states[i]
-            request.next_log_probs = log_probs[i, len(chunk) - 1]
+            request.next_log_probs = next_rows[i]
             request.tokens += len(chunk)
             request.fed += len(chunk)
             if not self.model.chunking_invariant and request.fed % self.prefill_chunk == 0:
@@ -480,11 +490,12 @@ class Engine:
             if request.fed == len(request.prompt):
                 self._prefilled(request)
 
-    def _record_prompt_logprobs(self, request: EngineRequest, chunk: list[int], log_probs: torch.Tensor) -> None:
-        """log_probs (T, V) of one chunk: the row before each chunk token predicted it."""
+    def _record_prompt_logprobs(self, request: EngineRequest, chunk: list[int], scores: torch.Tensor,
+                                log_probs: torch.Tensor | None) -> None:
+        """One chunk's prompt log-probabilities: scores (T - 1,) of its tokens after the first,
+        each predicted by the position before it, and for top tokens its whole rows (T, V)."""
         before = request.next_log_probs  # (V,) predicted the chunk's first token; None without context
-        chunk_tensor = torch.tensor(chunk, device=log_probs.device)
-        predicted = log_probs[:-1].gather(1, chunk_tensor[1:, None])[:, 0].float().tolist()
+        predicted = scores.float().tolist()
         request.prompt_logprobs.extend([None if before is None else float(before[chunk[0]]), *predicted])
         if request.prompt_top_k is not None:
             first = [] if before is None else _most_likely(before[None], request.prompt_top_k)[0]

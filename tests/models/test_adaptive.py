@@ -86,6 +86,58 @@ def test_adaptive_transformer_xl_saves_and_loads_with_ties(tmp_path):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("div_val,d_embed,cutoffs", [(4, 16, (10, 30)), (1, 8, (10, 30)), (1, 16, ())])
+def test_log_prob_of_a_target_is_its_whole_rows_entry(div_val, d_embed, cutoffs):
+    """Scoring each row at its target alone (the head for every row, a tail cluster only for
+    the rows whose target is in it) gives the whole row's entry, for targets of every cluster."""
+    _, softmax = adaptive(div_val=div_val, d_embed=d_embed, cutoffs=cutoffs)
+    hidden = torch.randn(40, 16)
+    targets = torch.randperm(50)[:40]  # every cluster, in no order
+    with torch.no_grad():
+        expected = softmax(hidden).gather(1, targets[:, None])[:, 0]
+        assert torch.allclose(softmax.log_prob_of(hidden, targets), expected, atol=1e-5)
+        only_head = torch.arange(5)  # no row in any tail cluster
+        assert torch.allclose(softmax.log_prob_of(hidden[:5], only_head), softmax(hidden[:5])[torch.arange(5), only_head],
+                              atol=1e-5)
+
+
+def adaptive_model(**overrides) -> TransformerXL:
+    config = TransformerXLConfig(**{
+        "vocab_size": 50, "n_layer": 2, "d_model": 16, "n_head": 2, "d_head": 8, "d_inner": 32, "mem_len": 8,
+        "adaptive": True, "cutoffs": [10, 30], "div_val": 2, **overrides})
+    torch.manual_seed(0)
+    return TransformerXL(config).eval()
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+@pytest.mark.parametrize("adaptive_head", [True, False])
+def test_forward_scored_is_forward_without_the_whole_rows(adaptive_head, quantize):
+    """Transformer-XL's forward_scored (the adaptive softmax's own, or the default through
+    whole rows) gives each row's last row and each next token's log-probability as forward
+    does, for right-padded rows of different lengths too, and the same memory."""
+    from xlserve.models.interface import rows_and_scores
+    from xlserve.models.quantize import quantize_model
+
+    model = adaptive_model() if adaptive_head else adaptive_model(adaptive=False, cutoffs=[], div_val=1)
+    model = quantize_model(model, quantize)
+    assert bool(adaptive_head and quantize == "int8") == bool(getattr(model.head, "int8_products", None))
+    tokens = torch.randint(0, 50, (3, 12))
+    with torch.inference_mode():
+        _, state = model(torch.randint(0, 50, (3, 5)), model.init_state(3))
+        for lengths in (None, torch.tensor([12, 7, 1])):
+            log_probs, memory = model(tokens, state) if lengths is None else model(tokens, state, lengths=lengths)
+            rows, scores, scored_memory = model.forward_scored(tokens, state, lengths)
+            expected_rows, expected_scores = rows_and_scores(log_probs, tokens, lengths)
+            assert torch.allclose(rows, expected_rows, atol=1e-5)
+            if lengths is None:
+                assert torch.allclose(scores, expected_scores, atol=1e-5)
+            else:  # scores past a row's length mean nothing
+                for row, length in enumerate(lengths.tolist()):
+                    assert torch.allclose(scores[row, : length - 1], expected_scores[row, : length - 1], atol=1e-5)
+            assert all(torch.equal(a, b) for a, b in zip(memory.keys + memory.values + [memory.valid],
+                                                         scored_memory.keys + scored_memory.values + [scored_memory.valid]))
+
+
 def test_adaptive_fields_need_adaptive():
     with pytest.raises(ValueError, match="adaptive=True"):
         TransformerXL(TransformerXLConfig(n_layer=1, d_model=16, n_head=2, d_head=8, cutoffs=[100]))

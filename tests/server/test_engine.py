@@ -376,8 +376,20 @@ def test_prompts_of_different_lengths_are_prefilled_in_one_forward():
         assert [t[0][0] for t in echoed[1].top[1:]] == [t[0][0] for t in echoed[0].top[1:]]
 
 
-def test_session_continuation_equals_one_pass_and_prompt_logprobs_match_append():
-    model = xl_model()
+def adaptive_xl_model() -> TransformerXL:
+    """A Transformer-XL with an adaptive softmax over the 256 bytes (clusters at 64 and 128): its
+    prompt chunks are scored without whole rows (AdaptiveLogSoftmax.log_prob_of)."""
+    torch.manual_seed(0)
+    config = TransformerXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=24, adaptive=True,
+                                 cutoffs=[64, 128], div_val=2)
+    return TransformerXL(config).eval()
+
+
+@pytest.mark.parametrize("make_model", [xl_model, adaptive_xl_model], ids=["linear-head", "adaptive-softmax"])
+def test_session_continuation_equals_one_pass_and_prompt_logprobs_match_append(make_model):
+    """An append's scored tokens (forward_scored) and an echo's prompt log-probabilities (whole
+    rows, for their top tokens) agree, across chunk boundaries."""
+    model = make_model()
     engine = make_engine(model, prefill_chunk=7)
     history = "import os\nimport sys\n\ndef main(argv):\n    return 0\n"
 
