@@ -355,10 +355,10 @@ class RelativeAttentionLayer(RelativeAttentionBlock):
     # Decoding one position per row. Scores and attended values are one batched product each,
     # over the memory as it lies in its buffer, where an einsum would copy it first: the query
     # and the probabilities multiply each head's contiguous (K, D) keys and values from the
-    # left. That orientation streams the memory 1.7-2.8x faster than (K, D) @ q and a (D, K)
-    # layout @ p at every shape measured (batch 2-16, 64-1,601 positions, 1 and 2 threads; the
-    # matrix-times-vector form ran on one thread only): a wt103-shaped batch-8 step went from
-    # 143 to 119 ms.
+    # left. On the machine of 2026-12-04 that orientation streamed the memory 1.7-2.8x faster
+    # than (K, D) @ q and a (D, K) layout @ p at every shape measured (batch 2-16, 64-1,601
+    # positions, 1 and 2 threads): a wt103-shaped batch-8 step went from 143 to 119 ms. An
+    # earlier machine had favoured the other (docs/benchmarks.md, "The memory's layout").
 
     def _decode_scores(self, q: Tensor, keys: Tensor, rel_keys: Tensor | None, encoding: Tensor | None,
                        distance: Tensor, r_w_bias: Tensor, r_r_bias: Tensor) -> Tensor:
