@@ -378,9 +378,11 @@ class LanguageModel(nn.Module):
         position t, and the state. `lengths` as `forward` takes it (right-padded rows, only for a
         model with `ragged_chunks`); scores past a row's length mean nothing.
 
-        The same numbers as `forward` (to float tolerance). This default computes every row; a
-        model whose head can score a token without its whole row overrides it: Transformer-XL's
-        adaptive softmax over 267,735 words spends a third of a 128-token append on whole rows."""
+        The same numbers as `forward` (to float tolerance). This default computes every row,
+        through `self(...)` (hooks and a patched forward see it); a model whose head can score a
+        token without its whole row overrides it: Transformer-XL's adaptive softmax over 267,735
+        words spends a third of a 128-token append on whole rows. The engine prefills through it
+        (server/engine/scheduler.py), so a wrapper of a model's forward wraps this one too."""
         log_probs, state = self(tokens, state) if lengths is None else self(tokens, state, lengths=lengths)
         return rows_and_scores(log_probs, tokens, lengths) + (state,)
 

@@ -22,11 +22,13 @@ Serving notes
   token costs O(context * d) per layer instead of re-projecting the memory at O(context * d^2).
 - The relative term uses a per-layer table W_kR R_d for distances d = 0, 1, ..., built once per
   length in eval mode and reused by every request (it depends on the weights only). A single
-  decoding row instead projects its query by W_kR and scores it against R itself, which all
-  layers share: the same sum in another order, reading d_model^2 weights instead of a table.
+  decoding row over more than d_model positions instead projects its query by W_kR and scores
+  it against R itself, which all layers share: the same sum in another order, reading d_model^2
+  weights instead of a longer table.
 - Decoding appends to the memory in place, in buffers laid out for the products that read them
-  (models/layers/buffers.py; `_decode_scores` and `_decode_attend` below say which layout
-  serves which product).
+  (models/layers/buffers.py; `_decode_scores` and `_decode_attend` below say why that layout).
+- A prompt chunk whose whole rows nobody reads is scored without them (`forward_scored`): the
+  adaptive softmax computes a tail cluster only for the positions whose next token is in it.
 - Training keeps the same memory of keys and values. In the paper the memory's keys are
   re-projected from the stored hidden states at every step; with the memory's gradient stopped,
   the only difference is that W_kE and W_v see no gradient through memory positions and the
@@ -298,6 +300,8 @@ class AdaptiveLogSoftmax(nn.Module):
         cluster only for the rows whose target is in it (most words of a text are in the
         head), each scored against its own cluster alone."""
         b = self.bounds
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= b[-1]):
+            raise ValueError(f"target ids must lie in [0, {b[-1]}): got {int(targets.min())} to {int(targets.max())}")
         head = self._head(hidden)  # (N, cutoffs[0] + tail clusters)
         scores = head.gather(1, targets.clamp(max=b[1] - 1)[:, None])[:, 0]  # right for targets in the head
         for i in range(1, len(b) - 1):
@@ -392,7 +396,7 @@ class TransformerXL(LanguageModel):
     state_class = XLMemory
     state_kind = "segment-recurrence"
     state_grows_with_context = False  # bounded by mem_len
-    ragged_chunks = True  # forward(tokens, state, lengths): see the end of forward
+    ragged_chunks = True  # forward(tokens, state, lengths): see the end of _layers
 
     @property
     def chunking_invariant(self) -> bool:
@@ -461,7 +465,8 @@ class TransformerXL(LanguageModel):
         """LanguageModel.forward_scored. With the adaptive softmax, whole rows only after each
         row's last token and every other position scored at its next token alone
         (AdaptiveLogSoftmax.log_prob_of): at wt103's shape the whole rows of a 128-token
-        chunk are 137 MB and a third of its forward."""
+        chunk are 137 MB and a third of its forward. It runs the layers itself, not through
+        `forward`: whatever wraps or patches an adaptive model's forward must do the same here."""
         if not self.config.adaptive:
             return super().forward_scored(tokens, state, lengths)
         x, memory = self._layers(tokens, state, lengths)

@@ -99,6 +99,9 @@ def test_log_prob_of_a_target_is_its_whole_rows_entry(div_val, d_embed, cutoffs)
         only_head = torch.arange(5)  # no row in any tail cluster
         assert torch.allclose(softmax.log_prob_of(hidden[:5], only_head), softmax(hidden[:5])[torch.arange(5), only_head],
                               atol=1e-5)
+        for outside in (50, -1):  # an id the vocabulary does not have is refused, not clamped into the head
+            with pytest.raises(ValueError, match="target ids"):
+                softmax.log_prob_of(hidden[:2], torch.tensor([3, outside]))
 
 
 def adaptive_model(**overrides) -> TransformerXL:
