@@ -298,12 +298,18 @@ class FixedShapeState(State):
         return True
 
 
-def rows_and_scores(log_probs: Tensor, tokens: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor]:
-    """From whole rows (B, T, V): each row's last one (B, V) (at lengths[b] - 1, or T - 1) and the
-    log-probability of each next token of the chunk (B, T - 1) (`LanguageModel.forward_scored`)."""
+def last_positions(tokens: Tensor, lengths: Tensor | None) -> Tensor:
+    """(B,) the position of each row's last token in a chunk (B, T): lengths[b] - 1 for
+    right-padded rows, else T - 1."""
     B, T = tokens.shape
-    last = torch.full((B,), T - 1, device=tokens.device) if lengths is None else lengths.to(tokens.device) - 1
-    next_rows = log_probs[torch.arange(B, device=tokens.device), last]  # (B, V)
+    return torch.full((B,), T - 1, device=tokens.device) if lengths is None else lengths.to(tokens.device) - 1
+
+
+def rows_and_scores(log_probs: Tensor, tokens: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor]:
+    """From whole rows (B, T, V): each row's last one (B, V) (`last_positions`) and the
+    log-probability of each next token of the chunk (B, T - 1) (`LanguageModel.forward_scored`)."""
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    next_rows = log_probs[rows, last_positions(tokens, lengths)]  # (B, V)
     scores = log_probs[:, :-1].gather(2, tokens[:, 1:, None])[..., 0]  # (B, T - 1)
     return next_rows, scores
 

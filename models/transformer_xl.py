@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xlserve.models.interface import LanguageModel, State, TransformerConfig
+from xlserve.models.interface import LanguageModel, State, TransformerConfig, last_positions
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.relative import (
@@ -472,8 +472,7 @@ class TransformerXL(LanguageModel):
         x, memory = self._layers(tokens, state, lengths)
         h = self._head_input(x)  # (B, T, d_model)
         B, T, d = h.shape
-        last = torch.full((B,), T - 1, device=h.device) if lengths is None else lengths.to(h.device) - 1
-        next_rows = self.head(h[torch.arange(B, device=h.device), last])  # (B, V)
+        next_rows = self.head(h[torch.arange(B, device=h.device), last_positions(tokens, lengths)])  # (B, V)
         scores = self.head.log_prob_of(h[:, :-1].reshape(-1, d), tokens[:, 1:].reshape(-1)).view(B, T - 1)
         return next_rows, scores, memory
 

@@ -34,6 +34,7 @@ from xlserve.server.engine.scheduler import Engine
 from xlserve.server.engine.threads import PARALLEL_MIN_TOKENS, PROMPT_PARALLEL_TOKENS
 from xlserve.server.engine.types import ChoiceFinished, Finished, PromptLogprobs, SamplingParams, TokenEvent
 from xlserve.server.metrics import Metrics
+from tests.server.polling import eventually
 
 
 def xl_model() -> TransformerXL:
@@ -126,17 +127,6 @@ async def collect(engine, request: EngineRequest) -> dict:
 
 def run(coroutine):
     return asyncio.run(coroutine)
-
-
-def becomes_idle(engine: Engine, seconds: float = 30) -> bool:
-    """The engine has nothing queued or running within `seconds` (polled: a cancel is taken
-    up at the worker's next step, which may come after the consumer has moved on)."""
-    deadline = time.monotonic() + seconds
-    while not engine.idle:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def same_answers(batched: list[dict], alone: list[dict]) -> None:
@@ -298,7 +288,7 @@ def test_a_row_cancelled_mid_batch_leaves_the_others_their_answers(make_model):
         batched = run(together())
         # the worker does not wait for its consumers: it may have run past the others' ends
         # before the cancel landed, and drops the cancelled row at its next step
-        assert becomes_idle(engine)
+        assert eventually(lambda: engine.idle, seconds=30)
     finally:
         engine.close()
     same_answers(batched, alone)

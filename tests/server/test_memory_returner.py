@@ -16,18 +16,9 @@ import time
 import weakref
 
 from xlserve.server.engine.memory import IDLE_GROWTH_BOUND_MB, MemoryReturner, engine_environment, malloc_trim_function
+from tests.server.polling import eventually
 
 FAST = {"interval": 0.01, "quiet": 0.01}  # the returner's waits, short for tests
-WAIT_S = 10  # the longest any poll here waits
-
-
-def eventually(condition, seconds: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 class Engines:
