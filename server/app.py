@@ -146,7 +146,8 @@ def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
                      f"{describe_tokenizer(described['checkpoint_config'])}")
     threads = ready.get("threads", {})
     lines.append(f"  threads per model: {threads.get('forward')} for forwards, {threads.get('prompt')} for prompts "
-                 f"of 256 tokens or more ({threads.get('cores')} cores; XLSERVE_TORCH_THREADS, "
+                 f"of 256 tokens or more and every forward of a model of 64 MiB or more ({threads.get('cores')} cores; "
+                 "XLSERVE_TORCH_THREADS, "
                  "XLSERVE_PROMPT_THREADS)")
     store = ready.get("session_store", {})
     lines.append(f"  state directory: {store.get('state_dir')} ({store.get('sessions')} sessions found)")

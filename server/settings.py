@@ -193,8 +193,8 @@ class EngineSettings(SettingsGroup):
     # 0 = the cores less one (the API process's), shared by the models
     torch_threads: int = Field(0, description="intra-op threads of the engines' forwards (0: the cores "
                                "less one)")
-    prompt_threads: int = Field(0, description="intra-op threads of forwards of 256 tokens or more "
-                                "(0: every core)")
+    prompt_threads: int = Field(0, description="intra-op threads of forwards of 256 tokens or more, and of "
+                                "every forward of a model of 64 MiB of weights or more (0: every core)")
     prefill_chunk_tokens: int = Field(512, description="prompts are fed to the model in chunks of this size")
     max_batch_size: int = Field(64, description="rows decoded together per model step (a request with n "
                                 "choices takes n)")

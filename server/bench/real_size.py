@@ -188,8 +188,35 @@ def process_tree_rss(pid: int) -> int:
     return total
 
 
-def serve_and_measure(checkpoint: Path, timeout_s: float = 900) -> dict:
-    """Start `xlserve serve` on the checkpoint; seconds to /ready and the processes' RSS then."""
+def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tokens: int) -> dict:
+    """One greedy completion streamed from the server, after a prompt of random token ids: the
+    median time between its tokens (what a client sees, engine and HTTP together; steps after the
+    first, as the in-process decode is timed)."""
+    import json
+    import urllib.request
+
+    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    start, stamps = time.perf_counter(), []
+    with urllib.request.urlopen(request, timeout=900) as answer:
+        for line in answer:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            choices = json.loads(line[len(b"data:"):]).get("choices") or [{}]
+            if choices[0].get("finish_reason") is None:  # a chunk per token; the last says why it ended
+                stamps.append(time.perf_counter() - start)
+    gaps = [after - before for before, after in zip(stamps, stamps[1:])]
+    return {"served_prompt_tokens": prompt_tokens, "served_new_tokens": len(stamps),
+            "served_first_token_s": stamps[0] if stamps else None,
+            "served_decode_tokens_per_s": 1 / statistics.median(gaps) if gaps else None}
+
+
+def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_tokens: int,
+                      timeout_s: float = 900) -> dict:
+    """Start `xlserve serve` on the checkpoint: seconds to /ready, the processes' RSS then, and
+    one streamed greedy completion at batch 1 (`served_decode`)."""
     import json
     import urllib.error
     import urllib.request
@@ -220,8 +247,9 @@ def serve_and_measure(checkpoint: Path, timeout_s: float = 900) -> dict:
         ready_s = time.perf_counter() - start
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as answer:
             models = json.load(answer)["data"]
-        return {"ready_s": ready_s, "resident_bytes": process_tree_rss(process.pid),
-                "served_state_bytes_per_session": models[0].get("state_bytes_per_session")}
+        measured = {"ready_s": ready_s, "resident_bytes": process_tree_rss(process.pid),
+                    "served_state_bytes_per_session": models[0].get("state_bytes_per_session")}
+        return measured | served_decode(port, models[0]["id"], vocab, prompt_tokens, new_tokens)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -427,7 +455,8 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
         start = time.perf_counter()
         convert(Path(tmp) / "hf", Path(tmp) / "xlserve", symbols)
         convert_s = time.perf_counter() - start
-        served = None if args.no_serve else serve_and_measure(Path(tmp) / "xlserve")
+        served = None if args.no_serve else serve_and_measure(Path(tmp) / "xlserve", reference.config.vocab_size,
+                                                              args.decode_prompt, args.decode_tokens)
         start = time.perf_counter()
         model = load_checkpoint(Path(tmp) / "xlserve").eval()
         load_s = time.perf_counter() - start
@@ -487,7 +516,8 @@ def print_table(result: dict) -> None:
     for shape in result["shapes"]:
         served = shape["served"] or {}
         print(f"\n{shape['shape']}: {shape['parameters'] / 1e6:.0f} M parameters; served ready in "
-              f"{served.get('ready_s', float('nan')):.1f} s, resident {_mb(served.get('resident_bytes'))}; "
+              f"{served.get('ready_s', float('nan')):.1f} s, resident {_mb(served.get('resident_bytes'))}, "
+              f"decode over HTTP {served.get('served_decode_tokens_per_s') or float('nan'):.2f} tokens/s; "
               f"state per session {_mb(shape['state_bytes_per_session']['float32'])} float32, "
               f"{_mb(shape['state_bytes_per_session']['bfloat16'])} bfloat16")
         fits = shape["sessions_per_tier"]["float32"]

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from xlserve.models.interface import LanguageModel, State, rows_and_scores
+from xlserve.models.quantize import weight_bytes
 from xlserve.server.cache.codec import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
@@ -113,7 +114,7 @@ class Engine:
         self._admitting = True
         self._closed = False
         self.layout = BatchLayout(self.max_batch_size)  # worker thread only
-        self.forward_threads = ForwardThreads(threads, prompt_threads)
+        self.forward_threads = ForwardThreads(threads, prompt_threads, weight_bytes(model))
         self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
         self._prefill_steps = 0  # steps that looked for prompts to prefill: EngineRequest.prefill_turn's clock
         self._last_step_finished_only = False  # the last prefill step fed only prompts it could finish

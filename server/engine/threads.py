@@ -2,7 +2,8 @@
 
 Each engine's worker thread runs the model on intra-op threads of its own: `threads` for most
 forwards, `prompt_threads` for big prompt batches, and a single one for decode steps too small to
-gain from more (`ForwardThreads`). Every other thread of the engine process that runs torch
+gain from more (`ForwardThreads`). A model whose weights are larger than any cache (LARGE_MODEL_BYTES)
+runs every forward on `prompt_threads`. Every other thread of the engine process that runs torch
 (loading, session operations) runs it on one (`own_torch_threads(1)`).
 
 Why so few. On a small machine the API process needs a core of its own to turn every step's
@@ -14,7 +15,14 @@ every core. With torch's OpenMP (libgomp) every thread that starts a parallel re
 of helper threads of its own, and once a process holds more OpenMP threads than there are
 cores, libgomp stops spinning between regions and every parallel op waits for its helpers to be
 woken: so the threads that are not an engine's worker keep to one, and the engines share the
-cores among themselves instead of each taking them all. (Measurements: docs/benchmarks.md.)
+cores among themselves instead of each taking them all.
+
+None of that holds for a model of hundreds of MB. Each of its decode steps streams every weight
+from memory, which one core reads at about half the rate of two (14 against 27 GB/s here), so on
+one thread a transfo-xl-wt103-sized step took 151 ms over HTTP against 56 ms on two; beside such a
+step the API process's work for its tokens is a fraction of a percent. So a model with
+LARGE_MODEL_BYTES of weights or more runs every forward, decode steps included, on
+`prompt_threads` (every core by default). (Measurements: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ import torch
 
 PARALLEL_MIN_TOKENS = 8  # forwards of fewer tokens (a decode step of a few rows) run on one thread
 PROMPT_PARALLEL_TOKENS = 256  # forwards of at least this many tokens (prompts, batched) run on `prompt_threads`
+# weights of at least this many bytes (16 M float32 parameters, beyond every core's cache) make
+# every forward of the model a big one: it runs on `prompt_threads`, decode steps included
+LARGE_MODEL_BYTES = 64 << 20
 
 
 def own_torch_threads(count: int) -> int:
@@ -52,11 +63,13 @@ def threads_per_engine(torch_threads: int, prompt_threads: int, engines: int) ->
 class ForwardThreads:
     """The thread counts of one engine's worker thread: `threads` (0: the count the thread
     finds) and `prompt_threads` (0: `threads`), settled by `take` in the worker thread itself,
-    like llama.cpp's --threads and --threads-batch."""
+    like llama.cpp's --threads and --threads-batch. `weight_bytes`: what the model's weights
+    take; from LARGE_MODEL_BYTES on, every forward runs on `prompt_threads`."""
 
-    def __init__(self, threads: int = 0, prompt_threads: int = 0):
+    def __init__(self, threads: int = 0, prompt_threads: int = 0, weight_bytes: int = 0):
         self.threads = threads
         self.prompt_threads = prompt_threads
+        self.large_model = weight_bytes >= LARGE_MODEL_BYTES
         self.current = 0  # the count the worker thread runs on now
 
     def take(self) -> None:
@@ -66,13 +79,14 @@ class ForwardThreads:
 
     def use_for(self, tokens: int) -> None:
         """Set the worker thread's count for a forward of `tokens` tokens: one below
-        PARALLEL_MIN_TOKENS, `prompt_threads` from PROMPT_PARALLEL_TOKENS, else `threads`."""
-        if tokens < PARALLEL_MIN_TOKENS:
-            wanted = 1
-        elif tokens < PROMPT_PARALLEL_TOKENS:
-            wanted = self.threads
-        else:
+        PARALLEL_MIN_TOKENS, `prompt_threads` from PROMPT_PARALLEL_TOKENS, else `threads`; for a
+        large model `prompt_threads` whatever the tokens."""
+        if self.large_model or tokens >= PROMPT_PARALLEL_TOKENS:
             wanted = self.prompt_threads
+        elif tokens < PARALLEL_MIN_TOKENS:
+            wanted = 1
+        else:
+            wanted = self.threads
         if wanted != self.current:  # a cheap call, but only made when the count changes
             torch.set_num_threads(wanted)
             self.current = wanted

@@ -32,6 +32,10 @@ def test_every_shape_is_served_and_sized(result):
     for shape in result["shapes"]:
         served = shape["served"]
         assert served["ready_s"] > 0 and served["resident_bytes"] > 10 << 20
+        # a greedy completion streamed over HTTP, a chunk per token, timed between tokens
+        assert served["served_prompt_tokens"] == result["setting"]["decode_prompt"]
+        assert served["served_new_tokens"] == result["setting"]["decode_tokens"]
+        assert served["served_decode_tokens_per_s"] > 0 and served["served_first_token_s"] > 0
         full = shape["state_bytes_per_session"]
         # /v1/models reports the same state bytes per session as the model computes from its shapes
         assert served["served_state_bytes_per_session"] == full["float32"] > 0

@@ -721,6 +721,32 @@ def test_big_prompt_forwards_run_on_the_prompt_threads():
     assert seen == [(300, 3), (1, 1), (12, 1)]
 
 
+
+def test_a_large_model_runs_every_forward_on_the_prompt_threads(monkeypatch):
+    """A model of LARGE_MODEL_BYTES of weights or more streams them from memory at every decode
+    step, which every core reads faster than one: its decode steps and small prompts run on
+    `prompt_threads` too. The threshold is lowered to the test model's size; the shipped-size
+    model stays under the real one (the test above decodes it on one thread)."""
+    from xlserve.models.quantize import weight_bytes
+    from xlserve.server.engine import threads
+
+    model = xl_model()
+    assert weight_bytes(model) < threads.LARGE_MODEL_BYTES
+    monkeypatch.setattr(threads, "LARGE_MODEL_BYTES", weight_bytes(model))
+    before = torch.get_num_threads()
+    seen = []
+    forward = model.forward
+    model.forward = lambda tokens, state, lengths=None: (seen.append((tokens.numel(), torch.get_num_threads())),
+                                                          forward(tokens, state, lengths=lengths))[1]
+    engine = Engine("xl", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), threads=1,
+                    prompt_threads=3)
+    try:
+        run(collect(engine, generation(engine, "def main():\n", max_tokens=3)))
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
+    assert seen == [(12, 3), (1, 3), (1, 3)]
+
 def test_load_models_shares_the_cores_among_engines_and_keeps_one_for_itself(tmp_path):
     from xlserve.server.engine.process import load_models
     from xlserve.server.settings import EngineSettings
