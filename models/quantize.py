@@ -174,6 +174,28 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads (the benches' bandwidth measure, and what makes a
+    model large to the engine's threads, server/engine/threads.py): every parameter and buffer of
+    the module tree but the input embedding tables, of which a step reads one row. An embedding table is read whole
+    when it is an output too: its weight is another module's parameter (a tied head), or the
+    table lies under an adaptive softmax, which scores every word with it (tied: the module is
+    shared with the adaptive input; untied: its own tables). A table counts once."""
+    from xlserve.models.transformer_xl import AdaptiveLogSoftmax
+
+    read_whole: set[int] = set()
+    for module in model.modules():  # a table shared with the adaptive input is among the softmax's modules too
+        if isinstance(module, AdaptiveLogSoftmax):
+            read_whole.update(id(table) for table in module.modules() if isinstance(table, torch.nn.Embedding))
+    total = weight_bytes(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and id(module) not in read_whole:
+            tied = any(p is module.weight for m in model.modules() if m is not module for p in m.parameters(recurse=False))
+            if not tied:
+                total -= module.weight.numel() * module.weight.element_size()
+    return total
+
+
 def parameter_count(model: nn.Module) -> int:
     """The parameters of the model's checkpoint (a quantized model's int8 weights are buffers,
     which `parameters()` no longer lists)."""

@@ -18,6 +18,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from xlserve.models.quantize import weight_bytes_per_step  # noqa: F401 (the benches import it from here)
+
 
 def add_run_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """--threads, --seed and --out (default bench-results/NAME[-quick].json)."""
@@ -171,28 +173,6 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
             read()
             best = min(best, time.perf_counter() - start)
     return data.numel() * 4 / best
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads: every parameter and buffer of the module tree but
-    the input embedding tables, of which a step reads one row. An embedding table is read whole
-    when it is an output too: its weight is another module's parameter (a tied head), or the
-    table lies under an adaptive softmax, which scores every word with it (tied: the module is
-    shared with the adaptive input; untied: its own tables). A table counts once."""
-    from xlserve.models.quantize import weight_bytes
-    from xlserve.models.transformer_xl import AdaptiveLogSoftmax
-
-    read_whole: set[int] = set()
-    for module in model.modules():  # a table shared with the adaptive input is among the softmax's modules too
-        if isinstance(module, AdaptiveLogSoftmax):
-            read_whole.update(id(table) for table in module.modules() if isinstance(table, torch.nn.Embedding))
-    total = weight_bytes(model)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) and id(module) not in read_whole:
-            tied = any(p is module.weight for m in model.modules() if m is not module for p in m.parameters(recurse=False))
-            if not tied:
-                total -= module.weight.numel() * module.weight.element_size()
-    return total
 
 
 @torch.inference_mode()

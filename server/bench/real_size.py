@@ -191,32 +191,43 @@ def process_tree_rss(pid: int) -> int:
 def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tokens: int) -> dict:
     """One greedy completion streamed from the server, after a prompt of random token ids: the
     median time between its tokens (what a client sees, engine and HTTP together; steps after the
-    first, as the in-process decode is timed)."""
+    first, as the in-process decode is timed). It asks for log-probabilities (`logprobs: 0`) so
+    that every token has a chunk of its own, even one whose text the decoder holds back; an error
+    chunk ends the measurement with that error."""
     import json
     import urllib.request
 
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "logprobs": 0, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
-    start, stamps = time.perf_counter(), []
+    start, stamps, generated = time.perf_counter(), [], None
     with urllib.request.urlopen(request, timeout=900) as answer:
         for line in answer:
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
-            choices = json.loads(line[len(b"data:"):]).get("choices") or [{}]
-            if choices[0].get("finish_reason") is None:  # a chunk per token; the last says why it ended
-                stamps.append(time.perf_counter() - start)
+            chunk = json.loads(line[len(b"data:"):])
+            if "error" in chunk:
+                raise RuntimeError(f"the served completion failed: {chunk['error']}")
+            if chunk.get("usage"):
+                generated = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                if choice.get("finish_reason") is None:  # a chunk per token; the last says why it ended
+                    stamps.append(time.perf_counter() - start)
+    if generated != len(stamps):
+        raise RuntimeError(f"the server generated {generated} tokens but streamed {len(stamps)} token chunks")
     gaps = [after - before for before, after in zip(stamps, stamps[1:])]
     return {"served_prompt_tokens": prompt_tokens, "served_new_tokens": len(stamps),
             "served_first_token_s": stamps[0] if stamps else None,
             "served_decode_tokens_per_s": 1 / statistics.median(gaps) if gaps else None}
 
 
-def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_tokens: int,
+def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_tokens: int, threads: int = 0,
                       timeout_s: float = 900) -> dict:
-    """Start `xlserve serve` on the checkpoint: seconds to /ready, the processes' RSS then, and
-    one streamed greedy completion at batch 1 (`served_decode`)."""
+    """Start `xlserve serve` on the checkpoint (on `threads` threads for every forward, as the
+    in-process measurements run; 0: the server's defaults): seconds to /ready, the processes'
+    RSS then, and one streamed greedy completion at batch 1 (`served_decode`)."""
     import json
     import urllib.error
     import urllib.request
@@ -226,9 +237,11 @@ def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_toke
         port = s.getsockname()[1]
     state_dir = tempfile.mkdtemp(prefix="xlserve-bench-state-")
     env = {**os.environ, "XLSERVE_STATE_DIR": state_dir}
+    threads_arguments = ["--torch-threads", str(threads), "--prompt-threads", str(threads)] if threads else []
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "xlserve.server.cli", "serve", "--host", "127.0.0.1",
-                                "--port", str(port), "--models", str(checkpoint), "--log-level", "warning"],
+                                "--port", str(port), "--models", str(checkpoint), "--log-level", "warning",
+                                *threads_arguments],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         while True:
@@ -456,7 +469,7 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
         convert(Path(tmp) / "hf", Path(tmp) / "xlserve", symbols)
         convert_s = time.perf_counter() - start
         served = None if args.no_serve else serve_and_measure(Path(tmp) / "xlserve", reference.config.vocab_size,
-                                                              args.decode_prompt, args.decode_tokens)
+                                                              args.decode_prompt, args.decode_tokens, args.threads)
         start = time.perf_counter()
         model = load_checkpoint(Path(tmp) / "xlserve").eval()
         load_s = time.perf_counter() - start

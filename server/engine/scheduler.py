@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from xlserve.models.interface import LanguageModel, State, rows_and_scores
-from xlserve.models.quantize import weight_bytes
+from xlserve.models.quantize import weight_bytes_per_step
 from xlserve.server.cache.codec import SessionData
 from xlserve.server.cache.prefix_cache import PrefixCache, decode_entry
 from xlserve.server.engine.batch import BatchLayout, Group
@@ -114,7 +114,10 @@ class Engine:
         self._admitting = True
         self._closed = False
         self.layout = BatchLayout(self.max_batch_size)  # worker thread only
-        self.forward_threads = ForwardThreads(threads, prompt_threads, weight_bytes(model))
+        # a CPU model's steps stream its weights from memory, which more cores read faster; on a
+        # GPU the CPU only launches kernels, and the API process keeps its core
+        on_cpu = all(parameter.device.type == "cpu" for parameter in model.parameters())
+        self.forward_threads = ForwardThreads(threads, prompt_threads, weight_bytes_per_step(model) if on_cpu else 0)
         self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
         self._prefill_steps = 0  # steps that looked for prompts to prefill: EngineRequest.prefill_turn's clock
         self._last_step_finished_only = False  # the last prefill step fed only prompts it could finish

@@ -2,9 +2,9 @@
 
 Each engine's worker thread runs the model on intra-op threads of its own: `threads` for most
 forwards, `prompt_threads` for big prompt batches, and a single one for decode steps too small to
-gain from more (`ForwardThreads`). A model whose weights are larger than any cache (LARGE_MODEL_BYTES)
-runs every forward on `prompt_threads`. Every other thread of the engine process that runs torch
-(loading, session operations) runs it on one (`own_torch_threads(1)`).
+gain from more (`ForwardThreads`); a model on the CPU whose decode steps read LARGE_MODEL_BYTES of
+weights or more runs every forward on `prompt_threads`. Every other thread of the engine process
+that runs torch (loading, session operations) runs it on one (`own_torch_threads(1)`).
 
 Why so few. On a small machine the API process needs a core of its own to turn every step's
 tokens into SSE and websocket frames, so by default an engine takes the cores less one. A
@@ -18,11 +18,13 @@ woken: so the threads that are not an engine's worker keep to one, and the engin
 cores among themselves instead of each taking them all.
 
 None of that holds for a model of hundreds of MB. Each of its decode steps streams every weight
-from memory, which one core reads at about half the rate of two (14 against 27 GB/s here), so on
-one thread a transfo-xl-wt103-sized step took 151 ms over HTTP against 56 ms on two; beside such a
-step the API process's work for its tokens is a fraction of a percent. So a model with
-LARGE_MODEL_BYTES of weights or more runs every forward, decode steps included, on
-`prompt_threads` (every core by default). (Measurements: docs/benchmarks.md.)
+from memory, which one core reads at about half the rate of two (14 against 27 GB/s here): a
+transfo-xl-wt103-shaped session with its memory full decoded at 151 ms a token over HTTP on one
+thread and at 85 ms on two; beside such a step the API process's work for its tokens is a
+fraction of a percent. So a CPU model whose decode step reads LARGE_MODEL_BYTES of weights or more
+(`weight_bytes_per_step`: input embedding tables, of which a step reads a row, do not count) runs
+every forward, decode steps included, on `prompt_threads` (every core by default; set
+XLSERVE_PROMPT_THREADS to keep a core for the API process). (Measurements: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 
 PARALLEL_MIN_TOKENS = 8  # forwards of fewer tokens (a decode step of a few rows) run on one thread
 PROMPT_PARALLEL_TOKENS = 256  # forwards of at least this many tokens (prompts, batched) run on `prompt_threads`
-# weights of at least this many bytes (16 M float32 parameters, beyond every core's cache) make
-# every forward of the model a big one: it runs on `prompt_threads`, decode steps included
+# a decode step reading at least this many bytes of weights (16 M float32 parameters, beyond a
+# core's own caches) makes every forward of a CPU model a big one: it runs on `prompt_threads`
 LARGE_MODEL_BYTES = 64 << 20
 
 
@@ -63,8 +65,9 @@ def threads_per_engine(torch_threads: int, prompt_threads: int, engines: int) ->
 class ForwardThreads:
     """The thread counts of one engine's worker thread: `threads` (0: the count the thread
     finds) and `prompt_threads` (0: `threads`), settled by `take` in the worker thread itself,
-    like llama.cpp's --threads and --threads-batch. `weight_bytes`: what the model's weights
-    take; from LARGE_MODEL_BYTES on, every forward runs on `prompt_threads`."""
+    like llama.cpp's --threads and --threads-batch. `weight_bytes`: what a decode step of the
+    model reads of its weights on the CPU (0 on a GPU); from LARGE_MODEL_BYTES on, every forward
+    runs on `prompt_threads`."""
 
     def __init__(self, threads: int = 0, prompt_threads: int = 0, weight_bytes: int = 0):
         self.threads = threads

@@ -727,12 +727,12 @@ def test_a_large_model_runs_every_forward_on_the_prompt_threads(monkeypatch):
     step, which every core reads faster than one: its decode steps and small prompts run on
     `prompt_threads` too. The threshold is lowered to the test model's size; the shipped-size
     model stays under the real one (the test above decodes it on one thread)."""
-    from xlserve.models.quantize import weight_bytes
+    from xlserve.models.quantize import weight_bytes_per_step
     from xlserve.server.engine import threads
 
     model = xl_model()
-    assert weight_bytes(model) < threads.LARGE_MODEL_BYTES
-    monkeypatch.setattr(threads, "LARGE_MODEL_BYTES", weight_bytes(model))
+    assert 0 < weight_bytes_per_step(model) < threads.LARGE_MODEL_BYTES
+    monkeypatch.setattr(threads, "LARGE_MODEL_BYTES", weight_bytes_per_step(model))
     before = torch.get_num_threads()
     seen = []
     forward = model.forward
