@@ -1,0 +1,69 @@
+"""The session codec's safetensors writer (server/cache/codec.py `save_tensors`): the bytes
+safetensors' own writer makes, with each tensor's memory copied once."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from xlserve.server.cache.codec import SessionData, decode, encode, save_tensors
+
+EVERY_KIND = {
+    "state.keys": torch.randn(2, 3, 5, 4),
+    "state.positions": torch.arange(7),
+    "state.bfloat16": torch.randn(6).to(torch.bfloat16),
+    "state.float16": torch.randn(3).to(torch.float16),
+    "state.float64": torch.randn(2, dtype=torch.float64),
+    "state.int32": torch.arange(3, dtype=torch.int32),
+    "state.int8": torch.arange(-2, 3, dtype=torch.int8),
+    "state.uint8": torch.arange(4, dtype=torch.uint8),
+    "state.mask": torch.tensor([True, False, True]),
+    "state.empty": torch.zeros(0, 3),
+    "state.scalar": torch.tensor(2.5),
+    "state.transposed": torch.randn(4, 3).t(),  # not contiguous: written as its values
+    "next_log_probs": torch.randn(11).log_softmax(-1),
+}
+
+
+@pytest.mark.parametrize("metadata", [{"format": "xlserve-session", "checksum": "sha256:0", "é": "ü"}, {}])
+def test_the_bytes_are_safetensors_own(metadata):
+    """What safetensors.torch.save writes, for every dtype a session holds, empty and 0-d tensors,
+    and a view that is not contiguous: the same header length, the same header (as JSON: its
+    writer puts the metadata's keys in a hash map's order, which changes from one process to the
+    next) and the same data, byte for byte, in the same order."""
+    ours = save_tensors(EVERY_KIND, metadata)
+    theirs = save_safetensors({name: t.contiguous() for name, t in EVERY_KIND.items()}, metadata=metadata or None)
+    (length,), (their_length,) = struct.unpack("<Q", ours[:8]), struct.unpack("<Q", theirs[:8])
+    assert length == their_length and length % 8 == 0
+    assert json.loads(ours[8 : 8 + length]) == json.loads(theirs[8 : 8 + length])
+    assert ours[8 + length :] == theirs[8 + length :]
+    loaded = load_safetensors(ours)
+    assert loaded.keys() == EVERY_KIND.keys()
+    for name, tensor in EVERY_KIND.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+
+
+def test_a_dtype_no_session_holds_is_refused_by_name():
+    with pytest.raises(ValueError, match="complex64"):
+        save_tensors({"state.z": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+def test_encode_is_a_snapshot_of_the_state_it_read_in_place():
+    """`encode` no longer clones the state before writing it: the bytes it returns are the
+    values at the time of the call, whatever happens to the tensors afterwards."""
+    from tests.server.cache_helpers import ToyState
+
+    memory = torch.arange(12, dtype=torch.float32).reshape(1, 12)
+    state = ToyState(memory=memory.clone(), layers=[torch.arange(3).reshape(1, 3)])
+    data = SessionData(state=state, tokens=3, next_log_probs=torch.zeros(5))
+    blob = encode(data, {"session_id": "sess_x", "model": "m"})
+    state.memory.add_(100)  # the cache's buffers are written in place by later appends
+    state.layers[0].add_(100)
+    meta, tensors, next_log_probs = decode(blob)
+    assert torch.equal(tensors["memory"], memory) and torch.equal(tensors["layers.0"], torch.arange(3).reshape(1, 3))
+    assert meta["tokens"] == "3" and torch.equal(next_log_probs, torch.zeros(5))
