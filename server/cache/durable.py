@@ -37,7 +37,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from xlserve.server.cache.codec import CorruptState, SessionData, floating_dtypes, materialise, session_data
+from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, floating_dtypes, joined,
+                                       materialise, session_data)
 from xlserve.server.cache.errors import (
     CacheFull,
     CommitOutcomeUnknown,
@@ -209,10 +210,11 @@ class DurableStore:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def write(self, record: Record, blob: bytes | Callable[[], bytes], expected: int | None,
+    def write(self, record: Record, blob: Blob | Callable[[], Blob], expected: int | None,
               entry: dict | None = None, delta: bytes | None = None) -> str:
-        """Write `record`'s state (`blob`, encoded with `metadata(record)`, or a function that
-        encodes it, called only when a whole write is needed) to the last tier: the disk file (its
+        """Write `record`'s state (`blob`, encoded with `metadata(record)` as bytes or in parts
+        (codec.py `encode_parts`, joined only for Redis), or a function that encodes it, called
+        only when a whole write is needed) to the last tier: the disk file (its
         metadata carries `record.remembered`), or Redis, compare-and-set on `expected` (None: a new
         session), with `entry` added to the remembered Idempotency-Keys. With `delta` (a block of
         codec.py `encode_delta` from the version `expected` to this one) only the block is
@@ -228,7 +230,7 @@ class DurableStore:
                     return self._count(record, "delta", written)
             encoded = whole()
             store_call(lambda: self.disk.write(record.id, encoded))
-            return self._count(record, "whole" if delta is None else "compaction", len(encoded))
+            return self._count(record, "whole" if delta is None else "compaction", blob_bytes(encoded))
         meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
                 "created_at": record.created_at, "last_used_at": record.last_used_at}
         kind = "whole"
@@ -246,7 +248,7 @@ class DurableStore:
             if written == 2:  # the log would outgrow its base: written whole instead, nothing appended
                 written, kind = None, "compaction"
         if written is None:
-            encoded = whole()
+            encoded = joined(whole())
             write_id = secrets.token_hex(8)
             try:
                 written = self.redis.put(record.id, expected, record.version, meta, encoded, write_id, entry,

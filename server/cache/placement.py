@@ -50,7 +50,7 @@ import logging
 import threading
 import time
 
-from xlserve.server.cache.codec import SessionData, encode
+from xlserve.server.cache.codec import SessionData, encode_parts
 from xlserve.server.cache.durable import DurableStore, store_call
 from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge
 from xlserve.server.cache.leases import MOVE, Holds
@@ -102,7 +102,7 @@ class Placement:
         if tier == "host":
             return data.to("cpu")
         if tier == "disk":
-            store_call(lambda: self.disk.write(record.id, encode(data, self.durable.metadata(record))))
+            store_call(lambda: self.disk.write(record.id, encode_parts(data, self.durable.metadata(record))))
             return None
         raise ValueError("Redis copies are written by commits only")
 

@@ -80,6 +80,7 @@ from xlserve.server.cache.codec import (
     delta_bytes_bound,
     encode,
     encode_delta,
+    encode_parts,
     state_metadata,
 )
 from xlserve.server.cache.durable import DurableStore
@@ -196,7 +197,7 @@ class SessionCache:
                 hold = self.holds.take(record.id, MOVE)
             try:
                 data = self.placement.read(record, record.tier, to_device=False)
-                self.durable.write(record, encode(data, self.durable.metadata(record)), expected=None)
+                self.durable.write(record, encode_parts(data, self.durable.metadata(record)), expected=None)
                 with self._lock:
                     self.manager.add_copy(record.id, self.durable.tier)
                 written += 1
@@ -338,7 +339,7 @@ class SessionCache:
             lease.committing = True  # from here a release leaves the hold to this commit (`release`)
         try:  # the lease's hold keeps every other request of this replica off the session meanwhile
             delta = None if changes is None else encode_delta(changes, state_metadata(data), data.next_log_probs, meta)
-            self.durable.write(committed, lambda: encode(data, meta), expected=lease.version, entry=entry, delta=delta)
+            self.durable.write(committed, lambda: encode_parts(data, meta), expected=lease.version, entry=entry, delta=delta)
             committed.disk_log_bytes = self.durable.disk_log_bytes(record.id)
         except (SessionConflict, CommitOutcomeUnknown):
             transfer = Transfer(self.placement)
@@ -503,9 +504,9 @@ class SessionCache:
             hold = self.holds.take(record.id, NEW)
         try:  # outside the lock
             if source_id is None:
-                self.durable.write(record, lambda: encode(data, meta), expected=None)
+                self.durable.write(record, lambda: encode_parts(data, meta), expected=None)
             else:
-                self.durable.fork(source_id, record, lambda: encode(data, meta), meta_block)
+                self.durable.fork(source_id, record, lambda: encode_parts(data, meta), meta_block)
         except BaseException:
             with self._lock:
                 self.placement.unreserve(booked)
@@ -539,7 +540,7 @@ class SessionCache:
             remembered = kept(entry, record.remembered)
             meta = self.durable.metadata(dataclasses.replace(record, remembered=remembered))
         # the lease holds the session; only the metadata changes: a delta block of no tensors
-        self.durable.write(record, lambda: encode(lease.data, meta), expected=None,
+        self.durable.write(record, lambda: encode_parts(lease.data, meta), expected=None,
                            delta=encode_delta({}, state_metadata(lease.data), "same", meta))
         log_bytes = self.durable.disk_log_bytes(record.id)
         with self._lock:

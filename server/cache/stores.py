@@ -68,7 +68,8 @@ from typing import NamedTuple
 
 import torch
 
-from xlserve.server.cache.codec import MAX_HEADER_BYTES, CorruptState, SessionData, metadata_of, parse_header
+from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, metadata_of,
+                                       parse_header)
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
@@ -152,12 +153,12 @@ class DiskStore:
             raise ValueError(f"not a session id: {session_id!r}")
         return self.directory / (session_id + self.SUFFIX)
 
-    def write(self, session_id: str, blob: bytes) -> None:
-        """A whole write: the blob becomes the session's base, and its log (the deltas on the old
-        base, which no longer apply) goes. A crash between the two leaves a log whose blocks name
-        the old base: they are ignored."""
+    def write(self, session_id: str, blob: Blob) -> None:
+        """A whole write: the blob (bytes, or its parts: codec.py `encode_parts`) becomes the
+        session's base, and its log (the deltas on the old base, which no longer apply) goes. A
+        crash between the two leaves a log whose blocks name the old base: they are ignored."""
         self._write_file(self.path(session_id), session_id, blob)
-        self._count("whole", len(blob))
+        self._count("whole", blob_bytes(blob))
         _crash_point("compaction-renamed")
         self.log_path(session_id).unlink(missing_ok=True)
 
@@ -165,11 +166,12 @@ class DiskStore:
         with self._count_lock:  # sessions are written from several threads at once
             self.bytes_written[kind] = self.bytes_written.get(kind, 0) + nbytes
 
-    def _write_file(self, final: Path, session_id: str, blob: bytes) -> None:
+    def _write_file(self, final: Path, session_id: str, blob: Blob) -> None:
         temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
         try:
             with open(temporary, "wb") as f:
-                f.write(blob)
+                for part in [blob] if isinstance(blob, (bytes, bytearray)) else blob:
+                    f.write(part)
                 f.flush()
                 os.fsync(f.fileno())
             _crash_point("compaction-temp")

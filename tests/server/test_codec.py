@@ -67,3 +67,22 @@ def test_encode_is_a_snapshot_of_the_state_it_read_in_place():
     meta, tensors, next_log_probs = decode(blob)
     assert torch.equal(tensors["memory"], memory) and torch.equal(tensors["layers.0"], torch.arange(3).reshape(1, 3))
     assert meta["tokens"] == "3" and torch.equal(next_log_probs, torch.zeros(5))
+
+
+def test_a_blob_in_parts_is_the_blob(tmp_path):
+    """`encode_parts` joined is `encode`, and the disk writes its parts as the same file without
+    joining them (what a compaction at real size writes), counting the same bytes."""
+    from tests.server.cache_helpers import ToyState
+    from xlserve.server.cache.codec import blob_bytes, encode_parts, joined
+    from xlserve.server.cache.stores import DiskStore
+
+    state = ToyState(memory=torch.randn(2, 1000), layers=[torch.arange(6).reshape(2, 3)])
+    data = SessionData(state=state, tokens=7, next_log_probs=torch.randn(9).log_softmax(-1))
+    metadata = {"session_id": "sess_" + "a" * 32, "model": "m"}
+    parts, whole = encode_parts(data, metadata), encode(data, metadata)
+    assert len(parts) == 4 and joined(parts) == whole and blob_bytes(parts) == len(whole) == blob_bytes(whole)
+    store = DiskStore(tmp_path)
+    store.write("sess_" + "a" * 32, parts)
+    store.write("sess_" + "b" * 32, whole)
+    assert store.read("sess_" + "a" * 32) == store.read("sess_" + "b" * 32) == whole
+    assert store.bytes_written["whole"] == 2 * len(whole)
