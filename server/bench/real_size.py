@@ -195,6 +195,7 @@ def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tok
     that every token has a chunk of its own, even one whose text the decoder holds back; an error
     chunk ends the measurement with that error."""
     import json
+    import urllib.error
     import urllib.request
 
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -203,7 +204,11 @@ def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tok
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
     start, stamps, generated = time.perf_counter(), [], None
-    with urllib.request.urlopen(request, timeout=900) as answer:
+    try:
+        answer = urllib.request.urlopen(request, timeout=900)
+    except urllib.error.HTTPError as error:
+        raise RuntimeError(f"the served completion was refused with {error.code}: {error.read()[:2000]!r}") from None
+    with answer:
         for line in answer:
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
