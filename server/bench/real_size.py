@@ -228,6 +228,14 @@ def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tok
             "served_decode_tokens_per_s": 1 / statistics.median(gaps) if gaps else None}
 
 
+def served_vocabulary(checkpoint: Path) -> int:
+    """The vocabulary of the converted checkpoint, which the server checks token ids against (the
+    Reformer's reference has 258 ids, the converted model the 256 bytes)."""
+    from xlserve.models.checkpoint import read_config
+
+    return int(read_config(checkpoint)["config"]["vocab_size"])
+
+
 def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_tokens: int, threads: int = 0,
                       timeout_s: float = 900) -> dict:
     """Start `xlserve serve` on the checkpoint (on `threads` threads for every forward, as the
@@ -473,7 +481,7 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
         start = time.perf_counter()
         convert(Path(tmp) / "hf", Path(tmp) / "xlserve", symbols)
         convert_s = time.perf_counter() - start
-        served = None if args.no_serve else serve_and_measure(Path(tmp) / "xlserve", reference.config.vocab_size,
+        served = None if args.no_serve else serve_and_measure(Path(tmp) / "xlserve", served_vocabulary(Path(tmp) / "xlserve"),
                                                               args.decode_prompt, args.decode_tokens, args.threads)
         start = time.perf_counter()
         model = load_checkpoint(Path(tmp) / "xlserve").eval()
