@@ -143,11 +143,12 @@ def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
         lines.append(f"  model {described['name']}: {card['architecture']}, {card['parameters']:,} parameters, "
                      f"{described.get('device')} {described.get('dtype')}, loaded in "
                      f"{described.get('load_seconds', 0):.2f}s from {described['directory']}, tokenizer "
-                     f"{describe_tokenizer(described['checkpoint_config'])}")
+                     f"{describe_tokenizer(described['checkpoint_config'])}"
+                     + (", every forward on the prompt threads (its decode steps stream every weight from memory)"
+                        if described.get("every_forward_on_prompt_threads") else ""))
     threads = ready.get("threads", {})
     lines.append(f"  threads per model: {threads.get('forward')} for forwards, {threads.get('prompt')} for prompts "
-                 f"of 256 tokens or more and every forward of a model of 64 MiB or more ({threads.get('cores')} cores; "
-                 "XLSERVE_TORCH_THREADS, "
+                 f"of 256 tokens or more ({threads.get('cores')} cores; XLSERVE_TORCH_THREADS, "
                  "XLSERVE_PROMPT_THREADS)")
     store = ready.get("session_store", {})
     lines.append(f"  state directory: {store.get('state_dir')} ({store.get('sessions')} sessions found)")

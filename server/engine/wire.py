@@ -469,7 +469,7 @@ class Ready(ControlMessage):
 
     kind: ClassVar[FrameKind] = FrameKind.READY
     # per model: name, directory, vocab_size, checkpoint_config, card (what /v1/models says),
-    # device, dtype, load_seconds
+    # device, dtype, load_seconds, every_forward_on_prompt_threads
     models: list[dict]
     pid: int
     threads: dict = field(default_factory=dict)  # forward, prompt (per model) and cores

@@ -107,6 +107,7 @@ def test_the_port_opens_at_once_and_says_loading_until_the_models_are_loaded(tin
     assert lines[first].startswith("INFO:") and f"xlserve {metadata.version('xlserve')} ready in" in lines[first]
     assert "model txl-tiny: transformer-xl, " in block and " parameters, cpu float32, loaded in " in block
     assert "threads per model: 1 for forwards" in block
+    assert "every forward on the prompt threads" not in block  # a tiny model decodes on one thread
     assert f"state directory: {Path(server.env['XLSERVE_STATE_DIR']).resolve()} (0 sessions found)" in block
     assert "session store: device 1 GiB -> host 4 GiB -> disk 64 GiB (no Redis" in block
     assert "API keys: none" in block

@@ -70,3 +70,29 @@ def test_the_version_comes_from_the_metadata_or_else_pyproject(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "xlserve"\nversion = "9.8.7"\n')
     assert pyproject_version(tmp_path / "pyproject.toml") == "9.8.7"
     assert pyproject_version(tmp_path / "missing.toml") == "unknown"
+
+
+def test_the_start_up_log_says_which_models_run_every_forward_on_the_prompt_threads(caplog):
+    """The engine process's Ready frame marks a model whose decode steps read 64 MiB of weights
+    or more (server/engine/threads.py); its line in the start-up block says so, the others'
+    lines do not."""
+    import logging
+    from types import SimpleNamespace
+
+    from xlserve.server.app import log_startup
+
+    def described(name: str, large: bool) -> dict:
+        return {"name": name, "directory": f"/weights/{name}", "device": "cpu", "dtype": "float32",
+                "load_seconds": 1.0, "checkpoint_config": {"tokenizer": "bytes"},
+                "card": {"architecture": "transformer-xl", "parameters": 1000, "state_bytes_per_session": 10},
+                "every_forward_on_prompt_threads": large}
+
+    engine = SimpleNamespace(models=[described("small", False), described("large", True)],
+                             ready_frame={"pid": 1, "threads": {"forward": 1, "prompt": 2, "cores": 2},
+                                          "session_store": {"device_bytes": 100, "host_bytes": 100, "disk_bytes": 100}})
+    with caplog.at_level(logging.INFO):
+        log_startup(SimpleNamespace(settings=Settings(), api_keys=[]), engine, 1.0)
+    lines = {line.split(":")[0].strip(): line for line in caplog.messages
+             if line.startswith("  model ") and " parameters, " in line}  # each model's first line
+    assert "every forward on the prompt threads" in lines["model large"]
+    assert "every forward on the prompt threads" not in lines["model small"]
