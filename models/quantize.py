@@ -177,10 +177,11 @@ def weight_bytes(model: nn.Module) -> int:
 def weight_bytes_per_step(model) -> int:
     """Bytes of weights one decode step reads (the benches' bandwidth measure, and what makes a
     model large to the engine's threads, server/engine/threads.py): every parameter and buffer of
-    the module tree but the input embedding tables, of which a step reads one row. An embedding table is read whole
-    when it is an output too: its weight is another module's parameter (a tied head), or the
-    table lies under an adaptive softmax, which scores every word with it (tied: the module is
-    shared with the adaptive input; untied: its own tables). A table counts once."""
+    the module tree but the input embedding tables, of which a step reads one row. An embedding
+    table is read whole when it is an output too: its weight is another module's parameter (a
+    tied head), or the table lies under an adaptive softmax, which scores every word with it
+    (tied: the module is shared with the adaptive input; untied: its own tables). A table counts
+    once."""
     from xlserve.models.transformer_xl import AdaptiveLogSoftmax
 
     read_whole: set[int] = set()

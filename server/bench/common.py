@@ -18,8 +18,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from xlserve.models.quantize import weight_bytes_per_step  # noqa: F401 (the benches import it from here)
-
 
 def add_run_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """--threads, --seed and --out (default bench-results/NAME[-quick].json)."""

@@ -58,8 +58,9 @@ from types import SimpleNamespace
 
 import torch
 
+from xlserve.models.quantize import weight_bytes_per_step
 from xlserve.server.bench.common import (add_run_arguments, decode_ceiling, environment, fill_defaults, generate_greedy,
-                                         read_bandwidth, save_results, state_bytes_per_row, weight_bytes_per_step)
+                                         read_bandwidth, save_results, state_bytes_per_row)
 from xlserve.server.bench.sessions import start_redis
 
 # reference shapes: the classes' own argument names, as vs-hf, vs-hf-xlnet and vs-hf-reformer take them

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
+from xlserve.models.quantize import weight_bytes_per_step
 from xlserve.server.bench.common import (add_run_arguments, decode_ceiling, environment, figure, fill_defaults,
-                                         generate_with_state, read_bandwidth, save_results, state_bytes_per_row,
-                                         weight_bytes_per_step)
+                                         generate_with_state, read_bandwidth, save_results, state_bytes_per_row)
 
 FULL = dict(n_layer=24, d_model=768, vocab_size=50280, prefill_len=2048, prompt_len=64, new_tokens=64,
             batch_sizes=[1, 8])

@@ -94,7 +94,7 @@ def test_weight_bytes_per_step_count_the_output_tables_of_an_adaptive_softmax(ti
     """A decode step reads the adaptive softmax's tables whole (tied to the input's or its own)
     and one row of an input table: tied, every parameter once; untied, all but the input tables."""
     from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
-    from xlserve.server.bench.common import weight_bytes_per_step
+    from xlserve.models.quantize import weight_bytes_per_step
 
     model = TransformerXL(TransformerXLConfig(n_layer=1, d_model=64, n_head=2, d_head=32, d_inner=128, vocab_size=1000,
                                               adaptive=True, cutoffs=[100, 400], div_val=2, mem_len=8,
