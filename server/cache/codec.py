@@ -183,12 +183,6 @@ SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "
 _LAYOUT_RANK = {dtype: rank for rank, dtype in enumerate(SAFETENSORS_DTYPES)}
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """`tensors` and `metadata` as one safetensors file's bytes, the tensors' memory copied once
-    (`save_tensor_parts`, joined)."""
-    return b"".join(save_tensor_parts(tensors, metadata))
-
-
 def save_tensor_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
     """`tensors` and `metadata` as the parts of one safetensors file, in order: its header's bytes,
     then each tensor's memory read in place (a buffer; valid while the tensors are unchanged). A
@@ -197,7 +191,7 @@ def save_tensor_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     safetensors.torch.save copies every tensor to bytes, then into its own buffer, then into the
     bytes it returns: at transfo-xl-wt103's size, 237 MB of state four times over into fresh
     memory, with `encode`'s snapshot and the checksum's, took 3-4 s of a compaction. Here the
-    tensors are read in place and joined once into the result. The layout is safetensors' own: an
+    tensors are read in place, and a blob joins them once (`joined`). The layout is safetensors' own: an
     8-byte little-endian header length, the JSON header (`__metadata__`, then each tensor's dtype,
     shape and data_offsets), padded with spaces so that the data starts 8-byte aligned, then the
     tensors back to back in its writer's order (by dtype, widest first, then by name), so that
@@ -227,20 +221,25 @@ def save_tensor_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 Blob = bytes | list
 
 
+def blob_parts(blob: Blob) -> list:
+    """`blob`'s parts in order: bytes are one part."""
+    return [blob] if isinstance(blob, (bytes, bytearray)) else blob
+
+
 def blob_bytes(blob: Blob) -> int:
     """How many bytes `blob` holds, whole or in parts."""
-    return len(blob) if isinstance(blob, (bytes, bytearray)) else sum(memoryview(part).nbytes for part in blob)
+    return sum(memoryview(part).nbytes for part in blob_parts(blob))
 
 
 def joined(blob: Blob) -> bytes:
-    """`blob` as one bytes object (a Redis value)."""
-    return blob if isinstance(blob, bytes) else b"".join(blob)
+    """`blob` as one bytes object (a Redis value; bytes given whole come back as they are)."""
+    return b"".join(blob_parts(blob))
 
 
 def encode(data: SessionData, metadata: dict[str, str]) -> bytes:
     """SessionData + string metadata -> safetensors bytes (format, nbytes and checksum added). The
-    tensors are read in place (`save_tensors`): the bytes are the state's snapshot."""
-    return b"".join(encode_parts(data, metadata))
+    tensors are read in place (`save_tensor_parts`): the bytes are the state's snapshot."""
+    return joined(encode_parts(data, metadata))
 
 
 def encode_parts(data: SessionData, metadata: dict[str, str]) -> list:
@@ -253,7 +252,15 @@ def encode_parts(data: SessionData, metadata: dict[str, str]) -> list:
     meta = {k: str(v) for k, v in metadata.items()}
     meta.update(format=FORMAT, format_version=FORMAT_VERSION, tokens=str(data.tokens), nbytes=str(data.nbytes()),
                 state_class=type(data.state).__name__, state_dtype=state_dtype_of(data.state))
-    meta.pop("checksum", None)
+    return _sealed_parts(tensors, meta)
+
+
+def _sealed_parts(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list:
+    """`save_tensor_parts` of `tensors` with `meta` and its checksum over them. Each tensor is made
+    a contiguous CPU tensor once, here: the checksum and the parts then read it in place (a
+    slice of a memory, a delta's usual values, would otherwise be copied by each)."""
+    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    meta = {k: v for k, v in meta.items() if k != "checksum"}
     meta["checksum"] = checksum(meta, tensors)
     return save_tensor_parts(tensors, meta)
 
@@ -354,9 +361,7 @@ def encode_delta(changes: dict, state_meta: dict[str, str], next_log_probs: torc
     meta = {k: str(v) for k, v in metadata.items()} | state_meta
     meta.update(format=FORMAT, format_version=FORMAT_VERSION, delta=json.dumps(ops, sort_keys=True),
                 next_log_probs=logits)
-    meta.pop("checksum", None)
-    meta["checksum"] = checksum(meta, tensors)
-    return save_tensors(tensors, meta)
+    return joined(_sealed_parts(tensors, meta))
 
 
 def delta_bytes_bound(changes: dict, next_log_probs: torch.Tensor | None, metadata: dict[str, str]) -> int:

@@ -282,7 +282,7 @@ class DurableStore:
             self.metrics.session_commit_writes.labels(record.model, kind).inc()
         return kind
 
-    def fork(self, source_id: str, record: Record, blob: Callable[[], bytes], meta_block: bytes) -> str:
+    def fork(self, source_id: str, record: Record, blob: Callable[[], Blob], meta_block: bytes) -> str:
         """Write the new session `record`, a fork of `source` (which the caller holds), to the last
         tier. On disk it shares the source's base file (a hard link) and copies the source's log,
         then `meta_block` (a delta block that changes only the metadata); with Redis, or when the

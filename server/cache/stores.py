@@ -68,8 +68,8 @@ from typing import NamedTuple
 
 import torch
 
-from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, metadata_of,
-                                       parse_header)
+from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, blob_parts,
+                                       metadata_of, parse_header)
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
@@ -170,7 +170,7 @@ class DiskStore:
         temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
         try:
             with open(temporary, "wb") as f:
-                for part in [blob] if isinstance(blob, (bytes, bytearray)) else blob:
+                for part in blob_parts(blob):
                     f.write(part)
                 f.flush()
                 os.fsync(f.fileno())

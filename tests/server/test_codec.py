@@ -1,4 +1,4 @@
-"""The session codec's safetensors writer (server/cache/codec.py `save_tensors`): the bytes
+"""The session codec's safetensors writer (server/cache/codec.py `save_tensor_parts`): the bytes
 safetensors' own writer makes, with each tensor's memory copied once."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from xlserve.server.cache.codec import SessionData, decode, encode, save_tensors
+from xlserve.server.cache.codec import SessionData, decode, encode, joined, save_tensor_parts
 
 EVERY_KIND = {
     "state.keys": torch.randn(2, 3, 5, 4),
@@ -36,7 +36,7 @@ def test_the_bytes_are_safetensors_own(metadata):
     and a view that is not contiguous: the same header length, the same header (as JSON: its
     writer puts the metadata's keys in a hash map's order, which changes from one process to the
     next) and the same data, byte for byte, in the same order."""
-    ours = save_tensors(EVERY_KIND, metadata)
+    ours = joined(save_tensor_parts(EVERY_KIND, metadata))
     theirs = save_safetensors({name: t.contiguous() for name, t in EVERY_KIND.items()}, metadata=metadata or None)
     (length,), (their_length,) = struct.unpack("<Q", ours[:8]), struct.unpack("<Q", theirs[:8])
     assert length == their_length and length % 8 == 0
@@ -50,7 +50,7 @@ def test_the_bytes_are_safetensors_own(metadata):
 
 def test_a_dtype_no_session_holds_is_refused_by_name():
     with pytest.raises(ValueError, match="complex64"):
-        save_tensors({"state.z": torch.zeros(2, dtype=torch.complex64)}, {})
+        save_tensor_parts({"state.z": torch.zeros(2, dtype=torch.complex64)}, {})
 
 
 def test_encode_is_a_snapshot_of_the_state_it_read_in_place():
@@ -73,7 +73,7 @@ def test_a_blob_in_parts_is_the_blob(tmp_path):
     """`encode_parts` joined is `encode`, and the disk writes its parts as the same file without
     joining them (what a compaction at real size writes), counting the same bytes."""
     from tests.server.cache_helpers import ToyState
-    from xlserve.server.cache.codec import blob_bytes, encode_parts, joined
+    from xlserve.server.cache.codec import blob_bytes, encode_parts
     from xlserve.server.cache.stores import DiskStore
 
     state = ToyState(memory=torch.randn(2, 1000), layers=[torch.arange(6).reshape(2, 3)])
