@@ -116,7 +116,7 @@ class Engine:
         self.layout = BatchLayout(self.max_batch_size)  # worker thread only
         # a CPU model's steps stream its weights from memory, which more cores read faster; on a
         # GPU the CPU only launches kernels, and the API process keeps its core
-        on_cpu = all(parameter.device.type == "cpu" for parameter in model.parameters())
+        on_cpu = model.device.type == "cpu"
         self.forward_threads = ForwardThreads(threads, prompt_threads, weight_bytes_per_step(model) if on_cpu else 0)
         self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
         self._prefill_steps = 0  # steps that looked for prompts to prefill: EngineRequest.prefill_turn's clock

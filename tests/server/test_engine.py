@@ -673,6 +673,15 @@ def test_batched_greedy_equals_alone_on_cuda():
     assert all(len(s["tokens"][0]) == 8 for s in sampled)
 
 
+def thread_counts_seen(model) -> list[tuple[int, int]]:
+    """(tokens, intra-op threads) of every forward of `model` from now on, in order."""
+    seen = []
+    forward = model.forward
+    model.forward = lambda tokens, state, lengths=None: (seen.append((tokens.numel(), torch.get_num_threads())),
+                                                          forward(tokens, state, lengths=lengths))[1]
+    return seen
+
+
 def test_the_worker_thread_keeps_its_own_torch_threads_and_decodes_few_rows_on_one():
     """torch sets a thread's intra-op count from the process default on first use: the engine's
     worker settles its own, so the default going back to one (as load_models does for every
@@ -680,10 +689,7 @@ def test_the_worker_thread_keeps_its_own_torch_threads_and_decodes_few_rows_on_o
     PARALLEL_MIN_TOKENS tokens (decoding one row) runs on one thread, a prompt on all."""
     before = torch.get_num_threads()
     model = xl_model()
-    seen = []
-    forward = model.forward
-    model.forward = lambda tokens, state: (seen.append((tokens.numel(), torch.get_num_threads())),
-                                           forward(tokens, state))[1]
+    seen = thread_counts_seen(model)
     engine = Engine("xl", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), threads=2)
     try:
         torch.set_num_threads(1)
@@ -704,10 +710,7 @@ def test_big_prompt_forwards_run_on_the_prompt_threads():
     `prompt_threads`, smaller prompts on `threads`, decode steps of a few rows on one."""
     before = torch.get_num_threads()
     model = xl_model()
-    seen = []
-    forward = model.forward
-    model.forward = lambda tokens, state, lengths=None: (seen.append((tokens.numel(), torch.get_num_threads())),
-                                                          forward(tokens, state, lengths=lengths))[1]
+    seen = thread_counts_seen(model)
     engine = Engine("xl", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), threads=1,
                     prompt_threads=3, prefill_chunk=1024)
     try:
@@ -734,10 +737,7 @@ def test_a_large_model_runs_every_forward_on_the_prompt_threads(monkeypatch):
     assert 0 < weight_bytes_per_step(model) < threads.LARGE_MODEL_BYTES
     monkeypatch.setattr(threads, "LARGE_MODEL_BYTES", weight_bytes_per_step(model))
     before = torch.get_num_threads()
-    seen = []
-    forward = model.forward
-    model.forward = lambda tokens, state, lengths=None: (seen.append((tokens.numel(), torch.get_num_threads())),
-                                                          forward(tokens, state, lengths=lengths))[1]
+    seen = thread_counts_seen(model)
     engine = Engine("xl", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery(), threads=1,
                     prompt_threads=3)
     try:
