@@ -1,31 +1,42 @@
 """Weight-only int8 at load time (XLSERVE_QUANTIZE=int8): every linear layer of a loaded model,
-and Transformer-XL's adaptive softmax, multiply with int8 weights through torch's own kernel.
+and Transformer-XL's adaptive softmax, multiply with int8 weights through torch's own kernels.
 
-The kernel is `torch._weight_int8pack_mm` (the CPU weight-only int8 product torchao's int8
-weight-only layout runs on): an int8 weight with one scale per output channel, multiplied by
-bfloat16 activations. Why this one and not `torch.ao.quantization.quantize_dynamic`:
+A weight is stored as int8 with one float32 scale per output channel (symmetric, -127..127).
+Each row of activations is rounded to int8 with a scale of its own (its largest magnitude over
+127), the two are multiplied in int32, which is exact, and the product is scaled back:
 
-- dynamic quantization also rounds the activations to int8 with one scale for the whole input,
-  so a row's output depends on the other rows of its batch (the largest activation of any of
-  them sets everyone's scale). The engine decodes many sessions in one batch and relies on a
-  row's tokens not depending on its companions; `_weight_int8pack_mm` computes every row on its
-  own (bit for bit the same alone or in a batch of 64, on one thread or two);
-- `torch.ao.quantization` is deprecated in torch 2.13 and warns on every use.
+    out[r, j] = float(sum_k xq[r, k] * wq[j, k]) * w_scale[j] * x_scale[r] + bias[j]
 
-Its float32-activation path is several times slower than float32 itself on this x86 build,
-while the bfloat16-activation path runs 2.3-2.5x faster than float32 for a (4096, 1024) weight
-at one to eight rows (decoding); so the activations are rounded to bfloat16 (8 bits of mantissa)
-on the way in and the output is widened back to float32. From about 32 rows on the kernel is
-slower than float32's matrix product (2.4x at 512 rows, one thread): int8 decodes faster and
-prefills prompts slower. One path for every row count keeps a row's numbers the same whatever
-the batch. The rest of the model (embeddings, norms, attention over the
-state, the state itself) stays in float32: only weight matrices are quantized.
+Why this form:
 
-Nothing is saved quantized: a checkpoint stays float safetensors, and quantization happens
-every time it is loaded (a few milliseconds for the shipped checkpoints). CPU only.
+- **a row is computed on its own.** The int32 sums are exact and every scale is a row's or a
+  channel's, so a row's numbers are the same bit for bit alone or in a batch of 64, on one thread
+  or two, whichever kernel summed them. The engine decodes many sessions in one batch and relies
+  on that. (torch's dynamic quantization rounds the whole input with one scale, so the largest
+  activation of any row would set everyone's; that is why its own front end is not used.)
+- **the kernel reads one byte a weight and multiplies bytes.** fbgemm's int8 product (VNNI on
+  x86) ran 3.3x faster than float32 at one row and 5x at eight for 64 (4096, 1024) weights out
+  of cache, two threads, and stays faster at prompt sizes (2.7x at 512 rows).
+  `torch._weight_int8pack_mm` (int8 weights, bfloat16 activations, what the first version used)
+  is bound by its arithmetic: 1.7x float32 at one row in the same measurement, slower than
+  float32 from 32 rows on; it kept int8 decoding at 1.3-1.7x float32 at wt103's shape.
+
+The kernel is reached through `quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: given
+activations that are already whole numbers, with input scale 1 and zero point 128, it returns
+exactly float(int32 sum) * w_scale. At load each layer checks that on its own weight, including
+a row that would overflow a 16-bit pair sum (x86 CPUs without VNNI add pairs of products in 16
+bits, saturating); a layer whose packed kernel is missing (another CPU, a later torch without
+quantized tensors) or fails the check multiplies through `torch._int_mm` instead, which gives
+the same numbers more slowly at one row. Either way nothing is hand-written.
+
+The rest of the model (embeddings, norms, attention over the state, the state itself) stays in
+float32: only weight matrices are quantized. Nothing is saved quantized: a checkpoint stays
+float safetensors, and quantization happens every time it is loaded. CPU only.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -33,12 +44,8 @@ from torch import Tensor, nn
 from xlserve.models.interface import LanguageModel
 
 QUANTIZE_MODES = ("none", "int8")
-INT8_LIMIT = 127  # symmetric: -127..127, so that negating a weight never overflows
-# The kernel's x86 paths read a row's inputs 16 (AVX512) or 8 (AVX2) at a time and check
-# nothing: with in_features not a multiple of that they sum wrong values or crash the process
-# (torch 2.13). A layer with another width stays float; every shipped checkpoint's widths
-# (96 ... 768) are multiples of 16.
-INPUT_MULTIPLE = 16
+INT8_LIMIT = 127  # symmetric: -127..127, so that negating a weight or an activation never overflows
+PACKED_ZERO_POINT = 128  # whole-number activations -127..127 enter the packed kernel as uint8 1..255
 
 # Linear layers (by their attribute name) that stay float in an architecture because the model
 # reads their matrix itself at every decoding step, not only through the layer: Transformer-XL's
@@ -60,73 +67,141 @@ class QuantizationError(ValueError):
 
 
 def int8_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(out, in) float weight -> its int8 values (out, in) and bfloat16 scales (out,), symmetric
-    per output channel. The scales are rounded to bfloat16 (what the kernel takes) before the
-    weight is divided by them, so int8 * scale is the kernel's own reconstruction."""
+    """(out, in) float weight -> its int8 values (out, in) and float32 scales (out,), symmetric
+    per output channel: int8 * scale is within half a step of the weight."""
     weight = weight.detach().float()
     scales = (weight.abs().amax(dim=1) / INT8_LIMIT).clamp(min=torch.finfo(torch.float32).tiny)
-    scales = scales.to(torch.bfloat16)
-    values = torch.round(weight / scales.float()[:, None]).clamp(-INT8_LIMIT, INT8_LIMIT).to(torch.int8).contiguous()
+    values = torch.round(weight / scales[:, None]).clamp(-INT8_LIMIT, INT8_LIMIT).to(torch.int8).contiguous()
     return values, scales
+
+
+def int8_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(M, in) float rows -> their whole-number values -127..127 (still float, (M, in)) and each
+    row's scale (M, 1): the rows are values * scale to half a step. Every operation is per row
+    and elementwise, so a row rounds the same whatever its companions."""
+    largest = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True)  # (M, 1) max |x|
+    scales = largest.div_(INT8_LIMIT).clamp_(min=torch.finfo(torch.float32).tiny)
+    # |x| <= largest, so |x / scale| <= 127 and rounds into -127..127 with no clamp (a row with
+    # an infinity or a NaN gives NaN, in its own outputs only)
+    return torch.round(rows / scales), scales
+
+
+def _packed_weight(values: Tensor, scales: Tensor):
+    """fbgemm's packed form of an int8 weight, or None where this torch or CPU has no packed
+    int8 product. Quantized tensors are deprecated in torch 2.13 and warn once when made; the
+    warning is about their future, which `Int8Linear` answers with its `torch._int_mm` path."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch._make_per_channel_quantized_tensor(
+                values, scales.double(), torch.zeros(values.shape[0], dtype=torch.long), 0)
+            return torch.ops.quantized.linear_prepack(quantized, None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
 
 
 class Int8Linear(nn.Module):
     """`nn.Linear`'s product (x (..., in) -> (..., out), plus the float bias) with an int8
-    weight. `weight` is still readable, dequantized, for the few callers that use the matrix
-    itself rather than the layer (Transformer-XL's one-row relative scores, the ∞-former's
-    long-term keys)."""
+    weight and int8 rows (the module docstring says how). `weight` is still readable,
+    dequantized, for the few callers that use the matrix itself rather than the layer
+    (Transformer-XL's one-row relative scores, the ∞-former's long-term keys)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         values, scales = int8_weight(weight)
-        self.register_buffer("weight_int8", values)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        # the packed kernel holds the int8 values in its own layout (and unpacks them from it);
+        # `weight_int8` holds them only where the layer multiplies through _int_mm
+        self.packed = _packed_weight(values, scales)
+        if self.packed is not None and not self._packed_is_exact(values):
+            self.packed = None
+        if self.packed is None:
+            self.register_buffer("weight_int8", values)
+        else:
+            self.weight_int8 = None
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear) -> "Int8Linear | None":
+    def from_linear(cls, layer: nn.Linear) -> "Int8Linear":
         return cls.for_weight(layer.weight, layer.bias)
 
     @classmethod
-    def for_weight(cls, weight: Tensor, bias: Tensor | None) -> "Int8Linear | None":
-        """The int8 layer of `weight` (out, in) and `bias`, or None when the kernel cannot
-        multiply a weight this wide (INPUT_MULTIPLE): that product stays float."""
-        if weight.shape[1] % INPUT_MULTIPLE:
-            return None
+    def for_weight(cls, weight: Tensor, bias: Tensor | None) -> "Int8Linear":
+        """The int8 layer of `weight` (out, in) and `bias`, checked against the float product."""
         layer = cls(weight, bias)
         layer.check_against(weight, bias)
         return layer
 
+    @property
+    def kernel(self) -> str:
+        """"packed" (fbgemm's int8 product) or "int_mm" (torch._int_mm, the fallback)."""
+        return "int_mm" if self.packed is None else "packed"
+
+    def _packed_is_exact(self, values: Tensor) -> bool:
+        """Whether the packed kernel returns the exact int32 sums on this CPU: for a random row
+        and for rows of +-127 against the weight's own signs, whose pairs of products overflow
+        16 bits on a kernel that adds them there."""
+        generator = torch.Generator().manual_seed(0)
+        random_row = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (1, self.in_features), generator=generator)
+        largest = torch.where(values[:1] >= 0, INT8_LIMIT, -INT8_LIMIT)  # (1, in): every product of row 0 is +127 * |w|
+        rows = torch.cat([random_row, largest, -largest]).float()  # (3, in)
+        try:
+            sums = self._packed_sums(rows)
+        except RuntimeError:
+            return False
+        return torch.equal(sums, self._int_mm_sums(rows, values))
+
+    def _packed_sums(self, whole_rows: Tensor) -> Tensor:
+        """float(int32 sums) * w_scale for whole-number rows (M, in), by the packed kernel."""
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            whole_rows, 1.0, PACKED_ZERO_POINT, self.packed)
+
+    def _int_mm_sums(self, whole_rows: Tensor, values: Tensor) -> Tensor:
+        """The same numbers by torch._int_mm: exact int32 sums, widened, times w_scale."""
+        return torch._int_mm(whole_rows.to(torch.int8), values.t()).float() * self.scales
+
     def check_against(self, weight: Tensor, bias: Tensor | None) -> None:
         """Raise QuantizationError unless this layer's product of a random row is the float
-        layer's within int8 and bfloat16 rounding: a CPU whose kernel path sums wrong is refused
-        at load, not served."""
+        layer's within int8 rounding: a CPU whose kernel sums wrong is refused at load, not
+        served."""
         row = torch.randn(1, self.in_features, generator=torch.Generator().manual_seed(0))
         expected = torch.nn.functional.linear(row, weight.detach().float(), None if bias is None else bias.detach().float())
         error = (self(row) - expected).abs().max().item()
         bound = 0.05 * expected.abs().max().item() + 1e-6
         if not error <= bound:
-            raise QuantizationError(f"torch._weight_int8pack_mm is off by {error:.3g} (bound {bound:.3g}) for a "
+            raise QuantizationError(f"the int8 product ({self.kernel}) is off by {error:.3g} (bound {bound:.3g}) for a "
                                     f"({self.out_features}, {self.in_features}) weight on this CPU; use XLSERVE_QUANTIZE=none")
+
+    def int8_values(self) -> Tensor:
+        """The weight's int8 values (out, in)."""
+        if self.packed is None:
+            return self.weight_int8
+        return torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
 
     @property
     def weight(self) -> Tensor:
-        return self.weight_int8.float() * self.scales.float()[:, None]
+        return self.int8_values().float() * self.scales[:, None]
+
+    def packed_bytes(self) -> int:
+        """Bytes of the packed kernel's int8 values, which are no buffer of the module (one a
+        weight: the packed form keeps no other copy); 0 when `weight_int8` holds them."""
+        return 0 if self.packed is None else self.out_features * self.in_features
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        rows = x.reshape(-1, self.in_features).float()  # (M, in)
         if rows.shape[0] == 0:
-            out = x.new_zeros(0, self.out_features)
+            out = rows.new_zeros(0, self.out_features)
         else:
-            # .to(bfloat16): a model moved with .to(float32) after quantizing has widened its scales
-            out = torch._weight_int8pack_mm(rows, self.weight_int8, self.scales.to(torch.bfloat16)).to(x.dtype)
+            whole, row_scales = int8_rows(rows)  # (M, in) whole numbers, (M, 1)
+            sums = self._packed_sums(whole) if self.packed is not None else self._int_mm_sums(whole, self.weight_int8)
+            out = sums.mul_(row_scales)  # (M, out)
         if self.bias is not None:
-            out = out + self.bias.to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+            out = out.add_(self.bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, {self.kernel}"
 
 
 def quantize_model(model: LanguageModel, mode: str) -> LanguageModel:
@@ -152,8 +227,7 @@ def quantize_model(model: LanguageModel, mode: str) -> LanguageModel:
             if isinstance(child, nn.Linear) and name not in kept_float:
                 if id(child) not in replaced:
                     replaced[id(child)] = Int8Linear.from_linear(child)
-                if replaced[id(child)] is not None:
-                    setattr(parent, name, replaced[id(child)])
+                setattr(parent, name, replaced[id(child)])
     for module in list(model.modules()):
         if hasattr(module, "quantize_int8"):  # Transformer-XL's adaptive softmax: raw weight matrices
             module.quantize_int8(Int8Linear.for_weight)
@@ -166,27 +240,35 @@ def quantization_of(model: nn.Module) -> str:
     return getattr(model, "quantization", "none")
 
 
+def _int8_layers(model: nn.Module) -> list[Int8Linear]:
+    return [m for m in model.modules() if isinstance(m, Int8Linear)]
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and int8 weights and scales (what the weights take in
-    memory; tied parameters counted once)."""
+    """Bytes of the model's weights in memory: its parameters and, for each int8 layer, its
+    scales and int8 values (packed or a buffer); tied parameters counted once."""
     tensors = {id(t): t for t in model.parameters()}
-    tensors.update({id(t): t for t in model.buffers() if t.dtype in (torch.int8, torch.bfloat16)})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    for layer in _int8_layers(model):
+        tensors.update({id(t): t for t in layer.buffers()})
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
+        layer.packed_bytes() for layer in _int8_layers(model))
 
 
 def weight_bytes_per_step(model) -> int:
     """Bytes of weights one decode step reads (the benches' bandwidth measure, and what makes a
-    model large to the engine's threads, server/engine/threads.py): every parameter and buffer of
-    the module tree but the input embedding tables, of which a step reads one row. An embedding
-    table is read whole when it is an output too: its weight is another module's parameter (a
-    tied head), or the table lies under an adaptive softmax, which scores every word with it
-    (tied: the module is shared with the adaptive input; untied: its own tables). A table counts
+    model large to the engine's threads, server/engine/threads.py): every parameter and each int8
+    layer's scales and values, but the input embedding tables, of which a step
+    reads one row. An embedding table is read whole when it is an output too: its weight is
+    another module's parameter (a tied head), or the table lies under a float adaptive softmax,
+    which scores every word with it (tied: the module is shared with the adaptive input; untied:
+    its own tables). An int8 adaptive softmax scores with its int8 copies instead; the float bias
+    and projections it no longer reads still count (a few MB at wt103's shape). A table counts
     once."""
     from xlserve.models.transformer_xl import AdaptiveLogSoftmax
 
     read_whole: set[int] = set()
     for module in model.modules():  # a table shared with the adaptive input is among the softmax's modules too
-        if isinstance(module, AdaptiveLogSoftmax):
+        if isinstance(module, AdaptiveLogSoftmax) and module.int8_products is None:
             read_whole.update(id(table) for table in module.modules() if isinstance(table, torch.nn.Embedding))
     total = weight_bytes(model)
     for module in model.modules():

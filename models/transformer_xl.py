@@ -229,10 +229,9 @@ class AdaptiveLogSoftmax(nn.Module):
             nn.init.normal_(self.cluster_weight, std=0.02)
         self.int8_products: nn.ModuleDict | None = None  # XLSERVE_QUANTIZE=int8: set by quantize_int8
 
-    def quantize_int8(self, int8_layer: Callable[[Tensor, Tensor | None], nn.Module | None]) -> None:
+    def quantize_int8(self, int8_layer: Callable[[Tensor, Tensor | None], nn.Module]) -> None:
         """Multiply through weight-only int8 copies of the products (`int8_layer(weight, bias)`:
-        models/quantize.py's Int8Linear.for_weight, None for a weight it cannot take, which stays
-        float): per cluster its projection and its output vectors with their bias, and the head's
+        models/quantize.py's Int8Linear.for_weight): per cluster its projection and its output vectors with their bias, and the head's
         cluster logits. The float tables stay: the input embedding shares them."""
         b = self.bounds
         products = {}
@@ -242,7 +241,7 @@ class AdaptiveLogSoftmax(nn.Module):
             products[f"output{i}"] = int8_layer(self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
         if len(b) > 2:
             products["clusters"] = int8_layer(self.cluster_weight, self.cluster_bias)
-        self.int8_products = nn.ModuleDict({name: layer for name, layer in products.items() if layer is not None})
+        self.int8_products = nn.ModuleDict(products)
 
     def _int8(self, name: str) -> nn.Module | None:
         """The int8 copy of the product called `name`, if quantize_int8 made one."""

@@ -10,7 +10,7 @@ from tests.e2e.session_tools import MODEL, append, create, document, ok, score
 
 # largest difference (nats) between a continuation's log-probs from the int8 and the float model:
 # the tiny random checkpoint's log-probs move by a few hundredths under int8 weights and
-# bfloat16 activations (tests/models/test_quantize.py bounds the shipped ones in bits per byte)
+# int8 activations (tests/models/test_quantize.py bounds the shipped ones in bits per byte)
 LOG_PROB_TOLERANCE = 0.1
 
 

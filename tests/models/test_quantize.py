@@ -19,7 +19,6 @@ from torch import nn
 
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.quantize import (
-    INPUT_MULTIPLE,
     KEPT_FLOAT,
     Int8Linear,
     QuantizationError,
@@ -56,7 +55,7 @@ def small_transformer_xl(**changes) -> TransformerXL:
 def test_int8_weights_are_the_weight_to_half_a_step_per_output_channel():
     weight = torch.randn(24, 32) * torch.logspace(-3, 1, 24)[:, None]  # channels of very different sizes
     values, scales = int8_weight(weight)
-    assert values.dtype == torch.int8 and scales.dtype == torch.bfloat16 and values.abs().max() <= 127
+    assert values.dtype == torch.int8 and scales.dtype == torch.float32 and values.abs().max() <= 127
     rebuilt = values.float() * scales.float()[:, None]
     assert ((rebuilt - weight).abs() <= scales.float()[:, None] / 2 + 1e-12).all()
 
@@ -74,16 +73,53 @@ def test_a_row_is_the_same_alone_and_in_a_batch_and_close_to_float():
     assert int8(torch.randn(2, 0, 64)).shape == (2, 0, 48)
 
 
-def test_a_width_the_kernel_cannot_take_stays_float():
-    assert Int8Linear.from_linear(nn.Linear(24, 8)) is None  # not a multiple of 16: the kernel would sum wrong
+def test_the_packed_kernel_and_int_mm_give_the_same_numbers_at_any_width():
+    # the int32 sums are exact, so the fallback (torch._int_mm) is the packed kernel bit for bit;
+    # widths that are no multiple of 16 (mamba-stdlib's dt_proj reads 12 values) included
+    for width in (12, 24, 72, 1024):
+        layer = nn.Linear(width, 40)
+        packed = Int8Linear.from_linear(layer)
+        assert packed.kernel == "packed"  # x86 with VNNI here and in CI
+        fallback = Int8Linear.from_linear(layer)
+        fallback.weight_int8, fallback.packed = packed.int8_values().clone(), None
+        assert fallback.kernel == "int_mm"
+        rows = torch.randn(5, width) * torch.logspace(-2, 2, 5)[:, None]  # rows of very different sizes
+        assert torch.equal(packed(rows), fallback(rows))
+        assert torch.equal(packed.weight, fallback.weight)
+
+
+def test_a_packed_kernel_that_sums_wrong_is_not_used(monkeypatch):
+    # a kernel that adds pairs of products in 16 bits (x86 without VNNI) saturates on large rows;
+    # the load-time check gives such a layer the _int_mm path, which sums in 32 bits
+    exact = Int8Linear._packed_sums
+
+    def saturating(self, whole_rows):
+        return exact(self, whole_rows.clamp(-100, 100))  # wrong only for rows with values past 100
+
+    monkeypatch.setattr(Int8Linear, "_packed_sums", saturating)
+    layer = Int8Linear.from_linear(nn.Linear(64, 16))
+    assert layer.kernel == "int_mm" and layer.weight_int8.dtype == torch.int8
+    monkeypatch.undo()
+    assert Int8Linear.from_linear(nn.Linear(64, 16)).kernel == "packed"
+
+
+def test_every_linear_layer_but_the_kept_ones_is_int8_and_counted_in_weight_bytes():
     model = small_transformer_xl(d_inner=72)  # the feed-forward's second product takes 72 inputs
+    float_bytes = weight_bytes(model)
     quantize_model(model, "int8")
     widths = {type(m).__name__: set() for m in model.modules()}
     for module in model.modules():
         if isinstance(module, (nn.Linear, Int8Linear)):
             widths[type(module).__name__].add(module.in_features)
-    assert widths["Int8Linear"] == {32} and 72 in widths["Linear"]
+    assert widths["Int8Linear"] == {32, 72}
     assert all(isinstance(layer.r_net, nn.Linear) for layer in model.layers)  # KEPT_FLOAT: read as a matrix
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    # a packed layer's int8 values are no buffer: weight_bytes counts them, one byte a weight
+    assert all(layer.packed_bytes() == layer.in_features * layer.out_features for layer in layers)
+    # the head's float matrix is the input embedding's (tied), which stays: it is not quantized away
+    quantized_away = sum(4 * layer.in_features * layer.out_features for layer in layers if layer is not model.head)
+    scales_and_values = sum(4 * layer.out_features + layer.in_features * layer.out_features for layer in layers)
+    assert weight_bytes(model) == float_bytes - quantized_away + scales_and_values
 
 
 @pytest.mark.parametrize("directory", SHIPPED, ids=lambda d: d.name)
@@ -94,13 +130,9 @@ def test_int8_bits_per_byte_are_within_the_bound_of_float32(directory, held_out,
     options = dict(chunk_len=trained["chunk_len"], window_stride=trained.get("window_stride"))
     float_bits = bits_per_byte(model, documents, **options)
     float_bytes, parameters = weight_bytes(model), parameter_count(model)
-    # every linear layer becomes int8 but those the architecture keeps float and those whose input
-    # width the kernel cannot take (mamba-stdlib's dt_proj reads dt_rank = 12 values)
-    too_narrow = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                  if isinstance(m, nn.Linear) and m.in_features % INPUT_MULTIPLE}
-    quantize_model(model, "int8")
+    quantize_model(model, "int8")  # every linear layer becomes int8 but those the architecture keeps float
     float_layers = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert float_layers == set(KEPT_FLOAT.get(model.architecture, ())) | too_narrow
+    assert float_layers == set(KEPT_FLOAT.get(model.architecture, ()))
     assert abs(bits_per_byte(model, documents, **options) - float_bits) <= QUALITY_BOUND
     assert weight_bytes(model) < float_bytes / 2 and parameter_count(model) == parameters
 
@@ -108,7 +140,7 @@ def test_int8_bits_per_byte_are_within_the_bound_of_float32(directory, held_out,
 def test_an_int8_transformer_xl_keeps_the_engine_invariants():
     model = quantize_model(small_transformer_xl(), "int8")
     ids = tokens(2, 24)
-    # chunked feeding is one pass, to the bfloat16 rounding of the activations (a chunk's rows
+    # chunked feeding is one pass, to the int8 rounding of the activations (a chunk's rows
     # go through the kernel in other groups, summed in another order)
     whole, whole_state = run_in_chunks(model, ids, ids.shape[1])
     chunked, chunked_state = run_in_chunks(model, ids, 5)
@@ -146,8 +178,9 @@ def test_the_adaptive_softmax_multiplies_with_int8_copies():
     with torch.no_grad():
         expected, _ = model(ids, model.init_state(1))
     quantize_model(model, "int8")
-    # widths 32 and 16 are quantized; the last cluster's 8-wide vectors stay float (INPUT_MULTIPLE)
-    assert set(model.head.int8_products) == {"project0", "project1", "project2", "output0", "output1", "clusters"}
+    # every product, the last cluster's 8-wide vectors too
+    assert set(model.head.int8_products) == {"project0", "project1", "project2", "output0", "output1", "output2",
+                                             "clusters"}
     with torch.no_grad():
         log_probs, _ = model(ids, model.init_state(1))
     assert (log_probs.exp().sum(-1) - 1).abs().max().item() < 1e-4  # still a distribution over the vocabulary
