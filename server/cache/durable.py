@@ -14,9 +14,13 @@ class names the axes of its positions, models/interface.py `delta_axes`) has eac
 as a delta block (codec.py `encode_delta`: the positions added, dropped or overwritten, checked bit
 for bit) appended to the session's log, on disk (stores.py `DiskStore.append`: fsynced, framed,
 checksummed) or in Redis (`RedisStore.append`: the same compare-and-set, fences and settle as a
-whole write). Once the log would hold more than `compact_ratio` times its base's bytes, the commit
-is written whole instead, which compacts it (a new base, the log removed). A read gets the base
-and the log and applies the blocks in order (codec.py `materialise`). `written` counts the writes
+whole write). Once the log holds more than `compact_ratio` times its base's bytes, the commit
+says so (`Written.compaction_due`) and the session cache compacts the session after answering
+(session_cache.py `compact`, under the session's hold: `compact` here writes the same version
+whole, a new base with the log removed, compare-and-set on the version with Redis). A log may
+grow to LOG_SLACK times that while its compaction waits (a session busy with one request after
+another); a commit that would pass it is written whole instead, which compacts it then and there.
+A read gets the base and the log and applies the blocks in order (codec.py `materialise`). `written` counts the writes
 and bytes of each kind (delta, whole, compaction, fork), as does the metric
 xlserve_session_commit_bytes_total{model,kind}.
 
@@ -36,6 +40,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, floating_dtypes, joined,
                                        materialise, session_data)
@@ -61,6 +66,21 @@ from xlserve.server.cache.stores import (
 )
 
 log = logging.getLogger("xlserve.cache")
+
+# How far past `compact_ratio` times its base a session's log may grow while its compaction waits
+# in the background: past this a commit compacts in its own write, as every compaction did before
+# they moved behind the answer.
+LOG_SLACK = 2.0
+
+
+@dataclass(frozen=True)
+class Written:
+    """What `DurableStore.write` wrote: its kind ("delta", "whole" or "compaction"), and whether
+    the session's log has passed `compact_ratio` times its base with it, so that the session is
+    to be compacted (`DurableStore.compact`) once the commit has been answered."""
+
+    kind: str
+    compaction_due: bool = False
 
 
 def store_call(fn):
@@ -211,42 +231,47 @@ class DurableStore:
     # -- writes --------------------------------------------------------------------------------
 
     def write(self, record: Record, blob: Blob | Callable[[], Blob], expected: int | None,
-              entry: dict | None = None, delta: bytes | None = None) -> str:
+              entry: dict | None = None, delta: bytes | None = None) -> Written:
         """Write `record`'s state (`blob`, encoded with `metadata(record)` as bytes or in parts
         (codec.py `encode_parts`, joined only for Redis), or a function that encodes it, called
         only when a whole write is needed) to the last tier: the disk file (its
         metadata carries `record.remembered`), or Redis, compare-and-set on `expected` (None: a new
         session), with `entry` added to the remembered Idempotency-Keys. With `delta` (a block of
         codec.py `encode_delta` from the version `expected` to this one) only the block is
-        appended to the session's log, unless the log would outgrow `compact_ratio` times its
-        base: then the session is written whole, which compacts it. Durable when this returns. A
-        Redis write that gets no answer is settled (`_settle`). Returns the kind of write made:
-        "delta", "whole" or "compaction"."""
+        appended to the session's log, unless the log would outgrow LOG_SLACK * `compact_ratio`
+        times its base: then the session is written whole, which compacts it. Durable when this
+        returns. A Redis write that gets no answer is settled (`_settle`). Returns the kind of
+        write made and whether the session is due a compaction (`Written`)."""
         whole = blob if callable(blob) else (lambda: blob)
+        most = LOG_SLACK * self.compact_ratio
         if self.redis is None:
             if delta is not None:
-                written = store_call(lambda: self.disk.append(record.id, delta, self.compact_ratio))
+                written = store_call(lambda: self.disk.append(record.id, delta, most))
                 if written is not None:
-                    return self._count(record, "delta", written)
+                    due = self.disk.log_bytes(record.id) > self.compact_ratio * self.disk.base_bytes(record.id)
+                    return Written(self._count(record, "delta", written), due)
             encoded = whole()
             store_call(lambda: self.disk.write(record.id, encoded))
-            return self._count(record, "whole" if delta is None else "compaction", blob_bytes(encoded))
+            return Written(self._count(record, "whole" if delta is None else "compaction", blob_bytes(encoded)))
         meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
                 "created_at": record.created_at, "last_used_at": record.last_used_at}
         kind = "whole"
         written = None
+        due = False
         if delta is not None and expected is not None:
             write_id = secrets.token_hex(8)
             try:
-                written = self.redis.append(record.id, expected, record.version, meta, delta, self.compact_ratio,
+                written = self.redis.append(record.id, expected, record.version, meta, delta, most, self.compact_ratio,
                                             write_id, entry, IDEMPOTENCY_KEYS_PER_SESSION)
             except StoreFull as error:  # refused before anything was written
                 raise CacheFull(f"session storage is full: {error}") from None
             except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
                 written = self._settle(record, write_id, error)
             kind = "delta"
-            if written == 2:  # the log would outgrow its base: written whole instead, nothing appended
+            if written == 2:  # the log would outgrow its slack: written whole instead, nothing appended
                 written, kind = None, "compaction"
+            elif written == 3:  # appended, and the log is past compact_ratio times its base
+                written, due = 1, True
         if written is None:
             encoded = joined(whole())
             write_id = secrets.token_hex(8)
@@ -265,7 +290,34 @@ class DurableStore:
                                      "written", record.id)
         if written != 1:
             raise SessionConflict(record.id)
-        return self._count(record, kind, nbytes)
+        return Written(self._count(record, kind, nbytes), due)
+
+    def compact(self, record: Record, blob: Callable[[], Blob]) -> bool:
+        """Write the session whole at its version (`blob()`, encoded from its committed state): a
+        new base, its log of delta blocks gone. The caller holds the session. On disk this is a
+        whole write (kill -9 leaves the old base and log, or the new base). With Redis it is
+        compare-and-set on the version, written back unchanged, so that a replica that committed
+        meanwhile is never overwritten and a late write is harmless: False when the session moved
+        on, or Redis did not answer (whether it landed does not matter: both hashes hold this
+        version). True when compacted. The state's bytes are the same either way: a failed
+        compaction leaves a longer log, which a later commit asks to compact again."""
+        if self.redis is None:
+            encoded = blob()
+            store_call(lambda: self.disk.write(record.id, encoded))
+            self._count(record, "compaction", blob_bytes(encoded))
+            return True
+        meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
+                "created_at": record.created_at, "last_used_at": record.last_used_at}
+        encoded = joined(blob())
+        try:
+            written = self.redis.put(record.id, record.version, record.version, meta, encoded, secrets.token_hex(8))
+        except StoreUnavailable as error:
+            log.warning("session %s: compaction not written (%s); its log stays", record.id, error)
+            return False
+        if written != 1:
+            return False
+        self._count(record, "compaction", len(encoded))
+        return True
 
     def disk_log_bytes(self, session_id: str) -> int:
         """Bytes of the session's log on disk, where the disk is the last tier (with Redis the
@@ -282,7 +334,7 @@ class DurableStore:
             self.metrics.session_commit_writes.labels(record.model, kind).inc()
         return kind
 
-    def fork(self, source_id: str, record: Record, blob: Callable[[], Blob], meta_block: bytes) -> str:
+    def fork(self, source_id: str, record: Record, blob: Callable[[], Blob], meta_block: bytes) -> Written:
         """Write the new session `record`, a fork of `source` (which the caller holds), to the last
         tier. On disk it shares the source's base file (a hard link) and copies the source's log,
         then `meta_block` (a delta block that changes only the metadata); with Redis, or when the
@@ -294,7 +346,7 @@ class DurableStore:
             except StoreUnavailable as error:
                 log.warning("session %s: fork of %s written whole (%s)", record.id, source_id, error)
             else:
-                return self._count(record, "fork", nbytes)
+                return Written(self._count(record, "fork", nbytes))
         return self.write(record, blob, expected=None)
 
     def _settle(self, record: Record, write_id: str, error: StoreUnavailable) -> int:

@@ -83,8 +83,10 @@ from xlserve.server.cache.codec import (
     encode_parts,
     state_metadata,
 )
+from xlserve.server.cache.compactor import Compactor
 from xlserve.server.cache.durable import DurableStore
 from xlserve.server.cache.errors import (
+    CacheError,
     CommitOutcomeUnknown,
     SessionConflict,
     SessionInfo,
@@ -142,6 +144,7 @@ class SessionCache:
         self._lock = threading.RLock()
         self.holds = Holds(self.manager, self._lock)
         self.placement = Placement(self.manager, self.durable, self.holds, self._lock, metrics)
+        self.compactions = Compactor(self.compact)
 
     def lend_to(self, borrower) -> None:
         """Share the tiers' budgets with `borrower` (the prefix cache): it reports what it holds
@@ -186,7 +189,9 @@ class SessionCache:
 
     def close(self) -> None:
         """Graceful shutdown: make sure every session has its durable copy (write-through means
-        they all have one already; a session that somehow lacks it is written now)."""
+        they all have one already; a session that somehow lacks it is written now). A compaction
+        that runs ends first; those still waiting are dropped (their logs are whole)."""
+        self.compactions.close()
         with self._lock:
             lacking = [r for r in self.manager.records.values() if self.durable.tier not in r.copies]
         written = 0
@@ -339,7 +344,8 @@ class SessionCache:
             lease.committing = True  # from here a release leaves the hold to this commit (`release`)
         try:  # the lease's hold keeps every other request of this replica off the session meanwhile
             delta = None if changes is None else encode_delta(changes, state_metadata(data), data.next_log_probs, meta)
-            self.durable.write(committed, lambda: encode_parts(data, meta), expected=lease.version, entry=entry, delta=delta)
+            written = self.durable.write(committed, lambda: encode_parts(data, meta), expected=lease.version,
+                                         entry=entry, delta=delta)
             committed.disk_log_bytes = self.durable.disk_log_bytes(record.id)
         except (SessionConflict, CommitOutcomeUnknown):
             transfer = Transfer(self.placement)
@@ -374,6 +380,8 @@ class SessionCache:
                 info = self._info(record)
         finally:  # the sessions the rebalance holds move and are given back, whatever failed
             transfer.carry_out(self._lock)
+        if written.compaction_due:
+            self.compactions.submit(record.id)
         return info
 
     def release(self, lease: Lease) -> None:
@@ -467,6 +475,34 @@ class SessionCache:
 
     def import_new(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
         return self.create(model, owner, data)
+
+    def compact(self, session_id: str) -> bool:
+        """Write an idle session whole at its version, its log of delta commits gone (durable.py
+        `compact`): what the compactor does after a commit whose log passed `compact_ratio`
+        times its base (compactor.py). The session is held meanwhile, as for a move: a request
+        for it waits. False, doing nothing, when a request holds it (its commit asks again) or it
+        is gone; False too when the compaction was not written (the log stays valid)."""
+        with self._lock:
+            record = self.manager.get(session_id)
+            if record is None or self.holds.kind(session_id) is not None or self.durable.tier not in record.copies:
+                return False
+            hold = self.holds.take(session_id, MOVE)
+            meta = self.durable.metadata(record)
+        try:
+            data = self.placement.read(record, record.tier, to_device=False)
+            compacted = self.durable.compact(record, lambda: encode_parts(data, meta))
+            if compacted:
+                log_bytes = self.durable.disk_log_bytes(session_id)
+                with self._lock:
+                    self.manager.resize(session_id, record.nbytes, log_bytes)
+                    self.placement.publish()
+            return compacted
+        except CacheError as error:  # a full or failing store: the log stays, a later commit asks again
+            log.warning("session %s: compaction failed (%s); its log stays", session_id, error)
+            return False
+        finally:
+            with self._lock:
+                self.holds.give_back(session_id, hold)
 
     def move(self, session_id: str, tier: str) -> None:
         """Put an idle session's fastest copy in `tier` (benchmarks and tests): copies above it

@@ -202,6 +202,13 @@ class DiskStore:
     def log_path(self, session_id: str) -> Path:
         return self.path(session_id).with_suffix(self.LOG_SUFFIX)
 
+    def base_bytes(self, session_id: str) -> int:
+        """Bytes of the session's base file (0 when it cannot be read)."""
+        try:
+            return self.path(session_id).stat().st_size
+        except OSError:
+            return 0
+
     @staticmethod
     def _base_id(meta: dict[str, str]) -> bytes:
         return hashlib.sha256(meta.get("checksum", "").encode()).digest()
@@ -485,14 +492,16 @@ return 1
 # A delta commit: the block appended to the session's log (`log:<n>`, `logn` blocks, `logbytes`
 # in all), version, meta, writes and remembered keys as the CAS script sets them, in one atomic
 # step. KEYS and ARGV[1..8] as the CAS script's (ARGV[4] the block; the expected version is never
-# ''), ARGV[9]: the ratio of log bytes to the base's past which the log is compacted instead.
-# Returns 1, 0 and -1 as the CAS script; 2 when the block would outgrow the base (nothing written:
-# the caller writes the session whole, with the CAS script, which clears the log).
+# ''), ARGV[9]: the ratio of log bytes to the base's past which the log is compacted instead,
+# ARGV[10]: the ratio past which a compaction is due. Returns 1, 0 and -1 as the CAS script; 2 when
+# the block would outgrow the base (nothing written: the caller writes the session whole, with the
+# CAS script, which clears the log); 3 when written and the log is past ARGV[10] times the base.
 _APPEND_SCRIPT = _PREPEND + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 if redis.call('HGET', KEYS[1], 'version') ~= ARGV[1] then return 0 end
 local logbytes = tonumber(redis.call('HGET', KEYS[1], 'logbytes') or '0') + string.len(ARGV[4])
-if logbytes > tonumber(ARGV[9]) * redis.call('HSTRLEN', KEYS[1], 'blob') then return 2 end
+local base = redis.call('HSTRLEN', KEYS[1], 'blob')
+if logbytes > tonumber(ARGV[9]) * base then return 2 end
 local blocks = tonumber(redis.call('HGET', KEYS[1], 'logn') or '0') + 1
 local fields = {'version', ARGV[2], 'meta', ARGV[3], 'log:' .. blocks, ARGV[4], 'logn', tostring(blocks),
                 'logbytes', tostring(logbytes),
@@ -502,6 +511,7 @@ if ARGV[6] ~= '' then
   fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]))
 end
 redis.call('HSET', KEYS[1], unpack(fields))
+if logbytes > tonumber(ARGV[10]) * base then return 3 end
 return 1
 """
 
@@ -703,13 +713,15 @@ class RedisStore:
         return int(self._call(lambda: self._script("cas", keys, args)))
 
     def append(self, session_id: str, expected: int, version: int, meta: dict, block: bytes, ratio: float,
-               write_id: str = "", entry: dict | None = None, keys_kept: int = 32) -> int:
+               due_ratio: float, write_id: str = "", entry: dict | None = None, keys_kept: int = 32) -> int:
         """Append a delta block as `version` if Redis holds `expected`: 1, 0 and -1 as `put`; 2
         (nothing written) when the log would pass `ratio` times the base: write it whole with
-        `put` (a compaction)."""
+        `put` (a compaction); 3 when written and the log is now past `due_ratio` times the base (a
+        compaction is due: `put` of the same version, compare-and-set on it)."""
         write_id = write_id or secrets.token_hex(8)
         args = [str(expected), str(version), json.dumps(meta), block, write_id,
-                "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT), repr(float(ratio))]
+                "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT), repr(float(ratio)),
+                repr(float(due_ratio))]
         keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
         return int(self._call(lambda: self._script("append", keys, args)))
 

@@ -3,13 +3,16 @@ has each commit written as a delta block appended to the session's log (on disk 
 compacted into a new base when the log outgrows it. What must hold: the stored session is bit
 for bit the state a whole write would have stored, through forks, deletes, evictions, restarts
 and compactions; a kill -9 at any point of a log write or a compaction leaves a whole version;
-replicas still compare-and-set on the version; an append writes about its new positions' bytes."""
+replicas still compare-and-set on the version; an append writes about its new positions' bytes.
+A compaction runs after the commit that made it due has been answered (compactor.py), under a
+hold a request waits for, and with Redis compare-and-set on the version it writes back."""
 
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -45,7 +48,9 @@ def identical(a: SessionData, b: SessionData) -> bool:
 
 
 def stored(cache: SessionCache, session_id: str) -> SessionData:
-    """The session as its last tier holds it (disk: base file and log; Redis: base and log)."""
+    """The session as its last tier holds it (disk: base file and log; Redis: base and log), once
+    the compactions behind the answers are done (read here without the session's hold)."""
+    assert cache.compactions.wait_idle(timeout=60)
     if cache.redis is None:
         return cache.durable.read_disk(cache.manager.get(session_id))
     cache.info(session_id, None)  # a replica that has not seen it yet takes it into its books
@@ -145,6 +150,7 @@ def run_random_operations(make_cache, models, tiers: list[str], seed: int, opera
             del expected[session_id]
         elif op == "evict":
             cache.info(session_id, None)  # after a restart on Redis: into this replica's books first
+            assert cache.compactions.wait_idle(timeout=60)  # move() refuses a session the cache holds
             cache.move(session_id, rng.choice(tiers))
         elif op == "restart":
             cache.close()
@@ -152,7 +158,7 @@ def run_random_operations(make_cache, models, tiers: list[str], seed: int, opera
         checked = rng.choice(sorted(expected))
         name, data = expected[checked]
         assert identical(stored(cache, checked), full_write(data, models[name].state_class)), (op, checked)
-        assert_books_count_the_logs(cache)
+        assert_books_count_the_logs(cache)  # stored() waited for the compactions
     cache.close()
     cache = make_cache()
     for session_id, (name, data) in expected.items():
@@ -316,6 +322,178 @@ def test_two_replicas_race_with_delta_commits(tmp_path, redis_url):  # noqa: F81
     assert identical(stored(b, session_id), after_a)
     a.close()
     b.close()
+
+
+# -- compactions behind the answer -----------------------------------------------------------------
+
+
+def gate_compactions(cache: SessionCache):
+    """Make the cache's compactions wait for the returned event before they write (the real
+    compaction runs once it is set); the second value is set when one has begun waiting."""
+    release, waiting = threading.Event(), threading.Event()
+    compact = cache.durable.compact
+
+    def gated(record, blob):
+        waiting.set()
+        assert release.wait(timeout=60)
+        return compact(record, blob)
+
+    cache.durable.compact = gated
+    return release, waiting
+
+
+def log_to_ratio(cache: SessionCache, session_id: str) -> float:
+    """The session's log over its base file, in bytes, on disk."""
+    return cache.disk.log_bytes(session_id) / cache.disk.base_bytes(session_id)
+
+
+def test_a_compaction_runs_after_the_commit_is_answered_and_a_request_waits_for_it(tmp_path):
+    """A commit whose log passes compact_ratio times its base answers after writing its delta
+    block; the session is compacted next, in the background, under a hold that a request for it
+    waits for (not a 409): the request then starts from exactly the committed state, and the
+    disk holds one base and no log, counted so in the books."""
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
+    step(model, cache, session_id, list(range(9)))
+    cache.durable.compact_ratio = log_to_ratio(cache, session_id)  # the next block takes the log past it
+    release, waiting = gate_compactions(cache)
+    committed = step(model, cache, session_id, list(range(6)))
+    assert cache.durable.written["delta"][0] == 2 and "compaction" not in cache.durable.written  # answered first
+    assert waiting.wait(timeout=60)  # the compaction holds the session now
+
+    started, got = threading.Event(), {}
+
+    def request():
+        started.set()
+        lease = cache.acquire(session_id, None)  # waits for the compaction's hold
+        got["data"], got["compactions"] = lease.data, dict(cache.durable.written).get("compaction")
+        cache.release(lease)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    assert started.wait(timeout=60)
+    thread.join(timeout=0.3)
+    assert thread.is_alive()  # still waiting for the compaction
+    release.set()
+    thread.join(timeout=60)
+    assert got["compactions"][0] == 1 and identical(got["data"], committed)
+    assert cache.compactions.wait_idle(timeout=60)
+    assert not cache.disk.log_path(session_id).exists()
+    assert identical(stored(cache, session_id), full_write(committed, model.state_class))
+    assert_books_count_the_logs(cache)
+    cache.close()
+
+
+def test_a_session_in_use_is_not_compacted_and_its_log_stays_bounded(tmp_path):
+    """A session that a request holds when its compaction's turn comes is skipped (its next
+    commit asks again); a log that reaches LOG_SLACK times the ratio meanwhile is compacted by
+    the commit itself."""
+    from xlserve.server.cache.durable import LOG_SLACK
+
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
+    step(model, cache, session_id, list(range(5)))
+    lease = cache.acquire(session_id, None)
+    assert cache.compact(session_id) is False and cache.disk.log_path(session_id).exists()
+    cache.release(lease)
+
+    cache.compactions.close()  # no compaction behind the answers from here: only the slack bounds the log
+    cache.durable.compact_ratio = log_to_ratio(cache, session_id) / (LOG_SLACK - 0.5)
+    latest = None
+    for _ in range(20):
+        latest = step(model, cache, session_id, [3])
+        if "compaction" in cache.durable.written:
+            break
+        assert log_to_ratio(cache, session_id) <= LOG_SLACK * cache.durable.compact_ratio
+    assert cache.durable.written["compaction"][0] == 1 and not cache.disk.log_path(session_id).exists()
+    assert identical(stored(cache, session_id), full_write(latest, model.state_class))
+
+
+def test_a_compaction_behind_the_answer_never_overwrites_another_replicas_commit(tmp_path, redis_url):  # noqa: F811
+    """With Redis a compaction writes the same version back, compare-and-set on it: a replica
+    that committed between the answer and the compaction keeps its version, and the compaction
+    gives way; one that comes in time leaves the session with its state, no log, same version."""
+    model = tiny_model("transformer-xl")
+    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url, compact_ratio=100.0)
+    b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url)
+    a.open({"m": model})
+    b.open({"m": model})
+    session_id = a.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(30)))[1]).id
+    step(model, a, session_id, [1, 2, 3])
+    base_bytes = len(a.redis.get_chain(session_id)[2])
+    a.durable.compact_ratio = sum(map(len, a.redis.get_chain(session_id)[3])) / base_bytes  # the next block passes it
+    release, waiting = gate_compactions(a)
+    step(model, a, session_id, [4, 5])  # version 2, a delta; its compaction waits at the gate
+    assert waiting.wait(timeout=60) and a.durable.written["delta"][0] == 2
+    theirs = step(model, b, session_id, [6])  # b commits version 3 meanwhile
+    release.set()
+    assert a.compactions.wait_idle(timeout=60)
+    assert "compaction" not in a.durable.written  # compare-and-set on version 2: given way
+    version, _, _, log_blocks = a.redis.get_chain(session_id)
+    assert version == 3 and len(log_blocks) == 3 and identical(stored(a, session_id), theirs)
+
+    del a.durable.compact  # the gate off: the class's own compact again
+    mine = step(model, a, session_id, [7])  # from b's version: its log is past the ratio, compacted after
+    assert a.compactions.wait_idle(timeout=60) and a.durable.written["compaction"][0] == 1
+    version, _, _, log_blocks = a.redis.get_chain(session_id)
+    assert version == 4 and log_blocks == []
+    assert identical(stored(b, session_id), mine)
+    a.close()
+    b.close()
+
+
+BACKGROUND_CHILD = """
+import sys
+import torch
+torch.set_num_threads(1)
+from tests.server.test_cache_architectures import feed, tiny_model
+from xlserve.server.cache.session_cache import SessionCache
+state_dir, session_id, ratio = sys.argv[1:]
+model = tiny_model("transformer-xl")
+cache = SessionCache(state_dir, None, None, None, compact_ratio=float(ratio))
+cache.open({"m": model})
+lease = cache.acquire(session_id, None)
+cache.commit(lease, feed(model, lease.data, list(range(6)))[1])
+print("acknowledged", flush=True)
+cache.compactions.wait_idle(timeout=60)  # killed in the compaction behind the answer
+"""
+
+
+@pytest.mark.parametrize("point", ["compaction-temp", "compaction-renamed"])
+def test_kill_9_during_a_compaction_behind_the_answer(point, tmp_path):
+    """The commit was answered (its delta block durable), then the process is killed in the
+    compaction that followed it: the directory opened again holds exactly the answered version."""
+    model = tiny_model("transformer-xl")
+    state_dir = tmp_path / "state"
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, SessionData(model.init_state(1), 0, None)).id
+    for n in (40, 5, 9):  # a base and a log of two blocks
+        acknowledged = step(model, cache, session_id, list(range(n)))
+    ratio = log_to_ratio(cache, session_id)  # a block of 6 takes the log past it, not past twice it
+    cache.close()
+
+    child = subprocess.run([sys.executable, "-c", BACKGROUND_CHILD, str(state_dir), session_id, repr(ratio)], cwd=REPO,
+                           env={**os.environ, "XLSERVE_TEST_CRASH_AT": point, "OMP_NUM_THREADS": "1"},
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert "acknowledged" in child.stdout
+
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    answered = feed(model, acknowledged, list(range(6)))[1]
+    assert cache.info(session_id, None).version == 4
+    assert identical(stored(cache, session_id), answered)
+    after = step(model, cache, session_id, list(range(3)))
+    cache.close()
+    cache = SessionCache(state_dir, None, None, None)
+    cache.open({"m": model})
+    assert identical(stored(cache, session_id), after)
+    assert not list(state_dir.glob("*.corrupt")) and not list(state_dir.glob(".*.tmp"))
 
 
 # -- what a commit costs -------------------------------------------------------------------------

@@ -132,13 +132,13 @@ def test_delta_commits_on_a_cluster_stay_in_the_session_slot(redis_cluster):  # 
     assert len({redis_cluster.node_of(store._key(s)) for s in ids}) > 1
     for i, s in enumerate(ids):
         assert store.put(s, None, 0, {"v": 0}, b"base" * 8, f"b{i}") == 1
-        assert store.append(s, 0, 1, {"v": 1}, b"d1", 1.0, f"a{i}") == 1
-        assert store.append(s, 0, 1, {}, b"stale", 1.0) == 0  # compare-and-set on the version
+        assert store.append(s, 0, 1, {"v": 1}, b"d1", 1.0, 0.1, f"a{i}") == 1
+        assert store.append(s, 0, 1, {}, b"stale", 1.0, 0.1) == 0  # compare-and-set on the version
         assert store.settle(s, f"late{i}") is False
-        assert store.append(s, 1, 2, {}, b"fenced", 1.0, f"late{i}") == -1
-        assert store.append(s, 1, 2, {"v": 2}, b"d2", 1.0, f"c{i}") == 1
+        assert store.append(s, 1, 2, {}, b"fenced", 1.0, 0.1, f"late{i}") == -1
+        assert store.append(s, 1, 2, {"v": 2}, b"d2", 1.0, 0.1, f"c{i}") == 3  # 4 bytes of log: a compaction is due
         assert store.get_chain(s) == (2, {"v": 2}, b"base" * 8, [b"d1", b"d2"]) and store.settle(s, f"c{i}")
-        assert store.append(s, 2, 3, {}, b"x" * 40, 1.0) == 2  # would outgrow its base: nothing written
+        assert store.append(s, 2, 3, {}, b"x" * 40, 1.0, 0.1) == 2  # would outgrow its base: nothing written
         assert store.put(s, 2, 3, {"v": 3}, b"new base", f"w{i}") == 1  # the compaction clears the log
         assert store.get_chain(s) == (3, {"v": 3}, b"new base", [])
     store.close()
