@@ -36,6 +36,7 @@ float safetensors, and quantization happens every time it is loaded. CPU only.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -82,8 +83,11 @@ def int8_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
     largest = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True)  # (M, 1) max |x|
     scales = largest.div_(INT8_LIMIT).clamp_(min=torch.finfo(torch.float32).tiny)
     # |x| <= largest, so |x / scale| <= 127 and rounds into -127..127 with no clamp (a row with
-    # an infinity or a NaN gives NaN, in its own outputs only)
+    # an infinity or a NaN gives infinities or NaN, in its own outputs only)
     return torch.round(rows / scales), scales
+
+
+KERNEL_FAILURES = (RuntimeError, AttributeError, NotImplementedError)  # a torch or CPU without the packed kernel
 
 
 def _packed_weight(values: Tensor, scales: Tensor):
@@ -96,8 +100,49 @@ def _packed_weight(values: Tensor, scales: Tensor):
             quantized = torch._make_per_channel_quantized_tensor(
                 values, scales.double(), torch.zeros(values.shape[0], dtype=torch.long), 0)
             return torch.ops.quantized.linear_prepack(quantized, None)
-    except (RuntimeError, AttributeError, NotImplementedError):
+    except KERNEL_FAILURES:
         return None
+
+
+def packed_sums(whole_rows: Tensor, packed) -> Tensor:
+    """float(int32 sums) * w_scale for whole-number rows (M, in) -127..127, by the packed kernel."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(whole_rows, 1.0, PACKED_ZERO_POINT, packed)
+
+
+def int_mm_sums(whole_rows: Tensor, values: Tensor, scales: Tensor) -> Tensor:
+    """The same numbers by torch._int_mm: exact int32 sums, widened, times w_scale."""
+    return torch._int_mm(whole_rows.to(torch.int8), values.t()).float() * scales
+
+
+def _packed_matches_int_mm(rows: Tensor, values: Tensor, scales: Tensor) -> bool:
+    """Whether the packed kernel gives `int_mm_sums`' numbers for whole-number `rows` and this
+    weight (False too when it has no packed kernel or fails)."""
+    packed = _packed_weight(values, scales)
+    if packed is None:
+        return False
+    try:
+        return torch.equal(packed_sums(rows, packed), int_mm_sums(rows, values, scales))
+    except KERNEL_FAILURES:
+        return False
+
+
+@functools.cache
+def packed_kernel_is_exact() -> bool:
+    """Whether this process's packed int8 kernel sums exactly, checked once: random rows and
+    weights, and the extremes. A row of +127 enters the kernel as 255 (zero point 128); against
+    two weights of +127 a pair of products is 64,770, which a kernel that adds pairs of products
+    in 16 bits (x86 without VNNI: vpmaddubsw) saturates at 32,767. Such a CPU multiplies through
+    `torch._int_mm` instead, which sums in 32 bits."""
+    generator = torch.Generator().manual_seed(0)
+    width = 64
+    values = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (8, width), generator=generator, dtype=torch.int8)
+    values[0], values[1] = INT8_LIMIT, -INT8_LIMIT  # channels of one sign: every pair is as large as it gets
+    values[2, ::2], values[2, 1::2] = INT8_LIMIT, -INT8_LIMIT
+    rows = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (5, width), generator=generator).float()
+    rows[0], rows[1] = INT8_LIMIT, -INT8_LIMIT
+    rows[2, ::2], rows[2, 1::2] = INT8_LIMIT, -INT8_LIMIT
+    scales = torch.rand(8, generator=generator) + 0.5
+    return _packed_matches_int_mm(rows, values, scales)
 
 
 class Int8Linear(nn.Module):
@@ -114,7 +159,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         # the packed kernel holds the int8 values in its own layout (and unpacks them from it);
         # `weight_int8` holds them only where the layer multiplies through _int_mm
-        self.packed = _packed_weight(values, scales)
+        self.packed = _packed_weight(values, scales) if packed_kernel_is_exact() else None
         if self.packed is not None and not self._packed_is_exact(values):
             self.packed = None
         if self.packed is None:
@@ -139,27 +184,13 @@ class Int8Linear(nn.Module):
         return "int_mm" if self.packed is None else "packed"
 
     def _packed_is_exact(self, values: Tensor) -> bool:
-        """Whether the packed kernel returns the exact int32 sums on this CPU: for a random row
-        and for rows of +-127 against the weight's own signs, whose pairs of products overflow
-        16 bits on a kernel that adds them there."""
-        generator = torch.Generator().manual_seed(0)
-        random_row = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (1, self.in_features), generator=generator)
-        largest = torch.where(values[:1] >= 0, INT8_LIMIT, -INT8_LIMIT)  # (1, in): every product of row 0 is +127 * |w|
-        rows = torch.cat([random_row, largest, -largest]).float()  # (3, in)
+        """Whether the packed kernel gives this weight's exact sums for a random row (the
+        extremes are `packed_kernel_is_exact`'s, once a process)."""
+        row = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (1, self.in_features), generator=torch.Generator().manual_seed(0))
         try:
-            sums = self._packed_sums(rows)
-        except RuntimeError:
+            return torch.equal(packed_sums(row.float(), self.packed), int_mm_sums(row.float(), values, self.scales))
+        except KERNEL_FAILURES:
             return False
-        return torch.equal(sums, self._int_mm_sums(rows, values))
-
-    def _packed_sums(self, whole_rows: Tensor) -> Tensor:
-        """float(int32 sums) * w_scale for whole-number rows (M, in), by the packed kernel."""
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            whole_rows, 1.0, PACKED_ZERO_POINT, self.packed)
-
-    def _int_mm_sums(self, whole_rows: Tensor, values: Tensor) -> Tensor:
-        """The same numbers by torch._int_mm: exact int32 sums, widened, times w_scale."""
-        return torch._int_mm(whole_rows.to(torch.int8), values.t()).float() * self.scales
 
     def check_against(self, weight: Tensor, bias: Tensor | None) -> None:
         """Raise QuantizationError unless this layer's product of a random row is the float
@@ -194,7 +225,8 @@ class Int8Linear(nn.Module):
             out = rows.new_zeros(0, self.out_features)
         else:
             whole, row_scales = int8_rows(rows)  # (M, in) whole numbers, (M, 1)
-            sums = self._packed_sums(whole) if self.packed is not None else self._int_mm_sums(whole, self.weight_int8)
+            sums = (packed_sums(whole, self.packed) if self.packed is not None
+                    else int_mm_sums(whole, self.weight_int8, self.scales))
             out = sums.mul_(row_scales)  # (M, out)
         if self.bias is not None:
             out = out.add_(self.bias)
@@ -280,6 +312,6 @@ def weight_bytes_per_step(model) -> int:
 
 
 def parameter_count(model: nn.Module) -> int:
-    """The parameters of the model's checkpoint (a quantized model's int8 weights are buffers,
-    which `parameters()` no longer lists)."""
+    """The parameters of the model's checkpoint (a quantized model's int8 weights are packed or
+    buffers, which `parameters()` does not list)."""
     return getattr(model, "checkpoint_parameters", None) or sum(p.numel() for p in model.parameters())

@@ -489,6 +489,10 @@ class SessionCache:
             hold = self.holds.take(session_id, MOVE)
             meta = self.durable.metadata(record)
         try:
+            if self.redis is not None:  # another replica may have committed since: then its log is its own
+                head = self.durable.head(session_id)
+                if head is None or head.version != record.version:
+                    return False
             data = self.placement.read(record, record.tier, to_device=False)
             compacted = self.durable.compact(record, lambda: encode_parts(data, meta))
             if compacted:
@@ -506,10 +510,15 @@ class SessionCache:
 
     def move(self, session_id: str, tier: str) -> None:
         """Put an idle session's fastest copy in `tier` (benchmarks and tests): copies above it
-        are dropped, one is made there if needed. Budgets are not checked."""
+        are dropped, one is made there if needed. Budgets are not checked. A session the cache
+        holds (a compaction after its last commit) is waited for, as a request waits."""
         transfer = Transfer(self.placement)
         try:
             with self._lock:
+                deadline = time.monotonic() + self.hold_wait_s
+                while not self.holds.settled(session_id, timeout=max(deadline - time.monotonic(), 0.0)):
+                    if time.monotonic() >= deadline:
+                        break
                 record = self.manager.get(session_id)
                 if record is None or record.pinned or tier not in self.manager.tiers:
                     raise ValueError(f"cannot move {session_id} to {tier}")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from xlserve.models import quantize
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.quantize import (
     KEPT_FLOAT,
@@ -79,7 +80,8 @@ def test_the_packed_kernel_and_int_mm_give_the_same_numbers_at_any_width():
     for width in (12, 24, 72, 1024):
         layer = nn.Linear(width, 40)
         packed = Int8Linear.from_linear(layer)
-        assert packed.kernel == "packed"  # x86 with VNNI here and in CI
+        if packed.kernel != "packed":
+            pytest.skip("no packed int8 kernel on this CPU")
         fallback = Int8Linear.from_linear(layer)
         fallback.weight_int8, fallback.packed = packed.int8_values().clone(), None
         assert fallback.kernel == "int_mm"
@@ -88,19 +90,41 @@ def test_the_packed_kernel_and_int_mm_give_the_same_numbers_at_any_width():
         assert torch.equal(packed.weight, fallback.weight)
 
 
-def test_a_packed_kernel_that_sums_wrong_is_not_used(monkeypatch):
-    # a kernel that adds pairs of products in 16 bits (x86 without VNNI) saturates on large rows;
-    # the load-time check gives such a layer the _int_mm path, which sums in 32 bits
-    exact = Int8Linear._packed_sums
+def sums_in_16_bit_pairs(whole_rows, packed):
+    """What a packed kernel without VNNI computes: each row enters as uint8 (x + 128), products
+    are added in pairs in 16 bits, saturating (vpmaddubsw), then summed in 32 bits and the zero
+    point taken off."""
+    quantized = torch.ops.quantized.linear_unpack(packed)[0]
+    values, scales = quantized.int_repr().int(), quantized.q_per_channel_scales().float()
+    unsigned = (whole_rows + 128).int()  # (M, in), 1..255
+    products = unsigned[:, None, :] * values[None, :, :]  # (M, out, in)
+    pairs = products.view(*products.shape[:2], -1, 2).sum(-1).clamp(-32768, 32767)
+    return (pairs.sum(-1) - 128 * values.sum(1)).float() * scales
 
-    def saturating(self, whole_rows):
-        return exact(self, whole_rows.clamp(-100, 100))  # wrong only for rows with values past 100
 
-    monkeypatch.setattr(Int8Linear, "_packed_sums", saturating)
+def test_a_packed_kernel_that_saturates_is_not_used(monkeypatch):
+    # the check runs once a process, on the extremes: rows of +-127 against weights of one sign
+    # make pairs of 64,770, which a 16-bit pair sum cannot hold; a layer then sums by _int_mm
+    monkeypatch.setattr(quantize, "packed_sums", sums_in_16_bit_pairs)
+    quantize.packed_kernel_is_exact.cache_clear()
+    try:
+        layer = Int8Linear.from_linear(nn.Linear(64, 16))
+        assert layer.kernel == "int_mm" and layer.weight_int8.dtype == torch.int8
+        rows = torch.randn(3, 64)
+        assert (layer(rows) - nn.functional.linear(rows, layer.weight, layer.bias)).abs().max() < 0.05
+    finally:
+        monkeypatch.undo()
+        quantize.packed_kernel_is_exact.cache_clear()
+    assert Int8Linear.from_linear(nn.Linear(64, 16)).kernel == "packed" or not quantize.packed_kernel_is_exact()
+
+
+def test_the_simulated_saturating_kernel_is_exact_where_pairs_fit():
+    # the simulation above is the packed kernel's own arithmetic while no pair passes 16 bits
+    if not quantize.packed_kernel_is_exact():
+        pytest.skip("no packed int8 kernel on this CPU")
     layer = Int8Linear.from_linear(nn.Linear(64, 16))
-    assert layer.kernel == "int_mm" and layer.weight_int8.dtype == torch.int8
-    monkeypatch.undo()
-    assert Int8Linear.from_linear(nn.Linear(64, 16)).kernel == "packed"
+    small = torch.randint(-127, 1, (4, 64)).float()  # enter as 1..128: a pair is at most 128 * 127 * 2 = 32,512
+    assert torch.equal(sums_in_16_bit_pairs(small, layer.packed), quantize.packed_sums(small, layer.packed))
 
 
 def test_every_linear_layer_but_the_kept_ones_is_int8_and_counted_in_weight_bytes():

@@ -150,8 +150,7 @@ def run_random_operations(make_cache, models, tiers: list[str], seed: int, opera
             del expected[session_id]
         elif op == "evict":
             cache.info(session_id, None)  # after a restart on Redis: into this replica's books first
-            assert cache.compactions.wait_idle(timeout=60)  # move() refuses a session the cache holds
-            cache.move(session_id, rng.choice(tiers))
+            cache.move(session_id, rng.choice(tiers))  # waits for a compaction that holds the session
         elif op == "restart":
             cache.close()
             cache = make_cache()
@@ -448,6 +447,7 @@ def test_a_compaction_behind_the_answer_never_overwrites_another_replicas_commit
 
 BACKGROUND_CHILD = """
 import sys
+import threading
 import torch
 torch.set_num_threads(1)
 from tests.server.test_cache_architectures import feed, tiny_model
@@ -456,9 +456,12 @@ state_dir, session_id, ratio = sys.argv[1:]
 model = tiny_model("transformer-xl")
 cache = SessionCache(state_dir, None, None, None, compact_ratio=float(ratio))
 cache.open({"m": model})
+answered, compact = threading.Event(), cache.durable.compact
+cache.durable.compact = lambda record, blob: answered.wait(60) and compact(record, blob)  # after the print
 lease = cache.acquire(session_id, None)
 cache.commit(lease, feed(model, lease.data, list(range(6)))[1])
 print("acknowledged", flush=True)
+answered.set()
 cache.compactions.wait_idle(timeout=60)  # killed in the compaction behind the answer
 """
 
