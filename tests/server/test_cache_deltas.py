@@ -223,6 +223,41 @@ print("acknowledged", flush=True)
 """
 
 
+def log_to_ratio(cache: SessionCache, session_id: str) -> float:
+    """The session's log over its base file, in bytes, on disk."""
+    return cache.disk.log_bytes(session_id) / cache.disk.base_bytes(session_id)
+
+
+def a_base_and_a_log_of_two_blocks(state_dir: Path) -> tuple:
+    """A Transformer-XL session on disk with a base and a log of two blocks, its cache closed:
+    (model, session id, its state, its log's bytes over its base's)."""
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, SessionData(model.init_state(1), 0, None)).id
+    for n in (40, 5, 9):
+        acknowledged = step(model, cache, session_id, list(range(n)))
+    ratio = log_to_ratio(cache, session_id)
+    cache.close()
+    assert state_dir.joinpath(session_id + ".log").exists()
+    return model, session_id, acknowledged, ratio
+
+
+def assert_opens_as(state_dir: Path, model, session_id: str, version: int, expected: SessionData) -> None:
+    """The directory opened again holds exactly `expected` as `version`, later commits go on from
+    it (the log takes blocks again after a cut), and nothing corrupt or temporary is left."""
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    assert cache.info(session_id, None).version == version
+    assert identical(stored(cache, session_id), expected)
+    after = step(model, cache, session_id, list(range(3)))
+    cache.close()
+    cache = SessionCache(state_dir, None, None, None)
+    cache.open({"m": model})
+    assert identical(stored(cache, session_id), after)
+    assert not list(state_dir.glob("*.corrupt")) and not list(state_dir.glob(".*.tmp"))
+
+
 @pytest.mark.parametrize("point, ratio, lands", [
     ("log-write", 100.0, False),  # killed before the block's first byte
     ("log-write-torn", 100.0, False),  # half a block written: cut off on open
@@ -234,34 +269,15 @@ def test_kill_9_during_a_log_write_or_a_compaction(point, ratio, lands, tmp_path
     """A process is killed (SIGKILL) at `point` of a commit; the directory opened again holds
     exactly the last acknowledged version (or, past the point where the write is durable, the new
     one, whole, as with a whole write killed after its rename), and later commits go on from it."""
-    model = tiny_model("transformer-xl")
     state_dir = tmp_path / "state"
-    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
-    cache.open({"m": model})
-    session_id = cache.create("m", None, SessionData(model.init_state(1), 0, None)).id
-    for n in (40, 5, 9):  # a base and a log of two blocks
-        acknowledged = step(model, cache, session_id, list(range(n)))
-    cache.close()
-    assert state_dir.joinpath(session_id + ".log").exists()
-
+    model, session_id, acknowledged, _ = a_base_and_a_log_of_two_blocks(state_dir)
     child = subprocess.run([sys.executable, "-c", CHILD, str(state_dir), session_id, str(ratio), "6"], cwd=REPO,
                            env={**os.environ, "XLSERVE_TEST_CRASH_AT": point, "OMP_NUM_THREADS": "1"},
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "acknowledged" not in child.stdout
-
-    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
-    cache.open({"m": model})
     landed = feed(model, acknowledged, list(range(6)))[1]
-    now = landed if lands else acknowledged
-    assert cache.info(session_id, None).version == (4 if lands else 3)
-    assert identical(stored(cache, session_id), now)
-    after = step(model, cache, session_id, list(range(3)))  # the log takes blocks again after a cut
-    cache.close()
-    cache = SessionCache(state_dir, None, None, None)
-    cache.open({"m": model})
-    assert identical(stored(cache, session_id), after)
-    assert not list(state_dir.glob("*.corrupt")) and not list(state_dir.glob(".*.tmp"))
+    assert_opens_as(state_dir, model, session_id, 4 if lands else 3, landed if lands else acknowledged)
 
 
 def test_kill_9_during_a_fork_on_disk(tmp_path):
@@ -339,11 +355,6 @@ def gate_compactions(cache: SessionCache):
 
     cache.durable.compact = gated
     return release, waiting
-
-
-def log_to_ratio(cache: SessionCache, session_id: str) -> float:
-    """The session's log over its base file, in bytes, on disk."""
-    return cache.disk.log_bytes(session_id) / cache.disk.base_bytes(session_id)
 
 
 def test_a_compaction_runs_after_the_commit_is_answered_and_a_request_waits_for_it(tmp_path):
@@ -470,33 +481,14 @@ cache.compactions.wait_idle(timeout=60)  # killed in the compaction behind the a
 def test_kill_9_during_a_compaction_behind_the_answer(point, tmp_path):
     """The commit was answered (its delta block durable), then the process is killed in the
     compaction that followed it: the directory opened again holds exactly the answered version."""
-    model = tiny_model("transformer-xl")
     state_dir = tmp_path / "state"
-    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
-    cache.open({"m": model})
-    session_id = cache.create("m", None, SessionData(model.init_state(1), 0, None)).id
-    for n in (40, 5, 9):  # a base and a log of two blocks
-        acknowledged = step(model, cache, session_id, list(range(n)))
-    ratio = log_to_ratio(cache, session_id)  # a block of 6 takes the log past it, not past twice it
-    cache.close()
-
+    model, session_id, acknowledged, ratio = a_base_and_a_log_of_two_blocks(state_dir)  # a block of 6 passes it, not twice
     child = subprocess.run([sys.executable, "-c", BACKGROUND_CHILD, str(state_dir), session_id, repr(ratio)], cwd=REPO,
                            env={**os.environ, "XLSERVE_TEST_CRASH_AT": point, "OMP_NUM_THREADS": "1"},
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "acknowledged" in child.stdout
-
-    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
-    cache.open({"m": model})
-    answered = feed(model, acknowledged, list(range(6)))[1]
-    assert cache.info(session_id, None).version == 4
-    assert identical(stored(cache, session_id), answered)
-    after = step(model, cache, session_id, list(range(3)))
-    cache.close()
-    cache = SessionCache(state_dir, None, None, None)
-    cache.open({"m": model})
-    assert identical(stored(cache, session_id), after)
-    assert not list(state_dir.glob("*.corrupt")) and not list(state_dir.glob(".*.tmp"))
+    assert_opens_as(state_dir, model, session_id, 4, feed(model, acknowledged, list(range(6)))[1])
 
 
 # -- what a commit costs -------------------------------------------------------------------------
