@@ -23,11 +23,12 @@ Why this form:
 
 The kernel is reached through `quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: given
 activations that are already whole numbers, with input scale 1 and zero point 128, it returns
-exactly float(int32 sum) * w_scale. At load each layer checks that on its own weight, including
-a row that would overflow a 16-bit pair sum (x86 CPUs without VNNI add pairs of products in 16
-bits, saturating); a layer whose packed kernel is missing (another CPU, a later torch without
-quantized tensors) or fails the check multiplies through `torch._int_mm` instead, which gives
-the same numbers more slowly at one row. Either way nothing is hand-written.
+exactly float(int32 sum) * w_scale. That is checked once a process on the extremes, rows of
++-127 against weights of one sign, which overflow a 16-bit pair sum (x86 CPUs without VNNI add
+pairs of products in 16 bits, saturating: `packed_kernel_is_exact`), and at load on each layer's
+own weight with a random row. A layer whose packed kernel is missing (another CPU, a later torch
+without quantized tensors) or fails a check multiplies through `torch._int_mm` instead, which
+gives the same numbers more slowly at one row. Either way nothing is hand-written.
 
 The rest of the model (embeddings, norms, attention over the state, the state itself) stays in
 float32: only weight matrices are quantized. Nothing is saved quantized: a checkpoint stays
@@ -161,7 +162,7 @@ class Int8Linear(nn.Module):
         # the packed kernel holds the int8 values in its own layout (and unpacks them from it);
         # `weight_int8` holds them only where the layer multiplies through _int_mm
         self.packed = _packed_weight(values, scales) if packed_kernel_is_exact() else None
-        if self.packed is not None and not self._packed_is_exact(values):
+        if self.packed is not None and not self._packed_matches_on_a_random_row(values):
             self.packed = None
         if self.packed is None:
             self.register_buffer("weight_int8", values)
@@ -184,7 +185,7 @@ class Int8Linear(nn.Module):
         """"packed" (fbgemm's int8 product) or "int_mm" (torch._int_mm, the fallback)."""
         return "int_mm" if self.packed is None else "packed"
 
-    def _packed_is_exact(self, values: Tensor) -> bool:
+    def _packed_matches_on_a_random_row(self, values: Tensor) -> bool:
         """Whether the packed kernel gives this weight's exact sums for a random row (the
         extremes are `packed_kernel_is_exact`'s, once a process)."""
         row = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (1, self.in_features), generator=torch.Generator().manual_seed(0))
