@@ -174,6 +174,15 @@ class Metrics:
         self.session_commit_writes = Counter(
             "xlserve_session_commit_writes", "Writes to the durable tier, by kind (delta, whole, compaction, fork)",
             ["model", "kind"], registry=r)
+        # compactions behind a commit's answer (server/cache/compactor.py), by outcome: compacted,
+        # busy (a request held the session: its next commit asks again), moved_on (another replica
+        # committed first; Redis only), failed (the store refused or did not answer; the log stays)
+        self.session_compactions = Counter(
+            "xlserve_session_compactions", "Compactions behind a commit's answer, by outcome (compacted, busy, "
+            "moved_on, failed)", ["model", "outcome"], registry=r)
+        self.session_compaction_seconds = Histogram(
+            "xlserve_session_compaction_seconds", "Time a compaction behind a commit's answer held its session "
+            "(a request for it waits meanwhile)", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         # session cache (server/cache): hits/misses count where an acquired session was found
         # (a hit on that tier, a miss on every faster one); evictions count moves down, by tier left
         self.session_cache_hits = Counter("xlserve_session_cache_hits", "Sessions found in a tier", ["model", "tier"], registry=r)

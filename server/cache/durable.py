@@ -292,20 +292,21 @@ class DurableStore:
             raise SessionConflict(record.id)
         return Written(self._count(record, kind, nbytes), due)
 
-    def compact(self, record: Record, blob: Callable[[], Blob]) -> bool:
+    def compact(self, record: Record, blob: Callable[[], Blob]) -> str:
         """Write the session whole at its version (`blob()`, encoded from its committed state): a
         new base, its log of delta blocks gone. The caller holds the session. On disk this is a
         whole write (kill -9 leaves the old base and log, or the new base). With Redis it is
         compare-and-set on the version, written back unchanged, so that a replica that committed
-        meanwhile is never overwritten and a late write is harmless: False when the session moved
-        on, or Redis did not answer (whether it landed does not matter: both hashes hold this
-        version). True when compacted. The state's bytes are the same either way: a failed
-        compaction leaves a longer log, which a later commit asks to compact again."""
+        meanwhile is never overwritten and a late write is harmless (it can only land on the
+        version it holds). Returns "compacted"; "moved_on" when another replica committed first;
+        "failed" when Redis did not answer (whether it landed does not matter: both hashes hold
+        this version). The state's bytes are the same either way: a compaction not made leaves a
+        longer log, which a later commit asks to compact again."""
         if self.redis is None:
             encoded = blob()
             store_call(lambda: self.disk.write(record.id, encoded))
             self._count(record, "compaction", blob_bytes(encoded))
-            return True
+            return "compacted"
         meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
                 "created_at": record.created_at, "last_used_at": record.last_used_at}
         encoded = joined(blob())
@@ -313,11 +314,11 @@ class DurableStore:
             written = self.redis.put(record.id, record.version, record.version, meta, encoded, secrets.token_hex(8))
         except StoreUnavailable as error:
             log.warning("session %s: compaction not written (%s); its log stays", record.id, error)
-            return False
+            return "failed"
         if written != 1:
-            return False
+            return "moved_on"
         self._count(record, "compaction", len(encoded))
-        return True
+        return "compacted"
 
     def disk_log_bytes(self, session_id: str) -> int:
         """Bytes of the session's log on disk, where the disk is the last tier (with Redis the

@@ -140,6 +140,7 @@ class SessionCache:
         self.models: dict[str, object] = {}  # name -> LanguageModel (device, state_class, init_state, check_session)
         self.disk = DiskStore(state_dir)
         self.durable = DurableStore(self.disk, self.redis, self.models, settle_s, compact_ratio, metrics)
+        self.metrics = metrics
         self.hold_wait_s = hold_wait_s if hold_wait_s is not None else max(30.0, settle_s + 3 * store_timeout_s)
         self._lock = threading.RLock()
         self.holds = Holds(self.manager, self._lock)
@@ -481,32 +482,48 @@ class SessionCache:
         `compact`): what the compactor does after a commit whose log passed `compact_ratio`
         times its base (compactor.py). The session is held meanwhile, as for a move: a request
         for it waits. False, doing nothing, when a request holds it (its commit asks again) or it
-        is gone; False too when the compaction was not written (the log stays valid)."""
+        is gone; False too when the compaction was not written (the log stays valid). Counted in
+        xlserve_session_compactions_total{outcome} and, when it held the session,
+        xlserve_session_compaction_seconds."""
         with self._lock:
             record = self.manager.get(session_id)
-            if record is None or self.holds.kind(session_id) is not None or self.durable.tier not in record.copies:
+            if record is None or self.durable.tier not in record.copies:
+                return False
+            if self.holds.kind(session_id) is not None:
+                self._count_compaction(record.model, "busy")
                 return False
             hold = self.holds.take(session_id, MOVE)
             meta = self.durable.metadata(record)
+        started = time.monotonic()
+        outcome = "failed"
         try:
             if self.redis is not None:  # another replica may have committed since: then its log is its own
                 head = self.durable.head(session_id)
                 if head is None or head.version != record.version:
+                    outcome = "moved_on"
                     return False
             data = self.placement.read(record, record.tier, to_device=False)
-            compacted = self.durable.compact(record, lambda: encode_parts(data, meta))
-            if compacted:
+            outcome = self.durable.compact(record, lambda: encode_parts(data, meta))
+            if outcome == "compacted":
                 log_bytes = self.durable.disk_log_bytes(session_id)
                 with self._lock:
                     self.manager.resize(session_id, record.nbytes, log_bytes)
                     self.placement.publish()
-            return compacted
+            return outcome == "compacted"
         except CacheError as error:  # a full or failing store: the log stays, a later commit asks again
             log.warning("session %s: compaction failed (%s); its log stays", session_id, error)
             return False
         finally:
             with self._lock:
                 self.holds.give_back(session_id, hold)
+            self._count_compaction(record.model, outcome, time.monotonic() - started)
+
+    def _count_compaction(self, model: str, outcome: str, seconds: float | None = None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.session_compactions.labels(model, outcome).inc()
+        if seconds is not None:
+            self.metrics.session_compaction_seconds.labels(model).observe(seconds)
 
     def move(self, session_id: str, tier: str) -> None:
         """Put an idle session's fastest copy in `tier` (benchmarks and tests): copies above it

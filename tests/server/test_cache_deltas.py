@@ -363,7 +363,8 @@ def test_a_compaction_runs_after_the_commit_is_answered_and_a_request_waits_for_
     waits for (not a 409): the request then starts from exactly the committed state, and the
     disk holds one base and no log, counted so in the books."""
     model = tiny_model("transformer-xl")
-    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    metrics = Metrics()
+    cache = SessionCache(tmp_path / "state", None, None, None, metrics=metrics, compact_ratio=100.0)
     cache.open({"m": model})
     session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
     step(model, cache, session_id, list(range(9)))
@@ -393,6 +394,10 @@ def test_a_compaction_runs_after_the_commit_is_answered_and_a_request_waits_for_
     assert not cache.disk.log_path(session_id).exists()
     assert identical(stored(cache, session_id), full_write(committed, model.state_class))
     assert_books_count_the_logs(cache)
+    sample = metrics.registry.get_sample_value
+    assert sample("xlserve_session_compactions_total", {"model": "m", "outcome": "compacted"}) == 1
+    assert sample("xlserve_session_compaction_seconds_count", {"model": "m"}) == 1
+    assert sample("xlserve_session_compaction_seconds_sum", {"model": "m"}) >= 0.3  # it held the request back
     cache.close()
 
 
@@ -403,13 +408,15 @@ def test_a_session_in_use_is_not_compacted_and_its_log_stays_bounded(tmp_path):
     from xlserve.server.cache.durable import LOG_SLACK
 
     model = tiny_model("transformer-xl")
-    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    metrics = Metrics()
+    cache = SessionCache(tmp_path / "state", None, None, None, metrics=metrics, compact_ratio=100.0)
     cache.open({"m": model})
     session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
     step(model, cache, session_id, list(range(5)))
     lease = cache.acquire(session_id, None)
     assert cache.compact(session_id) is False and cache.disk.log_path(session_id).exists()
     cache.release(lease)
+    assert metrics.registry.get_sample_value("xlserve_session_compactions_total", {"model": "m", "outcome": "busy"}) == 1
 
     cache.compactions.close()  # no compaction behind the answers from here: only the slack bounds the log
     cache.durable.compact_ratio = log_to_ratio(cache, session_id) / (LOG_SLACK - 0.5)
@@ -428,7 +435,8 @@ def test_a_compaction_behind_the_answer_never_overwrites_another_replicas_commit
     that committed between the answer and the compaction keeps its version, and the compaction
     gives way; one that comes in time leaves the session with its state, no log, same version."""
     model = tiny_model("transformer-xl")
-    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url, compact_ratio=100.0)
+    metrics = Metrics()
+    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url, metrics=metrics, compact_ratio=100.0)
     b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url)
     a.open({"m": model})
     b.open({"m": model})
@@ -443,6 +451,8 @@ def test_a_compaction_behind_the_answer_never_overwrites_another_replicas_commit
     release.set()
     assert a.compactions.wait_idle(timeout=60)
     assert "compaction" not in a.durable.written  # compare-and-set on version 2: given way
+    assert metrics.registry.get_sample_value("xlserve_session_compactions_total",
+                                             {"model": "m", "outcome": "moved_on"}) == 1
     version, _, _, log_blocks = a.redis.get_chain(session_id)
     assert version == 3 and len(log_blocks) == 3 and identical(stored(a, session_id), theirs)
 
