@@ -357,17 +357,24 @@ def gate_compactions(cache: SessionCache):
     return release, waiting
 
 
-def test_a_compaction_runs_after_the_commit_is_answered_and_a_request_waits_for_it(tmp_path):
-    """A commit whose log passes compact_ratio times its base answers after writing its delta
-    block; the session is compacted next, in the background, under a hold that a request for it
-    waits for (not a 409): the request then starts from exactly the committed state, and the
-    disk holds one base and no log, counted so in the books."""
+def a_session_with_one_delta(tmp_path: Path, tokens: int) -> tuple:
+    """A Transformer-XL session on disk (40 tokens, then one delta commit of `tokens`) in a cache
+    that counts its metrics and compacts only past a ratio of 100: (model, metrics, cache, id)."""
     model = tiny_model("transformer-xl")
     metrics = Metrics()
     cache = SessionCache(tmp_path / "state", None, None, None, metrics=metrics, compact_ratio=100.0)
     cache.open({"m": model})
     session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
-    step(model, cache, session_id, list(range(9)))
+    step(model, cache, session_id, list(range(tokens)))
+    return model, metrics, cache, session_id
+
+
+def test_a_compaction_runs_after_the_commit_is_answered_and_a_request_waits_for_it(tmp_path):
+    """A commit whose log passes compact_ratio times its base answers after writing its delta
+    block; the session is compacted next, in the background, under a hold that a request for it
+    waits for (not a 409): the request then starts from exactly the committed state, and the
+    disk holds one base and no log, counted so in the books."""
+    model, metrics, cache, session_id = a_session_with_one_delta(tmp_path, 9)
     cache.durable.compact_ratio = log_to_ratio(cache, session_id)  # the next block takes the log past it
     release, waiting = gate_compactions(cache)
     committed = step(model, cache, session_id, list(range(6)))
@@ -407,12 +414,7 @@ def test_a_session_in_use_is_not_compacted_and_its_log_stays_bounded(tmp_path):
     the commit itself."""
     from xlserve.server.cache.durable import LOG_SLACK
 
-    model = tiny_model("transformer-xl")
-    metrics = Metrics()
-    cache = SessionCache(tmp_path / "state", None, None, None, metrics=metrics, compact_ratio=100.0)
-    cache.open({"m": model})
-    session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
-    step(model, cache, session_id, list(range(5)))
+    model, metrics, cache, session_id = a_session_with_one_delta(tmp_path, 5)
     lease = cache.acquire(session_id, None)
     assert cache.compact(session_id) is False and cache.disk.log_path(session_id).exists()
     cache.release(lease)
