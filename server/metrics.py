@@ -235,15 +235,20 @@ class Metrics:
     # eviction reads as a rate of 0 (there was no earlier sample) and alerts on it cannot fire.
 
     FINISH_REASONS = ("stop", "length", "no_allowed_token", "cancelled")
+    COMPACTION_OUTCOMES = ("compacted", "busy", "moved_on", "failed")  # server/cache/session_cache.py `compact`
 
     def declare_engine_series(self, models: list[str], tiers: list[str]) -> None:
-        """The engine process's counters at 0 for every model, finish reason and cache tier."""
+        """The engine process's counters at 0 for every model, finish reason, compaction outcome and
+        cache tier."""
         for model in models:
             for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
                             self.prefix_cache_hits, self.prefix_cache_evictions):
                 counter.labels(model)
             for reason in self.FINISH_REASONS:
                 self.requests.labels(model, reason)
+            for outcome in self.COMPACTION_OUTCOMES:
+                self.session_compactions.labels(model, outcome)
+            self.session_compaction_seconds.labels(model)  # its buckets at 0 too: the panel has a series
             for tier in tiers:
                 for counter in (self.session_cache_hits, self.session_cache_misses, self.session_promotions,
                                 self.session_evictions, self.session_refusals):
