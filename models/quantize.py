@@ -116,10 +116,9 @@ def int_mm_sums(whole_rows: Tensor, values: Tensor, scales: Tensor) -> Tensor:
     return torch._int_mm(whole_rows.to(torch.int8), values.t()).float() * scales
 
 
-def _packed_matches_int_mm(rows: Tensor, values: Tensor, scales: Tensor) -> bool:
+def _packed_sums_match(rows: Tensor, packed, values: Tensor, scales: Tensor) -> bool:
     """Whether the packed kernel gives `int_mm_sums`' numbers for whole-number `rows` and this
     weight (False too when it has no packed kernel or fails)."""
-    packed = _packed_weight(values, scales)
     if packed is None:
         return False
     try:
@@ -144,7 +143,7 @@ def packed_kernel_is_exact() -> bool:
     rows[0], rows[1] = INT8_LIMIT, -INT8_LIMIT
     rows[2, ::2], rows[2, 1::2] = INT8_LIMIT, -INT8_LIMIT
     scales = torch.rand(8, generator=generator) + 0.5
-    return _packed_matches_int_mm(rows, values, scales)
+    return _packed_sums_match(rows, _packed_weight(values, scales), values, scales)
 
 
 class Int8Linear(nn.Module):
@@ -189,10 +188,7 @@ class Int8Linear(nn.Module):
         """Whether the packed kernel gives this weight's exact sums for a random row (the
         extremes are `packed_kernel_is_exact`'s, once a process)."""
         row = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (1, self.in_features), generator=torch.Generator().manual_seed(0))
-        try:
-            return torch.equal(packed_sums(row.float(), self.packed), int_mm_sums(row.float(), values, self.scales))
-        except KERNEL_FAILURES:
-            return False
+        return _packed_sums_match(row.float(), self.packed, values, self.scales)
 
     def check_against(self, weight: Tensor, bias: Tensor | None) -> None:
         """Raise QuantizationError unless this layer's product of a random row is the float
@@ -290,10 +286,10 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights in memory: its parameters and, for each int8 layer, its
     scales and int8 values (packed or a buffer); tied parameters counted once."""
     tensors = {id(t): t for t in model.parameters()}
-    for layer in _int8_layers(model):
+    layers = _int8_layers(model)
+    for layer in layers:
         tensors.update({id(t): t for t in layer.buffers()})
-    return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
-        layer.packed_bytes() for layer in _int8_layers(model))
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(layer.packed_bytes() for layer in layers)
 
 
 def weight_bytes_per_step(model) -> int:

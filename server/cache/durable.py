@@ -253,8 +253,7 @@ class DurableStore:
             encoded = whole()
             store_call(lambda: self.disk.write(record.id, encoded))
             return Written(self._count(record, "whole" if delta is None else "compaction", blob_bytes(encoded)))
-        meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
-                "created_at": record.created_at, "last_used_at": record.last_used_at}
+        meta = self._redis_meta(record)
         kind = "whole"
         written = None
         due = False
@@ -292,6 +291,12 @@ class DurableStore:
             raise SessionConflict(record.id)
         return Written(self._count(record, kind, nbytes), due)
 
+    @staticmethod
+    def _redis_meta(record: Record) -> dict:
+        """The `meta` field a session's Redis hash carries (`head` and `record_from_meta` read it)."""
+        return {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
+                "created_at": record.created_at, "last_used_at": record.last_used_at}
+
     def compact(self, record: Record, blob: Callable[[], Blob]) -> str:
         """Write the session whole at its version (`blob()`, encoded from its committed state): a
         new base, its log of delta blocks gone. The caller holds the session. On disk this is a
@@ -307,8 +312,7 @@ class DurableStore:
             store_call(lambda: self.disk.write(record.id, encoded))
             self._count(record, "compaction", blob_bytes(encoded))
             return "compacted"
-        meta = {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
-                "created_at": record.created_at, "last_used_at": record.last_used_at}
+        meta = self._redis_meta(record)
         encoded = joined(blob())
         try:
             written = self.redis.put(record.id, record.version, record.version, meta, encoded, secrets.token_hex(8))
