@@ -27,7 +27,11 @@ For each it reports:
   delta commits) and the bytes of the 128 new positions alone (the goal's unit);
 - decode: greedy tokens/s at batch 1 and 8 after a prompt of --decode-prompt tokens, for
   xlserve in float32, xlserve with weight-only int8 (XLSERVE_QUANTIZE) and the Hugging Face
-  reference driven by the same loop with its cache, in the same run; whether xlserve's float32
+  reference driven by the same loop with its cache, in the same run. xlserve's four runs (float32
+  and int8 at each batch size) take --decode-rounds rounds of --decode-tokens steps in turn, each
+  going on from where its last round ended, and report the median round: the ratios the goals
+  name (int8 over float32, batch 8 over batch 1) then compare steps taken minutes apart no more,
+  and each row gives the slowest and fastest round and the int8 ratio of every round; whether xlserve's float32
   tokens equal the reference's; and the fraction of this machine's measured read bandwidth that
   the float32 decode reaches, twice: weight bytes read per step × steps/s ÷ bandwidth, and with
   every row's state added to the bytes (attention reads its whole memory each step). The second
@@ -70,9 +74,11 @@ XLNET_LARGE = dict(n_layer=24, d_model=1024, n_head=16, d_inner=4096, vocab_size
 REFORMER_ENWIK8 = None  # vs_hf_reformer.FULL, read when used (it imports nothing heavy, but keep the table here)
 
 FULL = dict(shapes=["transfo-xl-wt103", "xlnet-large", "reformer-enwik8"], histories=[1024, 8192, 65536],
-            append=128, appends=3, history_chunk=512, decode_prompt=256, decode_tokens=16, batch_sizes=[1, 8])
+            append=128, appends=3, history_chunk=512, decode_prompt=256, decode_tokens=16, decode_rounds=3,
+            batch_sizes=[1, 8])
 QUICK = dict(shapes=["transfo-xl-wt103", "xlnet-large", "reformer-enwik8"], histories=[64, 256], append=16,
-             appends=2, history_chunk=64, decode_prompt=16, decode_tokens=4, batch_sizes=[1, 2])
+             appends=2, history_chunk=64, decode_prompt=16, decode_tokens=4, decode_rounds=2,
+             batch_sizes=[1, 2])
 QUICK_SHAPES = {
     "transfo-xl-wt103": dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, vocab_size=2000,
                              cutoffs=[200, 1000], div_val=4, mem_len=48, clamp_len=40),
@@ -97,7 +103,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(Transformer-XL, XLNet with mem_len), where what an append costs cannot depend on "
                              "the tokens before; every row says how many were fed (default: feed them all)")
     parser.add_argument("--decode-prompt", type=int, help="prompt tokens before the decode is timed")
-    parser.add_argument("--decode-tokens", type=int, help="greedy steps timed")
+    parser.add_argument("--decode-tokens", type=int, help="greedy steps timed in each round")
+    parser.add_argument("--decode-rounds", type=int,
+                        help="rounds of --decode-tokens steps, float32 and int8 at every batch size in turn; "
+                             "tokens/s is the median round's")
     parser.add_argument("--batch-sizes", type=int, nargs="+")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis commits")
     parser.add_argument("--no-serve", action="store_true", help="skip the real server's load time and memory")
@@ -374,6 +383,37 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
     return row
 
 
+class GreedyRounds:
+    """Greedy decoding through `step` (`state_step`: ids -> the next token's scores) resumed in rounds: the prompt once,
+    then each `decode(steps)` goes on from where the last round ended, timed on its own. Rounds of
+    several runs alternate (float32, int8, batch 1, batch 8), so a ratio between two of them
+    compares steps taken under the same load of this machine, not minutes apart."""
+
+    def __init__(self, step, prompt: torch.Tensor):
+        self.step = step
+        self.scores = step(prompt)  # (B, V): the next token's scores after the prompt
+        self.tokens: list[torch.Tensor] = []  # (B, steps) per round
+        self.seconds: list[float] = []
+
+    def decode(self, steps: int) -> None:
+        tokens = []
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = self.scores.argmax(-1, keepdim=True)  # (B, 1)
+            tokens.append(token)
+            self.scores = self.step(token)
+        self.seconds.append(time.perf_counter() - start)
+        self.tokens.append(torch.cat(tokens, 1))
+
+    def tokens_per_s(self, batch: int, steps: int) -> float:
+        """At the median round's speed."""
+        return batch * steps / statistics.median(self.seconds)
+
+    def spread(self, batch: int, steps: int) -> list[float]:
+        """The slowest and fastest round's tokens/s."""
+        return [batch * steps / max(self.seconds), batch * steps / min(self.seconds)]
+
+
 @torch.inference_mode()
 def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: float) -> list[dict]:
     from xlserve.models.quantize import quantize_model
@@ -381,23 +421,32 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
     import copy
 
     quantized = quantize_model(copy.deepcopy(model), "int8")
+    steps, rounds = args.decode_tokens, args.decode_rounds
     # a row's state halfway through the timed steps: what each step reads beside the weights
-    state_bytes = state_bytes_per_row(model, args.decode_prompt + args.decode_tokens // 2, vocab)
+    state_bytes = state_bytes_per_row(model, args.decode_prompt + rounds * steps // 2, vocab)
+    runs, prompts = {}, {}
+    for batch in args.batch_sizes:
+        prompts[batch] = torch.randint(0, vocab, (batch, args.decode_prompt), generator=torch.Generator().manual_seed(batch))
+        for kind, weights in (("float32", model), ("int8", quantized)):
+            generate_greedy(state_step(weights, batch), prompts[batch][:, :4], 1)  # warm up
+            runs[batch, kind] = GreedyRounds(state_step(weights, batch), prompts[batch])
+    for _ in range(rounds):
+        for run in runs.values():
+            run.decode(steps)
     rows = []
     for batch in args.batch_sizes:
-        prompt = torch.randint(0, vocab, (batch, args.decode_prompt), generator=torch.Generator().manual_seed(batch))
-        generate_greedy(state_step(model, batch), prompt[:, :4], 1)  # warm up
-        ours = generate_greedy(state_step(model, batch), prompt, args.decode_tokens)
-        generate_greedy(state_step(quantized, batch), prompt[:, :4], 1)  # each timed as the others: warmed up first
-        int8 = generate_greedy(state_step(quantized, batch), prompt, args.decode_tokens)
-        steps = args.decode_tokens
+        ours, int8 = runs[batch, "float32"], runs[batch, "int8"]
         row = {"shape": name, "batch_size": batch, "prompt_tokens": args.decode_prompt, "new_tokens": steps,
-               "xlserve_float32_tokens_per_s": batch * steps / ours["decode_s"],
-               "xlserve_int8_tokens_per_s": batch * steps / int8["decode_s"],
-               "int8_tokens_equal_float32": float((int8["tokens"] == ours["tokens"]).float().mean()),
+               "rounds": rounds,
+               "xlserve_float32_tokens_per_s": ours.tokens_per_s(batch, steps),
+               "xlserve_int8_tokens_per_s": int8.tokens_per_s(batch, steps),
+               "xlserve_float32_tokens_per_s_spread": ours.spread(batch, steps),
+               "xlserve_int8_tokens_per_s_spread": int8.spread(batch, steps),
+               "int8_tokens_equal_float32": float((int8.tokens[0] == ours.tokens[0]).float().mean()),
                "weight_bytes_per_step_float32": weight_bytes_per_step(model),
                "weight_bytes_per_step_int8": weight_bytes_per_step(quantized)}
-        row["float32_bandwidth_fraction"] = row["weight_bytes_per_step_float32"] * (steps / ours["decode_s"]) / bandwidth
+        row["float32_bandwidth_fraction"] = (row["weight_bytes_per_step_float32"]
+                                             * row["xlserve_float32_tokens_per_s"] / batch / bandwidth)
         ceiling = decode_ceiling(row["weight_bytes_per_step_float32"], state_bytes, batch, bandwidth)
         row["state_bytes_per_row"] = state_bytes
         row["bytes_read_per_step_float32"] = ceiling["bytes_read_per_step"]
@@ -405,13 +454,16 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
         # the same fraction counting every byte a step reads: its tokens/s over the ceiling's
         row["float32_read_fraction"] = row["xlserve_float32_tokens_per_s"] / ceiling["ceiling_tokens_per_s"]
         row["int8_over_float32"] = row["xlserve_int8_tokens_per_s"] / row["xlserve_float32_tokens_per_s"]
+        # the same ratio within each round (the two runs one after the other): its range says how
+        # much the machine moved the median's
+        row["int8_over_float32_by_round"] = [f / i for f, i in zip(ours.seconds, int8.seconds)]
         if reference is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                generate_greedy(reference_step(name, reference), prompt[:, :4], 1)
-                ref = generate_greedy(reference_step(name, reference), prompt, steps)
+                generate_greedy(reference_step(name, reference), prompts[batch][:, :4], 1)
+                ref = generate_greedy(reference_step(name, reference), prompts[batch], steps)
             row["reference_tokens_per_s"] = batch * steps / ref["decode_s"]
-            row["identical_tokens"] = torch.equal(ours["tokens"], ref["tokens"])
+            row["identical_tokens"] = torch.equal(ours.tokens[0], ref["tokens"])
             row["float32_over_reference"] = row["xlserve_float32_tokens_per_s"] / row["reference_tokens_per_s"]
         rows.append(row)
         print(f"  decode batch {batch}: float32 {row['xlserve_float32_tokens_per_s']:.2f} tok/s, int8 "
@@ -421,6 +473,7 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
     for row in rows:
         if one is not None:
             row["float32_over_batch_1"] = row["xlserve_float32_tokens_per_s"] / one["xlserve_float32_tokens_per_s"]
+            row["int8_over_batch_1"] = row["xlserve_int8_tokens_per_s"] / one["xlserve_int8_tokens_per_s"]
             # the most a batch can gain over one row when reading memory is all a step does
             row["ceiling_over_batch_1"] = row["float32_ceiling_tokens_per_s"] / one["float32_ceiling_tokens_per_s"]
     return rows
@@ -527,7 +580,8 @@ def run(args) -> dict:
             shutil.rmtree(redis_dir, ignore_errors=True)
     return {"benchmark": "real-size", "quick": args.quick, "read_bandwidth_bytes_per_s": bandwidth,
             "setting": {k: getattr(args, k) for k in ("histories", "max_fed_history", "append", "appends", "history_chunk",
-                                                      "decode_prompt", "decode_tokens", "batch_sizes", "seed")},
+                                                      "decode_prompt", "decode_tokens", "decode_rounds", "batch_sizes",
+                                                      "seed")},
             "environment": environment(with_transformers=True), "shapes": shapes}
 
 
@@ -558,14 +612,18 @@ def print_table(result: dict) -> None:
                   f"{row['commit_disk_s'] * 1000:8.0f} ms | {row.get('commit_redis_s', float('nan')) * 1000:9.0f} ms | "
                   f"{_mb(row['whole_blob_bytes'])} | {_mb(row['new_positions_bytes'])} | "
                   f"{_mb(row['bytes_per_commit_disk'])} | {_mb(row.get('bytes_per_commit_redis'))}")
-        print("  batch | float32 tok/s | int8 tok/s | reference tok/s | identical | fraction: weights | weights + state "
-              "| ceiling tok/s | over batch 1 (ceiling)")
+        print("  batch | float32 tok/s | int8 tok/s | int8 ÷ float32 (rounds) | reference tok/s | identical "
+              "| fraction: weights | weights + state | ceiling tok/s | over batch 1: float32, int8 (ceiling)")
         for row in shape["decode"]:
+            by_round = row["int8_over_float32_by_round"]
             print(f"  {row['batch_size']:>5} | {row['xlserve_float32_tokens_per_s']:13.2f} | "
-                  f"{row['xlserve_int8_tokens_per_s']:10.2f} | {row.get('reference_tokens_per_s', float('nan')):15.2f} | "
+                  f"{row['xlserve_int8_tokens_per_s']:10.2f} | "
+                  f"{row['int8_over_float32']:4.2f} ({min(by_round):.2f}-{max(by_round):.2f}){'':>9} | "
+                  f"{row.get('reference_tokens_per_s', float('nan')):15.2f} | "
                   f"{row.get('identical_tokens', '-')!s:>9} | {row['float32_bandwidth_fraction']:17.2f} | "
                   f"{row['float32_read_fraction']:15.2f} | {row['float32_ceiling_tokens_per_s']:13.2f} | "
-                  f"{row.get('float32_over_batch_1', float('nan')):.2f} ({row.get('ceiling_over_batch_1', float('nan')):.2f})")
+                  f"{row.get('float32_over_batch_1', float('nan')):.2f}, {row.get('int8_over_batch_1', float('nan')):.2f} "
+                  f"({row.get('ceiling_over_batch_1', float('nan')):.2f})")
 
 
 def plot(result: dict, path: Path) -> None:

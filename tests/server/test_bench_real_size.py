@@ -81,12 +81,20 @@ def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
             assert row["float32_read_fraction"] == pytest.approx(
                 row["xlserve_float32_tokens_per_s"] / row["float32_ceiling_tokens_per_s"])
             assert row["weight_bytes_per_step_int8"] < row["weight_bytes_per_step_float32"]
+            # the runs took their rounds in turn: tokens/s is the median round's, within the spread
+            assert row["rounds"] == result["setting"]["decode_rounds"] == 2
+            for kind in ("float32", "int8"):
+                slowest, fastest = row[f"xlserve_{kind}_tokens_per_s_spread"]
+                assert slowest <= row[f"xlserve_{kind}_tokens_per_s"] <= fastest
+            assert len(row["int8_over_float32_by_round"]) == 2
             if shape["shape"] != "reformer-enwik8" or batch == 1:
                 assert row["identical_tokens"], (shape["shape"], batch)
         # a batch gains at most its size over one row, less as its rows' states weigh
         assert 1 < rows[2]["ceiling_over_batch_1"] < 2
         assert rows[2]["float32_over_batch_1"] == pytest.approx(
             rows[2]["xlserve_float32_tokens_per_s"] / rows[1]["xlserve_float32_tokens_per_s"])
+        assert rows[2]["int8_over_batch_1"] == pytest.approx(
+            rows[2]["xlserve_int8_tokens_per_s"] / rows[1]["xlserve_int8_tokens_per_s"])
 
 
 @pytest.mark.parametrize("tied", [True, False])
