@@ -329,7 +329,7 @@ def feed(model, tokens: torch.Tensor, state, chunk: int):
 
 
 @torch.inference_mode()
-def measure_appends(name: str, model, history: int, args, redis_url: str, vocab: int) -> dict:
+def measure_appends(name: str, model, history: int, args, redis_url: str, vocab: int, cycle: bool = False) -> dict:
     from xlserve.server.cache.codec import SessionData, encode
     from xlserve.server.cache.session_cache import SessionCache
 
@@ -380,7 +380,73 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
         row[f"append_with_{durable}_commit_over_forward"] = (row["forward_s"] + row[f"commit_{durable}_s"]) / row["forward_s"]
         if row["new_positions_bytes"]:
             row[f"bytes_per_commit_{durable}_over_new_positions"] = row[f"bytes_per_commit_{durable}"] / row["new_positions_bytes"]
+    if cycle:
+        row["compaction_cycle"] = compaction_cycle(name, model, sessions, args, redis_url, vocab, seed=history + 1)
     return row
+
+
+MAX_CYCLE_COMMITS = 64  # a state that has not compacted by then is reported as such
+
+
+def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, vocab: int, seed: int) -> dict:
+    """What a commit writes amortized over a whole cycle of its session's log: the session written
+    whole at `sessions[0]`, then appends of `args.append` tokens (`sessions[1:]`, then more) each
+    committed, until the commit whose block takes the log past XLSERVE_COMPACT_RATIO times the
+    base has been followed by its compaction, which writes the session whole again. The bytes of
+    those commits and of the compaction over the number of commits: the figure a long session
+    costs per append, where the median commit leaves the compactions out. Committed to disk and
+    to Redis by turns, each store's bytes counted as `measure_appends` counts them, with the
+    compaction awaited inside its commit's count."""
+    from xlserve.server.cache.codec import SessionData
+    from xlserve.server.cache.session_cache import SessionCache
+
+    def counter(durable: str) -> int:
+        return redis_bytes_received(redis_url) if durable == "redis" else bytes_written_by_this_process()
+
+    generator = torch.Generator().manual_seed(seed)
+    stores = ["disk"] + (["redis"] if redis_url else [])
+    result = {store: {"commits": 0, "bytes": 0, "compacted": False} for store in stores}
+    with tempfile.TemporaryDirectory(prefix="xlserve-bench-") as directory:
+        caches = {}
+        try:
+            for store in stores:
+                cache = SessionCache(Path(directory) / store, None, None, None, redis_url if store == "redis" else "")
+                cache.open({name: model})
+                caches[store] = (cache, cache.create(name, None, sessions[0]).id)
+            data = sessions[0]
+            for k in range(1, MAX_CYCLE_COMMITS + 1):
+                if k < len(sessions):
+                    data = sessions[k]
+                else:  # the next append, as measure_appends makes them
+                    piece = torch.randint(0, vocab, (1, args.append), generator=generator)
+                    next_rows, _, state = model.forward_scored(piece, data.state)
+                    data = SessionData(state=state, tokens=data.tokens + args.append, next_log_probs=next_rows[0])
+                for store, (cache, session_id) in caches.items():
+                    if result[store]["compacted"]:
+                        continue
+                    lease = cache.acquire(session_id, None)
+                    before = counter(store)
+                    cache.commit(lease, data)
+                    cache.compactions.wait_idle(timeout=600)
+                    result[store]["bytes"] += counter(store) - before
+                    result[store]["commits"] += 1
+                    # behind the answer, or by a commit whose log could not wait: both count as "compaction"
+                    result[store]["compacted"] = cache.durable.written.get("compaction", [0])[0] > 0
+                if all(r["compacted"] for r in result.values()):
+                    break
+        finally:
+            for cache, _ in caches.values():
+                cache.close()
+            if redis_url:
+                import redis
+
+                redis.Redis.from_url(redis_url).flushdb()
+    new_positions = bytes_per_position(model) * args.append
+    for r in result.values():
+        r["bytes_per_commit"] = r["bytes"] / r["commits"]
+        if new_positions:
+            r["bytes_per_commit_over_new_positions"] = r["bytes_per_commit"] / new_positions
+    return result
 
 
 class GreedyRounds:
@@ -551,12 +617,16 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
     result["sessions_per_tier"] = {dtype: tiers(b) for dtype, b in result["state_bytes_per_session"].items()}
     limit = model.history_limit
     result["appends"] = []
+    # a cycle long enough to compact fits the model's context (the Reformer's grows)
+    fits = [h for h in args.histories if limit is None or h + args.append * MAX_CYCLE_COMMITS <= limit]
     for history in args.histories:
         if limit is not None and history + args.append * args.appends > limit:
             result["appends"].append({"shape": name, "history_tokens": history, "skipped": f"past max_context {limit}"})
             continue
         print(f"  history {history}", flush=True)
-        result["appends"].append(measure_appends(name, model, history, args, redis_url, vocab))
+        # the compaction cycle after the longest history: the memory full, as a long session's
+        cycle = bool(fits) and history == fits[-1]
+        result["appends"].append(measure_appends(name, model, history, args, redis_url, vocab, cycle))
     reference = None if args.no_reference else reference
     result["decode"] = measure_decode(name, model, reference, args, vocab, bandwidth)
     return result
@@ -612,6 +682,12 @@ def print_table(result: dict) -> None:
                   f"{row['commit_disk_s'] * 1000:8.0f} ms | {row.get('commit_redis_s', float('nan')) * 1000:9.0f} ms | "
                   f"{_mb(row['whole_blob_bytes'])} | {_mb(row['new_positions_bytes'])} | "
                   f"{_mb(row['bytes_per_commit_disk'])} | {_mb(row.get('bytes_per_commit_redis'))}")
+        for row in shape["appends"]:
+            for store, cycle in row.get("compaction_cycle", {}).items():
+                print(f"  compaction cycle after {row['history_tokens']} tokens, {store}: {cycle['commits']} commits "
+                      f"{'and their compaction' if cycle['compacted'] else '(no compaction)'} wrote "
+                      f"{_mb(cycle['bytes'])}, {_mb(cycle['bytes_per_commit'])} a commit amortized "
+                      f"({cycle.get('bytes_per_commit_over_new_positions', float('nan')):.2f}x its new positions)")
         print("  batch | float32 tok/s | int8 tok/s | int8 ÷ float32 (rounds) | reference tok/s | identical "
               "| fraction: weights | weights + state | ceiling tok/s | over batch 1: float32, int8 (ceiling)")
         for row in shape["decode"]:

@@ -393,8 +393,7 @@ class EngineProcess:
                            "device": str(loaded.model.device),
                            "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else "none",
                            "load_seconds": round(loaded.load_seconds, 3),
-                           # a large model runs every forward on the prompt threads (threads.py)
-                           "every_forward_on_prompt_threads": loaded.engine.forward_threads.large_model})
+                           "every_forward_on_prompt_threads": loaded.engine.every_forward_on_prompt_threads})
         engine, cache = self.settings.engine, self.settings.cache
         threads, prompt_threads = threads_per_engine(engine.torch_threads, engine.prompt_threads, len(self.models))
         store = {"state_dir": str(Path(cache.state_dir).resolve()), "device_bytes": cache.device_state_bytes,

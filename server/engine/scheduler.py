@@ -147,6 +147,11 @@ class Engine:
         """The worker thread's intra-op threads for big prompt batches."""
         return self.forward_threads.prompt_threads
 
+    @property
+    def every_forward_on_prompt_threads(self) -> bool:
+        """Whether the model is large enough that every forward runs on the prompt threads."""
+        return self.forward_threads.large_model
+
     # -- admission (any thread) ------------------------------------------------------------
 
     def fresh_data(self) -> SessionData:

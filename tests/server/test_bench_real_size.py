@@ -66,6 +66,30 @@ def test_appends_are_timed_and_their_bytes_counted_on_disk_and_in_redis(result):
     assert any("skipped" in row and "max_context" in row["skipped"] for row in reformer["appends"])
 
 
+def test_a_compaction_cycle_counts_the_whole_write_amortized_over_its_commits(result):
+    """After the longest history each store takes appends until a compaction has run: the
+    cycle's bytes are its delta commits and one whole write, which the median commit leaves out."""
+    from xlserve.server.bench.real_size import MAX_CYCLE_COMMITS
+
+    for shape in result["shapes"]:
+        cycles = [row for row in shape["appends"] if "compaction_cycle" in row]
+        if shape["shape"] == "reformer-enwik8":  # its 256 positions hold no bounded cycle here
+            assert not cycles
+            continue
+        (row,) = cycles
+        assert row["history_tokens"] == 256
+        for store in ("disk", "redis"):
+            cycle = row["compaction_cycle"][store]
+            assert cycle["compacted"] and 2 <= cycle["commits"] <= MAX_CYCLE_COMMITS
+            assert cycle["bytes"] >= row["whole_blob_bytes"] + (cycle["commits"] - 1) * row["new_positions_bytes"]
+            # one whole write over the cycle's commits: more than the median commit, and no more than
+            # the commits and a whole write (the store's own framing, a Redis command's, aside)
+            assert row[f"bytes_per_commit_{store}"] < cycle["bytes_per_commit"]
+            assert cycle["bytes"] <= 1.2 * (cycle["commits"] * row[f"bytes_per_commit_{store}"] + row["whole_blob_bytes"])
+            assert cycle["bytes_per_commit_over_new_positions"] == pytest.approx(
+                cycle["bytes_per_commit"] / row["new_positions_bytes"])
+
+
 def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
     for shape in result["shapes"]:
         rows = {row["batch_size"]: row for row in shape["decode"]}
