@@ -108,11 +108,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="rounds of --decode-tokens steps, float32 and int8 at every batch size in turn; "
                              "tokens/s is the median round's")
     parser.add_argument("--batch-sizes", type=int, nargs="+")
+    parser.add_argument("--compact-ratio", type=float, default=None,
+                        help="XLSERVE_COMPACT_RATIO of the commits' caches (default: the server's)")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis commits")
     parser.add_argument("--no-serve", action="store_true", help="skip the real server's load time and memory")
     parser.add_argument("--no-reference", action="store_true", help="skip the Hugging Face decode (it is the slowest part)")
     add_run_arguments(parser, "real-size")
     args = parser.parse_args(argv)
+    if args.compact_ratio is None:
+        from xlserve.server.settings import CacheSettings
+
+        args.compact_ratio = CacheSettings.model_fields["compact_ratio"].default
     return fill_defaults(args, "real-size", QUICK if args.quick else FULL)
 
 
@@ -358,7 +364,8 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
            "forward_s": statistics.median(forward_s)}
     for durable in ["disk"] + (["redis"] if redis_url else []):
         with tempfile.TemporaryDirectory(prefix="xlserve-bench-") as directory:
-            cache = SessionCache(Path(directory) / "state", None, None, None, redis_url if durable == "redis" else "")
+            cache = SessionCache(Path(directory) / "state", None, None, None, redis_url if durable == "redis" else "",
+                                 compact_ratio=args.compact_ratio)
             cache.open({name: model})
             session_id = cache.create(name, None, sessions[0]).id
             times, written = [], []
@@ -410,7 +417,8 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
         caches = {}
         try:
             for store in stores:
-                cache = SessionCache(Path(directory) / store, None, None, None, redis_url if store == "redis" else "")
+                cache = SessionCache(Path(directory) / store, None, None, None, redis_url if store == "redis" else "",
+                                     compact_ratio=args.compact_ratio)
                 cache.open({name: model})
                 caches[store] = (cache, cache.create(name, None, sessions[0]).id)
             data = sessions[0]
@@ -650,8 +658,8 @@ def run(args) -> dict:
             shutil.rmtree(redis_dir, ignore_errors=True)
     return {"benchmark": "real-size", "quick": args.quick, "read_bandwidth_bytes_per_s": bandwidth,
             "setting": {k: getattr(args, k) for k in ("histories", "max_fed_history", "append", "appends", "history_chunk",
-                                                      "decode_prompt", "decode_tokens", "decode_rounds", "batch_sizes",
-                                                      "seed")},
+                                                      "compact_ratio", "decode_prompt", "decode_tokens", "decode_rounds",
+                                                      "batch_sizes", "seed")},
             "environment": environment(with_transformers=True), "shapes": shapes}
 
 

@@ -604,8 +604,21 @@ class RedisStore:
                     # no retries inside the client: a write retried after a timeout could land twice
                     client, self._close = connect(self.url, self.timeout_s, self.max_connections)
                     self._scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
+                    self._load_scripts(client)
                     self._client = client
         return self._client
+
+    def _load_scripts(self, client) -> None:
+        """Load the scripts into the server's cache now (every primary of a cluster). A script
+        is called by its hash, and one the server does not know yet is sent again after loading
+        it (redis-py's `Script`), its arguments with it: the first write of a fresh or restarted
+        Redis would send its blob twice (a wt103 session: 237 MB more). Best effort: a server
+        that cannot be reached now is reached by the call that needs it, which loads then."""
+        try:
+            for script in self._scripts.values():
+                client.script_load(script.script)
+        except (self._exceptions.RedisError, self._exceptions.RedisClusterException):
+            pass
 
     def _script(self, name: str, keys: list[str], args: list):
         """Run one of the Lua scripts (its keys all in one cluster slot)."""

@@ -70,7 +70,9 @@ def test_a_compaction_cycle_counts_the_whole_write_amortized_over_its_commits(re
     """After the longest history each store takes appends until a compaction has run: the
     cycle's bytes are its delta commits and one whole write, which the median commit leaves out."""
     from xlserve.server.bench.real_size import MAX_CYCLE_COMMITS
+    from xlserve.server.settings import CacheSettings
 
+    assert result["setting"]["compact_ratio"] == CacheSettings.model_fields["compact_ratio"].default
     for shape in result["shapes"]:
         cycles = [row for row in shape["appends"] if "compaction_cycle" in row]
         if shape["shape"] == "reformer-enwik8":  # its 256 positions hold no bounded cycle here

@@ -30,6 +30,22 @@ def test_cas_refuses_a_stale_version(redis_url):  # noqa: F811
     store.close()
 
 
+def test_the_first_write_to_a_redis_that_has_no_scripts_sends_its_blob_once(redis_url):  # noqa: F811
+    """The scripts are loaded when the store connects: a script the server did not know would be
+    refused by its hash and sent again with its arguments, the session's whole blob."""
+    server = redis.Redis.from_url(redis_url)
+    server.script_flush()  # as a fresh or restarted server
+    store = RedisStore(redis_url, prefix="test-first-write:")
+    store.head("nothing")  # connects
+    blob = bytes(4 << 20)
+    before = int(server.info("stats")["total_net_input_bytes"])
+    assert store.put("s", None, 0, {"v": 0}, blob)
+    sent = int(server.info("stats")["total_net_input_bytes"]) - before
+    assert len(blob) <= sent < 1.1 * len(blob)
+    store.delete("s")
+    store.close()
+
+
 def test_a_session_moves_between_replicas_and_a_stale_writer_gets_a_conflict(tmp_path, redis_url):  # noqa: F811
     a = replica(tmp_path, "a", redis_url)
     b = replica(tmp_path, "b", redis_url)
