@@ -259,8 +259,9 @@ class CacheSettings(SettingsGroup):
                                          "whether it landed before answering 503")
     # a session whose model's state grows or slides by appending commits only what changed, as
     # blocks appended to a log per session (server/cache/durable.py); the log is compacted into a
-    # new whole copy once it would hold more than this times the whole copy's bytes
-    compact_ratio: float = Field(1.0, gt=0, description="compact a session's log of delta commits into a whole "
+    # new whole copy once it would hold more than this times the whole copy's bytes (the cache's
+    # own default, durable.py DEFAULT_COMPACT_RATIO, says why 1.5; a test keeps the two equal)
+    compact_ratio: float = Field(1.5, gt=0, description="compact a session's log of delta commits into a whole "
                                  "copy once it outgrows this times the copy's bytes")
 
     @field_validator("redis_url")

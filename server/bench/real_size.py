@@ -24,7 +24,10 @@ For each it reports:
   the bytes this process passed to write() during the commit (/proc/self/io wchar), so the
   figure is what the store really wrote whatever its format; to Redis, the growth of the
   server's total_net_input_bytes. Beside them, the whole blob (what every commit wrote before
-  delta commits) and the bytes of the 128 new positions alone (the goal's unit);
+  delta commits) and the bytes of the 128 new positions alone (the goal's unit). After each
+  shape's longest history, a compaction cycle: appends committed to each store until the
+  session's log has been compacted once (--compact-ratio, by default the server's), its bytes
+  over its commits: what a commit costs once the whole write it leads to is counted;
 - decode: greedy tokens/s at batch 1 and 8 after a prompt of --decode-prompt tokens, for
   xlserve in float32, xlserve with weight-only int8 (XLSERVE_QUANTIZE) and the Hugging Face
   reference driven by the same loop with its cache, in the same run. xlserve's four runs (float32

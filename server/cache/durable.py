@@ -67,6 +67,15 @@ from xlserve.server.cache.stores import (
 
 log = logging.getLogger("xlserve.cache")
 
+# A session's log is compacted once it holds more than this times its base (XLSERVE_COMPACT_RATIO;
+# server/settings.py says the same). Over a cycle a commit then costs its block plus 1/n of a whole
+# write, n being the commits the log takes to pass the ratio: at transfo-xl-wt103's shape with its
+# memory full (a 20 MB block for 128 tokens, a 237 MB base) 18 commits and 33.1 MB a commit,
+# 1.75x its new positions, where a ratio of 1 gave 12 commits and 39.7 MB (2.10x, over the 2x
+# issue 36 allows); the price is a log of up to 1.5x its base on the last tier before its
+# compaction (`bench real-size`, docs/benchmarks.md).
+DEFAULT_COMPACT_RATIO = 1.5
+
 # How far past `compact_ratio` times its base a session's log may grow while its compaction waits
 # in the background: past this a commit compacts in its own write, as every compaction did before
 # they moved behind the answer.
@@ -95,7 +104,7 @@ def store_call(fn):
 
 class DurableStore:
     def __init__(self, disk: DiskStore, redis: RedisStore | None, models: dict[str, object], settle_s: float,
-                 compact_ratio: float = 1.0, metrics=None):
+                 compact_ratio: float = DEFAULT_COMPACT_RATIO, metrics=None):
         """`models`: name -> LanguageModel (architecture, state_class, init_state, check_session), shared with
         the cache; `settle_s`: how long a Redis write without an answer is settled; `compact_ratio`:
         a session's log of delta blocks is compacted into a new base once it would hold more than

@@ -84,7 +84,7 @@ from xlserve.server.cache.codec import (
     state_metadata,
 )
 from xlserve.server.cache.compactor import Compactor
-from xlserve.server.cache.durable import DurableStore
+from xlserve.server.cache.durable import DEFAULT_COMPACT_RATIO, DurableStore
 from xlserve.server.cache.errors import (
     CacheError,
     CommitOutcomeUnknown,
@@ -121,7 +121,7 @@ class SessionCache:
     def __init__(self, state_dir, device_bytes: int | None, host_bytes: int | None, disk_bytes: int | None,
                  redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0,
                  hold_wait_s: float | None = None, state_dtype: torch.dtype = torch.float32,
-                 compact_ratio: float = 1.0):
+                 compact_ratio: float = DEFAULT_COMPACT_RATIO):
         """`store_timeout_s` bounds each Redis call; `settle_s` is how long a commit whose write
         timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown;
         `hold_wait_s` is how long a request waits for a session the cache holds (its bytes moving
@@ -163,7 +163,7 @@ class SessionCache:
                    settings.disk_state_bytes, settings.redis_url, metrics,
                    store_timeout_s=settings.store_timeout_seconds, settle_s=settings.commit_settle_seconds,
                    state_dtype=STATE_DTYPES[settings.state_dtype],
-                   compact_ratio=getattr(settings, "compact_ratio", 1.0))
+                   compact_ratio=getattr(settings, "compact_ratio", DEFAULT_COMPACT_RATIO))
 
     # -- start and stop ---------------------------------------------------------------------
 

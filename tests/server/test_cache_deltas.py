@@ -662,3 +662,16 @@ def test_a_fork_shares_its_base_and_an_import_is_a_whole_write(tmp_path):
     cache.open({"m": model})
     assert identical(stored(cache, fork), forked)
     assert not list((tmp_path / "state").glob("*.corrupt"))
+
+
+def test_the_servers_compact_ratio_is_the_caches_default():
+    """XLSERVE_COMPACT_RATIO's default (server/settings.py) and the cache's own (durable.py, which
+    says why) are one number: the cache imports nothing of the settings."""
+    from xlserve.server.cache.durable import DEFAULT_COMPACT_RATIO
+    from xlserve.server.settings import CacheSettings
+
+    assert CacheSettings.model_fields["compact_ratio"].default == DEFAULT_COMPACT_RATIO
+    import inspect
+
+    assert inspect.signature(SessionCache).parameters["compact_ratio"].default == DEFAULT_COMPACT_RATIO
+
