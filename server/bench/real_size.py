@@ -50,6 +50,7 @@ figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -118,6 +119,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-reference", action="store_true", help="skip the Hugging Face decode (it is the slowest part)")
     add_run_arguments(parser, "real-size")
     args = parser.parse_args(argv)
+    for option in ("decode_rounds", "decode_tokens"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1")
     if args.compact_ratio is None:
         from xlserve.server.settings import CacheSettings
 
@@ -422,6 +426,7 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
             for store in stores:
                 cache = SessionCache(Path(directory) / store, None, None, None, redis_url if store == "redis" else "",
                                      compact_ratio=args.compact_ratio)
+                caches[store] = (cache, None)  # closed below whatever happens next
                 cache.open({name: model})
                 caches[store] = (cache, cache.create(name, None, sessions[0]).id)
             data = sessions[0]
@@ -438,7 +443,8 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
                     lease = cache.acquire(session_id, None)
                     before = counter(store)
                     cache.commit(lease, data)
-                    cache.compactions.wait_idle(timeout=600)
+                    if not cache.compactions.wait_idle(timeout=600):
+                        raise RuntimeError(f"{name}: a compaction to {store} did not end within 600 s")
                     result[store]["bytes"] += counter(store) - before
                     result[store]["commits"] += 1
                     # behind the answer, or by a commit whose log could not wait: both count as "compaction"
@@ -448,10 +454,11 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
         finally:
             for cache, _ in caches.values():
                 cache.close()
-            if redis_url:
+            if redis_url:  # empty the bench's own Redis for what follows
                 import redis
 
-                redis.Redis.from_url(redis_url).flushdb()
+                with contextlib.suppress(redis.RedisError):  # an error that stopped the cycle says more
+                    redis.Redis.from_url(redis_url).flushdb()
     new_positions = bytes_per_position(model) * args.append
     for r in result.values():
         r["bytes_per_commit"] = r["bytes"] / r["commits"]
@@ -507,8 +514,10 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
         for kind, weights in (("float32", model), ("int8", quantized)):
             generate_greedy(state_step(weights, batch), prompts[batch][:, :4], 1)  # warm up
             runs[batch, kind] = GreedyRounds(state_step(weights, batch), prompts[batch])
-    for _ in range(rounds):
-        for run in runs.values():
+    for round_index in range(rounds):
+        # every other round the other way round: no run always comes first, or after the same one
+        order = list(runs.values())
+        for run in order if round_index % 2 == 0 else reversed(order):
             run.decode(steps)
     rows = []
     for batch in args.batch_sizes:
@@ -636,7 +645,7 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
             continue
         print(f"  history {history}", flush=True)
         # the compaction cycle after the longest history: the memory full, as a long session's
-        cycle = bool(fits) and history == fits[-1]
+        cycle = bool(fits) and history == max(fits)
         result["appends"].append(measure_appends(name, model, history, args, redis_url, vocab, cycle))
     reference = None if args.no_reference else reference
     result["decode"] = measure_decode(name, model, reference, args, vocab, bandwidth)

@@ -4,7 +4,7 @@ answered.
 
 At real size a compaction rewrites the whole state (237 MB at transfo-xl-wt103's shape, about 3 s
 on the machine of 2026-12-04); inside the commit that triggered it, one turn in twelve of a chat
-paid that. Here the commit answers after writing its delta block, and the session is compacted
+paid that (eighteen at today's default ratio of 1.5). Here the commit answers after writing its delta block, and the session is compacted
 next, under a hold that a request for the session waits for rather than being refused
 (session_cache.py `compact`). A session held by a request when its turn comes is skipped: its
 next commit asks again, and a log that reaches LOG_SLACK times the ratio meanwhile is compacted by

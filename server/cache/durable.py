@@ -73,7 +73,8 @@ log = logging.getLogger("xlserve.cache")
 # memory full (a 20 MB block for 128 tokens, a 237 MB base) 18 commits and 33.1 MB a commit,
 # 1.75x its new positions, where a ratio of 1 gave 12 commits and 39.7 MB (2.10x, over the 2x
 # issue 36 allows); the price is a log of up to 1.5x its base on the last tier before its
-# compaction (`bench real-size`, docs/benchmarks.md).
+# compaction (3x, LOG_SLACK times the ratio, while compactions wait) (`bench real-size`,
+# docs/benchmarks.md).
 DEFAULT_COMPACT_RATIO = 1.5
 
 # How far past `compact_ratio` times its base a session's log may grow while its compaction waits

@@ -603,27 +603,16 @@ class RedisStore:
                 if self._client is None:
                     # no retries inside the client: a write retried after a timeout could land twice
                     client, self._close = connect(self.url, self.timeout_s, self.max_connections)
-                    self._scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
-                    self._load_scripts(client)
                     self._client = client
         return self._client
 
-    def _load_scripts(self, client) -> None:
-        """Load the scripts into the server's cache now (every primary of a cluster). A script
-        is called by its hash, and one the server does not know yet is sent again after loading
-        it (redis-py's `Script`), its arguments with it: the first write of a fresh or restarted
-        Redis would send its blob twice (a wt103 session: 237 MB more). Best effort: a server
-        that cannot be reached now is reached by the call that needs it, which loads then."""
-        try:
-            for script in self._scripts.values():
-                client.script_load(script.script)
-        except (self._exceptions.RedisError, self._exceptions.RedisClusterException):
-            pass
-
     def _script(self, name: str, keys: list[str], args: list):
-        """Run one of the Lua scripts (its keys all in one cluster slot)."""
-        client = self.client
-        return self._scripts[name](keys=keys, args=args, client=client)
+        """Run one of the Lua scripts (its keys all in one cluster slot), sent with its source
+        (EVAL, at most 1.2 kB). Called by its hash (EVALSHA), a script the server does not know
+        (a fresh server, a restart, a failover) is refused, and redis-py sends the call again
+        after loading it, arguments included: here a session's whole blob or delta block (at
+        transfo-xl-wt103's shape 237 or 20 MB) would be sent twice."""
+        return self.client.eval(_SCRIPTS[name], len(keys), *keys, *args)
 
     def _key(self, session_id: str) -> str:
         return self.prefix + session_id
