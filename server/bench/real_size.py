@@ -14,6 +14,8 @@ convert`, as a user's downloaded checkpoint would be:
 For each it reports:
 - load: a real `xlserve serve` of the converted checkpoint, timed from the command to /ready,
   and the resident memory of its two processes then (the API process and the engine process);
+  then one greedy completion streamed from it, and as many at once as the largest batch size,
+  each after its own prompt: their tokens/s together while all of them decode;
 - state bytes per session at full memory (float32 and bfloat16: XLSERVE_STATE_DTYPE), and how
   many such sessions fit in each tier at the default budgets (device 1 GiB, host 4 GiB, disk
   64 GiB);
@@ -251,6 +253,53 @@ def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tok
             "served_decode_tokens_per_s": 1 / statistics.median(gaps) if gaps else None}
 
 
+def served_batch(port: int, model: str, vocab: int, prompt_tokens: int, new_tokens: int, batch: int) -> dict:
+    """`batch` greedy completions streamed from the server at once, each after its own prompt of
+    random token ids, as `batch` clients would: the tokens/s of all of them together while every
+    one of them is decoding (from the last first token to the first last one), which is what the
+    engine's batching makes of the in-process batch decode."""
+    import json
+    import threading
+    import urllib.request
+
+    stamps: list[list[float]] = [[] for _ in range(batch)]
+    errors: list[str] = []
+
+    def stream(row: int) -> None:
+        prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(1 + row)).tolist()
+        body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                "logprobs": 0}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=900) as answer:
+                for line in answer:
+                    if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len(b"data:"):])
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"])
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("finish_reason") is None:
+                            stamps[row].append(time.perf_counter())
+        except Exception as error:  # reported below, after every client has ended
+            errors.append(f"completion {row}: {error}")
+
+    clients = [threading.Thread(target=stream, args=(row,)) for row in range(batch)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join()
+    if errors:
+        raise RuntimeError("a served completion of the batch failed: " + "; ".join(errors))
+    if any(len(row) != new_tokens for row in stamps):
+        raise RuntimeError(f"the batch's completions streamed {[len(row) for row in stamps]} tokens, not {new_tokens} each")
+    first, last = max(row[0] for row in stamps), min(row[-1] for row in stamps)
+    together = sum(first < stamp <= last for row in stamps for stamp in row)  # the tokens made in that time
+    return {"served_batch": batch, "served_batch_new_tokens": new_tokens,
+            "served_batch_tokens_per_s": together / (last - first) if last > first else None}
+
+
 def served_vocabulary(checkpoint: Path) -> int:
     """The vocabulary of the converted checkpoint, which the server checks token ids against (the
     Reformer's reference has 258 ids, the converted model the 256 bytes)."""
@@ -260,10 +309,11 @@ def served_vocabulary(checkpoint: Path) -> int:
 
 
 def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_tokens: int, threads: int = 0,
-                      timeout_s: float = 900) -> dict:
+                      timeout_s: float = 900, batch: int = 1, batch_new_tokens: int = 0) -> dict:
     """Start `xlserve serve` on the checkpoint (on `threads` threads for every forward, as the
     in-process measurements run; 0: the server's defaults): seconds to /ready, the processes'
-    RSS then, and one streamed greedy completion at batch 1 (`served_decode`)."""
+    RSS then, one streamed greedy completion at batch 1 (`served_decode`) and, for `batch` > 1,
+    `batch` at once of `batch_new_tokens` each (`served_batch`)."""
     import json
     import urllib.error
     import urllib.request
@@ -298,7 +348,10 @@ def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_toke
             models = json.load(answer)["data"]
         measured = {"ready_s": ready_s, "resident_bytes": process_tree_rss(process.pid),
                     "served_state_bytes_per_session": models[0].get("state_bytes_per_session")}
-        return measured | served_decode(port, models[0]["id"], vocab, prompt_tokens, new_tokens)
+        measured |= served_decode(port, models[0]["id"], vocab, prompt_tokens, new_tokens)
+        if batch > 1:
+            measured |= served_batch(port, models[0]["id"], vocab, prompt_tokens, batch_new_tokens, batch)
+        return measured
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -621,8 +674,10 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
         start = time.perf_counter()
         convert(Path(tmp) / "hf", Path(tmp) / "xlserve", symbols)
         convert_s = time.perf_counter() - start
-        served = None if args.no_serve else serve_and_measure(Path(tmp) / "xlserve", served_vocabulary(Path(tmp) / "xlserve"),
-                                                              args.decode_prompt, args.decode_tokens, args.threads)
+        # the batch streams as many tokens as the in-process decode times (its rounds together)
+        served = None if args.no_serve else serve_and_measure(
+            Path(tmp) / "xlserve", served_vocabulary(Path(tmp) / "xlserve"), args.decode_prompt, args.decode_tokens,
+            args.threads, batch=max(args.batch_sizes), batch_new_tokens=args.decode_tokens * args.decode_rounds)
         start = time.perf_counter()
         model = load_checkpoint(Path(tmp) / "xlserve").eval()
         load_s = time.perf_counter() - start
@@ -688,7 +743,9 @@ def print_table(result: dict) -> None:
         served = shape["served"] or {}
         print(f"\n{shape['shape']}: {shape['parameters'] / 1e6:.0f} M parameters; served ready in "
               f"{served.get('ready_s', float('nan')):.1f} s, resident {_mb(served.get('resident_bytes'))}, "
-              f"decode over HTTP {served.get('served_decode_tokens_per_s') or float('nan'):.2f} tokens/s; "
+              f"decode over HTTP {served.get('served_decode_tokens_per_s') or float('nan'):.2f} tokens/s, "
+              f"{served.get('served_batch_tokens_per_s') or float('nan'):.2f} with {served.get('served_batch', '-')} "
+              "clients at once; "
               f"state per session {_mb(shape['state_bytes_per_session']['float32'])} float32, "
               f"{_mb(shape['state_bytes_per_session']['bfloat16'])} bfloat16")
         fits = shape["sessions_per_tier"]["float32"]

@@ -36,6 +36,10 @@ def test_every_shape_is_served_and_sized(result):
         assert served["served_prompt_tokens"] == result["setting"]["decode_prompt"]
         assert served["served_new_tokens"] == result["setting"]["decode_tokens"]
         assert served["served_decode_tokens_per_s"] > 0 and served["served_first_token_s"] > 0
+        # and as many clients at once as the largest in-process batch, each streaming every token
+        assert served["served_batch"] == max(result["setting"]["batch_sizes"]) == 2
+        assert served["served_batch_new_tokens"] == result["setting"]["decode_tokens"] * result["setting"]["decode_rounds"]
+        assert served["served_batch_tokens_per_s"] > 0
         full = shape["state_bytes_per_session"]
         # /v1/models reports the same state bytes per session as the model computes from its shapes
         assert served["served_state_bytes_per_session"] == full["float32"] > 0
