@@ -464,7 +464,7 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
     costs per append, where the median commit leaves the compactions out. Committed to disk and
     to Redis by turns, each store's bytes counted as `measure_appends` counts them, with the
     compaction awaited inside its commit's count."""
-    from xlserve.server.cache.codec import SessionData
+    from xlserve.server.cache.codec import SessionData, encode
     from xlserve.server.cache.session_cache import SessionCache
 
     def counter(durable: str) -> int:
@@ -513,7 +513,11 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
                 with contextlib.suppress(redis.RedisError):  # an error that stopped the cycle says more
                     redis.Redis.from_url(redis_url).flushdb()
     new_positions = bytes_per_position(model) * args.append
+    # the cycle's length follows from its base, the session as created: the whole state once its
+    # memory was full at the history, less before
+    base_bytes = len(encode(sessions[0], {"session_id": "sess_bench", "model": name}))
     for r in result.values():
+        r["base_blob_bytes"] = base_bytes
         r["bytes_per_commit"] = r["bytes"] / r["commits"]
         if new_positions:
             r["bytes_per_commit_over_new_positions"] = r["bytes_per_commit"] / new_positions
@@ -761,7 +765,8 @@ def print_table(result: dict) -> None:
                   f"{_mb(row['bytes_per_commit_disk'])} | {_mb(row.get('bytes_per_commit_redis'))}")
         for row in shape["appends"]:
             for store, cycle in row.get("compaction_cycle", {}).items():
-                print(f"  compaction cycle after {row['history_tokens']} tokens, {store}: {cycle['commits']} commits "
+                print(f"  compaction cycle after {row['history_tokens']} tokens (a base of "
+                      f"{_mb(cycle['base_blob_bytes'])}), {store}: {cycle['commits']} commits "
                       f"{'and their compaction' if cycle['compacted'] else '(no compaction)'} wrote "
                       f"{_mb(cycle['bytes'])}, {_mb(cycle['bytes_per_commit'])} a commit amortized "
                       f"({cycle.get('bytes_per_commit_over_new_positions', float('nan')):.2f}x its new positions)")

@@ -87,6 +87,7 @@ def test_a_compaction_cycle_counts_the_whole_write_amortized_over_its_commits(re
         for store in ("disk", "redis"):
             cycle = row["compaction_cycle"][store]
             assert cycle["compacted"] and 2 <= cycle["commits"] <= MAX_CYCLE_COMMITS
+            assert 0 < cycle["base_blob_bytes"] <= row["whole_blob_bytes"]
             assert cycle["bytes"] >= row["whole_blob_bytes"] + (cycle["commits"] - 1) * row["new_positions_bytes"]
             # one whole write over the cycle's commits: more than the median commit, and no more than
             # the commits and a whole write (the store's own framing, a Redis command's, aside)
