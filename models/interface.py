@@ -428,6 +428,14 @@ class LanguageModel(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has state tensors of varying length ('{name}') "
                                   "and must say how long they are when the memory is full")
 
+    def step_bytes_beside_weights(self, positions: int) -> int:
+        """Bytes a one-token decoding step after `positions` of history reads besides every
+        weight (models/quantize.py `weight_bytes_per_step`) and the rows' states, shared by the
+        rows of a batch as the weights are: tables derived from the weights, less the weights
+        such tables stand in for (so it may be negative). The benches' bandwidth measure; 0
+        unless an architecture says otherwise."""
+        return 0
+
     # -- checking states that come from outside (imports, restores) ----------------------------
     # A state or a next-token row that the model could not have produced must be refused before
     # anything runs on it: a NaN in one session's memory would otherwise reach every request

@@ -50,13 +50,14 @@ INT8_LIMIT = 127  # symmetric: -127..127, so that negating a weight or an activa
 PACKED_ZERO_POINT = 128  # whole-number activations -127..127 enter the packed kernel as uint8 1..255
 TINY = torch.finfo(torch.float32).tiny  # the smallest scale: a row or channel of zeros stays zeros
 
-# Linear layers (by their attribute name) that stay float in an architecture because the model
-# reads their matrix itself at every decoding step, not only through the layer: Transformer-XL's
-# one decoding row scores distances as ((q + v) W_kR) . R_d, reading W_kR = r_net.weight, and an
-# int8 layer would rebuild that float matrix at each read (an 18-layer d_model 1024 model decoded
-# 9.6 tokens/s so, 14.2 with r_net float, which costs 1/13 of its layers' weight bytes). Other
-# readers of an int8 layer's `weight` (the ∞-former's ltm_k, once per memory update) are rare
-# enough to read the rebuilt matrix.
+# Linear layers (by their attribute name) that stay float in an architecture. Transformer-XL's
+# r_net (W_kR) only builds the per-layer tables of relative keys W_kR R_d that every step reads
+# (models/layers/relative.py RelativeKeys, rebuilt when a context outgrows them): no decoding step
+# reads it, so int8 would save memory only (1/13 of the layers' weight bytes), and float keeps
+# the tables as float32 computes them. (Until 2026-12-05 one decoding row read r_net.weight as a
+# matrix, which an int8 layer rebuilt at each read: 9.6 tokens/s against 14.2 with r_net float.)
+# Other readers of an int8 layer's `weight` (the ∞-former's ltm_k, once per memory update) are
+# rare enough to read the rebuilt matrix.
 KEPT_FLOAT: dict[str, frozenset[str]] = {"transformer-xl": frozenset({"r_net"})}
 
 # Architectures whose int8 quality is not within the issue's 0.02 bits per byte of float32 on the

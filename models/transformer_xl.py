@@ -326,8 +326,7 @@ class RelativeAttentionLayer(RelativeAttentionBlock):
         x: Tensor,  # (B, T, d_model)
         mem_keys: Tensor,  # (B, M, H, D)
         mem_values: Tensor,  # (B, M, H, D)
-        rel_keys: Tensor | None,  # (K, H, D): W_kR R_d for distance d = 0 .. K-1; None: use `encoding`
-        encoding: Tensor | None,  # (K, d_model): R_d, when rel_keys is None (one decoding row)
+        rel_keys: Tensor,  # (K, H, D): W_kR R_d for distance d = 0 .. K-1
         distance: Tensor,  # (T, K) int64: the distance d of each (query, key)
         allowed: Tensor,  # (B, 1, T, K) bool
         r_w_bias: Tensor,  # (H, D) u
@@ -343,7 +342,7 @@ class RelativeAttentionLayer(RelativeAttentionBlock):
         values = extend_memory(mem_values, v)
         decoding = T == 1 and not torch.is_grad_enabled()
         if decoding:
-            scores = self._decode_scores(q, keys, rel_keys, encoding, distance, r_w_bias, r_r_bias)
+            scores = self._decode_scores(q, keys, rel_keys, distance, r_w_bias, r_r_bias)
         else:
             scores = relative_scores(q, keys, rel_keys, distance, r_w_bias, r_r_bias)  # (B, H, T, K)
         scores = (scores * self.scale).masked_fill(~allowed, float("-inf"))
@@ -363,25 +362,20 @@ class RelativeAttentionLayer(RelativeAttentionBlock):
     # positions, 1 and 2 threads): a wt103-shaped batch-8 step went from 143 to 119 ms. An
     # earlier machine had favoured the other (docs/benchmarks.md, "The memory's layout").
 
-    def _decode_scores(self, q: Tensor, keys: Tensor, rel_keys: Tensor | None, encoding: Tensor | None,
-                       distance: Tensor, r_w_bias: Tensor, r_r_bias: Tensor) -> Tensor:
+    # The distances' part reads the layer's table W_kR R_d (K, H, D), kept head-major by
+    # RelativeKeys, for one row as for a batch. Scoring ((q + v) W_kR) . R_d instead reads W_kR
+    # (d_model, H, D) and the shared R but multiplies H x d_model x K: measured 2026-12-05 on a
+    # wt103-shaped step it was the slower at every length (272, 1,024 and 1,601 distances: 3.7,
+    # 8.7 and 11.6 ms a step against 0.7, 4.0 and 7.3 for the tables; a whole step with its
+    # memory full 80.5 against 77.5 ms before the tables were head-major), so it was removed.
+
+    def _decode_scores(self, q: Tensor, keys: Tensor, rel_keys: Tensor, distance: Tensor, r_w_bias: Tensor,
+                       r_r_bias: Tensor) -> Tensor:
         """`relative_scores` for one query per row, q (B, 1, H, D) -> (B, H, 1, K)."""
         qu = (q + r_w_bias).transpose(1, 2)  # (B, H, 1, D)
         content = qu @ keys.permute(0, 2, 3, 1)  # (B, H, 1, D) @ (B, H, D, K)
-        if rel_keys is None:
-            by_distance = self._one_row_by_distance(q + r_r_bias, encoding)
-        else:
-            by_distance = scores_by_distance(q + r_r_bias, rel_keys)  # (B, H, 1, K)
+        by_distance = scores_by_distance(q + r_r_bias, rel_keys)  # (B, H, 1, K)
         return content + rel_shift(by_distance, distance)
-
-    def _one_row_by_distance(self, qv: Tensor, encoding: Tensor) -> Tensor:
-        """(q + v) . W_kR R_d for one decoding row as ((q + v) W_kR) . R_d: the query is projected
-        once and scored against the encodings R, which every layer shares and which stay in the
-        cache, instead of this layer's (K, H, D) table W_kR R. qv (1, 1, H, D) -> (1, H, 1, K)."""
-        c = self.config
-        qr = qv[0].transpose(0, 1)  # (H, 1, D)
-        w = qr @ self.r_net.weight.view(c.n_head, c.d_head, c.d_model)  # (H, 1, d_model)
-        return (w[:, 0] @ encoding.t())[None, :, None]
 
     @staticmethod
     def _decode_attend(probs: Tensor, values: Tensor) -> Tensor:
@@ -481,18 +475,13 @@ class TransformerXL(LanguageModel):
         B, T = tokens.shape
         K = state.length + T
         distance, allowed, valid = self._visibility(tokens, state)
-        encoding, rel_keys = self.relative_keys([layer.r_net for layer in self.layers], 0, K - 1, like=self.r_w_bias)
-        if T == 1 and B == 1 and not torch.is_grad_enabled() and not self.training and K > c.d_model:
-            # one decoding row reads R itself (_one_row_by_distance): a layer's W_kR (d_model, H, D)
-            # instead of its table (K, H, D), which is the smaller read while K < d_model (a
-            # wt103-shaped step after 256 tokens: 59.6 against 62.9 ms)
-            rel_keys = [None] * c.n_layer
+        _, rel_keys = self.relative_keys([layer.r_net for layer in self.layers], 0, K - 1, like=self.r_w_bias)
         x = self.drop(self.embedding(tokens) * math.sqrt(c.d_model))  # (B, T, d_model)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             bias = i if c.untie_r else 0
             x, keys, values = layer(
-                x, state.keys[i], state.values[i], rel_keys[i], encoding, distance, allowed,
+                x, state.keys[i], state.values[i], rel_keys[i], distance, allowed,
                 self.r_w_bias[bias], self.r_r_bias[bias],
             )
             new_keys.append(keys.detach())  # (B, K, H, D); trimmed to the memory below
@@ -551,6 +540,16 @@ class TransformerXL(LanguageModel):
             values=[v.gather(1, index) for v in values],
             valid=valid.gather(1, source) & inside,
         )
+
+    def step_bytes_beside_weights(self, positions: int) -> int:
+        """A step reads each layer's table of relative keys for its K = memory + 1 distances
+        (`_decode_scores`), not r_net, which only builds the tables (RelativeKeys)."""
+        c = self.config
+        distances = min(positions, c.mem_len) + 1
+        element = self.r_w_bias.element_size()
+        tables = c.n_layer * distances * c.n_head * c.d_head * element
+        projections = sum(layer.r_net.weight.numel() * layer.r_net.weight.element_size() for layer in self.layers)
+        return tables - projections
 
     def with_mem_len(self, mem_len: int) -> "TransformerXL":
         """A view of this model (same parameters) that keeps `mem_len` positions of memory."""

@@ -66,6 +66,11 @@ class RelativeKeys(nn.Module):
     length kept before, so a growing context recomputes them rarely. The tables depend on the
     weights only: switching between train and eval mode and loading weights drop them. No
     parameters of its own (the projections W_kR belong to the layers and are passed in).
+
+    A kept table is an (R, H, D) view of head-major storage, each head's (R, D) distances
+    contiguous: a decoding step multiplies each head's query by them, which then streams whole
+    rows (the same numbers; on the machine of 2026-12-05 the 18 tables of a wt103-shaped step at
+    1,601 distances took 7.3 instead of 9.4 ms for one row, 13.1 instead of 17.5 for eight).
     """
 
     def __init__(self, d_model: int, n_head: int, d_head: int, dropout: float, clamp_len: int = -1,
@@ -92,8 +97,9 @@ class RelativeKeys(nn.Module):
         if self.clamp_len > 0:
             distances = distances.clamp(-self.clamp_len, self.clamp_len)
         encoding = self.drop(sinusoid_encoding(distances, self.d_model).to(device=device, dtype=dtype))
-        tables = [w_kr(encoding).view(-1, self.n_head, self.d_head) for w_kr in projections]
-        if cacheable:
+        tables = [w_kr(encoding).view(-1, self.n_head, self.d_head) for w_kr in projections]  # (R, H, D)
+        if cacheable:  # kept head-major (the class docstring), read as the same (R, H, D)
+            tables = [table.transpose(0, 1).contiguous().transpose(0, 1) for table in tables]
             self._kept = (high + 1, dtype, device, encoding, tables)
         return encoding, tables
 

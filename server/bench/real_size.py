@@ -38,7 +38,8 @@ For each it reports:
   name (int8 over float32, batch 8 over batch 1) then compare steps taken minutes apart no more,
   and each row gives the slowest and fastest round and the int8 ratio of every round; whether xlserve's float32
   tokens equal the reference's; and the fraction of this machine's measured read bandwidth that
-  the float32 decode reaches, twice: weight bytes read per step × steps/s ÷ bandwidth, and with
+  the float32 decode reaches, twice: weight bytes read per step × steps/s ÷ bandwidth (the tables
+  Transformer-XL reads in place of r_net counted instead of it: `step_bytes_beside_weights`), and with
   every row's state added to the bytes (attention reads its whole memory each step). The second
   gives the ceiling: the tokens/s of a step that only reads memory, and how much a batch can gain
   over one row at most, since a batch shares the weights' read but reads each row's state.
@@ -564,7 +565,12 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
     quantized = quantize_model(copy.deepcopy(model), "int8")
     steps, rounds = args.decode_tokens, args.decode_rounds
     # a row's state halfway through the timed steps: what each step reads beside the weights
-    state_bytes = state_bytes_per_row(model, args.decode_prompt + rounds * steps // 2, vocab)
+    halfway = args.decode_prompt + rounds * steps // 2
+    state_bytes = state_bytes_per_row(model, halfway, vocab)
+    # and what it reads that every row shares: the weights, and the tables some architectures
+    # read in place of a weight (Transformer-XL's relative keys instead of r_net)
+    float32_read = weight_bytes_per_step(model) + model.step_bytes_beside_weights(halfway)
+    int8_read = weight_bytes_per_step(quantized) + quantized.step_bytes_beside_weights(halfway)
     runs, prompts = {}, {}
     for batch in args.batch_sizes:
         prompts[batch] = torch.randint(0, vocab, (batch, args.decode_prompt), generator=torch.Generator().manual_seed(batch))
@@ -586,8 +592,7 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
                "xlserve_float32_tokens_per_s_spread": ours.spread(batch, steps),
                "xlserve_int8_tokens_per_s_spread": int8.spread(batch, steps),
                "int8_tokens_equal_float32": float((int8.tokens[0] == ours.tokens[0]).float().mean()),
-               "weight_bytes_per_step_float32": weight_bytes_per_step(model),
-               "weight_bytes_per_step_int8": weight_bytes_per_step(quantized)}
+               "weight_bytes_per_step_float32": float32_read, "weight_bytes_per_step_int8": int8_read}
         row["float32_bandwidth_fraction"] = (row["weight_bytes_per_step_float32"]
                                              * row["xlserve_float32_tokens_per_s"] / batch / bandwidth)
         ceiling = decode_ceiling(row["weight_bytes_per_step_float32"], state_bytes, batch, bandwidth)

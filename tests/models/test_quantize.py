@@ -136,7 +136,7 @@ def test_every_linear_layer_but_the_kept_ones_is_int8_and_counted_in_weight_byte
         if isinstance(module, (nn.Linear, Int8Linear)):
             widths[type(module).__name__].add(module.in_features)
     assert widths["Int8Linear"] == {32, 72}
-    assert all(isinstance(layer.r_net, nn.Linear) for layer in model.layers)  # KEPT_FLOAT: read as a matrix
+    assert all(isinstance(layer.r_net, nn.Linear) for layer in model.layers)  # KEPT_FLOAT: it builds the tables
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     # a packed layer's int8 values are no buffer: weight_bytes counts them, one byte a weight
     assert all(layer.packed_bytes() == layer.in_features * layer.out_features for layer in layers)

@@ -6,7 +6,7 @@ import torch
 
 from xlserve.models.layers.buffers import MEMORY_ROOM, extend_memory
 from xlserve.models.layers.xl_memory import XLMemory
-from xlserve.models.transformer_xl import RelativeAttentionLayer, TransformerXL, TransformerXLConfig
+from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig
 
 
 def small_model(**overrides) -> TransformerXL:
@@ -188,21 +188,33 @@ def test_put_row_gives_a_new_row_the_place_of_another_in_place():
 
 @pytest.mark.parametrize("memory", [16, 48])
 @torch.inference_mode()
-def test_one_row_decode_scores_positions_like_the_tables(memory, monkeypatch):
-    """A single decoding row over more positions than d_model (32) takes the shared-encoding
-    path, over fewer the per-layer tables; a batch of two always takes the tables. Both rows of
-    the batch must agree with the single row."""
-    encoding_path = []
-    one_row = RelativeAttentionLayer._one_row_by_distance
-    monkeypatch.setattr(RelativeAttentionLayer, "_one_row_by_distance",
-                        lambda self, *a: encoding_path.append(1) or one_row(self, *a))
+def test_decoding_scores_positions_with_the_kept_head_major_tables(memory):
+    """One decoding row and a batch of two read each layer's table W_kR R_d, kept head-major
+    (each head's distances contiguous) as an (R, H, D) view holding exactly W_kR R_d; both rows of
+    the batch agree with the single row, over fewer positions than d_model (32) and more."""
     for clamp_len in (-1, 6):
         model = small_model(clamp_len=clamp_len, mem_len=memory)
         prompt = torch.randint(0, 256, (1, memory + 4))
         _, state = model(prompt, model.init_state(1))
         step = torch.randint(0, 256, (1, 1))
         single, _ = model(step, state)
-        assert bool(encoding_path) == (memory + 1 > model.config.d_model)
+        encoding, tables = model.relative_keys([layer.r_net for layer in model.layers], 0, memory, like=model.r_w_bias)
+        c = model.config
+        for layer, table in zip(model.layers, tables):
+            assert table.shape == (memory + 1, c.n_head, c.d_head)
+            assert table.stride() == (c.d_head, table.untyped_storage().nbytes() // (4 * c.n_head), 1)  # head-major
+            torch.testing.assert_close(table, layer.r_net(encoding).view(-1, c.n_head, c.d_head))
         _, pair_state = model(prompt.expand(2, -1), model.init_state(2))
         pair, _ = model(step.expand(2, -1), pair_state)
         torch.testing.assert_close(pair, single.expand(2, -1, -1), rtol=0, atol=1e-5)
+
+
+def test_a_step_reads_the_tables_of_its_distances_in_place_of_r_net():
+    """The benches' bandwidth measure: a decoding step reads each layer's table for its memory + 1
+    distances (4 bytes x H x D each), and no r_net, which only builds the tables."""
+    model = small_model(mem_len=16)
+    c = model.config
+    r_net = c.n_layer * c.n_head * c.d_head * c.d_model * 4
+    for positions, distances in ((0, 1), (5, 6), (16, 17), (1000, 17)):
+        assert model.step_bytes_beside_weights(positions) == c.n_layer * distances * c.n_head * c.d_head * 4 - r_net
+
