@@ -151,7 +151,7 @@ class Int8Linear(nn.Module):
     """`nn.Linear`'s product (x (..., in) -> (..., out), plus the float bias) with an int8
     weight and int8 rows (the module docstring says how). `weight` is still readable,
     dequantized, for the few callers that use the matrix itself rather than the layer
-    (Transformer-XL's one-row relative scores, the ∞-former's long-term keys)."""
+    (the ∞-former's long-term keys)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None):
         super().__init__()

@@ -21,10 +21,9 @@ Serving notes
   position-local functions of the hidden states, so the result is identical, and decoding one
   token costs O(context * d) per layer instead of re-projecting the memory at O(context * d^2).
 - The relative term uses a per-layer table W_kR R_d for distances d = 0, 1, ..., built once per
-  length in eval mode and reused by every request (it depends on the weights only). A single
-  decoding row over more than d_model positions instead projects its query by W_kR and scores
-  it against R itself, which all layers share: the same sum in another order, reading d_model^2
-  weights instead of a longer table.
+  length in eval mode and reused by every request (it depends on the weights only), stored
+  head-major so that each head's distances are one contiguous matrix (RelativeKeys). Every
+  decoding step, one row or a batch, reads it (`_decode_scores` says why not R itself).
 - Decoding appends to the memory in place, in buffers laid out for the products that read them
   (models/layers/buffers.py; `_decode_scores` and `_decode_attend` below say why that layout).
 - A prompt chunk whose whole rows nobody reads is scored without them (`forward_scored`): the
@@ -544,12 +543,8 @@ class TransformerXL(LanguageModel):
     def step_bytes_beside_weights(self, positions: int) -> int:
         """A step reads each layer's table of relative keys for its K = memory + 1 distances
         (`_decode_scores`), not r_net, which only builds the tables (RelativeKeys)."""
-        c = self.config
-        distances = min(positions, c.mem_len) + 1
-        element = self.r_w_bias.element_size()
-        tables = c.n_layer * distances * c.n_head * c.d_head * element
-        projections = sum(layer.r_net.weight.numel() * layer.r_net.weight.element_size() for layer in self.layers)
-        return tables - projections
+        distances = min(positions, self.config.mem_len) + 1  # the memory and the new token
+        return self.relative_keys.bytes_read_per_step([layer.r_net for layer in self.layers], distances, self.r_w_bias)
 
     def with_mem_len(self, mem_len: int) -> "TransformerXL":
         """A view of this model (same parameters) that keeps `mem_len` positions of memory."""

@@ -287,6 +287,13 @@ class XLNet(LanguageModel):
 
     # -- serving: the left-to-right order -----------------------------------------------------
 
+    def step_bytes_beside_weights(self, positions: int) -> int:
+        """A step reads each layer's table of relative keys for the distances from its query
+        stream to the memory and the new token (memory + 2 rows, from 0: `_distances` left to
+        right), not r_net, which only builds the tables (RelativeKeys)."""
+        memory = positions if self.config.mem_len is None else min(positions, self.config.mem_len)
+        return self.relative_keys.bytes_read_per_step([layer.r_net for layer in self.layers], memory + 2, self.mask_emb)
+
     def forward(self, tokens: Tensor, state: XLMemory) -> tuple[Tensor, XLMemory]:
         c = self.config
         B, T = tokens.shape

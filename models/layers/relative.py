@@ -87,6 +87,7 @@ class RelativeKeys(nn.Module):
         (high - low + 1, H, D), in the dtype and on the device of `like`."""
         dtype, device = like.dtype, like.device
         cacheable = low == 0 and not self.training and not torch.is_grad_enabled()
+        asked = high
         if cacheable:
             if self._kept is not None:
                 length, kept_dtype, kept_device, encoding, tables = self._kept
@@ -101,7 +102,21 @@ class RelativeKeys(nn.Module):
         if cacheable:  # kept head-major (the class docstring), read as the same (R, H, D)
             tables = [table.transpose(0, 1).contiguous().transpose(0, 1) for table in tables]
             self._kept = (high + 1, dtype, device, encoding, tables)
+            # the distances asked for, as a later call gets them (a step reads every row it is given)
+            return encoding[: asked + 1], [t[: asked + 1] for t in tables]
         return encoding, tables
+
+    def bytes_read_per_step(self, projections: Sequence[nn.Module], distances: int, like: Tensor) -> int:
+        """What a decoding step reads through the kept tables besides the weights: `distances`
+        rows of each projection's table, less the projections' own weights, which no step reads
+        (they only build the tables). The benches' bandwidth measure
+        (`LanguageModel.step_bytes_beside_weights`)."""
+        tables = len(projections) * distances * self.n_head * self.d_head * like.element_size()
+        # a projection's parameters and buffers, and the packed int8 values an int8 layer keeps
+        # outside both (models/quantize.py, which this module does not read)
+        weights = sum(t.numel() * t.element_size() for p in projections for t in (*p.parameters(), *p.buffers()))
+        packed = sum(getattr(p, "packed_bytes", lambda: 0)() for p in projections)
+        return tables - weights - packed
 
     def train(self, mode: bool = True):
         self._kept = None  # the weights are about to change

@@ -39,7 +39,8 @@ For each it reports:
   and each row gives the slowest and fastest round and the int8 ratio of every round; whether xlserve's float32
   tokens equal the reference's; and the fraction of this machine's measured read bandwidth that
   the float32 decode reaches, twice: weight bytes read per step × steps/s ÷ bandwidth (the tables
-  Transformer-XL reads in place of r_net counted instead of it: `step_bytes_beside_weights`), and with
+  Transformer-XL and XLNet read in place of r_net counted instead of it:
+  `step_bytes_beside_weights`), and with
   every row's state added to the bytes (attention reads its whole memory each step). The second
   gives the ceiling: the tokens/s of a step that only reads memory, and how much a batch can gain
   over one row at most, since a batch shares the weights' read but reads each row's state.

@@ -172,8 +172,8 @@ def test_an_int8_transformer_xl_keeps_the_engine_invariants():
     for (name, a), (_, b) in zip(chunked_state._named_tensors(), whole_state._named_tensors()):
         assert (a.float() - b.float()).abs().max().item() < 2e-2, name
     # rows of different histories decoded in one batch are what they are alone: the int8 products
-    # are per row, bit for bit; what differs is float rounding elsewhere (one row alone takes
-    # Transformer-XL's one-row relative scores, through the dequantized weight)
+    # are per row, bit for bit; what differs is float rounding elsewhere (the attention's batched
+    # products over memories of different lengths)
     histories = [tokens(1, 3, seed=2), tokens(1, 30, seed=3), tokens(1, 7, seed=4)]
     steps = tokens(3, 4, seed=5)
     with torch.no_grad():

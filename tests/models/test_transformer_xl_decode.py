@@ -207,14 +207,3 @@ def test_decoding_scores_positions_with_the_kept_head_major_tables(memory):
         _, pair_state = model(prompt.expand(2, -1), model.init_state(2))
         pair, _ = model(step.expand(2, -1), pair_state)
         torch.testing.assert_close(pair, single.expand(2, -1, -1), rtol=0, atol=1e-5)
-
-
-def test_a_step_reads_the_tables_of_its_distances_in_place_of_r_net():
-    """The benches' bandwidth measure: a decoding step reads each layer's table for its memory + 1
-    distances (4 bytes x H x D each), and no r_net, which only builds the tables."""
-    model = small_model(mem_len=16)
-    c = model.config
-    r_net = c.n_layer * c.n_head * c.d_head * c.d_model * 4
-    for positions, distances in ((0, 1), (5, 6), (16, 17), (1000, 17)):
-        assert model.step_bytes_beside_weights(positions) == c.n_layer * distances * c.n_head * c.d_head * 4 - r_net
-
