@@ -230,8 +230,9 @@ class AdaptiveLogSoftmax(nn.Module):
 
     def quantize_int8(self, int8_layer: Callable[[Tensor, Tensor | None], nn.Module]) -> None:
         """Multiply through weight-only int8 copies of the products (`int8_layer(weight, bias)`:
-        models/quantize.py's Int8Linear.for_weight): per cluster its projection and its output vectors with their bias, and the head's
-        cluster logits. The float tables stay: the input embedding shares them."""
+        models/quantize.py's Int8Linear.for_weight): per cluster its projection and its output
+        vectors with their bias, and the head's cluster logits. The float tables stay: the input
+        embedding shares them."""
         b = self.bounds
         products = {}
         for i in range(len(b) - 1):

@@ -215,22 +215,20 @@ def process_tree_rss(pid: int) -> int:
     return total
 
 
-def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tokens: int) -> dict:
-    """One greedy completion streamed from the server, after a prompt of random token ids: the
-    median time between its tokens (what a client sees, engine and HTTP together; steps after the
-    first, as the in-process decode is timed). It asks for log-probabilities (`logprobs: 0`) so
-    that every token has a chunk of its own, even one whose text the decoder holds back; an error
-    chunk ends the measurement with that error."""
+def stream_completion(port: int, model: str, prompt: list[int], new_tokens: int) -> tuple[list[float], int | None]:
+    """One greedy completion of `prompt` (token ids) streamed from the server: the time
+    (`time.perf_counter`) each token's chunk came, and the completion tokens its usage reports.
+    It asks for log-probabilities (`logprobs: 0`) so that every token has a chunk of its own, even
+    one whose text the decoder holds back; a refusal or an error chunk raises RuntimeError."""
     import json
     import urllib.error
     import urllib.request
 
-    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
             "logprobs": 0, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
-    start, stamps, generated = time.perf_counter(), [], None
+    stamps, generated = [], None
     try:
         answer = urllib.request.urlopen(request, timeout=900)
     except urllib.error.HTTPError as error:
@@ -246,12 +244,22 @@ def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tok
                 generated = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices") or []:
                 if choice.get("finish_reason") is None:  # a chunk per token; the last says why it ended
-                    stamps.append(time.perf_counter() - start)
+                    stamps.append(time.perf_counter())
+    return stamps, generated
+
+
+def served_decode(port: int, model: str, vocab: int, prompt_tokens: int, new_tokens: int) -> dict:
+    """One greedy completion streamed from the server, after a prompt of random token ids: the
+    median time between its tokens (what a client sees, engine and HTTP together; steps after the
+    first, as the in-process decode is timed); an error ends the measurement with that error."""
+    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    start = time.perf_counter()
+    stamps, generated = stream_completion(port, model, prompt, new_tokens)
     if generated != len(stamps):
         raise RuntimeError(f"the server generated {generated} tokens but streamed {len(stamps)} token chunks")
     gaps = [after - before for before, after in zip(stamps, stamps[1:])]
     return {"served_prompt_tokens": prompt_tokens, "served_new_tokens": len(stamps),
-            "served_first_token_s": stamps[0] if stamps else None,
+            "served_first_token_s": stamps[0] - start if stamps else None,
             "served_decode_tokens_per_s": 1 / statistics.median(gaps) if gaps else None}
 
 
@@ -260,30 +268,15 @@ def served_batch(port: int, model: str, vocab: int, prompt_tokens: int, new_toke
     random token ids, as `batch` clients would: the tokens/s of all of them together while every
     one of them is decoding (from the last first token to the first last one), which is what the
     engine's batching makes of the in-process batch decode."""
-    import json
     import threading
-    import urllib.request
 
     stamps: list[list[float]] = [[] for _ in range(batch)]
     errors: list[str] = []
 
     def stream(row: int) -> None:
         prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(1 + row)).tolist()
-        body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-                "logprobs": 0}
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"content-type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=900) as answer:
-                for line in answer:
-                    if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len(b"data:"):])
-                    if "error" in chunk:
-                        raise RuntimeError(chunk["error"])
-                    for choice in chunk.get("choices") or []:
-                        if choice.get("finish_reason") is None:
-                            stamps[row].append(time.perf_counter())
+            stamps[row], _ = stream_completion(port, model, prompt, new_tokens)
         except Exception as error:  # reported below, after every client has ended
             errors.append(f"completion {row}: {error}")
 
@@ -376,6 +369,18 @@ def redis_bytes_received(url: str) -> int:
     return int(redis.Redis.from_url(url).info("stats")["total_net_input_bytes"])
 
 
+def bytes_sent(store: str, redis_url: str) -> int:
+    """The counter a commit to `store` ("disk" or "redis") moves by the bytes it writes."""
+    return redis_bytes_received(redis_url) if store == "redis" else bytes_written_by_this_process()
+
+
+def store_cache(directory: Path, store: str, redis_url: str, compact_ratio: float):
+    """A SessionCache without budgets whose last tier is `store` ("disk" or "redis")."""
+    from xlserve.server.cache.session_cache import SessionCache
+
+    return SessionCache(directory, None, None, None, redis_url if store == "redis" else "", compact_ratio=compact_ratio)
+
+
 @torch.inference_mode()
 def bytes_per_position(model) -> int:
     """State bytes one more position of history adds while the memory is not yet full: the
@@ -399,7 +404,6 @@ def feed(model, tokens: torch.Tensor, state, chunk: int):
 @torch.inference_mode()
 def measure_appends(name: str, model, history: int, args, redis_url: str, vocab: int, cycle: bool = False) -> dict:
     from xlserve.server.cache.codec import SessionData, encode
-    from xlserve.server.cache.session_cache import SessionCache
 
     generator = torch.Generator().manual_seed(history)
     tokens = torch.randint(0, vocab, (1, history + args.append * args.appends), generator=generator)
@@ -426,19 +430,17 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
            "forward_s": statistics.median(forward_s)}
     for durable in ["disk"] + (["redis"] if redis_url else []):
         with tempfile.TemporaryDirectory(prefix="xlserve-bench-") as directory:
-            cache = SessionCache(Path(directory) / "state", None, None, None, redis_url if durable == "redis" else "",
-                                 compact_ratio=args.compact_ratio)
+            cache = store_cache(Path(directory) / "state", durable, redis_url, args.compact_ratio)
             cache.open({name: model})
             session_id = cache.create(name, None, sessions[0]).id
             times, written = [], []
             for data in sessions[1:]:
                 lease = cache.acquire(session_id, None)
-                before = redis_bytes_received(redis_url) if durable == "redis" else bytes_written_by_this_process()
+                before = bytes_sent(durable, redis_url)
                 start = time.perf_counter()
                 cache.commit(lease, data)
                 times.append(time.perf_counter() - start)
-                after = redis_bytes_received(redis_url) if durable == "redis" else bytes_written_by_this_process()
-                written.append(after - before)
+                written.append(bytes_sent(durable, redis_url) - before)
             if durable == "redis":  # empty the shared Redis for the next row
                 import redis
 
@@ -450,14 +452,16 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
         if row["new_positions_bytes"]:
             row[f"bytes_per_commit_{durable}_over_new_positions"] = row[f"bytes_per_commit_{durable}"] / row["new_positions_bytes"]
     if cycle:
-        row["compaction_cycle"] = compaction_cycle(name, model, sessions, args, redis_url, vocab, seed=history + 1)
+        row["compaction_cycle"] = compaction_cycle(name, model, sessions, args, redis_url, vocab, seed=history + 1,
+                                                   new_positions=row["new_positions_bytes"])
     return row
 
 
 MAX_CYCLE_COMMITS = 64  # a state that has not compacted by then is reported as such
 
 
-def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, vocab: int, seed: int) -> dict:
+def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, vocab: int, seed: int,
+                     new_positions: int) -> dict:
     """What a commit writes amortized over a whole cycle of its session's log: the session written
     whole at `sessions[0]`, then appends of `args.append` tokens (`sessions[1:]`, then more) each
     committed, until the commit whose block takes the log past XLSERVE_COMPACT_RATIO times the
@@ -465,12 +469,9 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
     those commits and of the compaction over the number of commits: the figure a long session
     costs per append, where the median commit leaves the compactions out. Committed to disk and
     to Redis by turns, each store's bytes counted as `measure_appends` counts them, with the
-    compaction awaited inside its commit's count."""
+    compaction awaited inside its commit's count. `new_positions`: the bytes of one append's new
+    positions (`measure_appends`' row), the unit of the ratio reported."""
     from xlserve.server.cache.codec import SessionData, encode
-    from xlserve.server.cache.session_cache import SessionCache
-
-    def counter(durable: str) -> int:
-        return redis_bytes_received(redis_url) if durable == "redis" else bytes_written_by_this_process()
 
     generator = torch.Generator().manual_seed(seed)
     stores = ["disk"] + (["redis"] if redis_url else [])
@@ -479,8 +480,7 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
         caches = {}
         try:
             for store in stores:
-                cache = SessionCache(Path(directory) / store, None, None, None, redis_url if store == "redis" else "",
-                                     compact_ratio=args.compact_ratio)
+                cache = store_cache(Path(directory) / store, store, redis_url, args.compact_ratio)
                 caches[store] = (cache, None)  # closed below whatever happens next
                 cache.open({name: model})
                 caches[store] = (cache, cache.create(name, None, sessions[0]).id)
@@ -496,11 +496,11 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
                     if result[store]["compacted"]:
                         continue
                     lease = cache.acquire(session_id, None)
-                    before = counter(store)
+                    before = bytes_sent(store, redis_url)
                     cache.commit(lease, data)
                     if not cache.compactions.wait_idle(timeout=600):
                         raise RuntimeError(f"{name}: a compaction to {store} did not end within 600 s")
-                    result[store]["bytes"] += counter(store) - before
+                    result[store]["bytes"] += bytes_sent(store, redis_url) - before
                     result[store]["commits"] += 1
                     # behind the answer, or by a commit whose log could not wait: both count as "compaction"
                     result[store]["compacted"] = cache.durable.written.get("compaction", [0])[0] > 0
@@ -514,7 +514,6 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
 
                 with contextlib.suppress(redis.RedisError):  # an error that stopped the cycle says more
                     redis.Redis.from_url(redis_url).flushdb()
-    new_positions = bytes_per_position(model) * args.append
     # the cycle's length follows from its base, the session as created: the whole state once its
     # memory was full at the history, less before
     base_bytes = len(encode(sessions[0], {"session_id": "sess_bench", "model": name}))

@@ -256,9 +256,9 @@ class DurableStore:
         most = LOG_SLACK * self.compact_ratio
         if self.redis is None:
             if delta is not None:
-                written = store_call(lambda: self.disk.append(record.id, delta, most))
-                if written is not None:
-                    due = self.disk.log_bytes(record.id) > self.compact_ratio * self.disk.base_bytes(record.id)
+                appended = store_call(lambda: self.disk.append(record.id, delta, most, self.compact_ratio))
+                if appended is not None:
+                    written, due = appended
                     return Written(self._count(record, "delta", written), due)
             encoded = whole()
             store_call(lambda: self.disk.write(record.id, encoded))

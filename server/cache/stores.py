@@ -202,13 +202,6 @@ class DiskStore:
     def log_path(self, session_id: str) -> Path:
         return self.path(session_id).with_suffix(self.LOG_SUFFIX)
 
-    def base_bytes(self, session_id: str) -> int:
-        """Bytes of the session's base file (0 when it cannot be read)."""
-        try:
-            return self.path(session_id).stat().st_size
-        except OSError:
-            return 0
-
     @staticmethod
     def _base_id(meta: dict[str, str]) -> bytes:
         return hashlib.sha256(meta.get("checksum", "").encode()).digest()
@@ -253,12 +246,14 @@ class DiskStore:
                 raise CorruptState(f"log block {frame[3]} where block {expected} was expected")
         return chain
 
-    def append(self, session_id: str, blob: bytes, ratio: float) -> int | None:
+    def append(self, session_id: str, blob: bytes, ratio: float, due_ratio: float) -> tuple[int, bool] | None:
         """Append a delta block after the session's base and log, fsynced before this returns;
-        the bytes written. None, writing nothing, when there is no base to append to or when the
-        log would outgrow `ratio` times the base: the caller writes the session whole instead (a
-        compaction). A torn tail (a crash in an earlier append, never acknowledged) is cut off
-        first. The caller holds the session: nothing else writes its files meanwhile."""
+        the bytes written, and whether the log is now past `due_ratio` times the base (a
+        compaction is due, as `RedisStore.append` answers 3). None, writing nothing, when there is
+        no base to append to or when the log would outgrow `ratio` times the base: the caller
+        writes the session whole instead (a compaction). A torn tail (a crash in an earlier
+        append, never acknowledged) is cut off first. The caller holds the session: nothing else
+        writes its files meanwhile."""
         base_path, log_path = self.path(session_id), self.log_path(session_id)
         try:
             base = self._base_id(self._read_head(base_path))
@@ -295,7 +290,7 @@ class DiskStore:
             kind = StoreFull if error.errno in (errno.ENOSPC, errno.EDQUOT) else StoreUnavailable
             raise kind(f"cannot append to the session log {log_path}: {error}") from error
         self._count("delta", len(frame))
-        return len(frame)
+        return len(frame), size + len(frame) > due_ratio * base_size
 
     def _read_log(self, session_id: str, base: bytes) -> tuple[list[bytes], list[bytes]]:
         """(the delta blobs that follow `base`, in order; every verified frame's raw bytes that

@@ -225,7 +225,7 @@ print("acknowledged", flush=True)
 
 def log_to_ratio(cache: SessionCache, session_id: str) -> float:
     """The session's log over its base file, in bytes, on disk."""
-    return cache.disk.log_bytes(session_id) / cache.disk.base_bytes(session_id)
+    return cache.disk.log_bytes(session_id) / cache.disk.path(session_id).stat().st_size
 
 
 def a_base_and_a_log_of_two_blocks(state_dir: Path) -> tuple:
