@@ -75,9 +75,9 @@ def generate_greedy(step: Callable[[torch.Tensor], torch.Tensor], prompt: torch.
     tokens, chosen = [], []
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = scores.argmax(-1, keepdim=True)  # (B, 1)
+        value, token = scores.max(-1, keepdim=True)  # (B, 1) each: argmax, faster (sampling.most_likely)
         tokens.append(token)
-        chosen.append(scores.gather(1, token))
+        chosen.append(value)
         scores = step(token)
     decode_s = time.perf_counter() - start
     return {"tokens": torch.cat(tokens, 1), "chosen": torch.cat(chosen, 1), "prefill_s": prefill_s,

