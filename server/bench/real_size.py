@@ -82,7 +82,7 @@ XLNET_LARGE = dict(n_layer=24, d_model=1024, n_head=16, d_inner=4096, vocab_size
 REFORMER_ENWIK8 = None  # vs_hf_reformer.FULL, read when used (it imports nothing heavy, but keep the table here)
 
 FULL = dict(shapes=["transfo-xl-wt103", "xlnet-large", "reformer-enwik8"], histories=[1024, 8192, 65536],
-            append=128, appends=3, history_chunk=512, decode_prompt=256, decode_tokens=16, decode_rounds=3,
+            append=128, appends=3, history_chunk=512, decode_prompt=256, decode_tokens=16, decode_rounds=5,
             batch_sizes=[1, 8])
 QUICK = dict(shapes=["transfo-xl-wt103", "xlnet-large", "reformer-enwik8"], histories=[64, 256], append=16,
              appends=2, history_chunk=64, decode_prompt=16, decode_tokens=4, decode_rounds=2,
