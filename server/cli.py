@@ -456,9 +456,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from xlserve.server.engine.memory import use_huge_pages  # torch-free
-
-    use_huge_pages()  # before any command imports torch, which reads it once
     args = build_parser().parse_args(argv)
     args.func(args)
 

@@ -32,19 +32,7 @@ The policy:
   long as the process, so it is moved out of the collector's sight (`gc.freeze`): a collection
   then scans only what serving created.
 - `engine_environment`: the engine process starts with MALLOC_ARENA_MAX=MALLOC_ARENAS (unless the
-  environment sets it): fewer heaps, so fewer partly used pages that no trim can return. It also
-  starts with torch's huge pages on (`HUGE_PAGES`, below).
-
-Huge pages. A CPU decode step streams every weight once (1.1 GB at transfo-xl-wt103's shape) and
-each session's memory: through 4 kB pages that is a TLB miss every 4 kB. torch's CPU allocator
-asks the kernel for transparent huge pages (2 MB, `madvise(MADV_HUGEPAGE)`) for every tensor of
-2 MB or more when THP_MEM_ALLOC_ENABLE=1 is set before torch loads (it reads it once). On the
-machine of 2026-12-05 a wt103-shaped batch-1 step took about 5% less time with it (the 72 layer
-products read their weights at 27-28 GB/s instead of 26), batch 8 about 2-3% less
-(docs/benchmarks.md, "Huge pages"). `use_huge_pages()` sets it unless the environment already
-does; `xlserve` calls it before anything imports torch, so serving, benchmarks, training and
-evaluation all allocate that way. THP_MEM_ALLOC_ENABLE=0 turns it off. Where the kernel's THP
-mode is `never`, the advice does nothing.
+  environment sets it): fewer heaps, so fewer partly used pages that no trim can return.
 
 The bound (docs/design.md section 8): once every session is deleted and the server has idled
 for a few seconds, the engine process's resident memory is within IDLE_GROWTH_BOUND_MB of what it
@@ -69,7 +57,6 @@ log = logging.getLogger("xlserve.engine_memory")
 
 IDLE_GROWTH_BOUND_MB = 64  # engine RSS once every session is deleted and it idles, over its RSS after start-up
 MALLOC_ARENAS = 2  # MALLOC_ARENA_MAX of the engine process
-HUGE_PAGES = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch's CPU allocator: 2 MB pages for tensors of 2 MB or more
 TRIM_INTERVAL_SECONDS = 1.0  # at most one trim a second: under a steady trickle of requests its cost stays small
 QUIET_SECONDS = 0.25  # the engines must stay idle this long first, so that a burst of requests ends before
 
@@ -78,17 +65,8 @@ def engine_environment() -> dict[str, str]:
     """The environment the engine process is started with (server/engine/client.py): this one,
     with glibc's arenas limited to MALLOC_ARENAS unless MALLOC_ARENA_MAX is already set (on a
     machine with many cores an operator may want more: with fewer arenas, threads that allocate
-    at once wait for each other's locks), and with torch's huge pages (HUGE_PAGES) unless the
-    environment says otherwise."""
-    return {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), **HUGE_PAGES, **os.environ}
-
-
-def use_huge_pages() -> None:
-    """Turn torch's huge pages on for this process and the processes it starts, unless the
-    environment already says (the module docstring). Only a process that loads torch after
-    this call allocates that way: `xlserve`'s main calls it first."""
-    for name, value in HUGE_PAGES.items():
-        os.environ.setdefault(name, value)
+    at once wait for each other's locks)."""
+    return {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), **os.environ}
 
 
 def malloc_trim_function() -> Callable[[], object] | None:

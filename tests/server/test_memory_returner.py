@@ -10,19 +10,12 @@ garbage collector. Waits are bounded polls; nothing here is timed.
 from __future__ import annotations
 
 import gc
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import weakref
-from pathlib import Path
 
-import pytest
-
-from xlserve.server.engine.memory import (IDLE_GROWTH_BOUND_MB, MemoryReturner, engine_environment,
-                                         malloc_trim_function, use_huge_pages)
+from xlserve.server.engine.memory import IDLE_GROWTH_BOUND_MB, MemoryReturner, engine_environment, malloc_trim_function
 from tests.server.polling import eventually
 
 FAST = {"interval": 0.01, "quiet": 0.01}  # the returner's waits, short for tests
@@ -122,48 +115,6 @@ def test_glibc_trim_runs_and_the_engine_environment_limits_arenas(monkeypatch):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")  # an operator's own setting wins
     assert engine_environment()["MALLOC_ARENA_MAX"] == "8"
     assert IDLE_GROWTH_BOUND_MB > 0
-
-
-def transparent_huge_pages_mode() -> str | None:
-    """The kernel's THP mode (always, madvise or never), None where it has none."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
-
-
-def test_the_engine_process_and_xlserve_allocate_large_tensors_on_huge_pages(monkeypatch):
-    """The engine process starts with torch's huge pages on, unless the environment turns them
-    off; `xlserve` turns them on for itself before torch loads. Where the kernel allows them, a
-    64 MB tensor made in a process with that environment lies on huge pages."""
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    assert engine_environment()["THP_MEM_ALLOC_ENABLE"] == "1"
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # an operator's own setting wins
-    assert engine_environment()["THP_MEM_ALLOC_ENABLE"] == "0"
-    use_huge_pages()
-    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
-    use_huge_pages()
-    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
-
-    count = (
-        "import torch\n"
-        "x = torch.ones(16 << 20)\n"  # 64 MB, every page touched
-        "rows = [l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]\n"
-        "print(int(rows[0].split()[1]) if rows else 0)\n"
-    )
-    huge_kb = {}
-    for setting in ("1", "0"):
-        environment = {**engine_environment(), "THP_MEM_ALLOC_ENABLE": setting}
-        done = subprocess.run([sys.executable, "-c", count], env=environment, capture_output=True, text=True,
-                              timeout=120, check=True)
-        huge_kb[setting] = int(done.stdout.split()[-1])
-    if transparent_huge_pages_mode() not in ("madvise", "always"):
-        pytest.skip("this kernel gives no transparent huge pages")
-    assert huge_kb["1"] >= 32 * 1024  # at least half of the tensor
-    if transparent_huge_pages_mode() == "madvise":
-        assert huge_kb["0"] < 32 * 1024  # without the advice, 4 kB pages
 
 
 def test_the_engine_process_lets_go_of_a_finished_request_at_once(tmp_path):
