@@ -558,11 +558,12 @@ class GreedyRounds:
 
 @torch.inference_mode()
 def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: float) -> list[dict]:
+    from xlserve.models.huge_pages import weights_on_huge_pages
     from xlserve.models.quantize import quantize_model
 
     import copy
 
-    quantized = quantize_model(copy.deepcopy(model), "int8")
+    quantized = weights_on_huge_pages(quantize_model(copy.deepcopy(model), "int8"))  # as the engine loads it
     steps, rounds = args.decode_tokens, args.decode_rounds
     # a row's state halfway through the timed steps: what each step reads beside the weights
     halfway = args.decode_prompt + rounds * steps // 2
@@ -664,6 +665,7 @@ def sentencepiece_model(vocab_size: int) -> bytes:
 def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
     from xlserve.models.checkpoint import load_checkpoint
     from xlserve.models.convert import convert
+    from xlserve.models.huge_pages import weights_on_huge_pages
     from xlserve.server.engine.process import session_bytes_when_full
 
     print(f"{name}: building the reference", flush=True)
@@ -688,7 +690,7 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
             Path(tmp) / "xlserve", served_vocabulary(Path(tmp) / "xlserve"), args.decode_prompt, args.decode_tokens,
             args.threads, batch=max(args.batch_sizes), batch_new_tokens=args.decode_tokens * args.decode_rounds)
         start = time.perf_counter()
-        model = load_checkpoint(Path(tmp) / "xlserve").eval()
+        model = weights_on_huge_pages(load_checkpoint(Path(tmp) / "xlserve").eval())  # as the engine loads it
         load_s = time.perf_counter() - start
     vocab = model.vocab_size
     result = {"shape": name, "setting": {k: v for k, v in vars(shape).items() if k != "seed"},
