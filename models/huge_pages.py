@@ -3,26 +3,32 @@
 A decode step on the CPU reads every weight once: 1.1 GB at transfo-xl-wt103's shape. Through
 4 kB pages that is a TLB miss every 4 kB of it; through 2 MB pages, one every 2 MB. On the
 machine of 2026-12-05 (THP in `madvise` mode, so nothing gets huge pages unless it asks) a
-wt103-shaped batch-1 step took about 5.5% less time with the weights on huge pages (53.2 and
-54.8 ms against 50.2 and 51.8, processes alternating; docs/benchmarks.md, "Huge pages").
+wt103-shaped batch-1 step took about 5.5% less time with the weights on huge pages: 50.2 and
+51.8 ms with them, 53.2 and 54.8 without (processes alternating; docs/benchmarks.md, "Huge pages").
 
 Only the weights move. torch's allocator can put every tensor of 2 MB or more on huge pages
 (THP_MEM_ALLOC_ENABLE=1), but it then aligns each of them to 2 MB, and a 128-token append
-(prefill) at the same shape took 35-50% longer that way (654-658 against 869-969 ms): the
-activations, allocated and freed at every forward, are what its products and element-wise
+(prefill) at the same shape took 32-48% longer that way: 869-969 ms with it, 654-658 without.
+The activations, allocated and freed at every forward, are what its products and element-wise
 passes read and write together, and tensors that all start at the same offset of a 2 MB page
 compete for the same cache sets. Here the weights lie in one mapping, one after the other at
-64-byte boundaries, and nothing else changes: the append measured the same (637-677 against
-667-681 ms).
+64-byte boundaries, and nothing else changes: the append took 667 and 681 ms with the weights
+moved, 637 and 677 without (the same within the machine's noise).
 
-`weights_on_huge_pages(model)` copies every tensor of at least HUGE_PAGE_BYTES that the model
-holds alone (a parameter or buffer whose storage no other of its tensors shares, covering all of
-it) into one anonymous mapping advised MADV_HUGEPAGE, and points the tensor at its copy
-(`tensor.data = ...`: the same Parameter objects, names, ties and state dict). The old storage is
-freed; the mapping lives as long as any tensor in it. It does nothing off the CPU, without
-`madvise` (not Linux), or where the kernel's THP mode is `never`. Call it after quantization
-(models/quantize.py), so that the mapping holds only what the model still reads: a float weight
-replaced by its int8 copy would otherwise keep the whole mapping alive.
+`weights_on_huge_pages(model)` copies every CPU tensor of at least HUGE_PAGE_BYTES that the
+model holds alone (a parameter or buffer whose storage no other of its tensors shares, covering
+all of it) into one anonymous mapping advised MADV_HUGEPAGE, and points the tensor at its copy
+(`tensor.data = ...`: the same Parameter objects, names, ties and state dict). The old storage
+is freed; the mapping lives as long as any tensor in it. Faulting in its huge pages makes the
+copy slower than a plain one: about 2 s for wt103's 1.1 GB at load. It does nothing off the CPU,
+without `madvise` (not Linux), or where the kernel's THP mode is `never`.
+
+What it moves is what the model holds as tensors. Call it after quantization (models/quantize.py):
+an int8 layer's packed weights belong to fbgemm, not to the model's tensors, and stay on 4 kB
+pages, while a float weight an int8 copy replaced would otherwise be moved for nothing. A
+`copy.deepcopy` of a moved model gets every moved tensor as a view of one new storage (deepcopy
+copies a shared storage once): give each tensor its own storage (`t.data = t.data.clone()`)
+before moving or quantizing such a copy, or the copy keeps all of it alive.
 """
 
 from __future__ import annotations
@@ -51,14 +57,16 @@ def weights_on_huge_pages(model: nn.Module) -> nn.Module:
     """`model`, its large CPU tensors moved onto huge pages in place (the module docstring)."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or transparent_huge_pages_mode() not in ("always", "madvise"):
         return model
-    tensors = [*model.parameters(), *model.buffers()]
+    # dense CPU tensors only (a sparse, meta or quantized tensor has no plain storage to copy)
+    tensors = [t for t in (*model.parameters(), *model.buffers())
+               if t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized]
     holders: dict[int, int] = {}  # storage address -> how many of the model's tensors use it
     for tensor in tensors:
-        holders[tensor.untyped_storage().data_ptr()] = holders.get(tensor.untyped_storage().data_ptr(), 0) + 1
+        address = tensor.untyped_storage().data_ptr()
+        holders[address] = holders.get(address, 0) + 1
     moving = [t for t in tensors
-              if t.device.type == "cpu" and not t.is_quantized and t.nbytes >= HUGE_PAGE_BYTES and t.is_contiguous()
-              and t.storage_offset() == 0 and t.nbytes == t.untyped_storage().nbytes()
-              and holders[t.untyped_storage().data_ptr()] == 1]
+              if t.nbytes >= HUGE_PAGE_BYTES and t.is_contiguous() and t.storage_offset() == 0
+              and t.nbytes == t.untyped_storage().nbytes() and holders[t.untyped_storage().data_ptr()] == 1]
     if not moving:
         return model
     sizes = [-(-t.nbytes // ALIGNMENT) * ALIGNMENT for t in moving]

@@ -23,7 +23,8 @@ Serving notes
 - The relative term uses a per-layer table W_kR R_d for distances d = 0, 1, ..., built once per
   length in eval mode and reused by every request (it depends on the weights only), stored
   head-major so that each head's distances are one contiguous matrix (RelativeKeys). Every
-  decoding step, one row or a batch, reads it (`_decode_scores` says why not R itself).
+  decoding step, one row or a batch, reads it (the comments above `_decode_scores` say why not
+  R itself).
 - Decoding appends to the memory in place, in buffers laid out for the products that read them
   (models/layers/buffers.py; `_decode_scores` and `_decode_attend` below say why that layout).
 - A prompt chunk whose whole rows nobody reads is scored without them (`forward_scored`): the
@@ -370,7 +371,7 @@ class RelativeAttentionLayer(RelativeAttentionBlock):
 
     def _decode_scores(self, q: Tensor, keys: Tensor, rel_keys: Tensor, r_w_bias: Tensor, r_r_bias: Tensor) -> Tensor:
         """`relative_scores` times the scale for one query per row, q (B, 1, H, D) -> (B, H, 1, K),
-        in three products and no more passes over the scores than it takes. The one query sits
+        in two products and no more passes over the scores than it takes. The one query sits
         after every key, key j at distance K - 1 - j, so the distances' scores are the table's
         read backwards: a flip, where `rel_shift` gathers by an index. The content part is added
         to them, both scaled, by the product itself (baddbmm). A step of 18 wt103-shaped layers

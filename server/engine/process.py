@@ -171,7 +171,7 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
         started = time.perf_counter()
         model = load_checkpoint(directory, device=device).to(dtype)
         model = quantize_model(model, settings.quantize_for(directory.name))  # after .to(dtype): int8 stays int8
-        weights_on_huge_pages(model)  # after quantizing: only what the model still reads (models/huge_pages.py)
+        weights_on_huge_pages(model)  # after quantizing: only the float tensors it still holds (models/huge_pages.py)
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
         engine = Engine(directory.name, model, tokenizer, metrics, sink, prefill_chunk=settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
