@@ -34,6 +34,7 @@ before moving or quantizing such a copy, or the copy keeps all of it alive.
 from __future__ import annotations
 
 import mmap
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -60,10 +61,7 @@ def weights_on_huge_pages(model: nn.Module) -> nn.Module:
     # dense CPU tensors only (a sparse, meta or quantized tensor has no plain storage to copy)
     tensors = [t for t in (*model.parameters(), *model.buffers())
                if t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized]
-    holders: dict[int, int] = {}  # storage address -> how many of the model's tensors use it
-    for tensor in tensors:
-        address = tensor.untyped_storage().data_ptr()
-        holders[address] = holders.get(address, 0) + 1
+    holders = Counter(t.untyped_storage().data_ptr() for t in tensors)  # storage -> the model's tensors on it
     moving = [t for t in tensors
               if t.nbytes >= HUGE_PAGE_BYTES and t.is_contiguous() and t.storage_offset() == 0
               and t.nbytes == t.untyped_storage().nbytes() and holders[t.untyped_storage().data_ptr()] == 1]
