@@ -69,7 +69,10 @@ class Linear(nn.Linear):
     """`nn.Linear` whose product is `linear` above. Same parameters and state dict."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        # the parameters from their dict: `self.weight` would go through nn.Module.__getattr__, a
+        # Python call, which a decoding step pays for dearly (models/transformer_xl.py `_decode`)
+        parameters = self._parameters
+        return linear(x, parameters["weight"], parameters["bias"])
 
 
 def use_batched_products(model: nn.Module) -> nn.Module:

@@ -278,21 +278,30 @@ class AdaptiveLogSoftmax(nn.Module):
             head_logits = torch.cat([head_logits, cluster_logits], dim=-1)
         return F.log_softmax(head_logits.float(), dim=-1)
 
+    def _tail_logits(self, h: Tensor, i: int) -> Tensor:
+        """(N, d_model) -> (N, size_i): the scores of tail cluster i's ids."""
+        b = self.bounds
+        return self._product(f"output{i}", self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
+
     def _tail(self, h: Tensor, i: int) -> Tensor:
         """(N, d_model) -> (N, size_i): log-probabilities of tail cluster i's ids within it."""
-        b = self.bounds
-        tail_logits = self._product(f"output{i}", self._project(h, i), self._cluster_vectors(i), self.bias[b[i] : b[i + 1]])
-        return F.log_softmax(tail_logits.float(), dim=-1)
+        return F.log_softmax(self._tail_logits(h, i).float(), dim=-1)
 
     def forward(self, hidden: Tensor) -> Tensor:
         shape = hidden.shape[:-1]
         h = hidden.reshape(-1, hidden.shape[-1])  # (N, d_model)
         b = self.bounds
-        head = self._head(h)
-        pieces = [head[:, : b[1]]]
+        head = self._head(h)  # (N, cutoffs[0] + tail clusters)
+        # each cluster's log-probabilities written into its columns of one (N, V) row, where a
+        # cat of the pieces would write them all a second time (at wt103's shape 1.1 MB a row;
+        # the same bits: the same log_softmax, the cluster's log-probability added in place)
+        log_probs = head.new_empty(h.shape[0], b[-1])  # (N, V)
+        log_probs[:, : b[1]] = head[:, : b[1]]
         for i in range(1, len(b) - 1):
-            pieces.append(head[:, b[1] + i - 1, None] + self._tail(h, i))
-        return torch.cat(pieces, dim=-1).view(*shape, b[-1])  # (..., V)
+            cluster = log_probs[:, b[i] : b[i + 1]]
+            torch.log_softmax(self._tail_logits(h, i).float(), dim=-1, out=cluster)
+            cluster += head[:, b[1] + i - 1, None]
+        return log_probs.view(*shape, b[-1])  # (..., V)
 
     def log_prob_of(self, hidden: Tensor, targets: Tensor) -> Tensor:
         """log p(targets[n]) after hidden[n]: (N, d_model), (N,) -> (N,), as forward(hidden)
@@ -316,6 +325,12 @@ class AdaptiveLogSoftmax(nn.Module):
 # -- the model -------------------------------------------------------------------------------------
 
 
+def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
+    """norm(x) without the module call (RelativeAttentionLayer._decode says why)."""
+    parameters = norm._parameters  # not norm.weight: nn.Module.__getattr__ is a Python call
+    return F.layer_norm(x, norm.normalized_shape, parameters["weight"], parameters["bias"], norm.eps)
+
+
 class RelativeAttentionLayer(RelativeAttentionBlock):
     """One Transformer-XL layer: relative multi-head attention + position-wise feed-forward (the
     parameters and residual wiring of `RelativeAttentionBlock`, models/layers/relative.py)."""
@@ -337,22 +352,46 @@ class RelativeAttentionLayer(RelativeAttentionBlock):
         (B, K, H, D), K = M + T."""
         c = self.config
         B, T, _ = x.shape
+        if T == 1 and not self.training and not torch.is_grad_enabled():
+            return self._decode(x, mem_keys, mem_values, rel_keys, blocked, r_w_bias, r_r_bias)
         h = self.attn_norm(x) if c.pre_norm else x
         q, k, v = self.qkv_net(h).view(B, T, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, T, H, D)
         keys = extend_memory(mem_keys, k)  # (B, K, H, D) over a (B, H, capacity, D) buffer
         values = extend_memory(mem_values, v)
-        decoding = T == 1 and not torch.is_grad_enabled()
-        if decoding:
-            scores = self._decode_scores(q, keys, rel_keys, r_w_bias, r_r_bias)
-        else:
-            scores = relative_scores(q, keys, rel_keys, distance, r_w_bias, r_r_bias) * self.scale  # (B, H, T, K)
+        scores = relative_scores(q, keys, rel_keys, distance, r_w_bias, r_r_bias) * self.scale  # (B, H, T, K)
         probs = self.dropatt(torch.softmax(scores.masked_fill_(blocked, float("-inf")), dim=-1))
-        if decoding:
-            attended = self._decode_attend(probs, values)
-        else:
-            attended = torch.einsum("bhtk,bkhd->bthd", probs, values)  # (B, T, H, D)
+        attended = torch.einsum("bhtk,bkhd->bthd", probs, values)  # (B, T, H, D)
         out = self.drop(self.o_net(attended.reshape(B, T, -1)))
         return self.add_attention_and_feed_forward(x, out), keys, values
+
+    # Decoding one position per row, in eval mode without autograd: `forward`'s numbers through
+    # fewer Python calls. A wt103-shaped step streams 1.1 GB of weights, and each call after a
+    # large product finds the caches emptied of the interpreter's and the dispatcher's own data,
+    # so a module call or an nn.Module.__getattr__ that takes a microsecond alone takes many there.
+    # So the products go through each module's own `forward` (F.linear, oneDNN's product for a
+    # batch, an int8 copy: whatever the module is now), the norms through F.layer_norm on their
+    # parameters, and dropout, the identity in eval mode, is left out; no hooks run on this path.
+    # A wt103-shaped batch-1 step took 49.6-49.9 ms this way against 50.4-53.1 through the
+    # modules, the same bits (2026-12-05, three pairs of processes alternating; docs/benchmarks.md,
+    # "Transformer-XL's decoding step without module calls").
+
+    def _decode(self, x: Tensor, mem_keys: Tensor, mem_values: Tensor, rel_keys: Tensor, blocked: Tensor,
+                r_w_bias: Tensor, r_r_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward` for x (B, 1, d_model), in eval mode without autograd."""
+        c = self.config
+        B = x.shape[0]
+        h = layer_norm(self.attn_norm, x) if c.pre_norm else x
+        q, k, v = self.qkv_net.forward(h).view(B, 1, 3, c.n_head, c.d_head).unbind(dim=2)  # (B, 1, H, D)
+        keys = extend_memory(mem_keys, k)  # (B, K, H, D) over a (B, H, capacity, D) buffer
+        values = extend_memory(mem_values, v)
+        scores = self._decode_scores(q, keys, rel_keys, r_w_bias, r_r_bias)  # (B, H, 1, K)
+        probs = torch.softmax(scores.masked_fill_(blocked, float("-inf")), dim=-1)
+        out = self.o_net.forward(self._decode_attend(probs, values).reshape(B, 1, -1))  # (B, 1, d_model)
+        if c.pre_norm:
+            x = x + out
+            return x + self.ff.inference(layer_norm(self.ff_norm, x)), keys, values
+        x = layer_norm(self.attn_norm, x + out)
+        return layer_norm(self.ff_norm, x + self.ff.inference(x)), keys, values
 
     # Decoding one position per row. Scores and attended values are one batched product each,
     # over the memory as it lies in its buffer, where an einsum would copy it first: the query

@@ -159,3 +159,37 @@ def test_state_round_trips_through_flat_tensors():
     wrong["keys.0"] = torch.zeros(1, 3, 5, 16)
     with pytest.raises(ValueError, match="keys.0"):
         model.check_state(XLMemory.from_tensors(wrong))
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_decoding_step_gives_the_numbers_of_the_general_path(pre_norm, batch, quantize):
+    """A decoding step (eval mode, no autograd, one position per row: RelativeAttentionLayer's
+    `_decode`, which calls each product module's own forward and no dropout) against the same
+    step through the modules (autograd on), after a prompt. The
+    weights are large enough for oneDNN's product at batch 5 (models/linear.py), and the int8
+    model multiplies through its copies on both paths."""
+    from xlserve.models.linear import Linear, use_batched_products
+    from xlserve.models.quantize import Int8Linear, quantize_model
+
+    model = use_batched_products(small_model(pre_norm=pre_norm, d_model=256, n_head=4, d_head=64, d_inner=4096,
+                                             mem_len=24))
+    model = quantize_model(model, quantize)
+    product = Int8Linear if quantize == "int8" else Linear
+    assert isinstance(model.layers[0].ff[0], product)
+    prompt = torch.randint(0, 256, (batch, 20), generator=torch.Generator().manual_seed(5))
+    token = torch.randint(0, 256, (batch, 1), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        _, state = model(prompt, model.init_state(batch))
+    called = []  # the decoding step calls the product's forward itself: its module's hooks do not run
+    model.layers[0].qkv_net.register_forward_hook(lambda *_: called.append(True))
+    with torch.no_grad():
+        decoded, decoded_state = model(token, state)
+    assert not called
+    with torch.enable_grad():  # the parameters require a gradient: the general path, every module called
+        general, general_state = model(token, state)
+    assert called
+    assert (decoded - general).abs().max().item() < 1e-4
+    for a, b in zip(decoded_state.keys + decoded_state.values, general_state.keys + general_state.values):
+        assert (a - b).abs().max().item() < 1e-5
