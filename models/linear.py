@@ -70,8 +70,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         # the parameters from their dict: `self.weight` would go through nn.Module.__getattr__, a
-        # Python call, which a decoding step pays for dearly (models/transformer_xl.py `_decode`)
+        # Python call, which a decoding step pays for dearly (models/transformer_xl.py `_decode`);
+        # a weight that is not a plain parameter (torch.nn.utils.parametrize, prune) by its name
         parameters = self._parameters
+        if "weight" not in parameters or "bias" not in parameters:
+            return linear(x, self.weight, self.bias)
         return linear(x, parameters["weight"], parameters["bias"])
 
 

@@ -292,14 +292,21 @@ class AdaptiveLogSoftmax(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])  # (N, d_model)
         b = self.bounds
         head = self._head(h)  # (N, cutoffs[0] + tail clusters)
-        # each cluster's log-probabilities written into its columns of one (N, V) row, where a
-        # cat of the pieces would write them all a second time (at wt103's shape 1.1 MB a row;
-        # the same bits: the same log_softmax, the cluster's log-probability added in place)
+        if len(b) == 2:  # one cluster: the head is the whole row
+            return head.view(*shape, b[-1])
+        # each cluster's log-probabilities go into its columns of one (N, V) tensor and get their
+        # cluster's log-probability added in place, where adding into a new tensor and then
+        # concatenating the pieces wrote every row twice more (at wt103's shape 1.1 MB a row;
+        # the same bits). Without autograd log_softmax writes straight into the columns (for
+        # one row; for several, through a copy of its own), which has no derivative.
         log_probs = head.new_empty(h.shape[0], b[-1])  # (N, V)
         log_probs[:, : b[1]] = head[:, : b[1]]
         for i in range(1, len(b) - 1):
             cluster = log_probs[:, b[i] : b[i + 1]]
-            torch.log_softmax(self._tail_logits(h, i).float(), dim=-1, out=cluster)
+            if torch.is_grad_enabled():
+                cluster.copy_(self._tail(h, i))
+            else:
+                torch.log_softmax(self._tail_logits(h, i).float(), dim=-1, out=cluster)
             cluster += head[:, b[1] + i - 1, None]
         return log_probs.view(*shape, b[-1])  # (..., V)
 
@@ -371,6 +378,8 @@ class RelativeAttentionLayer(RelativeAttentionBlock):
     # So the products go through each module's own `forward` (F.linear, oneDNN's product for a
     # batch, an int8 copy: whatever the module is now), the norms through F.layer_norm on their
     # parameters, and dropout, the identity in eval mode, is left out; no hooks run on this path.
+    # The layer's own mode decides: dropout modules set to training inside an eval-mode layer are
+    # not applied here. The residual wiring is `add_attention_and_feed_forward`'s, written out.
     # A wt103-shaped batch-1 step took 49.6-49.9 ms this way against 50.4-53.1 through the
     # modules, the same bits (2026-12-05, three pairs of processes alternating; docs/benchmarks.md,
     # "Transformer-XL's decoding step without module calls").

@@ -154,7 +154,9 @@ class RelativeAttentionBlock(nn.Module):
     def add_attention_and_feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
         """The layer's output (B, T, d_model) from its input x and the attention's output
         `attended` (B, T, d_model, after o_net and dropout): pre-norm adds each sub-layer to the
-        residual stream (the norms came before them), post-norm normalises after each addition."""
+        residual stream (the norms came before them), post-norm normalises after each addition.
+        Transformer-XL's decoding step writes the same wiring out without the module calls
+        (models/transformer_xl.py `RelativeAttentionLayer._decode`): a change here goes there too."""
         if self.config.pre_norm:
             x = x + attended
             return x + self.ff(self.ff_norm(x))

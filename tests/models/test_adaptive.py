@@ -104,6 +104,21 @@ def test_log_prob_of_a_target_is_its_whole_rows_entry(div_val, d_embed, cutoffs)
                 softmax.log_prob_of(hidden[:2], torch.tensor([3, outside]))
 
 
+def test_whole_rows_train_as_the_rows_scored_at_their_targets():
+    """With autograd the whole rows are written into one tensor in place (no log_softmax into its
+    columns, which has no derivative): their loss at the targets gives log_prob_of's gradient."""
+    _, softmax = adaptive(div_val=2, d_embed=16, cutoffs=(10, 30))
+    hidden = torch.randn(40, 16)
+    targets = torch.randperm(50)[:40]  # every cluster
+    parameters = list(softmax.parameters())
+    whole = torch.autograd.grad(-softmax(hidden).gather(1, targets[:, None]).sum(), parameters, allow_unused=True)
+    scored = torch.autograd.grad(-softmax.log_prob_of(hidden, targets).sum(), parameters, allow_unused=True)
+    for a, b in zip(whole, scored):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def adaptive_model(**overrides) -> TransformerXL:
     config = TransformerXLConfig(**{
         "vocab_size": 50, "n_layer": 2, "d_model": 16, "n_head": 2, "d_head": 8, "d_inner": 32, "mem_len": 8,

@@ -92,3 +92,25 @@ def test_use_batched_products_leaves_subclasses_and_small_layers_alone():
     model = nn.Sequential(nn.Linear(1024, 1024), Special(1024, 1024), nn.Linear(4, 4))
     use_batched_products(model)
     assert type(model[0]) is Linear and type(model[1]) is Special and type(model[2]) is nn.Linear
+
+
+def test_a_parametrized_weight_is_read_through_its_parametrization():
+    """Linear reads its parameters from their dict (a decoding step's call costs less), and a
+    weight that is no plain parameter any more (torch.nn.utils.parametrize) by its name."""
+    from torch.nn.utils import parametrize
+
+    weight, bias = large_weight()
+    layer = use_batched_products(nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0])))[0]
+    assert type(layer) is Linear
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrize.register_parametrization(layer, "weight", Doubled())
+    x = torch.randn(8, weight.shape[1])
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, 2 * weight, bias), rtol=1e-5, atol=1e-5)

@@ -164,21 +164,23 @@ def test_state_round_trips_through_flat_tensors():
 @pytest.mark.parametrize("pre_norm", [True, False])
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("quantize", ["none", "int8"])
-def test_a_decoding_step_gives_the_numbers_of_the_general_path(pre_norm, batch, quantize):
+@pytest.mark.parametrize("prompt_tokens", [20, 40])
+def test_a_decoding_step_gives_the_numbers_of_the_general_path(pre_norm, batch, quantize, prompt_tokens):
     """A decoding step (eval mode, no autograd, one position per row: RelativeAttentionLayer's
     `_decode`, which calls each product module's own forward and no dropout) against the same
-    step through the modules (autograd on), after a prompt. The
-    weights are large enough for oneDNN's product at batch 5 (models/linear.py), and the int8
-    model multiplies through its copies on both paths."""
+    step through the modules (autograd on), after a prompt shorter than the memory and one
+    longer (same_length then blocks the keys past mem_len). The weights are large enough for
+    oneDNN's product at batch 5 (models/linear.py), and the int8 model multiplies through its
+    copies on both paths."""
     from xlserve.models.linear import Linear, use_batched_products
     from xlserve.models.quantize import Int8Linear, quantize_model
 
     model = use_batched_products(small_model(pre_norm=pre_norm, d_model=256, n_head=4, d_head=64, d_inner=4096,
-                                             mem_len=24))
+                                             mem_len=24, same_length=True))
     model = quantize_model(model, quantize)
     product = Int8Linear if quantize == "int8" else Linear
     assert isinstance(model.layers[0].ff[0], product)
-    prompt = torch.randint(0, 256, (batch, 20), generator=torch.Generator().manual_seed(5))
+    prompt = torch.randint(0, 256, (batch, prompt_tokens), generator=torch.Generator().manual_seed(5))
     token = torch.randint(0, 256, (batch, 1), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         _, state = model(prompt, model.init_state(batch))
@@ -190,6 +192,9 @@ def test_a_decoding_step_gives_the_numbers_of_the_general_path(pre_norm, batch, 
     with torch.enable_grad():  # the parameters require a gradient: the general path, every module called
         general, general_state = model(token, state)
     assert called
-    assert (decoded - general).abs().max().item() < 1e-4
+    # int8 rounds each product's input to int8, where a last-bit difference between the two
+    # paths' attention (a batched product against an einsum) can move a value by one step
+    tolerance = 1e-4 if quantize == "none" else 2e-2
+    assert (decoded - general).abs().max().item() < tolerance
     for a, b in zip(decoded_state.keys + decoded_state.values, general_state.keys + general_state.values):
-        assert (a - b).abs().max().item() < 1e-5
+        assert (a - b).abs().max().item() < tolerance / 10
