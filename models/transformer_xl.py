@@ -71,7 +71,7 @@ from xlserve.models.interface import LanguageModel, State, TransformerConfig, la
 from xlserve.models.layers.buffers import extend_memory
 from xlserve.models.layers.init import init_weights
 from xlserve.models.layers.relative import (
-    RelativeAttentionBlock, RelativeKeys, relative_scores,
+    RelativeAttentionBlock, RelativeKeys, layer_norm, relative_scores,
 )
 from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.linear import linear
@@ -330,12 +330,6 @@ class AdaptiveLogSoftmax(nn.Module):
 
 
 # -- the model -------------------------------------------------------------------------------------
-
-
-def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
-    """norm(x) without the module call (RelativeAttentionLayer._decode says why)."""
-    parameters = norm._parameters  # not norm.weight: nn.Module.__getattr__ is a Python call
-    return F.layer_norm(x, norm.normalized_shape, parameters["weight"], parameters["bias"], norm.eps)
 
 
 class RelativeAttentionLayer(RelativeAttentionBlock):

@@ -25,6 +25,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xlserve.models.layers.feedforward import FeedForward
@@ -56,6 +57,14 @@ def rel_shift(by_distance: Tensor, distance: Tensor) -> Tensor:
     score of its distance index distance[..., i, j] ((T, K) or (B or 1, 1, T, K))."""
     B, H, T, _ = by_distance.shape
     return torch.gather(by_distance, 3, distance.expand(B, H, T, distance.shape[-1]))
+
+
+def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
+    """norm(x) without the module call, for the decoding steps of Transformer-XL's and XLNet's
+    layers: after a large product a module call and an nn.Module.__getattr__ cost many times what
+    they do alone (models/transformer_xl.py `RelativeAttentionLayer._decode`)."""
+    parameters = norm._parameters  # not norm.weight, which goes through nn.Module.__getattr__
+    return F.layer_norm(x, norm.normalized_shape, parameters["weight"], parameters["bias"], norm.eps)
 
 
 class RelativeKeys(nn.Module):

@@ -200,3 +200,38 @@ def test_save_and_load_give_identical_log_probs(tmp_path):
     a, _ = run_in_chunks(model, text, 6)
     b, _ = run_in_chunks(loaded, text, 6)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+@pytest.mark.parametrize("prompt_tokens", [12, 30])
+def test_serving_gives_the_numbers_of_the_module_path(batch, quantize, prompt_tokens):
+    """In eval mode without autograd a layer runs without module calls (TwoStreamLayer._serve:
+    each product through its module's own forward, F.layer_norm, no dropout): a prompt and a
+    decoding step give the numbers of the same calls through the modules (autograd on), with
+    the memory not yet full and past it (same_length then hides the oldest keys), at batch 1 and
+    5 (oneDNN's product: the weights are large enough), in float32 and int8."""
+    from xlserve.models.linear import Linear, use_batched_products
+    from xlserve.models.quantize import Int8Linear, quantize_model
+
+    model = quantize_model(use_batched_products(small_model(n_layer=2, d_model=256, n_head=4, d_head=64, d_inner=4096,
+                                                            mem_len=16)), quantize)
+    assert isinstance(model.layers[0].ff_in, Int8Linear if quantize == "int8" else Linear)
+    prompt = torch.randint(0, 256, (batch, prompt_tokens), generator=torch.Generator().manual_seed(5))
+    token = torch.randint(0, 256, (batch, 1), generator=torch.Generator().manual_seed(6))
+    called = []  # the serving path calls each product's forward itself: its module's hooks do not run
+    model.layers[0].q_net.register_forward_hook(lambda *_: called.append(True))
+    with torch.no_grad():
+        served_prompt, state = model(prompt, model.init_state(batch))
+        served_step, served_state = model(token, state)
+    assert not called
+    with torch.enable_grad():  # the parameters require a gradient: every module called
+        module_prompt, _ = model(prompt, model.init_state(batch))
+        module_step, module_state = model(token, state)
+    assert called
+    # int8 rounds each product's input to int8, where summation order can move a value by a step
+    tolerance = 1e-4 if quantize == "none" else 2e-2
+    assert (served_prompt - module_prompt).abs().max().item() < tolerance
+    assert (served_step - module_step).abs().max().item() < tolerance
+    for a, b in zip(served_state.keys + served_state.values, module_state.keys + module_state.values):
+        assert (a - b).abs().max().item() < tolerance / 10
