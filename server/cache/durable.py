@@ -228,6 +228,10 @@ class DurableStore:
         except CorruptState as error:
             log.error("session %s: disk copy is unusable: %s", record.id, error)
             raise SessionUnavailable(f"session '{record.id}': the stored state is unusable ({error})", record.id) from None
+        except OSError as error:  # gone or unreadable: this request fails, as a store that does not answer
+            log.error("session %s: disk copy cannot be read: %s", record.id, error)
+            raise SessionUnavailable(f"session '{record.id}': the stored state cannot be read ({error})",
+                                     record.id) from None
         return self.decode(record, "disk", base, deltas)
 
     def tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
@@ -256,7 +260,9 @@ class DurableStore:
         most = LOG_SLACK * self.compact_ratio
         if self.redis is None:
             if delta is not None:
-                appended = store_call(lambda: self.disk.append(record.id, delta, most, self.compact_ratio))
+                # the block changes the version the lease read (a commit's), or keeps it (`remember`)
+                since = record.version if expected is None else expected
+                appended = store_call(lambda: self.disk.append(record.id, delta, most, self.compact_ratio, since))
                 if appended is not None:
                     written, due = appended
                     return Written(self._count(record, "delta", written), due)

@@ -160,7 +160,10 @@ class DiskStore:
         self._write_file(self.path(session_id), session_id, blob)
         self._count("whole", blob_bytes(blob))
         _crash_point("compaction-renamed")
-        self.log_path(session_id).unlink(missing_ok=True)
+        try:
+            self.log_path(session_id).unlink(missing_ok=True)
+        except OSError as error:  # the write is done: blocks that name the old base are never read
+            log.warning("session %s: its old log could not be removed (%s); its blocks are ignored", session_id, error)
 
     def _count(self, kind: str, nbytes: int) -> None:
         with self._count_lock:  # sessions are written from several threads at once
@@ -186,8 +189,11 @@ class DiskStore:
         return self.path(session_id).read_bytes()
 
     def delete(self, session_id: str) -> None:
-        self.path(session_id).unlink(missing_ok=True)
-        self.log_path(session_id).unlink(missing_ok=True)
+        try:
+            self.path(session_id).unlink(missing_ok=True)
+            self.log_path(session_id).unlink(missing_ok=True)
+        except OSError as error:
+            raise StoreUnavailable(f"cannot delete session {session_id} from {self.directory}: {error}") from error
 
     # -- the log of delta blocks ----------------------------------------------------------------
 
@@ -226,7 +232,30 @@ class DiskStore:
                 break
             frames.append((offset, length, base, place))
             offset = end
+        if offset < size:
+            self._check_tail(lambda at, n: (f.seek(at), f.read(n))[1], size, offset)
         return frames, offset
+
+    def _check_tail(self, read: Callable[[int, int], bytes], size: int, offset: int) -> None:
+        """CorruptState when the log's bytes from `offset` on (where no whole frame starts) hold
+        a frame that passes its checksum: an append writes at the end and is acknowledged once
+        synced, so the one thing a crash can leave unfinished is the last frame, and a damaged
+        frame with a verified one after it is damage to acknowledged blocks, which must not be
+        cut off as a torn tail (the session would silently go back to an older version). `read(at,
+        n)` gives n bytes of the log from `at`. Reads the rest of the log only when it is
+        damaged."""
+        tail = read(offset, size - offset)
+        start = 1
+        while (found := tail.find(self.BLOCK_MAGIC, start)) >= 0:
+            start = found + 1
+            if found + self.FRAME.size > len(tail):
+                break
+            _, length, _, _ = self.FRAME.unpack_from(tail, found)
+            end = found + self.FRAME.size + length + self.DIGEST_BYTES
+            if end <= len(tail) and hashlib.sha256(tail[found : end - self.DIGEST_BYTES]).digest() == tail[
+                    end - self.DIGEST_BYTES : end]:
+                raise CorruptState(f"the log block at byte {offset} is damaged, and a whole block follows it "
+                                   f"at byte {offset + found}")
 
     @classmethod
     def framed_bytes(cls, nbytes: int) -> int:
@@ -246,17 +275,22 @@ class DiskStore:
                 raise CorruptState(f"log block {frame[3]} where block {expected} was expected")
         return chain
 
-    def append(self, session_id: str, blob: bytes, ratio: float, due_ratio: float) -> tuple[int, bool] | None:
-        """Append a delta block after the session's base and log, fsynced before this returns;
-        the bytes written, and whether the log is now past `due_ratio` times the base (a
-        compaction is due, as `RedisStore.append` answers 3). None, writing nothing, when there is
-        no base to append to or when the log would outgrow `ratio` times the base: the caller
-        writes the session whole instead (a compaction). A torn tail (a crash in an earlier
-        append, never acknowledged) is cut off first. The caller holds the session: nothing else
-        writes its files meanwhile."""
+    def append(self, session_id: str, blob: bytes, ratio: float, due_ratio: float,
+               version: int) -> tuple[int, bool] | None:
+        """Append a delta block, the change from the session's `version`, after its base and log,
+        fsynced before this returns; the bytes written, and whether the log is now past
+        `due_ratio` times the base (a compaction is due, as `RedisStore.append` answers 3). None,
+        writing nothing, when there is no base to append to, when the log would outgrow `ratio`
+        times the base, when the stored session is not at `version` (a write that landed though
+        it was reported failed: a rename whose directory sync failed, a block whose sync failed
+        and could not be cut off), or when the log is damaged: the caller writes the session whole
+        instead, which replaces base and log. A torn tail (a crash in an earlier append, never
+        acknowledged) is cut off first. The caller holds the session: nothing else writes its
+        files meanwhile."""
         base_path, log_path = self.path(session_id), self.log_path(session_id)
         try:
-            base = self._base_id(self._read_head(base_path))
+            base_meta = self._read_head(base_path)
+            base = self._base_id(base_meta)
             base_size = base_path.stat().st_size
         except (OSError, CorruptState):
             return None
@@ -265,12 +299,21 @@ class DiskStore:
         try:
             with open(log_path, "ab+") as f:
                 size = f.seek(0, os.SEEK_END)
-                frames, end = self._frames(f, size)
+                try:
+                    frames, end = self._frames(f, size)
+                    chain = self._chain(frames, base)
+                    last = self._block_meta(f, chain[-1]) if chain else base_meta
+                except CorruptState as error:
+                    log.warning("session %s: its log is damaged (%s); written whole instead", session_id, error)
+                    return None
+                if last.get("version") != str(version):
+                    log.warning("session %s: stored at version %s, not %d as this change expects; written whole "
+                                "instead", session_id, last.get("version"), version)
+                    return None
                 if end < size:
                     log.warning("session %s: a torn log block (%d bytes) is cut off", session_id, size - end)
                     f.truncate(end)
                     size = end
-                chain = self._chain(frames, base)
                 frame = self._frame(base, len(chain) + 1, blob)
                 if size + len(frame) > ratio * base_size:
                     return None
@@ -312,6 +355,8 @@ class DiskStore:
                 break
             frames.append((offset, length, frame_base, place, end))
             offset = end
+        if offset < len(data):
+            self._check_tail(lambda at, n: data[at : at + n], len(data), offset)
         chain = self._chain(frames, base)
         blobs = [data[o + self.FRAME.size : o + self.FRAME.size + n] for o, n, _, _, _ in chain]
         raw = [data[o:e] for o, _, _, _, e in chain]
@@ -378,12 +423,14 @@ class DiskStore:
                 f.flush()
                 os.fsync(f.fileno())
             chain = self._chain(frames, base)
-            if not chain:
-                return meta
-            offset, length, _, _ = chain[-1]
-            f.seek(offset + self.FRAME.size)
-            head = f.read(min(length, 8 + MAX_HEADER_BYTES))
-        block_meta = metadata_of(head)
+            return self._block_meta(f, chain[-1]) if chain else meta
+
+    def _block_meta(self, f, frame: tuple[int, int, bytes, int]) -> dict[str, str]:
+        """The session's metadata as a log block (a frame of `_frames`) of the open log records
+        it, from the block's header only."""
+        offset, length, _, _ = frame
+        f.seek(offset + self.FRAME.size)
+        block_meta = metadata_of(f.read(min(length, 8 + MAX_HEADER_BYTES)))
         return {k: v for k, v in block_meta.items() if k not in ("delta", "next_log_probs")}
 
     def exists(self, session_id: str) -> bool:
@@ -441,6 +488,9 @@ class DiskStore:
             except (OSError, CorruptState) as error:
                 log.warning("session file %s is unreadable (%s); moved aside as .corrupt", path, error)
                 path.rename(path.with_suffix(".corrupt"))
+                log_path = self.log_path(session_id)  # kept beside it: a log without its base is removed on open
+                if log_path.exists():
+                    log_path.rename(log_path.with_name(log_path.name + ".corrupt"))
                 continue
             yield session_id, meta
 
@@ -651,6 +701,18 @@ class RedisStore:
     def ping(self) -> None:
         self._read(lambda: self.client.ping())
 
+    def _version_and_meta(self, session_id: str, version, meta) -> tuple[int, dict]:
+        """A record's version and metadata as Redis holds them; StoreUnavailable, for this session
+        alone, when something other than xlserve wrote them and they do not read."""
+        try:
+            parsed = json.loads(meta)
+            if not isinstance(parsed, dict):
+                raise ValueError("the metadata is not an object")
+            return int(version), parsed
+        except (ValueError, TypeError) as error:
+            raise StoreUnavailable(f"Redis at {self._safe_url()} holds session {session_id} with an unreadable "
+                                   f"version or metadata ({error})") from None
+
     def head(self, session_id: str, remembered: bool = False) -> Head | None:
         """Version and metadata without the state (and the remembered keys when asked), or None
         when Redis has no such session."""
@@ -658,13 +720,14 @@ class RedisStore:
         values = self._read(lambda: self.client.hmget(self._key(session_id), *fields))
         if values[0] is None:
             return None
-        return Head(int(values[0]), json.loads(values[1]), entries_from_lines(values[2]) if remembered else None)
+        version, meta = self._version_and_meta(session_id, values[0], values[1])
+        return Head(version, meta, entries_from_lines(values[2]) if remembered else None)
 
     def get(self, session_id: str) -> tuple[int, dict, bytes] | None:
         version, meta, blob = self._read(lambda: self.client.hmget(self._key(session_id), "version", "meta", "blob"))
         if version is None:
             return None
-        return int(version), json.loads(meta), blob
+        return *self._version_and_meta(session_id, version, meta), blob
 
     def get_chain(self, session_id: str) -> tuple[int, dict, bytes, list[bytes]] | None:
         """(version, meta, base blob, the log's delta blocks in order), read in one atomic
@@ -676,7 +739,7 @@ class RedisStore:
         blocks = [fields.get(f"log:{i}") for i in range(1, int(fields.get("logn") or 0) + 1)]
         if any(block is None for block in blocks):
             raise StoreUnavailable(f"Redis at {self._safe_url()} holds session {session_id} with a log block missing")
-        return int(fields["version"]), json.loads(fields["meta"]), fields["blob"], blocks
+        return *self._version_and_meta(session_id, fields["version"], fields.get("meta")), fields["blob"], blocks
 
     def heads(self) -> dict[str, tuple[int, dict]]:
         """(version, meta) of every session Redis holds (tombstones and fences left out). In a
@@ -692,7 +755,10 @@ class RedisStore:
                 for key, (version, meta) in zip(keys[start : start + 500], pipeline.execute()):
                     session_id = (key.decode() if isinstance(key, bytes) else key)[len(self.prefix):]
                     if version is not None and SESSION_ID.match(session_id):
-                        found[session_id] = (int(version), json.loads(meta))
+                        try:  # one record that does not read must not hide every other from the listing
+                            found[session_id] = self._version_and_meta(session_id, version, meta)
+                        except StoreUnavailable as error:
+                            log.warning("%s; left out of the listing", error)
             return found
 
         return self._read(scan)

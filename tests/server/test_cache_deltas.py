@@ -301,6 +301,79 @@ def test_kill_9_during_a_fork_on_disk(tmp_path):
     assert identical(stored(cache, session_id), acknowledged)
 
 
+def test_a_damaged_block_with_blocks_after_it_is_corruption_not_a_torn_tail(tmp_path):
+    """Only the last block of a log can be torn (an append that was never acknowledged). A block
+    whose header is damaged with a whole block after it is damage to acknowledged commits: read,
+    it is refused (503), never served as the older version before it; committed on, the session
+    is written whole (base and log replaced) from the state the cache holds; opened again, the
+    session is moved aside with its log, nothing cut off."""
+    from xlserve.server.cache import SessionUnavailable
+
+    state_dir = tmp_path / "state"
+    model, session_id, acknowledged, _ = a_base_and_a_log_of_two_blocks(state_dir)
+    log = state_dir / f"{session_id}.log"
+    damaged = bytearray(log.read_bytes())
+    damaged[0] ^= 0xFF  # the first block's magic: its header no longer reads as a frame
+    log.write_bytes(bytes(damaged))
+
+    cache = SessionCache(state_dir, None, None, None, compact_ratio=100.0)
+    assert cache.open({"m": model}) == 0  # not opened at the base's version
+    assert sorted(p.name for p in state_dir.iterdir()) == [f"{session_id}.corrupt", f"{session_id}.log.corrupt"]
+    assert (state_dir / f"{session_id}.log.corrupt").read_bytes() == bytes(damaged)  # nothing cut off
+    cache.close()
+
+    # the same damage while a cache runs with the session in its books
+    model, session_id, acknowledged, _ = a_base_and_a_log_of_two_blocks(tmp_path / "running")
+    cache = SessionCache(tmp_path / "running", None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    cache.release(cache.acquire(session_id, None))  # read while the log was whole: now on the device
+    log = tmp_path / "running" / f"{session_id}.log"
+    intact = log.read_bytes()
+    log.write_bytes(bytes([intact[0] ^ 0xFF]) + intact[1:])
+    with pytest.raises(SessionUnavailable):
+        cache.durable.read_disk(cache.manager.get(session_id))
+    after = step(model, cache, session_id, [3, 1, 4])  # from the state the cache holds, written whole
+    assert cache.durable.written["compaction"][0] == 1 and not log.exists()
+    assert identical(stored(cache, session_id), after)
+    assert identical(after, feed(model, acknowledged, [3, 1, 4])[1])
+    cache.close()
+
+
+def test_a_write_that_landed_though_reported_failed_is_not_appended_to(tmp_path, monkeypatch):
+    """A whole write whose rename landed but whose directory sync failed is answered 503 and the
+    session stays at its version; the next commit is a change from that version, so it must not
+    be appended after the landed base: it is written whole, and the disk holds exactly it."""
+    from xlserve.server.cache import SessionUnavailable
+
+    model, _, cache, session_id = a_session_with_one_delta(tmp_path, 5)  # version 1, a delta
+    disk = cache.disk
+    sync = disk._sync_directory
+
+    def failing():
+        raise OSError(5, "Input/output error")
+
+    lease = cache.acquire(session_id, None)
+    kept = lease.data
+    monkeypatch.setattr(disk, "_sync_directory", failing)
+    with pytest.raises(SessionUnavailable):
+        cache.commit(lease, feed(model, lease.data, [8, 8, 8])[1], whole=True)  # the base lands, unacknowledged
+    monkeypatch.setattr(disk, "_sync_directory", sync)
+    cache.release(lease)
+    assert cache.info(session_id, None).version == 1
+    lease = cache.acquire(session_id, None)
+    assert identical(lease.data, kept)
+    after = feed(model, lease.data, [2, 7])[1]
+    cache.commit(lease, after)  # a delta from version 1: the stored session is at 2
+    assert "delta" not in cache.durable.written or cache.durable.written["delta"][0] == 1
+    assert identical(stored(cache, session_id), after.cast_state(cache.state_dtype))
+    cache.close()
+    reopened = SessionCache(tmp_path / "state", None, None, None)
+    reopened.open({"m": model})
+    assert reopened.info(session_id, None).version == 2
+    assert identical(stored(reopened, session_id), after.cast_state(reopened.state_dtype))
+    reopened.close()
+
+
 # -- replicas -----------------------------------------------------------------------------------
 
 

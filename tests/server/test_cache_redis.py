@@ -30,6 +30,28 @@ def test_cas_refuses_a_stale_version(redis_url):  # noqa: F811
     store.close()
 
 
+def test_a_record_that_does_not_read_fails_its_own_session_only(tmp_path, redis_url):  # noqa: F811
+    """A session record in Redis whose version or metadata do not read (written by something
+    other than xlserve) is left out of every listing and answers 503 for itself; every other
+    session of the same Redis is listed and served as before."""
+    from xlserve.server.cache import SessionUnavailable
+
+    a = replica(tmp_path, "a", redis_url)
+    sid = a.create("toy", "k", data(10, 0)).id
+    server = redis.Redis.from_url(redis_url)
+    bad = "sess_" + "0" * 32
+    key = a.redis.prefix + bad
+    for version, meta in (("1", "not json"), ("one", "{}"), ("1", "[1, 2]")):
+        server.hset(key, mapping={"version": version, "meta": meta, "blob": b"x"})
+        listed, more = a.list_sessions("k")
+        assert [info.id for info in listed] == [sid] and not more
+        with pytest.raises(SessionUnavailable):
+            a.info(bad, "k")
+        assert a.info(sid, "k").version == 0
+    server.delete(key)
+    a.close()
+
+
 def test_a_write_to_a_redis_that_forgot_its_scripts_sends_its_blob_once(redis_url):  # noqa: F811
     """A script called by its hash that the server does not know (fresh, restarted, failed over)
     would be refused and sent again with its arguments, the session's whole blob or delta: the
