@@ -248,6 +248,8 @@ class Engine:
         """Requests that would wait for a batch slot, `request` included (admission is FIFO)."""
         free, queued = self.max_batch_size - self._running_rows, 0
         for waiting in [*self._waiting, request]:
+            if waiting.cancelled.is_set():  # leaves at the next admission, wherever it waits
+                continue
             width = min(waiting.width, self.max_batch_size)
             if queued == 0 and width <= free:
                 free -= width
@@ -312,13 +314,15 @@ class Engine:
         self._flush()
 
     def _admit(self) -> None:
-        """Move waiting requests into the batch while they fit (FIFO); under the lock."""
+        """Drop the cancelled requests wherever they wait (a client gone from the back of a queue
+        the running batch holds up must not keep its place, which `max_queued` counts), then move
+        waiting requests into the batch while they fit (FIFO); under the lock."""
+        if any(request.cancelled.is_set() for request in self._waiting):
+            for request in [request for request in self._waiting if request.cancelled.is_set()]:
+                self._waiting.remove(request)
+                self._dropped(request)
         while self._waiting:
             request = self._waiting[0]
-            if request.cancelled.is_set():
-                self._waiting.popleft()
-                self._dropped(request)
-                continue
             if self._running_rows + request.width > self.max_batch_size and self._running_rows > 0:
                 break
             self._waiting.popleft()

@@ -488,6 +488,40 @@ def test_cancel_frees_the_slot_and_queue_is_bounded():
         engine.close()
 
 
+def test_a_request_cancelled_behind_the_head_of_the_queue_frees_its_place_at_once():
+    """A client that gives up while others wait ahead of it leaves the queue at once: it ends
+    with Cancelled while the batch is still held up, and its place, which the queue's bound
+    counts, goes to the next client instead of a 429."""
+    engine = make_engine(xl_model(), max_batch_size=1, max_queued=2)
+
+    async def main():
+        first = local.submit(engine, generation(engine, "a", max_tokens=4000))
+        events = first.events()
+        assert isinstance(await events.__anext__(), TokenEvent)  # running: the one slot is taken
+        second = local.submit(engine, generation(engine, "b", max_tokens=3))  # the head of the queue
+        third = local.submit(engine, generation(engine, "c", max_tokens=3))  # behind it
+        with pytest.raises(QueueFull):
+            local.submit(engine, generation(engine, "d", max_tokens=3))
+        third.cancel()
+        with pytest.raises(Cancelled):
+            async for _ in third.events():
+                pass
+        fourth = local.submit(engine, generation(engine, "e", max_tokens=3))  # its place is free
+        assert not engine.idle  # all this while the first still runs
+        first.cancel()
+        with pytest.raises(Cancelled):
+            async for _ in events:
+                pass
+        for waiting in (second, fourth):
+            finished = [e async for e in waiting.events()][-1]
+            assert isinstance(finished, Finished) and finished.completion_tokens == 3
+
+    try:
+        run(main())
+    finally:
+        engine.close()
+
+
 def test_a_cancelled_request_ends_with_one_cancelled_event_at_the_sink():
     """Every request ends with exactly one last event, also when it is cancelled running or
     waiting: the engine process forgets a request (and the API process its submission) only then."""
