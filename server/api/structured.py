@@ -30,6 +30,7 @@ import secrets
 from typing import Any
 
 from xlserve.server.api.errors import InvalidRequest
+from xlserve.server.api.protocol import MAX_JSON_DEPTH, json_depth_exceeded
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_END = "}" + TOOL_CLOSE  # what follows a call's arguments: the call object's brace, the closing tag
@@ -85,6 +86,9 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
     elif form == "guided_json":
         value = values["guided_json"]
         if isinstance(value, str):
+            if json_depth_exceeded(value):  # the body's own depth check cannot see inside a string
+                raise InvalidRequest(f"{param} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                                     param=param, code="invalid_response_format")
             try:
                 value = json.loads(value)
             except ValueError as error:
@@ -146,8 +150,8 @@ def tool_grammar(functions: list, auto: bool, parallel: bool) -> str:
 
 def tool_call_text(name: str, arguments: str) -> str:
     """A call as the model writes it (an assistant message's tool_calls rendered for the template)."""
-    try:
-        parsed = json.loads(arguments)
+    try:  # arguments nested past the depth a body may have stay the text they came as
+        parsed = arguments if json_depth_exceeded(arguments) else json.loads(arguments)
     except ValueError:
         parsed = arguments
     return TOOL_OPEN + json.dumps({"name": name, "arguments": parsed}) + TOOL_CLOSE

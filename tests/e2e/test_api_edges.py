@@ -374,6 +374,19 @@ def test_deeply_nested_json_is_400_on_http_and_malformed_on_the_websocket(server
         still_usable(ws)
 
 
+def test_json_nested_inside_a_string_field_is_a_400_not_a_500(client):
+    """The body's depth check reads brackets inside strings as text; fields whose strings are
+    themselves parsed as JSON (a schema given as text) are checked too (a tool call's arguments:
+    tests/e2e/test_chat_and_tokenize.py)."""
+    deep = "[" * 5_000 + "]" * 5_000
+    for fields, param in (({"guided_json": deep}, "guided_json"),
+                          ({"structured_outputs": {"json": deep}}, "structured_outputs.json")):
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **fields})
+        error = error_of(response)
+        assert error["code"] == "invalid_response_format" and error["param"] == param, error
+        assert "levels deep" in error["message"]
+
+
 def test_a_body_sent_without_a_length_streams_its_answer(client):
     """A chunked body (no Content-Length) is read and replayed by admission; the streamed answer
     must still notice the client's end (the replay once recursed into itself: RecursionError)."""

@@ -78,6 +78,17 @@ def sse_events(response: httpx.Response) -> list:
 # -- chat completions ------------------------------------------------------------------------------------
 
 
+def test_tool_call_arguments_nested_past_the_body_limit_stay_text(client):
+    """An assistant message's tool call arguments are parsed as JSON to render them; nested deeper
+    than a body may be, they stay the text they came as (once a RecursionError: a 500)."""
+    deep = "[" * 5_000 + "]" * 5_000
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    ok(client.post("/v1/chat/completions", json={"model": FILE, "messages": messages, "max_tokens": 1}))
+    assert ok(client.post("/tokenize", json={"model": FILE, "messages": messages}))["count"] > 0
+
+
 def test_chat_runs_the_prompt_its_template_renders(client):
     tokens = ok(client.post("/tokenize", json={"model": FILE, "messages": MESSAGES}))
     assert ok(client.post("/detokenize", json={"model": FILE, "tokens": tokens["tokens"]}))["prompt"] == RENDERED
