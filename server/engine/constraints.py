@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from xlserve.models.tokenizer import ByteTokenizer
-from xlserve.server.engine.errors import InvalidInput
+from xlserve.server.engine.errors import InvalidInput, QueueFull
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 NO_ALLOWED_TOKEN = "no_allowed_token"  # the finish_reason of a row its constraint leaves nothing to draw
@@ -154,13 +154,20 @@ class ConstraintCompiler:
                 self._cache.move_to_end(key)
         if compiled is None:
             compiled = self._compile(kind, text, param)
-            with self._lock:
-                self._cache[key] = compiled
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+            if not isinstance(compiled, QueueFull):  # waiting for a thread says nothing of the constraint
+                self._keep(key, compiled)
+        if isinstance(compiled, QueueFull):
+            raise compiled
         if isinstance(compiled, InvalidInput):
             raise type(compiled)(compiled.message, param=param, code=compiled.code)
         return compiled
+
+    def _keep(self, key: tuple[str, str], compiled) -> None:
+        with self._lock:
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
 
     def _compile(self, kind: str, text: str, param: str | None):
         import llguidance
@@ -177,12 +184,24 @@ class ConstraintCompiler:
         except ValueError as error:
             return InvalidInput(f"the {what} is not valid: {error}", code="invalid_response_format")
 
+        started = threading.Event()
+
         def build():
+            started.set()
             # the constructor never raises for a bad grammar: the matcher is left in an error state
             return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
 
-        self.compiles += 1
+        # The time limit is the compile's own, from when a thread takes it: time spent waiting
+        # behind other clients' compiles must not turn this one into grammar_too_large, cached
+        # for everyone who sends it. With every thread taken for the whole limit (compiles that
+        # passed theirs run on: a thread cannot be stopped), the request is refused as busy
+        # (429 constraint_compiler_busy) and nothing is kept for the constraint.
         future = pool.submit(build)
+        if not started.wait(timeout=max(self.compile_seconds, 1.0)) and future.cancel():
+            return QueueFull(f"every structured-output compile thread of model '{self.model_name}' has been busy "
+                             f"for {self.compile_seconds:g} s (XLSERVE_STRUCTURED_COMPILE_SECONDS); retry later",
+                             code="constraint_compiler_busy")
+        self.compiles += 1
         try:
             matcher = future.result(timeout=self.compile_seconds)
         except FutureTimeout:

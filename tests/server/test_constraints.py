@@ -62,6 +62,33 @@ def test_a_compile_past_the_time_limit_is_grammar_too_large():
     assert refused.value.code == "grammar_too_large" and "XLSERVE_STRUCTURED_COMPILE_SECONDS" in refused.value.message
 
 
+def test_time_spent_waiting_for_a_compile_thread_is_not_the_constraints():
+    """The time limit is the compile's own: a small schema that waits behind other clients'
+    compiles compiles; with every thread taken past the wait, the request is refused as busy
+    (429), and nothing is kept for the schema, which compiles once a thread frees."""
+    import threading
+
+    from xlserve.server.engine.errors import QueueFull
+
+    compiler = ConstraintCompiler(ByteTokenizer(), "m", compile_seconds=0.5)
+    compiler.matcher("regex", "a+")  # the pool exists from here
+    free = threading.Event()
+    blockers = [compiler._pool.submit(free.wait, 30) for _ in range(2)]  # every compile thread taken
+    threading.Timer(0.7, free.set).start()  # longer than the limit, shorter than the wait for a thread
+    assert compiler.matcher("json_schema", schema(1)) is not None
+    free.clear()
+    blockers = [compiler._pool.submit(free.wait, 30) for _ in range(2)]
+    with pytest.raises(QueueFull) as refused:
+        compiler.matcher("json_schema", schema(2), param="guided_json")
+    assert refused.value.code == "constraint_compiler_busy"
+    assert not compiler.cached("json_schema", schema(2))
+    free.set()
+    for blocker in blockers:
+        blocker.result(timeout=30)
+    compiled = compiler.compiles
+    assert compiler.matcher("json_schema", schema(2)) is not None and compiler.compiles == compiled + 1
+
+
 def test_a_vocabulary_that_is_not_bytes_is_refused_naming_why():
     compiler = ConstraintCompiler(WordTokenizer(["the", "cat", "<eos>"]), "wt103")
     with pytest.raises(InvalidInput) as refused:
