@@ -32,6 +32,7 @@ CONFIG_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.co
                    "{% if add_generation_prompt %}[assistant] {% endif %}")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def fib(n):"}]
 RENDERED = "<|system|>Be brief.\n<|user|>def fib(n):\n<|assistant|>"
+MAX_TOKENS_LIMIT = 48  # the server's XLSERVE_MAX_TOKENS_LIMIT
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def chat_server(tiny_checkpoint, tmp_path_factory):
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "chat_template": "{% for m in messages %}unclosed"}))
     process = ServerProcess([tiny_checkpoint, with_file, configured, broken],
+                            env={"XLSERVE_MAX_TOKENS_LIMIT": str(MAX_TOKENS_LIMIT)},
                             log_path=tmp_path_factory.mktemp("logs") / "chat.log").start()
     yield process
     process.stop()
@@ -87,6 +89,17 @@ def test_tool_call_arguments_nested_past_the_body_limit_stay_text(client):
                 {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
     ok(client.post("/v1/chat/completions", json={"model": FILE, "messages": messages, "max_tokens": 1}))
     assert ok(client.post("/tokenize", json={"model": FILE, "messages": messages}))["count"] > 0
+
+
+def test_a_chat_answer_without_max_tokens_runs_to_the_servers_limit(client):
+    """OpenAI's chat and vLLM's have no 16-token default: without max_tokens (or
+    max_completion_tokens) the answer runs until it stops, at most XLSERVE_MAX_TOKENS_LIMIT."""
+    answer = ok(client.post("/v1/chat/completions", json={"model": FILE, "messages": MESSAGES, "temperature": 0}))
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS_LIMIT
+    assert answer["choices"][0]["finish_reason"] == "length"
+    answer = ok(client.post("/v1/chat/completions", json={"model": FILE, "messages": MESSAGES, "temperature": 0,
+                                                          "max_completion_tokens": 5}))
+    assert answer["usage"]["completion_tokens"] == 5
 
 
 def test_chat_runs_the_prompt_its_template_renders(client):

@@ -330,8 +330,10 @@ class ChatCompletion(Completion):
                       stream=body.stream, stream_options=body.stream_options,
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is not None:
-            fields["max_tokens"] = max_tokens
+        # neither given: as OpenAI's chat and vLLM's, the answer may run until it stops (a stop
+        # string, the end of the model's context) or reaches the server's XLSERVE_MAX_TOKENS_LIMIT,
+        # not the 16 tokens a completion defaults to
+        fields["max_tokens"] = state.settings.server.max_tokens_limit if max_tokens is None else max_tokens
         try:
             request = CompletionRequest.model_validate(fields)
         except ValidationError as error:
