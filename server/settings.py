@@ -204,8 +204,9 @@ class EngineSettings(SettingsGroup):
     # the limits past which a schema or grammar is refused with 400 grammar_too_large
     structured_cache_size: int = Field(256, ge=0, description="compiled structured-output constraints "
                                        "(schemas, regexes, grammars) kept per model, least recently used dropped")
-    structured_compile_seconds: float = Field(5.0, gt=0, description="longest a constraint may take to compile; "
-                                              "beyond it 400 grammar_too_large")
+    structured_compile_seconds: float = Field(5.0, gt=0, description="longest a constraint may take to compile, "
+                                              "from when a thread takes it; beyond it 400 grammar_too_large; no "
+                                              "thread free within it, 429 constraint_compiler_busy")
     structured_max_bytes: int = Field(65536, ge=1, description="largest constraint text (a schema, regex, "
                                       "grammar, choice list or the tools) in bytes; beyond it 400 grammar_too_large")
     # the engine process hands freed memory back to the system when idle (server/engine/memory.py)
