@@ -413,4 +413,8 @@ class DurableStore:
             return
         if entry is not None:
             store_call(lambda: self.disk.write_tombstone(record.id, record.owner, kept(entry, record.remembered)))
-        store_call(lambda: self.disk.delete(record.id))
+        try:
+            self.disk.delete(record.id)
+        except OSError as error:
+            raise SessionUnavailable(f"session '{record.id}': its stored state could not be removed ({error})",
+                                     record.id) from None

@@ -52,7 +52,7 @@ import time
 
 from xlserve.server.cache.codec import SessionData, encode_parts
 from xlserve.server.cache.durable import DurableStore, store_call
-from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge
+from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge, SessionUnavailable
 from xlserve.server.cache.leases import MOVE, Holds
 from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record
 from xlserve.server.cache.stores import Head, MemoryStore
@@ -495,17 +495,29 @@ class _Fetch(_Step):
         self.record, self.source, self.host_data, self.home = record, source, host_data, home
         self.data: SessionData | None = None
         self.seconds = 0.0
+        self.spill_unusable = False  # the disk spill could not be read: read from Redis instead
 
     def _run(self, placement: Placement) -> None:
         started = time.perf_counter()
         if self.source == "host":
             self.data = self.host_data.to(placement.durable.spec(self.record).device)
         else:
-            self.data = placement.read(self.record, self.source)
+            try:
+                self.data = placement.read(self.record, self.source)
+            except SessionUnavailable as error:
+                if self.source != "disk" or placement.durable.tier == "disk":
+                    raise
+                # with Redis the disk only spills what Redis holds: read it there, and the spill goes
+                log.warning("session %s: its disk spill is unusable (%s); read from Redis", self.record.id, error)
+                self.data = placement.read(self.record, placement.durable.tier)
+                self.source, self.spill_unusable = placement.durable.tier, True
         self.seconds = time.perf_counter() - started
 
     def finish(self, placement: Placement) -> BaseException | None:
         record, source, manager = self.record, self.source, placement.manager
+        if self.spill_unusable:  # out of the books; its file goes at the next sweep
+            manager.drop_copy(record.id, "disk")
+            placement._left_files.append(record.id)
         if self.home == "host":
             if self.error is not None:
                 if source != "host":  # the room booked on host goes back

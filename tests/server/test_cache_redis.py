@@ -140,6 +140,28 @@ def test_a_spill_file_that_could_not_be_removed_goes_at_a_later_sweep(tmp_path, 
     assert same(lease.data, data(n, 0))
     cache.release(lease)
 
+def test_an_unusable_disk_spill_is_read_from_redis_and_goes(tmp_path, redis_url):  # noqa: F811
+    """With Redis the disk only spills what Redis holds: a spill file that cannot be read (or
+    fails its checks) does not fail the session on this replica until another one commits; it is
+    read from Redis, and the spill leaves the books and the disk."""
+    n = 100
+    cache = replica(tmp_path, "s", redis_url, device=size(n), host=size(n), disk=size(n))
+    ids = [cache.create("toy", None, data(n, i)).id for i in range(3)]
+    spilled = ids[0]
+    assert cache.info(spilled, None).tier == "disk"
+    path = cache.disk.path(spilled)
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0xFF  # the last byte of the state: its checksum no longer matches
+    path.write_bytes(bytes(damaged))
+    lease = cache.acquire(spilled, None)
+    assert same(lease.data, data(n, 0))
+    cache.release(lease)
+    assert "disk" not in cache.manager.get(spilled).copies
+    cache.info(ids[1], None)  # the next operation's sweep removes the file
+    assert not cache.disk.exists(spilled)
+    cache.close()
+
+
 def test_a_full_redis_refuses_with_cache_full_and_keeps_what_it_has(tmp_path, redis_url):  # noqa: F811
     admin = redis.Redis.from_url(redis_url)
     cache = replica(tmp_path, "d", redis_url)
