@@ -33,7 +33,12 @@ sessions leave there: one budget per tier, shared, sessions first. Sessions that
 it back (`release`, the manager's `Reclaim`), which drops this cache's least recently used
 entries of that tier. An entry pushed out of a tier moves to the next one below that has room
 (device → host → disk), else it is dropped. A hit in host RAM or on disk is brought back to the
-device. Disk writes are not fsynced: a lost entry costs reuse, never a result.
+device. Disk writes are not fsynced: a lost entry costs reuse, never a result. They are made by a
+writer thread of their own, never by the thread that offers (an engine's worker, between two
+decoding steps of every stream of its model: a real-size state takes a large fraction of a second
+to encode and write); until its file is written an entry on disk keeps its state in host RAM and
+is found there, and with `DISK_WRITES_BYTES` of entries waiting, one more pushed to disk is
+dropped (reuse lost, no stall).
 
 With Redis (XLSERVE_REDIS_URL), every entry kept is also written to Redis (`RedisPrefixStore`,
 stores.py) by a writer thread of its own, never by the engine's worker thread, and a lookup
@@ -71,6 +76,9 @@ from xlserve.server.cache.stores import RedisPrefixStore, StoreUnavailable
 log = logging.getLogger("xlserve.cache")
 
 REMOTE_WRITES_QUEUED = 64  # entries waiting for the Redis writer; beyond, new ones are not shared
+# bytes of entries waiting for the disk writer, each holding its state in host RAM meanwhile; beyond,
+# an entry pushed to disk is dropped (one entry is always taken, whatever its size)
+DISK_WRITES_BYTES = 1 << 30
 
 
 @dataclass
@@ -97,6 +105,7 @@ class _Entry:
     nbytes: int  # the state, its distribution and 4 bytes a token, in whichever tier
     device: torch.device | None  # where the model runs: a promoted entry goes back there
     tier: str = "device"
+    writing: int = 0  # on disk with its file not yet written: the id of the write queued for it (else 0)
 
 
 def _entry_bytes(data: SessionData, logprobs: list) -> int:
@@ -152,6 +161,11 @@ class PrefixCache:
         self._writes: queue.Queue = queue.Queue(maxsize=REMOTE_WRITES_QUEUED)
         if remote is not None:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
+        self._disk_writes: queue.Queue = queue.Queue()
+        self._write_ids = 0
+        self._disk_writes_bytes = 0  # of the entries queued for the disk writer (under the lock)
+        if self.caps["disk"]:
+            threading.Thread(target=self._write_disk, name="prefix-cache-disk", daemon=True).start()
 
     @classmethod
     def from_settings(cls, settings, session_settings, metrics=None, sessions=None) -> "PrefixCache | None":
@@ -249,7 +263,9 @@ class PrefixCache:
                 self._tiers["device"].move_to_end(entry.key)
                 return PrefixHit(entry.n, entry.data, entry.logprobs)
             tier, data, logprobs = entry.tier, entry.data, entry.logprobs
-        if tier == "disk":
+        # on disk: its file, read back and checked; an entry whose file the disk writer has not
+        # written yet still holds its state in host RAM, taken from there as a host entry's
+        if tier == "disk" and data is None:
             try:
                 data, logprobs = restore(self._path(entry).read_bytes())
             except (OSError, CorruptState, ValueError) as error:
@@ -339,6 +355,45 @@ class PrefixCache:
             finally:
                 self._writes.task_done()
 
+    def _write_disk(self) -> None:
+        """The disk writer thread: encodes and writes queued entries, one at a time, in the order
+        they were placed; then, under the lock, the entry lets go of its host copy, or, moved or
+        dropped meanwhile (or placed on disk again: a later write of the same file follows), the
+        file goes. An entry whose file cannot be written is dropped."""
+        while True:
+            entry, write_id, data, logprobs = self._disk_writes.get()
+            try:
+                path = self._path(entry)
+                temporary = path.with_suffix(".tmp")
+                try:
+                    temporary.write_bytes(encode_entry(entry.model, data, logprobs))
+                    os.replace(temporary, path)
+                    written = True
+                except (OSError, ValueError) as error:  # a full disk costs reuse only
+                    temporary.unlink(missing_ok=True)
+                    log.warning("prefix cache: an entry could not be written to disk (%s)", error)
+                    written = False
+                with self._lock:
+                    self._disk_writes_bytes -= entry.nbytes
+                    if self._index.get(entry.key) is entry and entry.tier == "disk" and entry.writing == write_id:
+                        if written:
+                            entry.data, entry.logprobs, entry.writing = None, None, 0
+                        else:
+                            self._drop(entry, counted=True)
+                    elif written:
+                        path.unlink(missing_ok=True)
+            finally:
+                self._disk_writes.task_done()
+            self._count_evictions()
+            self._publish()
+
+    def flush_disk(self, timeout_s: float = 10.0) -> bool:
+        """Wait until queued disk writes are done (tests); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._disk_writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._disk_writes.unfinished_tasks
+
     def flush_remote(self, timeout_s: float = 10.0) -> bool:
         """Wait until queued Redis writes are done (tests, shutdown); False on timeout."""
         deadline = time.monotonic() + timeout_s
@@ -387,23 +442,21 @@ class PrefixCache:
         return self._place(key, entry, target, data, logprobs)
 
     def _place(self, key: bytes, entry: _Entry, tier: str, data: SessionData, logprobs) -> bool:
-        if tier == "disk":
-            path = self._path(entry)
-            temporary = path.with_suffix(".tmp")
-            try:
-                temporary.write_bytes(encode_entry(entry.model, data, logprobs))
-                os.replace(temporary, path)
-            except (OSError, ValueError) as error:  # a full disk costs reuse only
-                temporary.unlink(missing_ok=True)
-                log.warning("prefix cache: an entry could not be written to disk (%s)", error)
+        if tier == "disk":  # its file written by the disk writer (`_write_disk`); its state in host RAM till then
+            if self._disk_writes_bytes and self._disk_writes_bytes + entry.nbytes > DISK_WRITES_BYTES:
+                log.warning("prefix cache: the disk writer is behind; an entry is dropped")
                 self._index.pop(key, None)
                 self._unfile(entry, key)
                 self._evictions[entry.model] = self._evictions.get(entry.model, 0) + 1
                 return False
-            entry.data, entry.logprobs = None, None
+            held = data.to("cpu")
+            self._write_ids += 1
+            self._disk_writes_bytes += entry.nbytes
+            self._disk_writes.put_nowait((entry, self._write_ids, held, logprobs))
+            entry.data, entry.logprobs, entry.writing = held, logprobs, self._write_ids
         else:
             entry.data = data if tier == "device" else data.to("cpu")
-            entry.logprobs = logprobs
+            entry.logprobs, entry.writing = logprobs, 0
         entry.tier = tier
         self._tiers[tier][key] = entry
         self._bytes[tier] += entry.nbytes

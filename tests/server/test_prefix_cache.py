@@ -294,6 +294,7 @@ def test_entries_pushed_off_the_device_move_to_host_then_disk_and_come_back_exac
         assert cache.offer("toy", SCOPE, prompt, state, logprobs)
     # newest on the device, the one before in host RAM, two on disk, the oldest dropped
     assert [cache.usage(t) for t in ("device", "host", "disk")] == [{"toy": (1, entry_bytes)}] * 2 + [{"toy": (2, 2 * entry_bytes)}]
+    assert cache.flush_disk()  # written by the disk writer thread
     assert len(list((tmp_path / "prefix").glob("*.safetensors"))) == 2
     assert cache.lookup("toy", SCOPE, entries[0][0], restore=toy_restore) is None
     text = metrics.render().decode()
@@ -314,6 +315,7 @@ def test_entries_pushed_off_the_device_move_to_host_then_disk_and_come_back_exac
         prompt, state, logprobs = entries[k]
         assert same(cache.lookup("toy", SCOPE, prompt, restore=toy_restore).data, state)
     # a file that changed on disk is refused, never used, and costs only that entry
+    assert cache.flush_disk()
     files = list((tmp_path / "prefix").glob("*.safetensors"))
     assert files
     for path in files:
@@ -324,12 +326,61 @@ def test_entries_pushed_off_the_device_move_to_host_then_disk_and_come_back_exac
     assert not list((tmp_path / "prefix").glob("*.safetensors"))  # refused files are removed
 
 
+def test_entries_go_to_disk_on_a_thread_of_their_own_and_are_found_meanwhile(tmp_path, monkeypatch):
+    """An offer that pushes an entry to disk never writes it on the offering thread (an engine's
+    worker, between two decoding steps of its model's streams): the disk writer does. Until the
+    file is written the entry is found in host RAM; an entry dropped meanwhile leaves no file;
+    with the writer's queue full, one more entry pushed to disk is dropped, not waited for."""
+    import threading
+
+    from tests.server.cache_helpers import same, size
+    from xlserve.server.cache import prefix_cache as module
+
+    entry_bytes = size(100) + 4 * 8
+    cache = PrefixCache(1, block_tokens=4, disk_bytes=10 * entry_bytes, directory=tmp_path / "prefix")
+    encode, gate, writing = module.encode_entry, threading.Event(), threading.Event()
+
+    def held_encode(*args):
+        writing.set()
+        assert gate.wait(30)
+        return encode(*args)
+
+    monkeypatch.setattr(module, "encode_entry", held_encode)
+    monkeypatch.setattr(module, "DISK_WRITES_BYTES", 4 * entry_bytes)
+    entries = [toy_entry(k) for k in range(7)]
+    def offer_all():
+        cache.offer("toy", SCOPE, *entries[0])
+        assert writing.wait(30)  # the writer has the first in its hands
+        for entry in entries[1:]:
+            cache.offer("toy", SCOPE, *entry)
+
+    offered = threading.Thread(target=offer_all)
+    offered.start()
+    offered.join(30)
+    assert not offered.is_alive()  # the offers returned while the writer waits on its first file
+    assert not list((tmp_path / "prefix").glob("*.safetensors"))
+    # DISK_WRITES_BYTES of them waiting for the writer, one in its hands: the rest were dropped
+    kept = 4
+    assert cache.usage("disk") == {"toy": (kept, kept * entry_bytes)}
+    assert cache.lookup("toy", SCOPE, entries[-1][0], restore=toy_restore) is None
+    hit = cache.lookup("toy", SCOPE, entries[1][0], restore=toy_restore)  # found in host RAM: no file yet
+    assert same(hit.data, entries[1][1]) and hit.logprobs == entries[1][2]
+    cache.release("disk", entry_bytes)  # the oldest on disk, whose file is being written, is dropped
+    gate.set()
+    assert cache.flush_disk()
+    files = {path.name for path in (tmp_path / "prefix").glob("*")}
+    assert len(files) == kept - 1 and all(name.endswith(".safetensors") for name in files)
+    for k in range(1, kept):  # each from its file now (the device's cap of 1 byte keeps them on disk)
+        hit = cache.lookup("toy", SCOPE, entries[k][0], restore=toy_restore)
+        assert same(hit.data, entries[k][1]) and hit.logprobs == entries[k][2]
+
+
 def test_a_restarted_cache_forgets_the_entries_its_last_run_wrote(tmp_path):
     entry_bytes = 600
     first = PrefixCache(1, block_tokens=4, disk_bytes=10 * entry_bytes, directory=tmp_path / "prefix")
     prompt, state, logprobs = toy_entry(0)
     assert first.offer("toy", SCOPE, prompt, state, logprobs)  # straight to disk: the device cap is 1 byte
-    assert list((tmp_path / "prefix").glob("*.safetensors"))
+    assert first.flush_disk() and list((tmp_path / "prefix").glob("*.safetensors"))
     second = PrefixCache(1, block_tokens=4, disk_bytes=10 * entry_bytes, directory=tmp_path / "prefix")
     assert not list((tmp_path / "prefix").glob("*")) and second.lookup("toy", SCOPE, prompt, restore=toy_restore) is None
 
