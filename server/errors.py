@@ -98,6 +98,8 @@ RAISED_CODES: dict[str, str] = {
     "invalid_response_format": "invalid_request_error",
     "grammar_too_large": "invalid_request_error",
     "constraint_not_supported": "invalid_request_error",
+    # no compile thread freed within the compile limit (QueueFull's other code)
+    "constraint_compiler_busy": "rate_limit_error",
     # an imported or PUT state the model cannot take (the engine's InvalidInput)
     "invalid_state": "invalid_request_error",
     "invalid_api_key": "authentication_error",
