@@ -42,6 +42,7 @@ FORMAT = "xlserve-session"
 FORMAT_VERSION = "1"
 STATE_PREFIX = "state."
 MAX_HEADER_BYTES = 64 << 20  # a sanity bound while parsing an untrusted header
+MAX_TOKENS = 2**62  # the most tokens a session's history may claim (far past any history, within int64)
 
 # The dtypes the cache may store states in (XLSERVE_STATE_DTYPE), by the name the setting and an
 # export's `state_dtype` metadata use. bfloat16 keeps float32's range with 8 bits of mantissa;
@@ -276,6 +277,8 @@ def parse_header(head: bytes) -> tuple[int, dict]:
         header = json.loads(head[8 : 8 + length])
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CorruptState("safetensors header is not JSON") from None
+    except (RecursionError, ValueError) as error:  # nested past the parser's depth, an integer past its digits
+        raise CorruptState(f"safetensors header cannot be read ({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise CorruptState("safetensors header is not an object")
     return length, header
@@ -324,6 +327,8 @@ def session_data(state_class: type[State], meta: dict[str, str], state_tensors: 
         raise ValueError(f"metadata 'tokens' is not an integer: {meta.get('tokens')!r}") from None
     if tokens < 0:
         raise ValueError("metadata 'tokens' is negative")
+    if tokens > MAX_TOKENS:  # a count no history reaches; past floats, counters and metrics fail on it
+        raise ValueError("metadata 'tokens' is past 2**62, more than any history holds")
     return SessionData(state=state_class.from_tensors(state_tensors), tokens=tokens, next_log_probs=next_log_probs)
 
 

@@ -106,6 +106,9 @@ CASES: dict[str, Callable[[str, dict, dict], bytes]] = {
     "header past its length": lambda a, m, t: struct.pack("<Q", 10**9) + b"{}",
     "header not JSON": lambda a, m, t: struct.pack("<Q", 4) + b"{{{{",
     "header not an object": lambda a, m, t: safetensors_with_header([1, 2]),
+    "header nested past the parser's depth": lambda a, m, t: struct.pack("<Q", 100_000) + b"[" * 100_000,
+    "header with an integer past the parser's digits": lambda a, m, t: struct.pack("<Q", 5_006) + b'{"a":'
+                                                                       + b"1" * 5_000 + b"}",
     "metadata a string": lambda a, m, t: safetensors_with_header({"__metadata__": "xlserve"}),
     "metadata a list": lambda a, m, t: safetensors_with_header({"__metadata__": ["format"]}),
     "not an xlserve blob": lambda a, m, t: save_safetensors(t, metadata={**m, "format": "other"}),
@@ -116,6 +119,7 @@ CASES: dict[str, Callable[[str, dict, dict], bytes]] = {
     "another architecture's state class": lambda a, m, t: save_safetensors(t, metadata={**m, "state_class": "Other"}),
     "tokens not an integer": lambda a, m, t: save_safetensors(t, metadata={**m, "tokens": "1e3"}),
     "tokens negative": lambda a, m, t: save_safetensors(t, metadata={**m, "tokens": "-1"}),
+    "tokens past any history": lambda a, m, t: save_safetensors(t, metadata={**m, "tokens": "1" + "0" * 400}),
     # the engine process's own checks of the metadata
     "another model": lambda a, m, t: save_safetensors(t, metadata={**m, "model": "other"}),
     "another architecture named": lambda a, m, t: save_safetensors(t, metadata={**m, "architecture": "other"}),
