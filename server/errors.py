@@ -87,6 +87,7 @@ RAISED_CODES: dict[str, str] = {
     "unknown_parameter": "invalid_request_error",
     "session_id_mismatch": "invalid_request_error",
     "invalid_idempotency_key": "invalid_request_error",
+    "remembered_answer_too_large": "request_too_large",
     "prompt_too_long": "invalid_request_error",
     "invalid_logit_bias": "invalid_request_error",
     "token_id_out_of_vocabulary": "invalid_request_error",

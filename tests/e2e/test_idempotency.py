@@ -67,6 +67,27 @@ def test_a_completion_on_a_session_applies_once_streamed_or_not(client):
     assert info(client, session)["version"] == after_first["version"] + 1
 
 
+def test_an_answer_too_large_to_remember_is_a_413_and_commits_nothing(client):
+    """A keyed completion whose answer (echo and logprobs over a long prompt) passes what a session
+    remembers under an Idempotency-Key is refused before its commit, 413 naming the limit: the
+    session is as it was, and the engine process serves on (the answer once travelled whole in a
+    frame header past its bound and stopped the engine process for every session)."""
+    session = create(client)
+    append(client, session, document(1))
+    before = info(client, session)
+    body = {"model": MODEL, "prompt": document(2, repeat=150), "max_tokens": 1, "echo": True, "logprobs": 5,
+            "temperature": 0, "session_id": session}
+    refused = client.post("/v1/completions", json=body, headers=keyed("large-1"))
+    assert refused.status_code == 413, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "remembered_answer_too_large" and error["param"] == "Idempotency-Key"
+    assert "Idempotency-Key" in error["message"] and str(1 << 20) in error["message"]
+    assert info(client, session)["version"] == before["version"]  # nothing committed
+    answered = client.post("/v1/completions", json=body)  # without the key: answered and committed
+    assert answered.status_code == 200, answered.text
+    assert info(client, session)["version"] == before["version"] + 1
+
+
 def test_fork_replace_and_delete_answer_their_retry_the_same(client):
     source = create(client)
     append(client, source, document(4))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from xlserve.server.api.deps import AppState
-from xlserve.server.api.errors import InvalidRequest, count_error
+from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, count_error
 from xlserve.server.api.protocol import MAX_PROMPTS, CompletionRequest, SamplingFields
 from xlserve.server.api.structured import requested_constraint
 from xlserve.server.cache.errors import SessionInfo
@@ -137,9 +138,23 @@ class Generation:
         self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
         if self.lease is None:
             return None
+        if result is not None and self.lease.idempotency is not None:
+            size = len(json.dumps(result, separators=(",", ":")))
+            if size > REMEMBERED_ANSWER_BYTES:  # refused before the commit: the session is as it was
+                raise RequestTooLarge(
+                    f"the answer is {size} bytes as JSON, too large to remember under an Idempotency-Key (at most "
+                    f"{REMEMBERED_ANSWER_BYTES}); nothing was committed: send it without the key, or ask for less "
+                    "(echo, logprobs, max_tokens)", param="Idempotency-Key", code="remembered_answer_too_large")
         info = await self.state.engine.commit(self.lease, result)
         self.state.metrics.state_bytes_per_session.labels(self.body.model).observe(info.state_bytes)
         return info
+
+
+# The largest answer a session remembers under an Idempotency-Key, as JSON. It travels to the
+# engine process in a frame's header and is kept in the session's metadata with up to 31 others
+# (IDEMPOTENCY_KEYS_PER_SESSION), both bounded at 64 MB: an answer with echo and logprobs over a
+# long prompt passes that (once it stopped the engine process for every session).
+REMEMBERED_ANSWER_BYTES = 1 << 20
 
 
 # -- several prompts in one request (OpenAI's batched `prompt`) -----------------------------------
