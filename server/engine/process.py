@@ -503,8 +503,8 @@ class EngineProcess:
         if request.lease is None:  # a prompt past the model's context is refused before any prefix lookup
             engine.check_context("generate", 0, len(request.prompt), request.params.max_tokens)
         if request.lease is None and request.prefix_scope is not None and engine.prefix_lookup_waits:
-            # the prefix cache asks Redis: not on the reader thread, where it would hold up every
-            # other frame; registered first, so that a cancel sent meanwhile is not lost
+            # the prefix cache asks Redis or reads a file: not on the reader thread, where it would
+            # hold up every other frame; registered first, so that a cancel sent meanwhile is not lost
             cancelled = threading.Event()
             with self.lock:
                 self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)

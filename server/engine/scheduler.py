@@ -183,8 +183,11 @@ class Engine:
 
     @property
     def prefix_lookup_waits(self) -> bool:
-        """Whether a prefix lookup may wait on a store (Redis) rather than only read memory."""
-        return self.prefix_cache is not None and self.prefix_cache.remote is not None
+        """Whether a prefix lookup may wait on a store rather than only read memory: Redis, or
+        entries on disk (a hit there reads and checks its file, tens to hundreds of MB at real
+        size)."""
+        cache = self.prefix_cache
+        return cache is not None and (cache.remote is not None or cache.held("disk") > 0)
 
     def _restore_prefix(self, blob: bytes):
         """A prefix entry from a shared store, on this model's device and checked as an imported

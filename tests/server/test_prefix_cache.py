@@ -425,3 +425,55 @@ def test_sessions_and_entries_share_each_tier_and_sessions_come_first(tmp_path):
     assert cache.offer("toy", SCOPE, *toy_entry(100)[0:1], *toy_entry(100)[1:])
     assert cache.held("device") > 0
     assert sessions.manager.used("device") + cache.held("device") <= device_budget
+
+
+def test_a_lookup_that_may_read_a_file_runs_off_the_reader_thread(tmp_path):
+    """In the engine process a request without a session looks its prompt up in the prefix cache
+    on the reader thread while every entry is in memory; once entries lie on disk (a hit there
+    reads and checks a file, hundreds of MB at real size) the lookup is deferred to the
+    session-op pool, as a Redis lookup is, and still hits."""
+    import socket
+
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.train import preset_config
+    from xlserve.server.engine.process import Deferred, EngineProcess
+    from xlserve.server.engine.types import SamplingParams
+    from xlserve.server.engine.wire import Generate
+    from xlserve.server.settings import Settings
+    from tests.server.polling import eventually
+
+    torch.manual_seed(0)
+    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
+    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
+                        torch_threads=1, prefix_cache_bytes=1, prefix_cache_host_bytes=0,
+                        prefix_cache_disk_bytes=1 << 30)
+    ours, theirs = socket.socketpair()
+    process = EngineProcess(settings, theirs)
+    try:
+        engine = process.models["tiny"].engine
+        cache = engine.prefix_cache
+        params = SamplingParams(max_tokens=1, temperature=0)
+        hits = []
+        lookup = cache.lookup
+
+        def watched(*args, **kwargs):
+            hits.append(lookup(*args, **kwargs))
+            return hits[-1]
+
+        cache.lookup = watched
+        prompt = list(b"def parse(text):\n    return text")
+        scope = SCOPE.hex()
+        assert cache.held("disk") == 0 and not engine.prefix_lookup_waits
+        first = process.generate(Generate(1, "tiny", prompt, params, prefix_scope=scope))
+        assert not isinstance(first, Deferred)  # nothing on disk: looked up in memory, inline
+        assert eventually(lambda: cache.held("disk") > 0, seconds=60)  # its state went to disk (the device cap is 1 byte)
+        assert cache.flush_disk() and engine.prefix_lookup_waits
+        second = process.generate(Generate(2, "tiny", prompt + list(b"\n"), params, prefix_scope=scope))
+        assert isinstance(second, Deferred)
+        second.work()  # what the session-op pool runs
+        assert hits[-1] is not None and hits[-1].tokens >= len(prompt) - 1  # from the file on disk
+    finally:
+        process.close()
+        ours.close()
+        theirs.close()
