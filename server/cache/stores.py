@@ -189,10 +189,13 @@ class DiskStore:
         return self.path(session_id).read_bytes()
 
     def delete(self, session_id: str) -> None:
-        """Remove the session's base and log; OSError when they cannot be (callers that sweep
-        leave the file for later, a client's delete answers 503: durable.py `delete`)."""
+        """Remove the session's base and log, the removal synced to the directory (a deleted
+        session must not come back after a power loss); OSError when they cannot be removed
+        (callers that sweep leave the file for later, a client's delete answers 503: durable.py
+        `delete`)."""
         self.path(session_id).unlink(missing_ok=True)
         self.log_path(session_id).unlink(missing_ok=True)
+        self._sync_directory()
 
     # -- the log of delta blocks ----------------------------------------------------------------
 
