@@ -267,7 +267,8 @@ def served_batch(port: int, model: str, vocab: int, prompt_tokens: int, new_toke
     """`batch` greedy completions streamed from the server at once, each after its own prompt of
     random token ids, as `batch` clients would: the tokens/s of all of them together while every
     one of them is decoding (from the last first token to the first last one), which is what the
-    engine's batching makes of the in-process batch decode."""
+    engine's batching makes of the in-process batch decode; when one ended before another's first
+    token, every token over the whole span (`served_batch_overlapped` False)."""
     import threading
 
     stamps: list[list[float]] = [[] for _ in range(batch)]
@@ -290,9 +291,16 @@ def served_batch(port: int, model: str, vocab: int, prompt_tokens: int, new_toke
     if any(len(row) != new_tokens for row in stamps):
         raise RuntimeError(f"the batch's completions streamed {[len(row) for row in stamps]} tokens, not {new_tokens} each")
     first, last = max(row[0] for row in stamps), min(row[-1] for row in stamps)
-    together = sum(first < stamp <= last for row in stamps for stamp in row)  # the tokens made in that time
-    return {"served_batch": batch, "served_batch_new_tokens": new_tokens,
-            "served_batch_tokens_per_s": together / (last - first) if last > first else None}
+    if last > first:
+        together = sum(first < stamp <= last for row in stamps for stamp in row)  # the tokens made in that time
+        return {"served_batch": batch, "served_batch_new_tokens": new_tokens, "served_batch_overlapped": True,
+                "served_batch_tokens_per_s": together / (last - first)}
+    # one client ended before another's first token (short completions of a small model on a busy
+    # machine): every token over the whole span instead, and said so
+    start, end = min(row[0] for row in stamps), max(row[-1] for row in stamps)
+    return {"served_batch": batch, "served_batch_new_tokens": new_tokens, "served_batch_overlapped": False,
+            "served_batch_tokens_per_s": (sum(len(row) for row in stamps) - batch) / (end - start) if end > start
+            else None}
 
 
 def served_vocabulary(checkpoint: Path) -> int:

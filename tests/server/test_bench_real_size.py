@@ -39,7 +39,8 @@ def test_every_shape_is_served_and_sized(result):
         # and as many clients at once as the largest in-process batch, each streaming every token
         assert served["served_batch"] == max(result["setting"]["batch_sizes"]) == 2
         assert served["served_batch_new_tokens"] == result["setting"]["decode_tokens"] * result["setting"]["decode_rounds"]
-        assert served["served_batch_tokens_per_s"] > 0
+        # over the span every client decodes in, or (short completions on a busy machine) the whole span
+        assert served["served_batch_tokens_per_s"] > 0 and served["served_batch_overlapped"] in (True, False)
         full = shape["state_bytes_per_session"]
         # /v1/models reports the same state bytes per session as the model computes from its shapes
         assert served["served_state_bytes_per_session"] == full["float32"] > 0
