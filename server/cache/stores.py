@@ -69,7 +69,7 @@ from typing import NamedTuple
 import torch
 
 from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, blob_parts,
-                                       metadata_of, parse_header)
+                                       metadata_of)
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
@@ -217,10 +217,16 @@ class DiskStore:
     def _read_head(self, path: Path) -> dict[str, str]:
         """A safetensors file's metadata, from its header only."""
         with open(path, "rb") as f:
-            head = f.read(8)
-            length = int.from_bytes(head, "little") if len(head) == 8 else 0
-            head += f.read(min(length, 64 << 20))
-        return metadata_of(head)
+            return self._head_at(f, 0)
+
+    @staticmethod
+    def _head_at(f, offset: int) -> dict[str, str]:
+        """The metadata of the safetensors blob at `offset` of an open file, from its header only
+        (its 8-byte length, then at most MAX_HEADER_BYTES of header)."""
+        f.seek(offset)
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else 0
+        return metadata_of(head + f.read(min(length, MAX_HEADER_BYTES)))
 
     def _frames(self, f, size: int) -> tuple[list[tuple[int, int, bytes, int]], int]:
         """(offset, blob length, base id, place) of each whole frame of an open log, from the
@@ -250,14 +256,23 @@ class DiskStore:
         start = 1
         while (found := tail.find(self.BLOCK_MAGIC, start)) >= 0:
             start = found + 1
-            if found + self.FRAME.size > len(tail):
-                break
-            _, length, _, _ = self.FRAME.unpack_from(tail, found)
-            end = found + self.FRAME.size + length + self.DIGEST_BYTES
-            if end <= len(tail) and hashlib.sha256(tail[found : end - self.DIGEST_BYTES]).digest() == tail[
-                    end - self.DIGEST_BYTES : end]:
+            end = self._frame_end(tail, found)
+            if end is not None and self._digest_matches(tail, found, end):
                 raise CorruptState(f"the log block at byte {offset} is damaged, and a whole block follows it "
                                    f"at byte {offset + found}")
+
+    def _frame_end(self, data: bytes, offset: int) -> int | None:
+        """Where the frame whose header starts at `offset` of `data` ends; None when no frame
+        header is there or the frame runs past the end of `data`."""
+        if offset + self.FRAME.size > len(data):
+            return None
+        magic, length, _, _ = self.FRAME.unpack_from(data, offset)
+        end = offset + self.FRAME.size + length + self.DIGEST_BYTES
+        return end if magic == self.BLOCK_MAGIC and end <= len(data) else None
+
+    def _digest_matches(self, data: bytes, offset: int, end: int) -> bool:
+        """Whether the frame data[offset:end] passes its SHA-256."""
+        return hashlib.sha256(data[offset : end - self.DIGEST_BYTES]).digest() == data[end - self.DIGEST_BYTES : end]
 
     @classmethod
     def framed_bytes(cls, nbytes: int) -> int:
@@ -346,15 +361,12 @@ class DiskStore:
         except FileNotFoundError:
             return [], []
         frames, offset = [], 0
-        while offset + self.FRAME.size <= len(data):
-            magic, length, frame_base, place = self.FRAME.unpack_from(data, offset)
-            end = offset + self.FRAME.size + length + self.DIGEST_BYTES
-            if magic != self.BLOCK_MAGIC or end > len(data):
-                break
-            if hashlib.sha256(data[offset : end - self.DIGEST_BYTES]).digest() != data[end - self.DIGEST_BYTES : end]:
+        while (end := self._frame_end(data, offset)) is not None:
+            if not self._digest_matches(data, offset, end):
                 if end < len(data):
                     raise CorruptState(f"log block at byte {offset} fails its checksum")
                 break
+            _, length, frame_base, place = self.FRAME.unpack_from(data, offset)
             frames.append((offset, length, frame_base, place, end))
             offset = end
         if offset < len(data):
@@ -429,10 +441,8 @@ class DiskStore:
 
     def _block_meta(self, f, frame: tuple[int, int, bytes, int]) -> dict[str, str]:
         """The session's metadata as a log block (a frame of `_frames`) of the open log records
-        it, from the block's header only."""
-        offset, length, _, _ = frame
-        f.seek(offset + self.FRAME.size)
-        block_meta = metadata_of(f.read(min(length, 8 + MAX_HEADER_BYTES)))
+        it, from the block's safetensors header only (not the whole block: an append reads it)."""
+        block_meta = self._head_at(f, frame[0] + self.FRAME.size)
         return {k: v for k, v in block_meta.items() if k not in ("delta", "next_log_probs")}
 
     def exists(self, session_id: str) -> bool:
@@ -479,12 +489,7 @@ class DiskStore:
             if not SESSION_ID.match(session_id):
                 continue
             try:
-                with open(path, "rb") as f:
-                    head = f.read(8)
-                    length = int.from_bytes(head, "little") if len(head) == 8 else 0
-                    head += f.read(min(length, 64 << 20))
-                parse_header(head)
-                meta = self._scan_log(session_id, metadata_of(head))
+                meta = self._scan_log(session_id, self._read_head(path))
                 if meta.get("session_id") != session_id:
                     raise CorruptState(f"file holds session {meta.get('session_id')!r}")
             except (OSError, CorruptState) as error:
