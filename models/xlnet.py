@@ -176,10 +176,10 @@ class TwoStreamLayer(nn.Module):
     # views without a copy but cost a dozen view operations each, and the scale and the mask each
     # a new tensor. The distances' part stays a gather by the index: an XLNet step has two query
     # rows a layer (the content stream and the query stream, one position apart), and any order
-    # `permuted` serves must still work. At xlnet-large's
-    # shape with its memory full (512 positions), 16 rounds interleaved with the einsums in one
-    # process: batch 1 12.12 against 11.96 tokens/s, batch 8 39.31 against 39.14, the same bits
-    # (2026-12-05); the einsums took 8.3 ms of a 78 ms batch-1 step, the products 7.0.
+    # `permuted` serves must still work. At xlnet-large's shape with its memory full (512
+    # positions), 16 rounds interleaved with the einsums in one process: batch 1 12.12 against
+    # 11.96 tokens/s, batch 8 39.31 against 39.14, the same bits (2026-12-05); the einsums took
+    # 8.3 ms of a 78 ms batch-1 step, the products 7.0.
 
     def _serve_attention(self, q: Tensor, keys: Tensor, rel_keys: Tensor, distance: Tensor, allowed: Tensor,
                          different_segment: Tensor | None) -> Tensor:

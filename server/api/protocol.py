@@ -130,9 +130,9 @@ def json_depth_exceeded(document: str | bytes, limit: int = MAX_JSON_DEPTH) -> b
     return False
 
 
-def too_deep(what: str, code: str | None = None) -> InvalidRequest:
+def too_deep(what: str, code: str | None = None, param: str | None = None) -> InvalidRequest:
     return InvalidRequest(f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
-                          code=code or "json_too_deep")
+                          param=param, code=code or "json_too_deep")
 
 
 # -- /v1/completions and /v1/chat/completions -----------------------------------------------------

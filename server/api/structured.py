@@ -30,7 +30,7 @@ import secrets
 from typing import Any
 
 from xlserve.server.api.errors import InvalidRequest
-from xlserve.server.api.protocol import MAX_JSON_DEPTH, json_depth_exceeded
+from xlserve.server.api.protocol import json_depth_exceeded, too_deep
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_END = "}" + TOOL_CLOSE  # what follows a call's arguments: the call object's brace, the closing tag
@@ -87,8 +87,7 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
         value = values["guided_json"]
         if isinstance(value, str):
             if json_depth_exceeded(value):  # the body's own depth check cannot see inside a string
-                raise InvalidRequest(f"{param} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
-                                     param=param, code="invalid_response_format")
+                raise too_deep(param, code="invalid_response_format", param=param)
             try:
                 value = json.loads(value)
             except ValueError as error:

@@ -517,7 +517,7 @@ class _Fetch(_Step):
         record, source, manager = self.record, self.source, placement.manager
         if self.spill_unusable:  # out of the books; its file goes at the next sweep
             manager.drop_copy(record.id, "disk")
-            placement._left_files.append(record.id)
+            placement.leave_file(record.id)
         if self.home == "host":
             if self.error is not None:
                 if source != "host":  # the room booked on host goes back

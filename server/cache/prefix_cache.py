@@ -389,17 +389,11 @@ class PrefixCache:
 
     def flush_disk(self, timeout_s: float = 10.0) -> bool:
         """Wait until queued disk writes are done (tests); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self._disk_writes.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self._disk_writes.unfinished_tasks
+        return _drained(self._disk_writes, timeout_s)
 
     def flush_remote(self, timeout_s: float = 10.0) -> bool:
         """Wait until queued Redis writes are done (tests, shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self._writes.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self._writes.unfinished_tasks
+        return _drained(self._writes, timeout_s)
 
     # -- books (every method below runs under the lock) -------------------------------------------
 
@@ -521,6 +515,14 @@ class PrefixCache:
             self._published = set(usage) | self._published
 
     _published: set = frozenset()
+
+
+def _drained(writes: queue.Queue, timeout_s: float) -> bool:
+    """Wait until a writer thread has done every write queued in `writes`; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while writes.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not writes.unfinished_tasks
 
 
 def _device_of(data: SessionData) -> torch.device | None:

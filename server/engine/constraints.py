@@ -153,11 +153,8 @@ class ConstraintCompiler:
             if compiled is not None:
                 self._cache.move_to_end(key)
         if compiled is None:
-            compiled = self._compile(kind, text, param)
-            if not isinstance(compiled, QueueFull):  # waiting for a thread says nothing of the constraint
-                self._keep(key, compiled)
-        if isinstance(compiled, QueueFull):
-            raise compiled
+            compiled = self._compile(kind, text, param)  # raises QueueFull, kept for nothing, when no thread frees
+            self._keep(key, compiled)
         if isinstance(compiled, InvalidInput):
             raise type(compiled)(compiled.message, param=param, code=compiled.code)
         return compiled
@@ -198,7 +195,7 @@ class ConstraintCompiler:
         # (429 constraint_compiler_busy) and nothing is kept for the constraint.
         future = pool.submit(build)
         if not started.wait(timeout=max(self.compile_seconds, 1.0)) and future.cancel():
-            return QueueFull(f"every structured-output compile thread of model '{self.model_name}' has been busy "
+            raise QueueFull(f"every structured-output compile thread of model '{self.model_name}' has been busy "
                              f"for {self.compile_seconds:g} s (XLSERVE_STRUCTURED_COMPILE_SECONDS); retry later",
                              code="constraint_compiler_busy")
         self.compiles += 1

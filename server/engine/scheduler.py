@@ -320,10 +320,9 @@ class Engine:
         """Drop the cancelled requests wherever they wait (a client gone from the back of a queue
         the running batch holds up must not keep its place, which `max_queued` counts), then move
         waiting requests into the batch while they fit (FIFO); under the lock."""
-        if any(request.cancelled.is_set() for request in self._waiting):
-            for request in [request for request in self._waiting if request.cancelled.is_set()]:
-                self._waiting.remove(request)
-                self._dropped(request)
+        for request in [request for request in self._waiting if request.cancelled.is_set()]:
+            self._waiting.remove(request)
+            self._dropped(request)
         while self._waiting:
             request = self._waiting[0]
             if self._running_rows + request.width > self.max_batch_size and self._running_rows > 0:
