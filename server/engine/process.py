@@ -366,9 +366,11 @@ class EngineProcess:
         self.metrics.declare_engine_series(list(self.models), list(self.cache.manager.tiers))
         # each tier's budget and how full it is, read from the manager at every scrape
         self.metrics.declare_tiers(self.cache.manager.budgets, self.cache.manager.used)
-        self.lock = threading.Lock()  # guards the three tables below
+        self.lock = threading.Lock()  # guards the four tables below
         self.leases: dict[int, Lease] = {}
         self.results: dict[int, SessionData] = {}  # lease -> the state its request ended with, until commit
+        # lease -> whether a release came while its commit runs (the release then waits for it)
+        self.committing: dict[int, bool] = {}
         # request id -> (the request, its engine, the lease its result is for) while it runs
         self.requests: dict[int, tuple[EngineRequest, Engine, int | None]] = {}
         self.lease_ids = itertools.count(1)
@@ -619,18 +621,42 @@ class EngineProcess:
             self.leases[lease_id] = lease
         return Acquired(lease.info, lease_id, has_history=lease.data.next_log_probs is not None)
 
-    @handlers.register(Commit)
-    def commit(self, request: Commit) -> SessionDescription:
-        lease = self.lease(request.lease)
+    # A commit is taken on the reader thread, in the order the frames came, and written on the
+    # session-op pool. The API process sends Release whenever it leaves a session's block: a
+    # client that hung up once its commit had begun (a websocket closed, an SSE stream dropped
+    # while the commit was on its way) sends Commit and Release back to back. Read at once, the
+    # release would end the lease under the commit waiting in the pool, and a commit that had
+    # begun would be lost (cancellation.py: once it has begun, a cancel changes nothing). So the
+    # release of a lease whose commit runs waits for it, and runs after it.
+
+    @handlers.register(Commit, inline=True)
+    def commit(self, request: Commit) -> Deferred:
         with self.lock:
+            lease = self.leases.get(request.lease)
+            if lease is None:
+                raise ValueError(f"no lease {request.lease}")
             data = self.results.pop(request.lease, None)
-        if data is None:
-            raise ValueError("nothing to commit: the request did not finish")
-        return SessionDescription(self.cache.commit(lease, data, request.remember))
+            if data is None:
+                raise ValueError("nothing to commit: the request did not finish")
+            self.committing[request.lease] = False
+
+        def write() -> SessionDescription:
+            try:
+                return SessionDescription(self.cache.commit(lease, data, request.remember))
+            finally:
+                with self.lock:
+                    released = self.committing.pop(request.lease)
+                if released:
+                    self.release(Release(request.lease))
+
+        return Deferred(write)
 
     @handlers.register(Release, inline=True)
     def release(self, request: Release) -> None:
         with self.lock:
+            if request.lease in self.committing:
+                self.committing[request.lease] = True  # the commit's end releases it
+                return
             lease = self.leases.pop(request.lease, None)
             self.results.pop(request.lease, None)
         if lease is not None:

@@ -1,0 +1,66 @@
+"""A commit that has begun is not undone by the release behind it (server/engine/process.py).
+
+The API process sends Release when it leaves a session's block, whatever happened in it: a
+client that hung up while its commit was on its way (a websocket closed, an SSE stream dropped
+during `await commit`) sends Commit and Release one right behind the other. Commits run on the
+engine process's session-op pool; releases on its reader thread, at once. The commit must still
+land, and the lease go only after it (cancellation.py's rule: once the commit has begun, a cancel
+changes nothing)."""
+
+import socket
+import threading
+
+import torch
+
+from tests.server.polling import eventually
+
+
+def test_a_release_right_behind_a_commit_waits_for_it(tmp_path):
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.train import preset_config
+    from xlserve.server.engine.process import SESSION_OP_THREADS, EngineProcess
+    from xlserve.server.engine.wire import (Acquire, Append, Commit, CreateSession, GetSession, Release,
+                                           read_frame, request_frame)
+    from xlserve.server.settings import Settings
+
+    torch.manual_seed(0)
+    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
+    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
+                        torch_threads=1)
+    ours, theirs = socket.socketpair()
+    process = EngineProcess(settings, theirs)
+    stream = ours.makefile("rb")
+    try:
+        info = process.create_session(CreateSession("tiny", None)).info
+        lease = process.acquire(Acquire(info.id, None)).lease
+        process.dispatch(*request_frame(Append(7, lease, list(b"a chunk of a document")), call_id=1))
+        assert eventually(lambda: lease in process.results, seconds=60), "the append did not finish"
+
+        # every session-op thread busy: the commit waits in the pool's queue, as it may behind
+        # another session's disk or Redis I/O, while the release behind it is read at once
+        busy = threading.Event()
+        for _ in range(SESSION_OP_THREADS):
+            process.pool.submit(busy.wait, 60)
+        process.dispatch(*request_frame(Commit(lease), call_id=2))
+        process.dispatch(*request_frame(Release(lease)))
+        busy.set()
+
+        answer = None
+        while answer is None:
+            frame = read_frame(stream)
+            assert frame is not None, "the engine process closed its end"
+            header, _ = frame
+            if header.get("id") == 2:
+                answer = header
+        assert "error" not in answer, answer["error"]
+        assert answer["ok"]["info"]["version"] == info.version + 1
+        assert process.get_session(GetSession(info.id, None)).info.version == info.version + 1
+        assert eventually(lambda: not process.leases, seconds=10)  # released after the commit
+        again = process.acquire(Acquire(info.id, None))  # nobody holds the session any more
+        process.release(Release(again.lease))
+    finally:
+        process.close()
+        stream.close()
+        ours.close()
+        theirs.close()
