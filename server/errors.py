@@ -89,6 +89,7 @@ RAISED_CODES: dict[str, str] = {
     "invalid_idempotency_key": "invalid_request_error",
     "remembered_answer_too_large": "request_too_large",
     "prompt_too_long": "invalid_request_error",
+    "echo_logprobs_too_large": "invalid_request_error",
     "invalid_logit_bias": "invalid_request_error",
     "token_id_out_of_vocabulary": "invalid_request_error",
     "word_not_in_vocabulary": "invalid_request_error",

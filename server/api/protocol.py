@@ -50,6 +50,10 @@ MAX_CHOICES = 16  # largest n
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARACTERS = 1000  # per stop string: the engine checks stops at every token, beside other requests
 MAX_PROMPTS = 16  # prompts in one batched completion request (`prompt` as a list of prompts)
+# log-probabilities an `echo` with `logprobs` returns for its prompts: every prompt token's and its
+# alternatives', in every choice. The engine keeps them until the prompt is in and sends them in one
+# frame, and the answer repeats them per choice: about 20 MB of JSON at this bound
+MAX_ECHO_LOGPROBS = 1_000_000
 MAX_SEED = 2**64 - 1  # the engine's generators take 64-bit seeds
 MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's limit)
 MAX_MESSAGES = 1024  # messages of one chat request

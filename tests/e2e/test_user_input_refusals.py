@@ -72,6 +72,22 @@ def test_token_ids_outside_the_vocabulary_are_400_wherever_ids_are_taken(served,
     assert frame["type"] == "error" and frame["error"]["code"] == "token_id_out_of_vocabulary", frame
 
 
+# -- an echo of more log-probabilities than an answer may carry ---------------------------------------
+
+def test_an_echo_of_too_many_prompt_logprobs_is_400_naming_the_limit(client):
+    """`echo` with `logprobs` returns every prompt token's log-probability and its alternatives,
+    in every choice: past MAX_ECHO_LOGPROBS it is refused before anything runs (the engine would
+    hold them all and send them in one frame, beside every other client's stream)."""
+    from xlserve.server.api.protocol import MAX_ECHO_LOGPROBS
+
+    prompt = "x" * 4_000  # 4,000 byte tokens x 21 x 16 choices: 1.34 M
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 20, "n": 16, "max_tokens": 0}
+    error = refused(client.post("/v1/completions", json=body), 400, "echo_logprobs_too_large", "logprobs")
+    assert f"returns 1,344,000 log-probabilities; the limit is {MAX_ECHO_LOGPROBS:,}" in error["message"]
+    answer = ok(client.post("/v1/completions", json={**body, "prompt": prompt[:100], "n": 2}))  # 4,200: answered
+    assert [len(choice["logprobs"]["top_logprobs"]) for choice in answer["choices"]] == [100, 100]
+
+
 # -- imported states that do not fit -------------------------------------------------------------------
 
 def exported_state(client, model: str = MODEL) -> tuple[str, bytes]:

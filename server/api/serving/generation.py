@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, count_error
-from xlserve.server.api.protocol import MAX_PROMPTS, CompletionRequest, SamplingFields
+from xlserve.server.api.protocol import MAX_ECHO_LOGPROBS, MAX_PROMPTS, CompletionRequest, SamplingFields
 from xlserve.server.api.structured import requested_constraint
 from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.cache.prefix_keys import scope_key
@@ -69,6 +69,13 @@ class Generation:
                                      param="prompt")
         self.prompts = [prompt_tokens(state, self.served, prompt) for prompt in (batch or [body.prompt])]
         self.tokens = self.prompts[0]
+        if echo and self.params.logprobs is not None:
+            echoed = n * sum(map(len, self.prompts)) * (self.params.logprobs + 1)
+            if echoed > MAX_ECHO_LOGPROBS:
+                raise InvalidRequest(
+                    f"echo with logprobs={self.params.logprobs} and n={n} over {sum(map(len, self.prompts))} prompt "
+                    f"tokens returns {echoed:,} log-probabilities; the limit is {MAX_ECHO_LOGPROBS:,} (fewer "
+                    "logprobs, choices or prompt tokens, or no echo)", param="logprobs", code="echo_logprobs_too_large")
         self.lease: RemoteLease | None = None
         # a key only means something for a request that changes a session
         request = {**body.model_dump(include=set(SamplingFields.model_fields)), "echo": echo, "n": n}
