@@ -491,8 +491,10 @@ class EngineClient:
         self.submissions[submission.id] = submission
         try:
             await self.call(request)
-        except BaseException:
+        except BaseException as error:
             self.submissions.pop(submission.id, None)
+            if isinstance(error, asyncio.CancelledError):  # the caller left before the answer: if the
+                self.send(Cancel(request.request_id))  # engine queued it, nobody would read its stream
             raise
         return submission
 

@@ -142,9 +142,11 @@ class ConstraintCompiler:
         with self._lock:
             return (kind, text) in self._cache
 
-    def matcher(self, kind: str, text: str, param: str | None = None):
-        """A fresh matcher for the constraint (a copy of the compiled one, for one request);
-        raises InvalidInput naming `param` when it cannot be compiled or is too large."""
+    def cached_matcher(self, kind: str, text: str, param: str | None = None):
+        """`matcher`'s answer when the constraint was compiled before (its error raised, as there),
+        None when it would have to be compiled: a caller that must not wait for a compile (the
+        engine process's reader thread) asks this, in one step, rather than `cached` and then
+        `matcher`, between which another compile may push it out of the cache."""
         if self.unsupported is not None:
             raise InvalidInput(self.unsupported, param=param, code="constraint_not_supported")
         key = (kind, text)
@@ -152,9 +154,21 @@ class ConstraintCompiler:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-        if compiled is None:
-            compiled = self._compile(kind, text, param)  # raises QueueFull, kept for nothing, when no thread frees
-            self._keep(key, compiled)
+        return None if compiled is None else self._answer(compiled, param)
+
+    def matcher(self, kind: str, text: str, param: str | None = None):
+        """A fresh matcher for the constraint (a copy of the compiled one, for one request);
+        raises InvalidInput naming `param` when it cannot be compiled or is too large."""
+        compiled = self.cached_matcher(kind, text, param)
+        if compiled is not None:
+            return compiled
+        compiled = self._compile(kind, text, param)  # raises QueueFull, kept for nothing, when no thread frees
+        self._keep((kind, text), compiled)
+        return self._answer(compiled, param)
+
+    @staticmethod
+    def _answer(compiled, param: str | None):
+        """The compiled matcher, or its compile's error raised naming `param`."""
         if isinstance(compiled, InvalidInput):
             raise type(compiled)(compiled.message, param=param, code=compiled.code)
         return compiled

@@ -504,35 +504,43 @@ class EngineProcess:
         engine = self.loaded(request.model).engine
         if request.lease is None:  # a prompt past the model's context is refused before any prefix lookup
             engine.check_context("generate", 0, len(request.prompt), request.params.max_tokens)
-        if request.lease is None and request.prefix_scope is not None and engine.prefix_lookup_waits:
-            # the prefix cache asks Redis or reads a file: not on the reader thread, where it would
-            # hold up every other frame; registered first, so that a cancel sent meanwhile is not lost
-            cancelled = threading.Event()
-            with self.lock:
-                self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
-            return Deferred(lambda: self._generate(request, engine, cancelled))
         params = request.params
-        if params.constraint_kind is not None and not engine.constraints.cached(params.constraint_kind,
-                                                                                params.constraint or ""):
-            # a constraint compiled for the first time may take up to its time limit: not on the
-            # reader thread, where it would hold up every other frame (a cancel among them)
-            cancelled = threading.Event()
+        constraint = None
+        if params.constraint_kind is not None:
+            constraint = engine.constraints.cached_matcher(params.constraint_kind, params.constraint or "",
+                                                           params.constraint_param)
+        # a constraint compiled for the first time may take up to its time limit, and the prefix
+        # cache may ask Redis or read a file: neither on the reader thread, where it would hold up
+        # every other frame (a cancel among them)
+        compile_first = params.constraint_kind is not None and constraint is None
+        if compile_first or (request.lease is None and request.prefix_scope is not None
+                             and engine.prefix_lookup_waits):
+            cancelled = threading.Event()  # registered first, so that a cancel sent meanwhile is not lost
             with self.lock:
                 self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
-            return Deferred(lambda: self._compile_then_generate(request, engine, cancelled))
-        return self._generate(request, engine)
+            return Deferred(lambda: self._deferred_generate(request, engine, cancelled, compile_first))
+        return self._generate(request, engine, constraint=constraint)
 
-    def _compile_then_generate(self, request: Generate, engine: Engine, cancelled: threading.Event) -> Accepted:
+    def _deferred_generate(self, request: Generate, engine: Engine, cancelled: threading.Event,
+                           compile_first: bool) -> Accepted:
+        """`generate`'s slow part, on the session-op pool: the constraint's compile, then the
+        request queued. Whatever fails before it is queued takes its stand-in out of the table."""
         params = request.params
         try:
-            engine.constraints.matcher(params.constraint_kind, params.constraint or "", params.constraint_param)
+            constraint = None
+            if compile_first:
+                constraint = engine.constraints.matcher(params.constraint_kind, params.constraint or "",
+                                                        params.constraint_param)
+            return self._generate(request, engine, cancelled, constraint)
         except BaseException:
             with self.lock:
                 self.requests.pop(request.request_id, None)
             raise
-        return self._generate(request, engine, cancelled)  # compiled and cached: enqueue finds it there
 
-    def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None) -> Accepted:
+    def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None,
+                  constraint: object = None) -> Accepted:
+        """Queue the generation; `constraint` its compiled matcher, when it has one (the
+        scheduler compiles it otherwise)."""
         params = request.params
         if request.lease is not None:
             fields = {"start": self.starting_data(request.lease, engine)}
@@ -545,7 +553,7 @@ class EngineProcess:
             fields["cancelled"] = cancelled
         owner = self.lease(request.lease).info.owner if request.lease is not None else request.owner
         queued = EngineRequest("generate", request.prompt, params=params, keep_state=request.lease is not None,
-                               handle=request.request_id, owner=owner, **fields)
+                               handle=request.request_id, owner=owner, constraint=constraint, **fields)
         return self._enqueue(queued, engine, request.lease)
 
     @handlers.register(Append, inline=True)

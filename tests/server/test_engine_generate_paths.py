@@ -1,0 +1,116 @@
+"""A generation's way into the engine process (server/engine/process.py `generate`, and the API
+side's `EngineClient._queue`): what fails or leaves on the way leaves nothing behind, and the
+reader thread never compiles a constraint.
+
+- A generation deferred to the session-op pool (a constraint compiled for the first time, a
+  prefix lookup that may read a file) stands in the request table until it is queued; if it fails
+  before that (its lease gone, its start state not made), the stand-in goes with it.
+- A constraint found compiled on the reader thread is handed to the request as it was found: if
+  another compile pushed it out of the cache before the request was queued, the scheduler would
+  compile it again there, holding up every other frame (a cancel among them) for up to its limit.
+- A caller that leaves before the engine answered its Generate (its task cancelled) cancels the
+  request in the engine, which may have queued it: nobody would ever read that stream."""
+
+import asyncio
+import socket
+import threading
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def process(tmp_path):
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.train import preset_config
+    from xlserve.server.engine.process import EngineProcess
+    from xlserve.server.settings import Settings
+
+    torch.manual_seed(0)
+    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
+    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
+                        torch_threads=1)
+    ours, theirs = socket.socketpair()
+    engine_process = EngineProcess(settings, theirs)
+    yield engine_process
+    engine_process.close()
+    ours.close()
+    theirs.close()
+
+
+def regex_params(pattern: str):
+    from xlserve.server.engine.types import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    params.constraint_kind, params.constraint, params.constraint_param = "regex", pattern, "guided_regex"
+    return params
+
+
+def test_a_deferred_generation_that_fails_before_it_is_queued_leaves_no_stand_in(process):
+    from xlserve.server.engine.process import Deferred
+    from xlserve.server.engine.wire import Generate
+
+    deferred = process.generate(Generate(5, "tiny", list(b"x"), regex_params("a+b"), lease=12345))  # no such lease
+    assert isinstance(deferred, Deferred) and 5 in process.requests  # compiled first, off the reader thread
+    with pytest.raises(ValueError, match="no lease 12345"):
+        deferred.work()
+    assert 5 not in process.requests
+
+
+def test_a_constraint_found_compiled_is_never_compiled_on_the_reader_thread(process):
+    from xlserve.server.engine.process import Deferred
+    from xlserve.server.engine.wire import Generate
+
+    engine = process.models["tiny"].engine
+    constraints = engine.constraints
+    constraints.matcher("regex", "(ab)+", "guided_regex")  # compiled and cached
+    compiled_on = []
+    compile = constraints._compile
+
+    def watched(*args):
+        compiled_on.append(threading.current_thread().name)
+        return compile(*args)
+
+    constraints._compile = watched
+    enqueue = engine.enqueue
+
+    def evicted_first(request):  # another request's compile pushed it out meanwhile
+        constraints._cache.clear()
+        enqueue(request)
+
+    engine.enqueue = evicted_first
+    answer = process.generate(Generate(6, "tiny", list(b"x"), regex_params("(ab)+")))
+    assert not isinstance(answer, Deferred)
+    assert compiled_on == []
+
+
+def test_a_caller_that_leaves_before_the_answer_cancels_its_request(tmp_path):
+    from xlserve.server.engine.client import EngineClient
+    from xlserve.server.engine.types import SamplingParams
+    from xlserve.server.engine.wire import read_frame
+    from xlserve.server.metrics import Metrics
+    from xlserve.server.settings import Settings
+
+    async def scenario(theirs: socket.socket) -> None:
+        client = EngineClient(Settings(models=str(tmp_path), state_dir=tmp_path / "state"), Metrics())
+        _, client.writer = await asyncio.open_connection(sock=theirs)
+        client.status = "ready"
+        task = asyncio.create_task(client.submit("tiny", [1, 2], SamplingParams(max_tokens=4), None))
+        await asyncio.sleep(0.05)  # sent; the engine's answer never comes
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.submissions == {}
+        await client.writer.drain()
+        client.writer.close()
+
+    ours, theirs = socket.socketpair()
+    with ours:
+        asyncio.run(scenario(theirs))
+        stream = ours.makefile("rb")
+        frames = []
+        while (frame := read_frame(stream)) is not None:
+            frames.append(frame[0])
+    generate, cancel = frames
+    assert generate["op"] == "generate" and (cancel["op"], cancel["request_id"]) == ("cancel", generate["request_id"])
