@@ -78,9 +78,12 @@ class BatchLayout:
 
     def concat(self, states: list[State]) -> State | None:
         """The states as one batch, or None where the class refuses them (from then on its rows
-        are batched by shape)."""
+        are batched by shape). Running out of memory is not a refusal: that batch is not made,
+        and the class's rows of different shapes go on batching together at the next step."""
         try:
             return type(states[0]).concat(states)
+        except torch.OutOfMemoryError:
+            return None
         except (RuntimeError, ValueError):
             self.ragged[type(states[0])] = False
             return None
