@@ -84,6 +84,12 @@ class EngineRequest:
         return self.params.n if self.kind == "generate" else 1
 
     @property
+    def share_key(self) -> object:
+        """Whose share it counts against (each step's prefill budget, the batch's rows): its owner,
+        or the request itself when it has none."""
+        return self if self.owner is None else self.owner
+
+    @property
     def cached_tokens(self) -> int:
         """Context that came from memory: the session's, or a prefix-cache hit's."""
         return self.start.tokens

@@ -53,7 +53,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import numpy as np
@@ -248,7 +248,8 @@ class Engine:
             self._condition.notify()
 
     def _queued_with(self, request: EngineRequest) -> int:
-        """Requests that would wait for a batch slot, `request` included (admission is FIFO)."""
+        """Requests that would wait for a batch slot, `request` included (counted as if admission
+        were first come, first served: `_admit` may take another owner's first)."""
         free, queued = self.max_batch_size - self._running_rows, 0
         for waiting in [*self._waiting, request]:
             if waiting.cancelled.is_set():  # leaves at the next admission, wherever it waits
@@ -319,17 +320,28 @@ class Engine:
     def _admit(self) -> None:
         """Drop the cancelled requests wherever they wait (a client gone from the back of a queue
         the running batch holds up must not keep its place, which `max_queued` counts), then move
-        waiting requests into the batch while they fit (FIFO); under the lock."""
+        waiting requests into the batch while they fit; under the lock.
+
+        Next in is the oldest request of the owner (API key) that holds the fewest rows of the
+        batch, so that an owner whose wide requests (n = 16, four prompts) filled it does not also
+        take every row that frees while another owner waits; among requests of owners holding as
+        many rows, or without keys (each request its own owner), first come, first served. A
+        request that does not fit yet is not passed over for a narrower one behind it, so a wide
+        request is never starved."""
         for request in [request for request in self._waiting if request.cancelled.is_set()]:
             self._waiting.remove(request)
             self._dropped(request)
+        held = Counter()  # owner -> rows of the batch its requests hold
+        for running in self._running:
+            held[running.share_key] += running.width
         while self._waiting:
-            request = self._waiting[0]
+            request = min(self._waiting, key=lambda waiting: held[waiting.share_key])  # the first of the least served
             if self._running_rows + request.width > self.max_batch_size and self._running_rows > 0:
                 break
-            self._waiting.popleft()
+            self._waiting.remove(request)
             self._running.append(request)
             self._running_rows += request.width
+            held[request.share_key] += request.width
             request.scheduled_at = time.monotonic()
             if request.queued_at is not None:
                 self._queue_time_metric.observe(request.scheduled_at - request.queued_at)
@@ -426,7 +438,7 @@ class Engine:
             return finishing
         owners: dict[object, list[EngineRequest]] = {}
         for request in order:
-            owners.setdefault(request if request.owner is None else request.owner, []).append(request)
+            owners.setdefault(request.share_key, []).append(request)
         # an owner's turn is its most recently fed request's: owners served longest ago go first
         groups = sorted(owners.values(), key=lambda members: max(member.prefill_turn for member in members))
         if not self.model.chunking_invariant:

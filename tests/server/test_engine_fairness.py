@@ -199,3 +199,42 @@ def test_prompts_that_can_finish_never_take_two_steps_in_a_row():
         assert second == {long_request: 8, shorts[1]: 8}  # shared: the long prompt is fed too
     finally:
         engine.close()
+
+
+def test_rows_that_free_go_first_to_the_owner_holding_fewest():
+    """Admission: an owner whose wide requests filled the batch while nobody else waited does not
+    also take the rows that free while other owners wait; they go to the owners holding fewest,
+    first come first served among them, and its own request follows. A request that does not fit
+    yet is not passed over for a narrower one behind it."""
+    engine = Engine("m", InvariantHistoryModel(), ByteTokenizer(), Metrics(), sink=lambda events: None,
+                    max_batch_size=4)
+
+    def request(owner: str, n: int = 1) -> EngineRequest:
+        made = generation(engine, "x", n=n, max_tokens=1)
+        made.owner = owner
+        return made
+
+    try:
+        with engine._condition:  # the worker waits on it: nothing is queued through enqueue
+            first, second = request("a", n=2), request("a", n=2)
+            engine._waiting.extend([first, second])
+            engine._admit()
+            assert engine._running == [first, second]  # alone, the owner may fill the batch
+            third, other, another = request("a", n=2), request("b"), request("c")
+            engine._waiting.extend([third, other, another])
+            engine._running.remove(first)  # two rows free
+            engine._running_rows -= first.width
+            engine._admit()
+            assert engine._running == [second, other, another] and list(engine._waiting) == [third]
+            wide, narrow = request("d", n=3), request("e")
+            engine._waiting.appendleft(wide)
+            engine._waiting.append(narrow)
+            engine._running.remove(other)  # one row frees: d (no rows, first) is next and needs three
+            engine._running_rows -= other.width
+            engine._admit()
+            assert list(engine._waiting) == [wide, third, narrow]  # e would fit, and waits behind d
+            engine._waiting.clear()
+            engine._running.clear()
+            engine._running_rows = 0
+    finally:
+        engine.close()
