@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -33,11 +35,56 @@ class ArchConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ArchConfig":
+        """The config `values` (config.json's "config") describe; ValueError naming the field when
+        one is unknown or not of its type (a count that is a string, a flag that is a number),
+        which would otherwise fail somewhere inside the model's constructor, or not at all."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{cls.__name__} has no fields {unknown}")
+        hints = typing.get_type_hints(cls)
+        for name, value in values.items():
+            if not _fits(value, hints[name]):
+                raise ValueError(f"{cls.__name__}.{name} must be {_described(hints[name])}, not {value!r}")
         return cls(**values)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a config field's type (a list stands for a tuple; an int for a
+    float; a bool for neither). A hint it does not know lets anything through."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_fits(item, args[0]) for item in value) if args else \
+            isinstance(value, (list, tuple))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(origin, type):
+        return isinstance(value, origin)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _described(hint: Any, plural: bool = False) -> str:
+    """A field's type in words, for the message that refuses a value."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_described(arg, plural) for arg in args)
+    if hint is type(None):
+        return "null"
+    if origin in (list, tuple):
+        return f"a list of {_described(args[0], plural=True)}" if args else "a list"
+    names = {bool: ("true or false", "true or false values"), int: ("an integer", "integers"),
+             float: ("a number", "numbers"), str: ("a string", "strings")}
+    if hint in names:
+        return names[hint][plural]
+    return getattr(hint, "__name__", str(hint))
 
 
 @dataclass

@@ -109,3 +109,83 @@ def test_storage_dtype_refusals(tmp_path):
     (tmp_path / "c" / "config.json").write_text(json.dumps({**config, "storage_dtype": "float8"}))
     with pytest.raises(CheckpointError, match="storage_dtype 'float8'"):
         load_checkpoint(tmp_path / "c")
+
+
+def rewrite_config(path, change) -> None:
+    config = json.loads((path / "config.json").read_text())
+    change(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("config_text, words", [
+    ("[]", "is not an xlserve checkpoint"),
+    ('{"format": "xlserve-checkpoint", "architecture": []}', "names architecture []"),
+    ('{"format": "xlserve-checkpoint", "architecture": "transformer-xl"}', '"config" must be an object'),
+    ('{"format": "xlserve-checkpoint", "architecture": "transformer-xl", "config": [1]}', '"config" must be an object'),
+])
+def test_a_config_json_of_the_wrong_form_names_the_file(saved, config_text, words):
+    _, path = saved
+    (path / "config.json").write_text(config_text)
+    with pytest.raises(CheckpointError, match="config.json") as refused:
+        load_checkpoint(path)
+    assert words in str(refused.value)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("n_layer", "2", "TransformerXLConfig.n_layer must be an integer, not '2'"),
+    ("same_length", 1, "TransformerXLConfig.same_length must be true or false, not 1"),
+    ("cutoffs", [1, "x"], "TransformerXLConfig.cutoffs must be a list of integers"),
+    ("d_inner", -1, "bad model config"),  # of its type, and no model has it
+])
+def test_a_hyperparameter_of_the_wrong_type_or_value_is_named(saved, field, value, words):
+    _, path = saved
+    rewrite_config(path, lambda config: config["config"].update({field: value}))
+    with pytest.raises(CheckpointError, match="config.json") as refused:
+        load_checkpoint(path)
+    assert words in str(refused.value)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("n_layer", 10**9, "n_layer is 1000000000, but"),  # would build a billion layers first
+    ("vocab_size", 2**40, "tensor 'embedding.weight' has shape (256, 32), expected (1099511627776, 32)"),
+])
+def test_a_config_the_file_does_not_hold_fails_before_the_model_is_allocated(saved, field, value, words):
+    """Checked against the file's header and a model on the meta device: 2**40 x 32 float32 would
+    be 140 TB, and a billion layers would take hours to build."""
+    _, path = saved
+    rewrite_config(path, lambda config: config["config"].update({field: value}))
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(path)
+    assert words in str(refused.value)
+
+
+def test_a_tied_weight_stored_under_both_names_must_hold_one_value(saved):
+    model, path = saved
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["head.weight"] = tensors["embedding.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"))
+    assert torch.equal(load_checkpoint(path).head.weight, model.head.weight)  # the same value: taken
+    tensors["head.weight"] = torch.zeros_like(tensors["embedding.weight"])
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'embedding.weight' and 'head.weight' are one weight"):
+        load_checkpoint(path)
+
+
+def test_building_without_random_init_leaves_only_what_the_file_fills():
+    """load_checkpoint builds its model without drawing random weights (checkpoint._NoRandomInit)
+    because the file fills every parameter and persistent buffer: so in every architecture,
+    whatever the state dict does not hold (non-persistent buffers) must come out the same."""
+    from xlserve.models.checkpoint import _NoRandomInit
+    from xlserve.models.registry import ARCHITECTURES, build_model
+
+    for architecture in sorted(ARCHITECTURES):
+        torch.manual_seed(0)
+        drawn = build_model(architecture, {})
+        with _NoRandomInit():
+            skipped = build_model(architecture, {})
+        assert skipped.state_dict().keys() == drawn.state_dict().keys(), architecture
+        persistent = set(drawn.state_dict())
+        others = [(name, buffer, dict(skipped.named_buffers())[name]) for name, buffer in drawn.named_buffers()
+                  if name not in persistent]
+        for name, one, other in others:
+            assert torch.equal(one, other), (architecture, name)
