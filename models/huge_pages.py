@@ -33,6 +33,7 @@ before moving or quantizing such a copy, or the copy keeps all of it alive.
 
 from __future__ import annotations
 
+import logging
 import mmap
 from collections import Counter
 from pathlib import Path
@@ -43,6 +44,8 @@ from torch import nn
 HUGE_PAGE_BYTES = 2 << 20  # a tensor smaller than one huge page gains nothing from the mapping
 ALIGNMENT = 64  # bytes: a cache line, which the kernels' vector loads expect
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+log = logging.getLogger("xlserve.models")
 
 
 def transparent_huge_pages_mode() -> str | None:
@@ -69,7 +72,12 @@ def weights_on_huge_pages(model: nn.Module) -> nn.Module:
         return model
     sizes = [-(-t.nbytes // ALIGNMENT) * ALIGNMENT for t in moving]
     mapping = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first write faults any page in
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first write faults any page in
+    except OSError as error:  # a sandbox's seccomp filter, a kernel that says THP but refuses the advice
+        mapping.close()
+        log.warning("weights left on 4 kB pages: the kernel refused MADV_HUGEPAGE (%s)", error)
+        return model
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive while any view is
     offset = 0
     with torch.no_grad():

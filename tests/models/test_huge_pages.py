@@ -96,3 +96,24 @@ def test_small_weights_stay_and_a_quantized_model_moves_what_it_still_reads():
     assert torch.equal(log_probs(quantized, tokens), before)
     if transparent_huge_pages_mode() in ("always", "madvise"):  # the shared embedding (2 MB) moved
         assert quantized.embedding.weight.data_ptr() != float_tensors[id(quantized.embedding.weight)]
+
+
+def test_a_kernel_that_refuses_the_advice_leaves_the_weights_where_they_are(monkeypatch, caplog):
+    """MADV_HUGEPAGE refused (a sandbox's seccomp filter, EINVAL while /sys says `madvise`): the
+    model loads as it is, with a warning, instead of the server failing to start over a speed-up."""
+    import errno
+    import mmap
+
+    from xlserve.models import huge_pages
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(huge_pages, "transparent_huge_pages_mode", lambda: "madvise")
+    monkeypatch.setattr(mmap, "mmap", Refusing)
+    net = model(LARGE)
+    addresses = {name: p.data_ptr() for name, p in net.named_parameters()}
+    assert weights_on_huge_pages(net) is net
+    assert {name: p.data_ptr() for name, p in net.named_parameters()} == addresses
+    assert "refused MADV_HUGEPAGE" in caplog.text
