@@ -194,14 +194,18 @@ def cmd_serve(args) -> None:
 
     from xlserve.server.api.chat import ChatTemplateError, check_template_file
     from xlserve.server.app import StartupRefused, build_app, checkpoints_to_serve, cut_streams, drain
-    from xlserve.server.settings import Settings
+    from xlserve.server.settings import Settings, meant_api_keys
 
     _log_to_stderr(args.log_level)  # first: reading the settings may warn (a misspelt XLSERVE_ variable)
     # refuse what cannot work in one line, before the port opens (no traceback: nothing is broken)
     try:
         settings = Settings(**serve_overrides(args))
         checkpoints_to_serve(settings)
-        settings.security.api_key_list()  # a key file that cannot be read
+        settings.security.api_key_list()  # a key file that cannot be read, keys set that hold none
+        meant = meant_api_keys()
+        if meant and not settings.security.api_keys:
+            raise SystemExit(f"xlserve serve: {meant[0]} is not an xlserve setting, and without "
+                             "XLSERVE_API_KEYS the API would be open; did you mean XLSERVE_API_KEYS?")
         if settings.server.chat_template is not None:
             check_template_file(settings.server.chat_template)
     except pydantic.ValidationError as error:
@@ -213,6 +217,8 @@ def cmd_serve(args) -> None:
     except OSError as error:
         raise SystemExit(f"xlserve serve: --api-key / XLSERVE_API_KEYS names a file that cannot be read: "
                          f"{error}") from None
+    except ValueError as error:  # keys set that hold none
+        raise SystemExit(f"xlserve serve: {error}") from None
 
     grace = settings.server.shutdown_grace_seconds
     failure: list[str] = []  # why the engine process is gone for good, when it is

@@ -104,6 +104,13 @@ def unknown_environment_variables(environment: Mapping[str, str] | None = None) 
     return warnings
 
 
+def meant_api_keys(environment: Mapping[str, str] | None = None) -> list[str]:
+    """XLSERVE_ variables no setting reads that look like XLSERVE_API_KEYS (XLSERVE_API_KEY, as
+    the flag `--api-key` suggests): ignored, they would leave the API open when a key was meant."""
+    return [warning.split()[0] for warning in unknown_environment_variables(environment)
+            if warning.endswith(f"did you mean {ENVIRONMENT_PREFIX}API_KEYS?")]
+
+
 def warn_about_unknown_environment_variables() -> None:
     """Log `unknown_environment_variables()`, each once per process (settings are read many times).
     Without logging configured, Python's last-resort handler prints a warning as a bare line."""
@@ -306,12 +313,19 @@ class SecuritySettings(SettingsGroup):
         return value.strip()
 
     def api_key_list(self) -> list[str]:
+        """The keys; [] when none is set (the API is open). Keys set that hold no key (",", an
+        empty key file: a secret written from unset variables) are a ValueError, not an open API."""
         if not self.api_keys:
             return []
         if self.api_keys.startswith("@"):
             lines = Path(self.api_keys[1:]).read_text().splitlines()
-            return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-        return [key.strip() for key in self.api_keys.split(",") if key.strip()]
+            keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        else:
+            keys = [key.strip() for key in self.api_keys.split(",") if key.strip()]
+        if not keys:
+            raise ValueError(f"--api-key / XLSERVE_API_KEYS is set ({self.api_keys!r}) but holds no key; it would "
+                             "leave the API open. Unset it for an open API")
+        return keys
 
 
 def _by_flat_name(error: ValidationError, group_class: type[SettingsGroup]) -> ValidationError:

@@ -114,6 +114,7 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
      "xlserve serve: --chat-template / XLSERVE_CHAT_TEMPLATE: cannot read the chat template file"),
     (["bench", "no-such-benchmark"], {}, "xlserve bench: unknown benchmark 'no-such-benchmark' (have: continuation"),
     (["serve", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+    (["serve"], {"XLSERVE_API_KEYS": ","}, "XLSERVE_API_KEYS is set (',') but holds no key; it would leave the API open"),
 ])
 def test_a_user_error_is_one_line_and_a_non_zero_exit(argv, env, expected):
     assert expected in one_line_error(xlserve(*argv, env=env))
@@ -131,3 +132,16 @@ def test_a_misspelt_variable_is_warned_about_at_serve_start():
     done = xlserve("serve", "--models", "no-such-model", env={"XLSERVE_DEVCE": "cpu"})
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "XLSERVE_DEVCE is not an xlserve setting and is ignored; did you mean XLSERVE_DEVICE?" in done.stderr
+
+
+def test_keys_meant_but_not_read_stop_serve(tmp_path):
+    """An API left open by a mistake in its keys is refused at start: a key file holding no key
+    (a secret written from unset variables), and XLSERVE_API_KEY for XLSERVE_API_KEYS."""
+    empty = tmp_path / "keys"
+    empty.write_text("# keys, one per line\n\n")
+    line = one_line_error(xlserve("serve", "--api-key", f"@{empty}"))
+    assert f"XLSERVE_API_KEYS is set ('@{empty}') but holds no key" in line
+    done = xlserve("serve", env={"XLSERVE_API_KEY": "secret"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert ("XLSERVE_API_KEY is not an xlserve setting, and without XLSERVE_API_KEYS the API would be open; "
+            "did you mean XLSERVE_API_KEYS?") in done.stderr
