@@ -105,7 +105,7 @@ def unknown_environment_variables(environment: Mapping[str, str] | None = None) 
 
 
 def meant_api_keys(environment: Mapping[str, str] | None = None) -> list[str]:
-    """XLSERVE_ variables no setting reads that look like XLSERVE_API_KEYS (XLSERVE_API_KEY, as
+    """XLSERVE_ variables no setting reads that look like XLSERVE_API_KEYS (the singular, as
     the flag `--api-key` suggests): ignored, they would leave the API open when a key was meant."""
     return [warning.split()[0] for warning in unknown_environment_variables(environment)
             if warning.endswith(f"did you mean {ENVIRONMENT_PREFIX}API_KEYS?")]
