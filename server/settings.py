@@ -143,19 +143,19 @@ class ServerSettings(SettingsGroup):
 
     model_config = _group_config()
 
-    max_prompt_bytes: int = Field(1_000_000, description="longest prompt: UTF-8 bytes of a text prompt, "
+    max_prompt_bytes: int = Field(1_000_000, ge=1, description="longest prompt: UTF-8 bytes of a text prompt, "
                                   "or the number of token ids")
-    max_tokens_limit: int = Field(4096, description="largest max_tokens a request may ask for")
-    max_request_body_bytes: int = Field(8_000_000, description="larger request bodies get 413")
-    shutdown_grace_seconds: float = Field(30, description="on SIGTERM, how long running requests may finish")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_request_body_bytes: int = Field(8_000_000, ge=1, description="larger request bodies get 413")
+    shutdown_grace_seconds: float = Field(30, ge=0, description="on SIGTERM, how long running requests may finish")
     # the engine process is restarted when it dies; more than this many restarts within the window
     # and the server exits non-zero instead, so a supervisor (systemd, Kubernetes) takes over
-    engine_restart_limit: int = Field(3, description="restarts of a dead engine process allowed within the "
+    engine_restart_limit: int = Field(3, ge=0, description="restarts of a dead engine process allowed within the "
                                       "window (0: the first death stops the server)")
-    engine_restart_window_seconds: float = Field(600, description="the window the restart limit counts in")
+    engine_restart_window_seconds: float = Field(600, gt=0, description="the window the restart limit counts in")
     # an engine process that sends nothing (not even its heartbeat) for this long while work waits
     # is frozen (SIGSTOP, a debugger): it is killed and restarted like a dead one
-    engine_stall_seconds: float = Field(60, description="an engine process silent this long while work "
+    engine_stall_seconds: float = Field(60, ge=2, description="an engine process silent this long while work "
                                         "waits is killed and restarted")
     # read by the API process, which renders chat prompts (server/api/chat.py)
     chat_template: Path | None = Field(None, description="a Jinja chat template file for checkpoints that "
@@ -198,14 +198,14 @@ class EngineSettings(SettingsGroup):
     quantize: str = Field("none", description="weight-only int8 linear layers on CPU: none, int8 (every "
                           "model) or a comma list name=int8,...")
     # 0 = the cores less one (the API process's), shared by the models
-    torch_threads: int = Field(0, description="intra-op threads of the engines' forwards (0: the cores "
+    torch_threads: int = Field(0, ge=0, description="intra-op threads of the engines' forwards (0: the cores "
                                "less one)")
-    prompt_threads: int = Field(0, description="intra-op threads of forwards of 256 tokens or more, and of "
+    prompt_threads: int = Field(0, ge=0, description="intra-op threads of forwards of 256 tokens or more, and of "
                                 "every forward of a model of 64 MiB of weights or more (0: every core)")
-    prefill_chunk_tokens: int = Field(512, description="prompts are fed to the model in chunks of this size")
-    max_batch_size: int = Field(64, description="rows decoded together per model step (a request with n "
+    prefill_chunk_tokens: int = Field(512, ge=1, description="prompts are fed to the model in chunks of this size")
+    max_batch_size: int = Field(64, ge=1, description="rows decoded together per model step (a request with n "
                                 "choices takes n)")
-    max_queued_requests: int = Field(256, description="requests waiting for a batch slot per model; beyond "
+    max_queued_requests: int = Field(256, ge=0, description="requests waiting for a batch slot per model; beyond "
                                      "that 429")
     # structured output (server/engine/constraints.py): compiled constraints kept per model, and
     # the limits past which a schema or grammar is refused with 400 grammar_too_large
@@ -247,9 +247,9 @@ class CacheSettings(SettingsGroup):
     model_config = _group_config()
 
     state_dir: Path = Field(STATE_DIR, description="where sessions are written down (the disk tier)")
-    device_state_bytes: int = Field(1 << 30, description="budget of session state on the model's device")
-    host_state_bytes: int = Field(4 << 30, description="budget of session state in host RAM")
-    disk_state_bytes: int = Field(64 << 30, description="budget of session state on disk")
+    device_state_bytes: int = Field(1 << 30, ge=0, description="budget of session state on the model's device")
+    host_state_bytes: int = Field(4 << 30, ge=0, description="budget of session state in host RAM")
+    disk_state_bytes: int = Field(64 << 30, ge=0, description="budget of session state on disk")
     # every tier holds and counts states in this dtype (server/cache/codec.py); requests still
     # compute in the model's own dtype, converting the state when they start and when they commit
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -259,11 +259,11 @@ class CacheSettings(SettingsGroup):
     # redis+cluster://node:6379[,...] (server/cache/redis_client.py; README)
     redis_url: str = Field("", description="share sessions between replicas through Redis (redis://, "
                            "redis+sentinel://, redis+cluster://; see the README)")
-    store_timeout_seconds: float = Field(5.0, description="each call to the session store (Redis) gives up "
+    store_timeout_seconds: float = Field(5.0, gt=0, description="each call to the session store (Redis) gives up "
                                          "after this long")
     # a store write that timed out: how long to keep asking the store whether it landed before
     # answering 503 commit_outcome_unknown
-    commit_settle_seconds: float = Field(15.0, description="after a store write timed out, how long to ask "
+    commit_settle_seconds: float = Field(15.0, ge=0, description="after a store write timed out, how long to ask "
                                          "whether it landed before answering 503")
     # a session whose model's state grows or slides by appending commits only what changed, as
     # blocks appended to a log per session (server/cache/durable.py); the log is compacted into a
@@ -290,11 +290,11 @@ class PrefixCacheSettings(SettingsGroup):
     flat_prefix: ClassVar[str] = "prefix_cache_"
 
     # and on every tier, never more than sessions leave
-    bytes: int = Field(256 << 20, description="the prefix-state cache's cap on the device (0 switches it off)")
-    host_bytes: int = Field(1 << 30, description="its cap in host RAM (0: no host tier for entries)")
-    disk_bytes: int = Field(8 << 30, description="its cap on disk, under the state directory (0: none)")
-    block_tokens: int = Field(16, description="tokens per block of the prefix hash chain")
-    redis_ttl_seconds: int = Field(24 * 3600, description="with Redis: entries shared there expire after "
+    bytes: int = Field(256 << 20, ge=0, description="the prefix-state cache's cap on the device (0 switches it off)")
+    host_bytes: int = Field(1 << 30, ge=0, description="its cap in host RAM (0: no host tier for entries)")
+    disk_bytes: int = Field(8 << 30, ge=0, description="its cap on disk, under the state directory (0: none)")
+    block_tokens: int = Field(16, ge=1, description="tokens per block of the prefix hash chain")
+    redis_ttl_seconds: int = Field(24 * 3600, ge=1, description="with Redis: entries shared there expire after "
                                    "this long unused")
 
 

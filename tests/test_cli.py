@@ -115,6 +115,10 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     (["bench", "no-such-benchmark"], {}, "xlserve bench: unknown benchmark 'no-such-benchmark' (have: continuation"),
     (["serve", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
     (["serve"], {"XLSERVE_API_KEYS": ","}, "XLSERVE_API_KEYS is set (',') but holds no key; it would leave the API open"),
+    (["serve", "--max-num-seqs", "0"], {},
+     "setting max_batch_size (--max-num-seqs / XLSERVE_MAX_BATCH_SIZE): Input should be greater than or equal to 1"),
+    (["serve"], {"XLSERVE_ENGINE_STALL_SECONDS": "0"}, "XLSERVE_ENGINE_STALL_SECONDS): Input should be greater than or equal to 2"),
+    (["serve"], {"XLSERVE_ENGINE_RESTART_WINDOW_SECONDS": "-1"}, "Input should be greater than 0"),
 ])
 def test_a_user_error_is_one_line_and_a_non_zero_exit(argv, env, expected):
     assert expected in one_line_error(xlserve(*argv, env=env))
