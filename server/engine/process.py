@@ -59,6 +59,7 @@ from xlserve.server.cache import CorruptState, SessionInfo
 from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
 from xlserve.server.cache.codec import SessionData, conform_import, decode, floating_dtypes, session_data
 from xlserve.server.cache.prefix_cache import PrefixCache
+from xlserve.server.cache.stores import hold_state_directory
 from xlserve.server.engine.errors import InvalidInput, ModelNotFound
 from xlserve.server.engine.memory import MemoryReturner
 from xlserve.server.engine.request import EngineRequest
@@ -355,6 +356,7 @@ class EngineProcess:
         self.sock = sock
         self.writer = FrameWriter(sock)
         self.metrics = Metrics()
+        self.state_directory = hold_state_directory(settings.cache.state_dir)  # held while this process lives
         self.cache = SessionCache.from_settings(settings.cache, self.metrics)
         # one budget per tier for both: entries take only the room sessions leave, and give it back
         self.prefix_cache = PrefixCache.from_settings(settings.prefix_cache, settings.cache, self.metrics,
@@ -446,6 +448,7 @@ class EngineProcess:
             loaded.engine.close()
         self.pool.shutdown(wait=True)
         self.cache.close()
+        self.state_directory.close()  # the directory is free for the next process
 
     # -- dispatch --------------------------------------------------------------------------
 
