@@ -76,6 +76,9 @@ from xlserve.server.cache.stores import RedisPrefixStore, StoreUnavailable
 log = logging.getLogger("xlserve.cache")
 
 REMOTE_WRITES_QUEUED = 64  # entries waiting for the Redis writer; beyond, new ones are not shared
+# and bytes of them: each holds its state where the request left it (the model's device) until it is
+# written, outside every budget; beyond, a new entry is not shared (one is always taken)
+REMOTE_WRITES_BYTES = 1 << 30
 # bytes of entries waiting for the disk writer, each holding its state in host RAM meanwhile; beyond,
 # an entry pushed to disk is dropped (one entry is always taken, whatever its size)
 DISK_WRITES_BYTES = 1 << 30
@@ -153,12 +156,14 @@ class PrefixCache:
         self.metrics = metrics
         self.remote = remote
         self._lock = threading.Lock()
+        self._publishing = threading.Lock()  # `_publish`, outside the books' lock
         self._tiers: dict[str, OrderedDict[bytes, _Entry]] = {t: OrderedDict() for t in PREFIX_TIERS}  # LRU first
         self._bytes = {t: 0 for t in PREFIX_TIERS}
         self._index: dict[bytes, _Entry] = {}
         self._by_block: dict[bytes, dict[int, bytes]] = {}  # h_k -> {n: entry key}
         self._evictions: dict[str, int] = {}  # model -> entries dropped, counted outside the lock
         self._writes: queue.Queue = queue.Queue(maxsize=REMOTE_WRITES_QUEUED)
+        self._remote_writes_bytes = 0  # of the entries queued for the Redis writer (under the lock)
         if remote is not None:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
         self._disk_writes: queue.Queue = queue.Queue()
@@ -269,11 +274,18 @@ class PrefixCache:
             try:
                 data, logprobs = restore(self._path(entry).read_bytes())
             except (OSError, CorruptState, ValueError) as error:
-                log.warning("prefix cache: an entry on disk was refused (%s)", error)
                 with self._lock:
-                    if self._index.get(entry.key) is entry:
-                        self._drop(entry)
-                return None
+                    # unless another lookup of it moved it up meanwhile (and took its file)
+                    if self._index.get(entry.key) is entry and entry.tier == "disk" and entry.data is None:
+                        log.warning("prefix cache: an entry on disk was refused (%s)", error)
+                        self._drop(entry, counted=True)
+                        refused = True
+                    else:
+                        refused = False
+                if refused:
+                    self._count_evictions()
+                    return None
+                return self._bring_back(entry, restore)  # where the other lookup put it
         else:
             data = data.to(entry.device) if entry.device is not None else data
         with self._lock:
@@ -332,27 +344,35 @@ class PrefixCache:
             kept = False
             for tier in PREFIX_TIERS:
                 if self._make_room(tier, entry.nbytes):
-                    self._place(key, entry, tier, data, entry.logprobs)
-                    kept = True
+                    kept = self._place(key, entry, tier, data, entry.logprobs)  # False: dropped on the way to disk
                     break
-        self._count_evictions()
-        if kept and self.remote is not None and share:
-            try:
-                self._writes.put_nowait((entry.block.hex(), n, key.hex(), model, data, entry.logprobs))
-            except queue.Full:
+            share = kept and self.remote is not None and share
+            if share and self._remote_writes_bytes and self._remote_writes_bytes + entry.nbytes > REMOTE_WRITES_BYTES:
                 log.warning("prefix cache: the Redis writer is behind; an entry stays local")
+                share = False
+            if share:
+                try:
+                    self._writes.put_nowait((entry.block.hex(), n, key.hex(), model, data, entry.logprobs,
+                                             entry.nbytes))
+                    self._remote_writes_bytes += entry.nbytes
+                except queue.Full:
+                    log.warning("prefix cache: the Redis writer is behind; an entry stays local")
+        self._count_evictions()
         self._publish()
         return kept
 
     def _write_remote(self) -> None:
         """The Redis writer thread: encodes and writes queued entries, one at a time."""
         while True:
-            block, n, key, model, data, logprobs = self._writes.get()
+            block, n, key, model, data, logprobs, nbytes = self._writes.get()
             try:
                 self.remote.put_entry(block, n, key, encode_entry(model, data, logprobs))
             except Exception as error:  # StoreUnavailable, or a state that cannot be encoded
                 log.warning("prefix cache: an entry was not written to Redis (%s)", error)
             finally:
+                del data  # the state it held, wherever it lies, is not kept past its write
+                with self._lock:
+                    self._remote_writes_bytes -= nbytes
                 self._writes.task_done()
 
     def _write_disk(self) -> None:
@@ -363,13 +383,19 @@ class PrefixCache:
         while True:
             entry, write_id, data, logprobs = self._disk_writes.get()
             try:
+                with self._lock:  # moved, dropped or written again since: not worth encoding
+                    current = (self._index.get(entry.key) is entry and entry.tier == "disk"
+                               and entry.writing == write_id)
+                    if not current:
+                        self._disk_writes_bytes -= entry.nbytes
+                        continue
                 path = self._path(entry)
                 temporary = path.with_suffix(".tmp")
                 try:
                     temporary.write_bytes(encode_entry(entry.model, data, logprobs))
                     os.replace(temporary, path)
                     written = True
-                except (OSError, ValueError) as error:  # a full disk costs reuse only
+                except Exception as error:  # a full disk, or anything else: costs reuse only, never the writer
                     temporary.unlink(missing_ok=True)
                     log.warning("prefix cache: an entry could not be written to disk (%s)", error)
                     written = False
@@ -458,7 +484,7 @@ class PrefixCache:
         filed = self._by_block.setdefault(entry.block, {})
         shadowed = self._index.get(filed.get(entry.n, key))
         if shadowed is not None and shadowed is not entry:  # the same block and length, other open tokens:
-            self._drop(shadowed)  # one entry per (block, n) can be found, so the other one goes
+            self._drop(shadowed, counted=True)  # one entry per (block, n) can be found, so the other one goes
         self._by_block.setdefault(entry.block, {})[entry.n] = key
         return True
 
@@ -504,15 +530,18 @@ class PrefixCache:
         return {model: (row[0], row[1]) for model, row in counts.items()}
 
     def _publish(self) -> None:
+        """Set the gauges from the books; one thread at a time, so that an older reading (the
+        disk writer's, an engine worker's) is never set after a newer one."""
         if self.metrics is None:
             return
-        for tier in PREFIX_TIERS:
-            usage = self.usage(tier)
-            for model in set(usage) | self._published:
-                entries, nbytes = usage.get(model, (0, 0))
-                self.metrics.prefix_cache_entries.labels(model, tier).set(entries)
-                self.metrics.prefix_cache_bytes.labels(model, tier).set(nbytes)
-            self._published = set(usage) | self._published
+        with self._publishing:
+            for tier in PREFIX_TIERS:
+                usage = self.usage(tier)
+                for model in set(usage) | self._published:
+                    entries, nbytes = usage.get(model, (0, 0))
+                    self.metrics.prefix_cache_entries.labels(model, tier).set(entries)
+                    self.metrics.prefix_cache_bytes.labels(model, tier).set(nbytes)
+                self._published = set(usage) | self._published
 
     _published: set = frozenset()
 

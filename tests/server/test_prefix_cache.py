@@ -477,3 +477,92 @@ def test_a_lookup_that_may_read_a_file_runs_off_the_reader_thread(tmp_path):
         process.close()
         ours.close()
         theirs.close()
+
+
+def test_the_disk_writer_skips_entries_gone_before_their_turn_and_outlives_any_error(tmp_path, monkeypatch):
+    """The disk writer encodes an entry only if it is still waiting for its file (one dropped,
+    moved up or written again meanwhile would be encoded for nothing, holding its bytes against
+    the writer's bound), and an error of any kind while writing costs that entry alone: the
+    writer goes on, and its bound counts nothing it no longer holds."""
+    import threading
+
+    from tests.server.cache_helpers import same, size
+    from xlserve.server.cache import prefix_cache as module
+
+    entry_bytes = size(100) + 4 * 8
+    cache = PrefixCache(1, block_tokens=4, disk_bytes=10 * entry_bytes, directory=tmp_path / "prefix")
+    encode, gate, writing, encoded = module.encode_entry, threading.Event(), threading.Event(), []
+
+    def held_encode(model, data, logprobs):
+        encoded.append(logprobs[1])
+        if len(encoded) == 1:
+            writing.set()
+            assert gate.wait(30)
+            raise RuntimeError("not an OSError")  # the first write fails in a way nobody planned for
+        return encode(model, data, logprobs)
+
+    monkeypatch.setattr(module, "encode_entry", held_encode)
+    entries = [toy_entry(k) for k in range(4)]
+    cache.offer("toy", SCOPE, *entries[0])
+    assert writing.wait(30)
+    for entry in entries[1:]:
+        cache.offer("toy", SCOPE, *entry)
+    cache.release("disk", 3 * entry_bytes)  # the oldest three go: 0 (in the writer's hands), 1 and 2
+    gate.set()
+    assert cache.flush_disk()
+    assert encoded == [-0.5, -3.5]  # entry 0, then only entry 3: 1 and 2 were gone before their turn
+    assert cache._disk_writes_bytes == 0
+    hit = cache.lookup("toy", SCOPE, entries[3][0], restore=toy_restore)  # from its file
+    assert same(hit.data, entries[3][1])
+
+
+def test_a_lookup_whose_file_another_lookup_took_finds_the_entry_where_it_went(tmp_path):
+    """Two requests for one prefix on disk (a batched prompt list, parallel chat turns): the first
+    reads the file and moves the entry up, removing the file; the second, whose read then fails,
+    must not drop the entry the first just promoted, and finds it on the device."""
+    from tests.server.cache_helpers import same, size
+
+    entry_bytes = size(100) + 4 * 8
+    cache = PrefixCache(entry_bytes, block_tokens=4, disk_bytes=2 * entry_bytes, directory=tmp_path / "prefix")
+    first, second = toy_entry(1), toy_entry(2)
+    cache.offer("toy", SCOPE, *first)
+    cache.offer("toy", SCOPE, *second)  # the first goes to disk, the second holds the device
+    assert cache.flush_disk() and cache.usage("disk") == {"toy": (1, entry_bytes)}
+    cache.release("device", entry_bytes)  # room on the device for the first to come back to
+    (entry,) = cache._tiers["disk"].values()
+
+    def raced(blob):  # the other lookup reads the same file first and moves the entry up
+        assert cache.lookup("toy", SCOPE, first[0], restore=toy_restore) is not None
+        raise FileNotFoundError("the file went with the entry it held")
+
+    hit = cache._bring_back(entry, raced)
+    assert hit is not None and same(hit.data, first[1])
+    assert cache.usage("device") == {"toy": (1, entry_bytes)}
+
+
+def test_entries_waiting_for_redis_are_bounded_in_bytes(monkeypatch):
+    """An entry queued for the Redis writer holds its state where the request left it (the
+    model's device) until it is written, outside every budget: past REMOTE_WRITES_BYTES waiting,
+    a new entry stays local instead of being queued."""
+    import threading
+
+    from tests.server.cache_helpers import size
+    from xlserve.server.cache import prefix_cache as module
+
+    entry_bytes = size(100) + 4 * 8
+    monkeypatch.setattr(module, "REMOTE_WRITES_BYTES", 2 * entry_bytes)
+    gate, written = threading.Event(), []
+
+    class SlowRedis:
+        def put_entry(self, block, n, key, blob):
+            assert gate.wait(30)
+            written.append(key)
+
+    cache = PrefixCache(1 << 20, block_tokens=4, remote=SlowRedis())
+    entries = [toy_entry(k) for k in range(5)]
+    for entry in entries:
+        assert cache.offer("toy", SCOPE, *entry)  # kept locally every time
+    assert cache._remote_writes_bytes <= 2 * entry_bytes + entry_bytes  # one in the writer's hands at most
+    gate.set()
+    assert cache.flush_remote()
+    assert 2 <= len(written) <= 3 and cache._remote_writes_bytes == 0
