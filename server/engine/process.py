@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -50,7 +51,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from xlserve.models.checkpoint import load_checkpoint, read_config
+from xlserve.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint, read_config
 from xlserve.models.interface import LanguageModel
 from xlserve.models.huge_pages import weights_on_huge_pages
 from xlserve.models.quantize import QuantizationError, parameter_count, quantization_of, quantize_model, weight_bytes
@@ -174,14 +175,33 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
         model = quantize_model(model, settings.quantize_for(directory.name))  # after .to(dtype): int8 stays int8
         weights_on_huge_pages(model)  # after quantizing: only the float tensors it still holds (models/huge_pages.py)
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)
+        # prefix entries shared through Redis outlive this process: they must name these weights
+        shared = prefix_cache is not None and prefix_cache.remote is not None
+        weights = weights_identity(directory, dtype, settings.quantize_for(directory.name)) if shared else b""
         engine = Engine(directory.name, model, tokenizer, metrics, sink, prefill_chunk=settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
                         threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache,
                         constraint_cache_size=settings.structured_cache_size,
-                        constraint_compile_seconds=settings.structured_compile_seconds)
+                        constraint_compile_seconds=settings.structured_compile_seconds, weights_identity=weights)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine,
                                              time.perf_counter() - started)
     return loaded
+
+
+def weights_identity(directory: Path, dtype: torch.dtype, quantize: str) -> bytes:
+    """What a model's prefix states depend on besides its served name: its checkpoint's bytes
+    (config and weights, hashed: about 0.8 s for wt103's 1.1 GB, read from the page cache just
+    after loading) and how this replica computes with them (dtype, quantization). Prefix entries
+    in Redis outlive the replica that wrote them and are found by every replica, so an entry
+    written with other weights under the same name (a new checkpoint rolled out, an int8
+    replica beside float32 ones) must not be found: the engine mixes this into every scope."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(directory / name, "rb") as f:
+            while chunk := f.read(16 << 20):
+                digest.update(chunk)
+    digest.update(f"dtype={dtype};quantize={quantize}".encode())
+    return digest.digest()
 
 
 def session_bytes_when_full(model: LanguageModel, state_dtype: torch.dtype) -> int | None:

@@ -93,8 +93,12 @@ class Engine:
     def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, sink: EventSink,
                  prefill_chunk: int = 512, max_batch_size: int = 64, max_queued: int = 256, threads: int = 0,
                  prompt_threads: int = 0, prefix_cache: PrefixCache | None = None,
-                 constraint_cache_size: int = 256, constraint_compile_seconds: float = 5.0):
+                 constraint_cache_size: int = 256, constraint_compile_seconds: float = 5.0,
+                 weights_identity: bytes = b""):
         self.name = name
+        # mixed into every prefix scope: entries shared through Redis name the weights that made
+        # them (process.py `weights_identity`; empty where entries never outlive this process)
+        self.weights_identity = weights_identity
         # structured output: constraints compiled once per distinct text, cached with a bound
         self.constraints = ConstraintCompiler(tokenizer, name, constraint_cache_size, constraint_compile_seconds)
         self.prefix_cache = prefix_cache
@@ -165,10 +169,13 @@ class Engine:
         when the request wants alternatives for its echoed prompt tokens (an entry keeps only
         each token's own log-prob). A model whose results depend on chunking only ever has
         entries where this engine's prefill chunks end (see _prefill_batch)."""
+        depends_on = self.weights_identity
         if not self.model.chunking_invariant:
             # its entries hold only where this prefill chunk size breaks a prompt: a replica with
             # another size must not find them
-            scope = hashlib.blake2b(scope + b"prefill_chunk=%d" % self.prefill_chunk, digest_size=16).digest()
+            depends_on += b"prefill_chunk=%d" % self.prefill_chunk
+        if depends_on:
+            scope = hashlib.blake2b(scope + depends_on, digest_size=16).digest()
         fields = {"start": self.fresh_data(), "prefix_scope": scope}
         if self.prefix_cache is None or echo_alternatives:
             return fields

@@ -566,3 +566,37 @@ def test_entries_waiting_for_redis_are_bounded_in_bytes(monkeypatch):
     gate.set()
     assert cache.flush_remote()
     assert 2 <= len(written) <= 3 and cache._remote_writes_bytes == 0
+
+
+def test_entries_name_the_weights_that_made_them_where_they_outlive_the_process(tmp_path):
+    """Prefix entries in Redis outlive the replica that wrote them: a replica with other weights
+    under the same model name (a new checkpoint rolled out, int8 beside float32) must not find
+    them. The engine mixes its weights' identity into every scope; the identity changes with
+    any byte of the checkpoint, the dtype and the quantization."""
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.server.engine.process import weights_identity
+
+    save_checkpoint(xl_model(), tmp_path / "a")
+    first = weights_identity(tmp_path / "a", torch.float32, "none")
+    assert weights_identity(tmp_path / "a", torch.float32, "none") == first
+    assert weights_identity(tmp_path / "a", torch.bfloat16, "none") != first
+    assert weights_identity(tmp_path / "a", torch.float32, "int8") != first
+    weights = tmp_path / "a" / "model.safetensors"
+    changed = bytearray(weights.read_bytes())
+    changed[-1] ^= 1
+    weights.write_bytes(bytes(changed))
+    assert weights_identity(tmp_path / "a", torch.float32, "none") != first
+
+    cache = PrefixCache(64 << 20, block_tokens=4)
+    prompt = list(b"import os\nimport sys\n\n")
+
+    def cached_tokens(identity: bytes) -> int:
+        engine = make_engine(xl_model(), prefix_cache=cache, weights_identity=identity)
+        try:
+            return asyncio.run(answer(engine, request(engine, prompt, max_tokens=2)))["cached"]
+        finally:
+            engine.close()
+
+    assert cached_tokens(b"old weights") == 0
+    assert cached_tokens(b"old weights") > 0  # the same weights find their entry
+    assert cached_tokens(b"new weights") == 0  # other weights under the same name do not
