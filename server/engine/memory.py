@@ -65,8 +65,11 @@ def engine_environment() -> dict[str, str]:
     """The environment the engine process is started with (server/engine/client.py): this one,
     with glibc's arenas limited to MALLOC_ARENAS unless MALLOC_ARENA_MAX is already set (on a
     machine with many cores an operator may want more: with fewer arenas, threads that allocate
-    at once wait for each other's locks)."""
-    return {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), **os.environ}
+    at once wait for each other's locks). Without the API keys: authentication stays in the API
+    process (server/settings.py), and the engine process, which runs models and reads files, never
+    needs them."""
+    environment = {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), **os.environ}
+    return {name: value for name, value in environment.items() if name.upper() != "XLSERVE_API_KEYS"}  # any case, as read
 
 
 def malloc_trim_function() -> Callable[[], object] | None:

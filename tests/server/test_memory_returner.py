@@ -114,6 +114,8 @@ def test_glibc_trim_runs_and_the_engine_environment_limits_arenas(monkeypatch):
     assert engine_environment()["MALLOC_ARENA_MAX"] == "2"
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")  # an operator's own setting wins
     assert engine_environment()["MALLOC_ARENA_MAX"] == "8"
+    monkeypatch.setenv("XLSERVE_API_KEYS", "secret-key")
+    assert "XLSERVE_API_KEYS" not in engine_environment()  # authentication stays in the API process
     assert IDLE_GROWTH_BOUND_MB > 0
 
 
