@@ -31,6 +31,7 @@ def sid(i: int) -> str:
 def test_urls_name_one_redis_a_sentinel_or_a_cluster():
     assert parse_redis_url("redis://:pw@127.0.0.1:6379/2").mode == "single"  # redis-py reads those itself
     assert parse_redis_url("unix:///run/redis.sock?db=1").mode == "single"
+    assert parse_redis_url("rediss://u:p@[::1]/0?ssl_cert_reqs=none").mode == "single"
     assert parse_redis_url("rediss+sentinel://user:p%40ss@s1,[::1]:26380/mymaster/3"
                            "?sentinel_username=su&sentinel_password=sp&ssl_cert_reqs=none") == RedisTarget(
         "sentinel", "rediss+sentinel://user:p%40ss@s1,[::1]:26380/mymaster/3"
@@ -51,7 +52,11 @@ def test_urls_name_one_redis_a_sentinel_or_a_cluster():
                         ("redis+cluster://n1?ssl_ca_certs=/ca.pem", "TLS options need"),
                         ("rediss+cluster://n1?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
                         ("redis+cluster://:secret@", "not a host"),
-                        ("memcached://x", "unknown Redis URL scheme")]:
+                        ("memcached://x", "unknown Redis URL scheme"),
+                        # redis-py's own parser would take these as database 0, sharing another's keys
+                        ("redis://:secret@h:6379/1O", "not a database number: '1O'"),
+                        ("rediss://h/staging", "not a database number: 'staging'"),
+                        ("redis://:secret@h:port/0", "not a port")]:
         with pytest.raises(ValueError, match=says) as refused:
             parse_redis_url(wrong)
         assert "secret" not in str(refused.value)
