@@ -18,6 +18,9 @@ HF_REFERENCE := transformers==4.57.1 tokenizers==0.22.1
 # first (pyproject says torch>=2.4) and keep it.
 CONSTRAINTS := constraints.txt
 TORCH_PIN ?= $(shell grep '^torch==' $(CONSTRAINTS))
+# where torch comes from: pip's index unless set (PyPI's Linux x86_64 torch is the CUDA build, several
+# GB; make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU build)
+TORCH_INDEX_URL ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # pytest-xdist workers for `make test`, one test file at a time each (its module fixtures, such as
@@ -44,8 +47,9 @@ $(VENV)/constraints.txt: pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || echo "== creating $(VENV) with $$($(PYTHON) --version)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip show torch >/dev/null 2>&1 \
-	  || echo "== installing $(TORCH_PIN), the largest download (the CPU build: about 190 MB)"
-	$(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install -c $(CONSTRAINTS) "$(TORCH_PIN)"
+	  || echo "== installing $(TORCH_PIN), the largest download (the CPU build about 190 MB, a CUDA build several GB)"
+	$(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install -c $(CONSTRAINTS) \
+	  $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_PIN)"
 	$(PY) -c '$(TORCH_IS_PINNED)' && cp $(CONSTRAINTS) $@ \
 	  || (echo "== keeping this venv's own torch: its pins are left out"; \
 	      sed '/^# torch and what only torch needs/,$$d' $(CONSTRAINTS) > $@)
