@@ -32,6 +32,8 @@ NEVER_REACH_A_CLIENT = {
                                                     "the write (CommitOutcomeUnknown); the prefix cache goes without",
     "xlserve.server.cache.stores.StoreFull": "the session cache answers it as CacheFull",
     "xlserve.server.bench.soak.HttpError": "the soak benchmark's own HTTP client: it runs against a server",
+    "xlserve.server.cache.stores.StateDirectoryInUse": "raised as the engine process starts: the server stops "
+                                                       "(EngineStartFailed) naming the directory and its holder",
 }
 
 # what clients were answered before the registry existed (the table server/api/errors.py used
