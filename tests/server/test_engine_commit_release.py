@@ -7,31 +7,18 @@ engine process's session-op pool; releases on its reader thread, at once. The co
 land, and the lease go only after it (cancellation.py's rule: once the commit has begun, a cancel
 changes nothing)."""
 
-import socket
 import threading
 
-import torch
-
+from tests.server.engine_process_helpers import engine_process
 from tests.server.polling import eventually
 
 
 def test_a_release_right_behind_a_commit_waits_for_it(tmp_path):
-    from xlserve.models.checkpoint import save_checkpoint
-    from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
-    from xlserve.server.engine.process import SESSION_OP_THREADS, EngineProcess
+    from xlserve.server.engine.process import SESSION_OP_THREADS
     from xlserve.server.engine.wire import (Acquire, Append, Commit, CreateSession, GetSession, Release,
                                            read_frame, request_frame)
-    from xlserve.server.settings import Settings
 
-    torch.manual_seed(0)
-    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
-    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
-                        torch_threads=1)
-    ours, theirs = socket.socketpair()
-    process = EngineProcess(settings, theirs)
-    stream = ours.makefile("rb")
-    try:
+    with engine_process(tmp_path) as (process, ours), ours.makefile("rb") as stream:
         info = process.create_session(CreateSession("tiny", None)).info
         lease = process.acquire(Acquire(info.id, None)).lease
         process.dispatch(*request_frame(Append(7, lease, list(b"a chunk of a document")), call_id=1))
@@ -59,8 +46,3 @@ def test_a_release_right_behind_a_commit_waits_for_it(tmp_path):
         assert eventually(lambda: not process.leases, seconds=10)  # released after the commit
         again = process.acquire(Acquire(info.id, None))  # nobody holds the session any more
         process.release(Release(again.lease))
-    finally:
-        process.close()
-        stream.close()
-        ours.close()
-        theirs.close()

@@ -16,27 +16,14 @@ import socket
 import threading
 
 import pytest
-import torch
+
+from tests.server.engine_process_helpers import engine_process
 
 
 @pytest.fixture
 def process(tmp_path):
-    from xlserve.models.checkpoint import save_checkpoint
-    from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
-    from xlserve.server.engine.process import EngineProcess
-    from xlserve.server.settings import Settings
-
-    torch.manual_seed(0)
-    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
-    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
-                        torch_threads=1)
-    ours, theirs = socket.socketpair()
-    engine_process = EngineProcess(settings, theirs)
-    yield engine_process
-    engine_process.close()
-    ours.close()
-    theirs.close()
+    with engine_process(tmp_path) as (running, _):
+        yield running
 
 
 def regex_params(pattern: str):

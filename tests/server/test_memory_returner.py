@@ -123,22 +123,13 @@ def test_the_engine_process_lets_go_of_a_finished_request_at_once(tmp_path):
     """A generation in a real EngineProcess (tiny Transformer-XL, events over a real socket),
     with the cyclic garbage collector off and the returner disabled: once its last event has
     arrived, the request object is gone."""
-    from xlserve.models.checkpoint import save_checkpoint
-    from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
     from xlserve.server.engine.process import EngineProcess
     from xlserve.server.engine.types import SamplingParams
     from xlserve.server.engine.wire import Generate, event_from_wire, is_last, read_frame, request_frame
-    from xlserve.server.settings import Settings
+    from tests.server.engine_process_helpers import tiny_settings
 
-    import torch
-
-    torch.manual_seed(0)
-    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
-    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
-                        torch_threads=1)
     ours, theirs = socket.socketpair()
-    process = EngineProcess(settings, theirs)
+    process = EngineProcess(tiny_settings(tmp_path), theirs)
     engine = process.models["tiny"].engine
     captured = []
     enqueue = engine.enqueue

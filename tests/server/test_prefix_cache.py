@@ -432,25 +432,14 @@ def test_a_lookup_that_may_read_a_file_runs_off_the_reader_thread(tmp_path):
     on the reader thread while every entry is in memory; once entries lie on disk (a hit there
     reads and checks a file, hundreds of MB at real size) the lookup is deferred to the
     session-op pool, as a Redis lookup is, and still hits."""
-    import socket
-
-    from xlserve.models.checkpoint import save_checkpoint
-    from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
-    from xlserve.server.engine.process import Deferred, EngineProcess
+    from xlserve.server.engine.process import Deferred
     from xlserve.server.engine.types import SamplingParams
     from xlserve.server.engine.wire import Generate
-    from xlserve.server.settings import Settings
+    from tests.server.engine_process_helpers import engine_process
     from tests.server.polling import eventually
 
-    torch.manual_seed(0)
-    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
-    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
-                        torch_threads=1, prefix_cache_bytes=1, prefix_cache_host_bytes=0,
-                        prefix_cache_disk_bytes=1 << 30)
-    ours, theirs = socket.socketpair()
-    process = EngineProcess(settings, theirs)
-    try:
+    with engine_process(tmp_path, prefix_cache_bytes=1, prefix_cache_host_bytes=0,
+                        prefix_cache_disk_bytes=1 << 30) as (process, _):
         engine = process.models["tiny"].engine
         cache = engine.prefix_cache
         params = SamplingParams(max_tokens=1, temperature=0)
@@ -473,10 +462,6 @@ def test_a_lookup_that_may_read_a_file_runs_off_the_reader_thread(tmp_path):
         assert isinstance(second, Deferred)
         second.work()  # what the session-op pool runs
         assert hits[-1] is not None and hits[-1].tokens >= len(prompt) - 1  # from the file on disk
-    finally:
-        process.close()
-        ours.close()
-        theirs.close()
 
 
 def test_the_disk_writer_skips_entries_gone_before_their_turn_and_outlives_any_error(tmp_path, monkeypatch):

@@ -46,18 +46,10 @@ def test_two_engine_processes_on_one_directory(tmp_path):
     """The second is refused before it touches a file; once the first closes, a third starts."""
     import socket
 
-    import torch
-
-    from xlserve.models.checkpoint import save_checkpoint
-    from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
     from xlserve.server.engine.process import EngineProcess
-    from xlserve.server.settings import Settings
+    from tests.server.engine_process_helpers import tiny_settings
 
-    torch.manual_seed(0)
-    save_checkpoint(build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval(), tmp_path / "tiny")
-    settings = Settings(models=str(tmp_path / "tiny"), state_dir=tmp_path / "state", return_memory=False,
-                        torch_threads=1)
+    settings = tiny_settings(tmp_path)
     sockets = [socket.socketpair() for _ in range(3)]
     first = EngineProcess(settings, sockets[0][1])
     stray = tmp_path / "state" / ".sess_0.tmp"  # a write in flight in the first: a second start would delete it
