@@ -302,13 +302,14 @@ class PrefixCache:
         first_block = shortest // self.block_tokens
         blocks = chain[first_block:]
         try:
-            filed = self.remote.filed([block.hex() for block in blocks])
-            candidates = sorted(((n, key) for entries in filed for n, key in entries.items()
+            names = [block.hex() for block in blocks]
+            filed = self.remote.filed(names)
+            candidates = sorted(((n, key, block) for block, entries in zip(names, filed) for n, key in entries.items()
                                  if shortest <= n <= limit), reverse=True)
-            for n, key in candidates[:4]:  # a few tries: entries may have expired since the index said so
+            for n, key, block in candidates[:4]:  # a few tries: entries may have expired since the index said so
                 if key != entry_key(chain, tokens, n, self.block_tokens).hex():
                     continue
-                blob = self.remote.get_entry(key)
+                blob = self.remote.get_entry(key, block)  # its block's TTL renewed with its own
                 if blob is None:
                     continue
                 try:

@@ -911,6 +911,16 @@ class RedisPrefixStore(RedisStore):
             found.append(entries)
         return found
 
-    def get_entry(self, key: str) -> bytes | None:
-        """The entry's bytes (its TTL renewed), or None when Redis no longer holds it."""
-        return self._read(lambda: self.client.getex(self.prefix + "entry:" + key, ex=self.ttl_s))
+    def get_entry(self, key: str, block: str | None = None) -> bytes | None:
+        """The entry's bytes, or None when Redis no longer holds it. A read is a use: the entry's
+        TTL is renewed, and that of the block it was filed under (`block`, hex), without which a
+        prefix read every minute would still become unreachable a day after it was written."""
+
+        def read():
+            pipeline = self.client.pipeline(transaction=False)
+            pipeline.getex(self.prefix + "entry:" + key, ex=self.ttl_s)
+            if block is not None:
+                pipeline.expire(self.prefix + "block:" + block, self.ttl_s)
+            return pipeline.execute()[0]
+
+        return self._read(read)

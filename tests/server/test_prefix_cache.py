@@ -244,6 +244,13 @@ def test_entries_shared_through_redis_are_checked_and_a_dead_redis_costs_only_re
     assert torch.equal(hit.data.next_log_probs, entry.next_log_probs)
     assert reader.lookup("m", scope_key("m", "owner-b", None), tokens, restore=restore) is None
 
+    # a read is a use: the entry's block index lives a TTL from its last hit, not its last write
+    block = block_chain(SCOPE, tokens, 4)[len(tokens) // 4].hex()
+    writer.remote.client.expire("test:prefix:block:" + block, 5)
+    third = PrefixCache(64 << 20, block_tokens=4, remote=RedisPrefixStore(redis_url, prefix="test:prefix:"))
+    assert third.lookup("m", SCOPE, tokens, restore=restore).tokens == len(tokens)  # from Redis: nothing local
+    assert writer.remote.client.ttl("test:prefix:block:" + block) > 3600
+
     # an entry whose bytes were altered in Redis is refused: a miss, not an error
     other = list(b"class Config:\n    debug = True\n")
     with torch.inference_mode():
