@@ -83,13 +83,13 @@ log = logging.getLogger("xlserve.settings")
 _warned_environment_variables: set[str] = set()
 
 
-def unknown_environment_variables(environment: Mapping[str, str] | None = None) -> list[str]:
-    """A warning for each XLSERVE_ variable in `environment` (default: this process's) that no
-    setting reads, naming the closest setting's variable: a misspelt one is otherwise silently
-    ignored and its default used. Matched without regard to case, as pydantic-settings reads them."""
+def _unknown_with_closest(environment: Mapping[str, str] | None) -> list[tuple[str, str | None]]:
+    """(name, the closest setting's variable or None) for each XLSERVE_ variable in `environment`
+    (default: this process's) that no setting reads. Matched without regard to case, as
+    pydantic-settings reads them."""
     environment = os.environ if environment is None else environment
     known = Settings.environment_variables()
-    warnings = []
+    found = []
     for name in sorted(environment):
         upper = name.upper()
         if not upper.startswith(ENVIRONMENT_PREFIX) or upper in known or upper in NON_SETTING_ENVIRONMENT_VARIABLES:
@@ -98,17 +98,24 @@ def unknown_environment_variables(environment: Mapping[str, str] | None = None) 
         closest = difflib.get_close_matches(upper.removeprefix(ENVIRONMENT_PREFIX),
                                             [variable.removeprefix(ENVIRONMENT_PREFIX) for variable in known],
                                             n=1, cutoff=0.6)
-        hint = (f"did you mean {ENVIRONMENT_PREFIX}{closest[0]}?" if closest
-                else "`xlserve serve --help` lists the settings")
-        warnings.append(f"{name} is not an xlserve setting and is ignored; {hint}")
-    return warnings
+        found.append((name, ENVIRONMENT_PREFIX + closest[0] if closest else None))
+    return found
+
+
+def unknown_environment_variables(environment: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each XLSERVE_ variable in `environment` (default: this process's) that no
+    setting reads, naming the closest setting's variable: a misspelt one is otherwise silently
+    ignored and its default used."""
+    return [f"{name} is not an xlserve setting and is ignored; "
+            + (f"did you mean {closest}?" if closest else "`xlserve serve --help` lists the settings")
+            for name, closest in _unknown_with_closest(environment)]
 
 
 def meant_api_keys(environment: Mapping[str, str] | None = None) -> list[str]:
     """XLSERVE_ variables no setting reads that look like XLSERVE_API_KEYS (the singular, as
     the flag `--api-key` suggests): ignored, they would leave the API open when a key was meant."""
-    return [warning.split()[0] for warning in unknown_environment_variables(environment)
-            if warning.endswith(f"did you mean {ENVIRONMENT_PREFIX}API_KEYS?")]
+    return [name for name, closest in _unknown_with_closest(environment)
+            if closest == f"{ENVIRONMENT_PREFIX}API_KEYS"]
 
 
 def warn_about_unknown_environment_variables() -> None:
