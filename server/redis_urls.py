@@ -67,8 +67,11 @@ def parse_redis_url(url: str) -> RedisTarget:
         if scheme != "unix":  # what redis-py would ignore or take wrongly: its parser drops a bad database
             netloc, _, path = rest.split("?", 1)[0].split("#", 1)[0].partition("/")
             _node(netloc.rpartition("@")[2], CLUSTER_PORT)  # host[:port]
-            if path.strip("/") and (len(path.strip("/").split("/")) > 1 or not path.strip("/").isdigit()):
-                raise ValueError(f"not a database number: {unquote(path)!r} in {scheme}://host[:port][/db]")
+            segments = [segment for segment in path.split("/") if segment]
+            if len(segments) > 1:
+                raise ValueError(f"a {scheme}:// URL names one database: {scheme}://host[:port][/db]")
+            if segments:
+                _db(unquote(segments[0]))
         return RedisTarget("single", url)
     if scheme not in SENTINEL_SCHEMES + CLUSTER_SCHEMES:
         known = ", ".join(s + "://" for s in SINGLE_SCHEMES + SENTINEL_SCHEMES + CLUSTER_SCHEMES)
