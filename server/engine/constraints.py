@@ -138,10 +138,6 @@ class ConstraintCompiler:
     def __len__(self) -> int:
         return len(self._cache)
 
-    def cached(self, kind: str, text: str) -> bool:
-        with self._lock:
-            return (kind, text) in self._cache
-
     def cached_matcher(self, kind: str, text: str, param: str | None = None):
         """`matcher`'s answer when the constraint was compiled before (its error raised, as there),
         None when it would have to be compiled: a caller that must not wait for a compile (the
