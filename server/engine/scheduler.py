@@ -339,8 +339,9 @@ class Engine:
             self._waiting.remove(request)
             self._dropped(request)
         held = Counter()  # owner -> rows of the batch its requests hold
-        for running in self._running:
-            held[running.share_key] += running.width
+        if self._waiting:  # counted at a step only when someone waits to come in
+            for running in self._running:
+                held[running.share_key] += running.width
         while self._waiting:
             request = min(self._waiting, key=lambda waiting: held[waiting.share_key])  # the first of the least served
             if self._running_rows + request.width > self.max_batch_size and self._running_rows > 0:
