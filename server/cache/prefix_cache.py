@@ -274,18 +274,15 @@ class PrefixCache:
             try:
                 data, logprobs = restore(self._path(entry).read_bytes())
             except (OSError, CorruptState, ValueError) as error:
-                with self._lock:
-                    # unless another lookup of it moved it up meanwhile (and took its file)
-                    if self._index.get(entry.key) is entry and entry.tier == "disk" and entry.data is None:
+                with self._lock:  # refused, unless another lookup of it moved it up meanwhile (and took its file)
+                    refused = self._index.get(entry.key) is entry and entry.tier == "disk" and entry.data is None
+                    if refused:
                         log.warning("prefix cache: an entry on disk was refused (%s)", error)
                         self._drop(entry, counted=True)
-                        refused = True
-                    else:
-                        refused = False
-                if refused:
-                    self._count_evictions()
-                    return None
-                return self._bring_back(entry, restore)  # where the other lookup put it
+                if not refused:
+                    return self._bring_back(entry, restore)  # where the other lookup put it
+                self._count_evictions()
+                return None
         else:
             data = data.to(entry.device) if entry.device is not None else data
         with self._lock:
@@ -347,16 +344,17 @@ class PrefixCache:
                 if self._make_room(tier, entry.nbytes):
                     kept = self._place(key, entry, tier, data, entry.logprobs)  # False: dropped on the way to disk
                     break
-            share = kept and self.remote is not None and share
-            if share and self._remote_writes_bytes and self._remote_writes_bytes + entry.nbytes > REMOTE_WRITES_BYTES:
-                log.warning("prefix cache: the Redis writer is behind; an entry stays local")
-                share = False
-            if share:
-                try:
-                    self._writes.put_nowait((entry.block.hex(), n, key.hex(), model, data, entry.logprobs,
-                                             entry.nbytes))
-                    self._remote_writes_bytes += entry.nbytes
-                except queue.Full:
+            if kept and self.remote is not None and share:
+                queued = self._remote_writes_bytes
+                behind = bool(queued) and queued + entry.nbytes > REMOTE_WRITES_BYTES  # in bytes waiting
+                if not behind:
+                    try:
+                        self._writes.put_nowait((entry.block.hex(), n, key.hex(), model, data, entry.logprobs,
+                                                 entry.nbytes))
+                        self._remote_writes_bytes += entry.nbytes
+                    except queue.Full:  # in entries waiting
+                        behind = True
+                if behind:
                     log.warning("prefix cache: the Redis writer is behind; an entry stays local")
         self._count_evictions()
         self._publish()
