@@ -158,7 +158,8 @@ GIB = 1 << 30
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """This machine's read bandwidth in bytes/s, as torch reads memory: the best of `repeats`
-    passes over `gib` GiB of float32 (far larger than any cache), on torch's threads, by the faster
+    passes over `gib` GiB of float32 (1 GiB is 3.4 times this VM's 300 MB last-level cache, which
+    it shares with its neighbours; the 0.25 GiB of --quick forms is not), on torch's threads, by the faster
     of two kernels that read every byte once: a sum, and a matrix-vector product (what a decode
     step's linear layers do). The larger figure makes the decode's fraction of it the harder goal.
     The buffer lies on huge pages where the weights do (models/huge_pages.py): on 4 kB pages it

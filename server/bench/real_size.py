@@ -12,8 +12,10 @@ convert`, as a user's downloaded checkpoint would be:
 - reformer-enwik8: google/reformer-enwik8's shape, as `bench vs-hf-reformer` builds it.
 
 For each it reports:
-- load: a real `xlserve serve` of the converted checkpoint, timed from the command to /ready,
-  and the resident memory of its two processes then (the API process and the engine process);
+- load: a real `xlserve serve` of the converted checkpoint, timed from the command to /ready
+  with the checkpoint's pages dropped from the page cache first (a cold start), and the memory
+  of its two processes then (the API process and the engine process: the sum of their resident
+  sets, and of their proportional sets, which count a shared page once);
   then one greedy completion streamed from it, and as many at once as the largest batch size,
   each after its own prompt: their tokens/s together while all of them decode;
 - state bytes per session at full memory (float32 and bfloat16: XLSERVE_STATE_DTYPE), and how
@@ -34,9 +36,12 @@ For each it reports:
   xlserve in float32, xlserve with weight-only int8 (XLSERVE_QUANTIZE) and the Hugging Face
   reference driven by the same loop with its cache, in the same run. xlserve's four runs (float32
   and int8 at each batch size) take --decode-rounds rounds of --decode-tokens steps in turn, each
-  going on from where its last round ended, and report the median round: the ratios the goals
-  name (int8 over float32, batch 8 over batch 1) then compare steps taken minutes apart no more,
-  and each row gives the slowest and fastest round and the int8 ratio of every round; whether xlserve's float32
+  going on from where its last round ended, and report the median round's tokens/s. The ratios
+  the goals name (int8 over float32, batch 8 over batch 1) are taken within each round, between
+  runs a few seconds apart, and their median reported with every round's, never as a ratio of
+  two medians that may come from different minutes of this machine; each row also gives the
+  slowest and fastest round. The reference decodes once, amid xlserve's rounds (after the
+  middle one), from the same prompt; whether xlserve's float32
   tokens equal the reference's; and the fraction of this machine's measured read bandwidth that
   the float32 decode reaches, twice: weight bytes read per step × steps/s ÷ bandwidth (the tables
   Transformer-XL and XLNet read in place of r_net counted instead of it:
@@ -46,9 +51,10 @@ For each it reports:
   over one row at most, since a batch shares the weights' read but reads each row's state.
 
 Results: bench-results/real-size.json and real-size.png (--quick: small shapes, seconds;
-`tests/server/test_bench_real_size.py` runs it). Run the full form alone: it takes tens of minutes
-on 2 cores, mostly feeding the 64k-token histories, and a second torch-heavy process skews every
-figure.
+`tests/server/test_bench_real_size.py` runs it). Run the full form alone: a second torch-heavy
+process skews every figure. On 2 cores it takes about an hour per shape as it stands, almost all
+of it feeding the 64k-token histories; `--max-fed-history 2048` (fixed-size states only, said per
+row) brings the three shapes to about 12 minutes.
 """
 
 from __future__ import annotations
@@ -198,21 +204,41 @@ def state_step(model, batch: int):
 # -- measurements ------------------------------------------------------------------------------
 
 
-def process_tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and its descendants (Linux /proc)."""
-    total, pending = 0, [pid]
+def drop_from_page_cache(directory: Path) -> None:
+    """Write the files under `directory` back and ask the kernel to drop their pages from its
+    cache (posix_fadvise DONTNEED, no privilege needed), so that a server started next reads
+    them from the disk, as a first start after a download does."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)  # dirty pages are not dropped
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(descriptor)
+
+
+def process_tree_memory(pid: int) -> dict:
+    """Memory of `pid` and its descendants (Linux /proc): `resident_bytes`, the sum of their
+    resident sets (a page two of them map, libtorch's code for one, counts in each), and
+    `proportional_bytes`, the sum of their proportional sets (a page shared by n processes counts
+    1/n in each: the processes' own share, a little less than what they cost where the page is
+    shared with a process outside them, as the bench's own libtorch is)."""
+    totals, pending = {"resident_bytes": 0, "proportional_bytes": 0}, [pid]
+    fields = {"Rss:": "resident_bytes", "Pss:": "proportional_bytes"}
     while pending:
         current = pending.pop()
         try:
-            for line in Path(f"/proc/{current}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+            for line in Path(f"/proc/{current}/smaps_rollup").read_text().splitlines():
+                name, *value = line.split()
+                if name in fields:
+                    totals[fields[name]] += int(value[0]) * 1024
             for task in Path(f"/proc/{current}/task").iterdir():
                 children = (task / "children").read_text().split()
                 pending.extend(int(c) for c in children)
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return total
+    return totals
 
 
 def stream_completion(port: int, model: str, prompt: list[int], new_tokens: int) -> tuple[list[float], int | None]:
@@ -314,8 +340,9 @@ def served_vocabulary(checkpoint: Path) -> int:
 def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_tokens: int, threads: int = 0,
                       timeout_s: float = 900, batch: int = 1, batch_new_tokens: int = 0) -> dict:
     """Start `xlserve serve` on the checkpoint (on `threads` threads for every forward, as the
-    in-process measurements run; 0: the server's defaults): seconds to /ready, the processes'
-    RSS then, one streamed greedy completion at batch 1 (`served_decode`) and, for `batch` > 1,
+    in-process measurements run; 0: the server's defaults, whatever XLSERVE_ settings the caller
+    has), its files first dropped from the page cache: seconds to /ready, the processes' memory
+    then (`process_tree_memory`), one streamed greedy completion at batch 1 (`served_decode`) and, for `batch` > 1,
     `batch` at once of `batch_new_tokens` each (`served_batch`)."""
     import json
     import urllib.error
@@ -325,7 +352,10 @@ def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_toke
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     state_dir = tempfile.mkdtemp(prefix="xlserve-bench-state-")
-    env = {**os.environ, "XLSERVE_STATE_DIR": state_dir}
+    # the server's defaults, whatever the caller's XLSERVE_ settings (XLSERVE_QUANTIZE or
+    # XLSERVE_STATE_DTYPE would change figures reported as float32's)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLSERVE_")} | {"XLSERVE_STATE_DIR": state_dir}
+    drop_from_page_cache(checkpoint)  # a cold start: convert has just written the file
     threads_arguments = ["--torch-threads", str(threads), "--prompt-threads", str(threads)] if threads else []
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "xlserve.server.cli", "serve", "--host", "127.0.0.1",
@@ -349,7 +379,7 @@ def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_toke
         ready_s = time.perf_counter() - start
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as answer:
             models = json.load(answer)["data"]
-        measured = {"ready_s": ready_s, "resident_bytes": process_tree_rss(process.pid),
+        measured = {"ready_s": ready_s, **process_tree_memory(process.pid),
                     "served_state_bytes_per_session": models[0].get("state_bytes_per_session")}
         measured |= served_decode(port, models[0]["id"], vocab, prompt_tokens, new_tokens)
         if batch > 1:
@@ -448,6 +478,10 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
                 start = time.perf_counter()
                 cache.commit(lease, data)
                 times.append(time.perf_counter() - start)
+                # a compaction this commit started runs behind its answer: awaited, untimed, and its
+                # bytes counted with the commit that led to it, not with whichever comes next
+                if not cache.compactions.wait_idle(timeout=600):
+                    raise RuntimeError(f"{name}: a compaction to {durable} did not end within 600 s")
                 written.append(bytes_sent(durable, redis_url) - before)
             if durable == "redis":  # empty the shared Redis for the next row
                 import redis
@@ -589,11 +623,20 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
         for kind, weights in (("float32", model), ("int8", quantized)):
             generate_greedy(state_step(weights, batch), prompts[batch][:, :4], 1)  # warm up
             runs[batch, kind] = GreedyRounds(state_step(weights, batch), prompts[batch])
+    references = {}
     for round_index in range(rounds):
         # every other round the other way round: no run always comes first, or after the same one
         order = list(runs.values())
         for run in order if round_index % 2 == 0 else reversed(order):
             run.decode(steps)
+        if reference is not None and round_index == rounds // 2:
+            # the reference once (it is the slowest part by far), amid xlserve's rounds rather than
+            # minutes after them: its ratio compares steps taken under the same load of this machine
+            for batch in args.batch_sizes:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    generate_greedy(reference_step(name, reference), prompts[batch][:, :4], 1)
+                    references[batch] = generate_greedy(reference_step(name, reference), prompts[batch], steps)
     rows = []
     for batch in args.batch_sizes:
         ours, int8 = runs[batch, "float32"], runs[batch, "int8"]
@@ -614,16 +657,14 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
         row["float32_ceiling_tokens_per_s"] = ceiling["ceiling_tokens_per_s"]
         # the same fraction counting every byte a step reads: its tokens/s over the ceiling's
         row["float32_read_fraction"] = row["xlserve_float32_tokens_per_s"] / ceiling["ceiling_tokens_per_s"]
-        row["int8_over_float32"] = row["xlserve_int8_tokens_per_s"] / row["xlserve_float32_tokens_per_s"]
-        # the same ratio within each round (the two runs one after the other): its range says how
-        # much the machine moved the median's
+        # the ratio within each round (the two runs one after the other), and its median: the median
+        # rounds of the two runs may come from different minutes of this machine
         row["int8_over_float32_by_round"] = [f / i for f, i in zip(ours.seconds, int8.seconds)]
-        if reference is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                generate_greedy(reference_step(name, reference), prompts[batch][:, :4], 1)
-                ref = generate_greedy(reference_step(name, reference), prompts[batch], steps)
+        row["int8_over_float32"] = statistics.median(row["int8_over_float32_by_round"])
+        if batch in references:
+            ref = references[batch]
             row["reference_tokens_per_s"] = batch * steps / ref["decode_s"]
+            row["reference_after_round"] = rounds // 2 + 1
             row["identical_tokens"] = torch.equal(ours.tokens[0], ref["tokens"])
             row["float32_over_reference"] = row["xlserve_float32_tokens_per_s"] / row["reference_tokens_per_s"]
         rows.append(row)
@@ -633,8 +674,11 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
     one = next((r for r in rows if r["batch_size"] == 1), None)
     for row in rows:
         if one is not None:
-            row["float32_over_batch_1"] = row["xlserve_float32_tokens_per_s"] / one["xlserve_float32_tokens_per_s"]
-            row["int8_over_batch_1"] = row["xlserve_int8_tokens_per_s"] / one["xlserve_int8_tokens_per_s"]
+            # a batch's gain within each round (batch 1 and this batch in the same round), and its median
+            for kind in ("float32", "int8"):
+                alone, batched = runs[1, kind].seconds, runs[row["batch_size"], kind].seconds
+                row[f"{kind}_over_batch_1_by_round"] = [row["batch_size"] * a / b for a, b in zip(alone, batched)]
+                row[f"{kind}_over_batch_1"] = statistics.median(row[f"{kind}_over_batch_1_by_round"])
             # the most a batch can gain over one row when reading memory is all a step does
             row["ceiling_over_batch_1"] = row["float32_ceiling_tokens_per_s"] / one["float32_ceiling_tokens_per_s"]
     return rows
@@ -768,11 +812,12 @@ def _mb(n) -> str:
 
 
 def print_table(result: dict) -> None:
-    print(f"\nread bandwidth {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    print(f"\nread bandwidth at the start {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
     for shape in result["shapes"]:
         served = shape["served"] or {}
         print(f"\n{shape['shape']}: {shape['parameters'] / 1e6:.0f} M parameters; served ready in "
-              f"{served.get('ready_s', float('nan')):.1f} s, resident {_mb(served.get('resident_bytes'))}, "
+              f"{served.get('ready_s', float('nan')):.1f} s, resident {_mb(served.get('resident_bytes'))} "
+              f"({_mb(served.get('proportional_bytes'))} proportional), "
               f"decode over HTTP {served.get('served_decode_tokens_per_s') or float('nan'):.2f} tokens/s, "
               f"{served.get('served_batch_tokens_per_s') or float('nan'):.2f} with {served.get('served_batch', '-')} "
               "clients at once; "
@@ -796,6 +841,8 @@ def print_table(result: dict) -> None:
                       f"{'and their compaction' if cycle['compacted'] else '(no compaction)'} wrote "
                       f"{_mb(cycle['bytes'])}, {_mb(cycle['bytes_per_commit'])} a commit amortized "
                       f"({cycle.get('bytes_per_commit_over_new_positions', float('nan')):.2f}x its new positions)")
+        print(f"  read bandwidth before the decode {shape['read_bandwidth_before_decode_bytes_per_s'] / 1e9:.1f} GB/s; "
+              f"the fractions divide by the larger reading, {shape['decode'][0]['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
         print("  batch | float32 tok/s | int8 tok/s | int8 ÷ float32 (rounds) | reference tok/s | identical "
               "| fraction: weights | weights + state | ceiling tok/s | over batch 1: float32, int8 (ceiling)")
         for row in shape["decode"]:
@@ -831,9 +878,11 @@ def plot(result: dict, path: Path) -> None:
             new.append(row["new_positions_bytes"])
     width = 0.2
     xs = range(len(labels))
-    for k, (values, label) in enumerate([(whole, "whole state (before delta commits)"), (disk, "written to disk"),
-                                         (redis_bytes, "sent to Redis"), (new, "the new positions")]):
-        left.bar([x + (k - 1.5) * width for x in xs], [max(v, 1) for v in values], width, label=label)
+    series = [(whole, "whole state (before delta commits)"), (disk, "written to disk"), (redis_bytes, "sent to Redis"),
+              (new, "the new positions")]
+    series = [(values, label) for values, label in series if any(values)]  # no Redis bars in a run without Redis
+    for k, (values, label) in enumerate(series):
+        left.bar([x + (k - (len(series) - 1) / 2) * width for x in xs], [max(v, 1) for v in values], width, label=label)
     left.set_xticks(list(xs), labels, fontsize=6)
     left.set_yscale("log")
     left.set_ylabel(f"bytes per commit of a {result['setting']['append']}-token append")
@@ -848,8 +897,9 @@ def plot(result: dict, path: Path) -> None:
     right.set_xticks(list(xs), [f"{name}\nbatch {row['batch_size']}" for name, row in rows], fontsize=6)
     right.set_yscale("log")
     right.set_ylabel("greedy decode tokens / s")
-    right.set_title(f"Decode ({result['environment']['threads']} threads, "
-                    f"read bandwidth {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)", fontsize=9)
+    used = sorted({row["read_bandwidth_bytes_per_s"] / 1e9 for _, row in rows})  # each shape's, read before its decode
+    span = f"{used[0]:.1f}" if used[-1] - used[0] < 0.05 else f"{used[0]:.1f}-{used[-1]:.1f}"
+    right.set_title(f"Decode ({result['environment']['threads']} threads, read bandwidth {span} GB/s)", fontsize=9)
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

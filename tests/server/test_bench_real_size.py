@@ -5,6 +5,7 @@ to a real redis-server, and decoded beside the reference."""
 
 import json
 import shutil
+import statistics
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_every_shape_is_served_and_sized(result):
     assert result["read_bandwidth_bytes_per_s"] > 1e8
     for shape in result["shapes"]:
         served = shape["served"]
-        assert served["ready_s"] > 0 and served["resident_bytes"] > 10 << 20
+        assert served["ready_s"] > 0 and served["resident_bytes"] > served["proportional_bytes"] > 10 << 20
         # a greedy completion streamed over HTTP, a chunk per token, timed between tokens
         assert served["served_prompt_tokens"] == result["setting"]["decode_prompt"]
         assert served["served_new_tokens"] == result["setting"]["decode_tokens"]
@@ -45,9 +46,15 @@ def test_every_shape_is_served_and_sized(result):
         # /v1/models reports the same state bytes per session as the model computes from its shapes
         assert served["served_state_bytes_per_session"] == full["float32"] > 0
         assert full["bfloat16"] < full["float32"]
+        # the state a session holds once its memory is full, measured after the longest history
+        if shape["shape"] != "reformer-enwik8":  # (its state grows until max_context)
+            longest = max((row for row in shape["appends"] if "skipped" not in row), key=lambda row: row["history_tokens"])
+            assert longest["state_bytes"] == full["float32"]
+        # the server's default budgets, each tier's sessions counted against its own
         fits = shape["sessions_per_tier"]["float32"]
-        assert fits["device"] == fits["budgets"]["device"] // full["float32"]
-        assert fits["device"] < fits["host"] < fits["disk"]
+        assert fits["budgets"] == {"device": 1 << 30, "host": 4 << 30, "disk": 64 << 30}
+        for tier in ("device", "host", "disk"):
+            assert fits[tier] == fits["budgets"][tier] // full["float32"]
 
 
 def test_appends_are_timed_and_their_bytes_counted_on_disk_and_in_redis(result):
@@ -57,10 +64,14 @@ def test_appends_are_timed_and_their_bytes_counted_on_disk_and_in_redis(result):
         for row in rows:
             assert row["forward_s"] > 0 and row["commit_disk_s"] > 0 and row["commit_redis_s"] > 0
             assert row["new_positions_bytes"] > 0
-            # a commit writes at least its new positions, and never more than a whole blob and its
-            # metadata twice over (a compaction of a log no larger than the base)
+            # a commit writes at least its new positions
             for store in ("disk", "redis"):
-                assert row["new_positions_bytes"] <= row[f"bytes_per_commit_{store}"] <= 2.2 * row["whole_blob_bytes"]
+                written = row[f"bytes_per_commit_{store}"]
+                # a delta: well under the whole state, which every commit wrote before delta commits
+                assert row["new_positions_bytes"] <= written < 0.75 * row["whole_blob_bytes"], (shape["shape"], store)
+                if shape["shape"] != "reformer-enwik8":  # (its local windows change in place: slots)
+                    # the issue's goal, at these shapes too: the new positions and the next-token row
+                    assert written <= 2 * row["new_positions_bytes"], (shape["shape"], store)
     # a capped feed is said per row, and only where the state is of fixed size past its memory
     fed = {(shape["shape"], row["history_tokens"]): row["history_fed_tokens"]
            for shape in result["shapes"] for row in shape["appends"] if "skipped" not in row}
@@ -123,10 +134,15 @@ def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
                 assert row["identical_tokens"], (shape["shape"], batch)
         # a batch gains at most its size over one row, less as its rows' states weigh
         assert 1 < rows[2]["ceiling_over_batch_1"] < 2
-        assert rows[2]["float32_over_batch_1"] == pytest.approx(
-            rows[2]["xlserve_float32_tokens_per_s"] / rows[1]["xlserve_float32_tokens_per_s"])
-        assert rows[2]["int8_over_batch_1"] == pytest.approx(
-            rows[2]["xlserve_int8_tokens_per_s"] / rows[1]["xlserve_int8_tokens_per_s"])
+        # every ratio is the median of the same ratio within each round, never a ratio of medians
+        for kind in ("float32", "int8"):
+            by_round = rows[2][f"{kind}_over_batch_1_by_round"]
+            assert len(by_round) == 2 and rows[2][f"{kind}_over_batch_1"] == pytest.approx(statistics.median(by_round))
+            assert rows[1][f"{kind}_over_batch_1"] == 1.0
+        for row in rows.values():
+            assert row["int8_over_float32"] == pytest.approx(statistics.median(row["int8_over_float32_by_round"]))
+            # the reference decoded amid xlserve's rounds, after the middle one
+            assert row["reference_after_round"] == 2
 
 
 @pytest.mark.parametrize("tied", [True, False])
