@@ -280,12 +280,22 @@ class Placement:
         self._keep(record.id, committed.nbytes, data)
         self.manager.touch(record.id)
 
-    def catch_up(self, record: Record, head: Head | None, transfer: Transfer) -> None:
+    def catch_up(self, record: Record, head: Head | None, transfer: Transfer, read_while_held: bool = False) -> None:
         """With Redis: take in a version another replica committed since (the local copies are
         stale and go; the held session's file goes in `transfer`). A head older than the record is
-        a read that a local commit overtook: ignored."""
-        if head is None or head.version <= record.version:
+        a read that a local commit overtook: ignored, unless it was read while this replica held
+        the session (`read_while_held`), when no local commit can be in flight: then Redis lost a
+        version it had acknowledged (a failover with asynchronous replication, a restore from a
+        snapshot), and what it holds is the truth, taken in the same way. Ignoring it would leave
+        the session answering 409 (the books' version is not Redis's) until a restart."""
+        if head is None or head.version == record.version:
             return
+        if head.version < record.version:
+            if not read_while_held:
+                return
+            log.warning("session %s: Redis holds version %d, older than the version %d this replica committed: "
+                        "it lost an acknowledged write (a failover or a restore?); the session goes on from Redis's",
+                        record.id, head.version, record.version)
         self.forget_local(record, transfer)
         self.manager.resize(record.id, int(head.meta["nbytes"]))
         record.version, record.tokens = head.version, int(head.meta["tokens"])

@@ -282,14 +282,15 @@ class SessionCache:
             lease_id = self.holds.take(session_id)  # from here on no other request of this replica changes it
         transfer = Transfer(self.placement)
         try:
+            read_while_held = False
             if head is not None and head.version < record.version:
                 # a commit here went in between that read and the hold: read again (it cannot change now)
-                head = self.durable.head(session_id, want_keys)
+                head, read_while_held = self.durable.head(session_id, want_keys), True
             with self._locked():
                 record = self._lookup(session_id, owner, head)
                 remembered = head.remembered if head is not None else record.remembered
                 entry = remembered_entry(remembered or [], idempotency, session_id)
-                self.placement.catch_up(record, head, transfer)
+                self.placement.catch_up(record, head, transfer, read_while_held)
                 if entry is None:
                     self.placement.promote(record, transfer)
             data = transfer.carry_out(self._lock)  # the moves and the fetch: outside the lock

@@ -177,3 +177,35 @@ def test_a_full_redis_refuses_with_cache_full_and_keeps_what_it_has(tmp_path, re
     finally:
         admin.config_set("maxmemory", "0")
         admin.close()
+
+
+def test_a_redis_that_lost_an_acknowledged_commit_is_taken_as_the_truth(tmp_path, redis_url):  # noqa: F811
+    """Redis acknowledged version 1 and then lost it (a failover with asynchronous replication,
+    a restore from a snapshot): once the session is held, an older head is no read that a local
+    commit overtook but what Redis holds. The replica takes it (the session is served at version
+    0 and commits on from it) instead of answering 409 to every request until a restart."""
+    a = replica(tmp_path, "a", redis_url)
+    server = redis.Redis.from_url(redis_url)
+    sid = a.create("toy", "k", data(10, 0)).id
+    snapshot = {key: server.dump(key) for key in server.keys(a.redis.prefix + "*")}
+    lease = a.acquire(sid, "k")
+    a.commit(lease, data(10, 1))  # acknowledged at version 1 ...
+    for key in server.keys(a.redis.prefix + "*"):  # ... and lost: Redis is back at version 0
+        server.delete(key)
+    for key, dumped in snapshot.items():
+        server.restore(key, 0, dumped)
+    assert a.info(sid, "k").version == 1  # (not held: a read that a commit may have overtaken)
+    for _ in range(2):  # the device copy (version 1) goes, then Redis's version 0 is read
+        lease = a.acquire(sid, "k")
+        assert lease.version == 0 and same(lease.data, data(10, 0))
+        a.release(lease)
+    lease = a.acquire(sid, "k")
+    a.commit(lease, data(10, 2))  # and the session goes on from there
+    assert a.info(sid, "k").version == 1
+    b = replica(tmp_path, "b", redis_url)
+    lease = b.acquire(sid, "k")
+    assert lease.version == 1 and same(lease.data, data(10, 2))
+    b.release(lease)
+    a.delete(sid, "k")
+    a.close()
+    b.close()
