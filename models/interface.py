@@ -200,6 +200,9 @@ class State:
     """
 
     delta_axes: ClassVar[dict[str, int]] = {}
+    # fields a session store in 16 bits (XLSERVE_STATE_DTYPE) keeps in float32: a quantity whose
+    # rounding would change every value it scales (RWKV's log-scale exponent), not one value
+    kept_in_float32: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def commits_deltas(cls) -> bool:
@@ -454,8 +457,8 @@ class LanguageModel(nn.Module):
         and fixed dimensions (`_fixed_state_dims`), `_full_state_length` the length of the others
         once the memory is full. A fresh state of fixed shape is a full one's size already, so
         those architectures need nothing more (it costs one allocation of one session's state)."""
-        total = 0
-        for name, tensor in self.init_state(1)._named_tensors():
+        total, fresh = 0, self.init_state(1)
+        for name, tensor in fresh._named_tensors():
             shape = list(tensor.shape)
             for dim in sorted(set(range(1, tensor.dim())) - set(self._fixed_state_dims(name, tensor))):
                 length = self._full_state_length(name)
@@ -464,7 +467,8 @@ class LanguageModel(nn.Module):
                 shape[dim] = length
             element = tensor.element_size()
             if floating_dtype is not None and tensor.is_floating_point():
-                element = torch.empty(0, dtype=floating_dtype).element_size()
+                kept = name.split(".")[0] in fresh.kept_in_float32
+                element = torch.empty(0, dtype=torch.float32 if kept else floating_dtype).element_size()
             total += math.prod(shape) * element
         return total
 

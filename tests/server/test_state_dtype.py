@@ -28,7 +28,9 @@ def session_after_history(model) -> SessionData:
 
 
 def floating_bytes(data: SessionData) -> int:
-    return sum(t.numel() * t.element_size() for t in data.state.to_tensors().values() if t.is_floating_point())
+    """Bytes of the floating tensors a 16-bit store halves (those the state keeps in float32 aside)."""
+    return sum(t.numel() * t.element_size() for n, t in data.state._named_tensors()
+               if t.is_floating_point() and n.split(".")[0] not in data.state.kept_in_float32)
 
 
 @pytest.mark.parametrize("dtype_name", sorted(STATE_DTYPES))
@@ -105,8 +107,10 @@ def test_a_session_stored_in_bfloat16_continues_like_float32_at_half_the_bytes(a
         cache.open({"m": model})
         session = cache.create("m", None, data.clone()).id
         lease = cache.acquire(session, None)  # the copy kept on the device tier
-        kept = [t.dtype for t in lease.data.state.to_tensors().values() if t.is_floating_point()]
+        held = lease.data.state
+        kept = [t.dtype for n, t in held._named_tensors() if t.is_floating_point() and n.split(".")[0] not in held.kept_in_float32]
         assert set(kept) <= {STATE_DTYPES[name]}
+        assert {t.dtype for n, t in held._named_tensors() if n.split(".")[0] in held.kept_in_float32} <= {torch.float32}
         from_device, _ = feed(model, lease.data.cast_state(compute_dtypes(model)), CONTINUATION)
         cache.release(lease)
         cache.move(session, "disk")
@@ -121,6 +125,9 @@ def test_a_session_stored_in_bfloat16_continues_like_float32_at_half_the_bytes(a
     floating = floating_bytes(data)  # the vanilla transformer keeps token ids only: nothing to halve
     assert sizes["float32"] == data.nbytes()
     assert sizes["bfloat16"] == data.nbytes() - floating // 2
+    # and what /v1/models reports for a full session agrees with what the cache counts
+    if model.full_state_bytes() == data.state.nbytes():  # (a state of fixed shape: full already)
+        assert model.full_state_bytes(torch.bfloat16) == sizes["bfloat16"] - data.next_log_probs.numel() * 4
 
 
 def test_float16_saturates_instead_of_overflowing():
@@ -136,3 +143,18 @@ def test_float16_saturates_instead_of_overflowing():
     # bfloat16 has float32's range: no saturation needed, the value kept to its precision
     wide = dict(data.cast_state(torch.bfloat16).state._named_tensors())[name].view(-1)[0].item()
     assert wide == pytest.approx(1e6, rel=2 ** -8)
+
+
+def test_rwkv_keeps_its_exponent_in_float32_when_its_state_is_stored_in_16_bits():
+    """The exponent scales the whole history (num · e^max): in bfloat16 an exponent of 20.03
+    would round to 20.0, re-weighting every past token by 3%; it is stored as it is."""
+    model = tiny_model("rwkv")
+    data = session_after_history(model).clone()
+    exponent = data.state.exponent[0]
+    exponent.fill_(20.03)
+    for dtype in (torch.bfloat16, torch.float16):
+        stored = data.cast_state(dtype)
+        assert stored.state.exponent[0].dtype == torch.float32 and torch.equal(stored.state.exponent[0], exponent)
+        assert stored.state.numerator[0].dtype == dtype  # the rest is halved
+        assert model.full_state_bytes(dtype) == stored.state.nbytes()
+
