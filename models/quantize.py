@@ -270,6 +270,8 @@ def quantize_model(model: LanguageModel, mode: str) -> LanguageModel:
     for module in list(model.modules()):
         if hasattr(module, "quantize_int8"):  # Transformer-XL's adaptive softmax: raw weight matrices
             module.quantize_int8(Int8Linear.for_weight)
+        if hasattr(module, "forget_tables"):  # relative-key tables a forward kept, built by float products
+            module.forget_tables()
     model.quantization = mode
     return model
 

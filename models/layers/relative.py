@@ -91,6 +91,11 @@ class RelativeKeys(nn.Module):
         self.drop = nn.Dropout(dropout)  # on the encodings R, as in the reference code
         self._kept: tuple[int, torch.dtype, torch.device, Tensor, list[Tensor]] | None = None
 
+    def forget_tables(self) -> None:
+        """Drop the kept tables: built from the projections as they were, they are stale once a
+        projection is replaced (quantized: models/quantize.py)."""
+        self._kept = None
+
     def forward(self, projections: Sequence[nn.Module], low: int, high: int, like: Tensor) -> tuple[Tensor, list[Tensor]]:
         """The encodings R_d as (high - low + 1, d_model) and per projection W_kR R_d as
         (high - low + 1, H, D), in the dtype and on the device of `like`."""

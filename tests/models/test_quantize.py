@@ -217,3 +217,24 @@ def test_int8_is_cpu_only():
         quantize_model(model, "int8")
     with pytest.raises(QuantizationError, match="not one of"):
         quantize_model(small_transformer_xl(), "int4")
+
+
+@pytest.mark.parametrize("architecture", ["xlnet", "conformer", "adaptive-span", "infinity-former"])
+def test_a_model_quantized_after_it_ran_reads_tables_of_its_int8_projections(architecture):
+    """The relative-key tables a model keeps between calls are built from its r_net: quantized
+    after a forward (as the real-size bench quantizes a copy of a model that ran), the tables
+    built from the float r_net go, and it answers as the same model quantized before any call."""
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.train import preset_config
+
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    answers = []
+    for run_first in (False, True):
+        torch.manual_seed(0)
+        model = build_model(architecture, preset_config(architecture, "tiny")).eval()
+        with torch.inference_mode():
+            if run_first:
+                model(ids, model.init_state(1))
+            quantize_model(model, "int8")
+            answers.append(model(ids, model.init_state(1))[0])
+    assert torch.equal(answers[0], answers[1])
