@@ -355,15 +355,17 @@ class DurableStore:
             self.metrics.session_commit_writes.labels(record.model, kind).inc()
         return kind
 
-    def fork(self, source_id: str, record: Record, blob: Callable[[], Blob], meta_block: bytes) -> Written:
-        """Write the new session `record`, a fork of `source` (which the caller holds), to the last
-        tier. On disk it shares the source's base file (a hard link) and copies the source's log,
-        then `meta_block` (a delta block that changes only the metadata); with Redis, or when the
-        disk cannot link, it is written whole (`blob()`): a Redis hash is one key, in one
-        cluster slot, and another key's value cannot be shared."""
+    def fork(self, source_id: str, source_version: int, record: Record, blob: Callable[[], Blob],
+             meta_block: bytes) -> Written:
+        """Write the new session `record`, a fork of `source` at `source_version` (which the
+        caller holds), to the last tier. On disk it shares the source's base file (a hard link)
+        and copies the source's log, then `meta_block` (a delta block that changes only the
+        metadata); with Redis, when the disk cannot link, or when the source's files are not at
+        `source_version`, it is written whole (`blob()`): a Redis hash is one key, in one cluster
+        slot, and another key's value cannot be shared."""
         if self.redis is None:
             try:
-                nbytes = self.disk.fork(source_id, record.id, meta_block)
+                nbytes = self.disk.fork(source_id, record.id, meta_block, source_version)
             except StoreUnavailable as error:
                 log.warning("session %s: fork of %s written whole (%s)", record.id, source_id, error)
             else:

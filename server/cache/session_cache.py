@@ -443,7 +443,8 @@ class SessionCache:
         if lease.replay is not None:
             return Replay(lease.replay)
         try:
-            info = self._admit_new(lease.info.model, owner, lease.data.clone(), source_id=session_id)
+            info = self._admit_new(lease.info.model, owner, lease.data.clone(), source_id=session_id,
+                                   source_version=lease.version)
             if idempotency is not None:
                 self._remember(lease, new_entry(idempotency, dataclasses.asdict(info), lease.version, lease.info.tokens))
             return info
@@ -547,11 +548,18 @@ class SessionCache:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _admit_new(self, model: str, owner: str | None, data: SessionData, source_id: str | None = None) -> SessionInfo:
+    def _admit_new(self, model: str, owner: str | None, data: SessionData, source_id: str | None = None,
+                   source_version: int = 0) -> SessionInfo:
         """Write a new session to the last tier, then put it on the device (create, fork, import).
-        A fork (`source_id`, held by the caller) shares its source's stored base where the last
-        tier can (durable.py `fork`)."""
+        A fork (`source_id` at `source_version`, held by the caller) shares its source's stored
+        base where the last tier can (durable.py `fork`), unless the source's state is in another
+        dtype than the cache's (stored before XLSERVE_STATE_DTYPE changed): the fork is then
+        written whole, in the cache's dtype, as its books count it."""
+        stored = data
         data = self.placement.on_device(model, data.cast_state(self.state_dtype).compact())
+        if source_id is not None and any(t.dtype != u.dtype for t, u in zip(stored.state.to_tensors().values(),
+                                                                             data.state.to_tensors().values())):
+            source_id = None
         now = time.time()
         record = Record(id=new_session_id(), model=model, owner=owner, nbytes=data.nbytes(), tokens=data.tokens,
                         version=0, created_at=now, last_used_at=now)
@@ -568,7 +576,7 @@ class SessionCache:
             if source_id is None:
                 self.durable.write(record, lambda: encode_parts(data, meta), expected=None)
             else:
-                self.durable.fork(source_id, record, lambda: encode_parts(data, meta), meta_block)
+                self.durable.fork(source_id, source_version, record, lambda: encode_parts(data, meta), meta_block)
         except BaseException:
             with self._lock:
                 self.placement.unreserve(booked)

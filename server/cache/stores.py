@@ -421,17 +421,24 @@ class DiskStore:
             return base, []  # decoding the base says what is wrong with it
         return base, self._read_log(session_id, base_id)[0]
 
-    def fork(self, source_id: str, session_id: str, blob: bytes) -> int:
+    def fork(self, source_id: str, session_id: str, blob: bytes, version: int) -> int:
         """A new session `session_id` from `source_id`'s base and log: its base a hard link to the
         source's (a later whole write of either renames a new file over its own name and leaves
         the other's alone), its log a copy of the source's blocks and then `blob`, the delta block
         that gives it its own metadata. Bytes written. The log is in place before the base, so a
-        crash in between leaves a log without a base, removed when the directory is opened."""
+        crash in between leaves a log without a base, removed when the directory is opened.
+        StoreUnavailable, nothing written, when the source is not stored at `version` (the
+        version the caller holds): a write answered as failed may have landed all the same (a
+        rename whose directory sync failed), and a fork must not share it."""
         base_path, log_path = self.path(source_id), self.log_path(session_id)
         temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
         try:
-            base = self._base_id(self._read_head(base_path))
-            raw = self._read_log(source_id, base)[1]
+            base_meta = self._read_head(base_path)
+            base = self._base_id(base_meta)
+            blobs, raw = self._read_log(source_id, base)
+            stored = metadata_of(blobs[-1]).get("version") if blobs else base_meta.get("version")
+            if stored != str(version):
+                raise StoreUnavailable(f"session {source_id} is stored at version {stored}, not {version}")
             body = b"".join(raw) + self._frame(base, len(raw) + 1, blob)
             with open(temporary, "wb") as f:
                 f.write(body)

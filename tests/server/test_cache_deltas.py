@@ -748,3 +748,52 @@ def test_the_servers_compact_ratio_is_the_caches_default():
 
     assert inspect.signature(SessionCache).parameters["compact_ratio"].default == DEFAULT_COMPACT_RATIO
 
+
+
+def test_a_fork_never_shares_a_write_that_was_answered_as_failed(tmp_path, monkeypatch):
+    """A whole write whose rename landed but whose directory sync failed was answered as failed:
+    the books stay at the last acknowledged version, the file holds the failed one. A fork made
+    then is written whole from what the source holds, not linked to that file."""
+    from xlserve.server.cache import SessionUnavailable
+    from xlserve.server.cache.stores import DiskStore
+
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    acknowledged = feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]
+    source = cache.create("m", None, acknowledged).id
+    lease = cache.acquire(source, None)
+    failed = feed(model, SessionData(model.init_state(1), 0, None), list(range(7)))[1]  # not an append: a whole write
+    sync = DiskStore._sync_directory
+    monkeypatch.setattr(DiskStore, "_sync_directory", lambda self: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(SessionUnavailable):
+        cache.commit(lease, failed)
+    cache.release(lease)
+    monkeypatch.setattr(DiskStore, "_sync_directory", sync)
+    assert cache.info(source, None).version == 0
+    fork = cache.fork(source, None).id
+    assert identical(stored(cache, fork), full_write(acknowledged, type(acknowledged.state)))
+    assert "fork" not in cache.durable.written  # written whole
+    cache.close()
+
+
+def test_a_fork_of_a_session_stored_in_another_dtype_is_written_in_the_caches(tmp_path):
+    """A session stored in float32 before XLSERVE_STATE_DTYPE became bfloat16 keeps its file; a
+    fork of it is counted in bfloat16, so it is written in bfloat16 (whole), not linked to the
+    float32 file under metadata that says bfloat16."""
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None)
+    cache.open({"m": model})
+    source = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
+    cache.close()
+    cache = SessionCache(tmp_path / "state", None, None, None, state_dtype=torch.bfloat16)
+    cache.open({"m": model})
+    fork = cache.fork(source, None)
+    cache.close()
+    cache = SessionCache(tmp_path / "state", None, None, None, state_dtype=torch.bfloat16)
+    cache.open({"m": model})
+    lease = cache.acquire(fork.id, None)
+    assert lease.data.nbytes() == fork.state_bytes == cache.info(fork.id, None).state_bytes
+    assert {t.dtype for t in lease.data.state.to_tensors().values() if t.is_floating_point()} == {torch.bfloat16}
+    cache.release(lease)
+    cache.close()
