@@ -289,6 +289,28 @@ def parse_header(head: bytes) -> tuple[int, dict]:
     return length, header
 
 
+def check_record_metadata(meta: dict, fields: tuple[str, ...] = ("model", "nbytes", "tokens")) -> None:
+    """CorruptState naming the first of the fields a session's books are built from (`fields`,
+    and the times when present) that is missing or does not read: a header whose JSON parses but
+    was damaged or written by something else must fail its own session, never the start-up or a
+    listing of every session."""
+    numbers = {"nbytes": int, "tokens": int, "version": int, "created_at": float, "last_used_at": float}
+    for name in (*fields, *(n for n in ("created_at", "last_used_at") if n in meta)):
+        if name not in meta:
+            raise CorruptState(f"its metadata has no {name!r}")
+        value = meta[name]
+        if name == "model":
+            if not isinstance(value, str) or not value:
+                raise CorruptState(f"its metadata's 'model' is {value!r}, not a model name")
+            continue
+        try:
+            number = numbers[name](value)
+        except (TypeError, ValueError):
+            raise CorruptState(f"its metadata's {name!r} is {value!r}, not a number") from None
+        if number < 0 or number != number:  # negative, or NaN
+            raise CorruptState(f"its metadata's {name!r} is {value!r}")
+
+
 def metadata_of(blob_or_head: bytes) -> dict[str, str]:
     """Only the metadata (no tensors read, no checksum verified): enough to index a file."""
     _, header = parse_header(blob_or_head)

@@ -42,8 +42,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, floating_dtypes, joined,
-                                       materialise, session_data)
+from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, check_record_metadata,
+                                       floating_dtypes, joined, materialise, session_data)
 from xlserve.server.cache.errors import (
     CacheFull,
     CommitOutcomeUnknown,
@@ -205,11 +205,34 @@ class DurableStore:
         if not SESSION_ID.match(session_id):
             raise SessionNotFound(session_id)
         head = store_call(lambda: self.redis.head(session_id, remembered))
-        return Head(-1, {}, None) if head is None else head
+        if head is None:
+            return Head(-1, {}, None)
+        self._check_head(session_id, head.meta)
+        return head
 
     def heads(self) -> dict[str, tuple[int, dict]] | None:
-        """(version, meta) of every session Redis holds; None without Redis."""
-        return None if self.redis is None else store_call(self.redis.heads)
+        """(version, meta) of every session Redis holds whose metadata reads (one that does not
+        is left out, with a warning: it fails its own session, never the listing); None without
+        Redis."""
+        if self.redis is None:
+            return None
+        heads = store_call(self.redis.heads)
+        for session_id, (_, meta) in list(heads.items()):
+            try:
+                self._check_head(session_id, meta)
+            except SessionUnavailable as error:
+                log.warning("%s; left out of the listing", error)
+                del heads[session_id]
+        return heads
+
+    def _check_head(self, session_id: str, meta: dict) -> None:
+        """SessionUnavailable, for this session alone, when the metadata Redis holds for it lacks a
+        field the books are built from, or one does not read (written by something else)."""
+        try:
+            check_record_metadata(meta)
+        except CorruptState as error:
+            raise SessionUnavailable(f"Redis holds session {session_id} with unreadable metadata ({error})",
+                                     session_id) from None
 
     def fetch(self, record: Record) -> SessionData:
         """The committed state from Redis, checked: SessionNotFound when Redis no longer has it,

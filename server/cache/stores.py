@@ -71,7 +71,7 @@ from typing import IO, NamedTuple
 import torch
 
 from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, blob_parts,
-                                       metadata_of)
+                                       check_record_metadata, metadata_of)
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
@@ -535,6 +535,7 @@ class DiskStore:
                 meta = self._scan_log(session_id, self._read_head(path))
                 if meta.get("session_id") != session_id:
                     raise CorruptState(f"file holds session {meta.get('session_id')!r}")
+                check_record_metadata(meta, ("model", "nbytes", "tokens", "version"))
             except (OSError, CorruptState) as error:
                 log.warning("session file %s is unreadable (%s); moved aside as .corrupt", path, error)
                 path.rename(path.with_suffix(".corrupt"))

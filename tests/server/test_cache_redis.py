@@ -41,7 +41,9 @@ def test_a_record_that_does_not_read_fails_its_own_session_only(tmp_path, redis_
     server = redis.Redis.from_url(redis_url)
     bad = "sess_" + "0" * 32
     key = a.redis.prefix + bad
-    for version, meta in (("1", "not json"), ("one", "{}"), ("1", "[1, 2]")):
+    damaged = ('{"owner": "k"}', '{"model": "toy", "owner": "k", "tokens": "x", "nbytes": 1}',
+               '{"model": "toy", "owner": "k", "tokens": 1, "nbytes": -5}')
+    for version, meta in (("1", "not json"), ("one", "{}"), ("1", "[1, 2]"), *(("1", m) for m in damaged)):
         server.hset(key, mapping={"version": version, "meta": meta, "blob": b"x"})
         listed, more = a.list_sessions("k")
         assert [info.id for info in listed] == [sid] and not more

@@ -133,6 +133,26 @@ def test_a_corrupt_file_is_detected_by_its_checksum(tmp_path):
     assert cache.info(sid, None).in_use is False
 
 
+@pytest.mark.parametrize("damage", [(b'"nbytes"', b'"nbztes"'), (b'"tokens":"5"', b'"tokens":"x"')])
+def test_a_header_that_parses_but_lacks_a_field_fails_its_own_session_at_start(tmp_path, damage):
+    """A header whose JSON still parses after damage (a key's letter, a digit turned letter) is
+    moved aside as .corrupt when the directory is opened, with a warning; the server starts and
+    serves every other session."""
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", None, data(10, 0)).id
+    other = cache.create("toy", None, data(10, 1)).id
+    cache.close()
+    path = tmp_path / "state" / f"{sid}.safetensors"
+    blob = path.read_bytes()
+    assert blob.count(damage[0]) == 1
+    path.write_bytes(blob.replace(*damage))
+    cache = make_cache(tmp_path)  # opens the directory: no crash
+    with pytest.raises(SessionNotFound):
+        cache.info(sid, None)
+    assert path.with_suffix(".corrupt").exists()
+    assert same(cache.acquire(other, None).data, data(10, 1))
+
+
 def test_fork_diverges_export_round_trips_replace_commits(tmp_path):
     cache = make_cache(tmp_path)
     sid = cache.create("toy", None, data(10, 0)).id
