@@ -227,8 +227,16 @@ class Placement:
         return "host" if budget is not None and nbytes > budget and host != 0 else "device"
 
     def _keep(self, session_id: str, nbytes: int, data: SessionData) -> None:
+        """Keep a just-written session's state at its home. Its durable copy is written already,
+        so a copy that fails (out of host memory) leaves it whole there, as an evicted session is:
+        logged, never raised to a client whose change has landed (who might then apply it twice)."""
         tier = self.home(nbytes)
-        self._store(tier).put(session_id, data if tier == "device" else data.to("cpu"))
+        try:
+            self._store(tier).put(session_id, data if tier == "device" else data.to("cpu"))
+        except Exception as error:  # noqa: BLE001 (any failure here: the write stands)
+            log.error("session %s: its new state is written but could not be kept on %s (%s: %s); it is read back "
+                      "from the %s when next used", session_id, tier, type(error).__name__, error, self.durable.tier)
+            return
         self.manager.add_copy(session_id, tier)
 
     def reserve(self, record: Record, nbytes: int, log_growth: int | None = None) -> int:

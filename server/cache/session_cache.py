@@ -507,8 +507,10 @@ class SessionCache:
             data = self.placement.read(record, record.tier, to_device=False)
             outcome = self.durable.compact(record, lambda: encode_parts(data, meta))
             if outcome == "compacted":
+                # no log left, unless its removal failed (the blocks name the old base: never read)
+                log_bytes = self.durable.disk_log_bytes(session_id)
                 with self._lock:
-                    self.manager.resize(session_id, record.nbytes, 0)  # a compaction leaves no log
+                    self.manager.resize(session_id, record.nbytes, log_bytes)
                     self.placement.publish()
             return outcome == "compacted"
         except CacheError as error:  # a full or failing store: the log stays, a later commit asks again

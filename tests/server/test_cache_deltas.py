@@ -797,3 +797,52 @@ def test_a_fork_of_a_session_stored_in_another_dtype_is_written_in_the_caches(tm
     assert {t.dtype for t in lease.data.state.to_tensors().values() if t.is_floating_point()} == {torch.bfloat16}
     cache.release(lease)
     cache.close()
+
+
+def test_a_compaction_whose_old_log_stays_counts_it(tmp_path, monkeypatch):
+    """A compaction's new base is written but the old log cannot be removed (its blocks name the
+    old base: never read): the books count the log the disk still holds, not 0."""
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None, compact_ratio=0.3)
+    cache.open({"m": model})
+    full = feed(model, SessionData(model.init_state(1), 0, None), list(range(model.config.mem_len + 5)))[1]
+    session_id = cache.create("m", None, full).id
+    unlink = Path.unlink
+
+    def refuse_logs(path, missing_ok=False):
+        if path.suffix == ".log":
+            raise PermissionError(13, "Permission denied")
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_logs)
+    for i in range(12):
+        step(model, cache, session_id, [i, i + 1])
+        assert cache.compactions.wait_idle(timeout=60)
+        if cache.durable.written.get("compaction", [0])[0]:
+            break
+    assert cache.durable.written["compaction"][0] >= 1
+    assert cache.durable.disk_log_bytes(session_id) > 0
+    assert_books_count_the_logs(cache)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    cache.close()
+
+
+def test_a_commit_whose_state_cannot_be_kept_in_memory_still_answers_success(tmp_path, monkeypatch):
+    """The write landed; keeping the new state on the device failed (out of memory). The client
+    is told the commit succeeded (a failure would invite it to apply the change twice), and the
+    session is read back from its durable copy when next used."""
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(9)))[1]).id
+    device = cache.placement._store("device")
+    put = device.put
+    monkeypatch.setattr(device, "put", lambda *arguments: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    new = step(model, cache, session_id, [1, 2, 3])
+    monkeypatch.setattr(device, "put", put)
+    info = cache.info(session_id, None)
+    assert info.version == 1 and info.tier == "disk"
+    lease = cache.acquire(session_id, None)
+    assert identical(lease.data, new)
+    cache.release(lease)
+    cache.close()
