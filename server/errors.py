@@ -90,6 +90,9 @@ RAISED_CODES: dict[str, str] = {
     "remembered_answer_too_large": "request_too_large",
     "prompt_too_long": "invalid_request_error",
     "echo_logprobs_too_large": "invalid_request_error",
+    # an answer that is not streamed would return more generated tokens' log-probabilities than
+    # MAX_GENERATED_LOGPROBS (server/api/protocol.py)
+    "generated_logprobs_too_large": "invalid_request_error",
     "invalid_logit_bias": "invalid_request_error",
     "token_id_out_of_vocabulary": "invalid_request_error",
     "word_not_in_vocabulary": "invalid_request_error",

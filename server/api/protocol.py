@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -41,6 +41,7 @@ from pydantic import (
     WithJsonSchema,
     WrapValidator,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -54,6 +55,11 @@ MAX_PROMPTS = 16  # prompts in one batched completion request (`prompt` as a lis
 # alternatives', in every choice. The engine keeps them until the prompt is in and sends them in one
 # frame, and the answer repeats them per choice: about 20 MB of JSON at this bound
 MAX_ECHO_LOGPROBS = 1_000_000
+# log-probabilities an answer that is not streamed may return for its generated tokens, at most:
+# prompts x n x max_tokens x (logprobs + 1). The whole answer is built and written at once on the
+# event loop (OpenAI's worst case, 16 prompts x 16 choices x 4096 tokens x 21, is 22 million of
+# them); a streamed answer sends each token's as it comes and has no such bound
+MAX_GENERATED_LOGPROBS = 1_000_000
 MAX_SEED = 2**64 - 1  # the engine's generators take 64-bit seeds
 MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's limit)
 MAX_MESSAGES = 1024  # messages of one chat request
@@ -81,6 +87,8 @@ def utf8_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(utf8_text)]
+# a session named in a body or frame: "" names none, and is refused rather than taken as no session
+SessionId = Annotated[str, Field(min_length=1), AfterValidator(utf8_text)]
 
 
 def one_of(shapes: str) -> WrapValidator:
@@ -158,9 +166,22 @@ LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.
 
 
 class RequestBody(BaseModel):
-    """Every request body and frame: unknown fields are refused, numbers must be finite."""
+    """Every request body and frame: unknown fields are refused, numbers must be finite.
+
+    A body may name fields for which an explicit null means the field's default
+    (`null_means_default`): OpenAI's API marks most of its parameters nullable, and its client
+    libraries (vLLM takes them too) send `"temperature": null` for a parameter left unset. Null
+    for any other field is refused as before."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_that_mean_the_default(cls, data: Any) -> Any:
+        if not cls.null_means_default or not isinstance(data, dict):
+            return data
+        return {name: value for name, value in data.items() if value is not None or name not in cls.null_means_default}
 
 
 # -- structured output (server/api/structured.py) --
@@ -269,20 +290,34 @@ class SamplingFields(SamplingOptions):
     prompt: Annotated[Text | TokenIds, one_of("a string or a list of token ids")] = ""
     max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    session_id: Text | None = None
+    session_id: SessionId | None = None
 
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+def only_when_streamed(options: StreamOptions | None, info) -> StreamOptions | None:
+    """`stream_options` is refused without `stream: true` (as OpenAI and vLLM refuse it): an
+    unstreamed answer has no chunks for it to shape, and a client that sends it expects a stream.
+    `stream` is declared before `stream_options`, so it is validated by now."""
+    if options is not None and not info.data.get("stream", False):
+        raise PydanticCustomError("stream_options_without_stream", "only allowed with stream: true")
+    return options
+
+
 class CompletionRequest(SamplingFields):
+    # the parameters OpenAI's completion request marks nullable: null is the default
+    null_means_default = frozenset({"prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+                                    "echo", "logprobs", "stop", "seed", "logit_bias", "presence_penalty",
+                                    "frequency_penalty"})
     # OpenAI's batched form too: a list of prompts (strings or token-id lists); choice
     # `prompt_index * n + choice_index` answers prompt `prompt_index`
     prompt: Annotated[Text | TokenIds | list[Text] | list[TokenIds],
                       one_of("a string, a list of token ids, or a list of those (several prompts)")] = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    _stream_options_only_when_streamed = field_validator("stream_options")(only_when_streamed)
     echo: bool = False
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: Text | None = None
@@ -327,6 +362,10 @@ class ChatCompletionRequest(SamplingOptions):
     """OpenAI's chat completion request; the messages become the prompt through the model's chat
     template (server/api/chat.py). Chat keeps no session (the messages are the whole history)."""
 
+    # the parameters OpenAI's chat completion request marks nullable: null is the default
+    null_means_default = frozenset({"temperature", "top_p", "n", "stream", "stream_options", "max_tokens",
+                                    "max_completion_tokens", "logprobs", "top_logprobs", "stop", "seed", "logit_bias",
+                                    "presence_penalty", "frequency_penalty"})
     model: Text
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=0)
@@ -334,6 +373,7 @@ class ChatCompletionRequest(SamplingOptions):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    _stream_options_only_when_streamed = field_validator("stream_options")(only_when_streamed)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: Text | None = None
@@ -387,7 +427,7 @@ class GenerateFrame(SamplingFields):
 class AppendFrame(RequestBody):
     type: Literal["append"]
     id: Text | None = None
-    session_id: Text
+    session_id: SessionId
     text: Annotated[Text | TokenIds, one_of("a string or a list of token ids")]
     score: bool = False
     idempotency_key: str | None = Field(None, pattern=IDEMPOTENCY_KEY_PATTERN)  # applied at most once

@@ -46,6 +46,7 @@ class _RunningRequest:
         self.model = model  # the model a generate frame named (errors are counted under it)
         self.cancellation = Cancellation()
         self.task: asyncio.Task | None = None
+        self.frames: AsyncGenerator | None = None  # its answer, which may hold its session until closed
 
 
 class _Connection:
@@ -77,9 +78,21 @@ class _Connection:
             running = self.current
             if running is not None:
                 running.cancellation.cancel()
-                if running.task is not None:
-                    running.task.cancel()
-                    await asyncio.gather(running.task, return_exceptions=True)
+                try:
+                    if running.task is not None:
+                        running.task.cancel()
+                        await asyncio.gather(running.task, return_exceptions=True)
+                finally:
+                    # a task cancelled before its first step (the client's close was already queued
+                    # behind its request) never entered `_answer`, whose own cleanup would have let
+                    # the request go and closed its frames: without this, the request would count
+                    # as in flight forever (shutdown's drain would wait out its whole grace period)
+                    # and a generation's frames would hold its session until garbage collected.
+                    # Both steps do nothing when `_answer` did them already; a task still running
+                    # (this loop was cancelled while waiting for it) closes its frames itself.
+                    self._finished_with(running)
+                    if running.frames is not None and (running.task is None or running.task.done()):
+                        await running.frames.aclose()
 
     async def handle(self, text: str | None) -> None:
         request_id = frame = None
@@ -102,6 +115,7 @@ class _Connection:
                 frames = await generation_frames(self.state, frame, self.owner, request.cancellation)
             else:
                 frames = append_frames(self.state, frame, self.owner, request.cancellation)
+            request.frames = frames
             self.current = request
             self.state.inflight += 1
             request.task = asyncio.create_task(self._answer(request, frames))

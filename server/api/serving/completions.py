@@ -52,6 +52,9 @@ class CompletionChoice:
         self.index = index
         self.text: list[str] = []
         self.want_logprobs = want_logprobs
+        # the whole answer's logprobs, for its body; a stream that remembers no answer keeps none
+        # (each piece's go out in its chunk), so its memory does not grow with max_tokens x logprobs
+        self.keep_logprobs = True
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.text_length = 0
         self.finish_reason: str | None = None
@@ -72,8 +75,9 @@ class CompletionChoice:
         for text in pieces:
             piece["text_offset"].append(self.text_length)
             self.text_length += len(text)
-        for key in self.logprobs:
-            self.logprobs[key].extend(piece[key])
+        if self.keep_logprobs:
+            for key in self.logprobs:
+                self.logprobs[key].extend(piece[key])
         return piece
 
 
@@ -82,9 +86,10 @@ class Completion(Generation):
 
     body: CompletionRequest
 
-    def __init__(self, state: AppState, body: CompletionRequest, owner: str | None, idempotency_key: str | None = None):
+    def __init__(self, state: AppState, body: CompletionRequest, owner: str | None, idempotency_key: str | None = None,
+                 field_names: dict[str, str] | None = None):
         super().__init__(state, body, owner, echo=body.echo, n=body.n, idempotency_key=idempotency_key,
-                         kind="completion")
+                         kind="completion", field_names=field_names)
         self.replayed = False  # the answer is the remembered one of an earlier request with the same key
         self.id = "cmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
@@ -162,7 +167,7 @@ async def complete(completion: Completion, request: Request) -> dict:
             cancellation.begin_commit()  # a disconnect before this point wins: nothing is committed
             await completion.commit(finished, answer if completion.remembering else None)
         except ValueError as error:  # answered (and counted) by the app's error handlers
-            raise InvalidRequest(str(error)) from None
+            raise error_for(error) from None
     return answer
 
 
@@ -246,6 +251,9 @@ async def _completion_chunks(completion: Completion) -> AsyncGenerator:
             return
         submission = await completion.submit()
         yield QUEUED
+        if not completion.remembering:  # no body is built from the whole answer (see CompletionChoice)
+            for choice in completion.choices:
+                choice.keep_logprobs = False
         chunk = completion.chunk_format(extra)  # now that the lease is held: chunks name its session
         try:
             if body.echo and body.logprobs is None and completion.tokens:
@@ -338,7 +346,11 @@ class ChatCompletion(Completion):
             request = CompletionRequest.model_validate(fields)
         except ValidationError as error:
             raise validation_error(error.errors()) from None
-        super().__init__(state, request, owner)
+        # errors name the fields the chat request was sent with, not the completion's they became
+        max_tokens_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        field_names = {"prompt": "messages", "max_tokens": max_tokens_name,
+                       "logprobs": "top_logprobs" if body.top_logprobs is not None else "logprobs"}
+        super().__init__(state, request, owner, field_names=field_names)
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.calls_tools = functions is not None
         if functions is not None:

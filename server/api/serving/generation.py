@@ -11,7 +11,13 @@ from contextlib import asynccontextmanager
 
 from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, count_error
-from xlserve.server.api.protocol import MAX_ECHO_LOGPROBS, MAX_PROMPTS, CompletionRequest, SamplingFields
+from xlserve.server.api.protocol import (
+    MAX_ECHO_LOGPROBS,
+    MAX_GENERATED_LOGPROBS,
+    MAX_PROMPTS,
+    CompletionRequest,
+    SamplingFields,
+)
 from xlserve.server.api.structured import requested_constraint
 from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.cache.prefix_keys import scope_key
@@ -44,15 +50,19 @@ class Generation:
     engine process and `commit()` makes its effect on the session permanent."""
 
     def __init__(self, state: AppState, body: SamplingFields, owner: str | None, echo: bool = False, n: int = 1,
-                 idempotency_key: str | None = None, kind: str = "generate"):
+                 idempotency_key: str | None = None, kind: str = "generate", field_names: dict[str, str] | None = None):
         self.state, self.body, self.owner, self.echo = state, body, owner, echo
+        # the names the client sent fields under where they are not `body`'s own, so that an error
+        # names a field the client sent: a chat request's prompt is its `messages`, rendered
+        self.field_names = field_names or {}
         self.served = state.served(body.model)
         self.params = sampling_params(body, echo, n)
         limit = state.settings.server.max_tokens_limit
         if body.max_tokens > limit:
-            raise InvalidRequest(f"max_tokens is {body.max_tokens}; the limit is {limit} (XLSERVE_MAX_TOKENS_LIMIT)",
-                                 param="max_tokens")
-        if n > 1 and body.session_id:
+            max_tokens_name = self.field_name("max_tokens")
+            raise InvalidRequest(f"{max_tokens_name} is {body.max_tokens}; the limit is {limit} "
+                                 "(XLSERVE_MAX_TOKENS_LIMIT)", param=max_tokens_name)
+        if n > 1 and body.session_id is not None:
             raise InvalidRequest("n > 1 cannot be combined with session_id: a session keeps one continuation",
                                  param="n")
         check_logit_bias(self.params, self.served)
@@ -61,13 +71,14 @@ class Generation:
         # OpenAI's batched form (completions only): several prompts, each run with n choices
         batch = body.prompts() if isinstance(body, CompletionRequest) else None
         if batch is not None:
-            if body.session_id:
+            if body.session_id is not None:
                 raise InvalidRequest("a list of prompts cannot be combined with session_id: a session continues "
                                      "one text", param="prompt")
             if len(batch) > MAX_PROMPTS:
                 raise InvalidRequest(f"at most {MAX_PROMPTS} prompts in one request; this one has {len(batch)}",
                                      param="prompt")
-        self.prompts = [prompt_tokens(state, self.served, prompt) for prompt in (batch or [body.prompt])]
+        self.prompts = [prompt_tokens(state, self.served, prompt, param=self.field_name("prompt"))
+                        for prompt in (batch or [body.prompt])]
         self.tokens = self.prompts[0]
         if echo and self.params.logprobs is not None:
             echoed = n * sum(map(len, self.prompts)) * (self.params.logprobs + 1)
@@ -76,10 +87,28 @@ class Generation:
                     f"echo with logprobs={self.params.logprobs} and n={n} over {sum(map(len, self.prompts))} prompt "
                     f"tokens returns {echoed:,} log-probabilities; the limit is {MAX_ECHO_LOGPROBS:,} (fewer "
                     "logprobs, choices or prompt tokens, or no echo)", param="logprobs", code="echo_logprobs_too_large")
+        # an answer that is not streamed holds every generated token's log-probabilities until it is
+        # sent whole, built as Python objects and written as one JSON text on the event loop, which
+        # every other request waits for meanwhile. A stream sends each token's as it comes and keeps
+        # none of them (completions.py `_completion_chunks`; the websocket's `token` frames)
+        if self.params.logprobs is not None and isinstance(body, CompletionRequest) and not body.stream:
+            generated = len(self.prompts) * n * body.max_tokens * (self.params.logprobs + 1)
+            if generated > MAX_GENERATED_LOGPROBS:
+                logprobs_name, max_tokens_name = self.field_name("logprobs"), self.field_name("max_tokens")
+                raise InvalidRequest(
+                    f"{len(self.prompts)} prompt(s) x n={n} x {max_tokens_name}={body.max_tokens} tokens with "
+                    f"{logprobs_name}={self.params.logprobs} return up to {generated:,} log-probabilities; the limit "
+                    f"for an answer that is not streamed is {MAX_GENERATED_LOGPROBS:,} (fewer {logprobs_name}, "
+                    f"choices, prompts or {max_tokens_name}, or stream the answer)", param=logprobs_name,
+                    code="generated_logprobs_too_large")
         self.lease: RemoteLease | None = None
         # a key only means something for a request that changes a session
         request = {**body.model_dump(include=set(SamplingFields.model_fields)), "echo": echo, "n": n}
-        self.key = idempotency(idempotency_key, kind, request) if body.session_id else None
+        self.key = idempotency(idempotency_key, kind, request) if body.session_id is not None else None
+
+    def field_name(self, name: str) -> str:
+        """The name the client sent `body`'s field `name` under (an error's param and message)."""
+        return self.field_names.get(name, name)
 
     def set_constraint(self, constraint: tuple[str, str, str] | None) -> None:
         """The engine's (kind, text) of what the output must match, and the field it came from."""
@@ -111,7 +140,8 @@ class Generation:
                                      param="model")
             has_history = lease is not None and lease.has_history
             if not all(self.prompts) and not has_history and (body.max_tokens > 0 or self.echo):
-                raise InvalidRequest("prompt is empty and there is no session history to continue", param="prompt")
+                raise InvalidRequest("prompt is empty and there is no session history to continue",
+                                     param=self.field_name("prompt"))
             yield self
 
     async def submit(self) -> Submission:
@@ -126,7 +156,7 @@ class Generation:
     def prefix_scope(self) -> bytes | None:
         """Where a request without a session files and finds cached prefix states: its model, its
         API key's owner id and its cache_salt; None for a session's request or one that opts out."""
-        if self.lease is not None or self.body.session_id or not self.body.prefix_cache:
+        if self.lease is not None or self.body.session_id is not None or not self.body.prefix_cache:
             return None
         return scope_key(self.served.name, self.owner, self.body.cache_salt)
 

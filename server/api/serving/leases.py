@@ -23,7 +23,7 @@ async def session_lease(state: AppState, session_id: str | None, owner: str | No
     releases it: after a commit that changes nothing, otherwise the session stays as it was.
     With `key` (see `idempotency`) seen before on the session, the lease holds nothing and its
     `replay` is the first request's remembered answer."""
-    if not session_id:
+    if session_id is None:
         yield None
         return
     acquiring = asyncio.ensure_future(state.engine.acquire(session_id, owner, key))

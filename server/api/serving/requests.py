@@ -20,6 +20,7 @@ from xlserve.server.api.protocol import (
     SamplingFields,
 )
 from xlserve.server.engine.types import SamplingParams
+from xlserve.server.errors import RegisteredError
 
 
 # -- building a request ---------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def check_session_header(header: str | None, session_id: str | None) -> None:
     """400 when an X-Session-Id header names another session than the request's body or path
     (or names one for a request about none)."""
     if header is not None and header != session_id:
-        about = f"session '{session_id}'" if session_id else "no session"
+        about = f"session '{session_id}'" if session_id is not None else "no session"
         raise InvalidRequest(f"the {SESSION_ID_HEADER} header names session '{header}' but the request is about "
                              f"{about}; send the same id, or leave the header out", param=SESSION_ID_HEADER,
                              code="session_id_mismatch")
@@ -152,8 +153,12 @@ def refuse_unknown_query_parameters(connection: HTTPConnection) -> None:
 
 def error_for(error: BaseException) -> APIError:
     """The APIError a client sees for anything a request raised; a ValueError from the engine
-    is a request it could not run as asked."""
-    return as_api_error(InvalidRequest(str(error)) if isinstance(error, ValueError) else error)
+    is a request it could not run as asked. An API or registered error keeps the status its class
+    declares even when it is a ValueError too (CorruptState is the server's fault, a 500 that
+    names only its class, never a 400 that quotes its details)."""
+    if isinstance(error, ValueError) and not isinstance(error, (APIError, RegisteredError)):
+        return InvalidRequest(str(error))
+    return as_api_error(error)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

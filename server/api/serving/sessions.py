@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 
 from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest
@@ -47,6 +48,24 @@ class AppendResult:
                               version=self.info.version, cached_tokens=self.cached_tokens, **(self.scores or {}))
 
 
+def scored_text_bytes(tokenizer, tokens: list[int], scored: int) -> int:
+    """The UTF-8 bytes of the text the last `scored` of `tokens` decode to: what bits per byte
+    divides by. Measured on the tokenizer's text, so that the same tokens score the same sent as
+    text or as token ids, whatever bytes each token stands for (one for the byte tokenizer, a word
+    or a BPE piece for others). The unscored tokens before them (a session's first token) own the
+    text they decode to alone, up to where the whole text still agrees with it: a character split
+    between an unscored token and a scored one counts with the scored."""
+    if scored <= 0:
+        return 0
+    whole = tokenizer.decode(tokens)
+    unscored = len(tokens) - scored
+    if unscored == 0:
+        return len(whole.encode("utf-8"))
+    before = tokenizer.decode(tokens[:unscored])
+    agreed = len(os.path.commonprefix([whole, before]))
+    return len(whole[agreed:].encode("utf-8"))
+
+
 async def append_to_session(state: AppState, owner: str | None, session_id: str, text: str | list[int], score: bool,
                             cancellation: Cancellation | None = None,
                             idempotency_key: str | None = None) -> AppendResult:
@@ -60,7 +79,8 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
     async with session_lease(state, session_id, owner, key) as lease:
         if lease.replay is not None:
             return AppendResult.remembered(session_id, lease)
-        tokens = prompt_tokens(state, state.served(lease.info.model), text, param="text")
+        served = state.served(lease.info.model)
+        tokens = prompt_tokens(state, served, text, param="text")
         if not tokens:
             raise InvalidRequest("text is empty", param="text")
         cached = lease.info.tokens
@@ -70,8 +90,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
         scores = None
         if score:
             # bits per byte over the scored tokens (a session's very first token has no context)
-            text_bytes = len(tokens) if isinstance(text, list) else len(text.encode("utf-8"))
-            scored_bytes = text_bytes - (len(tokens) - fed.scored)
+            scored_bytes = scored_text_bytes(served.tokenizer, tokens, fed.scored)
             scores = {"logprob": fed.logprob, "scored_tokens": fed.scored,
                       "bits_per_byte": (-fed.logprob / math.log(2) / scored_bytes) if scored_bytes else None}
         cancellation.begin_commit()  # a cancel or disconnect before this point wins: nothing is committed
