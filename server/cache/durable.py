@@ -61,6 +61,7 @@ from xlserve.server.cache.stores import (
     RedisStore,
     StoreFull,
     StoreUnavailable,
+    StoreWriteInDoubt,
     entries_from_lines,
     entry_line,
 )
@@ -94,13 +95,17 @@ class Written:
 
 
 def store_call(fn):
-    """Run a store call; its failures become the cache's errors (both are 503s)."""
+    """Run a store call; its failures become the cache's errors (both are 503s). A write whose
+    bytes may have reached the files although it failed is a SessionUnavailable whose
+    `stored_copy_in_doubt` is True (the commit path stops counting that copy: session_cache.py)."""
     try:
         return fn()
     except StoreFull as error:
         raise CacheFull(f"session storage is full: {error}") from None
     except StoreUnavailable as error:
-        raise SessionUnavailable(str(error)) from None
+        unavailable = SessionUnavailable(str(error))
+        unavailable.stored_copy_in_doubt = isinstance(error, StoreWriteInDoubt)
+        raise unavailable from None
 
 
 class DurableStore:

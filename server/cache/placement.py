@@ -288,6 +288,20 @@ class Placement:
         self._keep(record.id, committed.nbytes, data)
         self.manager.touch(record.id)
 
+    def doubt_durable_copy(self, record: Record) -> None:
+        """A commit's disk write failed after its bytes may have reached the session's files: they
+        may hold the version the client was told failed, which every later read would refuse (its
+        version is not the books'). While a memory copy holds the acknowledged state, the disk
+        copy is no longer counted as one: the session is written whole again before its last
+        memory copy goes (an eviction makes a new disk copy; shutdown writes every session that
+        lacks one), or by its next commit. Its log is taken as gone (a whole write removes it)."""
+        if self.durable.tier != "disk" or not record.copies & set(MEMORY_TIERS):
+            return
+        self.manager.drop_copy(record.id, "disk")
+        record.disk_log_bytes = 0
+        log.warning("session %s: its disk copy may hold a version that was answered as failed; it is written again "
+                    "from memory before the session leaves memory", record.id)
+
     def catch_up(self, record: Record, head: Head | None, transfer: Transfer, read_while_held: bool = False) -> None:
         """With Redis: take in a version another replica committed since (the local copies are
         stale and go; the held session's file goes in `transfer`). A head older than the record is

@@ -359,10 +359,12 @@ class SessionCache:
             finally:
                 self._commit_failed(lease)
             raise
-        except BaseException:
+        except BaseException as error:
             try:
                 with self._lock:
                     self.placement.unreserve(booked)
+                    if getattr(error, "stored_copy_in_doubt", False):
+                        self.placement.doubt_durable_copy(record)
             finally:
                 self._commit_failed(lease)
             raise

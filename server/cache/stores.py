@@ -107,6 +107,12 @@ class StoreFull(StoreUnavailable):
     """A store refused a write for lack of space (disk full, Redis at maxmemory)."""
 
 
+class StoreWriteInDoubt(StoreUnavailable):
+    """A disk write failed after its bytes may have reached the session's files (the rename
+    landed but the directory sync failed; an append's block could not be cut off again): the
+    files may hold the version the caller is told failed."""
+
+
 class MemoryStore:
     def __init__(self, device: torch.device | str | None = None):
         self.device = None if device is None else torch.device(device)
@@ -207,6 +213,7 @@ class DiskStore:
 
     def _write_file(self, final: Path, session_id: str, blob: Blob) -> None:
         temporary = self.directory / f".{session_id}.{secrets.token_hex(4)}.tmp"
+        renamed = False
         try:
             with open(temporary, "wb") as f:
                 for part in blob_parts(blob):
@@ -215,8 +222,12 @@ class DiskStore:
                 os.fsync(f.fileno())
             _crash_point("compaction-temp")
             os.replace(temporary, final)
+            renamed = True
             self._sync_directory()
         except OSError as error:
+            if renamed:
+                raise StoreWriteInDoubt(f"session state written to {final}, but its directory could not be synced "
+                                        f"({error})") from error
             temporary.unlink(missing_ok=True)
             kind = StoreFull if error.errno in (errno.ENOSPC, errno.EDQUOT) else StoreUnavailable
             raise kind(f"cannot write session state to {final}: {error}") from error
@@ -381,8 +392,9 @@ class DiskStore:
             if size is not None:
                 try:
                     os.truncate(log_path, size)  # no half block stays behind a failed append
-                except OSError:
-                    pass
+                except OSError:  # the block may stay, whole: the log may hold the failed version
+                    raise StoreWriteInDoubt(f"cannot append to the session log {log_path} ({error}), nor cut the "
+                                            "block off again") from error
             kind = StoreFull if error.errno in (errno.ENOSPC, errno.EDQUOT) else StoreUnavailable
             raise kind(f"cannot append to the session log {log_path}: {error}") from error
         self._count("delta", len(frame))

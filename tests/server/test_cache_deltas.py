@@ -846,3 +846,35 @@ def test_a_commit_whose_state_cannot_be_kept_in_memory_still_answers_success(tmp
     assert identical(lease.data, new)
     cache.release(lease)
     cache.close()
+
+
+def test_an_append_that_could_not_be_cut_off_is_rewritten_before_the_session_leaves_memory(tmp_path, monkeypatch):
+    """A delta block was written but not synced, and cutting it off again failed too: the log may
+    hold the version the client was told failed. The session's disk copy is in doubt: evicting it
+    writes it whole from memory, so it is read back at its acknowledged version."""
+    from xlserve.server.cache import SessionUnavailable
+
+    model = tiny_model("transformer-xl")
+    first = feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]
+    cache = SessionCache(tmp_path / "state", first.nbytes() + 4096, 0, None, compact_ratio=100.0)
+    cache.open({"m": model})
+    session_id = cache.create("m", None, first).id
+    acknowledged = step(model, cache, session_id, [1, 2])
+    lease = cache.acquire(session_id, None)
+    failed = feed(model, lease.data.cast_state(floating_dtypes(model.init_state(1))), [3, 4])[1]
+    fsync, truncate = os.fsync, os.truncate
+    monkeypatch.setattr(os, "fsync", lambda descriptor: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    monkeypatch.setattr(os, "truncate", lambda path, size: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(SessionUnavailable):
+        cache.commit(lease, failed)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "truncate", truncate)
+    cache.release(lease)
+    other = cache.create("m", None, first).id  # takes the device: the first session leaves memory
+    assert cache.info(session_id, None).tier == "disk"
+    lease = cache.acquire(session_id, None)
+    assert lease.version == 1 and identical(lease.data, full_write(acknowledged, type(acknowledged.state)))
+    cache.release(lease)
+    assert_books_count_the_logs(cache)
+    cache.close()
+    assert other

@@ -204,3 +204,33 @@ def test_metrics_follow_the_tiers(tmp_path):
     assert sample(metrics, "xlserve_session_evictions_total", model="toy", tier="device") == 3
     assert sample(metrics, "xlserve_session_restore_latency_seconds_count", model="toy", tier="disk") == 1
     assert [sample(metrics, "xlserve_sessions", model="toy", tier=t) for t in ("device", "host", "disk")] == [1, 1, 1]
+
+
+def test_a_failed_write_that_may_have_landed_is_rewritten_before_the_session_leaves_memory(tmp_path, monkeypatch):
+    """A whole write whose rename landed but whose directory sync failed is answered as failed:
+    the file may hold the failed version while the books keep the acknowledged one. The disk copy
+    is then in doubt, so it is not counted as a copy: evicting the session writes it again from
+    memory, instead of leaving a file every later read refuses (503 until a restart)."""
+    from xlserve.server.cache.stores import DiskStore
+
+    cache = make_cache(tmp_path, device=size(50), host=0)
+    sid = cache.create("toy", None, data(50, 0)).id
+    lease = cache.acquire(sid, None)
+    sync = DiskStore._sync_directory
+    monkeypatch.setattr(DiskStore, "_sync_directory", lambda self: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(SessionUnavailable):
+        cache.commit(lease, data(50, 1))
+    monkeypatch.setattr(DiskStore, "_sync_directory", sync)
+    cache.release(lease)
+    assert cache.info(sid, None).version == 0
+    other = cache.create("toy", None, data(50, 2)).id  # takes the device: the first session leaves memory
+    assert cache.info(sid, None).tier == "disk"
+    lease = cache.acquire(sid, None)
+    assert lease.version == 0 and same(lease.data, data(50, 0))
+    cache.commit(lease, data(50, 3))
+    cache.close()
+    cache = make_cache(tmp_path, device=size(50), host=0)  # and after a restart
+    lease = cache.acquire(sid, None)
+    assert lease.version == 1 and same(lease.data, data(50, 3))
+    cache.release(lease)
+    assert same(cache.acquire(other, None).data, data(50, 2))

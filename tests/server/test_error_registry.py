@@ -31,6 +31,8 @@ NEVER_REACH_A_CLIENT = {
     "xlserve.server.cache.stores.StoreUnavailable": "the session cache answers it as SessionUnavailable, or settles "
                                                     "the write (CommitOutcomeUnknown); the prefix cache goes without",
     "xlserve.server.cache.stores.StoreFull": "the session cache answers it as CacheFull",
+    "xlserve.server.cache.stores.StoreWriteInDoubt": "the session cache answers it as SessionUnavailable, and stops "
+    "counting the disk copy it may have changed",
     "xlserve.server.bench.soak.HttpError": "the soak benchmark's own HTTP client: it runs against a server",
     "xlserve.server.cache.stores.StateDirectoryInUse": "raised as the engine process starts: the server stops "
                                                        "(EngineStartFailed) naming the directory and its holder",
