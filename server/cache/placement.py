@@ -46,6 +46,7 @@ sessions on it are in use, as before.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -58,6 +59,8 @@ from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record
 from xlserve.server.cache.stores import Head, MemoryStore
 
 log = logging.getLogger("xlserve.cache")
+
+DELETED_REMEMBERED = 100_000  # deleted session ids kept (about 10 MB) against stale heads
 
 MEMORY_TIERS = ("device", "host")
 
@@ -75,6 +78,9 @@ class Placement:
         self.borrower = None  # the prefix cache, once it shares the budgets (SessionCache.lend_to)
         self._lock = lock
         self._forgotten: list[str] = []  # sessions that left the books with a file perhaps left on disk
+        # the latest sessions deleted here or seen deleted: a Redis head read before the delete
+        # must not bring one back into the books (session ids are never reused)
+        self._deleted: collections.OrderedDict[str, None] = collections.OrderedDict()
         # sessions still in the books whose disk copy was dropped but whose file could not be removed
         self._left_files: list[str] = []
         self._published: set[tuple[str, str]] = set()
@@ -333,11 +339,18 @@ class Placement:
             self.manager.drop_copy(record.id, tier)
         self.manager.add_copy(record.id, "redis")
 
+    def was_deleted(self, session_id: str) -> bool:
+        """Whether the session left the books deleted, among the latest DELETED_REMEMBERED."""
+        return session_id in self._deleted
+
     def forget(self, record: Record) -> None:
         """The session leaves the books (deleted); its file goes at the next `sweep`."""
         for tier in MEMORY_TIERS:
             self._store(tier).drop(record.id)
         self._forgotten.append(record.id)
+        self._deleted[record.id] = None
+        while len(self._deleted) > DELETED_REMEMBERED:
+            self._deleted.popitem(last=False)
         self.manager.remove(record.id)
         self.publish()
 

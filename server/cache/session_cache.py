@@ -685,6 +685,8 @@ class SessionCache:
                     self.placement.forget(record)
                 raise SessionNotFound(session_id)
             if record is None:  # created by another replica
+                if self.placement.was_deleted(session_id):  # a head read before this replica deleted it
+                    raise SessionNotFound(session_id)
                 record = DurableStore.record_from_meta(session_id, {**head.meta, "version": head.version}, {"redis"})
                 self.manager.add(record)
         if record is None or record.owner != owner or self.holds.kind(session_id) == NEW:

@@ -211,3 +211,20 @@ def test_a_redis_that_lost_an_acknowledged_commit_is_taken_as_the_truth(tmp_path
     a.delete(sid, "k")
     a.close()
     b.close()
+
+
+def test_a_head_read_before_a_delete_never_brings_the_session_back(tmp_path, redis_url, monkeypatch):  # noqa: F811
+    """`info` reads Redis's head outside the lock; a delete on this replica may land between that
+    read and the lookup. The stale head must not put the deleted session back into the books
+    (answered 200, listed, counted) until its next lookup."""
+    a = replica(tmp_path, "a", redis_url)
+    sid = a.create("toy", "k", data(10, 0)).id
+    stale = a.durable.head(sid)
+    a.delete(sid, "k")
+    monkeypatch.setattr(a.durable, "head", lambda session_id, remembered=False: stale)  # read before the delete
+    with pytest.raises(SessionNotFound):
+        a.info(sid, "k")
+    with pytest.raises(SessionNotFound):
+        a.acquire(sid, "k")
+    assert sid not in {info.id for info in a.sessions()}
+    a.close()
