@@ -221,8 +221,8 @@ class Placement:
         return extra
 
     def admitted(self, record: Record, data: SessionData) -> None:
-        """A new session is written: its state goes to its home, the device (`data` is already
-        there) or, larger than the device's budget, host RAM (the caller's rebalance makes room)."""
+        """A new session is written: its state (`home_copy`'s) goes to its home, the device or,
+        larger than the device's budget, host RAM (the caller's rebalance makes room)."""
         self._keep(record.id, record.nbytes, data)
 
     def home(self, nbytes: int) -> str:
@@ -232,13 +232,20 @@ class Placement:
         host = self.manager.budgets.get("host", 0)  # 0: no host tier
         return "host" if budget is not None and nbytes > budget and host != 0 else "device"
 
+    def home_copy(self, nbytes: int, data: SessionData) -> SessionData:
+        """`data` (on its model's device) as its home keeps it: itself on the device, or a copy in
+        host RAM for a session larger than the device's budget. Called outside the lock: on a GPU
+        that copy is the whole state, which no other session's acquire or commit should wait for."""
+        return data if self.home(nbytes) == "device" else data.to("cpu")
+
     def _keep(self, session_id: str, nbytes: int, data: SessionData) -> None:
-        """Keep a just-written session's state at its home. Its durable copy is written already,
-        so a copy that fails (out of host memory) leaves it whole there, as an evicted session is:
-        logged, never raised to a client whose change has landed (who might then apply it twice)."""
+        """Keep a just-written session's state (`home_copy`'s) at its home. Its durable copy is
+        written already, so a store that fails (out of host memory) leaves it whole there, as an
+        evicted session is: logged, never raised to a client whose change has landed (who might
+        then apply it twice)."""
         tier = self.home(nbytes)
         try:
-            self._store(tier).put(session_id, data if tier == "device" else data.to("cpu"))
+            self._store(tier).put(session_id, data)
         except Exception as error:  # noqa: BLE001 (any failure here: the write stands)
             log.error("session %s: its new state is written but could not be kept on %s (%s: %s); it is read back "
                       "from the %s when next used", session_id, tier, type(error).__name__, error, self.durable.tier)
@@ -539,6 +546,7 @@ class _Fetch(_Step):
     def __init__(self, record: Record, source: str, host_data: SessionData | None, home: str = "device"):
         self.record, self.source, self.host_data, self.home = record, source, host_data, home
         self.data: SessionData | None = None
+        self.host_copy: SessionData | None = None  # host RAM's copy, read from below for a host home
         self.seconds = 0.0
         self.spill_unusable = False  # the disk spill could not be read: read from Redis instead
 
@@ -547,15 +555,21 @@ class _Fetch(_Step):
         if self.source == "host":
             self.data = self.host_data.to(placement.durable.spec(self.record).device)
         else:
+            # a session homed on host RAM is read there (on the CPU), and the request's copy made
+            # from it: no copy back from the device, and none under the lock in `finish`
+            to_device = self.home != "host"
             try:
-                self.data = placement.read(self.record, self.source)
+                self.data = placement.read(self.record, self.source, to_device)
             except SessionUnavailable as error:
                 if self.source != "disk" or placement.durable.tier == "disk":
                     raise
                 # with Redis the disk only spills what Redis holds: read it there, and the spill goes
                 log.warning("session %s: its disk spill is unusable (%s); read from Redis", self.record.id, error)
-                self.data = placement.read(self.record, placement.durable.tier)
+                self.data = placement.read(self.record, placement.durable.tier, to_device)
                 self.source, self.spill_unusable = placement.durable.tier, True
+            if not to_device:
+                self.host_copy = self.data.to("cpu")  # (read on the CPU already: the same tensors)
+                self.data = placement.on_device(self.record.model, self.host_copy)
         self.seconds = time.perf_counter() - started
 
     def finish(self, placement: Placement) -> BaseException | None:
@@ -569,7 +583,7 @@ class _Fetch(_Step):
                     manager.drop_copy(record.id, "host")
                 return self.error
             if source != "host":
-                placement.host.put(record.id, self.data.to("cpu"))
+                placement.host.put(record.id, self.host_copy)
             self._count(placement)
             return None
         if self.error is not None:  # the booked room goes back; a host copy goes back to host RAM ...

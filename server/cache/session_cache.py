@@ -369,12 +369,13 @@ class SessionCache:
                 self._commit_failed(lease)
             raise
         self.placement.drop_stale_file(record)
+        at_home = self.placement.home_copy(committed.nbytes, data)  # outside the lock: perhaps a copy to host RAM
         transfer = Transfer(self.placement)
         try:
             with self._lock:
                 try:
                     self.placement.unreserve(booked)  # the new size is counted in every copy from here
-                    self.placement.committed(record, committed, data)
+                    self.placement.committed(record, committed, at_home)
                 finally:  # the write landed: the lease ends, even should the books fail to record it
                     lease.done = True
                     self.holds.give_back(record.id, lease.lease_id)
@@ -588,13 +589,14 @@ class SessionCache:
                 self.manager.remove(record.id)
             raise
         log_bytes = self.durable.disk_log_bytes(record.id)  # a fork's copy of its source's log
+        at_home = self.placement.home_copy(record.nbytes, data)  # outside the lock: perhaps a copy to host RAM
         transfer = Transfer(self.placement)
         try:
             with self._lock:
                 try:
                     self.placement.unreserve(booked)
                     self.manager.resize(record.id, record.nbytes, log_bytes)
-                    self.placement.admitted(record, data)
+                    self.placement.admitted(record, at_home)
                 finally:
                     self.holds.give_back(record.id, hold)
                 self._rebalance_device(transfer)

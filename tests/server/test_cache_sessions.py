@@ -234,3 +234,42 @@ def test_a_failed_write_that_may_have_landed_is_rewritten_before_the_session_lea
     assert lease.version == 1 and same(lease.data, data(50, 3))
     cache.release(lease)
     assert same(cache.acquire(other, None).data, data(50, 2))
+
+
+def test_a_session_homed_on_host_ram_is_never_copied_under_the_caches_lock(tmp_path, monkeypatch):
+    """A session larger than the device's budget lives on host RAM: on a GPU each request copies
+    it to the device and each commit or read from disk copies it back, hundreds of MB at real
+    size. Those copies are made outside the cache's lock, which every other session's acquire and
+    commit needs. On the CPU a copy is the tensors themselves, so what is checked is that the
+    cache asks for none under the lock (a store's `put` given a copy made already is a no-op)."""
+    from xlserve.server.cache.codec import SessionData
+    from xlserve.server.cache.stores import MemoryStore
+
+    cache = make_cache(tmp_path, device=size(10), host=size(200))
+    copies_under_the_lock, in_put = [], []
+    to, put = SessionData.to, MemoryStore.put
+
+    def watched_to(self, device):
+        if cache._lock._is_owned() and not in_put:
+            copies_under_the_lock.append(str(device))
+        return to(self, device)
+
+    def watched_put(self, session_id, data, device=None):
+        in_put.append(1)
+        try:
+            return put(self, session_id, data, device)
+        finally:
+            in_put.pop()
+
+    monkeypatch.setattr(SessionData, "to", watched_to)
+    monkeypatch.setattr(MemoryStore, "put", watched_put)
+    sid = cache.create("toy", None, data(50, 0)).id  # kept on host RAM
+    assert cache.info(sid, None).tier == "host"
+    commit(cache, sid, data(50, 1))
+    cache.move(sid, "disk")
+    lease = cache.acquire(sid, None)  # read from disk, kept on host RAM again
+    assert same(lease.data, data(50, 1))
+    cache.commit(lease, data(50, 2))
+    assert cache.info(sid, None).tier == "host"
+    assert same(cache.placement.host.get(sid), data(50, 2))
+    assert copies_under_the_lock == []
