@@ -237,10 +237,15 @@ class ToolCallStream:
 
 def _arguments_end(buffer: str) -> int | None:
     """Where a call's arguments end in `buffer` (which starts with them): the end of the JSON
-    value, once the call's closing brace and tag follow it; None before then."""
+    value, once the call's closing brace and tag follow it; None before then. Parsed only once the
+    closing tag has come (a parse at every token would cost the arguments' length squared), and
+    arguments nested past what the parser can follow never end: they are sent as they come, and
+    cut where the text ends, as a call's arguments cut by max_tokens are."""
+    if CALL_END not in buffer:
+        return None
     try:
         _, end = json.JSONDecoder().raw_decode(buffer)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return end if buffer.startswith(CALL_END, end) else None
 

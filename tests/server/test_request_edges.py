@@ -395,3 +395,27 @@ def test_stream_options_without_stream_are_refused_naming_them(served, path, bod
     state.engine.events = [one_token(), *finished()]
     response = client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
     assert response.status_code == 200 and '"usage": {' in response.text
+
+
+def test_tool_call_arguments_nested_past_the_parser_stream_without_an_internal_error():
+    """Generated arguments may nest arbitrarily deep (a tool without `parameters` constrains them
+    to an object only): past what the JSON parser follows they are streamed as they come and
+    never end a call, rather than raising RecursionError mid-stream."""
+    from xlserve.server.api.structured import ToolCallStream
+
+    stream = ToolCallStream()
+    deep = '{"a": ' * 100_000 + "1" + "}" * 100_000
+    deltas = stream.push('<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>")
+    deltas += stream.finish("length")[0]
+    sent = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas if "tool_calls" in d)
+    assert sent.startswith('{"a": {"a": ') and len(stream.calls) == 1
+
+
+def test_tool_call_arguments_end_at_their_closing_tag_token_by_token():
+    from xlserve.server.api.structured import ToolCallStream
+
+    stream = ToolCallStream()
+    text = '<tool_call>{"name": "f", "arguments": {"x": [1, 2, {"y": "}</tool_call>"}]}}</tool_call>'
+    for character in text:
+        stream.push(character)
+    assert stream.complete and json.loads(stream.calls[0]["function"]["arguments"]) == {"x": [1, 2, {"y": "}</tool_call>"}]}
