@@ -29,6 +29,11 @@ class ByteTokenizer:
         """Whole-sequence decode; bytes that are not valid UTF-8 become U+FFFD."""
         return bytes(tokens).decode("utf-8", errors="replace")
 
+    def byte_length(self, tokens: list[int]) -> int:
+        """The bytes `tokens` stand for (bits per byte divides by them): one each, exactly, where
+        a decode would count a character split between two chunks as U+FFFD's three."""
+        return len(tokens)
+
     def token_text(self, token: int) -> str:
         """A printable name for one token (for logprobs): the character, or a <0xNN> escape."""
         return chr(token) if token < 0x80 else f"<0x{token:02X}>"

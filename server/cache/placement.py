@@ -220,7 +220,7 @@ class Placement:
         self.manager.reserve(self.durable.tier, extra)
         return extra
 
-    def admitted(self, record: Record, data: SessionData) -> None:
+    def admitted(self, record: Record, data: SessionData | None) -> None:
         """A new session is written: its state (`home_copy`'s) goes to its home, the device or,
         larger than the device's budget, host RAM (the caller's rebalance makes room)."""
         self._keep(record.id, record.nbytes, data)
@@ -232,21 +232,30 @@ class Placement:
         host = self.manager.budgets.get("host", 0)  # 0: no host tier
         return "host" if budget is not None and nbytes > budget and host != 0 else "device"
 
-    def home_copy(self, nbytes: int, data: SessionData) -> SessionData:
-        """`data` (on its model's device) as its home keeps it: itself on the device, or a copy in
-        host RAM for a session larger than the device's budget. Called outside the lock: on a GPU
-        that copy is the whole state, which no other session's acquire or commit should wait for."""
-        return data if self.home(nbytes) == "device" else data.to("cpu")
+    def home_copy(self, session_id: str, nbytes: int, data: SessionData) -> SessionData | None:
+        """A just-written session's state (`data`, on its model's device) as its home keeps it:
+        itself on the device, or a copy in host RAM for a session larger than the device's budget.
+        Called outside the lock: on a GPU that copy is the whole state, which no other session's
+        acquire or commit should wait for. None when the copy fails (out of host memory): the
+        durable copy is written already, so the session is whole there, as an evicted session is;
+        logged, never raised to a client whose change has landed (who might apply it twice)."""
+        tier = self.home(nbytes)
+        try:
+            return data if tier == "device" else data.to("cpu")
+        except Exception as error:  # noqa: BLE001 (any failure here: the write stands)
+            log.error("session %s: its new state is written but could not be kept on %s (%s: %s); it is read back "
+                      "from the %s when next used", session_id, tier, type(error).__name__, error, self.durable.tier)
+            return None
 
-    def _keep(self, session_id: str, nbytes: int, data: SessionData) -> None:
-        """Keep a just-written session's state (`home_copy`'s) at its home. Its durable copy is
-        written already, so a store that fails (out of host memory) leaves it whole there, as an
-        evicted session is: logged, never raised to a client whose change has landed (who might
-        then apply it twice)."""
+    def _keep(self, session_id: str, nbytes: int, data: SessionData | None) -> None:
+        """Keep a just-written session's state (`home_copy`'s; None: kept in no memory tier) at
+        its home."""
+        if data is None:
+            return
         tier = self.home(nbytes)
         try:
             self._store(tier).put(session_id, data)
-        except Exception as error:  # noqa: BLE001 (any failure here: the write stands)
+        except Exception as error:  # noqa: BLE001 (as in `home_copy`: the write stands)
             log.error("session %s: its new state is written but could not be kept on %s (%s: %s); it is read back "
                       "from the %s when next used", session_id, tier, type(error).__name__, error, self.durable.tier)
             return
@@ -286,7 +295,7 @@ class Placement:
         or it failed)."""
         self.manager.unreserve(self.durable.tier, booked)
 
-    def committed(self, record: Record, committed: Record, data: SessionData) -> None:
+    def committed(self, record: Record, committed: Record, data: SessionData | None) -> None:
         """The books after a commit's durable write: `record` becomes `committed`, its state
         `data` (on its device), its disk log `committed.disk_log_bytes`."""
         # the old copies are stale: only the durable one (just overwritten) and the device one remain

@@ -257,6 +257,8 @@ class SessionCache:
                     if (meta.get("owner") or None) != owner:
                         continue
                     record = self.manager.get(session_id)
+                    if record is None and self.placement.was_deleted(session_id):  # read before a delete here
+                        continue
                     if record is not None and record.version >= version:
                         infos.append(self._info(record))
                     else:
@@ -369,7 +371,7 @@ class SessionCache:
                 self._commit_failed(lease)
             raise
         self.placement.drop_stale_file(record)
-        at_home = self.placement.home_copy(committed.nbytes, data)  # outside the lock: perhaps a copy to host RAM
+        at_home = self.placement.home_copy(record.id, committed.nbytes, data)  # outside the lock: perhaps to host RAM
         transfer = Transfer(self.placement)
         try:
             with self._lock:
@@ -562,8 +564,8 @@ class SessionCache:
         written whole, in the cache's dtype, as its books count it."""
         stored = data
         data = self.placement.on_device(model, data.cast_state(self.state_dtype).compact())
-        if source_id is not None and any(t.dtype != u.dtype for t, u in zip(stored.state.to_tensors().values(),
-                                                                             data.state.to_tensors().values())):
+        if source_id is not None and any(t.dtype != u.dtype for (_, t), (_, u) in zip(stored.state._named_tensors(),
+                                                                                       data.state._named_tensors())):
             source_id = None
         now = time.time()
         record = Record(id=new_session_id(), model=model, owner=owner, nbytes=data.nbytes(), tokens=data.tokens,
@@ -582,14 +584,19 @@ class SessionCache:
                 self.durable.write(record, lambda: encode_parts(data, meta), expected=None)
             else:
                 self.durable.fork(source_id, source_version, record, lambda: encode_parts(data, meta), meta_block)
-        except BaseException:
-            with self._lock:
+        except BaseException as error:
+            with self._locked():
                 self.placement.unreserve(booked)
                 self.holds.give_back(record.id, hold)
-                self.manager.remove(record.id)
+                if getattr(error, "stored_copy_in_doubt", False):
+                    # the file may be there although the client is told the session was not made:
+                    # it goes at the sweep, or a restart would list a session nobody was given
+                    self.placement.forget(record)
+                else:
+                    self.manager.remove(record.id)
             raise
         log_bytes = self.durable.disk_log_bytes(record.id)  # a fork's copy of its source's log
-        at_home = self.placement.home_copy(record.nbytes, data)  # outside the lock: perhaps a copy to host RAM
+        at_home = self.placement.home_copy(record.id, record.nbytes, data)  # outside the lock: perhaps to host RAM
         transfer = Transfer(self.placement)
         try:
             with self._lock:

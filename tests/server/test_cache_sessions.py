@@ -273,3 +273,40 @@ def test_a_session_homed_on_host_ram_is_never_copied_under_the_caches_lock(tmp_p
     assert cache.info(sid, None).tier == "host"
     assert same(cache.placement.host.get(sid), data(50, 2))
     assert copies_under_the_lock == []
+
+
+def test_a_commit_whose_host_copy_fails_still_answers_success_and_holds_nothing(tmp_path, monkeypatch):
+    """A session homed on host RAM: its write landed, then the copy to host RAM failed (out of
+    host memory). The commit answers success, the lease and the bytes it booked are given back,
+    and the session is read back from disk when next used."""
+    from xlserve.server.cache.codec import SessionData
+
+    cache = make_cache(tmp_path, device=size(10), host=size(200))
+    sid = cache.create("toy", None, data(50, 0)).id
+    lease = cache.acquire(sid, None)
+    to = SessionData.to
+    monkeypatch.setattr(SessionData, "to", lambda self, device: (_ for _ in ()).throw(RuntimeError("out of memory"))
+                        if device == "cpu" else to(self, device))
+    info = cache.commit(lease, data(50, 1))
+    monkeypatch.setattr(SessionData, "to", to)
+    assert info.version == 1 and cache.info(sid, None).tier == "disk"
+    assert cache.manager.used("disk") == size(50)  # nothing left booked
+    lease = cache.acquire(sid, None)  # not held by the commit
+    assert same(lease.data, data(50, 1))
+    cache.release(lease)
+
+
+def test_a_create_whose_write_may_have_landed_leaves_no_session_behind(tmp_path, monkeypatch):
+    """A create whose rename landed but whose directory sync failed is answered as failed: its
+    file goes, so that a restart does not list a session the client was never given."""
+    from xlserve.server.cache.stores import DiskStore
+
+    cache = make_cache(tmp_path)
+    sync = DiskStore._sync_directory
+    monkeypatch.setattr(DiskStore, "_sync_directory", lambda self: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(SessionUnavailable):
+        cache.create("toy", None, data(10, 0))
+    monkeypatch.setattr(DiskStore, "_sync_directory", sync)
+    assert cache.sessions() == [] and cache.manager.used("disk") == 0
+    cache.close()
+    assert make_cache(tmp_path).sessions() == []

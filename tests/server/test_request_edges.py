@@ -369,6 +369,13 @@ def test_bits_per_byte_divides_by_the_bytes_of_the_scored_tokens(served):
     # the byte tokenizer: a token is a byte
     assert append(client, state, "abcd", scored=3, logprob=logprob, model=MODEL)["bits_per_byte"] == \
         pytest.approx(6 / 3)
+    # even where a chunk of ids splits a character (a document fed chunk by chunk): "€" is three
+    # bytes, and a decode would count each of its broken pieces as U+FFFD's three
+    euro = list("€".encode())
+    assert append(client, state, euro[:2], scored=2, logprob=logprob, model=MODEL, session_tokens=4)["bits_per_byte"] == \
+        pytest.approx(6 / 2)
+    assert append(client, state, euro[2:], scored=1, logprob=logprob, model=MODEL, session_tokens=4)["bits_per_byte"] == \
+        pytest.approx(6 / 1)
 
 
 @pytest.mark.parametrize("text", ["hello", [0]], ids=["text", "token-ids"])

@@ -12,6 +12,7 @@ serving answers. What a request does, and the frames of its answer, are server/a
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -36,6 +37,7 @@ from xlserve.server.api.serving import (
 )
 
 router = APIRouter()
+log = logging.getLogger("xlserve.server")
 
 
 class _RunningRequest:
@@ -92,7 +94,10 @@ class _Connection:
                     # (this loop was cancelled while waiting for it) closes its frames itself.
                     self._finished_with(running)
                     if running.frames is not None and (running.task is None or running.task.done()):
-                        await running.frames.aclose()
+                        try:
+                            await running.frames.aclose()
+                        except Exception:  # noqa: BLE001 (the client is gone: nobody to answer)
+                            log.exception("websocket: closing a request's answer after its client left failed")
 
     async def handle(self, text: str | None) -> None:
         request_id = frame = None

@@ -99,7 +99,8 @@ class Generation:
                     f"{len(self.prompts)} prompt(s) x n={n} x {max_tokens_name}={body.max_tokens} tokens with "
                     f"{logprobs_name}={self.params.logprobs} return up to {generated:,} log-probabilities; the limit "
                     f"for an answer that is not streamed is {MAX_GENERATED_LOGPROBS:,} (fewer {logprobs_name}, "
-                    f"choices, prompts or {max_tokens_name}, or stream the answer)", param=logprobs_name,
+                    f"choices, prompts or {max_tokens_name}, which a request that sets none gets at the server's "
+                    "limit, XLSERVE_MAX_TOKENS_LIMIT; or stream the answer)", param=logprobs_name,
                     code="generated_logprobs_too_large")
         self.lease: RemoteLease | None = None
         # a key only means something for a request that changes a session

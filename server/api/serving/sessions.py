@@ -57,6 +57,8 @@ def scored_text_bytes(tokenizer, tokens: list[int], scored: int) -> int:
     between an unscored token and a scored one counts with the scored."""
     if scored <= 0:
         return 0
+    if hasattr(tokenizer, "byte_length"):  # a tokenizer that knows its tokens' bytes (the byte tokenizer)
+        return tokenizer.byte_length(tokens[len(tokens) - scored :])
     whole = tokenizer.decode(tokens)
     unscored = len(tokens) - scored
     if unscored == 0:
