@@ -78,9 +78,10 @@ class Placement:
         self.borrower = None  # the prefix cache, once it shares the budgets (SessionCache.lend_to)
         self._lock = lock
         self._forgotten: list[str] = []  # sessions that left the books with a file perhaps left on disk
-        # the latest sessions deleted here or seen deleted: a Redis head read before the delete
-        # must not bring one back into the books (session ids are never reused)
-        self._deleted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # the latest sessions deleted here or seen deleted, with their owner and creation time: a
+        # Redis head read before the delete must not bring one back into the books (session ids
+        # are never reused), and a listing may go on after one (its place in the order)
+        self._deleted: collections.OrderedDict[str, tuple[str | None, float]] = collections.OrderedDict()
         # sessions still in the books whose disk copy was dropped but whose file could not be removed
         self._left_files: list[str] = []
         self._published: set[tuple[str, str]] = set()
@@ -359,12 +360,17 @@ class Placement:
         """Whether the session left the books deleted, among the latest DELETED_REMEMBERED."""
         return session_id in self._deleted
 
+    def deleted_session(self, session_id: str) -> tuple[str | None, float] | None:
+        """(owner, created_at) of a session that left the books deleted, among the latest
+        DELETED_REMEMBERED; None for any other."""
+        return self._deleted.get(session_id)
+
     def forget(self, record: Record) -> None:
         """The session leaves the books (deleted); its file goes at the next `sweep`."""
         for tier in MEMORY_TIERS:
             self._store(tier).drop(record.id)
         self._forgotten.append(record.id)
-        self._deleted[record.id] = None
+        self._deleted[record.id] = (record.owner, record.created_at)
         while len(self._deleted) > DELETED_REMEMBERED:
             self._deleted.popitem(last=False)
         self.manager.remove(record.id)

@@ -244,8 +244,8 @@ class SessionCache:
 
     def list_sessions(self, owner: str | None, limit: int = 20, after: str | None = None) -> tuple[list[SessionInfo], bool]:
         """`owner`'s sessions, newest first (created_at, then id), from the one after `after`
-        (a session id; ValueError when it is none of the owner's), at most `limit`; and whether
-        more follow. With Redis, Redis is the truth: every replica's sessions are listed."""
+        (a session id, perhaps one of the owner's this replica deleted since; ValueError when it
+        is none of the owner's), at most `limit`; and whether more follow. With Redis, Redis is the truth: every replica's sessions are listed."""
         heads = self.durable.heads()  # outside the lock
         with self._lock:
             if heads is None:
@@ -267,6 +267,13 @@ class SessionCache:
         start = 0
         if after is not None:
             start = next((i + 1 for i, info in enumerate(infos) if info.id == after), -1)
+            with self._lock:
+                deleted = self.placement.deleted_session(after) if start < 0 else None
+            if deleted is not None and deleted[0] == owner:
+                # deleted since the page that named it (a client deleting the sessions it lists):
+                # the listing goes on from its place in the order
+                cursor = (deleted[1], after)
+                start = next((i for i, info in enumerate(infos) if (info.created_at, info.id) < cursor), len(infos))
             if start < 0:
                 raise ValueError(f"'after' is not one of your sessions: {after!r}")
         return infos[start : start + limit], start + limit < len(infos)

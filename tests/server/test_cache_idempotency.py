@@ -174,6 +174,28 @@ def test_listing_is_the_owners_newest_first_in_pages(tmp_path):
         cache.list_sessions("me", limit=2, after=theirs)  # another owner's id is no cursor
 
 
+def test_a_listing_goes_on_after_a_session_deleted_since_its_page(tmp_path):
+    """A client that deletes the sessions it lists, a page at a time, names a deleted session as
+    its cursor: the listing goes on from that session's place, not 400. Another owner's deleted
+    session is still no cursor."""
+    cache = make_cache(tmp_path)
+    theirs = cache.create("toy", "them", data(10, 9)).id
+    mine = [cache.create("toy", "me", data(10, i)).id for i in range(5)]
+    seen = []
+    page, more = cache.list_sessions("me", limit=2)
+    while True:
+        seen += [s.id for s in page]
+        for session in page:
+            cache.delete(session.id, "me")
+        if not more:
+            break
+        page, more = cache.list_sessions("me", limit=2, after=page[-1].id)
+    assert seen == list(reversed(mine)) and cache.list_sessions("me")[0] == []
+    cache.delete(theirs, "them")
+    with pytest.raises(ValueError):
+        cache.list_sessions("me", limit=2, after=theirs)
+
+
 def test_listing_with_redis_shows_every_replicas_sessions(tmp_path, redis_url):  # noqa: F811
     a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url)
     b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url)
