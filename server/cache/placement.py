@@ -60,7 +60,7 @@ from xlserve.server.cache.stores import Head, MemoryStore
 
 log = logging.getLogger("xlserve.cache")
 
-DELETED_REMEMBERED = 100_000  # deleted session ids kept (about 10 MB) against stale heads
+DELETED_REMEMBERED = 100_000  # deleted sessions remembered (about 20 MB): against stale heads, and as cursors
 
 MEMORY_TIERS = ("device", "host")
 
