@@ -205,6 +205,12 @@ class State:
     kept_in_float32: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
+    def stored_dtype(cls, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a session store in floating `dtype` keeps the floating tensor `name` (as
+        `to_tensors` names it) in: float32 for a field in `kept_in_float32`, else `dtype`."""
+        return torch.float32 if name.split(".")[0] in cls.kept_in_float32 else dtype
+
+    @classmethod
     def commits_deltas(cls) -> bool:
         return bool(cls.delta_axes)
 
@@ -467,8 +473,7 @@ class LanguageModel(nn.Module):
                 shape[dim] = length
             element = tensor.element_size()
             if floating_dtype is not None and tensor.is_floating_point():
-                kept = name.split(".")[0] in fresh.kept_in_float32
-                element = torch.empty(0, dtype=torch.float32 if kept else floating_dtype).element_size()
+                element = torch.empty(0, dtype=fresh.stored_dtype(name, floating_dtype)).element_size()
             total += math.prod(shape) * element
         return total
 

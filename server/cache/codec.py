@@ -146,7 +146,6 @@ class SessionData:
         infinity: a session whose running sums pass 65,504 goes on, less exactly, instead of
         holding infinities that no request could continue from. A field the state keeps in
         float32 (`State.kept_in_float32`) is stored in float32 whatever one `dtype` says."""
-        kept = type(self.state).kept_in_float32
 
         def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
             if not tensor.is_floating_point():
@@ -154,7 +153,7 @@ class SessionData:
             if isinstance(dtype, dict):
                 wanted = dtype.get(name, tensor.dtype)
             else:
-                wanted = torch.float32 if name.split(".")[0] in kept else dtype
+                wanted = self.state.stored_dtype(name, dtype)
             if wanted == torch.float16 and tensor.dtype != torch.float16:  # the one dtype of narrower range
                 largest = torch.finfo(torch.float16).max
                 tensor = tensor.clamp(-largest, largest)

@@ -244,9 +244,12 @@ class Placement:
         try:
             return data if tier == "device" else data.to("cpu")
         except Exception as error:  # noqa: BLE001 (any failure here: the write stands)
-            log.error("session %s: its new state is written but could not be kept on %s (%s: %s); it is read back "
-                      "from the %s when next used", session_id, tier, type(error).__name__, error, self.durable.tier)
+            self._not_kept(session_id, tier, error)
             return None
+
+    def _not_kept(self, session_id: str, tier: str, error: Exception) -> None:
+        log.error("session %s: its new state is written but could not be kept on %s (%s: %s); it is read back from "
+                  "the %s when next used", session_id, tier, type(error).__name__, error, self.durable.tier)
 
     def _keep(self, session_id: str, nbytes: int, data: SessionData | None) -> None:
         """Keep a just-written session's state (`home_copy`'s; None: kept in no memory tier) at
@@ -257,8 +260,7 @@ class Placement:
         try:
             self._store(tier).put(session_id, data)
         except Exception as error:  # noqa: BLE001 (as in `home_copy`: the write stands)
-            log.error("session %s: its new state is written but could not be kept on %s (%s: %s); it is read back "
-                      "from the %s when next used", session_id, tier, type(error).__name__, error, self.durable.tier)
+            self._not_kept(session_id, tier, error)
             return
         self.manager.add_copy(session_id, tier)
 
@@ -355,10 +357,6 @@ class Placement:
                 transfer.add(_Unlink(record.id))
             self.manager.drop_copy(record.id, tier)
         self.manager.add_copy(record.id, "redis")
-
-    def was_deleted(self, session_id: str) -> bool:
-        """Whether the session left the books deleted, among the latest DELETED_REMEMBERED."""
-        return session_id in self._deleted
 
     def deleted_session(self, session_id: str) -> tuple[str | None, float] | None:
         """(owner, created_at) of a session that left the books deleted, among the latest

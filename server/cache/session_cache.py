@@ -257,7 +257,7 @@ class SessionCache:
                     if (meta.get("owner") or None) != owner:
                         continue
                     record = self.manager.get(session_id)
-                    if record is None and self.placement.was_deleted(session_id):  # read before a delete here
+                    if record is None and self.placement.deleted_session(session_id) is not None:  # read before a delete here
                         continue
                     if record is not None and record.version >= version:
                         infos.append(self._info(record))
@@ -701,7 +701,7 @@ class SessionCache:
                     self.placement.forget(record)
                 raise SessionNotFound(session_id)
             if record is None:  # created by another replica
-                if self.placement.was_deleted(session_id):  # a head read before this replica deleted it
+                if self.placement.deleted_session(session_id) is not None:  # a head read before this replica deleted it
                     raise SessionNotFound(session_id)
                 record = DurableStore.record_from_meta(session_id, {**head.meta, "version": head.version}, {"redis"})
                 self.manager.add(record)
