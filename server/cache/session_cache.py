@@ -4,7 +4,8 @@ A session is (model, state, token count, version, owner). This class is what the
 calls for the API process's session operations (the wire ops of server/engine/process.py;
 docs/design.md section 6):
 
-    create / fork / import_new      a new session (random 128-bit id, version 0)
+    create / fork / import_new      a new session (random 128-bit id, version 0; a create or
+                                    import with an Idempotency-Key: an id derived from it)
     acquire -> Lease                one request at a time (else SessionLocked -> 409): the
                                     session's committed state, promoted to the model's device
     commit(lease, data)             the request's whole effect, version + 1, durable on return
@@ -66,6 +67,7 @@ hands out the state as stored; the engine converts it to its model's compute dty
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import secrets
 import threading
@@ -88,8 +90,10 @@ from xlserve.server.cache.durable import DEFAULT_COMPACT_RATIO, DurableStore
 from xlserve.server.cache.errors import (
     CacheError,
     CommitOutcomeUnknown,
+    IdempotencyKeyReused,
     SessionConflict,
     SessionInfo,
+    SessionLocked,
     SessionNotFound,
     SessionUnavailable,
 )
@@ -115,6 +119,20 @@ log = logging.getLogger("xlserve.cache")
 
 def new_session_id() -> str:
     return "sess_" + secrets.token_hex(16)  # 128 random bits
+
+
+class _AlreadyMade(Exception):
+    """A keyed id the books already hold (`_admit_new`): `create` answers with that session."""
+
+
+def keyed_session_id(owner: str | None, idempotency: dict) -> str:
+    """The id a create or import with an Idempotency-Key gives its session: a hash of the owner
+    and the key, so that its retry, on any replica and after a restart, finds the session the
+    first one made instead of making another. 128 bits, as a random id; the same key of another
+    owner names another session. (Without API keys every client is one owner, as for the keys
+    of every other request.)"""
+    digest = hashlib.sha256(f"xlserve create\0{owner or ''}\0{idempotency['key']}".encode()).hexdigest()
+    return "sess_" + digest[:32]
 
 
 class SessionCache:
@@ -216,8 +234,59 @@ class SessionCache:
 
     # -- the API ----------------------------------------------------------------------------
 
-    def create(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
-        return self._admit_new(model, owner, data)
+    def create(self, model: str, owner: str | None, data: SessionData,
+               idempotency: dict | None = None) -> SessionInfo | Replay:
+        """A new session holding `data` (a fresh state, or an imported one). With `idempotency`
+        ({key, fingerprint}) its id comes from the owner and the key (`keyed_session_id`) and
+        the key is remembered in its first write: a retry finds that session and is answered
+        with it as it is now (a Replay), however often, on whichever replica, until it is
+        deleted; the key with another request is IdempotencyKeyReused, and so is a retry after
+        the session was deleted (the key was spent; a delete on another replica is known only
+        from a delete with a key). While the first request is still writing it, a retry is
+        SessionLocked (409: retry)."""
+        if idempotency is None:
+            return self._admit_new(model, owner, data)
+        session_id = keyed_session_id(owner, idempotency)
+        replay = self._made_before(session_id, owner, model, idempotency)
+        if replay is not None:
+            return replay
+        try:
+            return self._admit_new(model, owner, data, session_id=session_id,
+                                   remember=new_entry(idempotency, None, 0, data.tokens))
+        except (_AlreadyMade, SessionConflict):  # another request with the key got there first (Redis: on another replica)
+            replay = self._made_before(session_id, owner, model, idempotency)
+            if replay is None:
+                raise SessionLocked(session_id) from None
+            return replay
+
+    def _made_before(self, session_id: str, owner: str | None, model: str, idempotency: dict) -> Replay | None:
+        """The session a create or import with this key made (`session_id`, its keyed id) as a
+        Replay whose result is the session as it is now; None when it made none."""
+        with self._lock:
+            if self.holds.kind(session_id) == NEW:  # its first request is writing it
+                raise SessionLocked(session_id)
+        try:
+            info = self.info(session_id, owner)
+        except SessionNotFound:
+            with self._lock:
+                deleted = self.placement.deleted_session(session_id) is not None
+            if deleted or self.durable.tombstone(session_id) is not None:
+                raise IdempotencyKeyReused(
+                    f"Idempotency-Key '{idempotency['key']}' made session '{session_id}', which was deleted since; "
+                    "send a new key to make a new session", session_id) from None
+            return None
+        head = self.durable.head(session_id, True)
+        with self._lock:
+            record = self.manager.get(session_id)
+            remembered = head.remembered if head is not None else (record.remembered if record is not None else [])
+        entry = remembered_entry(remembered or [], idempotency, session_id)  # another request's: 422
+        if entry is None:  # no longer among its latest keys: the id alone says the key made it
+            if info.model != model:
+                raise IdempotencyKeyReused(
+                    f"Idempotency-Key '{idempotency['key']}' made session '{session_id}' of model '{info.model}'; "
+                    "send a new key with a new request", session_id)
+            entry = new_entry(idempotency, None, 0, 0)
+        return Replay({**entry, "result": dataclasses.asdict(info)})
 
     def info(self, session_id: str, owner: str | None) -> SessionInfo:
         head = self.durable.head(session_id)  # outside the lock: Redis may be slow
@@ -488,8 +557,9 @@ class SessionCache:
         finally:
             self.release(lease)
 
-    def import_new(self, model: str, owner: str | None, data: SessionData) -> SessionInfo:
-        return self.create(model, owner, data)
+    def import_new(self, model: str, owner: str | None, data: SessionData,
+                   idempotency: dict | None = None) -> SessionInfo | Replay:
+        return self.create(model, owner, data, idempotency)
 
     def compact(self, session_id: str) -> bool:
         """Write an idle session whole at its version, its log of delta commits gone (durable.py
@@ -563,8 +633,11 @@ class SessionCache:
     # -- internals --------------------------------------------------------------------------
 
     def _admit_new(self, model: str, owner: str | None, data: SessionData, source_id: str | None = None,
-                   source_version: int = 0) -> SessionInfo:
+                   source_version: int = 0, session_id: str | None = None,
+                   remember: dict | None = None) -> SessionInfo:
         """Write a new session to the last tier, then put it on the device (create, fork, import).
+        `session_id` (a keyed id, else a random one) is refused with _AlreadyMade when the books
+        hold it; `remember` is an Idempotency-Key entry written with the session.
         A fork (`source_id` at `source_version`, held by the caller) shares its source's stored
         base where the last tier can (durable.py `fork`), unless the source's state is in another
         dtype than the cache's (stored before XLSERVE_STATE_DTYPE changed): the fork is then
@@ -575,11 +648,15 @@ class SessionCache:
                                                                                        data.state._named_tensors())):
             source_id = None
         now = time.time()
-        record = Record(id=new_session_id(), model=model, owner=owner, nbytes=data.nbytes(), tokens=data.tokens,
-                        version=0, created_at=now, last_used_at=now)
+        record = Record(id=session_id or new_session_id(), model=model, owner=owner, nbytes=data.nbytes(),
+                        tokens=data.tokens, version=0, created_at=now, last_used_at=now,
+                        remembered=[] if remember is None else [remember])
         meta = self.durable.metadata(record)
         meta_block = None if source_id is None else encode_delta({}, state_metadata(data), "same", meta)
         with self._lock:
+            if session_id is not None and (self.manager.get(session_id) is not None
+                                           or self.holds.kind(session_id) is not None):
+                raise _AlreadyMade(session_id)
             # its bytes booked in the last tier; a fork's also its copy of the source's log and a block
             source = None if source_id is None else self.manager.get(source_id)
             log_bytes = 0 if meta_block is None else (
@@ -588,7 +665,7 @@ class SessionCache:
             hold = self.holds.take(record.id, NEW)
         try:  # outside the lock
             if source_id is None:
-                self.durable.write(record, lambda: encode_parts(data, meta), expected=None)
+                self.durable.write(record, lambda: encode_parts(data, meta), expected=None, entry=remember)
             else:
                 self.durable.fork(source_id, source_version, record, lambda: encode_parts(data, meta), meta_block)
         except BaseException as error:

@@ -521,17 +521,19 @@ class EngineClient:
             if lease.generation == self.generation:  # the process that granted it is gone otherwise
                 self.send(Release(lease.id))
 
-    async def create_session(self, model: str, owner: str | None) -> SessionInfo:
-        return (await self.call(CreateSession(model, owner))).info
+    async def create_session(self, model: str, owner: str | None,
+                             idempotency: dict | None = None) -> tuple[SessionInfo, bool]:
+        return _info_or_replay(await self.call(CreateSession(model, owner, idempotency)))
 
     async def session_info(self, session_id: str, owner: str | None) -> SessionInfo:
         return (await self.call(GetSession(session_id, owner))).info
 
-    async def import_session(self, model: str | None, owner: str | None, state: bytes) -> SessionInfo:
+    async def import_session(self, model: str | None, owner: str | None, state: bytes,
+                             idempotency: dict | None = None) -> tuple[SessionInfo, bool]:
         """A new session from safetensors bytes, for `model` or the model the state names."""
-        return (await self.call(ImportSession(model, owner, state))).info
+        return _info_or_replay(await self.call(ImportSession(model, owner, state, idempotency)))
 
-    # fork, replace and delete may carry an Idempotency-Key ({key, fingerprint}, `idempotency`):
+    # create, import, fork, replace and delete may carry an Idempotency-Key ({key, fingerprint}, `idempotency`):
     # each says whether its answer is the remembered one of an earlier request with that key
 
     async def fork_session(self, session_id: str, owner: str | None,
@@ -565,8 +567,9 @@ class EngineClient:
 
 
 def _info_or_replay(reply: SessionChanged) -> tuple[SessionInfo, bool]:
-    """A fork's or a replace's session, and whether it is what an earlier request with the same
-    Idempotency-Key was answered (its remembered "result": the session's info as it was then)."""
+    """A create's, an import's, a fork's or a replace's session, and whether it is what an earlier
+    request with the same Idempotency-Key was answered (its remembered "result": the session's
+    info as it was then; a create's or an import's: the session it made, as it is now)."""
     if reply.replay is not None:
         return SessionInfo(**reply.replay["result"]), True
     return reply.info, False

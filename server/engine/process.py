@@ -694,9 +694,9 @@ class EngineProcess:
             self.cache.release(lease)
 
     @handlers.register(CreateSession)
-    def create_session(self, request: CreateSession) -> SessionDescription:
+    def create_session(self, request: CreateSession) -> SessionChanged:
         engine = self.loaded(request.model).engine
-        return SessionDescription(self.cache.create(request.model, request.owner, engine.fresh_data()))
+        return _changed(self.cache.create(request.model, request.owner, engine.fresh_data(), request.idempotency))
 
     @handlers.register(GetSession)
     def get_session(self, request: GetSession) -> SessionDescription:
@@ -725,11 +725,11 @@ class EngineProcess:
         return ExportedState(info, state)
 
     @handlers.register(ImportSession)
-    def import_session(self, request: ImportSession) -> SessionDescription:
+    def import_session(self, request: ImportSession) -> SessionChanged:
         meta, tensors, next_log_probs = decode_import(request.state)
         loaded = self.loaded(request.model or meta.get("model", ""))
         data = validated_import(loaded.name, loaded.model, meta, tensors, next_log_probs)
-        return SessionDescription(self.cache.import_new(loaded.name, request.owner, data))
+        return _changed(self.cache.import_new(loaded.name, request.owner, data, request.idempotency))
 
     @handlers.register(ReplaceState)
     def replace_state(self, request: ReplaceState) -> SessionChanged:

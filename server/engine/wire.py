@@ -243,7 +243,7 @@ class SessionDescription(Reply):
 
 @dataclass
 class SessionChanged(Reply):
-    """A change that may carry an Idempotency-Key (fork, replace, delete): the session after it
+    """A change that may carry an Idempotency-Key (create, import, fork, replace, delete): the session after it
     (none after a delete), or, for a key seen before, the entry remembered with it (`replay`,
     whose "result" is what the first request was answered)."""
 
@@ -361,9 +361,10 @@ class Release(Request, operation=Operation.RELEASE, reply=None):
 
 
 @dataclass
-class CreateSession(Request, operation=Operation.CREATE_SESSION, reply=SessionDescription):
+class CreateSession(Request, operation=Operation.CREATE_SESSION, reply=SessionChanged):
     model: str
     owner: str | None
+    idempotency: dict | None = None
 
 
 @dataclass
@@ -412,12 +413,13 @@ class ReplaceState(Request, operation=Operation.REPLACE_STATE, reply=SessionChan
 
 
 @dataclass
-class ImportSession(Request, operation=Operation.IMPORT_SESSION, reply=SessionDescription):
+class ImportSession(Request, operation=Operation.IMPORT_SESSION, reply=SessionChanged):
     """A new session from `state` (safetensors), for `model` or the model the state names."""
 
     model: str | None
     owner: str | None
     state: bytes
+    idempotency: dict | None = None
 
 
 @dataclass

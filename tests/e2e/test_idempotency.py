@@ -134,3 +134,32 @@ def test_websocket_append_and_generate_take_a_key(server, client):
             assert frame.get("replayed", False) == (attempt == 1)
         assert texts[0] == texts[1]  # the replay's done frame carries the whole text
     assert ok(client.get(f"/v1/sessions/{session}"))["tokens"] == len(document(5)) + 6
+
+
+def test_create_and_import_with_a_key_make_one_session_however_often_retried(client):
+    made = client.post("/v1/sessions", json={"model": MODEL}, headers=keyed("create-1"))
+    again = client.post("/v1/sessions", json={"model": MODEL}, headers=keyed("create-1"))
+    assert made.status_code == again.status_code == 200 and not replayed(made) and replayed(again)
+    session = made.json()["id"]
+    assert again.json()["id"] == session
+    append(client, session, document(5))
+    later = client.post("/v1/sessions", json={"model": MODEL}, headers=keyed("create-1"))
+    assert later.json()["id"] == session and later.json()["tokens"] == info(client, session)["tokens"] > 0
+    other = client.post("/v1/sessions", json={"model": "no-such-model"}, headers=keyed("create-1"))
+    assert other.status_code == 404  # the model is checked first, as without a key
+
+    blob = client.get(f"/v1/sessions/{session}/state").content
+    imported = client.post("/v1/sessions/import", content=blob, headers=keyed("import-1"))
+    imported_again = client.post("/v1/sessions/import", content=blob, headers=keyed("import-1"))
+    assert imported.status_code == imported_again.status_code == 200 and replayed(imported_again)
+    assert imported_again.json()["id"] == imported.json()["id"] != session
+    refused = client.post("/v1/sessions/import", content=blob, headers=keyed("create-1"))
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "idempotency_key_reused"
+    ids = [s["id"] for s in ok(client.get("/v1/sessions", params={"limit": 100}))["data"]]
+    assert ids.count(session) == 1 and ids.count(imported.json()["id"]) == 1
+
+    assert client.delete(f"/v1/sessions/{session}").status_code == 200
+    spent = client.post("/v1/sessions", json={"model": MODEL}, headers=keyed("create-1"))
+    assert spent.status_code == 422 and "deleted since" in spent.json()["error"]["message"]
+    bad = client.post("/v1/sessions", json={"model": MODEL}, headers=keyed("two words"))
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_idempotency_key"

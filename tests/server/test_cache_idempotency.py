@@ -9,6 +9,7 @@ import pytest
 from xlserve.server.cache import (
     CacheFull,
     IdempotencyKeyReused,
+    SessionConflict,
     SessionLocked,
     SessionNotFound,
     SessionTooLarge,
@@ -101,6 +102,65 @@ def test_fork_replace_and_delete_with_a_key_answer_their_retry_the_same(tmp_path
     restarted = make_cache(tmp_path)  # the tombstone is a file too
     assert isinstance(restarted.delete(fork.id, "owner", key("d", "delete")), Replay)
     assert [s.id for s in restarted.sessions()] == [sid]
+
+
+def test_a_create_or_import_with_a_key_makes_one_session_across_retries_and_restarts(tmp_path):
+    cache = make_cache(tmp_path)
+    made = cache.create("toy", "owner", data(10, 0), key("c", "create"))
+    assert not isinstance(made, Replay) and made.version == 0
+    again = cache.create("toy", "owner", data(10, 0), key("c", "create"))
+    assert isinstance(again, Replay) and again.entry["result"]["id"] == made.id
+    theirs = cache.create("toy", "another-owner", data(10, 0), key("c", "create"))
+    assert not isinstance(theirs, Replay) and theirs.id != made.id  # the key is the owner's own
+    with pytest.raises(IdempotencyKeyReused):
+        cache.create("toy", "owner", data(10, 0), key("c", "import"))  # the key with another request
+    assert len(cache.sessions()) == 2
+
+    lease = cache.acquire(made.id, "owner")
+    cache.commit(lease, data(10, 1, tokens=9))
+    del cache  # no close(): as after kill -9
+    restarted = make_cache(tmp_path)
+    retry = restarted.import_new("toy", "owner", data(10, 5), key("c", "create"))
+    # the session the key made, as it is now; the retry's state was not taken
+    assert isinstance(retry, Replay) and retry.entry["result"]["id"] == made.id
+    assert (retry.entry["result"]["version"], retry.entry["result"]["tokens"]) == (1, 9)
+    lease = restarted.acquire(made.id, "owner")
+    assert same(lease.data, data(10, 1, tokens=9))
+    restarted.release(lease)
+    assert len(restarted.sessions()) == 2
+
+    restarted.delete(made.id, "owner")
+    with pytest.raises(IdempotencyKeyReused, match="deleted since"):  # the key is spent
+        restarted.create("toy", "owner", data(10, 0), key("c", "create"))
+    assert cache_ids(restarted) == {theirs.id}
+
+
+def cache_ids(cache) -> set[str]:
+    return {s.id for s in cache.sessions()}
+
+
+def test_a_create_with_a_key_is_made_once_by_two_replicas_on_one_redis(tmp_path, redis_url):  # noqa: F811
+    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url)
+    b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url)
+    for cache in (a, b):
+        cache.open({"toy": MODEL})
+    owner = "creator-" + tmp_path.name  # the module's Redis is shared with other tests
+    made = a.create("toy", owner, data(10, 0), key("c", "create"))
+    on_b = b.create("toy", owner, data(10, 0), key("c", "create"))  # the retry went to another replica
+    assert isinstance(on_b, Replay) and on_b.entry["result"]["id"] == made.id
+    with pytest.raises(IdempotencyKeyReused):
+        b.create("toy", owner, data(10, 0), key("c", "other request"))
+    assert [s.id for s in b.list_sessions(owner, limit=10)[0]] == [made.id]
+    # two replicas racing with one key both find nothing and both write: the first write of a
+    # session is compare-and-set on Redis holding nothing, so the second is refused (and `create`
+    # answers it as a replay). A third replica that never saw the id writes as the racer would:
+    racer = SessionCache(tmp_path / "c", None, None, None, redis_url=redis_url)
+    racer.open({"toy": MODEL})
+    with pytest.raises(SessionConflict):
+        racer._admit_new("toy", owner, data(10, 0), session_id=made.id)
+    a.delete(made.id, owner, key("d", "delete"))
+    with pytest.raises(IdempotencyKeyReused):  # deleted on a replica, with a key: the other knows
+        b.create("toy", owner, data(10, 0), key("c", "create"))
 
 
 def test_a_session_larger_than_the_device_budget_is_served_from_host_ram(tmp_path):

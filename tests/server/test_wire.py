@@ -39,14 +39,14 @@ SAMPLES = [
     Acquire("sess_a", "alice", KEY),
     Commit(9, {**KEY, "result": {"tokens": 2}}),
     Release(9),
-    CreateSession("m", None),
+    CreateSession("m", None, KEY),
     GetSession("sess_a", "alice"),
     ListSessions("alice", 20, after="sess_b"),
     DeleteSession("sess_a", "alice", KEY),
     ForkSession("sess_a", None, KEY),
     ExportState("sess_a", "alice"),
     ReplaceState("sess_a", "alice", STATE, KEY),
-    ImportSession(None, "alice", STATE),
+    ImportSession(None, "alice", STATE, KEY),
     StopAdmitting(),
     CheckIdle(),
     GetMetrics(),
@@ -171,9 +171,9 @@ def test_every_operation_has_a_request_class_a_handler_and_a_caller():
         await client.append(lease, [3, 4], score=True)
         assert await client.commit(lease, {"tokens": 2}) == INFO
         client.release(lease)
-        assert await client.create_session("m", None) == INFO
+        assert await client.create_session("m", None, KEY) == (OTHER, False)
         assert await client.session_info("sess_a", "alice") == INFO
-        assert await client.import_session("m", "alice", STATE) == INFO
+        assert await client.import_session("m", "alice", STATE, KEY) == (OTHER, False)
         assert await client.fork_session("sess_a", "alice", KEY) == (OTHER, False)
         assert await client.replace_state("sess_a", "alice", STATE, KEY) == (OTHER, False)
         assert await client.delete_session("sess_a", "alice", KEY) is False

@@ -28,7 +28,10 @@ Requests that change a session (append, fork, PUT state, delete; and completions
 `session_id`) take an `Idempotency-Key` header: the same key on the same session returns the first
 answer (with `Idempotent-Replayed: true`) instead of applying twice, the same key with another
 request is 422 `idempotency_key_reused`. A session remembers its 32 most recent keys, in its
-durable copy; a delete's key is remembered for a day.
+durable copy; a delete's key is remembered for a day. A create or an import with a key makes its
+session under an id derived from the caller and the key: its retry (on any replica, after a
+restart) answers that session as it is now instead of making a second, until it is deleted (then
+422: the key is spent); while the first is still writing it, a retry is 409 `session_busy`.
 
 The session operations run in the engine process, where the cache is; what the cache refuses
 reaches the client through the app's error handlers (server/api/errors.py).
@@ -53,8 +56,10 @@ from xlserve.server.api.serving import (
     app_state,
     append_to_session,
     cancel_on_disconnect,
+    create_session as create_one,
     delete_session as delete_one,
     fork_session as fork_one,
+    import_new_session as import_one,
     list_sessions,
     owner_of,
     read_body,
@@ -77,24 +82,28 @@ STATE_FILE = {
 
 
 @router.post("/v1/sessions", response_model=SessionObject, response_model_exclude_unset=True,
-             responses=error_responses(400, 401, 404, 413, 503))
-async def create_session(body: CreateSession, request: Request, owner: str | None = Depends(owner_of)):
-    state = app_state(request)
-    state.served(body.model)
-    info = await state.engine.create_session(body.model, owner)
-    return info.public()
+             responses=error_responses(400, 401, 404, 409, 413, 422, 503))
+async def create_session(body: CreateSession, request: Request, response: Response,
+                         owner: str | None = Depends(owner_of),
+                         idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
+    result, replayed = await create_one(app_state(request), owner, body.model, idempotency_key)
+    response.headers.update(replayed_headers(replayed))
+    return result
 
 
 @router.post("/v1/sessions/import", response_model=SessionObject, response_model_exclude_unset=True,
-             responses=error_responses(400, 401, 404, 413, 503))
-async def import_new_session(request: Request, model: str | None = None, owner: str | None = Depends(owner_of)):
+             responses=error_responses(400, 401, 404, 409, 413, 422, 503))
+async def import_new_session(request: Request, response: Response, model: str | None = None,
+                             owner: str | None = Depends(owner_of),
+                             idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     """The engine process decodes the body and checks that it fits the model (400 otherwise)."""
     state = app_state(request)
     if model is not None:
         state.served(model)
     blob = await read_body(request)
-    info = await state.engine.import_session(model, owner, blob)
-    return info.public()
+    result, replayed = await import_one(state, owner, model, blob, idempotency_key)
+    response.headers.update(replayed_headers(replayed))
+    return result
 
 
 @router.get("/v1/sessions", response_model=SessionList, response_model_exclude_unset=True,

@@ -54,8 +54,10 @@ from xlserve.server.api.serving.requests import (
 from xlserve.server.api.serving.cancellation import Cancellation, cancel_on_disconnect
 from xlserve.server.api.serving.sessions import (
     append_to_session,
+    create_session,
     delete_session,
     fork_session,
+    import_new_session,
     list_sessions,
     replace_session_state,
 )
@@ -78,10 +80,12 @@ __all__ = [
     "append_to_session",
     "cancel_on_disconnect",
     "complete",
+    "create_session",
     "delete_session",
     "detokenize",
     "error_frame",
     "fork_session",
+    "import_new_session",
     "generation_frames",
     "list_sessions",
     "owner_of",

@@ -105,6 +105,25 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
 # -- the other session operations that change a session, and the list -----------------------------
 
 
+async def create_session(state: AppState, owner: str | None, model: str,
+                         idempotency_key: str | None = None) -> tuple[SessionObject, bool]:
+    """POST /v1/sessions: the new session, and whether it is the one an earlier create with the
+    same Idempotency-Key made (as it is now)."""
+    state.served(model)
+    key = idempotency(idempotency_key, "create", {"model": model})
+    info, replayed = await state.engine.create_session(model, owner, key)
+    return SessionObject(**info.public()), replayed
+
+
+async def import_new_session(state: AppState, owner: str | None, model: str | None, blob: bytes,
+                             idempotency_key: str | None = None) -> tuple[SessionObject, bool]:
+    """POST /v1/sessions/import: the new session, and whether it is the one an earlier import with
+    the same Idempotency-Key (and the same bytes) made (as it is now)."""
+    key = idempotency(idempotency_key, "import", {"model": model, "body": hashlib.sha256(blob).hexdigest()})
+    info, replayed = await state.engine.import_session(model, owner, blob, key)
+    return SessionObject(**info.public()), replayed
+
+
 async def fork_session(state: AppState, owner: str | None, session_id: str,
                        idempotency_key: str | None = None) -> tuple[ForkedSession, bool]:
     """POST /v1/sessions/{id}/fork: the new session, and whether that is the remembered answer."""
