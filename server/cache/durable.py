@@ -434,6 +434,25 @@ class DurableStore:
         file with the entry in its metadata (`write`)."""
         return store_call(lambda: self.redis.remember(session_id, version, entry, IDEMPOTENCY_KEYS_PER_SESSION))
 
+    def delete_unreadable(self, session_id: str, owner: str | None, entry: dict | None) -> bool:
+        """Delete a session whose record in Redis does not read (`head` said SessionUnavailable)
+        when its metadata still parses and names `owner`: such a session can never be served,
+        and without this it would stay for good. False, doing nothing, when the record reads
+        after all (the 503 had another cause), when its owner cannot be read, or is another's."""
+        if self.redis is None or not SESSION_ID.match(session_id):
+            return False
+        meta = store_call(lambda: self.redis.raw_metadata(session_id))
+        if meta is None or (meta.get("owner") or None) != owner:
+            return False
+        try:
+            check_record_metadata(meta, ("model", "nbytes", "tokens", "version"))
+            return False
+        except CorruptState:
+            pass
+        store_call(lambda: self.redis.delete(session_id, owner, entry, IDEMPOTENCY_KEYS_PER_SESSION))
+        log.warning("session %s: its record in Redis did not read; deleted by its owner", session_id)
+        return True
+
     def delete(self, record: Record, entry: dict | None) -> None:
         """Delete the session's durable copy. With `entry` (a delete's Idempotency-Key) leave a
         tombstone that remembers it with the session's keys for TOMBSTONE_SECONDS: in Redis, in

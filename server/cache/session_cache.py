@@ -502,6 +502,15 @@ class SessionCache:
             if replay is None:
                 raise
             return replay
+        except SessionUnavailable:  # perhaps a record whose metadata does not read: its owner may still delete it
+            entry = None if idempotency is None else new_entry(idempotency, {}, -1, 0)
+            if not self.durable.delete_unreadable(session_id, owner, entry):
+                raise
+            with self._locked():
+                record = self.manager.get(session_id)
+                if record is not None and not record.pinned:
+                    self.placement.forget(record)
+            return None
         entry = None if idempotency is None else new_entry(idempotency, {}, record.version, record.tokens)
         try:
             self.durable.delete(record, entry)  # outside the lock, the session held

@@ -786,6 +786,21 @@ class RedisStore:
         version, meta = self._version_and_meta(session_id, values[0], values[1])
         return Head(version, meta, entries_from_lines(values[2]) if remembered else None)
 
+    def raw_metadata(self, session_id: str) -> dict | None:
+        """The metadata Redis holds for a session as it parses, unchecked, with the record's
+        version as written (a string) under "version"; None when there is no record or its
+        metadata is not a JSON object: for deleting a record that does not read."""
+        version, meta = self._read(lambda: self.client.hmget(self._key(session_id), "version", "meta"))
+        if version is None or meta is None:
+            return None
+        try:
+            parsed = json.loads(meta)
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        return {**parsed, "version": version.decode(errors="replace") if isinstance(version, bytes) else str(version)}
+
     def get(self, session_id: str) -> tuple[int, dict, bytes] | None:
         version, meta, blob = self._read(lambda: self.client.hmget(self._key(session_id), "version", "meta", "blob"))
         if version is None:

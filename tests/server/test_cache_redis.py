@@ -5,7 +5,7 @@ import pytest
 import redis
 
 from xlserve.server.cache import CacheFull, SessionConflict, SessionNotFound
-from xlserve.server.cache.session_cache import SessionCache
+from xlserve.server.cache.session_cache import Replay, SessionCache
 from xlserve.server.cache.stores import RedisStore
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.cache_helpers import MODEL, data, same, size
@@ -50,6 +50,36 @@ def test_a_record_that_does_not_read_fails_its_own_session_only(tmp_path, redis_
         with pytest.raises(SessionUnavailable):
             a.info(bad, "k")
         assert a.info(sid, "k").version == 0
+    server.delete(key)
+    a.close()
+
+
+def test_its_owner_can_delete_a_record_that_does_not_read(tmp_path, redis_url):  # noqa: F811
+    """A record that can never be served is deleted by its owner (what still parses names it):
+    without that it stayed in Redis for good. Another key, or a record whose owner does not
+    read, still gets the 503 and leaves it; a record that reads is deleted as usual."""
+    from xlserve.server.cache import SessionUnavailable
+
+    a = replica(tmp_path, "a", redis_url)
+    server = redis.Redis.from_url(redis_url)
+    bad = "sess_" + "1" * 32
+    key = a.redis.prefix + bad
+    for version, meta in (("1", '{"owner": "k"}'), ("one", '{"model": "toy", "owner": "k", "tokens": 1, "nbytes": 1}'),
+                          ("1", '{"model": "toy", "owner": "k", "tokens": "x", "nbytes": 1}')):
+        server.hset(key, mapping={"version": version, "meta": meta, "blob": b"x"})
+        with pytest.raises(SessionUnavailable):
+            a.delete(bad, "another key")
+        assert server.exists(key)
+        assert a.delete(bad, "k") is None
+        assert not server.exists(key)
+        with pytest.raises(SessionNotFound):
+            a.info(bad, "k")
+    server.hset(key, mapping={"version": "1", "meta": "not json", "blob": b"x"})
+    with pytest.raises(SessionUnavailable):  # whose it is cannot be read: left for an operator
+        a.delete(bad, "k")
+    server.hset(key, mapping={"version": "1", "meta": '{"owner": "k", "tokens": 1}', "blob": b"x"})
+    assert a.delete(bad, "k", {"key": "d", "fingerprint": "delete"}) is None  # with a key: a tombstone
+    assert isinstance(a.delete(bad, "k", {"key": "d", "fingerprint": "delete"}), Replay)
     server.delete(key)
     a.close()
 
