@@ -1,13 +1,13 @@
 """Importers for other people's checkpoints: `xlserve convert HF_DIR OUT_DIR`.
 
-A Hugging Face model directory (config.json + model.safetensors, or a `pytorch_model.bin` that
-`torch.load(weights_only=True)` accepts) becomes an xlserve checkpoint (config.json +
+A Hugging Face model directory (config.json + model.safetensors, or a `pytorch_model.bin` of
+plain tensors, its pickle parsed as data by torch_file.py, never unpickled) becomes an xlserve checkpoint (config.json +
 model.safetensors + tokenizer files) that `models.checkpoint.load_checkpoint` and the server load
 like any other.
 
 The work splits in two:
 - here, what every importer shares: reading the source directory without running its code
-  (no pickles beyond plain tensors, nothing downloaded), choosing the importer by the config's
+  (no pickle is ever run, nothing downloaded), choosing the importer by the config's
   `model_type`, and writing the result all at once (into a temporary sibling directory renamed
   into place, so a failed conversion leaves nothing behind);
 - in `models/convert/<name>.py`, one module per source architecture with two functions:
@@ -136,7 +136,8 @@ def read_source_config(directory: Path) -> dict:
 
 def read_source_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
     """All tensors of a Hugging Face directory, from safetensors (single file or shards) or,
-    failing that, from pytorch_model.bin through torch.load(weights_only=True)."""
+    failing that, from pytorch_model.bin, whose pickle is parsed as data, never run
+    (torch_file.py)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -164,20 +165,19 @@ def read_source_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
 
 
 def _load_pickled_tensors(path: Path) -> dict[str, Tensor]:
+    """A torch.save file's tensors, its pickle read as data, never run (torch_file.py)."""
+    from xlserve.models.convert.torch_file import NotATensorFile, read_tensors
+
     try:
-        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError, RuntimeError, ...: whatever the restricted unpickler says
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return read_tensors(path)
+    except NotATensorFile as e:
         raise ConversionError(
-            f"{path}: torch.load(weights_only=True) refuses this file ({first_line}). Only pickles of "
-            "plain tensors are read; xlserve never runs a checkpoint's pickled code. Re-save it as "
-            "safetensors in an environment you trust (see docs/convert.md)."
+            f"{path}: not read ({e}). Only the plain tensors of a state dict are read, its pickle "
+            "parsed as data and never run. Re-save the weights as safetensors in an environment you "
+            "trust (see docs/convert.md)."
         ) from None
-    if not isinstance(loaded, dict) or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()
-    ):
-        raise ConversionError(f"{path} does not hold a flat name -> tensor state dict")
-    return dict(loaded)
+    except OSError as e:
+        raise ConversionError(f"{path} cannot be read: {e}") from None
 
 
 def importer_for(config: dict, config_path: Path):

@@ -228,8 +228,8 @@ def test_refusals_name_the_problem_and_write_nothing(references, tmp_path, arch)
     refused(source, tmp_path / "out", "only .*ForCausalLM .*converts")
 
 
-def test_weights_only_pickle_converts_like_safetensors(references, tmp_path):
-    """pytorch_model.bin, read through torch.load(weights_only=True), gives the same model."""
+def test_pytorch_model_bin_converts_like_safetensors(references, tmp_path):
+    """pytorch_model.bin, its pickle parsed as data (never unpickled), gives the same model."""
     spec = references[("mamba2", 0)]
     source = copy_of(spec, tmp_path)
     torch.save(load_file(str(source / "model.safetensors")), source / "pytorch_model.bin")

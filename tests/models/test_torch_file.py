@@ -1,0 +1,152 @@
+"""models/convert/torch_file.py: a torch.save file's tensors read without unpickling. Every file
+here is written by torch.save from tensors the test holds, and read back is compared with those
+tensors (never with torch.load: nothing in this repository unpickles)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+
+import pytest
+import torch
+
+from xlserve.models.convert.torch_file import NotATensorFile, read_tensors
+
+
+def state_dict() -> dict[str, torch.Tensor]:
+    """What checkpoints hold: every storage dtype a model uses, tied and viewed storages, a
+    parameter, a transposed (non-contiguous) tensor, an empty one, a scalar."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 3, generator=generator)
+    return {
+        "weight": weight, "tied": weight, "column": weight[:, 1], "rows": weight[1:3],
+        "transposed": torch.randn(3, 5, generator=generator).t(),
+        "parameter": torch.nn.Parameter(torch.randn(2, generator=generator)),
+        "half": torch.randn(3, generator=generator).half(), "bfloat16": torch.randn(3, generator=generator).bfloat16(),
+        "double": torch.randn(2, dtype=torch.float64, generator=generator),
+        "long": torch.arange(7), "int": torch.arange(3, dtype=torch.int32), "byte": torch.arange(4, dtype=torch.uint8),
+        "int8": torch.tensor([-3, 4], dtype=torch.int8), "bool": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5),
+    }
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_every_tensor_reads_back_as_saved_with_shared_storages_shared(tmp_path, legacy):
+    saved = state_dict()
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(saved, path, _use_new_zipfile_serialization=not legacy)
+    read = read_tensors(path)
+    assert list(read) == list(saved)
+    for name, tensor in saved.items():
+        got = read[name]
+        assert type(got) is torch.Tensor and not got.requires_grad, name
+        assert (got.dtype, got.shape, got.stride()) == (tensor.dtype, tensor.shape, tensor.stride()), name
+        assert torch.equal(got, tensor.detach()), name
+    # tied weights and views stay one storage, as torch.save wrote them
+    assert read["tied"].data_ptr() == read["weight"].data_ptr()
+    assert read["column"].untyped_storage().data_ptr() == read["weight"].untyped_storage().data_ptr()
+
+
+def test_an_ordered_state_dict_with_metadata_reads(tmp_path):
+    """A module's state_dict() is an OrderedDict carrying `_metadata` (BUILD): the tensors read."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    path = tmp_path / "model.bin"
+    torch.save(module.state_dict(), path)
+    read = read_tensors(path)
+    assert list(read) == list(module.state_dict())
+    assert all(torch.equal(read[k], v) for k, v in module.state_dict().items())
+
+
+class _RunsCode:
+    marker = None
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # an unpickler would create this file
+
+
+def test_a_pickle_that_imports_anything_else_is_refused_and_runs_nothing(tmp_path):
+    _RunsCode.marker = tmp_path / "ran"
+    for legacy in (False, True):
+        path = tmp_path / f"evil-{legacy}.bin"
+        torch.save({"weight": torch.ones(2), "bias": _RunsCode()}, path, _use_new_zipfile_serialization=not legacy)
+        with pytest.raises(NotATensorFile, match=r"imports (io|builtins)\.open"):
+            read_tensors(path)
+    assert not _RunsCode.marker.exists()
+
+
+def test_what_is_not_a_state_dict_of_tensors_is_refused_with_its_reason(tmp_path):
+    path = tmp_path / "x.bin"
+    torch.save([torch.ones(1)], path)
+    with pytest.raises(NotATensorFile, match="flat name -> tensor"):
+        read_tensors(path)
+    torch.save({"nested": {"weight": torch.ones(1)}}, path)
+    with pytest.raises(NotATensorFile, match="flat name -> tensor"):
+        read_tensors(path)
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(NotATensorFile, match="neither a zip archive nor a legacy"):
+        read_tensors(path)
+    path.write_bytes(pickle.dumps({"weight": 1.0}, protocol=2))  # a pickle, but not torch.save's
+    with pytest.raises(NotATensorFile):
+        read_tensors(path)
+
+
+def rewritten(path, name: str, change) -> None:
+    """The zip archive at `path` with entry `name` replaced by change(its bytes)."""
+    with zipfile.ZipFile(path) as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    entry = next(n for n in entries if n.endswith(name))
+    entries[entry] = change(entries[entry])
+    with zipfile.ZipFile(path, "w") as archive:
+        for entry_name, data in entries.items():
+            archive.writestr(entry_name, data)
+
+
+def test_a_storage_shorter_than_its_tensor_or_missing_is_refused(tmp_path):
+    path = tmp_path / "x.bin"
+    torch.save({"weight": torch.ones(8)}, path)
+    rewritten(path, "data/0", lambda data: data[:12])
+    with pytest.raises(NotATensorFile, match="ends inside a storage"):
+        read_tensors(path)
+    torch.save({"weight": torch.ones(8)}, path)
+    rewritten(path, "data.pkl", lambda data: data.replace(b"X\x01\x00\x00\x000", b"X\x01\x00\x00\x007"))
+    with pytest.raises(NotATensorFile, match="missing from the archive"):
+        read_tensors(path)
+
+
+def test_a_view_past_its_storage_is_refused(tmp_path):
+    """A stride or size the file declares that would reach past the storage's bytes is refused,
+    not read out of bounds."""
+    path = tmp_path / "x.bin"
+    torch.save({"weight": torch.ones(4)}, path)
+    # the size tuple (4,) is BININT1 4 then TUPLE1 (K\x04\x85); ask for 400 elements instead (M\x90\x01)
+    rewritten(path, "data.pkl", lambda data: data.replace(b"K\x04\x85", b"M\x90\x01\x85", 1))
+    with pytest.raises(NotATensorFile, match="reaches past its storage"):
+        read_tensors(path)
+
+
+def test_a_big_endian_archive_is_read_in_this_machines_order(tmp_path):
+    path = tmp_path / "x.bin"
+    values = torch.tensor([1.5, -2.25, 3.0])
+    torch.save({"weight": values}, path)
+    rewritten(path, "byteorder", lambda _: b"big")
+    rewritten(path, "data/0", lambda data: b"".join(struct.pack(">f", v) for v in struct.unpack("<3f", data)))
+    assert torch.equal(read_tensors(path)["weight"], values)
+
+
+def test_the_legacy_stream_checks_its_storages_against_its_tensors(tmp_path):
+    path = tmp_path / "x.bin"
+    torch.save({"weight": torch.ones(4)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    path.write_bytes(data[:-3])  # cut inside the last storage
+    with pytest.raises(NotATensorFile, match="ends inside a storage"):
+        read_tensors(path)
+    stream = io.BytesIO(data)
+    assert read_tensors_from_bytes(tmp_path, stream.getvalue())["weight"].sum() == 4
+
+
+def read_tensors_from_bytes(tmp_path, data: bytes) -> dict:
+    path = tmp_path / "again.bin"
+    path.write_bytes(data)
+    return read_tensors(path)
