@@ -23,6 +23,7 @@ and stride, so tensors that shared a storage (tied weights, views) share it here
 from __future__ import annotations
 
 import io
+import os
 import pickletools
 import struct
 import sys
@@ -100,10 +101,15 @@ def _read_archive(archive: zipfile.ZipFile) -> object:
     def storage(ref: _StorageRef) -> Tensor:
         if ref.key not in storages:
             try:
-                with archive.open(f"{root}data/{ref.key}") as stored:
-                    raw = _read_exactly(stored, ref.numel * _element_size(ref.dtype))
+                entry = archive.getinfo(f"{root}data/{ref.key}")
             except KeyError:
                 raise NotATensorFile(f"storage {ref.key!r} is missing from the archive") from None
+            size = ref.numel * _element_size(ref.dtype)
+            if entry.file_size < size:  # checked before its buffer is allocated
+                raise NotATensorFile(f"storage {ref.key!r} holds {entry.file_size} bytes, fewer than its "
+                                     f"{ref.numel} elements")
+            with archive.open(entry) as stored:
+                raw = _read_exactly(stored, size)
             storages[ref.key] = _storage_tensor(raw, ref, order)
         return storages[ref.key]
 
@@ -131,12 +137,16 @@ def _read_legacy(stream) -> object:
     if not isinstance(keys, list) or set(keys) != set(refs):
         raise NotATensorFile("its list of storages does not match the storages its tensors name")
     storages: dict[str, Tensor] = {}
+    left = os.fstat(stream.fileno()).st_size
     for key in keys:
         ref = refs[key]
         (count,) = struct.unpack("<q", bytes(_read_exactly(stream, 8)))
         if count != ref.numel:
             raise NotATensorFile(f"storage {key!r} holds {count} elements where {ref.numel} were named")
-        raw = _read_exactly(stream, count * _element_size(ref.dtype))
+        size = count * _element_size(ref.dtype)
+        if size > left - stream.tell():  # checked before its buffer is allocated
+            raise NotATensorFile("it ends inside a storage")
+        raw = _read_exactly(stream, size)
         storages[key] = _storage_tensor(raw, ref, "little")
     return _resolve(loaded, storages)
 
