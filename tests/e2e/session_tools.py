@@ -101,12 +101,16 @@ def histogram(text: str, name: str, **labels) -> dict[str, float]:
     return buckets
 
 
-def race_generate_against_append(generating, appending, session_id: str, text: str, max_tokens: int = 600) -> dict:
+def race_generate_against_append(generating, appending, session_id: str, text: str, max_tokens: int = 4000) -> dict:
     """`generating` streams a completion on the session while `appending` appends `text` to it,
     both from the same version: whoever commits second must be refused with a version conflict,
     and only the winner's tokens count. Returns the session's info after the race (as
     `generating` sees it), having checked that exactly one was refused and what the winner
-    left."""
+    left.
+
+    The append must land while the stream runs (one that comes after its commit starts from the
+    new version and wins too): `max_tokens` is long enough that the stream runs for seconds
+    (about 3 s on two idle cores), past a loaded machine's stalls."""
     before = info(generating, session_id)
     with generating.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": max_tokens,
                                                             "temperature": 0, "stream": True,
@@ -139,21 +143,22 @@ def fork(client, session: str) -> str:
     return ok(client.post(f"/v1/sessions/{session}/fork"))["id"]
 
 
-def decode_steps_with_rows(client, model: str) -> float:
-    """Decode steps of `model` that ran with more than one row, so far."""
+def decode_steps_with_rows(client, model: str, more_than: int = 1) -> float:
+    """Decode steps of `model` that ran with more than `more_than` rows, so far."""
     buckets = histogram(client.get("/metrics").text, "xlserve_batch_size", model=model)
-    return buckets["+Inf"] - buckets["1.0"]
+    return buckets["+Inf"] - buckets[f"{float(more_than)}"]
 
 
 def decode_together_as_alone(server, client, model: str, histories: list[str], prompts: list[str],
-                             max_tokens: int, attempts: int = 4) -> None:
+                             max_tokens: int, attempts: int = 4, more_than: int = 1) -> list[str]:
     """Sessions with `histories` generate `prompts` at once (one thread and connection each):
-    greedy gives each the text it gets alone, and the engine ran steps with more than one row.
+    greedy gives each the text it gets alone, and the engine ran steps with more than
+    `more_than` rows (one: some rows shared a step). Returns the texts alone.
 
     Starting at once is up to the machine: on a loaded one (CI's two cores, another test worker)
     one request can finish its few tokens before the other is admitted. So the race is run again
-    from fresh forks, at most `attempts` times, until one run shared a step; every run must give
-    each row its text alone, shared or not."""
+    from fresh forks, at most `attempts` times, until one run had a step that big; every run must
+    give each row its text alone, shared or not."""
     sources = []
     for history in histories:
         sources.append(create(client, model))
@@ -161,7 +166,7 @@ def decode_together_as_alone(server, client, model: str, histories: list[str], p
     alone = [greedy(client, model, fork(client, s), p, max_tokens=max_tokens) for s, p in zip(sources, prompts)]
     for attempt in range(attempts):
         together_sessions = [fork(client, s) for s in sources]
-        before = decode_steps_with_rows(client, model)
+        before = decode_steps_with_rows(client, model, more_than)
         start = threading.Barrier(len(sources))
 
         def run(i: int) -> str:
@@ -172,6 +177,6 @@ def decode_together_as_alone(server, client, model: str, histories: list[str], p
         with ThreadPoolExecutor(len(sources)) as pool:
             together = list(pool.map(run, range(len(sources))))
         assert together == alone, f"attempt {attempt + 1}"
-        if decode_steps_with_rows(client, model) > before:
-            return
-    raise AssertionError(f"the requests never shared a decode step in {attempts} attempts")
+        if decode_steps_with_rows(client, model, more_than) > before:
+            return alone
+    raise AssertionError(f"no decode step ran with more than {more_than} rows in {attempts} attempts")

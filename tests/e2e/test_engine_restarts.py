@@ -104,6 +104,11 @@ def test_an_engine_process_that_keeps_dying_makes_the_server_exit_non_zero(tiny_
     assert last.startswith("xlserve serve: the engine process") and "XLSERVE_ENGINE_RESTART_LIMIT=1" in last, last
 
 
+# XLSERVE_ENGINE_STALL_SECONDS of the frozen-engine test: well past the 1-3 s a loaded machine can
+# stall a live engine process for (which would be killed as frozen while its request waits)
+STALL_SECONDS = 8
+
+
 def names_the_stall(reasons: list[str]) -> bool:
     return any("made no progress" in reason for reason in reasons)
 
@@ -113,20 +118,20 @@ def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_c
     it says nothing (not even its heartbeat) while a request waits, for XLSERVE_ENGINE_STALL_SECONDS,
     says so on /ready (503) and in /health's body (still 200: the API process lives), kills it and
     starts a new one; the waiting request is told to retry."""
-    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_ENGINE_STALL_SECONDS": "3"},
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_ENGINE_STALL_SECONDS": f"{STALL_SECONDS:g}"},
                            log_path=tmp_path / "server.log").start()
     frozen = engine_pid(server)
     try:
         body = {"model": MODEL, "prompt": "def main(",
                 "max_tokens": 4, "temperature": 0}
         ok(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
-        time.sleep(5)  # idle beyond the stall setting: the heartbeat keeps a running engine from counting as frozen
+        time.sleep(STALL_SECONDS + 2)  # idle beyond the stall setting: the heartbeat keeps a running engine from counting as frozen
         assert engine_pid(server) == frozen
         os.kill(frozen, signal.SIGSTOP)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
             reasons, health_bodies = [], []
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + STALL_SECONDS + 30
             while time.monotonic() < deadline and not (names_the_stall(reasons) and names_the_stall(health_bodies)):
                 ready = httpx.get(server.url + "/ready", timeout=5)
                 if ready.status_code == 503:
@@ -139,8 +144,9 @@ def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_c
                         assert health.json()["status"] == "ok", health.json()
                 time.sleep(0.1)
             refused = waiting.result(timeout=60)
-        assert any("made no progress" in r and "XLSERVE_ENGINE_STALL_SECONDS=3" in r for r in reasons), reasons
-        assert any("made no progress" in r and "XLSERVE_ENGINE_STALL_SECONDS=3" in r for r in health_bodies), health_bodies
+        setting = f"XLSERVE_ENGINE_STALL_SECONDS={STALL_SECONDS:g}"
+        assert any("made no progress" in r and setting in r for r in reasons), reasons
+        assert any("made no progress" in r and setting in r for r in health_bodies), health_bodies
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarting", refused.text
         assert gone_within(frozen, 30)
         replaced(server, frozen)

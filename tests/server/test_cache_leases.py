@@ -68,8 +68,8 @@ def test_settled_waits_until_the_move_ends():
 
     mover = threading.Thread(target=finish_the_move)
     started = time.monotonic()
-    mover.start()
-    with lock:
+    with lock:  # taken before the mover starts: it can give the hold back only while settled waits
+        mover.start()
         assert holds.settled("a") is False  # it waited (the lock given up meanwhile): look it up again
         assert time.monotonic() - started >= 0.15
         assert holds.settled("a") is True
