@@ -288,9 +288,25 @@ def parse_header(head: bytes) -> tuple[int, dict]:
     return length, header
 
 
+def entries_from_lines(text: bytes | str | None) -> list[dict]:
+    """A session's remembered Idempotency-Key entries from their stored form (one JSON object a
+    line, newest first); CorruptState when one does not read."""
+    if not text:
+        return []
+    try:
+        if isinstance(text, bytes):
+            text = text.decode()
+        entries = [json.loads(line) for line in text.split("\n") if line]
+    except ValueError as error:  # not UTF-8, or not JSON
+        raise CorruptState(f"its remembered Idempotency-Keys do not read ({error})") from None
+    if not all(isinstance(entry, dict) for entry in entries):
+        raise CorruptState("its remembered Idempotency-Keys are not JSON objects")
+    return entries
+
+
 def check_record_metadata(meta: dict, fields: tuple[str, ...] = ("model", "nbytes", "tokens")) -> None:
     """CorruptState naming the first of the fields a session's books are built from (`fields`,
-    and the times when present) that is missing or does not read: a header whose JSON parses but
+    and the times and remembered Idempotency-Keys when present) that is missing or does not read: a header whose JSON parses but
     was damaged or written by something else must fail its own session, never the start-up or a
     listing of every session."""
     numbers = {"nbytes": int, "tokens": int, "version": int, "created_at": float, "last_used_at": float}
@@ -308,6 +324,8 @@ def check_record_metadata(meta: dict, fields: tuple[str, ...] = ("model", "nbyte
             raise CorruptState(f"its metadata's {name!r} is {value!r}, not a number") from None
         if number < 0 or number != number:  # negative, or NaN
             raise CorruptState(f"its metadata's {name!r} is {value!r}")
+    if "idempotency" in meta:
+        entries_from_lines(meta["idempotency"])
 
 
 def metadata_of(blob_or_head: bytes) -> dict[str, str]:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, check_record_metadata,
-                                       floating_dtypes, joined, materialise, session_data)
+                                        entries_from_lines, floating_dtypes, joined, materialise, session_data)
 from xlserve.server.cache.errors import (
     CacheFull,
     CommitOutcomeUnknown,
@@ -62,7 +62,6 @@ from xlserve.server.cache.stores import (
     StoreFull,
     StoreUnavailable,
     StoreWriteInDoubt,
-    entries_from_lines,
     entry_line,
 )
 
@@ -152,7 +151,8 @@ class DurableStore:
             "architecture": getattr(spec, "architecture", "") if spec is not None else "",
             "owner": record.owner or "", "version": str(record.version),
             "created_at": repr(record.created_at), "last_used_at": repr(record.last_used_at),
-        } | ({"idempotency": "\n".join(entry_line(entry) for entry in record.remembered)} if record.remembered else {})
+        } | ({"idempotency": "\n".join(entry_line(entry) for entry in record.remembered)} if record.remembered else {}) \
+          | ({"made_by": record.made_by} if record.made_by else {})
 
     @staticmethod
     def record_from_meta(session_id: str, meta: dict, copies: set[str]) -> Record:
@@ -161,6 +161,7 @@ class DurableStore:
             nbytes=int(meta["nbytes"]), tokens=int(meta["tokens"]), version=int(meta["version"]),
             created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
             copies=set(copies), remembered=entries_from_lines(meta.get("idempotency")),
+            made_by=str(meta.get("made_by") or ""),
         )
 
     @staticmethod
@@ -339,7 +340,8 @@ class DurableStore:
     def _redis_meta(record: Record) -> dict:
         """The `meta` field a session's Redis hash carries (`head` and `record_from_meta` read it)."""
         return {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
-                "created_at": record.created_at, "last_used_at": record.last_used_at}
+                "created_at": record.created_at, "last_used_at": record.last_used_at} \
+            | ({"made_by": record.made_by} if record.made_by else {})
 
     def compact(self, record: Record, blob: Callable[[], Blob]) -> str:
         """Write the session whole at its version (`blob()`, encoded from its committed state): a

@@ -53,6 +53,9 @@ class Record:
     # Idempotency-Key entries, newest first, as in the durable copy (without Redis; with Redis,
     # Redis holds them and they are read from there when a request carries a key)
     remembered: list[dict] = field(default_factory=list)
+    # the fingerprint of the create or import with an Idempotency-Key that made it (its id comes
+    # from the key: session_cache.py keyed_session_id), kept for its whole life; "" for any other
+    made_by: str = ""
     use_seq: int = 0  # monotonic use counter: the LRU order (wall clocks can tie or step back)
     # bytes of the session's log of delta commits beside its base file, where the disk is the last
     # tier (stores.py `DiskStore.append`): up to compact_ratio times the base, on disk as surely

@@ -54,7 +54,7 @@ import time
 from xlserve.server.cache.codec import SessionData, encode_parts
 from xlserve.server.cache.durable import DurableStore, store_call
 from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge, SessionUnavailable
-from xlserve.server.cache.leases import MOVE, Holds
+from xlserve.server.cache.leases import MOVE, NEW, Holds
 from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record
 from xlserve.server.cache.stores import Head, MemoryStore
 
@@ -123,9 +123,19 @@ class Placement:
         them (`leave_file`), each under a hold taken here, so that no spill of the session is
         written or read meanwhile; a session held now keeps its file until a later sweep."""
         with self._lock:
-            gone, self._forgotten = self._forgotten, []
+            forgotten, self._forgotten = self._forgotten, []
             left, self._left_files = self._left_files, []
+            gone: list[str] = []
             held: list[tuple[str, int]] = []
+            # a forgotten id may be in the books again (a keyed id: a create retried with its
+            # Idempotency-Key), whose new file is not to go; held meanwhile, it cannot come back
+            for session_id in dict.fromkeys(forgotten):
+                if self.manager.get(session_id) is not None or self.holds.kind(session_id) == NEW:
+                    continue
+                if self.holds.kind(session_id) is None:
+                    held.append((session_id, self.holds.take(session_id, MOVE)))
+                else:
+                    gone.append(session_id)
             for session_id in dict.fromkeys(left):
                 record = self.manager.get(session_id)
                 if record is None:
@@ -363,12 +373,26 @@ class Placement:
         DELETED_REMEMBERED; None for any other."""
         return self._deleted.get(session_id)
 
-    def forget(self, record: Record) -> None:
-        """The session leaves the books (deleted); its file goes at the next `sweep`."""
+    def deleted_here(self, session_id: str, meta: dict) -> bool:
+        """Whether a session Redis describes with `meta` is one this replica deleted (a head read
+        before the delete): the same id and creation time. A session made under that id since
+        (a create retried with its Idempotency-Key, after a delete) is another, and not."""
+        deleted = self._deleted.get(session_id)
+        if deleted is None:
+            return False
+        try:
+            return float(meta.get("created_at", 0)) == deleted[1]
+        except (TypeError, ValueError):
+            return True
+
+    def forget(self, record: Record, deleted: bool = True) -> None:
+        """The session leaves the books (deleted, which this replica remembers; or, with
+        `deleted` False, never made); its file goes at the next `sweep`."""
         for tier in MEMORY_TIERS:
             self._store(tier).drop(record.id)
         self._forgotten.append(record.id)
-        self._deleted[record.id] = (record.owner, record.created_at)
+        if deleted:
+            self._deleted[record.id] = (record.owner, record.created_at)
         while len(self._deleted) > DELETED_REMEMBERED:
             self._deleted.popitem(last=False)
         self.manager.remove(record.id)

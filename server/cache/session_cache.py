@@ -238,28 +238,27 @@ class SessionCache:
                idempotency: dict | None = None) -> SessionInfo | Replay:
         """A new session holding `data` (a fresh state, or an imported one). With `idempotency`
         ({key, fingerprint}) its id comes from the owner and the key (`keyed_session_id`) and
-        the key is remembered in its first write: a retry finds that session and is answered
-        with it as it is now (a Replay), however often, on whichever replica, until it is
-        deleted; the key with another request is IdempotencyKeyReused, and so is a retry after
-        the session was deleted (the key was spent; a delete on another replica is known only
-        from a delete with a key). While the first request is still writing it, a retry is
-        SessionLocked (409: retry)."""
+        the request's fingerprint is written with it for its whole life (`made_by`): a retry
+        finds that session and is answered with it as it is now (a Replay), however often, on
+        whichever replica, until it is deleted; the key with another request is
+        IdempotencyKeyReused, and so is a retry after a delete this replica made or one sent
+        with a key (a tombstone); after any other delete the retry makes the session anew. While
+        the first request is still writing it, a retry is SessionLocked (409: retry)."""
         if idempotency is None:
             return self._admit_new(model, owner, data)
         session_id = keyed_session_id(owner, idempotency)
-        replay = self._made_before(session_id, owner, model, idempotency)
+        replay = self._made_before(session_id, owner, idempotency)
         if replay is not None:
             return replay
         try:
-            return self._admit_new(model, owner, data, session_id=session_id,
-                                   remember=new_entry(idempotency, None, 0, data.tokens))
+            return self._admit_new(model, owner, data, session_id=session_id, made_by=idempotency["fingerprint"])
         except (_AlreadyMade, SessionConflict):  # another request with the key got there first (Redis: on another replica)
-            replay = self._made_before(session_id, owner, model, idempotency)
+            replay = self._made_before(session_id, owner, idempotency)
             if replay is None:
                 raise SessionLocked(session_id) from None
             return replay
 
-    def _made_before(self, session_id: str, owner: str | None, model: str, idempotency: dict) -> Replay | None:
+    def _made_before(self, session_id: str, owner: str | None, idempotency: dict) -> Replay | None:
         """The session a create or import with this key made (`session_id`, its keyed id) as a
         Replay whose result is the session as it is now; None when it made none."""
         with self._lock:
@@ -275,18 +274,14 @@ class SessionCache:
                     f"Idempotency-Key '{idempotency['key']}' made session '{session_id}', which was deleted since; "
                     "send a new key to make a new session", session_id) from None
             return None
-        head = self.durable.head(session_id, True)
         with self._lock:
             record = self.manager.get(session_id)
-            remembered = head.remembered if head is not None else (record.remembered if record is not None else [])
-        entry = remembered_entry(remembered or [], idempotency, session_id)  # another request's: 422
-        if entry is None:  # no longer among its latest keys: the id alone says the key made it
-            if info.model != model:
-                raise IdempotencyKeyReused(
-                    f"Idempotency-Key '{idempotency['key']}' made session '{session_id}' of model '{info.model}'; "
-                    "send a new key with a new request", session_id)
-            entry = new_entry(idempotency, None, 0, 0)
-        return Replay({**entry, "result": dataclasses.asdict(info)})
+            made_by = record.made_by if record is not None else ""
+        if made_by != idempotency["fingerprint"]:  # the key made it for another request
+            raise IdempotencyKeyReused(
+                f"Idempotency-Key '{idempotency['key']}' made session '{session_id}' for a different request; "
+                "send a new key with a new request", session_id)
+        return Replay(new_entry(idempotency, dataclasses.asdict(info), info.version, info.tokens))
 
     def info(self, session_id: str, owner: str | None) -> SessionInfo:
         head = self.durable.head(session_id)  # outside the lock: Redis may be slow
@@ -326,7 +321,7 @@ class SessionCache:
                     if (meta.get("owner") or None) != owner:
                         continue
                     record = self.manager.get(session_id)
-                    if record is None and self.placement.deleted_session(session_id) is not None:  # read before a delete here
+                    if record is None and self.placement.deleted_here(session_id, meta):  # read before a delete here
                         continue
                     if record is not None and record.version >= version:
                         infos.append(self._info(record))
@@ -407,7 +402,7 @@ class SessionCache:
             committed = Record(
                 id=record.id, model=record.model, owner=record.owner, nbytes=data.nbytes(), tokens=data.tokens,
                 version=lease.version + 1, created_at=record.created_at, last_used_at=now,
-                remembered=list(record.remembered),
+                remembered=list(record.remembered), made_by=record.made_by,
             )
             entry = None
             if remember is not None:  # the info in it is the commit's answer: on the device, the lease ended
@@ -543,13 +538,14 @@ class SessionCache:
 
     def export(self, session_id: str, owner: str | None) -> tuple[SessionInfo, bytes]:
         """The committed state as safetensors bytes (metadata: model, tokens, version, ...; no
-        owner, no remembered Idempotency-Keys)."""
+        owner, no remembered Idempotency-Keys or the fingerprint of the request that made it)."""
         lease = self.acquire(session_id, owner)
         try:
             with self._lock:
                 meta = self.durable.metadata(self.manager.get(session_id))
             meta["owner"] = ""
             meta.pop("idempotency", None)
+            meta.pop("made_by", None)
             return lease.info, encode(lease.data, meta)
         finally:
             self.release(lease)
@@ -642,11 +638,10 @@ class SessionCache:
     # -- internals --------------------------------------------------------------------------
 
     def _admit_new(self, model: str, owner: str | None, data: SessionData, source_id: str | None = None,
-                   source_version: int = 0, session_id: str | None = None,
-                   remember: dict | None = None) -> SessionInfo:
+                   source_version: int = 0, session_id: str | None = None, made_by: str = "") -> SessionInfo:
         """Write a new session to the last tier, then put it on the device (create, fork, import).
         `session_id` (a keyed id, else a random one) is refused with _AlreadyMade when the books
-        hold it; `remember` is an Idempotency-Key entry written with the session.
+        hold it or the cache holds it; `made_by` is the keyed request's fingerprint.
         A fork (`source_id` at `source_version`, held by the caller) shares its source's stored
         base where the last tier can (durable.py `fork`), unless the source's state is in another
         dtype than the cache's (stored before XLSERVE_STATE_DTYPE changed): the fork is then
@@ -658,8 +653,7 @@ class SessionCache:
             source_id = None
         now = time.time()
         record = Record(id=session_id or new_session_id(), model=model, owner=owner, nbytes=data.nbytes(),
-                        tokens=data.tokens, version=0, created_at=now, last_used_at=now,
-                        remembered=[] if remember is None else [remember])
+                        tokens=data.tokens, version=0, created_at=now, last_used_at=now, made_by=made_by)
         meta = self.durable.metadata(record)
         meta_block = None if source_id is None else encode_delta({}, state_metadata(data), "same", meta)
         with self._lock:
@@ -674,7 +668,7 @@ class SessionCache:
             hold = self.holds.take(record.id, NEW)
         try:  # outside the lock
             if source_id is None:
-                self.durable.write(record, lambda: encode_parts(data, meta), expected=None, entry=remember)
+                self.durable.write(record, lambda: encode_parts(data, meta), expected=None)
             else:
                 self.durable.fork(source_id, source_version, record, lambda: encode_parts(data, meta), meta_block)
         except BaseException as error:
@@ -683,8 +677,9 @@ class SessionCache:
                 self.holds.give_back(record.id, hold)
                 if getattr(error, "stored_copy_in_doubt", False):
                     # the file may be there although the client is told the session was not made:
-                    # it goes at the sweep, or a restart would list a session nobody was given
-                    self.placement.forget(record)
+                    # it goes at the sweep, or a restart would list a session nobody was given. A
+                    # keyed id is not remembered as deleted: the client's retry with its key makes it
+                    self.placement.forget(record, deleted=session_id is None)
                 else:
                     self.manager.remove(record.id)
             raise
@@ -787,7 +782,7 @@ class SessionCache:
                     self.placement.forget(record)
                 raise SessionNotFound(session_id)
             if record is None:  # created by another replica
-                if self.placement.deleted_session(session_id) is not None:  # a head read before this replica deleted it
+                if self.placement.deleted_here(session_id, head.meta):  # a head read before this replica deleted it
                     raise SessionNotFound(session_id)
                 record = DurableStore.record_from_meta(session_id, {**head.meta, "version": head.version}, {"redis"})
                 self.manager.add(record)

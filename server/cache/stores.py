@@ -71,7 +71,7 @@ from typing import IO, NamedTuple
 import torch
 
 from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, blob_parts,
-                                       check_record_metadata, metadata_of)
+                                        check_record_metadata, entries_from_lines, metadata_of)
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
@@ -580,7 +580,7 @@ _CAS_SCRIPT = _PREPEND + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local current = redis.call('HGET', KEYS[1], 'version')
 if ARGV[1] == '' then
-  if current then return 0 end
+  if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end  -- a session, or a delete's tombstone
 elseif current ~= ARGV[1] then
   return 0
 end
@@ -665,14 +665,6 @@ class Head(NamedTuple):
 def entry_line(entry: dict) -> str:
     """An Idempotency-Key entry as one line of JSON (JSON escapes every newline inside)."""
     return json.dumps(entry, separators=(",", ":"))
-
-
-def entries_from_lines(text: bytes | str | None) -> list[dict]:
-    if not text:
-        return []
-    if isinstance(text, bytes):
-        text = text.decode()
-    return [json.loads(line) for line in text.split("\n") if line]
 
 
 class RedisStore:
@@ -784,7 +776,7 @@ class RedisStore:
         if values[0] is None:
             return None
         version, meta = self._version_and_meta(session_id, values[0], values[1])
-        return Head(version, meta, entries_from_lines(values[2]) if remembered else None)
+        return Head(version, meta, self._entries(session_id, values[2]) if remembered else None)
 
     def raw_metadata(self, session_id: str) -> dict | None:
         """The metadata Redis holds for a session as it parses, unchecked, with the record's
@@ -892,7 +884,15 @@ class RedisStore:
         owner, remembered = self._read(lambda: self.client.hmget(self._key(session_id), "deleted", "idempotency"))
         if owner is None:
             return None
-        return (owner.decode() if isinstance(owner, bytes) else owner) or None, entries_from_lines(remembered)
+        return (owner.decode() if isinstance(owner, bytes) else owner) or None, self._entries(session_id, remembered)
+
+    def _entries(self, session_id: str, text) -> list[dict]:
+        """A record's remembered Idempotency-Keys; StoreUnavailable, for this session alone,
+        when they do not read (written by something else)."""
+        try:
+            return entries_from_lines(text)
+        except CorruptState as error:
+            raise StoreUnavailable(f"Redis at {self._safe_url()} holds session {session_id} with {error}") from None
 
     def close(self) -> None:
         if self._client is not None:

@@ -11,6 +11,7 @@ from xlserve.server.cache import (
     IdempotencyKeyReused,
     SessionConflict,
     SessionLocked,
+    SessionUnavailable,
     SessionNotFound,
     SessionTooLarge,
 )
@@ -135,6 +136,44 @@ def test_a_create_or_import_with_a_key_makes_one_session_across_retries_and_rest
     assert cache_ids(restarted) == {theirs.id}
 
 
+def test_a_keyed_create_whose_write_may_have_landed_is_made_by_its_retry(tmp_path, monkeypatch):
+    """A keyed create whose file was renamed in but whose directory sync failed is answered 503
+    (the session was not made, its file goes): the client's retry with the key makes it, and is
+    not told the key was spent on a deleted session."""
+    from xlserve.server.cache.stores import DiskStore
+
+    cache = make_cache(tmp_path)
+    sync = DiskStore._sync_directory
+    monkeypatch.setattr(DiskStore, "_sync_directory", lambda self: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(SessionUnavailable):
+        cache.create("toy", "owner", data(10, 0), key("c", "create"))
+    monkeypatch.setattr(DiskStore, "_sync_directory", sync)
+    assert cache_ids(cache) == set()
+    made = cache.create("toy", "owner", data(10, 0), key("c", "create"))
+    assert not isinstance(made, Replay)
+    del cache
+    restarted = make_cache(tmp_path)  # its file is the retry's, not swept with the failed one's
+    assert cache_ids(restarted) == {made.id}
+
+
+def test_a_keyed_session_remembers_its_request_past_32_later_keys(tmp_path):
+    """The fingerprint of the create that made a keyed session is kept for its life, not among
+    its 32 latest keys: another request with the key is refused however many keys came since."""
+    cache = make_cache(tmp_path)
+    made = cache.create("toy", None, data(10, 0), key("c", "create"))
+    for i in range(IDEMPOTENCY_KEYS_PER_SESSION + 2):
+        commit_once(cache, made.id, data(10, i, tokens=10 + i), key(f"k{i}"), {"answer": i})
+    with pytest.raises(IdempotencyKeyReused):
+        cache.import_new("toy", None, data(10, 0), key("c", "import of other bytes"))
+    del cache
+    restarted = make_cache(tmp_path)
+    assert isinstance(restarted.create("toy", None, data(10, 0), key("c", "create")), Replay)
+    with pytest.raises(IdempotencyKeyReused):
+        restarted.create("toy", None, data(10, 0), key("c", "import of other bytes"))
+    _, blob = restarted.export(made.id, None)
+    assert "made_by" not in decode(blob)[0]  # an export carries nothing of the requests
+
+
 def cache_ids(cache) -> set[str]:
     return {s.id for s in cache.sessions()}
 
@@ -152,15 +191,33 @@ def test_a_create_with_a_key_is_made_once_by_two_replicas_on_one_redis(tmp_path,
         b.create("toy", owner, data(10, 0), key("c", "other request"))
     assert [s.id for s in b.list_sessions(owner, limit=10)[0]] == [made.id]
     # two replicas racing with one key both find nothing and both write: the first write of a
-    # session is compare-and-set on Redis holding nothing, so the second is refused (and `create`
-    # answers it as a replay). A third replica that never saw the id writes as the racer would:
+    # session is compare-and-set on Redis holding nothing, so the second is refused and `create`
+    # answers it as a replay. A third replica whose look finds nothing, as the racer's did:
     racer = SessionCache(tmp_path / "c", None, None, None, redis_url=redis_url)
     racer.open({"toy": MODEL})
     with pytest.raises(SessionConflict):
         racer._admit_new("toy", owner, data(10, 0), session_id=made.id)
+    look = racer._made_before
+    looks = []
+    racer._made_before = lambda *args: looks.append(args) or (None if len(looks) == 1 else look(*args))
+    raced = racer.create("toy", owner, data(10, 0), key("c", "create"))
+    assert isinstance(raced, Replay) and raced.entry["result"]["id"] == made.id and len(looks) == 2
     a.delete(made.id, owner, key("d", "delete"))
-    with pytest.raises(IdempotencyKeyReused):  # deleted on a replica, with a key: the other knows
-        b.create("toy", owner, data(10, 0), key("c", "create"))
+    fresh = SessionCache(tmp_path / "d", None, None, None, redis_url=redis_url)  # never saw it
+    fresh.open({"toy": MODEL})
+    with pytest.raises(IdempotencyKeyReused):  # deleted on a replica, with a key: its tombstone tells
+        fresh.create("toy", owner, data(10, 0), key("c", "create"))
+    with pytest.raises(SessionConflict):  # and a first write never lands on a tombstone
+        fresh._admit_new("toy", owner, data(10, 0), session_id=made.id)
+
+    # deleted without a key, on a replica the retry does not reach: the retry makes it anew, and
+    # the replica that deleted it serves the new session (another creation time), not a 404
+    again = b.create("toy", owner, data(10, 0), key("e", "create"))
+    b.delete(again.id, owner)
+    anew = a.create("toy", owner, data(10, 3), key("e", "create"))
+    assert not isinstance(anew, Replay) and anew.id == again.id
+    assert b.info(again.id, owner).created_at == anew.created_at
+    assert [s.id for s in b.list_sessions(owner, limit=10)[0]] == [again.id]
 
 
 def test_a_session_larger_than_the_device_budget_is_served_from_host_ram(tmp_path):

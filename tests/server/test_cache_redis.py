@@ -54,6 +54,22 @@ def test_a_record_that_does_not_read_fails_its_own_session_only(tmp_path, redis_
     a.close()
 
 
+def test_remembered_keys_that_do_not_read_fail_their_own_session(tmp_path, redis_url):  # noqa: F811
+    """Idempotency-Keys in a Redis record that do not read (written by something else) answer
+    503 for that session's keyed requests, not a 500."""
+    from xlserve.server.cache import SessionUnavailable
+
+    a = replica(tmp_path, "a", redis_url)
+    sid = a.create("toy", "k", data(10, 0)).id
+    server = redis.Redis.from_url(redis_url)
+    server.hset(a.redis.prefix + sid, "idempotency", b"not json\n\xff")
+    with pytest.raises(SessionUnavailable, match="Idempotency-Keys do not read"):
+        a.acquire(sid, "k", {"key": "x", "fingerprint": "append"})
+    assert a.info(sid, "k").version == 0  # what needs no keys still works
+    a.delete(sid, "k")
+    a.close()
+
+
 def test_its_owner_can_delete_a_record_that_does_not_read(tmp_path, redis_url):  # noqa: F811
     """A record that can never be served is deleted by its owner (what still parses names it):
     without that it stayed in Redis for good. Another key, or a record whose owner does not
