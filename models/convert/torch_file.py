@@ -18,6 +18,13 @@ Both layouts torch.save writes are read:
 
 A tensor is `torch.frombuffer` over its storage's bytes, viewed with the file's offset, size
 and stride, so tensors that shared a storage (tied weights, views) share it here too.
+
+The file is its author's, so nothing it declares is trusted before it is checked against what
+the file holds: an archive entry must be stored (torch.save never compresses) and lie within the
+file, a storage's bytes must be there before its buffer is allocated, a legacy stream's reads are
+capped at its length, a view must lie within its storage, and no value is walked or printed whole
+(shared references let a few hundred bytes stand for 2**60 values). Anything else a damaged file
+makes the parts raise is NotATensorFile too.
 """
 
 from __future__ import annotations
@@ -73,29 +80,60 @@ class _StorageRef:
 def read_tensors(path: str | Path) -> dict[str, Tensor]:
     """The flat name -> tensor dict a torch.save file holds. NotATensorFile naming the reason
     for anything else (another layout, an import or opcode outside a state dict's, a storage
-    shorter than its tensors)."""
+    shorter than its tensors, sizes the file cannot hold)."""
     path = Path(path)
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            loaded = _read_archive(archive)
-    else:
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                return _flat(_read_archive(archive, path.stat().st_size))
         with open(path, "rb") as stream:
-            loaded = _read_legacy(stream)
+            return _read_legacy(_Bounded(stream, os.fstat(stream.fileno()).st_size))
+    except NotATensorFile:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError, EOFError, zipfile.BadZipFile,
+            MemoryError, OverflowError, RecursionError) as error:  # whatever a damaged file makes the parts raise
+        raise NotATensorFile(f"it does not read as a state dict ({type(error).__name__})") from None
+
+
+def _flat(loaded: object) -> dict[str, Tensor]:
     if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, Tensor)
                                                for k, v in loaded.items()):
         raise NotATensorFile("it does not hold a flat name -> tensor state dict")
     return loaded
 
 
-def _read_archive(archive: zipfile.ZipFile) -> object:
+class _Bounded:
+    """A file read by pickletools with every read capped at what the file still holds: an
+    opcode that declares a length of 2**40 bytes reads what is there and is refused, instead of
+    allocating the length it declares first."""
+
+    def __init__(self, stream, size: int):
+        self.stream, self.size = stream, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(self.size - self.stream.tell(), 0)
+        return self.stream.read(left if n < 0 else min(n, left))
+
+    def readline(self) -> bytes:
+        return self.stream.readline(max(self.size - self.stream.tell(), 0))
+
+    def readinto(self, buffer) -> int:
+        return self.stream.readinto(buffer)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+
+def _read_archive(archive: zipfile.ZipFile, archive_bytes: int) -> object:
     names = archive.namelist()
     pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
-        raise NotATensorFile(f"a zip archive without one <name>/data.pkl (it holds {names[:5]}...)")
+        raise NotATensorFile(f"a zip archive without one <name>/data.pkl ({len(names)} entries)")
     root = pickles[0][: -len("data.pkl")]
     order = "little"
     if root + "byteorder" in names:
-        order = archive.read(root + "byteorder").decode(errors="replace").strip()
+        order = _entry_bytes(archive, archive.getinfo(root + "byteorder"), archive_bytes).decode(errors="replace")
+        order = order.strip()
     storages: dict[str, Tensor] = {}
 
     def storage(ref: _StorageRef) -> Tensor:
@@ -108,12 +146,29 @@ def _read_archive(archive: zipfile.ZipFile) -> object:
             if entry.file_size < size:  # checked before its buffer is allocated
                 raise NotATensorFile(f"storage {ref.key!r} holds {entry.file_size} bytes, fewer than its "
                                      f"{ref.numel} elements")
+            _check_entry(entry, archive_bytes)
             with archive.open(entry) as stored:
                 raw = _read_exactly(stored, size)
             storages[ref.key] = _storage_tensor(raw, ref, order)
         return storages[ref.key]
 
-    return _evaluate(pickletools.genops(io.BytesIO(archive.read(pickles[0]))), storage, legacy=False)
+    pickled = _entry_bytes(archive, archive.getinfo(pickles[0]), archive_bytes)
+    return _evaluate(pickletools.genops(io.BytesIO(pickled)), storage, legacy=False)
+
+
+def _check_entry(entry: zipfile.ZipInfo, archive_bytes: int) -> None:
+    """An archive entry as torch.save writes them: stored, not compressed, and within the file.
+    The sizes an archive declares are its author's: a compressed entry could inflate past any
+    bound, and a declared size past the file's end would be allocated before its read failed."""
+    if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
+        raise NotATensorFile(f"its entry {entry.filename!r} is compressed, which torch.save never does")
+    if entry.header_offset + entry.compress_size > archive_bytes:
+        raise NotATensorFile(f"its entry {entry.filename!r} declares more bytes than the file holds")
+
+
+def _entry_bytes(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, archive_bytes: int) -> bytes:
+    _check_entry(entry, archive_bytes)
+    return archive.read(entry)
 
 
 def _read_legacy(stream) -> object:
@@ -133,11 +188,13 @@ def _read_legacy(stream) -> object:
         return ref  # a placeholder: the storages follow the object
 
     loaded = _evaluate(pickletools.genops(stream), remember, legacy=True)
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, _View) for k, v in loaded.items()):
+        raise NotATensorFile("it does not hold a flat name -> tensor state dict")
     keys = _evaluate(pickletools.genops(stream), _no_storage, legacy=True)
-    if not isinstance(keys, list) or set(keys) != set(refs):
+    if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys) or set(keys) != set(refs):
         raise NotATensorFile("its list of storages does not match the storages its tensors name")
     storages: dict[str, Tensor] = {}
-    left = os.fstat(stream.fileno()).st_size
+    left = stream.size
     for key in keys:
         ref = refs[key]
         (count,) = struct.unpack("<q", bytes(_read_exactly(stream, 8)))
@@ -148,7 +205,7 @@ def _read_legacy(stream) -> object:
             raise NotATensorFile("it ends inside a storage")
         raw = _read_exactly(stream, size)
         storages[key] = _storage_tensor(raw, ref, "little")
-    return _resolve(loaded, storages)
+    return {name: _strided(storages[view.ref.key], view.offset, view.size, view.stride) for name, view in loaded.items()}
 
 
 def _read_exactly(stream, n: int) -> bytearray:
@@ -171,13 +228,14 @@ def _element_size(dtype: torch.dtype) -> int:
 def _storage_tensor(raw: bytearray, ref: _StorageRef, order: str) -> Tensor:
     """The storage's elements (`raw`, exactly its bytes) as a flat tensor sharing `raw`."""
     if order not in ("little", "big"):
-        raise NotATensorFile(f"its byteorder is {order!r}")
+        raise NotATensorFile(f"its byteorder is {order[:20]!r}")
     size = _element_size(ref.dtype)
     if ref.numel == 0:
         return torch.empty(0, dtype=ref.dtype)
     flat = torch.frombuffer(raw, dtype=ref.dtype)
-    if order != sys.byteorder and size > 1:  # swap each element's bytes
-        flat = flat.view(torch.uint8).view(-1, size).flip(1).contiguous().view(ref.dtype).view(-1)
+    if order != sys.byteorder and size > 1:  # swap the bytes of each number (a complex number's two apart)
+        part = size // 2 if ref.dtype.is_complex else size
+        flat = flat.view(torch.uint8).view(-1, part).flip(1).contiguous().view(-1).view(ref.dtype)
     return flat
 
 
@@ -260,7 +318,9 @@ def _evaluate(ops: Iterator, storage: Callable[[_StorageRef], object], legacy: b
                 stack.append(_Global(module, attribute))
             elif name == "STACK_GLOBAL":
                 attribute, module = stack.pop(), stack.pop()
-                stack.append(_Global(str(module), str(attribute)))
+                if not (isinstance(module, str) and isinstance(attribute, str)):
+                    raise NotATensorFile("its pickle imports a name that is not a string")
+                stack.append(_Global(module, attribute))
             elif name == "REDUCE":
                 arguments, function = stack.pop(), stack.pop()
                 stack.append(_call(function, arguments))
@@ -301,7 +361,7 @@ def _list(value) -> list:
 def _storage_ref(pid, legacy: bool) -> _StorageRef:
     """('storage', <dtype's Storage>, key, location, numel[, view metadata]) -> _StorageRef."""
     if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], _Global)):
-        raise NotATensorFile(f"a persistent id that is not a storage: {pid!r}")
+        raise NotATensorFile(f"a persistent id that is not a storage ({_kind(pid)})")
     kind = pid[1]
     if kind.module != "torch" or kind.name not in STORAGE_DTYPES:
         raise NotATensorFile(f"a storage of the unknown type {kind!r}")
@@ -309,23 +369,33 @@ def _storage_ref(pid, legacy: bool) -> _StorageRef:
         raise NotATensorFile("a legacy storage view (torch < 1.0), which this reader does not take")
     key, numel = pid[2], pid[4]
     if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-        raise NotATensorFile(f"a storage id that does not read: {pid!r}")
+        raise NotATensorFile("a storage id that does not read")
     return _StorageRef(STORAGE_DTYPES[kind.name], key, numel)
 
 
 def _call(function, arguments):
     """What REDUCE builds: only the calls a state dict's pickle makes."""
     if not isinstance(function, _Global) or not isinstance(arguments, tuple):
-        raise NotATensorFile(f"its pickle calls {function!r}")
+        raise NotATensorFile(f"its pickle calls a {_kind(function)}")
     name = f"{function.module}.{function.name}"
     if name == "collections.OrderedDict" and arguments in ((), ([],)):
         return {}
     if name in ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor"):
+        if len(arguments) < 4:
+            raise NotATensorFile(f"{name} with {len(arguments)} arguments")
+        if len(arguments) > 6 and arguments[6]:  # a conjugate or negative view's bits: not plain values
+            raise NotATensorFile("a tensor stored as a conjugate or negative view, which this reader does not take")
         storage, offset, size, stride = arguments[:4]
         return _view(storage, offset, size, stride)
     if name == "torch._utils._rebuild_parameter" and arguments and isinstance(arguments[0], (Tensor, _View)):
         return arguments[0]
     raise NotATensorFile(f"its pickle imports {name}, which xlserve does not run (only plain tensors are read)")
+
+
+def _kind(value) -> str:
+    """What a value of the pickle is, for a message: never its repr, which a pickle of shared
+    references can make as large as it likes."""
+    return repr(value) if isinstance(value, _Global) else type(value).__name__
 
 
 class _View:
@@ -336,9 +406,12 @@ class _View:
 
 
 def _view(storage, offset, size, stride):
+    if not isinstance(storage, (Tensor, _StorageRef)):
+        raise NotATensorFile(f"a tensor over a {_kind(storage)}, not a storage")
     if not (isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)
-            and len(size) == len(stride) and all(isinstance(n, int) and n >= 0 for n in (offset, *size, *stride))):
-        raise NotATensorFile(f"a tensor's offset, size or stride does not read: {offset!r}, {size!r}, {stride!r}")
+            and len(size) == len(stride) <= 64
+            and all(isinstance(n, int) and 0 <= n < 2**62 for n in (offset, *size, *stride))):
+        raise NotATensorFile("a tensor's offset, size or stride does not read")
     if isinstance(storage, _StorageRef):
         return _View(storage, offset, size, stride)
     return _strided(storage, offset, size, stride)
@@ -349,16 +422,3 @@ def _strided(storage: Tensor, offset: int, size: tuple, stride: tuple) -> Tensor
     if last >= storage.numel():
         raise NotATensorFile(f"a tensor of size {size} reaches past its storage of {storage.numel()} elements")
     return storage.as_strided(size, stride, offset)
-
-
-def _resolve(value, storages: dict[str, Tensor]):
-    """A legacy object with its placeholders (_View) made tensors over the storages read since."""
-    if isinstance(value, _View):
-        return _strided(storages[value.ref.key], value.offset, value.size, value.stride)
-    if isinstance(value, dict):
-        return {k: _resolve(v, storages) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_resolve(v, storages) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_resolve(v, storages) for v in value)
-    return value

@@ -31,11 +31,15 @@ def state_dict() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
-def test_every_tensor_reads_back_as_saved_with_shared_storages_shared(tmp_path, legacy):
+@pytest.mark.parametrize("legacy,protocol", [(False, 2), (True, 2), (False, 4), (True, 4)],
+                         ids=["zip", "legacy", "zip-protocol-4", "legacy-protocol-4"])
+def test_every_tensor_reads_back_as_saved_with_shared_storages_shared(tmp_path, legacy, protocol):
+    """Protocol 2 is torch.save's default; 4 (FRAME, MEMOIZE, SHORT_BINUNICODE, STACK_GLOBAL) is
+    what a caller may ask it for."""
     saved = state_dict()
+    saved["complex"] = torch.randn(3, dtype=torch.complex64)
     path = tmp_path / "pytorch_model.bin"
-    torch.save(saved, path, _use_new_zipfile_serialization=not legacy)
+    torch.save(saved, path, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
     read = read_tensors(path)
     assert list(read) == list(saved)
     for name, tensor in saved.items():
@@ -160,3 +164,88 @@ def test_the_legacy_stream_cut_inside_a_storage_is_refused(tmp_path):
         read_tensors(path)
     path.write_bytes(data)
     assert torch.equal(read_tensors(path)["weight"], torch.ones(4))
+
+
+def test_a_compressed_entry_or_one_past_the_files_end_is_refused(tmp_path):
+    """torch.save stores its entries uncompressed; a deflated entry could inflate past any
+    bound, and a declared size past the file's end would be allocated before its read failed."""
+    path = tmp_path / "x.bin"
+    torch.save({"weight": torch.ones(8)}, path)
+    with zipfile.ZipFile(path) as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+    with pytest.raises(NotATensorFile, match="compressed"):
+        read_tensors(path)
+    torch.save({"weight": torch.ones(8)}, path)
+    data = bytearray(path.read_bytes())
+    # the central directory's record of data/0: its sizes (compressed, then not) claim 2**31 bytes
+    name = next(n for n in entries if n.endswith("data/0")).encode()
+    record = data.rfind(b"PK\x01\x02", 0, data.rfind(name))
+    data[record + 20 : record + 28] = struct.pack("<II", 2**31, 2**31)
+    path.write_bytes(bytes(data))
+    with pytest.raises(NotATensorFile):
+        read_tensors(path)
+
+
+def test_a_legacy_opcode_declaring_more_bytes_than_the_file_holds_allocates_nothing(tmp_path):
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"\x8e" + struct.pack("<Q", 2**40))  # BINBYTES8 of 2**40 bytes, then nothing
+    with pytest.raises(NotATensorFile):
+        read_tensors(path)
+    path.write_bytes(b"\x8e" + struct.pack("<Q", 2**63 - 1))
+    with pytest.raises(NotATensorFile):
+        read_tensors(path)
+
+
+def shared_references(depth: int) -> bytes:
+    """A pickle of a few hundred bytes whose value, written out, has 2**depth leaves: each list
+    holds the one before twice (BINGET of the memo)."""
+    body = b"]q\x00"  # EMPTY_LIST, BINPUT 0
+    for i in range(1, depth + 1):
+        body += b"(h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"lq" + bytes([i])  # MARK, 2x BINGET, LIST, BINPUT
+    return body
+
+
+def test_a_pickle_of_shared_references_is_refused_at_once(tmp_path):
+    """Nothing walks or prints a pickle's values whole: a value of 2**60 leaves in a few hundred
+    bytes is refused without being expanded (in a call, as a storage id, as the state dict)."""
+    import time
+
+    bomb = shared_references(60)
+    pickles = {
+        "as the state dict": b"\x80\x02" + bomb + b".",
+        "called": b"\x80\x02" + bomb + b"h\x3c\x85R.",  # the list calls itself: REDUCE
+        "as a storage": b"\x80\x02" + bomb + b"Q.",  # BINPERSID
+    }
+    for what, pickled in pickles.items():
+        path = tmp_path / "x.bin"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("x/data.pkl", pickled)
+        started = time.monotonic()
+        with pytest.raises(NotATensorFile) as refused:
+            read_tensors(path)
+        assert time.monotonic() - started < 5 and len(str(refused.value)) < 500, what
+    legacy = tmp_path / "legacy.bin"
+    header = b"".join(pickle.dumps(value, protocol=2) for value in
+                      (0x1950A86A20F9469CFC6C, 1001, {"little_endian": True}))
+    legacy.write_bytes(header + b"\x80\x02" + bomb + b".")  # the object: the bomb itself
+    with pytest.raises(NotATensorFile):
+        read_tensors(legacy)
+
+
+def test_a_conjugate_view_is_refused_not_read_as_its_plain_values(tmp_path):
+    path = tmp_path / "x.bin"
+    torch.save({"weight": torch.randn(3, dtype=torch.complex64).conj()}, path)
+    with pytest.raises(NotATensorFile, match="conjugate"):
+        read_tensors(path)
+
+
+def test_a_big_endian_complex_storage_swaps_each_part(tmp_path):
+    path = tmp_path / "x.bin"
+    values = torch.tensor([1.5 - 2j, 0.25 + 4j], dtype=torch.complex64)
+    torch.save({"weight": values}, path)
+    rewritten(path, "byteorder", lambda _: b"big")
+    rewritten(path, "data/0", lambda data: b"".join(struct.pack(">f", v) for v in struct.unpack("<4f", data)))
+    assert torch.equal(read_tensors(path)["weight"], values)
