@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from xlserve.server.cache.errors import SessionInfo
+from xlserve.server.cache.errors import CommitOutcomeUnknown, SessionInfo
 from xlserve.server.engine.errors import EngineGone, EngineLoading, EngineRestarting, ShuttingDown
 from xlserve.server.engine.memory import engine_environment
 from xlserve.server.engine.types import SamplingParams, Submission
@@ -78,6 +78,11 @@ from xlserve.server.engine.wire import (
 )
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
+
+# the calls that change a session in the engine process: one in flight when that process dies may
+# have landed (its write was durable before the answer could be sent), so it is not "nothing
+# committed, send it again", which without an Idempotency-Key would apply it twice
+CHANGES_A_SESSION = (Commit, CreateSession, ForkSession, ImportSession, ReplaceState, DeleteSession)
 
 log = logging.getLogger("xlserve.engine_client")
 
@@ -148,6 +153,7 @@ class EngineClient:
         self.generation = 0  # which engine process is the current one (counted from 1)
         self.ids = itertools.count(1)  # request and call ids: unique across engine processes
         self.calls: dict[int, asyncio.Future] = {}
+        self.changing_calls: set[int] = set()  # those of `calls` that change a session (CHANGES_A_SESSION)
         self.submissions: dict[int, RemoteSubmission] = {}
         self.reader_task: asyncio.Task | None = None
         self.supervisor: asyncio.Task | None = None  # the background start, then any restart
@@ -314,6 +320,7 @@ class EngineClient:
                     self._route(header["events"])
                 elif kind == FrameKind.ANSWER.value:
                     future = self.calls.pop(header["id"], None)
+                    self.changing_calls.discard(header["id"])
                     if future is not None and not future.done():
                         if "error" in header:
                             future.set_exception(error_from_wire(header["error"]))
@@ -351,7 +358,12 @@ class EngineClient:
         self.reason = f"{cause or 'the engine process died'}; a new one is starting"
         self._fail_in_flight(lambda: EngineRestarting(
             "the engine process died while this request ran; nothing of it was committed. A new engine "
-            "process is starting: send the request again shortly", code="engine_restarting"))
+            "process is starting: send the request again shortly", code="engine_restarting"),
+            changing=lambda: CommitOutcomeUnknown(
+                "the engine process died while this request's change to a session was being written: it may "
+                "have landed or not. A new engine process is starting: check the session (GET "
+                "/v1/sessions/{id}: its version and tokens) before sending it again, or send it again with "
+                "the same Idempotency-Key, which applies at most once"))
         self.supervisor = asyncio.create_task(self._restart(cause))
 
     async def _restart(self, cause: str | None = None) -> None:
@@ -390,12 +402,15 @@ class EngineClient:
             self._ready(restarted=True)
             return
 
-    def _fail_in_flight(self, error: Callable[[], BaseException]) -> None:
-        """Every call awaiting an answer and every running request ends with a fresh `error()`."""
+    def _fail_in_flight(self, error: Callable[[], BaseException],
+                        changing: Callable[[], BaseException] | None = None) -> None:
+        """Every call awaiting an answer and every running request ends with a fresh `error()`;
+        with `changing`, a call that changes a session (CHANGES_A_SESSION) with `changing()`."""
         calls, self.calls = self.calls, {}
-        for future in calls.values():
+        changing_calls, self.changing_calls = self.changing_calls, set()
+        for call_id, future in calls.items():
             if not future.done():
-                future.set_exception(error())
+                future.set_exception(changing() if changing is not None and call_id in changing_calls else error())
         submissions, self.submissions = self.submissions, {}
         for submission in submissions.values():
             submission.ended = True
@@ -451,9 +466,14 @@ class EngineClient:
         call_id = next(self.ids)
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
+        if isinstance(request, CHANGES_A_SESSION):
+            self.changing_calls.add(call_id)
         self.writer.write(encode_frame(*request_frame(request, call_id)))
         if self.writer.transport.get_write_buffer_size() > (1 << 20):
-            await self.writer.drain()
+            try:
+                await self.writer.drain()
+            except ConnectionError:  # the engine process went while a large request was being sent
+                pass  # its answer is the future's: what `_lost` fails it with
         fields, blob = await future
         return request.reply.from_frame(fields, blob)
 

@@ -85,6 +85,14 @@ class QueueFull(EngineError):
     retry_after_seconds = 1
 
 
+class DeviceOutOfMemory(EngineError):
+    """The model's device ran out of memory for this request's own work (checking an imported
+    state): nothing about the request is wrong, and the memory may be free in a moment."""
+
+    http_status, error_type, default_code = 503, "service_unavailable", "device_out_of_memory"
+    retry_after_seconds = 1
+
+
 class ShuttingDown(EngineError):
     """The server is draining for shutdown and admits no new work."""
 

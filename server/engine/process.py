@@ -61,7 +61,7 @@ from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
 from xlserve.server.cache.codec import SessionData, conform_import, decode, floating_dtypes, session_data
 from xlserve.server.cache.prefix_cache import PrefixCache
 from xlserve.server.cache.stores import hold_state_directory
-from xlserve.server.engine.errors import InvalidInput, ModelNotFound
+from xlserve.server.engine.errors import DeviceOutOfMemory, InvalidInput, ModelNotFound
 from xlserve.server.engine.memory import MemoryReturner
 from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine, EventSink
@@ -275,6 +275,9 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
         check_state_magnitudes(data)
         data = data.to(model.device)
         probe_forward(model, data)
+    except torch.OutOfMemoryError:  # a RuntimeError, but the server's trouble, not the state's
+        raise DeviceOutOfMemory(f"the device of model '{name}' ran out of memory while checking the imported "
+                                "state; retry") from None
     except (ValueError, IndexError, RuntimeError) as error:  # RuntimeError: torch on a malformed tensor
         raise refuse(f"the state does not fit model '{name}': {error}") from None
     return data

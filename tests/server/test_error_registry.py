@@ -55,6 +55,9 @@ ANSWERED = {
     "RequestFailed": (500, "internal_error", "sampling_failed", None, {}),
     # a session whose state gives non-finite log-probs at use (issue 35): the client's state, a 4xx
     "StateNotUsable": (422, "invalid_request_error", "state_not_usable", "session_id", {}),
+    # added since: the device out of memory while checking an imported state (a RuntimeError like a
+    # malformed state's, which was answered 400 before)
+    "DeviceOutOfMemory": (503, "service_unavailable", "device_out_of_memory", None, {"Retry-After": "1"}),
     "SessionNotFound": (404, "not_found_error", "session_not_found", "session_id", {}),
     "SessionLocked": (409, "session_busy", "session_busy", "session_id", {}),
     "SessionConflict": (409, "conflict", "session_version_conflict", "session_id", {}),

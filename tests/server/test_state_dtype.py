@@ -96,6 +96,27 @@ def test_validated_import_takes_a_16_bit_export_and_refuses_an_integer_tensor_by
     assert refused.value.code == "invalid_state"
 
 
+def test_the_device_running_out_of_memory_while_probing_an_import_is_a_retryable_503(monkeypatch):
+    """torch's OutOfMemoryError is a RuntimeError, which a malformed state raises too: it must not
+    be answered as the client's state not fitting (a 400 the client would never retry)."""
+    from xlserve.server.api.errors import as_api_error
+    from xlserve.server.engine import process
+    from xlserve.server.engine.errors import DeviceOutOfMemory
+    from xlserve.server.engine.wire import error_from_wire, error_to_wire
+
+    model = tiny_model("transformer-xl")
+    meta, tensors, next_log_probs = decode(encode(session_after_history(model), {"model": "m"}))
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(process, "probe_forward", out_of_memory)
+    with pytest.raises(DeviceOutOfMemory) as refused:
+        validated_import("m", model, meta, tensors, next_log_probs)
+    answered = as_api_error(error_from_wire(error_to_wire(refused.value)))  # as the client gets it
+    assert (answered.status, answered.code, answered.headers) == (503, "device_out_of_memory", {"Retry-After": "1"})
+
+
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_a_session_stored_in_bfloat16_continues_like_float32_at_half_the_bytes(architecture, tmp_path):
     model = tiny_model(architecture)

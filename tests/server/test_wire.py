@@ -290,3 +290,48 @@ def test_events_round_trip_through_json_and_the_last_one_is_known():
     assert isinstance(back, QueueFull) and is_last(back)
     _, back = event_from_wire(event_to_wire(3, Cancelled()))
     assert isinstance(back, Cancelled) and is_last(back)
+
+
+def test_a_change_in_flight_when_the_engine_process_dies_may_have_landed():
+    """The engine process dies (its socket closes) while a commit, a create and a read await
+    their answers: the read is told nothing happened and to send it again (engine_restarting),
+    but the changes may have been written before the answer could be sent, so they are
+    commit_outcome_unknown (no Retry-After): a blind resend without a key could apply twice."""
+    from xlserve.server.cache.errors import CommitOutcomeUnknown
+    from xlserve.server.engine.client import EngineClient, RemoteLease
+    from xlserve.server.engine.errors import EngineRestarting
+    from xlserve.server.metrics import Metrics
+    from xlserve.server.settings import Settings
+
+    ours, theirs = socket.socketpair()
+    arrived = threading.Semaphore(0)
+
+    def engine_process():  # reads three calls, answers none, dies
+        stream = theirs.makefile("rb")
+        for _ in range(3):
+            read_frame(stream)
+            arrived.release()
+        for _ in range(3):
+            arrived.acquire()
+        theirs.close()
+
+    stand_in = threading.Thread(target=engine_process, daemon=True)
+    stand_in.start()
+
+    async def calls_then_death():
+        client = EngineClient(Settings(models="m"), Metrics())
+        client._restart = lambda cause=None: asyncio.sleep(0)  # no real engine process is started
+        reader, writer = await asyncio.open_connection(sock=ours)
+        client._attach(reader, writer, Ready([{"name": "m"}], pid=1))
+        client._ready(restarted=False)
+        lease = RemoteLease(9, "sess_a", INFO, has_history=True, generation=client.generation)
+        results = await asyncio.gather(client.commit(lease, {"tokens": 2}), client.create_session("m", None),
+                                       client.session_info("sess_a", None), return_exceptions=True)
+        writer.close()
+        return results
+
+    commit, create, read = asyncio.run(calls_then_death())
+    stand_in.join(timeout=10)
+    assert isinstance(commit, CommitOutcomeUnknown) and isinstance(create, CommitOutcomeUnknown)
+    assert "may have landed" in str(commit) and "Idempotency-Key" in str(commit)
+    assert isinstance(read, EngineRestarting)
