@@ -151,6 +151,16 @@ class LoadedModel:
     load_seconds: float = 0.0  # reading and placing its weights (said in the start-up log)
 
 
+def exit_for_a_new_engine_process(error: BaseException) -> None:
+    """An engine's step loop stopped on an error of its own (scheduler.py `_loop`): its requests
+    were failed, but the model serves nothing more while the process, and its heartbeat, lives on.
+    The process exits instead; the API process sees it go and starts a new one."""
+    log.critical("an engine's step loop stopped (%s: %s); the engine process exits so that a new one starts",
+                 type(error).__name__, error)
+    logging.shutdown()
+    os._exit(70)  # EX_SOFTWARE; os._exit: the other threads (and their locks) are not waited for
+
+
 def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
                 prefix_cache: PrefixCache | None = None) -> dict[str, LoadedModel]:
     """Every configured checkpoint on the device, each with its engine (events to `sink`),
@@ -182,7 +192,8 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
                         threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache,
                         constraint_cache_size=settings.structured_cache_size,
-                        constraint_compile_seconds=settings.structured_compile_seconds, weights_identity=weights)
+                        constraint_compile_seconds=settings.structured_compile_seconds, weights_identity=weights,
+                        on_loop_failure=exit_for_a_new_engine_process)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine,
                                              time.perf_counter() - started)
     return loaded

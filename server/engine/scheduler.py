@@ -69,6 +69,7 @@ from xlserve.server.engine.errors import (
     Cancelled,
     ContextLengthExceeded,
     EngineError,
+    EngineGone,
     InvalidInput,
     QueueFull,
     RequestFailed,
@@ -94,8 +95,13 @@ class Engine:
                  prefill_chunk: int = 512, max_batch_size: int = 64, max_queued: int = 256, threads: int = 0,
                  prompt_threads: int = 0, prefix_cache: PrefixCache | None = None,
                  constraint_cache_size: int = 256, constraint_compile_seconds: float = 5.0,
-                 weights_identity: bytes = b""):
+                 weights_identity: bytes = b"", on_loop_failure: Callable[[BaseException], None] | None = None):
         self.name = name
+        # called (on the worker thread) when the step loop itself failed and stopped: every request
+        # of this engine has been failed with EngineGone and new ones are refused; the engine
+        # process exits there, so that the server starts a new one (process.py)
+        self.on_loop_failure = on_loop_failure
+        self._broken: BaseException | None = None  # the step loop's own failure, once it stopped
         # mixed into every prefix scope: entries shared through Redis name the weights that made
         # them (process.py `weights_identity`; empty where entries never outlive this process)
         self.weights_identity = weights_identity
@@ -239,6 +245,8 @@ class Engine:
             request.constraint = self.constraints.matcher(params.constraint_kind, params.constraint or "",
                                                           params.constraint_param)
         with self._condition:
+            if self._broken is not None:
+                raise self._gone()
             if not self._admitting or self._closed:
                 raise ShuttingDown("the server is shutting down and admits no new requests; retry on another replica",
                                    code="shutting_down")
@@ -293,6 +301,34 @@ class Engine:
     # -- the step loop (worker thread) -------------------------------------------------------
 
     def _loop(self, thread_ready: threading.Event) -> None:
+        """The worker thread. A step's own failure fails its requests and the loop goes on
+        (`_serve`); a failure outside a step (admitting, handing events to the sink) would end the
+        thread and leave every request waiting for good while the process's heartbeat still beats:
+        it fails every request with EngineGone, refuses new ones, and calls `on_loop_failure`."""
+        try:
+            self._serve(thread_ready)
+        except BaseException as error:
+            log.critical("model %s: the step loop failed and stopped", self.name, exc_info=True)
+            with self._condition:
+                self._broken = error
+                pending = list(self._waiting) + self._running
+                self._waiting.clear()
+            self._running = []
+            self.layout.clear()
+            for request in pending:
+                self._emit(request, self._gone())
+            try:
+                self._flush()
+            except BaseException:
+                log.exception("model %s: the requests' failure could not be handed over either", self.name)
+            if self.on_loop_failure is not None:
+                self.on_loop_failure(error)
+
+    def _gone(self) -> EngineGone:
+        return EngineGone(f"the engine for model '{self.name}' stopped on an error of its own; a new engine "
+                          "process is starting: send the request again shortly", code="engine_gone")
+
+    def _serve(self, thread_ready: threading.Event) -> None:
         self.forward_threads.take()
         thread_ready.set()
         while True:
@@ -579,6 +615,7 @@ class Engine:
         if not rows:
             return
         forward = []
+        generated_before = sum(row.generated for row in rows)
         for row in rows:
             if row.request.failed:  # another of its choices failed this step
                 continue
@@ -589,7 +626,9 @@ class Engine:
                 self._fail(row.request, request_error(error, "sampling_failed"))
         forward = [row for row in forward if not row.request.failed]
         self._flush()  # tokens leave before the forward that follows them
-        self._generated_metric.inc(len(rows))
+        # the tokens this step gave out (not its rows: one whose sampling failed, or that ended by
+        # its constraint without a token, gave none)
+        self._generated_metric.inc(sum(row.generated for row in rows) - generated_before)
         if forward:
             self._batch_metric.observe(len(forward))
             self._forward_rows(forward)

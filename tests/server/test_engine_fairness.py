@@ -238,3 +238,35 @@ def test_rows_that_free_go_first_to_the_owner_holding_fewest():
             engine._running_rows = 0
     finally:
         engine.close()
+
+
+def test_a_step_loop_that_fails_outside_a_step_fails_its_requests_and_refuses_new_ones():
+    """A failure outside a step (here admitting waiting requests into the batch raises) used to end
+    the worker thread: its requests waited for good while the process's heartbeat beat on. Now
+    every request of the engine gets EngineGone, new ones are refused with it, and
+    `on_loop_failure` hears of it (the engine process exits there, for a new one)."""
+    from xlserve.server.engine.errors import EngineGone
+
+    handed: list = []
+    failures: list[BaseException] = []
+    engine = Engine("m", HistoryModel(), ByteTokenizer(), Metrics(), sink=handed.extend,
+                    on_loop_failure=failures.append)
+
+    def admit():
+        raise RuntimeError("a bug in admitting")
+
+    try:
+        engine._admit = admit
+        requests = [generation(engine, "abc", max_tokens=50), generation(engine, "de", max_tokens=50)]
+        with engine._condition:  # both wait before the worker looks (the condition's lock is reentrant)
+            for request in requests:
+                engine.enqueue(request)
+        engine._thread.join(timeout=30)
+        assert not engine._thread.is_alive()
+        assert [type(error) for error in failures] == [RuntimeError]
+        ends = {id(handle): event for handle, event in handed if isinstance(event, BaseException)}
+        assert all(isinstance(ends.get(id(request.handle)), EngineGone) for request in requests)
+        with pytest.raises(EngineGone):
+            engine.enqueue(generation(engine, "again"))
+    finally:
+        engine.close()
