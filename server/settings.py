@@ -164,6 +164,11 @@ class ServerSettings(SettingsGroup):
     # is frozen (SIGSTOP, a debugger): it is killed and restarted like a dead one
     engine_stall_seconds: float = Field(60, ge=2, description="an engine process silent this long while work "
                                         "waits is killed and restarted")
+    # a new engine process (the first or a restart) that has not said it is ready after this long
+    # (loading hung on storage, say) is killed and counted as a failed start, instead of leaving
+    # the server `loading` or `restarting` for good; generous: a real-size checkpoint loads cold
+    engine_start_seconds: float = Field(900, gt=0, description="a new engine process not ready after this long "
+                                        "is killed and counted as a failed start")
     # read by the API process, which renders chat prompts (server/api/chat.py)
     chat_template: Path | None = Field(None, description="a Jinja chat template file for checkpoints that "
                                        "carry none (a checkpoint's own template is kept)")

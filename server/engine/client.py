@@ -249,8 +249,15 @@ class EngineClient:
             theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
         writer.write(encode_frame(*StartWithSettings(self.settings.for_engine_process()).frame()))
+        limit = self.settings.server.engine_start_seconds
         try:
-            first = await read_frame_async(reader)
+            first = await asyncio.wait_for(read_frame_async(reader), limit)
+        except TimeoutError:  # loading hung: a failed start, not a server loading for good
+            writer.close()
+            self.process.kill()
+            await self._reap(self.process)
+            raise EngineStartFailed(f"it was not ready after {limit:g}s (XLSERVE_ENGINE_START_SECONDS) and was "
+                                    "killed", "") from None
         except BaseException:  # cancelled by close(), which kills the process
             writer.close()
             raise

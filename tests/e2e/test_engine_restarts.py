@@ -12,6 +12,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from websockets.sync.client import connect
 
@@ -157,3 +158,16 @@ def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_c
         except ProcessLookupError:
             pass
         server.stop()
+
+
+def test_an_engine_process_that_never_gets_ready_is_a_failed_start_not_loading_for_good(tiny_checkpoint, tmp_path):
+    """XLSERVE_ENGINE_START_SECONDS: an engine process not ready in time (here 0.2 s, less than it
+    takes to import torch) is killed and its start fails; the server stops non-zero saying why in
+    one line, instead of answering `loading` for good."""
+    log_path = tmp_path / "server.log"
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_ENGINE_START_SECONDS": "0.2"}, log_path=log_path)
+    with pytest.raises(RuntimeError, match="server exited"):
+        server.start()
+    output = log_path.read_text()
+    assert "Traceback" not in output
+    assert "not ready after 0.2s (XLSERVE_ENGINE_START_SECONDS)" in output.strip().splitlines()[-1], output[-2000:]
