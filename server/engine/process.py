@@ -61,7 +61,7 @@ from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
 from xlserve.server.cache.codec import SessionData, conform_import, decode, floating_dtypes, session_data
 from xlserve.server.cache.prefix_cache import PrefixCache
 from xlserve.server.cache.stores import hold_state_directory
-from xlserve.server.engine.errors import DeviceOutOfMemory, InvalidInput, ModelNotFound
+from xlserve.server.engine.errors import Cancelled, DeviceOutOfMemory, InvalidInput, ModelNotFound, QueueFull
 from xlserve.server.engine.memory import MemoryReturner
 from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.scheduler import Engine, EventSink
@@ -121,6 +121,11 @@ from xlserve.server.settings import EngineSettings, Settings, parse_quantize
 log = logging.getLogger("xlserve.engine_process")
 
 SESSION_OP_THREADS = 32  # session operations in flight at once (most of their time is spent waiting on I/O)
+# generations whose constraint compiles first wait on their own threads, at most this many at once
+# and this many more queued (then 429): a client sending many distinct schemas must not hold the
+# session operations' threads, which every other client's acquire and commit need
+FIRST_COMPILE_THREADS = 4
+FIRST_COMPILES_QUEUED = 32
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -347,10 +352,11 @@ class Handler:
 
 @dataclass(frozen=True)
 class Deferred:
-    """A handler's answer that comes later, from `work` run on the session-op pool: it may wait
-    on I/O, which the reader thread must never do."""
+    """A handler's answer that comes later, from `work` run on the session-op pool (or `pool`): it
+    may wait on I/O, which the reader thread must never do."""
 
     work: Callable[[], Reply]
+    pool: ThreadPoolExecutor | None = None
 
 
 class HandlerTable:
@@ -416,6 +422,9 @@ class EngineProcess:
         # serialises its local work on its own lock and never holds it while Redis is asked
         self.pool = ThreadPoolExecutor(max_workers=SESSION_OP_THREADS, thread_name_prefix="session-op",
                                        initializer=own_torch_threads, initargs=(1,))
+        self.first_compiles = ThreadPoolExecutor(max_workers=FIRST_COMPILE_THREADS, thread_name_prefix="first-compile",
+                                                 initializer=own_torch_threads, initargs=(1,))
+        self.first_compiles_waiting = 0  # guarded by self.lock: deferred generations not yet queued
         # freed memory goes back to the system once the engines idle (server/engine/memory.py)
         self.memory = MemoryReturner.for_engine_process(
             lambda: all(loaded.engine.idle for loaded in self.models.values()), settings.engine.return_memory)
@@ -481,6 +490,7 @@ class EngineProcess:
         for loaded in self.models.values():
             loaded.engine.close()
         self.pool.shutdown(wait=True)
+        self.first_compiles.shutdown(wait=True)
         self.cache.close()
         self.state_directory.close()  # the directory is free for the next process
 
@@ -511,7 +521,7 @@ class EngineProcess:
         finally:
             self.memory.freed()  # a delete, release or commit may have let go of a state
         if isinstance(result, Deferred):
-            self.pool.submit(self.run, result.work, call_id, operation)
+            (result.pool or self.pool).submit(self.run, result.work, call_id, operation)
         elif result is not None and call_id is not None:
             self.writer.send(*answer_frame(call_id, result))
 
@@ -554,8 +564,13 @@ class EngineProcess:
                              and engine.prefix_lookup_waits):
             cancelled = threading.Event()  # registered first, so that a cancel sent meanwhile is not lost
             with self.lock:
+                if compile_first and self.first_compiles_waiting >= FIRST_COMPILE_THREADS + FIRST_COMPILES_QUEUED:
+                    raise QueueFull(f"{self.first_compiles_waiting} requests wait for a constraint to compile; "
+                                    "retry later", code="constraint_compiler_busy")
+                self.first_compiles_waiting += compile_first
                 self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
-            return Deferred(lambda: self._deferred_generate(request, engine, cancelled, compile_first))
+            return Deferred(lambda: self._deferred_generate(request, engine, cancelled, compile_first),
+                            self.first_compiles if compile_first else None)
         return self._generate(request, engine, constraint=constraint)
 
     def _deferred_generate(self, request: Generate, engine: Engine, cancelled: threading.Event,
@@ -566,6 +581,8 @@ class EngineProcess:
         try:
             constraint = None
             if compile_first:
+                if cancelled.is_set():  # its client left while it waited: nothing to compile for
+                    raise Cancelled("cancelled before its constraint compiled")
                 constraint = engine.constraints.matcher(params.constraint_kind, params.constraint or "",
                                                         params.constraint_param)
             return self._generate(request, engine, cancelled, constraint)
@@ -573,6 +590,10 @@ class EngineProcess:
             with self.lock:
                 self.requests.pop(request.request_id, None)
             raise
+        finally:
+            if compile_first:
+                with self.lock:
+                    self.first_compiles_waiting -= 1
 
     def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None,
                   constraint: object = None) -> Accepted:

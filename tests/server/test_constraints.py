@@ -199,3 +199,36 @@ def test_truncated_sampling_masks_first_and_still_matches(engine):
     assert first["reasons"] == ["stop"] * 4
     again = asyncio.run(collect(engine, request(engine, "config: ", **kwargs)))
     assert again["texts"] == first["texts"]
+
+
+def test_first_compiles_wait_on_their_own_threads_and_their_queue_is_bounded():
+    """A generation whose constraint compiles first runs on the engine process's first-compile
+    threads, not the session-op pool that every acquire and commit needs, and once
+    FIRST_COMPILE_THREADS + FIRST_COMPILES_QUEUED wait, the next is refused with 429
+    constraint_compiler_busy (a client sending many distinct schemas cannot hold the others up)."""
+    import threading
+    from types import SimpleNamespace
+
+    from xlserve.server.engine import process
+    from xlserve.server.engine.errors import QueueFull
+    from xlserve.server.engine.wire import Generate
+
+    compiler = SimpleNamespace(cached_matcher=lambda *args: None)  # never compiled before
+    engine = SimpleNamespace(check_context=lambda *args: None, constraints=compiler, prefix_lookup_waits=False)
+    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
+    handler.models = {"m": SimpleNamespace(engine=engine)}
+    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
+    handler.first_compiles = object()
+
+    def generation(i: int) -> Generate:
+        params = SamplingParams(max_tokens=4, constraint_kind="json_schema", constraint=schema(i))
+        return Generate(i, "m", [1, 2], params)
+
+    limit = process.FIRST_COMPILE_THREADS + process.FIRST_COMPILES_QUEUED
+    for i in range(limit):
+        deferred = handler.generate(generation(i))
+        assert isinstance(deferred, process.Deferred) and deferred.pool is handler.first_compiles
+    with pytest.raises(QueueFull) as refused:
+        handler.generate(generation(limit))
+    assert refused.value.code == "constraint_compiler_busy"
+    assert limit not in handler.requests and len(handler.requests) == limit  # the refused one left nothing
