@@ -519,6 +519,14 @@ class Engine:
         return plan if 0 < len(plan) < len(order) else []
 
     def _prefill_batch(self, batch: list[tuple[EngineRequest, list[int]]]) -> None:
+        whole = [member for member in batch if member[0].prompt_top_k is not None]
+        if whole and len(whole) < len(batch):
+            # rows that need their whole distributions (echo with top log-probabilities) go through
+            # `forward`, the others through `forward_scored`, which may differ within float tolerance
+            # (Transformer-XL's adaptive head): a request's numbers must not hang on its batch-mates
+            self._prefill_batch(whole)
+            self._prefill_batch([member for member in batch if member[0].prompt_top_k is None])
+            return
         requests = [request for request, _ in batch]
         state = requests[0].state if len(requests) == 1 else self.layout.concat([r.state for r in requests])
         if state is None:  # this class cannot batch these rows after all: one by one

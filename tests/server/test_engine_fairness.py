@@ -270,3 +270,37 @@ def test_a_step_loop_that_fails_outside_a_step_fails_its_requests_and_refuses_ne
             engine.enqueue(generation(engine, "again"))
     finally:
         engine.close()
+
+
+class ScoredApart(InvariantHistoryModel):
+    """`forward_scored` within float tolerance of `forward`, as Transformer-XL's adaptive head is,
+    made visible: its next-token rows are 1e-3 lower."""
+
+    def forward_scored(self, tokens, state, lengths=None):
+        next_rows, scores, state = super().forward_scored(tokens, state, lengths)
+        return next_rows - 1e-3, scores, state
+
+
+def test_a_prompt_prefilled_beside_an_echo_with_top_logprobs_gets_its_numbers_alone():
+    """A prompt that needs no whole rows is prefilled through forward_scored alone; batched with
+    an echo that asks for top log-probabilities (whole rows, through forward), it used to go
+    through forward with it, and its first token's log-probability hung on its batch-mate."""
+    engine = Engine("m", ScoredApart(), ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery())
+    try:
+        # prompts of one length: this toy batches equal chunks only
+        alone = asyncio.run(collect(engine, generation(engine, "plain prompt!", max_tokens=2)))
+        plain = generation(engine, "plain prompt!", max_tokens=2)
+        echo = generation(engine, "echoed prompt", max_tokens=2, echo=True, logprobs=2)
+
+        async def together():
+            with engine._condition:  # both wait before the worker looks: one prefill step takes both
+                answers = [asyncio.ensure_future(collect(engine, request)) for request in (plain, echo)]
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*answers)
+
+        batched, _ = asyncio.run(together())
+        assert batched["tokens"] == alone["tokens"]
+        assert batched["logprobs"][0][0] == alone["logprobs"][0][0]  # the prefill's row: 1e-3 apart through forward
+        assert batched["logprobs"][0] == pytest.approx(alone["logprobs"][0], abs=1e-5)  # then decoded together
+    finally:
+        engine.close()
