@@ -72,6 +72,10 @@ class SubmissionDelivery:
         for submission, event in items:
             by_loop.setdefault(submission.loop, []).append((submission, event))
         for loop, loop_items in by_loop.items():
+            if loop.is_closed():  # nobody is listening; what a closed loop had pending goes too
+                with self.lock:
+                    self.pending.pop(loop, None)
+                continue
             with self.lock:
                 pending = self.pending.setdefault(loop, [])
                 wake = not pending

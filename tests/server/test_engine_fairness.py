@@ -304,3 +304,18 @@ def test_a_prompt_prefilled_beside_an_echo_with_top_logprobs_gets_its_numbers_al
         assert batched["logprobs"][0] == pytest.approx(alone["logprobs"][0], abs=1e-5)  # then decoded together
     finally:
         engine.close()
+
+
+def test_events_for_a_closed_event_loop_are_dropped_not_kept():
+    """A loop that closed after it was woken but before it took its events: its pending list
+    used to keep growing with every later step's events for it (and kept the loop alive)."""
+    import types
+
+    delivery = local.SubmissionDelivery()
+    loop = asyncio.new_event_loop()
+    submission = types.SimpleNamespace(loop=loop)
+    delivery([(submission, "first")])  # wakes it: a delivery is scheduled, never run
+    loop.close()
+    for step in range(5):
+        delivery([(submission, step)])
+    assert loop not in delivery.pending
