@@ -10,7 +10,12 @@ chunk, unlike a BaseHTTPMiddleware):
 - text at the edges: a URL path or query string that is not UTF-8 once percent-decoded (an
   encoded surrogate such as %ED%A0%80 included) gets 400, and so does a JSON body nested deeper
   than MAX_JSON_DEPTH (server/api/protocol.py), before any parser recurses into it. Both are
-  plain answers on a connection that stays open for the next request.
+  plain answers on a connection that stays open for the next request. A body is JSON when its
+  Content-Type says so: FastAPI (0.132 on, `strict_content_type`, left on) parses no other body as
+  JSON, one without a Content-Type included;
+- a body is read here only from a caller with one of the API keys, when the server has keys:
+  without one the answer is 401 before the body is read, so that no one without a key can make
+  the server read, scan and parse megabytes (every route that takes a body authenticates).
 
 Websocket connections pass through: `/v1/stream` admits (and counts) each request it runs.
 Every refusal here is counted as the error it is (server/api/errors.py `send_error`).
@@ -22,7 +27,8 @@ from urllib.parse import unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, Unavailable, send_error
+from xlserve.server.api.deps import authenticated_owner
+from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, Unavailable, send_error
 from xlserve.server.api.protocol import json_depth_exceeded, too_deep
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
@@ -44,6 +50,18 @@ def unreadable_target(scope: Scope) -> InvalidRequest | None:
 def is_json(headers: dict[bytes, bytes]) -> bool:
     media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
     return media_type == b"application/json" or media_type.endswith(b"+json")
+
+
+def authentication_error(state, headers: dict[bytes, bytes]) -> APIError | None:
+    """The 401 for a request without one of the server's API keys (None when it has one, or the
+    server has none): as the routes answer it (server/api/deps.py `owner_of`)."""
+    if state is None or not state.api_keys:
+        return None
+    try:
+        authenticated_owner(headers.get(b"authorization", b"").decode("latin-1"), state.api_keys)
+    except APIError as error:
+        return error
+    return None
 
 
 class AdmissionMiddleware:
@@ -74,6 +92,10 @@ class AdmissionMiddleware:
             return
         json_body = is_json(headers)
         if scope["method"] in ("POST", "PUT", "PATCH") and (length is None or json_body):
+            unauthenticated = authentication_error(state, headers)
+            if unauthenticated is not None:
+                await send_error(scope, send, unauthenticated)
+                return
             # read (at most limit + 1 bytes of) the body here, then replay it: a body sent
             # without a length is measured, a JSON body's nesting checked
             messages, size = [], 0

@@ -106,14 +106,21 @@ def owner_of(request: Request) -> str | None:
     if not state.api_keys:
         return None
     header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
     if not header and request.scope.get("type") == "websocket":
-        scheme, token = "bearer", subprotocol_key(request) or ""
+        header = "Bearer " + (subprotocol_key(request) or "")
+    return authenticated_owner(header, state.api_keys)
+
+
+def authenticated_owner(authorization: str, api_keys: list[str]) -> str:
+    """The owner id of the key an `Authorization: Bearer <key>` header carries (`owner_of`; and
+    server/api/admission.py, before it reads a body); AuthenticationFailed when it names none of
+    `api_keys`."""
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise AuthenticationFailed("missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
     # compare against every key in constant time, so timing says nothing about which matched
     matched = False
-    for key in state.api_keys:
+    for key in api_keys:
         matched |= hmac.compare_digest(token.encode(), key.encode())
     if not matched:
         raise AuthenticationFailed("invalid API key", code="invalid_api_key")

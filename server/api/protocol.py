@@ -34,6 +34,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -60,9 +61,17 @@ MAX_ECHO_LOGPROBS = 1_000_000
 # event loop (OpenAI's worst case, 16 prompts x 16 choices x 4096 tokens x 21, is 22 million of
 # them); a streamed answer sends each token's as it comes and has no such bound
 MAX_GENERATED_LOGPROBS = 1_000_000
-MAX_SEED = 2**64 - 1  # the engine's generators take 64-bit seeds
+# seeds: OpenAI's are signed 64-bit integers, and this server took unsigned ones before; the
+# engine takes any integer modulo 2**64 (server/engine/sampling.py), so both ranges are accepted
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's limit)
 MAX_MESSAGES = 1024  # messages of one chat request
+# content parts and tool calls across all the messages of one request: each is a small object
+# validated field by field, and a body at XLSERVE_MAX_REQUEST_BODY_BYTES could hold 300,000 of
+# them (about a second of validation on the event loop)
+MAX_CONTENT_PARTS = 4096
+MAX_MESSAGE_TOOL_CALLS = 1024
+MAX_GUIDED_CHOICES = 10_000  # strings of guided_choice (the constraint's text is bounded too, in bytes)
 MAX_JSON_DEPTH = 32  # nesting of any JSON body or frame: ours need 4 levels at most
 # an Idempotency-Key (header, or a websocket frame's `idempotency_key`): 1 to 255 visible ASCII characters
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
@@ -89,6 +98,20 @@ def utf8_text(value: str) -> str:
 Text = Annotated[str, AfterValidator(utf8_text)]
 # a session named in a body or frame: "" names none, and is refused rather than taken as no session
 SessionId = Annotated[str, Field(min_length=1), AfterValidator(utf8_text)]
+
+
+def at_most(limit: int, what: str, applies=lambda value: True) -> BeforeValidator:
+    """For a field that takes a list among other shapes (a union): a list longer than `limit`
+    is refused naming the limit, before any item is validated. A union tries each of its shapes
+    on every item, so the bound a shape declares would come too late, and `one_of`'s message
+    would hide it. `applies(value)` says whether a long list is of the bounded kind."""
+
+    def validate(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > limit and applies(value):
+            raise PydanticCustomError("too_long", f"at most {limit} {what}; this one has {len(value)}")
+        return value
+
+    return BeforeValidator(validate)
 
 
 def one_of(shapes: str) -> WrapValidator:
@@ -149,7 +172,9 @@ def too_deep(what: str, code: str | None = None, param: str | None = None) -> In
 
 # -- /v1/completions and /v1/chat/completions -----------------------------------------------------
 
-TokenIds = list[int]
+# fail_fast: in a union (a prompt as text, token ids or a list of prompts) the wrong shape stops
+# at its first item, instead of collecting an error for every one of a few million items
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
 TOKEN_ID_KEY_PATTERN = r"^(0|[1-9][0-9]{0,9})$"
 
 
@@ -213,7 +238,7 @@ class StructuredOutputs(RequestBody):
     json_: Annotated[JsonObject | Text | None, one_of("a JSON schema: an object, or its JSON text")] = \
         Field(None, alias="json")
     regex: Text | None = None
-    choice: list[Text] | None = Field(None, min_length=1)
+    choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_GUIDED_CHOICES)
     grammar: Text | None = None
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
@@ -259,14 +284,15 @@ class SamplingOptions(RequestBody):
     only" (server/engine/sampling.py); what it cannot honour is refused here, naming the field."""
 
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: Annotated[Text | list[Text] | None, one_of("a string or a list of strings")] = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Annotated[Text | list[Text] | None, one_of("a string or a list of strings"),
+                    at_most(MAX_STOPS, "stop strings")] = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     logit_bias: LogitBias | None = None
     # the prefix-state cache, for requests without a session_id (README, "Reuse without sessions"):
     # states are shared only by requests of one API key and one cache_salt (vLLM's name); with
@@ -278,7 +304,7 @@ class SamplingOptions(RequestBody):
     response_format: ResponseFormat | None = None
     guided_json: Annotated[JsonObject | Text | None, one_of("a JSON schema: an object, or its JSON text")] = None
     guided_regex: Text | None = None
-    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -306,6 +332,12 @@ def only_when_streamed(options: StreamOptions | None, info) -> StreamOptions | N
     return options
 
 
+def is_prompt_list(prompt: list) -> bool:
+    """Whether a list `prompt` is several prompts (strings or token-id lists) rather than one
+    prompt's token ids."""
+    return isinstance(prompt[0], (str, list))
+
+
 class CompletionRequest(SamplingFields):
     # the parameters OpenAI's completion request marks nullable: null is the default
     null_means_default = frozenset({"prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
@@ -313,8 +345,10 @@ class CompletionRequest(SamplingFields):
                                     "frequency_penalty"})
     # OpenAI's batched form too: a list of prompts (strings or token-id lists); choice
     # `prompt_index * n + choice_index` answers prompt `prompt_index`
-    prompt: Annotated[Text | TokenIds | list[Text] | list[TokenIds],
-                      one_of("a string, a list of token ids, or a list of those (several prompts)")] = ""
+    prompt: Annotated[Text | TokenIds | Annotated[list[Text], Field(fail_fast=True)]
+                      | Annotated[list[TokenIds], Field(fail_fast=True)],
+                      one_of("a string, a list of token ids, or a list of those (several prompts)"),
+                      at_most(MAX_PROMPTS, "prompts in one request", applies=is_prompt_list)] = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
     _stream_options_only_when_streamed = field_validator("stream_options")(only_when_streamed)
@@ -325,7 +359,7 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[str | list[int]] | None:
         """The prompts of a batched request (`prompt` as a list of prompts), or None for one prompt."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if isinstance(prompt, list) and prompt and is_prompt_list(prompt):
             return list(prompt)
         return None
 
@@ -358,6 +392,30 @@ class ChatMessage(RequestBody):
         return self.content or ""
 
 
+def bounded_message_items(messages: Any) -> Any:
+    """`messages` (as sent, before validation) if its content parts and tool calls, counted over
+    all of them, are within MAX_CONTENT_PARTS and MAX_MESSAGE_TOOL_CALLS; a validation error
+    naming the limit otherwise, before any of them is validated."""
+    if not isinstance(messages, list) or len(messages) > MAX_MESSAGES:
+        return messages  # not a list of messages, or too many of them: the list's own checks say so
+    parts = calls = 0
+    for message in messages:  # bounded: MAX_MESSAGES
+        if isinstance(message, dict):
+            content, tool_calls = message.get("content"), message.get("tool_calls")
+            parts += len(content) if isinstance(content, list) else 0
+            calls += len(tool_calls) if isinstance(tool_calls, list) else 0
+    if parts > MAX_CONTENT_PARTS:
+        raise PydanticCustomError("too_long", f"at most {MAX_CONTENT_PARTS} content parts in all the messages of "
+                                              f"one request; these have {parts}")
+    if calls > MAX_MESSAGE_TOOL_CALLS:
+        raise PydanticCustomError("too_long", f"at most {MAX_MESSAGE_TOOL_CALLS} tool_calls in all the messages of "
+                                              f"one request; these have {calls}")
+    return messages
+
+
+Messages = Annotated[list[ChatMessage], BeforeValidator(bounded_message_items)]
+
+
 class ChatCompletionRequest(SamplingOptions):
     """OpenAI's chat completion request; the messages become the prompt through the model's chat
     template (server/api/chat.py). Chat keeps no session (the messages are the whole history)."""
@@ -367,7 +425,7 @@ class ChatCompletionRequest(SamplingOptions):
                                     "max_completion_tokens", "logprobs", "top_logprobs", "stop", "seed", "logit_bias",
                                     "presence_penalty", "frequency_penalty"})
     model: Text
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: Messages = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -391,7 +449,7 @@ class TokenizeRequest(RequestBody):
 
     model: Text
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    messages: Messages | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn, as chat does
     add_special_tokens: bool = True  # accepted for vLLM's clients; these tokenizers add none
 
@@ -601,13 +659,15 @@ class CompletionStreamResponse(ResponseBody):
 class TopLogprob(ResponseBody):
     token: str
     logprob: float
-    bytes: list[int] | None  # always null here: token names are text
+    # the bytes the token adds to the text (a byte token's one byte, named "<0xC3>"), which a
+    # client joins to rebuild a character split over tokens (serving/completions.py token_bytes_reader)
+    bytes: list[int] | None
 
 
 class ChatTokenLogprob(ResponseBody):
     token: str
     logprob: float
-    bytes: list[int] | None
+    bytes: list[int] | None  # as TopLogprob's
     top_logprobs: list[TopLogprob]
 
 

@@ -128,16 +128,53 @@ def called_functions(tools: list, tool_choice) -> list | None:
     return chosen
 
 
+# keywords whose values are JSON data rather than schemas: a "$ref" inside them is not a reference
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# keywords whose values map names to schemas: a name ("default", "$ref") is no keyword there
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def relocated_schema(schema: Any, new_root: str) -> Any:
+    """`schema` with its local references ("#" and "#/pointer") rewritten for `schema` moved to
+    the JSON pointer fragment `new_root` ("#/$defs/tool_0") of a larger document: "#/$defs/Addr"
+    becomes "#/$defs/tool_0/$defs/Addr", and "#" (the schema itself, a recursive one) `new_root`.
+    Other references (a URL, an anchor) are left as they are."""
+    if isinstance(schema, list):
+        return [relocated_schema(item, new_root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = new_root + value[1:]
+        elif key in DATA_KEYWORDS:
+            moved[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            moved[key] = {name: relocated_schema(subschema, new_root) for name, subschema in value.items()}
+        else:
+            moved[key] = relocated_schema(value, new_root)
+    return moved
+
+
 def tool_grammar(functions: list, auto: bool, parallel: bool) -> str:
     """The Lark grammar (llguidance's dialect) of an answer that calls `functions`: one call
     block (or, with `parallel`, one or more), or with `auto` also text that does not start
-    with "<". Each call is JSON with the function's name and arguments that fit its parameters."""
-    calls = [{"type": "object",
-              "properties": {"name": {"const": function.name},
-                             "arguments": function.parameters if function.parameters is not None
-                             else {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for function in functions]
-    schema = {"x-guidance": JSON_LAYOUT, "anyOf": calls}
+    with "<". Each call is JSON with the function's name and arguments that fit its parameters.
+
+    The calls are one JSON schema, and a function's `parameters` may refer to parts of itself
+    ("#/$defs/Addr", "#/definitions/Addr", "#" for a recursive schema; `pydantic_function_tool`
+    writes such schemas for nested models). References resolve against the document's root, so
+    each function's parameters sit whole under the root's `$defs` (as "tool_<index>": unique
+    whatever the functions' names), their references rewritten to point there."""
+    definitions, calls = {}, []
+    for index, function in enumerate(functions):
+        name = f"tool_{index}"
+        parameters = function.parameters if function.parameters is not None else {"type": "object"}
+        definitions[name] = relocated_schema(parameters, f"#/$defs/{name}")
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": function.name}, "arguments": {"$ref": f"#/$defs/{name}"}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    schema = {"x-guidance": JSON_LAYOUT, "$defs": definitions, "anyOf": calls}
     lines = [f"start: calls{' | TEXT' if auto else ''}",
              f"calls: call{'+' if parallel else ''}",
              f"call: {json.dumps(TOOL_OPEN)} body {json.dumps(TOOL_CLOSE)}",

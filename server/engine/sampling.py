@@ -18,8 +18,8 @@ own (the engine fails that request alone, server/engine/scheduler.py):
 - temperature < GREEDY_TEMPERATURE (1e-5, as vLLM) is greedy; any other temperature divides
   the row after its largest value is shifted to 0, so the most likely token always survives;
 - top_p < SMALLEST_TOP_P (1e-5) keeps only the most likely token; top-p always keeps one;
-- a seed is taken modulo 2**64 (choice i of seed s draws from (s + i) mod 2**64), so every seed
-  in 0..2**64-1 works (the API refuses others);
+- a seed is taken modulo 2**64 (choice i of seed s draws from (s + i) mod 2**64), so every
+  integer works (the API takes -2**63..2**64-1: OpenAI's signed seeds and unsigned ones);
 - a row that is not a distribution (NaN, +inf, or no possible token) raises RequestFailed
   with code "sampling_failed", for that request alone.
 

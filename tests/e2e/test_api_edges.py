@@ -130,12 +130,12 @@ def test_nested_and_other_bodies_refuse_unknown_fields(client):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ('"seed": -1', "seed"),
+    ('"seed": -9223372036854775809', "seed"),  # -2**63 - 1: OpenAI's seeds are signed 64-bit integers
     ('"seed": 18446744073709551616', "seed"),  # 2**64
     ('"temperature": -0.5', "temperature"),
     ('"temperature": 2.5', "temperature"),
     ('"temperature": 1e400', "temperature"),  # JSON's way to write infinity: parsed as inf
-    ('"top_p": 0', "top_p"),
+    ('"top_p": -0.01', "top_p"),
     ('"top_p": 1.5', "top_p"),
     ('"top_p": -1e400', "top_p"),
     ('"logit_bias": {"not-a-token": 1}', "logit_bias"),

@@ -264,7 +264,7 @@ def test_chat_bodies_and_chunks_fit_their_models(served):
     fits(ChatCompletionResponse, body)
     assert list(body["choices"][0]) == ["index", "message", "logprobs", "finish_reason"]
     assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1] == {"token": "z", "logprob": -3.0,
-                                                                               "bytes": None}
+                                                                               "bytes": [122]}
     response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "logprobs": True,
                                                          "stream": True, "stream_options": {"include_usage": True}})
     chunks = chunks_fit(ChatCompletionStreamResponse, events(response))

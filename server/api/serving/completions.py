@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -12,6 +14,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from fastapi.responses import StreamingResponse
 
+from xlserve.models.tokenizer import SentencePieceTokenizer, TokenizersTokenizer
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.chat import ChatTemplateError
 from xlserve.server.api.errors import APIError, InvalidRequest, validation_error
@@ -294,6 +297,47 @@ async def _completion_chunks(completion: Completion) -> AsyncGenerator:
 
 # -- POST /v1/chat/completions ----------------------------------------------------------------------
 
+# a token that stands for one byte, as its name shows it: the byte tokenizer's bytes past ASCII,
+# SentencePiece's (and Llama-style tokenizer.json's) byte fallback
+BYTE_TOKEN_NAME = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+WORD_START = "\u2581"  # SentencePiece's mark for the space before a word
+
+
+@functools.cache
+def byte_level_alphabet() -> dict[str, int]:
+    """The characters GPT-2-style byte-level BPE names bytes with (tokenizer.json's ByteLevel):
+    a printable Latin-1 byte is its own character, every other byte, in order, one of the
+    characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
+
+
+def token_bytes_reader(tokenizer) -> Callable[[str], list[int]]:
+    """How chat logprobs' `bytes` are made from a token's name (the tokenizer's `token_text`):
+    the bytes the token adds to the text, which a client joins to rebuild characters split
+    over several tokens. A byte token's name is an escape ("<0xC3>"): its byte; a byte-level
+    BPE name (tokenizer.json's ByteLevel decoder): the bytes its characters stand for; a
+    SentencePiece name: its UTF-8 with the word-start mark as the space it is; any other name
+    is the token's text: its UTF-8."""
+    alphabet = None
+    if isinstance(tokenizer, TokenizersTokenizer):
+        from tokenizers.decoders import ByteLevel  # the tokenizer is loaded: its library is here
+
+        if isinstance(tokenizer.tokenizer.decoder, ByteLevel):
+            alphabet = byte_level_alphabet()
+    word_start = isinstance(tokenizer, (SentencePieceTokenizer, TokenizersTokenizer)) and alphabet is None
+
+    def token_bytes(name: str) -> list[int]:
+        byte = BYTE_TOKEN_NAME.fullmatch(name)
+        if byte is not None:
+            return [int(byte.group(1), 16)]
+        if alphabet is not None and all(character in alphabet for character in name):
+            return [alphabet[character] for character in name]
+        return list((name.replace(WORD_START, " ") if word_start else name).encode("utf-8"))
+
+    return token_bytes
+
 
 def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None) -> str:
@@ -352,6 +396,7 @@ class ChatCompletion(Completion):
                        "logprobs": "top_logprobs" if body.top_logprobs is not None else "logprobs"}
         super().__init__(state, request, owner, field_names=field_names)
         self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.token_bytes = token_bytes_reader(self.served.tokenizer)
         self.calls_tools = functions is not None
         if functions is not None:
             grammar = tool_grammar(functions, auto=body.tool_choice in (None, "auto"),
@@ -378,9 +423,11 @@ class ChatCompletion(Completion):
         """Completion-style logprobs (tokens, token_logprobs, top_logprobs) in chat's shape."""
         if piece is None or not self.chat.logprobs:
             return None
+        token_bytes = self.token_bytes
         return {"content": [
-            {"token": token, "logprob": logprob, "bytes": None,
-             "top_logprobs": [{"token": name, "logprob": value, "bytes": None} for name, value in (top or {}).items()]}
+            {"token": token, "logprob": logprob, "bytes": token_bytes(token),
+             "top_logprobs": [{"token": name, "logprob": value, "bytes": token_bytes(name)}
+                              for name, value in (top or {}).items()]}
             for token, logprob, top in zip(piece["tokens"], piece["token_logprobs"], piece["top_logprobs"])]}
 
     def response(self, finished: Finished) -> dict:

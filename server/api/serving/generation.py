@@ -14,7 +14,6 @@ from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, count_err
 from xlserve.server.api.protocol import (
     MAX_ECHO_LOGPROBS,
     MAX_GENERATED_LOGPROBS,
-    MAX_PROMPTS,
     CompletionRequest,
     SamplingFields,
 )
@@ -33,6 +32,7 @@ from xlserve.server.engine.types import (
 )
 from xlserve.server.api.serving.leases import session_lease
 from xlserve.server.api.serving.requests import (
+    check_idempotency_key,
     check_logit_bias,
     error_for,
     idempotency,
@@ -68,15 +68,13 @@ class Generation:
         check_logit_bias(self.params, self.served)
         # structured output: compiled and enforced per row in the engine (400 there for a bad schema)
         self.set_constraint(requested_constraint(body, state.settings.engine.structured_max_bytes))
-        # OpenAI's batched form (completions only): several prompts, each run with n choices
+        # OpenAI's batched form (completions only): several prompts (at most MAX_PROMPTS, protocol.py),
+        # each run with n choices
         batch = body.prompts() if isinstance(body, CompletionRequest) else None
         if batch is not None:
             if body.session_id is not None:
                 raise InvalidRequest("a list of prompts cannot be combined with session_id: a session continues "
                                      "one text", param="prompt")
-            if len(batch) > MAX_PROMPTS:
-                raise InvalidRequest(f"at most {MAX_PROMPTS} prompts in one request; this one has {len(batch)}",
-                                     param="prompt")
         self.prompts = [prompt_tokens(state, self.served, prompt, param=self.field_name("prompt"))
                         for prompt in (batch or [body.prompt])]
         self.tokens = self.prompts[0]
@@ -103,7 +101,10 @@ class Generation:
                     "limit, XLSERVE_MAX_TOKENS_LIMIT; or stream the answer)", param=logprobs_name,
                     code="generated_logprobs_too_large")
         self.lease: RemoteLease | None = None
-        # a key only means something for a request that changes a session
+        # a key only means something for a request that changes a session; a malformed one is
+        # refused all the same, so a client learns of it before it relies on one
+        if idempotency_key is not None:
+            check_idempotency_key(idempotency_key)
         request = {**body.model_dump(include=set(SamplingFields.model_fields)), "echo": echo, "n": n}
         self.key = idempotency(idempotency_key, kind, request) if body.session_id is not None else None
 

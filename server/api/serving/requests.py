@@ -16,7 +16,6 @@ from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge,
 from xlserve.server.api.protocol import (
     IDEMPOTENCY_KEY_PATTERN,
     MAX_STOP_CHARACTERS,
-    MAX_STOPS,
     SamplingFields,
 )
 from xlserve.server.engine.types import SamplingParams
@@ -27,9 +26,7 @@ from xlserve.server.errors import RegisteredError
 
 
 def sampling_params(body: SamplingFields, echo: bool = False, n: int = 1) -> SamplingParams:
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stops) > MAX_STOPS:
-        raise InvalidRequest(f"at most {MAX_STOPS} stop strings", param="stop")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])  # at most MAX_STOPS (protocol.py)
     if any(len(stop) > MAX_STOP_CHARACTERS for stop in stops):
         raise InvalidRequest(f"a stop string has at most {MAX_STOP_CHARACTERS} characters", param="stop")
     return SamplingParams(
@@ -177,14 +174,19 @@ IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"  # on an answer that is the remembered one of an earlier request
 
 
+def check_idempotency_key(key: str) -> None:
+    """400 for an Idempotency-Key that is not 1 to 255 visible ASCII characters."""
+    if not re.fullmatch(IDEMPOTENCY_KEY_PATTERN, key):
+        raise InvalidRequest(f"{IDEMPOTENCY_KEY_HEADER} must be 1 to 255 visible ASCII characters",
+                             param=IDEMPOTENCY_KEY_HEADER, code="invalid_idempotency_key")
+
+
 def idempotency(key: str | None, kind: str, request: dict) -> dict | None:
     """A session-changing request's Idempotency-Key with the fingerprint of the request (a hash
     of its kind and body: the same key with another request is refused, 422), or None."""
     if key is None:
         return None
-    if not re.fullmatch(IDEMPOTENCY_KEY_PATTERN, key):
-        raise InvalidRequest(f"{IDEMPOTENCY_KEY_HEADER} must be 1 to 255 visible ASCII characters",
-                             param=IDEMPOTENCY_KEY_HEADER, code="invalid_idempotency_key")
+    check_idempotency_key(key)
     canonical = json.dumps({"kind": kind, **request}, sort_keys=True, separators=(",", ":"))
     return {"key": key, "fingerprint": hashlib.sha256(canonical.encode()).hexdigest()}
 

@@ -1,0 +1,316 @@
+"""What the API process takes from a client, at its edges, with a stand-in for the engine process
+(no model, no torch work) behind starlette's test client:
+
+- every list a client sends is bounded before its items are validated, and the 400 names the limit;
+- with API keys, a request without one is answered 401 before its body is read (so before its
+  nesting is scanned); a body sent without a Content-Type is not parsed as JSON;
+- OpenAI's signed seeds and top_p 0 reach the engine;
+- chat logprobs carry each token's bytes;
+- a malformed Idempotency-Key is refused even where a key has no effect;
+- tool parameters that refer to parts of themselves ($defs, definitions, "#") make a grammar that
+  llguidance compiles and that holds the arguments to the schema.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from starlette.testclient import TestClient
+
+from xlserve.models.tokenizer import ByteTokenizer, TokenizersTokenizer
+from xlserve.server.api.chat import ChatTemplate
+from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.protocol import (
+    MAX_CONTENT_PARTS,
+    MAX_GUIDED_CHOICES,
+    MAX_JSON_DEPTH,
+    MAX_MESSAGE_TOOL_CALLS,
+    MAX_PROMPTS,
+    FunctionDefinition,
+)
+from xlserve.server.api.serving.completions import token_bytes_reader
+from xlserve.server.api.structured import tool_grammar
+from xlserve.server.app import build_app
+from xlserve.server.engine.constraints import byte_level_tokenizer
+from xlserve.server.engine.types import ChoiceFinished, Finished, TokenEvent
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
+
+from tests.server.scripted_engine import ScriptedEngine
+
+MODEL = "m"
+KEY = "the-key"
+CARD = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
+        "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
+        "parameters": 0, "config": {}, "quantize": "none", "weight_bytes": 0, "state_bytes_per_session": 9216}
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+DEEP = ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)).encode()
+
+
+class RecordingEngine(ScriptedEngine):
+    """The scripted engine, keeping the sampling parameters of every request it was given."""
+
+    def __init__(self, metrics: Metrics):
+        super().__init__(metrics)
+        self.submitted = []
+
+    async def submit(self, model, tokens, params, lease, scope, owner=None):
+        self.submitted.append(params)
+        return await super().submit(model, tokens, params, lease, scope, owner)
+
+
+@pytest.fixture
+def served():
+    """(client with the key, client without one, engine): the app with one byte-level model that
+    has a chat template, and one API key."""
+    settings = Settings(models="none-loaded", api_keys=KEY, max_request_body_bytes=1_000_000)
+    app = build_app(settings)
+    metrics = Metrics()
+    state = AppState(settings=settings, metrics=metrics, api_keys=[KEY], ready=True)
+    state.engine = RecordingEngine(metrics)
+    state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, CARD, ChatTemplate(TEMPLATE, "test"))}
+    app.state.xlserve = state
+    keyed = TestClient(app, headers={"Authorization": f"Bearer {KEY}"})  # not entered: no lifespan
+    anonymous = TestClient(app)
+    yield keyed, anonymous, state.engine
+    keyed.close()
+    anonymous.close()
+
+
+def error_of(response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+def finished_events(text: str = "ok") -> list:
+    tokens = [TokenEvent(byte, chr(byte), -0.5, []) for byte in text.encode()]
+    end = ChoiceFinished(0, "stop", "", len(tokens))
+    return [*tokens, end, Finished([end], 2, len(tokens), 0, None)]
+
+
+# -- lists are bounded before their items are validated ----------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", [["a"] * 20_000, [[1]] * 20_000], ids=["texts", "token-id-lists"])
+def test_a_long_list_of_prompts_is_refused_naming_the_limit(served, prompt):
+    client, _, engine = served
+    error = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": prompt}))
+    assert error["param"] == "prompt"
+    assert f"at most {MAX_PROMPTS} prompts" in error["message"] and "20000" in error["message"]
+    assert engine.submitted == []
+
+
+def test_one_long_prompt_of_token_ids_is_still_one_prompt(served):
+    client, _, engine = served
+    engine.events = finished_events()
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": [65] * 20_000, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+def test_a_list_of_prompts_of_the_wrong_kind_is_one_error(served):
+    client, _, _ = served
+    error = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": [1] + ["a"] * 20_000}))
+    assert error["param"] == "prompt" and "must be a string, a list of token ids" in error["message"]
+
+
+@pytest.mark.parametrize("path, body, param, limit", [
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4 stop strings"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a"] * (MAX_GUIDED_CHOICES + 1)}, "guided_choice",
+     f"at most {MAX_GUIDED_CHOICES} items"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["a"] * (MAX_GUIDED_CHOICES + 1)}},
+     "structured_outputs.choice", f"at most {MAX_GUIDED_CHOICES} items"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 5}] * 1000},
+     "messages", f"at most {MAX_CONTENT_PARTS} content parts"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)}]},
+     "messages", f"at most {MAX_CONTENT_PARTS} content parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * (MAX_MESSAGE_TOOL_CALLS + 1)}]},
+     "messages", f"at most {MAX_MESSAGE_TOOL_CALLS} tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 1025}, "messages", "at most 1024 items"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}] * 129}, "tools",
+     "at most 128 items"),
+])
+def test_long_lists_are_400_naming_their_limit(served, path, body, param, limit):
+    client, _, _ = served
+    error = error_of(client.post(path, json={"model": MODEL, **body}))
+    assert error["param"] == param and limit in error["message"], error
+
+
+def test_lists_within_their_limits_are_taken(served):
+    client, _, engine = served
+    engine.events = finished_events()
+    parts = [{"type": "text", "text": "a"}] * 4
+    response = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": parts}] * (MAX_CONTENT_PARTS // 4), "max_tokens": 2,
+        "stop": ["a", "b", "c", "d"]})
+    assert response.status_code == 200, response.text
+
+
+# -- a key before a body; a body without a Content-Type is the JSON it is parsed as --------------------
+
+
+def test_without_a_key_a_body_is_refused_before_it_is_read(served):
+    keyed, anonymous, _ = served
+    # scanned, this body would be 400 json_too_deep: the 401 comes first
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+        error = error_of(anonymous.post("/v1/completions", content=DEEP, headers={
+            "content-type": "application/json", **headers}), 401)
+        assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
+    chunked = anonymous.post("/v1/completions", content=iter([DEEP]), headers={"content-type": "application/json"})
+    assert error_of(chunked, 401)["code"] == "invalid_api_key"
+    assert error_of(keyed.post("/v1/completions", content=DEEP,
+                               headers={"content-type": "application/json"}))["code"] == "json_too_deep"
+
+
+def test_a_body_without_a_content_type_is_not_parsed_as_json(served):
+    """FastAPI parses a body as JSON only when its Content-Type says so (strict_content_type, on
+    since FastAPI 0.132), so admission's depth check need not scan a body without one: were such a
+    body parsed, this one would have to be refused as too deep before it was."""
+    keyed, _, _ = served
+    request = keyed.build_request("POST", "/v1/completions", content=DEEP)
+    assert "content-type" not in request.headers
+    error = error_of(keyed.send(request))
+    assert "Content-Type: application/json" in error["message"] and error["code"] is None
+    # a state import's raw bytes, sent without a Content-Type as httpx sends them: read as bytes (the
+    # stand-in engine knows no session: 404)
+    request = keyed.build_request("PUT", "/v1/sessions/s/state", content=DEEP)
+    assert "content-type" not in request.headers
+    assert error_of(keyed.send(request), 404)["code"] == "session_not_found"
+
+
+# -- seeds and top_p as OpenAI takes them ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields", [{"seed": -1}, {"seed": -(2**63)}, {"seed": 2**64 - 1}, {"top_p": 0}])
+def test_openai_s_seeds_and_top_p_0_reach_the_engine(served, fields):
+    client, _, engine = served
+    engine.events = finished_events()
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **fields})
+    assert response.status_code == 200, response.text
+    (params,) = engine.submitted
+    assert {name: getattr(params, name) for name in fields} == fields
+
+
+@pytest.mark.parametrize("fields, param", [({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**64}, "seed"),
+                                           ({"top_p": -0.01}, "top_p"), ({"top_p": 1.01}, "top_p")])
+def test_seeds_and_top_p_outside_their_ranges_are_400(served, fields, param):
+    client, _, _ = served
+    assert error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", **fields}))["param"] == param
+
+
+# -- chat logprobs: each token's bytes --------------------------------------------------------------------
+
+
+def test_chat_logprobs_carry_the_bytes_of_byte_tokens(served):
+    client, _, engine = served
+    e_acute = "é".encode()  # 0xC3 0xA9: two byte tokens, named "<0xC3>" and "<0xA9>"
+    events = [TokenEvent(e_acute[0], "", -0.5, [(e_acute[0], -0.5), (0x41, -2.0)]),
+              TokenEvent(e_acute[1], "é", -0.25, [(e_acute[1], -0.25), (0xE2, -3.0)])]
+    end = ChoiceFinished(0, "stop", "", 2)
+    engine.events = [*events, end, Finished([end], 2, 2, 0, None)]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    content = answer.json()["choices"][0]["logprobs"]["content"]
+    assert [(entry["token"], entry["bytes"]) for entry in content] == [("<0xC3>", [0xC3]), ("<0xA9>", [0xA9])]
+    assert [[(top["token"], top["bytes"]) for top in entry["top_logprobs"]] for entry in content] == [
+        [("<0xC3>", [0xC3]), ("A", [0x41])], [("<0xA9>", [0xA9]), ("<0xE2>", [0xE2])]]
+    assert bytes(byte for entry in content for byte in entry["bytes"]).decode() == "é"
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.text.split("\n\n")
+              if line.startswith("data: {")]
+    sent = [entry for chunk in chunks for choice in chunk["choices"] for entry in (choice["logprobs"] or {}).get(
+        "content", [])]
+    assert [entry["bytes"] for entry in sent] == [[0xC3], [0xA9]]
+
+
+def test_token_bytes_of_byte_level_bpe_and_sentencepiece_names():
+    from tokenizers import Tokenizer, decoders, models
+
+    byte_level = Tokenizer(models.BPE(vocab={"a": 0, "Ġ": 1, "Ġa": 2, "Ã": 3, "©": 4}, merges=[("Ġ", "a")]))
+    byte_level.decoder = decoders.ByteLevel()
+    read = token_bytes_reader(TokenizersTokenizer(byte_level))
+    assert read("Ġa") == [0x20, 0x61] and read("Ã") == [0xC3] and read("©") == [0xA9]
+    fallback = Tokenizer(models.BPE(vocab={"▁the": 0, "<0x0A>": 1}, merges=[]))
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()])
+    read = token_bytes_reader(TokenizersTokenizer(fallback))
+    assert read("▁the") == list(b" the") and read("<0x0A>") == [0x0A]
+    assert token_bytes_reader(ByteTokenizer())("x") == [0x78]
+
+
+# -- Idempotency-Key ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_malformed_idempotency_key_is_400_without_a_session_too(served, stream):
+    client, _, engine = served
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": stream}
+    for key in ("has space", "x" * 256, "é".encode()):
+        error = error_of(client.post("/v1/completions", json=body, headers={"Idempotency-Key": key}))
+        assert (error["param"], error["code"]) == ("Idempotency-Key", "invalid_idempotency_key")
+    assert engine.submitted == []
+    engine.events = finished_events()
+    # a well-formed key without session_id changes nothing: it is ignored
+    assert client.post("/v1/completions", json=body, headers={"Idempotency-Key": "k-1"}).status_code == 200
+
+
+# -- tool parameters that refer to parts of themselves -----------------------------------------------------
+
+
+class Address(BaseModel):
+    street: str = Field(max_length=12)
+
+
+class Node(BaseModel):
+    value: int
+    next: "Node | None" = None
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    home: Address
+    chain: Node
+
+
+DRAFT_7 = {"type": "object", "definitions": {"Unit": {"enum": ["c", "f"]}},
+           # properties named as keywords are names: "default" refers to Unit as "unit" does
+           "properties": {"unit": {"$ref": "#/definitions/Unit"}, "same": {"$ref": "#/properties/unit"},
+                          "default": {"$ref": "#/definitions/Unit"}},
+           "required": ["unit", "same", "default"], "additionalProperties": False}
+ROOT_RECURSIVE = {"type": "object", "properties": {"v": {"type": "integer"},
+                                                   "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+                  "required": ["v", "next"], "additionalProperties": False,
+                  "default": {"$ref": "#/not-a-reference"}}  # data, not a schema: left as it is
+
+
+def matches(grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(byte_level_tokenizer(256), llguidance.LLMatcher.grammar_from_lark(grammar),
+                                   log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.consume_tokens(list(text.encode())) and not matcher.is_error() and matcher.is_accepting()
+
+
+def call(name: str, arguments: dict) -> str:
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def test_tool_parameters_with_references_compile_and_hold_the_arguments():
+    functions = [FunctionDefinition.model_validate(openai.pydantic_function_tool(Person)["function"]),
+                 FunctionDefinition(name="units", parameters=DRAFT_7),
+                 FunctionDefinition(name="chain", parameters=ROOT_RECURSIVE)]
+    grammar = tool_grammar(functions, auto=False, parallel=True)
+    person = {"name": "Ann", "home": {"street": "Main"}, "chain": {"value": 1, "next": {"value": 2, "next": None}}}
+    assert matches(grammar, call("Person", person))
+    assert matches(grammar, call("units", {"unit": "c", "same": "f", "default": "c"})
+                   + call("chain", {"v": 1, "next": {"v": 2, "next": None}}))
+    assert not matches(grammar, call("Person", {**person, "home": {"street": 5}}))  # Address's schema holds
+    assert not matches(grammar, call("Person", {**person, "chain": {"value": 1, "next": {"value": "x"}}}))
+    assert not matches(grammar, call("units", {"unit": "k", "same": "c", "default": "c"}))
+    assert not matches(grammar, call("units", {"unit": "c", "same": "c", "default": "k"}))
+    assert not matches(grammar, call("chain", {"v": 1, "next": {"value": 2}}))  # "#" is chain's own schema
+    assert '"default": {"$ref": "#/not-a-reference"}' in grammar
