@@ -17,6 +17,13 @@ tools as OpenAI sends them, or None; server/api/structured.py), `add_generation_
 the text ends where the assistant's answer begins), and `bos_token` / `eos_token` from
 tokenizer_config.json (empty when it has none).
 
+An assistant message's `tool_calls` come as OpenAI sends them but with each call's `arguments`
+parsed into an object, as Hugging Face tool templates (and vLLM) expect them. A template that reads
+`tool_calls` (`renders_tool_calls`: its parsed source reads a field of that name) renders the
+calls itself; for one that does not, the calls are also written into the message's `content` as
+the blocks the model writes (server/api/structured.py `render_message`), so that no template shows
+them twice.
+
 A checkpoint that carries none of these uses the template file the `chat_template` setting names
 (`xlserve serve --chat-template FILE`, XLSERVE_CHAT_TEMPLATE), as vLLM's `--chat-template` serves
 checkpoints without one; a checkpoint's own template is kept. The shipped checkpoints
@@ -35,7 +42,7 @@ import logging
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -58,6 +65,24 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """`tojson` as the templates on the Hub are written for (transformers' filter): JSON as
+    json.dumps writes it, keys in their order and nothing escaped for HTML, with its keyword
+    arguments. Jinja's own sorts the keys, escapes <, > and & (a tool's schema reads otherwise
+    than the model was trained on) and refuses `ensure_ascii`."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _reads_name(tree: nodes.Template, name: str) -> bool:
+    """Whether the template `tree` reads a field called `name` (`message.name`, `message['name']`,
+    `message.get('name')`, `'name' in message`). Read from the parsed template rather than its
+    text, so that a comment or literal text that mentions the name does not count."""
+    return any(isinstance(node, nodes.Getattr) and node.attr == name
+               or isinstance(node, nodes.Const) and node.value == name
+               for node in tree.find_all((nodes.Getattr, nodes.Const)))
+
+
 class ChatTemplate:
     """A compiled chat template and the special tokens it may use."""
 
@@ -66,9 +91,12 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        environment.filters["tojson"] = _tojson
         self.error: str | None = None
+        self.renders_tool_calls = False
         try:
             self.template = environment.from_string(source)
+            self.renders_tool_calls = _reads_name(environment.parse(source), "tool_calls")
         except TemplateError as error:
             self.template = None
             self.error = f"the chat template in {origin} does not compile: {error}"

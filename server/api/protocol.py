@@ -445,11 +445,15 @@ class ChatCompletionRequest(SamplingOptions):
 
 
 class TokenizeRequest(RequestBody):
-    """A prompt's tokens, as the model sees it: `prompt`, or `messages` rendered by the chat template."""
+    """A prompt's tokens, as the model sees it: `prompt`, or `messages` (and `tools`) rendered by
+    the chat template as a chat request's are."""
 
     model: Text
     prompt: Text | None = None
     messages: Messages | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    # with messages: the tools a template may describe in the prompt (vLLM's tokenize takes them);
+    # chat's type, so what chat refuses is refused here. No tool_choice: the prompt does not depend on it
+    tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn, as chat does
     add_special_tokens: bool = True  # accepted for vLLM's clients; these tokenizers add none
 

@@ -19,7 +19,9 @@ those blocks or text that does not start with "<" ("auto": the first character d
 answer carries the calls as OpenAI's `tool_calls` (finish_reason "tool_calls"); a stream sends
 each call's id and name once its name is complete and then its arguments as they are generated
 (`ToolCallStream`). The chat template gets `tools` (as Hugging Face templates do) to describe
-them to the model; an assistant message's `tool_calls` are rendered back as the same blocks.
+them to the model. An assistant message's `tool_calls` go to the template with their arguments
+parsed; a template that does not render `tool_calls` itself gets them as the same blocks, appended
+to the message's content (`render_message`).
 """
 
 from __future__ import annotations
@@ -184,13 +186,22 @@ def tool_grammar(functions: list, auto: bool, parallel: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parsed_arguments(arguments: str) -> Any:
+    """A sent call's `arguments` (JSON text, as OpenAI sends them) as the value they encode, for a
+    template; text that is not JSON stays the text it came as (a client may send back whatever a
+    model wrote), and so do arguments nested past the depth a body may have (parsing those once
+    raised RecursionError: a 500)."""
+    if json_depth_exceeded(arguments):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def tool_call_text(name: str, arguments: str) -> str:
     """A call as the model writes it (an assistant message's tool_calls rendered for the template)."""
-    try:  # arguments nested past the depth a body may have stay the text they came as
-        parsed = arguments if json_depth_exceeded(arguments) else json.loads(arguments)
-    except ValueError:
-        parsed = arguments
-    return TOOL_OPEN + json.dumps({"name": name, "arguments": parsed}) + TOOL_CLOSE
+    return TOOL_OPEN + json.dumps({"name": name, "arguments": parsed_arguments(arguments)}) + TOOL_CLOSE
 
 
 class ToolCallStream:
@@ -287,11 +298,15 @@ def _arguments_end(buffer: str) -> int | None:
     return end if buffer.startswith(CALL_END, end) else None
 
 
-def render_message(message) -> dict[str, Any]:
-    """A chat message for the template: its role and text (an assistant's tool calls as the
-    blocks the model writes), its name, and a tool message's tool_call_id."""
+def render_message(message, template_renders_tool_calls: bool = False) -> dict[str, Any]:
+    """A chat message for the template: its role and text, its name, a tool message's
+    tool_call_id, and an assistant's `tool_calls` with each call's arguments parsed (Hugging Face
+    tool templates write them with `| tojson`, which would quote JSON text a second time). A
+    template that renders `tool_calls` itself gets the calls only there; for one that does not
+    (the shipped minimal templates), they are also appended to the text as the blocks the model
+    writes, so the model sees its earlier calls either way, and never twice."""
     content = message.text()
-    if message.tool_calls:
+    if message.tool_calls and not template_renders_tool_calls:
         content += "".join(tool_call_text(call.function.name, call.function.arguments) for call in message.tool_calls)
     rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
@@ -300,6 +315,7 @@ def render_message(message) -> dict[str, Any]:
         rendered["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         rendered["tool_calls"] = [{"id": call.id, "type": "function",
-                                   "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                                   "function": {"name": call.function.name,
+                                                "arguments": parsed_arguments(call.function.arguments)}}
                                   for call in message.tool_calls]
     return rendered

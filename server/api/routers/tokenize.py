@@ -1,11 +1,11 @@
 """POST /tokenize and /detokenize, as vLLM serves them (clients of vLLM and llama.cpp count
 tokens with these before they send a prompt):
 
-    POST /tokenize    {"model", "prompt"} or {"model", "messages"[, "add_generation_prompt"]}
+    POST /tokenize    {"model", "prompt"} or {"model", "messages"[, "tools", "add_generation_prompt"]}
                       -> {"count", "max_model_len", "tokens"}
     POST /detokenize  {"model", "tokens"} -> {"prompt"}
 
-`messages` are rendered by the model's chat template, as /v1/chat/completions would send them.
+`messages` (with `tools`) are rendered by the model's chat template, as /v1/chat/completions would send them.
 `max_model_len` is the model's context length (null for a model whose context has no bound).
 """
 

@@ -24,6 +24,7 @@ from xlserve.server.api.protocol import (
     ChatMessage,
     CompletionRequest,
     SamplingOptions,
+    ToolDefinition,
 )
 from xlserve.server.engine.errors import ContextLengthExceeded
 from xlserve.server.engine.types import (
@@ -340,9 +341,10 @@ def token_bytes_reader(tokenizer) -> Callable[[str], list[int]]:
 
 
 def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> str:
-    """The prompt text the model's chat template makes of `messages` (server/api/chat.py); 400
-    when the model has no template or its template refuses them."""
+                tools: list[ToolDefinition] | None = None) -> str:
+    """The prompt text the model's chat template makes of `messages` and `tools` (server/api/chat.py);
+    400 when the model has no template or its template refuses them. Chat and /tokenize both render
+    through here, so /tokenize counts the prompt a chat request with the same fields runs."""
     template = served.chat_template
     if template is None:
         raise InvalidRequest(f"model '{served.name}' has no chat template, so it cannot take chat messages: use "
@@ -350,9 +352,11 @@ def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation
                              "(chat_template.jinja, or chat_template in tokenizer_config.json or config.json) "
                              "or start the server with --chat-template FILE",
                              param="model", code="no_chat_template")
-    rendered = [render_message(message) for message in messages]
+    rendered = [render_message(message, template.renders_tool_calls) for message in messages]
+    # as OpenAI sends them: a field left out is absent, not null, which a template would test as defined
+    described = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
     try:
-        return template.render(rendered, add_generation_prompt, tools)
+        return template.render(rendered, add_generation_prompt, described)
     except ChatTemplateError as error:
         raise InvalidRequest(f"the chat template of model '{served.name}' cannot render these messages: {error}",
                              param="messages", code="chat_template_error") from None
@@ -375,9 +379,8 @@ class ChatCompletion(Completion):
             if other is not None:
                 raise InvalidRequest(f"{other} cannot be combined with tools: the answer is text or tool calls",
                                      param=other, code="invalid_response_format")
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         fields = {name: getattr(body, name) for name in SamplingOptions.model_fields}
-        fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages, tools=tools),
+        fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages, tools=body.tools),
                       n=body.n,
                       stream=body.stream, stream_options=body.stream_options,
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
@@ -467,7 +470,15 @@ class ChatCompletion(Completion):
             if finish_reason is not None:
                 held, finish_reason = stream.finish(finish_reason)  # cut short (max_tokens): what is held back
                 deltas += held
-            events = [event(index, delta, logprobs if "content" in delta else None, None) for delta in deltas]
+            # every token's logprobs go out once, in order, as the unstreamed answer lists them: with
+            # the step's first delta (content or a tool call's piece), or, for a token whose text is
+            # held back (a call's head or end not yet whole), in a chunk of their own with an empty delta
+            events = []
+            for delta in deltas:
+                events.append(event(index, delta, logprobs, None))
+                logprobs = None
+            if logprobs is not None:
+                events.append(event(index, {}, logprobs, None))
             if finish_reason is not None:
                 events.append(event(index, {}, None, finish_reason))
             return b"".join(events)

@@ -13,12 +13,17 @@ from xlserve.server.api.serving.requests import prompt_tokens
 
 
 def tokenize(state: AppState, body: TokenizeRequest) -> TokenizeResponse:
-    """A prompt's tokens as the model sees them (`messages` through its chat template), their
-    count and the model's context length (`max_model_len`, null for a model without a bound)."""
+    """A prompt's tokens as the model sees them (`messages` and `tools` through its chat template,
+    as chat renders them), their count and the model's context length (`max_model_len`, null for a
+    model without a bound)."""
     served = state.served(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("send either prompt or messages", param="prompt")
-    text = body.prompt if body.prompt is not None else chat_prompt(served, body.messages, body.add_generation_prompt)
+    if body.tools is not None and body.messages is None:
+        raise InvalidRequest("tools are rendered with messages, by the chat template; a prompt is tokenized as it is",
+                             param="tools")
+    text = body.prompt if body.prompt is not None else chat_prompt(served, body.messages, body.add_generation_prompt,
+                                                                   tools=body.tools)
     tokens = prompt_tokens(state, served, text)
     return TokenizeResponse(count=len(tokens), max_model_len=served.card.get("max_context"), tokens=tokens)
 

@@ -1,0 +1,253 @@
+"""Tool calls and chat templates at the API, in process (a scripted engine stands in for the
+engine process, tests/server/scripted_engine.py):
+
+- an assistant message's `tool_calls` are rendered once: by a template that renders them itself
+  (in the style of Hugging Face's Hermes/Qwen tool templates), with their arguments as a JSON
+  object; for one that does not (the shipped minimal template), as blocks in the content;
+- /tokenize takes `tools` with `messages` and renders exactly the prompt chat runs;
+- a streamed chat with tools sends every generated token's logprobs, in order, as the answer
+  that is not streamed lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from xlserve.models.tokenizer import ByteTokenizer
+from xlserve.server.api.chat import ChatTemplate
+from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.protocol import ChatMessage, ToolDefinition
+from xlserve.server.api.serving.completions import chat_prompt
+from xlserve.server.app import build_app
+from xlserve.server.engine.types import ChoiceFinished, Finished, TokenEvent
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
+
+from tests.server.scripted_engine import ScriptedEngine
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_TEMPLATE = (REPO / "weights" / "transformer-xl-stdlib" / "chat_template.jinja").read_text()
+TOOL_MODEL, SHIPPED_MODEL = "tool-template", "shipped-template"
+
+# written for these tests in the style of common Hugging Face tool templates: it describes the
+# tools, and renders an assistant's calls itself, arguments through `tojson`
+TOOL_TEMPLATE = """\
+{%- if tools %}
+<|system|>Functions you may call:
+{%- for tool in tools %}
+{{ tool.function | tojson }}
+{%- endfor %}
+{%- endif %}
+{%- for message in messages %}
+<|{{ message.role }}|>
+{%- if message.content %}{{ message.content }}{% endif %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- for tool_call in message.tool_calls %}
+{%- set call = tool_call.function %}
+<tool_call>{"name": {{ call.name | tojson }}, "arguments": {{ call.arguments | tojson }}}</tool_call>
+{%- endfor %}
+{%- endif %}
+{%- if message.role == 'tool' %} (for {{ message.tool_call_id }}){% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|assistant|>
+{%- endif %}
+"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALLS = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+         {"id": "call_2", "type": "function",
+          "function": {"name": "get_weather", "arguments": '{"city": "Lyon", "days": [1, 2]}'}}]
+HISTORY = [{"role": "user", "content": "weather in Paris and Lyon?"},
+           {"role": "assistant", "content": None, "tool_calls": CALLS},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+           {"role": "tool", "tool_call_id": "call_2", "content": "rain"}]
+BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>")
+
+
+class RecordingEngine(ScriptedEngine):
+    """Answers from its script, and keeps the prompt tokens of every request it was sent."""
+
+    def __init__(self, metrics: Metrics):
+        super().__init__(metrics)
+        self.prompts: list[list[int]] = []
+
+    async def submit(self, model, tokens, params, lease, scope, owner=None):
+        self.prompts.append(list(tokens))
+        return await super().submit(model, tokens, params, lease, scope, owner)
+
+
+@pytest.fixture
+def served():
+    """(client, state): the app with a byte-level model per template."""
+    settings = Settings(models="none-loaded", max_request_body_bytes=100_000)
+    app = build_app(settings)
+    metrics = Metrics()
+    state = AppState(settings=settings, metrics=metrics, ready=True)
+    state.engine = RecordingEngine(metrics)
+    card = {"id": "", "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
+            "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
+            "parameters": 0, "config": {}, "quantize": "none", "weight_bytes": 0, "state_bytes_per_session": 0}
+    state.models = {name: ServedModel(name, ByteTokenizer(), 256, {**card, "id": name}, ChatTemplate(source, name))
+                    for name, source in [(TOOL_MODEL, TOOL_TEMPLATE), (SHIPPED_MODEL, SHIPPED_TEMPLATE)]}
+    app.state.xlserve = state
+    client = TestClient(app)  # not entered: no lifespan, no engine process
+    yield client, state
+    client.close()
+
+
+def rendered(state: AppState, model: str, messages: list[dict], tools: list[dict] | None = None) -> str:
+    return chat_prompt(state.served(model), [ChatMessage.model_validate(m) for m in messages],
+                       tools=[ToolDefinition.model_validate(t) for t in tools] if tools else None)
+
+
+def ok(response) -> dict:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# -- 1. an assistant's tool calls are rendered once ------------------------------------------------------
+
+
+def test_the_template_is_read_for_whether_it_renders_tool_calls():
+    assert ChatTemplate(TOOL_TEMPLATE, "t").renders_tool_calls
+    assert ChatTemplate("{% for m in messages %}{{ m['tool_calls'] | length }}{% endfor %}", "t").renders_tool_calls
+    assert ChatTemplate("{% for m in messages %}{{ m.get('tool_calls') }}{% endfor %}", "t").renders_tool_calls
+    assert not ChatTemplate(SHIPPED_TEMPLATE, "t").renders_tool_calls
+    # a name in a comment or in the text the template writes is not a field it reads
+    assert not ChatTemplate("{# no tool_calls here #}tool_calls: {{ messages | length }}", "t").renders_tool_calls
+    assert not ChatTemplate("{% for m in messages %}unclosed", "t").renders_tool_calls  # does not compile
+
+
+def test_a_tool_template_renders_each_call_once_with_its_arguments_as_an_object(served):
+    _, state = served
+    prompt = rendered(state, TOOL_MODEL, HISTORY, tools=[WEATHER])
+    calls = [json.loads(block) for block in BLOCK.findall(prompt)]
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Paris"}},
+                     {"name": "get_weather", "arguments": {"city": "Lyon", "days": [1, 2]}}]
+    assert "<|assistant|><tool_call>" in prompt  # the message's content is empty: the calls are not in it
+    assert '"name": "get_weather"' in prompt.split("<|user|>")[0]  # the tools are described before the chat
+    assert prompt.endswith("</tool_call><|tool|>sunny (for call_1)<|tool|>rain (for call_2)<|assistant|>")
+
+
+def test_arguments_that_are_not_json_reach_a_tool_template_as_the_text_they_came_as(served):
+    """A client may send back whatever a model wrote; it is rendered, not refused, and never a 500."""
+    _, state = served
+    broken = [HISTORY[0], {"role": "assistant", "content": "checking", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
+    prompt = rendered(state, TOOL_MODEL, broken)
+    assert BLOCK.findall(prompt) == ['{"name": "get_weather", "arguments": "{city: Paris"}']
+    assert "<|assistant|>checking<tool_call>" in prompt
+
+
+def test_the_shipped_template_still_gets_the_calls_as_blocks_in_the_content(served):
+    _, state = served
+    prompt = rendered(state, SHIPPED_MODEL, HISTORY, tools=[WEATHER])
+    blocks = "".join('<tool_call>{"name": "get_weather", "arguments": %s}</tool_call>' % json.dumps(
+        json.loads(call["function"]["arguments"])) for call in CALLS)
+    assert prompt == ("user: weather in Paris and Lyon?\n"
+                      f"assistant: {blocks}\n"
+                      "tool: sunny\ntool: rain\nassistant: ")
+
+
+# -- 3. /tokenize renders tools as chat does -----------------------------------------------------------
+
+
+def test_tokenize_with_tools_counts_the_prompt_chat_runs(served):
+    client, state = served
+    for model in (TOOL_MODEL, SHIPPED_MODEL):
+        tokens = ok(client.post("/tokenize", json={"model": model, "messages": HISTORY, "tools": [WEATHER]}))
+        state.engine.events = [ChoiceFinished(0, "length", "", 0), Finished([], 0, 0, 0, None)]
+        state.engine.prompts.clear()
+        ok(client.post("/v1/chat/completions", json={"model": model, "messages": HISTORY, "tools": [WEATHER],
+                                                     "tool_choice": "none", "max_tokens": 1}))
+        (prompt,) = state.engine.prompts
+        assert tokens["tokens"] == prompt and tokens["count"] == len(prompt)
+        assert prompt == list(rendered(state, model, HISTORY, tools=[WEATHER]).encode())
+    # the tools are in the prompt of a template that describes them
+    without = ok(client.post("/tokenize", json={"model": TOOL_MODEL, "messages": HISTORY}))["count"]
+    with_tools = ok(client.post("/tokenize", json={"model": TOOL_MODEL, "messages": HISTORY,
+                                                   "tools": [WEATHER]}))["count"]
+    assert with_tools > without
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "def", "tools": [WEATHER]}, "tools"),  # tools are rendered with messages only
+    ({"messages": HISTORY, "tools": []}, "tools"),
+    ({"messages": HISTORY, "tools": [{"type": "function", "function": {"name": "has space"}}]},
+     "tools.0.function.name"),
+    ({"messages": HISTORY, "tools": [{"type": "other", "function": {"name": "f"}}]}, "tools.0.type"),
+])
+def test_tokenize_refuses_tools_chat_refuses_naming_the_field(served, body, param):
+    client, _ = served
+    response = client.post("/tokenize", json={"model": TOOL_MODEL, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+# -- 2. a streamed chat with tools sends every token's logprobs ------------------------------------------
+
+
+def scripted_answer(text: str) -> list:
+    """The events of an answer that writes `text` one character per token; a character past
+    ASCII takes two tokens, the first of which releases no text (as the detokenizer holds half a
+    character), as a byte-level model writes it."""
+    events = []
+    for position, character in enumerate(text):
+        logprob = -0.01 * (position + 1)
+        if ord(character) > 127:
+            events.append(TokenEvent(0xC3, "", logprob - 0.005, [(0xC3, logprob - 0.005)]))
+        events.append(TokenEvent(ord(character) % 256, character, logprob, [(ord(character) % 256, logprob)]))
+    tokens = len(events)
+    return [*events, ChoiceFinished(0, "stop", "", tokens), Finished([ChoiceFinished(0, "stop", "", tokens)],
+                                                                     5, tokens, 0, None)]
+
+
+@pytest.mark.parametrize("tool_choice, text", [
+    ({"type": "function", "function": {"name": "get_weather"}},
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>'),
+    ("auto", "No call: Zürich is sunny."),
+])
+def test_streamed_chat_with_tools_sends_every_tokens_logprobs_in_order(served, tool_choice, text):
+    client, state = served
+    body = {"model": TOOL_MODEL, "messages": HISTORY[:1], "tools": [WEATHER], "tool_choice": tool_choice,
+            "logprobs": True, "top_logprobs": 1, "max_tokens": 200}
+    state.engine.events = scripted_answer(text)
+    plain = ok(client.post("/v1/chat/completions", json=body))["choices"][0]
+    expected = plain["logprobs"]["content"]
+    assert len(expected) == len(state.engine.events) - 2  # one per generated token
+
+    state.engine.events = scripted_answer(text)
+    response = client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(line[len("data: "):]) for line in response.text.split("\n\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [chunk["choices"][0] for chunk in chunks]
+    streamed = [entry for choice in choices if choice["logprobs"] for entry in choice["logprobs"]["content"]]
+    assert streamed == expected
+    assert choices[0]["delta"]["role"] == "assistant"
+    if plain["message"].get("tool_calls"):
+        # the answer the stream adds up to is still the plain one
+        arguments = "".join(delta["function"]["arguments"] for choice in choices
+                            for delta in choice["delta"].get("tool_calls") or [])
+        assert arguments == plain["message"]["tool_calls"][0]["function"]["arguments"]
+        assert not any(choice["delta"].get("content") for choice in choices)
+    else:
+        assert "".join(choice["delta"].get("content") or "" for choice in choices) == plain["message"]["content"]
+
+
+def test_tojson_writes_json_as_hub_templates_expect_it():
+    """Keys in their order, nothing escaped for HTML, `ensure_ascii` and `indent` taken: what the
+    templates on the Hub are written for (Jinja's own filter sorts keys and escapes <, > and &)."""
+    from xlserve.server.api.chat import ChatTemplate
+
+    template = ChatTemplate("{{ messages[0].content | tojson }}|{{ value | tojson(ensure_ascii=False, indent=2) }}",
+                            origin="test")
+    rendered = template.template.render(messages=[{"content": {"b": 1, "a": "<é>&"}}], value={"z": [1]})
+    assert rendered == '{"b": 1, "a": "<é>&"}|{\n  "z": [\n    1\n  ]\n}'
