@@ -20,31 +20,11 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.server_process import ServerProcess
+from tests.server.test_tool_templates import TOOL_TEMPLATE  # a tool-aware template in the Hub's style
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = "transformer-xl-stdlib"
 WITH_TOOLS = "txl-tool-template"  # the shipped checkpoint with TOOL_TEMPLATE as its chat_template.jinja
-TOOL_TEMPLATE = """\
-{%- if tools %}
-<|system|>Functions you may call:
-{%- for tool in tools %}
-{{ tool.function | tojson }}
-{%- endfor %}
-{%- endif %}
-{%- for message in messages %}
-<|{{ message.role }}|>
-{%- if message.content %}{{ message.content }}{% endif %}
-{%- if message.role == 'assistant' and message.tool_calls %}
-{%- for tool_call in message.tool_calls %}
-{%- set call = tool_call.function %}
-<tool_call>{"name": {{ call.name | tojson }}, "arguments": {{ call.arguments | tojson }}}</tool_call>
-{%- endfor %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-<|assistant|>
-{%- endif %}
-"""
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},

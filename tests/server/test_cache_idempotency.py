@@ -174,15 +174,20 @@ def test_a_keyed_session_remembers_its_request_past_32_later_keys(tmp_path):
     assert "made_by" not in decode(blob)[0]  # an export carries nothing of the requests
 
 
+def replicas(tmp_path, redis_url, *names: str) -> list[SessionCache]:
+    """Replicas on one Redis, each with its own state directory."""
+    caches = [SessionCache(tmp_path / name, None, None, None, redis_url=redis_url) for name in names]
+    for cache in caches:
+        cache.open({"toy": MODEL})
+    return caches
+
+
 def cache_ids(cache) -> set[str]:
     return {s.id for s in cache.sessions()}
 
 
 def test_a_create_with_a_key_is_made_once_by_two_replicas_on_one_redis(tmp_path, redis_url):  # noqa: F811
-    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url)
-    b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url)
-    for cache in (a, b):
-        cache.open({"toy": MODEL})
+    a, b = replicas(tmp_path, redis_url, "a", "b")
     owner = "creator-" + tmp_path.name  # the module's Redis is shared with other tests
     made = a.create("toy", owner, data(10, 0), key("c", "create"))
     on_b = b.create("toy", owner, data(10, 0), key("c", "create"))  # the retry went to another replica
@@ -193,8 +198,7 @@ def test_a_create_with_a_key_is_made_once_by_two_replicas_on_one_redis(tmp_path,
     # two replicas racing with one key both find nothing and both write: the first write of a
     # session is compare-and-set on Redis holding nothing, so the second is refused and `create`
     # answers it as a replay. A third replica whose look finds nothing, as the racer's did:
-    racer = SessionCache(tmp_path / "c", None, None, None, redis_url=redis_url)
-    racer.open({"toy": MODEL})
+    racer, = replicas(tmp_path, redis_url, "c")
     with pytest.raises(SessionConflict):
         racer._admit_new("toy", owner, data(10, 0), session_id=made.id)
     look = racer._made_before
@@ -203,8 +207,7 @@ def test_a_create_with_a_key_is_made_once_by_two_replicas_on_one_redis(tmp_path,
     raced = racer.create("toy", owner, data(10, 0), key("c", "create"))
     assert isinstance(raced, Replay) and raced.entry["result"]["id"] == made.id and len(looks) == 2
     a.delete(made.id, owner, key("d", "delete"))
-    fresh = SessionCache(tmp_path / "d", None, None, None, redis_url=redis_url)  # never saw it
-    fresh.open({"toy": MODEL})
+    fresh, = replicas(tmp_path, redis_url, "d")  # never saw it
     with pytest.raises(IdempotencyKeyReused):  # deleted on a replica, with a key: its tombstone tells
         fresh.create("toy", owner, data(10, 0), key("c", "create"))
     with pytest.raises(SessionConflict):  # and a first write never lands on a tombstone
@@ -314,10 +317,7 @@ def test_a_listing_goes_on_after_a_session_deleted_since_its_page(tmp_path):
 
 
 def test_listing_with_redis_shows_every_replicas_sessions(tmp_path, redis_url):  # noqa: F811
-    a = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url)
-    b = SessionCache(tmp_path / "b", None, None, None, redis_url=redis_url)
-    for cache in (a, b):
-        cache.open({"toy": MODEL})
+    a, b = replicas(tmp_path, redis_url, "a", "b")
     owner = "lister-" + tmp_path.name  # the module's Redis is shared with other tests
     on_a = a.create("toy", owner, data(10, 0)).id
     on_b = b.create("toy", owner, data(10, 1)).id
