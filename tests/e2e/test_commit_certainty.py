@@ -94,28 +94,44 @@ def retry_until_answered(client, session_id: str, key: str, max_tokens: int = GE
 
 
 def test_a_commit_paused_then_resumed_is_answered_as_it_landed(served, redis_server):
-    with served.client() as client:
+    """Redis pauses after the stream's first chunk and resumes STORE_TIMEOUT * 2.5 after the
+    engine finished the generation: during its commit's settle wait, so the commit was surely
+    held (a short generation on a loaded machine could commit before the pause, and the test
+    would pass without holding anything)."""
+    with served.client() as client, served.client() as watcher:
         session = create(client)
         append(client, session, document(0))
         before = info(client, session)
-        resumer = threading.Timer(STORE_TIMEOUT * 2.5, resume, args=(redis_server,))  # during the settle wait
+        finished_before = finished_generations(watcher)
+        resumed_at = []
+
+        def resume_during_the_settle_wait():
+            deadline = time.monotonic() + 60
+            while finished_generations(watcher) == finished_before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(STORE_TIMEOUT * 2.5)
+            resume(redis_server)
+            resumed_at.append(time.monotonic())
+
         try:
-            events = stream_paused_at_commit(client, redis_server, session, "paused-a", resumer.start)
+            events = stream_paused_at_commit(client, redis_server, session, "paused-a", resume_during_the_settle_wait,
+                                             LONG)
+            answered_at = time.monotonic()
         finally:
             resume(redis_server)
-            resumer.cancel()
+        assert resumed_at and answered_at >= resumed_at[0]  # the answer waited for the resume: the commit was held
         error = next((event["error"] for event in events if "error" in event), None)
         after = info(client, session)
         if error is None:  # told it is done: it is, once
-            assert (after["version"], after["tokens"]) == (before["version"] + 1, before["tokens"] + 1 + GENERATED)
+            assert (after["version"], after["tokens"]) == (before["version"] + 1, before["tokens"] + 1 + LONG)
         else:  # told it is not: it is not (and it was settled, not left unknown)
             assert error["code"] == "session_unavailable" and "nothing was written" in error["message"], error
             assert (after["version"], after["tokens"]) == (before["version"], before["tokens"])
 
-        retried = retry_until_answered(client, session, "paused-a")
+        retried = retry_until_answered(client, session, "paused-a", LONG)
         assert (retried.headers.get("idempotent-replayed") == "true") == (error is None)
         final = info(client, session)
-        assert (final["version"], final["tokens"]) == (before["version"] + 1, before["tokens"] + 1 + GENERATED)
+        assert (final["version"], final["tokens"]) == (before["version"] + 1, before["tokens"] + 1 + LONG)
 
 
 def finished_generations(client) -> float:
