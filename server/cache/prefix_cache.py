@@ -82,6 +82,15 @@ REMOTE_WRITES_BYTES = 1 << 30
 # bytes of entries waiting for the disk writer, each holding its state in host RAM meanwhile; beyond,
 # an entry pushed to disk is dropped (one entry is always taken, whatever its size)
 DISK_WRITES_BYTES = 1 << 30
+# after Redis failed a lookup or a write, the cache goes without it for this long: a Redis that is
+# down or slow would otherwise add its store timeout to every request without a session
+REMOTE_QUIET_SECONDS = 30.0
+# entries are shared only while Redis holds less than this part of its maxmemory: the sessions'
+# commits need the rest (with `noeviction`, a Redis full of entries refuses every commit for the
+# entries' TTL; with an eviction policy it would evict sessions). Redis's own report, read at most
+# every REDIS_MEMORY_SECONDS; without a maxmemory, nothing bounds Redis (deploy/README.md sets one)
+REDIS_SHARE_OF_MAXMEMORY = 0.5
+REDIS_MEMORY_SECONDS = 10.0
 
 
 @dataclass
@@ -164,6 +173,8 @@ class PrefixCache:
         self._evictions: dict[str, int] = {}  # model -> entries dropped, counted outside the lock
         self._writes: queue.Queue = queue.Queue(maxsize=REMOTE_WRITES_QUEUED)
         self._remote_writes_bytes = 0  # of the entries queued for the Redis writer (under the lock)
+        self._remote_quiet_until = 0.0  # monotonic: Redis is not asked before (REMOTE_QUIET_SECONDS)
+        self._redis_memory: tuple[float, int, int] | None = None  # (read at, used, maxmemory): the writer's
         if remote is not None:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
         self._disk_writes: queue.Queue = queue.Queue()
@@ -227,8 +238,12 @@ class PrefixCache:
         if any(self.caps.values()) and limit > 0:
             chain = block_chain(scope, tokens[:limit], self.block_tokens)
             hit = self._lookup_local(chain, tokens, limit, restore)
-            if self.remote is not None and restore is not None:
-                hit = self._lookup_remote(model, scope, chain, tokens, limit, hit, restore) or hit
+            if (self.remote is not None and restore is not None and (hit is None or hit.tokens < limit)
+                    and time.monotonic() >= self._remote_quiet_until):
+                try:
+                    hit = self._lookup_remote(model, scope, chain, tokens, limit, hit, restore) or hit
+                except Exception as error:  # whatever it is, the local hit stands and the request goes on
+                    log.warning("prefix cache: the Redis lookup failed (%s: %s)", type(error).__name__, error)
         if self.metrics is not None:
             self.metrics.prefix_cache_queries.labels(model).inc(len(tokens))
             if hit is not None:
@@ -301,25 +316,30 @@ class PrefixCache:
         try:
             names = [block.hex() for block in blocks]
             filed = self.remote.filed(names)
+            # the entries of this prompt (a block also files other prompts' entries: the same
+            # tokens up to it, others after), longest first
             candidates = sorted(((n, key, block) for block, entries in zip(names, filed) for n, key in entries.items()
-                                 if shortest <= n <= limit), reverse=True)
+                                 if shortest <= n <= limit
+                                 and key == entry_key(chain, tokens, n, self.block_tokens).hex()), reverse=True)
             for n, key, block in candidates[:4]:  # a few tries: entries may have expired since the index said so
-                if key != entry_key(chain, tokens, n, self.block_tokens).hex():
-                    continue
-                blob = self.remote.get_entry(key, block)  # its block's TTL renewed with its own
+                blob = self.remote.get_entry(key)
                 if blob is None:
                     continue
                 try:
                     data, logprobs = restore(blob)
-                except (CorruptState, ValueError) as error:
-                    log.warning("prefix cache: an entry in Redis was refused (%s)", error)
+                    if data.tokens != n:
+                        raise ValueError(f"it holds {data.tokens} tokens, filed as {n}")
+                except Exception as error:  # a damaged or foreign entry: it goes, and never costs a lookup again
+                    log.warning("prefix cache: an entry in Redis was refused and removed (%s)", error)
+                    self.remote.drop_entry(key, block, n)
                     continue
-                if data.tokens != n:
-                    continue
+                self.remote.touch_entry(key, block)  # a use: its TTL and its block's renewed, once it proved good
                 self.offer(model, scope, tokens[:n], data, logprobs, share=False)
                 return PrefixHit(n, data, logprobs)
-        except StoreUnavailable as error:  # reuse lost, the request goes on
-            log.warning("prefix cache: Redis lookup failed, computing the prompt (%s)", error)
+        except StoreUnavailable as error:  # reuse lost, the request goes on; and the next ones go without Redis
+            self._remote_quiet_until = time.monotonic() + REMOTE_QUIET_SECONDS
+            log.warning("prefix cache: Redis lookup failed, computing the prompt; Redis is not asked for %gs (%s)",
+                        REMOTE_QUIET_SECONDS, error)
         return None
 
     def offer(self, model: str, scope: bytes, tokens: list[int], data: SessionData,
@@ -365,14 +385,36 @@ class PrefixCache:
         while True:
             block, n, key, model, data, logprobs, nbytes = self._writes.get()
             try:
-                self.remote.put_entry(block, n, key, encode_entry(model, data, logprobs))
-            except Exception as error:  # StoreUnavailable, or a state that cannot be encoded
+                if time.monotonic() >= self._remote_quiet_until and self._room_in_redis(nbytes):
+                    self.remote.put_entry(block, n, key, encode_entry(model, data, logprobs))
+            except StoreUnavailable as error:  # down, slow or full (StoreFull): the entries wait for nobody
+                self._remote_quiet_until = time.monotonic() + REMOTE_QUIET_SECONDS
+                log.warning("prefix cache: an entry was not written to Redis; none is for %gs (%s)",
+                            REMOTE_QUIET_SECONDS, error)
+            except Exception as error:  # a state that cannot be encoded
                 log.warning("prefix cache: an entry was not written to Redis (%s)", error)
             finally:
                 del data  # the state it held, wherever it lies, is not kept past its write
                 with self._lock:
                     self._remote_writes_bytes -= nbytes
                 self._writes.task_done()
+
+    def _room_in_redis(self, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` may be shared: Redis would still hold less than
+        REDIS_SHARE_OF_MAXMEMORY of its maxmemory (its report at most REDIS_MEMORY_SECONDS old,
+        plus what this writer wrote since). The writer thread only."""
+        now = time.monotonic()
+        if self._redis_memory is None or now - self._redis_memory[0] > REDIS_MEMORY_SECONDS:
+            used, most = self.remote.memory()
+            self._redis_memory = (now, used, most)
+        read_at, used, most = self._redis_memory
+        if most and used + nbytes > REDIS_SHARE_OF_MAXMEMORY * most:
+            log.warning("prefix cache: Redis holds %d of its %d bytes of maxmemory; entries are not shared while "
+                        "it holds more than %g of it (the sessions need the rest)", used, most,
+                        REDIS_SHARE_OF_MAXMEMORY)
+            return False
+        self._redis_memory = (read_at, used + nbytes, most)
+        return True
 
     def _write_disk(self) -> None:
         """The disk writer thread: encodes and writes queued entries, one at a time, in the order

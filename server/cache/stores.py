@@ -916,16 +916,54 @@ class RedisPrefixStore(RedisStore):
         self.ttl_s = max(1, int(ttl_s))
 
     def put_entry(self, block: str, n: int, key: str, blob: bytes) -> None:
-        """File the entry `key` (hex) for n tokens under block `block` (hex), both with the TTL."""
+        """File the entry `key` (hex) for n tokens under block `block` (hex), both with the TTL.
+        The entry the block filed for n before (another prompt's, the same up to this block) is
+        deleted: unreachable, it would hold its bytes until its TTL."""
 
         def write():
             pipeline = self.client.pipeline(transaction=False)
+            pipeline.hget(self.prefix + "block:" + block, str(n))
             pipeline.set(self.prefix + "entry:" + key, blob, ex=self.ttl_s)
             pipeline.hset(self.prefix + "block:" + block, str(n), key)
             pipeline.expire(self.prefix + "block:" + block, self.ttl_s)
-            pipeline.execute()
+            replaced = pipeline.execute()[0]
+            replaced = replaced.decode() if isinstance(replaced, bytes) else replaced
+            if replaced and replaced != key:
+                self.client.delete(self.prefix + "entry:" + replaced)
 
         self._call(write)
+
+    def drop_entry(self, key: str, block: str, n: int) -> None:
+        """Remove an entry that was refused, and its place in its block while it still names it."""
+
+        def drop():
+            self.client.delete(self.prefix + "entry:" + key)
+            filed = self.client.hget(self.prefix + "block:" + block, str(n))
+            if (filed.decode() if isinstance(filed, bytes) else filed) == key:
+                self.client.hdel(self.prefix + "block:" + block, str(n))
+
+        self._call(drop)
+
+    def touch_entry(self, key: str, block: str) -> None:
+        """A use: the entry's TTL renewed, and that of the block it was filed under, without
+        which a prefix read every minute would still become unreachable a day after it was
+        written."""
+
+        def touch():
+            pipeline = self.client.pipeline(transaction=False)
+            pipeline.expire(self.prefix + "entry:" + key, self.ttl_s)
+            pipeline.expire(self.prefix + "block:" + block, self.ttl_s)
+            pipeline.execute()
+
+        self._call(touch)
+
+    def memory(self) -> tuple[int, int]:
+        """(used_memory, maxmemory) as Redis reports them, summed over a cluster's primaries;
+        maxmemory 0: none is set."""
+        info = self._read(lambda: self.client.info("memory"))
+        nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
+        return (sum(int(node.get("used_memory", 0)) for node in nodes),
+                sum(int(node.get("maxmemory", 0)) for node in nodes))
 
     def filed(self, blocks: list[str]) -> list[dict[int, str]]:
         """For each block (hex), its {n: entry key}: one round trip for the whole chain."""
@@ -946,16 +984,8 @@ class RedisPrefixStore(RedisStore):
             found.append(entries)
         return found
 
-    def get_entry(self, key: str, block: str | None = None) -> bytes | None:
-        """The entry's bytes, or None when Redis no longer holds it. A read is a use: the entry's
-        TTL is renewed, and that of the block it was filed under (`block`, hex), without which a
-        prefix read every minute would still become unreachable a day after it was written."""
-
-        def read():
-            pipeline = self.client.pipeline(transaction=False)
-            pipeline.getex(self.prefix + "entry:" + key, ex=self.ttl_s)
-            if block is not None:
-                pipeline.expire(self.prefix + "block:" + block, self.ttl_s)
-            return pipeline.execute()[0]
-
-        return self._read(read)
+    def get_entry(self, key: str) -> bytes | None:
+        """The entry's bytes, or None when Redis no longer holds it. Its TTL is not renewed here:
+        only a use of an entry that proved good renews it (`touch_entry`), so a damaged one
+        expires, if its reader does not remove it first."""
+        return self._read(lambda: self.client.get(self.prefix + "entry:" + key))

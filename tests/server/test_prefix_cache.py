@@ -259,17 +259,68 @@ def test_entries_shared_through_redis_are_checked_and_a_dead_redis_costs_only_re
                            tokens=len(other), next_log_probs=log_probs[0, -1].clone())
     assert writer.offer("m", SCOPE, other, poisoned, [None] + [-1.0] * (len(other) - 1)) and writer.flush_remote()
     assert reader.lookup("m", SCOPE, other, restore=restore) is None
+    # a refused entry goes, with its place in its block: no later lookup downloads it again
     key = entry_key(block_chain(SCOPE, other, 4), other, len(other), 4).hex()
-    writer.remote.client.set("test:prefix:entry:" + key, b"not a safetensors blob")
+    other_block = block_chain(SCOPE, other, 4)[len(other) // 4].hex()
+    assert not writer.remote.client.exists("test:prefix:entry:" + key)
+    assert writer.remote.client.hget("test:prefix:block:" + other_block, str(len(other))) is None
+    writer.remote.put_entry(other_block, len(other), key, b"not a safetensors blob")  # filed again, not a blob
     assert reader.lookup("m", SCOPE, other, restore=restore) is None
+    assert not writer.remote.client.exists("test:prefix:entry:" + key)
 
-    # Redis gone: lookups answer from memory, offers stay local, nothing raises
+    # Redis gone: lookups answer from memory, offers stay local, nothing raises; and after the
+    # first failure Redis is left alone for a while, instead of costing every request its timeout
     dead = PrefixCache(64 << 20, block_tokens=4,
                        remote=RedisPrefixStore("redis://127.0.0.1:1/0", prefix="test:prefix:", timeout_s=0.2))
     assert dead.lookup("m", SCOPE, tokens, restore=restore) is None
+    asked = []
+    filed = dead.remote.filed
+    dead.remote.filed = lambda names: asked.append(names) or filed(names)
+    assert dead.lookup("m", SCOPE, other, restore=restore) is None and asked == []
     assert dead.offer("m", SCOPE, tokens, entry, logprobs)
     assert dead.lookup("m", SCOPE, tokens, restore=restore).tokens == len(tokens)
     assert dead.flush_remote()
+
+
+def test_an_entry_filed_in_place_of_another_removes_it_from_redis(redis_url):  # noqa: F811
+    """A block files one entry per length: the entry it filed before (another prompt's, the same
+    up to that block) is unreachable once replaced, and goes, instead of holding its bytes a day."""
+    from xlserve.server.cache.stores import RedisPrefixStore
+
+    store = RedisPrefixStore(redis_url, prefix="test:replaced:")
+    store.put_entry("aa", 8, "01" * 8, b"first")
+    store.put_entry("aa", 8, "02" * 8, b"second")
+    assert store.get_entry("01" * 8) is None and store.get_entry("02" * 8) == b"second"
+    assert store.filed(["aa"]) == [{8: "02" * 8}]
+    store.put_entry("aa", 8, "02" * 8, b"second")  # the same entry again: kept
+    assert store.get_entry("02" * 8) == b"second"
+
+
+def test_entries_are_not_shared_past_half_of_redis_maxmemory():
+    """With `noeviction`, a Redis full of prefix entries would refuse every session commit for
+    the entries' TTL: entries are shared only while Redis holds less than half its maxmemory,
+    counting what the writer wrote since Redis last said."""
+    from tests.server.cache_helpers import size
+
+    class ReportingRedis:
+        def __init__(self, used: int, most: int):
+            self.written, self.used, self.most = [], used, most
+
+        def put_entry(self, block, n, key, blob):
+            self.written.append(key)
+
+        def memory(self):
+            return self.used, self.most
+
+    entry_bytes = size(100) + 4 * 8
+    for used, most, shared in [(0, 0, 3), (0, 10 * entry_bytes, 3), (0, 5 * entry_bytes, 2),
+                               (2 * entry_bytes, 5 * entry_bytes, 0)]:
+        remote = ReportingRedis(used, most)
+        cache = PrefixCache(1 << 20, block_tokens=4, remote=remote)
+        for k in range(3):
+            assert cache.offer("toy", SCOPE, *toy_entry(k))  # kept locally, shared or not
+        assert cache.flush_remote()
+        assert len(remote.written) == shared, (used, most)
 
 
 # -- tiers, and the budget shared with sessions -------------------------------------------------------
@@ -549,6 +600,9 @@ def test_entries_waiting_for_redis_are_bounded_in_bytes(monkeypatch):
         def put_entry(self, block, n, key, blob):
             assert gate.wait(30)
             written.append(key)
+
+        def memory(self):
+            return 0, 0  # no maxmemory set
 
     cache = PrefixCache(1 << 20, block_tokens=4, remote=SlowRedis())
     entries = [toy_entry(k) for k in range(5)]
