@@ -500,7 +500,13 @@ class PrefixCache:
             return False
         if source == "disk":
             self._path(entry).unlink(missing_ok=True)
-        return self._place(key, entry, target, data, logprobs)
+        try:
+            return self._place(key, entry, target, data, logprobs)
+        except BaseException:  # a copy that failed (host memory): out of every tier, it goes from the books too
+            self._index.pop(key, None)
+            self._unfile(entry, key)
+            self._evictions[entry.model] = self._evictions.get(entry.model, 0) + 1
+            raise
 
     def _place(self, key: bytes, entry: _Entry, tier: str, data: SessionData, logprobs) -> bool:
         if tier == "disk":  # its file written by the disk writer (`_write_disk`); its state in host RAM till then

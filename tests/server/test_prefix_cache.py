@@ -646,3 +646,24 @@ def test_entries_name_the_weights_that_made_them_where_they_outlive_the_process(
     assert cached_tokens(b"old weights") == 0
     assert cached_tokens(b"old weights") > 0  # the same weights find their entry
     assert cached_tokens(b"new weights") == 0  # other weights under the same name do not
+
+
+def test_an_entry_whose_move_fails_leaves_the_books_instead_of_every_tier():
+    """An entry pushed off the device whose copy to host RAM fails (out of memory) used to stay in
+    the index but in no tier: never evicted, its memory outside every budget. It goes instead."""
+    from tests.server.cache_helpers import size
+
+    entry_bytes = size(100) + 4 * 8
+    cache = PrefixCache(entry_bytes, block_tokens=4, host_bytes=entry_bytes)
+    first, second = toy_entry(1), toy_entry(2)
+    assert cache.offer("toy", SCOPE, *first)
+
+    def failing_copy(*args, **kwargs):
+        raise RuntimeError("out of host memory")
+
+    moved = cache._index[next(iter(cache._index))]
+    moved.data.to = failing_copy  # the copy to host RAM of the entry pushed down
+    with pytest.raises(RuntimeError):
+        cache.offer("toy", SCOPE, *second)
+    assert moved.key not in cache._index and sum(len(t) for t in cache._tiers.values()) == len(cache._index)
+    assert cache.lookup("toy", SCOPE, first[0]) is None
