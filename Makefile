@@ -1,16 +1,19 @@
 # Everything a fresh machine needs: `make serve` and `make test` create .venv and install.
 # `make serve` installs the package and what serving needs; `make test` adds the test extra (and
-# with it the bench extra), `make bench` the bench extra. Each install leaves its own stamp.
+# with it the bench extra), `make bench` the bench extra; both add the second reference
+# environment (below). Each install leaves its own stamp.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 SERVE_INSTALLED := $(VENV)/.installed-serve
 BENCH_INSTALLED := $(VENV)/.installed-bench
 TEST_INSTALLED := $(VENV)/.installed-test
+HF_REFERENCE_INSTALLED := $(VENV)/.installed-hf-reference
 # The second reference environment of the Mamba, Mamba-2 and RWKV parity tests and of `bench
-# vs-hf-mamba`: a newer transformers installed apart (--target), put first on PYTHONPATH by the
-# subprocesses that run it; the test extra's transformers 4.37.2 stays the one the TransfoXL,
-# XLNet and Reformer parity tests import (tests/models/hf_reference.py, docs/convert.md)
+# vs-hf-mamba` (`make test` and `make bench` install it): a newer transformers installed apart
+# (--target), put first on PYTHONPATH by the subprocesses that run it; the test extra's
+# transformers 4.37.2 stays the one the TransfoXL, XLNet and Reformer parity tests import
+# (tests/models/hf_reference.py, docs/convert.md)
 HF_REFERENCE_DIR := $(VENV)/hf-reference
 HF_REFERENCE := transformers==4.57.1 tokenizers==0.22.1
 # Every runtime package at the version constraints.txt pins (the images install from it too).
@@ -37,6 +40,12 @@ CHECK_PYTHON := import re, sys; floor = tuple(map(int, re.search(r"requires-pyth
 # "Failed to initialize NumPy"; and reading the version this way costs no torch import.
 TORCH_IS_PINNED := import sys; from importlib.metadata import version; \
   sys.exit(version("torch").split("+")[0] != "$(TORCH_PIN)".split("==")[1])
+# $(call APT_INSTALL,[FLAGS] PACKAGES,WHAT FOLLOWS[,exit 1;]) after a check that found a program
+# missing: as root (CI) apt-get installs the packages; as another user nothing is installed, and
+# it says what is missing, what follows from that and how to install it
+APT_INSTALL = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1); \
+  else echo "== not installed: $(filter-out -%,$(1)) (make installs packages only as root); $(2); to install: sudo apt-get install $(1)"; $(3) fi
+SKIPPED := the tests that need it are skipped, saying why
 
 .PHONY: serve test fuzz chaos bench gpu-check clean
 
@@ -59,25 +68,30 @@ $(SERVE_INSTALLED): $(VENV)/constraints.txt
 	$(PY) -m pip install -c $(VENV)/constraints.txt -e .
 	touch $@
 
-$(BENCH_INSTALLED): $(SERVE_INSTALLED)
+$(BENCH_INSTALLED): $(SERVE_INSTALLED) $(HF_REFERENCE_INSTALLED)
 	@echo "== installing the bench extra: matplotlib, transformers"
 	$(PY) -m pip install -c $(VENV)/constraints.txt -e ".[bench]"
 	touch $@
 
-$(TEST_INSTALLED): $(SERVE_INSTALLED)
+$(TEST_INSTALLED): $(SERVE_INSTALLED) $(HF_REFERENCE_INSTALLED)
 	@echo "== installing the test extra (and the bench extra): pytest, selenium, schemathesis, transformers, ..."
 	$(PY) -m pip install -c $(VENV)/constraints.txt -e ".[test]"
-	$(PY) -m pip install --upgrade --no-deps --target $(HF_REFERENCE_DIR) $(HF_REFERENCE)
 	touch $@ $(BENCH_INSTALLED)
+
+# --no-deps: what it imports besides (huggingface_hub, safetensors, ...) is the bench extra's
+$(HF_REFERENCE_INSTALLED): $(SERVE_INSTALLED)
+	@echo "== installing the second reference environment, $(HF_REFERENCE_DIR): $(HF_REFERENCE)"
+	$(PY) -m pip install --upgrade --no-deps --target $(HF_REFERENCE_DIR) $(HF_REFERENCE)
+	touch $@
 
 serve: $(SERVE_INSTALLED)
 	$(VENV)/bin/xlserve serve --host $(HOST) --port $(PORT)
 
 test: $(TEST_INSTALLED)
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
-	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
-	command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
+	command -v redis-server >/dev/null || $(call APT_INSTALL,redis-server,$(SKIPPED))
+	command -v chromedriver >/dev/null || $(call APT_INSTALL,chromium chromium-driver,$(SKIPPED))
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || $(call APT_INSTALL,nginx-light,$(SKIPPED))
+	command -v prometheus >/dev/null || $(call APT_INSTALL,--no-install-recommends prometheus,$(SKIPPED))
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # the fuzz run of `make test` (tests/e2e/test_fuzz.py) with a larger budget: examples per operation and kind
@@ -90,7 +104,7 @@ fuzz: $(TEST_INSTALLED)
 # redis-server) with more rounds of each probe; it prints a table of probes and outcomes
 CHAOS_ROUNDS ?= 20
 chaos: $(TEST_INSTALLED)
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	command -v redis-server >/dev/null || $(call APT_INSTALL,redis-server,make chaos needs it,exit 1;)
 	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(PY) -m pytest -q -s tests/e2e/test_chaos.py
 
 bench: $(BENCH_INSTALLED)

@@ -369,8 +369,8 @@ def cmd_bench(args) -> None:
         raise SystemExit(f"xlserve bench: unknown benchmark '{args.name}' (have: {', '.join(sorted(BENCHMARKS))})")
     missing = missing_packages(args.name)
     if missing:
-        raise SystemExit(f"xlserve bench {args.name} needs {', '.join(missing)}, from the bench extra: "
-                         f"pip install \"xlserve[bench]\"")
+        raise SystemExit(f"xlserve bench {args.name} needs {', '.join(missing)}, from the bench extra: make bench "
+                         "(or .venv/bin/pip install -c constraints.txt -e '.[bench]') in the checkout")
     importlib.import_module(f"xlserve.server.bench.{BENCHMARKS[args.name]}").main(args.args)
 
 
@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     convert = commands.add_parser("convert", help="import a local Hugging Face checkpoint (see docs/convert.md)")
-    convert.add_argument("source", metavar="HF_DIR", help="directory with config.json and model.safetensors")
+    convert.add_argument("source", metavar="HF_DIR", help="directory with config.json and the weights "
+                                                       "(model.safetensors, sharded safetensors, or pytorch_model.bin)")
     convert.add_argument("out", metavar="OUT_DIR", help="new xlserve checkpoint directory (must not exist or be empty)")
     convert.add_argument("--symbols", default=None, help="word list for the tokenizer (.json list or one per line)")
     convert.set_defaults(func=cmd_convert)

@@ -149,7 +149,8 @@ def test_xlserve_bench_without_the_extra_says_what_to_install(monkeypatch):
     monkeypatch.setattr(bench, "find_spec", lambda name: None if name == "transformers" else real_find_spec(name))
     with pytest.raises(SystemExit) as refused:
         main(["bench", "vs-hf", "--quick"])
-    assert str(refused.value) == 'xlserve bench vs-hf needs transformers, from the bench extra: pip install "xlserve[bench]"'
+    assert str(refused.value) == ("xlserve bench vs-hf needs transformers, from the bench extra: make bench "
+                                  "(or .venv/bin/pip install -c constraints.txt -e '.[bench]') in the checkout")
     assert bench.missing_packages("continuation") == []
 
 

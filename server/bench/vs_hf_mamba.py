@@ -19,8 +19,8 @@ converted with `xlserve convert`:
 
 The reference runs in a process of its own (server/bench/mamba_reference.py): the test extra's
 transformers (4.37.2, kept for TransfoXL) has no Mamba, so --reference-path names a directory to
-put first on that process's PYTHONPATH (default .venv/hf-reference, where `make test` installs
-transformers 4.57.1; without one, this environment's transformers).
+put first on that process's PYTHONPATH (default .venv/hf-reference, where `make test` and `make
+bench` install transformers 4.57.1; without one, this environment's transformers).
 
 Results: bench-results/vs-hf-mamba.json and .png (--quick: vs-hf-mamba-quick.*), and a table.
 Run it alone: a second torch-heavy process on the same cores slows both and skews the numbers.
@@ -93,8 +93,8 @@ def run_reference(args, directory: Path, threads: int) -> dict:
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise SystemExit(f"xlserve bench vs-hf-mamba: the reference failed ({last[0]}); it needs a transformers with "
-                         "MambaForCausalLM (4.39+): pip install --target .venv/hf-reference transformers==4.57.1 "
-                         "tokenizers==0.22.1, or --reference-path")
+                         "MambaForCausalLM (4.39+): make bench installs one, or .venv/bin/pip install --no-deps "
+                         "--target .venv/hf-reference transformers==4.57.1 tokenizers==0.22.1, or --reference-path")
     return json.loads((directory / "reference.json").read_text())
 
 
