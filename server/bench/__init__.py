@@ -6,8 +6,9 @@ second torch-heavy process slows both and makes the numbers meaningless. docs/be
 describes each one and holds the latest numbers.
 
 Their third-party packages beyond the server's own are the `bench` extra of pyproject.toml
-(`pip install "xlserve[bench]"`): a server installed without it serves as before, and `xlserve
-bench` says what to install instead of failing on an import half-way through a run.
+(`make bench`, or `.venv/bin/pip install -c constraints.txt -e ".[bench]"` in the checkout): a
+server installed without it serves as before, and `xlserve bench` says what to install instead
+of failing on an import half-way through a run.
 """
 
 from importlib.util import find_spec
