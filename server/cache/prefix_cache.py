@@ -174,7 +174,8 @@ class PrefixCache:
         self._writes: queue.Queue = queue.Queue(maxsize=REMOTE_WRITES_QUEUED)
         self._remote_writes_bytes = 0  # of the entries queued for the Redis writer (under the lock)
         self._remote_quiet_until = 0.0  # monotonic: Redis is not asked before (REMOTE_QUIET_SECONDS)
-        self._redis_memory: tuple[float, int, int] | None = None  # (read at, used, maxmemory): the writer's
+        # (read at, [(used, maxmemory) of each node]): the writer's, `_room_in_redis`
+        self._redis_memory: tuple[float, list[tuple[int, int]]] | None = None
         if remote is not None:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
         self._disk_writes: queue.Queue = queue.Queue()
@@ -329,11 +330,18 @@ class PrefixCache:
                     data, logprobs = restore(blob)
                     if data.tokens != n:
                         raise ValueError(f"it holds {data.tokens} tokens, filed as {n}")
-                except Exception as error:  # a damaged or foreign entry: it goes, and never costs a lookup again
+                except (CorruptState, ValueError) as error:  # damaged or foreign: it goes, never to cost a lookup again
                     log.warning("prefix cache: an entry in Redis was refused and removed (%s)", error)
                     self.remote.drop_entry(key, block, n)
                     continue
-                self.remote.touch_entry(key, block)  # a use: its TTL and its block's renewed, once it proved good
+                except Exception as error:  # this replica's trouble (the device out of memory): the entry stays
+                    log.warning("prefix cache: an entry in Redis could not be taken here (%s: %s)",
+                                type(error).__name__, error)
+                    continue
+                try:  # a use: its TTL and its block's renewed, once it proved good
+                    self.remote.touch_entry(key, block)
+                except StoreUnavailable as error:  # the hit stands; the entry expires a day after its last renewal
+                    log.warning("prefix cache: an entry's TTL in Redis was not renewed (%s)", error)
                 self.offer(model, scope, tokens[:n], data, logprobs, share=False)
                 return PrefixHit(n, data, logprobs)
         except StoreUnavailable as error:  # reuse lost, the request goes on; and the next ones go without Redis
@@ -404,16 +412,19 @@ class PrefixCache:
         REDIS_SHARE_OF_MAXMEMORY of its maxmemory (its report at most REDIS_MEMORY_SECONDS old,
         plus what this writer wrote since). The writer thread only."""
         now = time.monotonic()
-        if self._redis_memory is None or now - self._redis_memory[0] > REDIS_MEMORY_SECONDS:
-            used, most = self.remote.memory()
-            self._redis_memory = (now, used, most)
-        read_at, used, most = self._redis_memory
-        if most and used + nbytes > REDIS_SHARE_OF_MAXMEMORY * most:
-            log.warning("prefix cache: Redis holds %d of its %d bytes of maxmemory; entries are not shared while "
-                        "it holds more than %g of it (the sessions need the rest)", used, most,
-                        REDIS_SHARE_OF_MAXMEMORY)
+        fresh = self._redis_memory is None or now - self._redis_memory[0] > REDIS_MEMORY_SECONDS
+        if fresh:
+            self._redis_memory = (now, self.remote.memory())
+        read_at, nodes = self._redis_memory
+        # a cluster's entries spread over every primary: each must keep room for its sessions
+        full = [(used, most) for used, most in nodes if most and used + nbytes > REDIS_SHARE_OF_MAXMEMORY * most]
+        if full:
+            if fresh:  # said once a reading, not for every entry
+                log.warning("prefix cache: Redis holds %d of its %d bytes of maxmemory; entries are not shared while "
+                            "it holds more than %g of it (the sessions need the rest)", *full[0],
+                            REDIS_SHARE_OF_MAXMEMORY)
             return False
-        self._redis_memory = (read_at, used + nbytes, most)
+        self._redis_memory = (read_at, [(used + nbytes, most) for used, most in nodes])
         return True
 
     def _write_disk(self) -> None:

@@ -957,13 +957,18 @@ class RedisPrefixStore(RedisStore):
 
         self._call(touch)
 
-    def memory(self) -> tuple[int, int]:
-        """(used_memory, maxmemory) as Redis reports them, summed over a cluster's primaries;
-        maxmemory 0: none is set."""
-        info = self._read(lambda: self.client.info("memory"))
+    def memory(self) -> list[tuple[int, int]]:
+        """(used_memory, maxmemory) of each node as Redis reports them: one for a server, each
+        primary of a cluster (INFO goes to one node unless asked for all); maxmemory 0: none set."""
+
+        def read():
+            if hasattr(self.client, "get_primaries"):  # a cluster client
+                return self.client.info("memory", target_nodes=self.client.PRIMARIES)
+            return self.client.info("memory")
+
+        info = self._read(read)
         nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
-        return (sum(int(node.get("used_memory", 0)) for node in nodes),
-                sum(int(node.get("maxmemory", 0)) for node in nodes))
+        return [(int(node.get("used_memory", 0)), int(node.get("maxmemory", 0))) for node in nodes]
 
     def filed(self, blocks: list[str]) -> list[dict[int, str]]:
         """For each block (hex), its {n: entry key}: one round trip for the whole chain."""

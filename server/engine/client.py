@@ -233,7 +233,8 @@ class EngineClient:
             await asyncio.gather(self.reader_task, return_exceptions=True)
         if self.writer is not None:
             self.writer.close()
-        self._fail_in_flight(lambda: ShuttingDown("the server is shutting down", code="shutting_down"))
+        self._fail_in_flight(lambda: ShuttingDown("the server is shutting down", code="shutting_down"),
+                             changing=self._change_in_doubt)
         return code
 
     async def _spawn(self) -> None:
@@ -366,12 +367,18 @@ class EngineClient:
         self._fail_in_flight(lambda: EngineRestarting(
             "the engine process died while this request ran; nothing of it was committed. A new engine "
             "process is starting: send the request again shortly", code="engine_restarting"),
-            changing=lambda: CommitOutcomeUnknown(
-                "the engine process died while this request's change to a session was being written: it may "
-                "have landed or not. A new engine process is starting: check the session (GET "
-                "/v1/sessions/{id}: its version and tokens) before sending it again, or send it again with "
-                "the same Idempotency-Key, which applies at most once"))
+            changing=self._change_in_doubt)
         self.supervisor = asyncio.create_task(self._restart(cause))
+
+    @staticmethod
+    def _change_in_doubt() -> CommitOutcomeUnknown:
+        """What a call that changes a session is told when the engine process went while it ran
+        (died, killed as frozen, or at shutdown): its write may have landed before the answer could
+        be sent, so it is not "nothing was committed, send it again"."""
+        return CommitOutcomeUnknown(
+            "the engine process went while this request's change to a session was being written: it may have "
+            "landed or not. Check the session (GET /v1/sessions/{id}: its version and tokens) before sending it "
+            "again, or send it again with the same Idempotency-Key, which applies at most once")
 
     async def _restart(self, cause: str | None = None) -> None:
         """`cause`: why the engine process was killed, when it did not die of itself."""

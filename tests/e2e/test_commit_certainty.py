@@ -63,9 +63,10 @@ def request(session_id: str, stream: bool, max_tokens: int = GENERATED) -> dict:
 
 
 def stream_paused_at_commit(client, redis_server, session_id: str, key: str, while_paused=None,
-                            max_tokens: int = GENERATED) -> list[dict]:
+                            max_tokens: int = GENERATED, ended_at: list | None = None) -> list[dict]:
     """Stream a generation on the session; pause Redis once the first chunk is here (so before the
-    commit), call `while_paused` (in a thread), and return the stream's events."""
+    commit), call `while_paused` (in a thread), and return the stream's events; `ended_at` gets
+    the time its last line came (before `while_paused` is waited for)."""
     with client.stream("POST", "/v1/completions", json=request(session_id, True, max_tokens),
                        headers={"Idempotency-Key": key}) as response:
         assert response.status_code == 200, response.read()
@@ -76,6 +77,8 @@ def stream_paused_at_commit(client, redis_server, session_id: str, key: str, whi
         if helper:
             helper.start()
         rest = [line for line in lines if line.startswith("data: ")]
+        if ended_at is not None:
+            ended_at.append(time.monotonic())
     if helper:
         helper.join(60)
     return [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
@@ -113,13 +116,14 @@ def test_a_commit_paused_then_resumed_is_answered_as_it_landed(served, redis_ser
             resume(redis_server)
             resumed_at.append(time.monotonic())
 
+        answered_at = []
         try:
             events = stream_paused_at_commit(client, redis_server, session, "paused-a", resume_during_the_settle_wait,
-                                             LONG)
-            answered_at = time.monotonic()
+                                             LONG, answered_at)
         finally:
             resume(redis_server)
-        assert resumed_at and answered_at >= resumed_at[0]  # the answer waited for the resume: the commit was held
+        # the stream's end waited for the resume: the commit was held
+        assert resumed_at and answered_at and answered_at[0] >= resumed_at[0]
         error = next((event["error"] for event in events if "error" in event), None)
         after = info(client, session)
         if error is None:  # told it is done: it is, once

@@ -126,6 +126,10 @@ def test_the_store_on_a_cluster_keeps_every_guarantee_of_one_redis(redis_cluster
     assert len({redis_cluster.node_of("modes:prefix:block:" + b) for b in blocks}) > 1
     assert prefix.filed(blocks) == [{16 * i + 3: f"{i:02x}" * 8} for i in range(6)]  # one call over the nodes
     assert prefix.get_entry("05" * 8) == b"entry 5" and prefix.get_entry("ff" * 8) is None
+    # the entries spread over every primary, and each primary's memory is read: one node's INFO
+    # would leave the others' room for sessions unchecked
+    nodes = prefix.memory()
+    assert len(nodes) == len(prefix.client.get_primaries()) > 1 and all(used > 0 for used, _ in nodes)
     prefix.close()
 
 

@@ -310,7 +310,7 @@ def test_entries_are_not_shared_past_half_of_redis_maxmemory():
             self.written.append(key)
 
         def memory(self):
-            return self.used, self.most
+            return [(self.used, self.most)]
 
     entry_bytes = size(100) + 4 * 8
     for used, most, shared in [(0, 0, 3), (0, 10 * entry_bytes, 3), (0, 5 * entry_bytes, 2),
@@ -602,7 +602,7 @@ def test_entries_waiting_for_redis_are_bounded_in_bytes(monkeypatch):
             written.append(key)
 
         def memory(self):
-            return 0, 0  # no maxmemory set
+            return [(0, 0)]  # no maxmemory set
 
     cache = PrefixCache(1 << 20, block_tokens=4, remote=SlowRedis())
     entries = [toy_entry(k) for k in range(5)]
@@ -667,3 +667,23 @@ def test_an_entry_whose_move_fails_leaves_the_books_instead_of_every_tier():
         cache.offer("toy", SCOPE, *second)
     assert moved.key not in cache._index and sum(len(t) for t in cache._tiers.values()) == len(cache._index)
     assert cache.lookup("toy", SCOPE, first[0]) is None
+
+
+def test_a_shared_entry_this_replica_cannot_take_stays_for_the_others(redis_url):  # noqa: F811
+    """An entry that fails its checks goes from Redis; one this replica cannot take for a reason
+    of its own (its device out of memory) stays there for the replicas that can."""
+    from xlserve.server.cache.prefix_cache import block_chain, entry_key
+    from xlserve.server.cache.stores import RedisPrefixStore
+
+    writer = PrefixCache(1 << 20, block_tokens=4, remote=RedisPrefixStore(redis_url, prefix="test:stays:"))
+    prompt, state, logprobs = toy_entry(3)
+    assert writer.offer("toy", SCOPE, prompt, state, logprobs) and writer.flush_remote()
+    key = entry_key(block_chain(SCOPE, prompt, 4), prompt, len(prompt), 4).hex()
+
+    def out_of_memory(blob):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    reader = PrefixCache(1 << 20, block_tokens=4, remote=RedisPrefixStore(redis_url, prefix="test:stays:"))
+    assert reader.lookup("toy", SCOPE, prompt, restore=out_of_memory) is None
+    assert writer.remote.client.exists("test:stays:entry:" + key)
+    assert reader.lookup("toy", SCOPE, prompt, restore=toy_restore).tokens == len(prompt)
