@@ -38,3 +38,32 @@ class ScriptedEngine:
 
     def unavailable_error(self):
         return EngineLoading("the server is still loading its models; retry shortly", code="loading")
+
+
+class RecordingEngine(ScriptedEngine):
+    """Answers from its script, and keeps what every request it was sent asked for: its prompt's
+    tokens (`prompts`) and its sampling parameters (`params`)."""
+
+    def __init__(self, metrics: Metrics, alive: bool = True):
+        super().__init__(metrics, alive)
+        self.prompts: list[list[int]] = []
+        self.params: list = []
+
+    async def submit(self, model, tokens, params, lease, scope, owner=None):
+        self.prompts.append(list(tokens))
+        self.params.append(params)
+        return await super().submit(model, tokens, params, lease, scope, owner)
+
+
+def scripted_app(settings, engine: ScriptedEngine, models: dict, **state_fields):
+    """(app, state): the API process's app for `settings`, its engine `engine` and its served
+    `models` (name -> ServedModel), ready, with no engine process (a TestClient of it is not
+    entered: no lifespan)."""
+    from xlserve.server.api.deps import AppState
+    from xlserve.server.app import build_app
+
+    app = build_app(settings)
+    state = AppState(settings=settings, metrics=engine.metrics, ready=True, **state_fields)
+    state.engine, state.models = engine, models
+    app.state.xlserve = state
+    return app, state

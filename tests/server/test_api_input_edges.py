@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 
 from xlserve.models.tokenizer import ByteTokenizer, TokenizersTokenizer
 from xlserve.server.api.chat import ChatTemplate
-from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.deps import ServedModel
 from xlserve.server.api.protocol import (
     MAX_CONTENT_PARTS,
     MAX_GUIDED_CHOICES,
@@ -34,13 +34,12 @@ from xlserve.server.api.protocol import (
 )
 from xlserve.server.api.serving.completions import token_bytes_reader
 from xlserve.server.api.structured import tool_grammar
-from xlserve.server.app import build_app
 from xlserve.server.engine.constraints import byte_level_tokenizer
 from xlserve.server.engine.types import ChoiceFinished, Finished, TokenEvent
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
 
-from tests.server.scripted_engine import ScriptedEngine
+from tests.server.scripted_engine import RecordingEngine, scripted_app
 
 MODEL = "m"
 KEY = "the-key"
@@ -51,29 +50,14 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{%
 DEEP = ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)).encode()
 
 
-class RecordingEngine(ScriptedEngine):
-    """The scripted engine, keeping the sampling parameters of every request it was given."""
-
-    def __init__(self, metrics: Metrics):
-        super().__init__(metrics)
-        self.submitted = []
-
-    async def submit(self, model, tokens, params, lease, scope, owner=None):
-        self.submitted.append(params)
-        return await super().submit(model, tokens, params, lease, scope, owner)
-
-
 @pytest.fixture
 def served():
     """(client with the key, client without one, engine): the app with one byte-level model that
     has a chat template, and one API key."""
-    settings = Settings(models="none-loaded", api_keys=KEY, max_request_body_bytes=1_000_000)
-    app = build_app(settings)
-    metrics = Metrics()
-    state = AppState(settings=settings, metrics=metrics, api_keys=[KEY], ready=True)
-    state.engine = RecordingEngine(metrics)
-    state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, CARD, ChatTemplate(TEMPLATE, "test"))}
-    app.state.xlserve = state
+    app, state = scripted_app(Settings(models="none-loaded", api_keys=KEY, max_request_body_bytes=1_000_000),
+                              RecordingEngine(Metrics()),
+                              {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, CARD, ChatTemplate(TEMPLATE, "test"))},
+                              api_keys=[KEY])
     keyed = TestClient(app, headers={"Authorization": f"Bearer {KEY}"})  # not entered: no lifespan
     anonymous = TestClient(app)
     yield keyed, anonymous, state.engine
@@ -101,7 +85,7 @@ def test_a_long_list_of_prompts_is_refused_naming_the_limit(served, prompt):
     error = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": prompt}))
     assert error["param"] == "prompt"
     assert f"at most {MAX_PROMPTS} prompts" in error["message"] and "20000" in error["message"]
-    assert engine.submitted == []
+    assert engine.params == []
 
 
 def test_one_long_prompt_of_token_ids_is_still_one_prompt(served):
@@ -192,7 +176,7 @@ def test_openai_s_seeds_and_top_p_0_reach_the_engine(served, fields):
     engine.events = finished_events()
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **fields})
     assert response.status_code == 200, response.text
-    (params,) = engine.submitted
+    (params,) = engine.params
     assert {name: getattr(params, name) for name in fields} == fields
 
 
@@ -253,7 +237,7 @@ def test_a_malformed_idempotency_key_is_400_without_a_session_too(served, stream
     for key in ("has space", "x" * 256, "é".encode()):
         error = error_of(client.post("/v1/completions", json=body, headers={"Idempotency-Key": key}))
         assert (error["param"], error["code"]) == ("Idempotency-Key", "invalid_idempotency_key")
-    assert engine.submitted == []
+    assert engine.params == []
     engine.events = finished_events()
     # a well-formed key without session_id changes nothing: it is ignored
     assert client.post("/v1/completions", json=body, headers={"Idempotency-Key": "k-1"}).status_code == 200

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from xlserve.models.tokenizer import ByteTokenizer
 from xlserve.server.api.chat import ChatTemplate
-from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.deps import ServedModel
 from xlserve.server.api.errors import InvalidRequest
 from xlserve.server.api.protocol import (
     ChatCompletionResponse,
@@ -38,13 +38,12 @@ from xlserve.server.api.protocol import (
     server_frame,
 )
 from xlserve.server.api.serving import error_frame
-from xlserve.server.app import build_app
 from xlserve.server.engine.errors import QueueFull, RequestFailed
 from xlserve.server.engine.types import ChoiceFinished, Finished, PromptLogprobs, TokenEvent
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
 
-from tests.server.scripted_engine import ScriptedEngine
+from tests.server.scripted_engine import ScriptedEngine, scripted_app
 
 MODEL = "m"
 CARD = {"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "xlserve", "architecture": "transformer-xl",
@@ -58,13 +57,9 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{%
 @pytest.fixture
 def served():
     """(client, engine): the app with one served model, which has a chat template."""
-    settings = Settings(models="none-loaded", max_request_body_bytes=100_000)
-    app = build_app(settings)
-    metrics = Metrics()
-    state = AppState(settings=settings, metrics=metrics, ready=True)
-    state.engine = ScriptedEngine(metrics)
-    state.models = {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, CARD, ChatTemplate(TEMPLATE, "test"))}
-    app.state.xlserve = state
+    app, state = scripted_app(Settings(models="none-loaded", max_request_body_bytes=100_000),
+                              ScriptedEngine(Metrics()),
+                              {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, CARD, ChatTemplate(TEMPLATE, "test"))})
     client = TestClient(app)  # not entered: no lifespan, no engine process
     yield client, state.engine
     client.close()

@@ -23,12 +23,11 @@ from xlserve.server.api.chat import ChatTemplate
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.protocol import ChatMessage, ToolDefinition
 from xlserve.server.api.serving.completions import chat_prompt
-from xlserve.server.app import build_app
 from xlserve.server.engine.types import ChoiceFinished, Finished, TokenEvent
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
 
-from tests.server.scripted_engine import ScriptedEngine
+from tests.server.scripted_engine import RecordingEngine, scripted_app
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_TEMPLATE = (REPO / "weights" / "transformer-xl-stdlib" / "chat_template.jinja").read_text()
@@ -71,32 +70,16 @@ HISTORY = [{"role": "user", "content": "weather in Paris and Lyon?"},
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>")
 
 
-class RecordingEngine(ScriptedEngine):
-    """Answers from its script, and keeps the prompt tokens of every request it was sent."""
-
-    def __init__(self, metrics: Metrics):
-        super().__init__(metrics)
-        self.prompts: list[list[int]] = []
-
-    async def submit(self, model, tokens, params, lease, scope, owner=None):
-        self.prompts.append(list(tokens))
-        return await super().submit(model, tokens, params, lease, scope, owner)
-
-
 @pytest.fixture
 def served():
     """(client, state): the app with a byte-level model per template."""
-    settings = Settings(models="none-loaded", max_request_body_bytes=100_000)
-    app = build_app(settings)
-    metrics = Metrics()
-    state = AppState(settings=settings, metrics=metrics, ready=True)
-    state.engine = RecordingEngine(metrics)
     card = {"id": "", "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
             "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
             "parameters": 0, "config": {}, "quantize": "none", "weight_bytes": 0, "state_bytes_per_session": 0}
-    state.models = {name: ServedModel(name, ByteTokenizer(), 256, {**card, "id": name}, ChatTemplate(source, name))
-                    for name, source in [(TOOL_MODEL, TOOL_TEMPLATE), (SHIPPED_MODEL, SHIPPED_TEMPLATE)]}
-    app.state.xlserve = state
+    models = {name: ServedModel(name, ByteTokenizer(), 256, {**card, "id": name}, ChatTemplate(source, name))
+              for name, source in [(TOOL_MODEL, TOOL_TEMPLATE), (SHIPPED_MODEL, SHIPPED_TEMPLATE)]}
+    app, state = scripted_app(Settings(models="none-loaded", max_request_body_bytes=100_000),
+                              RecordingEngine(Metrics()), models)
     client = TestClient(app)  # not entered: no lifespan, no engine process
     yield client, state
     client.close()
