@@ -77,7 +77,10 @@ EARLIER_FLAG_NAMES = {
 # which tests/server/test_settings.py checks; a helper variable with the prefix belongs here.
 # XLSERVE_TEST_CRASH_AT: the kill -9 tests' crash point in a session log write or compaction
 # (server/cache/stores.py), never set in production.
-NON_SETTING_ENVIRONMENT_VARIABLES: frozenset[str] = frozenset({"XLSERVE_TEST_CRASH_AT"})
+# XLSERVE_TEST_HANG_STEP_FILE: the hung-step test's file, whose presence makes the next engine
+# step never return (server/engine/scheduler.py), never set in production.
+NON_SETTING_ENVIRONMENT_VARIABLES: frozenset[str] = frozenset({"XLSERVE_TEST_CRASH_AT",
+                                                               "XLSERVE_TEST_HANG_STEP_FILE"})
 
 log = logging.getLogger("xlserve.settings")
 _warned_environment_variables: set[str] = set()
@@ -164,6 +167,12 @@ class ServerSettings(SettingsGroup):
     # is frozen (SIGSTOP, a debugger): it is killed and restarted like a dead one
     engine_stall_seconds: float = Field(60, ge=2, description="an engine process silent this long while work "
                                         "waits is killed and restarted")
+    # a model's step (one prefill chunk, one decode token for the batch) still running after this
+    # long never returns (a hung GPU kernel or driver call): the heartbeat, from its own thread,
+    # says so, and the engine process is killed and restarted like a dead one. Generous: a step of
+    # a real-size model on a slow CPU takes seconds, never minutes
+    engine_step_seconds: float = Field(300, ge=1, description="a model step still running after this long is "
+                                       "hung: its engine process is killed and restarted")
     # a new engine process (the first or a restart) that has not said it is ready after this long
     # (loading hung on storage, say) is killed and counted as a failed start, instead of leaving
     # the server `loading` or `restarting` for good; generous: a real-size checkpoint loads cold

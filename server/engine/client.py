@@ -58,6 +58,7 @@ from xlserve.server.engine.wire import (
     Generate,
     GetMetrics,
     GetSession,
+    Heartbeat,
     ImportSession,
     ListSessions,
     Ready,
@@ -161,6 +162,7 @@ class EngineClient:
         self.writer: asyncio.StreamWriter | None = None
         self.closing = False
         self.heard_at = time.monotonic()  # the last frame from the engine process (its heartbeat at least)
+        self.steps_running: dict[str, float] = {}  # the last heartbeat's: model -> seconds its step has run
         self.watchdog: asyncio.Task | None = None
 
     @property
@@ -278,6 +280,7 @@ class EngineClient:
         self.models = ready.models
         self.ready_frame = asdict(ready)
         self.heard_at = time.monotonic()
+        self.steps_running = {}
         self.reader_task = asyncio.create_task(self._read(reader, self.generation))
         if self.watchdog is None or self.watchdog.done():
             self.watchdog = asyncio.create_task(self._watch())
@@ -326,6 +329,8 @@ class EngineClient:
                 kind = header["op"]
                 if kind == FrameKind.EVENTS.value:
                     self._route(header["events"])
+                elif kind == FrameKind.HEARTBEAT.value:
+                    self.steps_running = Heartbeat.from_frame(header).steps_running
                 elif kind == FrameKind.ANSWER.value:
                     future = self.calls.pop(header["id"], None)
                     self.changing_calls.discard(header["id"])
@@ -342,19 +347,33 @@ class EngineClient:
         """Restart an engine process that is frozen: silent, not even its heartbeat, for
         XLSERVE_ENGINE_STALL_SECONDS while requests run or calls await answers. A dead one is
         noticed by `_read`; a stopped one (SIGSTOP) keeps its socket open and would hang every
-        request. Idle, silence means nothing: no restart then."""
-        stall = self.settings.server.engine_stall_seconds
-        while not self.closing:  # ends with close()
-            await asyncio.sleep(min(1.0, stall / 4))
-            silent = time.monotonic() - self.heard_at
-            if self.status == "ready" and (self.calls or self.submissions) and silent > stall:
-                self._stalled(silent)
+        request. Idle, silence means nothing: no restart then.
 
-    def _stalled(self, silent: float) -> None:
+        A process that beats while one of its models' steps never returns (a hung GPU kernel or
+        driver call: every request of that model waits, and so would the others' at shutdown) is
+        killed the same way once the step has run XLSERVE_ENGINE_STEP_SECONDS."""
+        stall, step_limit = self.settings.server.engine_stall_seconds, self.settings.server.engine_step_seconds
+        while not self.closing:  # ends with close()
+            await asyncio.sleep(min(1.0, stall / 4, step_limit / 4))
+            if self.status != "ready":
+                continue
+            pid = self.process.pid if self.process else "?"
+            silent = time.monotonic() - self.heard_at
+            if (self.calls or self.submissions) and silent > stall:
+                self._kill_stuck(f"the engine process (pid {pid}) made no progress for {silent:.0f}s while work "
+                                 f"waited (XLSERVE_ENGINE_STALL_SECONDS={stall:g}) and was killed")
+                continue
+            hung = {name: seconds for name, seconds in self.steps_running.items() if seconds > step_limit}
+            if hung:
+                name, seconds = max(hung.items(), key=lambda item: item[1])
+                self._kill_stuck(f"model '{name}''s step had run for {seconds:.0f}s and never returned "
+                                 f"(XLSERVE_ENGINE_STEP_SECONDS={step_limit:g}): the engine process (pid {pid}) "
+                                 "was killed")
+
+    def _kill_stuck(self, cause: str) -> None:
+        """Kill an engine process that is alive but serves nothing (frozen, or a step hung), and
+        restart it like a dead one."""
         process = self.process
-        cause = (f"the engine process (pid {process.pid if process else '?'}) made no progress for {silent:.0f}s "
-                 f"while work waited (XLSERVE_ENGINE_STALL_SECONDS={self.settings.server.engine_stall_seconds:g}) "
-                 "and was killed")
         if process is not None and process.poll() is None:
             process.kill()  # SIGKILL ends a stopped process too
         self._lost(cause)

@@ -90,7 +90,7 @@ from xlserve.server.engine.wire import (
     Generate,
     GetMetrics,
     GetSession,
-    heartbeat_frame,
+    Heartbeat,
     Idleness,
     ImportSession,
     ListSessions,
@@ -478,10 +478,14 @@ class EngineProcess:
         """Tell the API process, from a thread of its own, that this process runs: its watchdog
         (XLSERVE_ENGINE_STALL_SECONDS) restarts one that falls silent while work waits. A thread
         apart from the engines' steps, because a long prefill step is no stall; what silences it is
-        a frozen process (SIGSTOP, a debugger), not a step that runs long."""
+        a frozen process (SIGSTOP, a debugger), not a step that runs long. Each beat also says how
+        long every model's step under way has run, so that a step that never returns (a hung
+        kernel) is noticed too (XLSERVE_ENGINE_STEP_SECONDS), although this thread beats on."""
         while not stopping.wait(HEARTBEAT_SECONDS):  # ends with serve(), or when the API process is gone
+            steps = {name: seconds for name, loaded in self.models.items()
+                     if (seconds := loaded.engine.step_seconds()) is not None}
             try:
-                self.writer.send(*heartbeat_frame())
+                self.writer.send(*Heartbeat(steps_running=steps).frame())
             except OSError:
                 return
 

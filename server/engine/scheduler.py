@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -131,6 +132,9 @@ class Engine:
         self._outbox: list[tuple[object, object]] = []  # (handle, event) of the current step
         self._prefill_steps = 0  # steps that looked for prompts to prefill: EngineRequest.prefill_turn's clock
         self._last_step_finished_only = False  # the last prefill step fed only prompts it could finish
+        # when the step under way began (time.monotonic), None between steps: the heartbeat
+        # thread reads it (step_seconds) so that a step that never returns is noticed
+        self._step_started_at: float | None = None
         self._sink = sink
         self._waiting_metric = metrics.requests_waiting.labels(name)
         self._running_metric = metrics.requests_running.labels(name)
@@ -338,6 +342,7 @@ class Engine:
                 if self._closed:
                     break
                 self._admit()
+            self._step_started_at = time.monotonic()
             try:
                 with torch.inference_mode():
                     self._step()
@@ -345,6 +350,8 @@ class Engine:
                 for request in list(self._running):
                     self._fail(request, error)
                 self.layout.clear()
+            finally:
+                self._step_started_at = None
             self._flush()
         self._stop_everything()
 
@@ -397,7 +404,14 @@ class Engine:
             with self._condition:
                 self._running_rows -= request.width
 
+    def step_seconds(self) -> float | None:
+        """How long the step under way has run; None between steps. Read from the heartbeat
+        thread: one read of an attribute the worker thread sets, no lock needed."""
+        started = self._step_started_at
+        return None if started is None else time.monotonic() - started
+
     def _step(self) -> None:
+        _hang_if_asked()
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._remove(request)  # its rows drop out of their group at the next forward
             self._dropped(request)
@@ -862,6 +876,23 @@ class Engine:
         if self._outbox:
             outbox, self._outbox = self._outbox, []
             self._sink(outbox)
+
+
+# The hung-step test (tests/e2e/test_engine_restarts.py) makes one step never return, as a hung
+# GPU kernel would: XLSERVE_TEST_HANG_STEP_FILE names a file, and the first step to find it there
+# removes it (so that the engine process started next serves) and blocks for good. Never set in
+# production.
+_HANG_STEP_FILE = os.environ.get("XLSERVE_TEST_HANG_STEP_FILE", "")
+
+
+def _hang_if_asked() -> None:
+    if not _HANG_STEP_FILE:
+        return
+    try:
+        os.unlink(_HANG_STEP_FILE)
+    except FileNotFoundError:
+        return
+    threading.Event().wait()
 
 
 def _water_fill(needs: list[int], budget: int) -> list[int]:

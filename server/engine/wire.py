@@ -135,7 +135,7 @@ class FrameKind(enum.Enum):
     ANSWER = "answer"  # engine -> API: a request's reply, or its error
     EVENTS = "events"  # engine -> API, once per engine step: its events
     CLOSED = "closed"  # engine -> API, after `shutdown`: everything is written
-    HEARTBEAT = "heartbeat"  # engine -> API, every HEARTBEAT_SECONDS from its own thread: not frozen
+    HEARTBEAT = "heartbeat"  # engine -> API, every HEARTBEAT_SECONDS from its own thread: `Heartbeat`
 
 
 # -- the codec shared by every message -------------------------------------------------------------
@@ -525,8 +525,15 @@ def error_answer_frame(call_id: int, error: BaseException) -> tuple[dict, None]:
 HEARTBEAT_SECONDS = 0.5
 
 
-def heartbeat_frame() -> tuple[dict, None]:
-    return {"op": FrameKind.HEARTBEAT.value}, None
+@dataclass
+class Heartbeat(ControlMessage):
+    """The engine process is not frozen, and how long each model's step under way has run: the
+    API process kills one whose step has run past XLSERVE_ENGINE_STEP_SECONDS (a forward that
+    never returns, such as a hung GPU kernel, while this thread beats on)."""
+
+    kind: ClassVar[FrameKind] = FrameKind.HEARTBEAT
+    # model name -> seconds its step under way has run; a model between steps is absent
+    steps_running: dict[str, float] = field(default_factory=dict)
 
 
 def events_frame(events: list[list]) -> tuple[dict, None]:

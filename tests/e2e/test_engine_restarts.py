@@ -160,6 +160,48 @@ def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_c
         server.stop()
 
 
+# XLSERVE_ENGINE_STEP_SECONDS of the hung-step test: past the 1-3 s a loaded machine can stall a
+# live step for, and the tiny model's steps take milliseconds
+STEP_SECONDS = 8
+
+
+def test_a_step_that_never_returns_is_noticed_and_its_engine_process_restarted(tiny_checkpoint, tmp_path):
+    """A forward that never returns (a hung GPU kernel) fails nothing and its process's heartbeat
+    beats on, so the stall watchdog never fires: the heartbeat carries how long each model's step
+    has run, and past XLSERVE_ENGINE_STEP_SECONDS the engine process is killed and restarted. The
+    waiting request is told to retry, the log names the model's step, and a committed session is
+    served as it was. The hang is XLSERVE_TEST_HANG_STEP_FILE's: the first step to find the
+    file removes it and blocks for good."""
+    hang, log_path = tmp_path / "hang-the-next-step", tmp_path / "server.log"
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_ENGINE_STEP_SECONDS": f"{STEP_SECONDS:g}",
+                                                   "XLSERVE_TEST_HANG_STEP_FILE": str(hang)},
+                           log_path=log_path).start()
+    hung = engine_pid(server)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            session = create(client)
+            append(client, session, document(0))
+            before = info(client, session)
+            body = {"model": MODEL, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
+            ok(client.post("/v1/completions", json=body))
+            hang.touch()
+            started = time.monotonic()
+            refused = client.post("/v1/completions", json=body, timeout=STEP_SECONDS + 60)
+            assert time.monotonic() - started >= STEP_SECONDS
+            assert not hang.exists()  # the step found it
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarting", refused.text
+            assert gone_within(hung, 30)
+            replaced(server, hung)  # the restart is logged before the new process starts
+            said = [line for line in log_path.read_text().splitlines() if f"model '{MODEL}''s step had run for" in line]
+            assert said and f"(XLSERVE_ENGINE_STEP_SECONDS={STEP_SECONDS:g}): the engine process (pid {hung}) was " \
+                "killed; starting a new one" in said[0], said
+            assert ok(client.post("/v1/completions", json=body))["choices"][0]["text"]
+            after = info(client, session)
+            assert (after["version"], after["tokens"]) == (before["version"], before["tokens"])
+    finally:
+        server.stop()
+
+
 def test_an_engine_process_that_never_gets_ready_is_a_failed_start_not_loading_for_good(tiny_checkpoint, tmp_path):
     """XLSERVE_ENGINE_START_SECONDS: an engine process not ready in time (here 0.2 s, less than it
     takes to import torch) is killed and its start fails; the server stops non-zero saying why in

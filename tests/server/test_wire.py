@@ -17,7 +17,8 @@ from xlserve.server.engine.types import Appended, ChoiceFinished, Finished, Prom
 from xlserve.server.engine.wire import (
     REQUESTS, Accepted, Acquire, Acquired, Append, Cancel, CheckIdle, Closed, Commit, ControlMessage, CreateSession,
     DeleteSession, Done, ExportedState, ExportState, ForkSession, FrameWriter, Generate, GetMetrics, GetSession,
-    Idleness, ImportSession, ListSessions, Message, MetricsText, Operation, Ready, Release, ReplaceState, Reply,
+    Heartbeat, Idleness, ImportSession, ListSessions, Message, MetricsText, Operation, Ready, Release, ReplaceState,
+    Reply,
     Request, SessionChanged, SessionDescription, SessionPage, Shutdown, StartFailed, StartWithSettings, StopAdmitting,
     answer_frame, decode_request, encode_frame, error_from_wire, error_to_wire, event_from_wire, event_to_wire,
     is_last, read_frame, read_frame_async, request_frame,
@@ -68,6 +69,7 @@ SAMPLES = [
           pid=4321, threads={"forward": 2, "prompt": 3, "cores": 4}, session_store={"sessions": 2}),
     StartFailed("RuntimeError: no model", "Traceback ..."),
     Closed(),
+    Heartbeat(steps_running={"m": 301.5}),
 ]
 
 
