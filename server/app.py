@@ -110,7 +110,8 @@ def served_models(engine: EngineClient, chat_template_file: Path | None = None) 
         served[described["name"]] = ServedModel(described["name"], tokenizer, described["vocab_size"],
                                                 described["card"],
                                                 load_chat_template(described["checkpoint_config"], directory,
-                                                                   chat_template_file))
+                                                                   chat_template_file),
+                                                described.get("state_body_bytes"))
     return served
 
 

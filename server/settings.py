@@ -157,6 +157,13 @@ class ServerSettings(SettingsGroup):
                                   "or the number of token ids")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_request_body_bytes: int = Field(8_000_000, ge=1, description="larger request bodies get 413")
+    # a session state's body (PUT /v1/sessions/{id}/state, POST /v1/sessions/import) is binary,
+    # read in chunks and never parsed as JSON, and at real size hundreds of MB (237 MB for a
+    # transfo-xl-wt103 session in float32): its own limit, so that taking whole states does not
+    # mean taking 237 MB JSON bodies too. 0: sized to the served models (deps.py state_body_limit)
+    max_state_body_bytes: int = Field(0, ge=0, description="larger session-state bodies (import, PUT state) get "
+                                      "413; 0: the largest served model's full state in float32 plus 1 MiB, and "
+                                      "at least XLSERVE_MAX_REQUEST_BODY_BYTES")
     shutdown_grace_seconds: float = Field(30, ge=0, description="on SIGTERM, how long running requests may finish")
     # the engine process is restarted when it dies; more than this many restarts within the window
     # and the server exits non-zero instead, so a supervisor (systemd, Kubernetes) takes over

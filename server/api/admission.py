@@ -2,7 +2,9 @@
 chunk, unlike a BaseHTTPMiddleware):
 
 - a body over XLSERVE_MAX_REQUEST_BODY_BYTES gets 413 with a message naming the limit, from its
-  Content-Length up front, or while reading a body sent without one (chunked);
+  Content-Length up front, or while reading a body sent without one (chunked); a session state's
+  body (import, PUT state: binary, never parsed as JSON, hundreds of MB at real size) is under
+  its own limit instead, XLSERVE_MAX_STATE_BODY_BYTES (AppState.state_body_limit);
 - while the server drains for shutdown, new requests get 503 (`/health`, `/ready` and
   `/metrics` stay open so orchestrators can watch the drain);
 - requests in flight are counted on the app state, so shutdown can wait for them to finish
@@ -23,11 +25,12 @@ Every refusal here is counted as the error it is (server/api/errors.py `send_err
 
 from __future__ import annotations
 
+import re
 from urllib.parse import unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from xlserve.server.api.deps import authenticated_owner
+from xlserve.server.api.deps import STATE_BODY_SETTING, authenticated_owner
 from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, Unavailable, send_error
 from xlserve.server.api.protocol import json_depth_exceeded, too_deep
 
@@ -64,6 +67,16 @@ def authentication_error(state, headers: dict[bytes, bytes]) -> APIError | None:
     return None
 
 
+# the requests whose body is a session state (safetensors bytes), under their own limit
+STATE_BODY_PATH = re.compile(r"^/v1/sessions/(import|[^/]+/state)$")
+
+
+def carries_a_state(scope: Scope) -> bool:
+    """A session-state upload: POST /v1/sessions/import or PUT /v1/sessions/{id}/state."""
+    matched = STATE_BODY_PATH.match(scope["path"])
+    return matched is not None and scope["method"] == ("POST" if matched.group(1) == "import" else "PUT")
+
+
 class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, max_body_bytes: int):
         self.app = app
@@ -82,11 +95,13 @@ class AdmissionMiddleware:
         if unreadable is not None:
             await send_error(scope, send, unreadable)
             return
-        limit = self.max_body_bytes
+        limit, setting = self.max_body_bytes, "XLSERVE_MAX_REQUEST_BODY_BYTES"
+        if state is not None and carries_a_state(scope):
+            limit, setting = state.state_body_limit(), STATE_BODY_SETTING
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         too_large = lambda size: RequestTooLarge(  # noqa: E731
-            f"request body is {size} bytes; the limit is {limit} (XLSERVE_MAX_REQUEST_BODY_BYTES)")
+            f"request body is {size} bytes; the limit is {limit} ({setting})")
         if length is not None and length.isdigit() and int(length) > limit:
             await send_error(scope, send, too_large(int(length)))
             return

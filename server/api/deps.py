@@ -20,6 +20,14 @@ from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
 
 
+# room in a session-state body beyond its tensors: the safetensors header (a name, dtype, shape
+# and offsets per tensor) and the metadata (model, architecture, tokens, version; an export
+# carries no remembered Idempotency-Keys)
+STATE_BODY_SLACK = 1 << 20
+# what a 413 for a session-state body names
+STATE_BODY_SETTING = "XLSERVE_MAX_STATE_BODY_BYTES; by default the largest served model's full state in float32 plus 1 MiB"
+
+
 @dataclass
 class ServedModel:
     """A model as the API process knows it: the model itself runs in the engine process."""
@@ -29,6 +37,8 @@ class ServedModel:
     vocab_size: int
     card: dict  # what /v1/models says about it
     chat_template: ChatTemplate | None = None  # for /v1/chat/completions (server/api/chat.py)
+    # bytes of an exported full state in float32; None where the state grows without bound
+    state_body_bytes: int | None = None
 
 
 @dataclass
@@ -41,6 +51,17 @@ class AppState:
     api_keys: list[str] = field(default_factory=list)
     draining: bool = False  # shutting down: new requests get 503 while running ones finish
     inflight: int = 0  # requests being served (HTTP and websocket), counted by admission
+
+    def state_body_limit(self) -> int:
+        """The largest session-state body taken (import, PUT state): XLSERVE_MAX_STATE_BODY_BYTES,
+        or, at 0, the largest served model's full state in float32 (what an export of any
+        XLSERVE_STATE_DTYPE holds at most) with STATE_BODY_SLACK for its header and metadata,
+        and never less than XLSERVE_MAX_REQUEST_BODY_BYTES."""
+        server = self.settings.server
+        if server.max_state_body_bytes:
+            return server.max_state_body_bytes
+        sizes = [model.state_body_bytes for model in self.models.values() if model.state_body_bytes is not None]
+        return max([server.max_request_body_bytes] + [size + STATE_BODY_SLACK for size in sizes])
 
     def served(self, name: str) -> ServedModel:
         try:

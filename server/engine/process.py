@@ -439,6 +439,9 @@ class EngineProcess:
             models.append({"name": name, "directory": str(loaded.directory), "vocab_size": loaded.model.vocab_size,
                            "checkpoint_config": read_config(loaded.directory),
                            "card": model_card(loaded, created, self.cache.state_dtype),
+                           # an exported state of a full memory in float32, the widest an export is:
+                           # what the API process sizes its state bodies by (deps.py state_body_limit)
+                           "state_body_bytes": session_bytes_when_full(loaded.model, torch.float32),
                            "device": str(loaded.model.device),
                            "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else "none",
                            "load_seconds": round(loaded.load_seconds, 3),

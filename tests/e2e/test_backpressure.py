@@ -14,7 +14,7 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.e2e.server_process import ServerProcess
-from tests.e2e.session_tools import metric
+from tests.e2e.session_tools import full_state_bytes, metric
 
 MODEL = "txl-tiny"
 KEY = "test-key"
@@ -99,6 +99,37 @@ def test_limits_name_themselves(limited):
 
         tokens = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5001})
         assert tokens.status_code == 400 and "XLSERVE_MAX_TOKENS_LIMIT" in tokens.json()["error"]["message"]
+
+
+def test_a_session_state_has_a_body_limit_of_its_own_sized_to_the_models(limited, tiny_checkpoint):
+    """A state is larger than the 4,096-byte JSON limit here, as a real-size state (237 MB) is
+    larger than the default 8 MB: import and PUT state take it under XLSERVE_MAX_STATE_BODY_BYTES,
+    by default the largest served model's full state in float32 plus 1 MiB, while JSON bodies keep
+    their limit; past it, by Content-Length or chunked, a 413 names the state's setting."""
+    with authed(limited) as client:
+        session = client.post("/v1/sessions", json={"model": MODEL})
+        assert session.status_code == 200, session.text
+        session_id = session.json()["id"]
+        appended = client.post(f"/v1/sessions/{session_id}/append", json={"text": "def main():\n    pass\n"})
+        assert appended.status_code == 200, appended.text
+        state = client.get(f"/v1/sessions/{session_id}/state").content
+        assert len(state) > 4096
+        imported = client.post("/v1/sessions/import", content=state)
+        assert imported.status_code == 200, imported.text
+        assert imported.json()["tokens"] == appended.json()["tokens"]
+        replaced = client.put(f"/v1/sessions/{session_id}/state", content=iter([state[:1000], state[1000:]]))
+        assert replaced.status_code == 200, replaced.text  # chunked: measured as it is read
+
+        limit = full_state_bytes(tiny_checkpoint) + (1 << 20)
+        too_large = b"\0" * (limit + 1)
+        for answer in (client.post("/v1/sessions/import", content=too_large),
+                       client.put(f"/v1/sessions/{session_id}/state", content=iter([too_large[:limit], b"\0"]))):
+            assert answer.status_code == 413, answer.text
+            message = answer.json()["error"]["message"]
+            assert str(limit) in message and "XLSERVE_MAX_STATE_BODY_BYTES" in message, message
+        # JSON bodies elsewhere under the sessions path keep theirs
+        big = client.post(f"/v1/sessions/{session_id}/append", json={"text": "x" * 5000})
+        assert big.status_code == 413 and "XLSERVE_MAX_REQUEST_BODY_BYTES" in big.json()["error"]["message"]
 
 
 def chunked_small():

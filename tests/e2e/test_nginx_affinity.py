@@ -135,3 +135,29 @@ def test_a_session_stays_on_one_replica_and_survives_losing_it(fleet):
         assert moved.status_code == 200, moved.text
         assert moved.json()["logprob"] == expected[2]  # its last committed state, exactly
         assert proxy.get(f"/v1/sessions/{session}").json()["version"] == 6  # 3 appends, 3 completions
+
+
+def test_session_states_pass_the_proxy_under_their_own_body_limit(fleet):
+    """The shipped config takes a session state's body up to 512m (XLSERVE_MAX_STATE_BODY_BYTES'
+    paths), streamed on, while JSON bodies keep 8m: a 9 MB import reaches xlserve, whose own
+    limit answers (JSON naming its setting), where a 9 MB completion is refused by nginx itself.
+    An exported state goes back in through the proxy as a new session."""
+    url, _ = fleet
+    nine_mb = b"\0" * 9_000_000
+    with httpx.Client(base_url=url, timeout=60) as proxy:
+        session = proxy.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+        header = {"X-Session-Id": session}
+        assert proxy.post(f"/v1/sessions/{session}/append", headers=header,
+                          json={"text": document(0)}).status_code == 200
+        state = proxy.get(f"/v1/sessions/{session}/state", headers=header)
+        assert state.status_code == 200
+        imported = proxy.post("/v1/sessions/import", content=state.content)
+        assert imported.status_code == 200, imported.text
+        put = proxy.put(f"/v1/sessions/{session}/state", headers=header, content=iter([state.content]))
+        assert put.status_code == 200, put.text
+
+        for answer in (proxy.post("/v1/sessions/import", content=nine_mb),
+                       proxy.put(f"/v1/sessions/{session}/state", headers=header, content=nine_mb)):
+            assert answer.status_code == 413 and "XLSERVE_MAX_STATE_BODY_BYTES" in answer.json()["error"]["message"]
+        refused = proxy.post("/v1/completions", content=nine_mb, headers={"content-type": "application/json"})
+        assert refused.status_code == 413 and "nginx" in refused.text  # nginx's own page: never reached xlserve

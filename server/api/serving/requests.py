@@ -11,7 +11,7 @@ from fastapi import Header, Request
 from fastapi.dependencies.models import Dependant
 from starlette.requests import HTTPConnection
 
-from xlserve.server.api.deps import AppState, ServedModel, app_state
+from xlserve.server.api.deps import STATE_BODY_SETTING, AppState, ServedModel, app_state
 from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, as_api_error
 from xlserve.server.api.protocol import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -71,14 +71,14 @@ def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int],
 
 
 async def read_body(request: Request) -> bytes:
-    """The raw body (a session state), refused past XLSERVE_MAX_REQUEST_BODY_BYTES even when no
-    Content-Length announced it."""
-    limit = app_state(request).settings.server.max_request_body_bytes
+    """The raw body (a session state), refused past the state body limit (AppState
+    state_body_limit) even when no Content-Length announced it."""
+    limit = app_state(request).state_body_limit()
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes (XLSERVE_MAX_REQUEST_BODY_BYTES)")
+            raise RequestTooLarge(f"request body is over {limit} bytes ({STATE_BODY_SETTING})")
         chunks.append(chunk)
     return b"".join(chunks)
 
