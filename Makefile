@@ -17,8 +17,9 @@ HF_REFERENCE_INSTALLED := $(VENV)/.installed-hf-reference
 HF_REFERENCE_DIR := $(VENV)/hf-reference
 HF_REFERENCE := transformers==4.57.1 tokenizers==0.22.1
 # Every runtime package at the version constraints.txt pins (the images install from it too).
-# Torch: the CPU build of that version, on this machine's disk; GPU users install their own torch
-# first (pyproject says torch>=2.4) and keep it.
+# Torch: that version, from pip's index (the CPU build with TORCH_INDEX_URL below, or from this
+# machine's disk where pip finds it there); GPU users install their own torch first (pyproject
+# says torch>=2.4) and keep it.
 CONSTRAINTS := constraints.txt
 TORCH_PIN ?= $(shell grep '^torch==' $(CONSTRAINTS))
 # where torch comes from: pip's index unless set (PyPI's Linux x86_64 torch is the CUDA build, several
