@@ -329,6 +329,44 @@ def served_batch(port: int, model: str, vocab: int, prompt_tokens: int, new_toke
             else None}
 
 
+def served_state_move(port: int, model: str, vocab: int, fill_tokens: int) -> dict:
+    """A session filled with `fill_tokens` random token ids (the memory's length: its state full)
+    moved out and back in over HTTP at the server's default limits, as a client moves a session
+    between servers without Redis: the export's bytes and seconds (GET state), and the import's
+    (POST /v1/sessions/import, the new session checked to hold every token)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def call(method: str, path: str, body: bytes | None = None, json_body: dict | None = None) -> bytes:
+        headers = {}
+        if json_body is not None:
+            body, headers = json.dumps(json_body).encode(), {"content-type": "application/json"}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=900) as answer:
+                return answer.read()
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(f"{method} {path} was refused with {error.code}: {error.read()[:2000]!r}") from None
+
+    tokens = torch.randint(0, vocab, (fill_tokens,), generator=torch.Generator().manual_seed(2)).tolist()
+    session = json.loads(call("POST", "/v1/sessions", json_body={"model": model}))["id"]
+    start = time.perf_counter()
+    call("POST", f"/v1/sessions/{session}/append", json_body={"text": tokens})
+    fill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    state = call("GET", f"/v1/sessions/{session}/state")
+    export_s = time.perf_counter() - start
+    start = time.perf_counter()
+    imported = json.loads(call("POST", "/v1/sessions/import", body=state))
+    import_s = time.perf_counter() - start
+    if imported["tokens"] != fill_tokens:
+        raise RuntimeError(f"the imported session holds {imported['tokens']} tokens, not {fill_tokens}")
+    return {"served_state_fill_tokens": fill_tokens, "served_state_fill_s": fill_s,
+            "served_state_export_bytes": len(state), "served_state_export_s": export_s,
+            "served_state_import_s": import_s}
+
+
 def served_vocabulary(checkpoint: Path) -> int:
     """The vocabulary of the converted checkpoint, which the server checks token ids against (the
     Reformer's reference has 258 ids, the converted model the 256 bytes)."""
@@ -338,12 +376,13 @@ def served_vocabulary(checkpoint: Path) -> int:
 
 
 def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_tokens: int, threads: int = 0,
-                      timeout_s: float = 900, batch: int = 1, batch_new_tokens: int = 0) -> dict:
+                      timeout_s: float = 900, batch: int = 1, batch_new_tokens: int = 0, fill_tokens: int = 0) -> dict:
     """Start `xlserve serve` on the checkpoint (on `threads` threads for every forward, as the
     in-process measurements run; 0: the server's defaults, whatever XLSERVE_ settings the caller
     has), its files first dropped from the page cache: seconds to /ready, the processes' memory
-    then (`process_tree_memory`), one streamed greedy completion at batch 1 (`served_decode`) and, for `batch` > 1,
-    `batch` at once of `batch_new_tokens` each (`served_batch`)."""
+    then (`process_tree_memory`), one streamed greedy completion at batch 1 (`served_decode`), for `batch` > 1
+    `batch` at once of `batch_new_tokens` each (`served_batch`), and, for `fill_tokens`, a session
+    of that many tokens exported and imported again (`served_state_move`)."""
     import json
     import urllib.error
     import urllib.request
@@ -384,6 +423,8 @@ def serve_and_measure(checkpoint: Path, vocab: int, prompt_tokens: int, new_toke
         measured |= served_decode(port, models[0]["id"], vocab, prompt_tokens, new_tokens)
         if batch > 1:
             measured |= served_batch(port, models[0]["id"], vocab, prompt_tokens, batch_new_tokens, batch)
+        if fill_tokens:
+            measured |= served_state_move(port, models[0]["id"], vocab, fill_tokens)
         return measured
     finally:
         process.send_signal(signal.SIGTERM)
@@ -744,7 +785,9 @@ def measure_shape(name: str, args, redis_url: str, bandwidth: float) -> dict:
         # the batch streams as many tokens as the in-process decode times (its rounds together)
         served = None if args.no_serve else serve_and_measure(
             Path(tmp) / "xlserve", served_vocabulary(Path(tmp) / "xlserve"), args.decode_prompt, args.decode_tokens,
-            args.threads, batch=max(args.batch_sizes), batch_new_tokens=args.decode_tokens * args.decode_rounds)
+            args.threads, batch=max(args.batch_sizes), batch_new_tokens=args.decode_tokens * args.decode_rounds,
+            # the memory's length (the state full); the Reformer's grows: the shortest history's
+            fill_tokens=getattr(shape, "mem_len", None) or min(args.histories))
         start = time.perf_counter()
         model = load_checkpoint(Path(tmp) / "xlserve").eval()
         load_s = time.perf_counter() - start
@@ -825,6 +868,10 @@ def print_table(result: dict) -> None:
               f"{_mb(shape['state_bytes_per_session']['bfloat16'])} bfloat16")
         fits = shape["sessions_per_tier"]["float32"]
         print(f"  sessions at default budgets (float32): device {fits['device']}, host {fits['host']}, disk {fits['disk']}")
+        if served.get("served_state_export_bytes"):
+            print(f"  a session of {served['served_state_fill_tokens']} tokens over HTTP: export "
+                  f"{_mb(served['served_state_export_bytes'])} in {served['served_state_export_s']:.2f} s, import "
+                  f"{served['served_state_import_s']:.2f} s (at the default body limits)")
         print("  history | forward | disk commit | redis commit | whole blob | new positions | bytes/commit disk | redis")
         for row in shape["appends"]:
             if "skipped" in row:

@@ -50,6 +50,10 @@ def test_every_shape_is_served_and_sized(result):
         if shape["shape"] != "reformer-enwik8":  # (its state grows until max_context)
             longest = max((row for row in shape["appends"] if "skipped" not in row), key=lambda row: row["history_tokens"])
             assert longest["state_bytes"] == full["float32"]
+        # a full session moves out and back in over HTTP at the default body limits
+        assert served["served_state_export_s"] > 0 and served["served_state_import_s"] > 0
+        if shape["shape"] != "reformer-enwik8":  # full: its export holds the state's bytes, and a header
+            assert full["float32"] < served["served_state_export_bytes"] < full["float32"] + (1 << 20)
         # the server's default budgets, each tier's sessions counted against its own
         fits = shape["sessions_per_tier"]["float32"]
         assert fits["budgets"] == {"device": 1 << 30, "host": 4 << 30, "disk": 64 << 30}
