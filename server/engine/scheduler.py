@@ -617,7 +617,12 @@ class Engine:
             self._emit(request, PromptLogprobs(tokens=list(request.prompt), logprobs=request.prompt_logprobs,
                                                top=request.prompt_top))
         if request.params.max_tokens == 0:
-            self._finish(request, data, [ChoiceFinished(i, "length", "", 0) for i in range(request.params.n)])
+            # each choice ends as a decoded one does, its own event first (the API's chunks and
+            # choices take their finish_reason from it), then the request's
+            choices = [ChoiceFinished(i, "length", "", 0) for i in range(request.params.n)]
+            for choice in choices:
+                self._emit(request, choice)
+            self._finish(request, data, choices)
             return
         if request.next_log_probs is None:
             self._fail(request, InvalidInput("nothing to continue from: give a prompt", param="prompt"))

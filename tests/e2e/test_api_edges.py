@@ -231,6 +231,33 @@ def test_a_list_of_prompts_streams_with_the_same_indexes(client):
     assert finish == {index: "length" for index in range(4)}
 
 
+def sse_events(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def test_max_tokens_0_ends_every_choice_with_length_on_every_path(server, client):
+    """The scoring pattern (max_tokens 0, echo, logprobs): every choice says why it ended, as
+    OpenAI's does, unstreamed, streamed (a chunk with its finish_reason) and on the websocket
+    alike (test_chat_and_tokenize.py: chat); before, only the websocket said so."""
+    body = {"model": MODEL, "prompt": ["def a(", "class B:"], "max_tokens": 0, "n": 2, "echo": True, "logprobs": 1}
+    answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert [choice["finish_reason"] for choice in answer.json()["choices"]] == ["length"] * 4
+    assert answer.json()["choices"][0]["text"] == "def a("
+    finished = {choice["index"]: choice["finish_reason"] for event in sse_events(client, "/v1/completions", body)
+                for choice in event["choices"] if choice["finish_reason"]}
+    assert finished == {index: "length" for index in range(4)}
+
+
+    with connect(ws_url(server)) as ws:
+        _, done = frame_answer(ws, {"type": "generate", "model": MODEL, "prompt": "def a(", "max_tokens": 0})
+    assert done["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"prompt": ["a", "b"], "session_id": "sess_x"}, "prompt"),
     ({"prompt": ["a"] * 17}, "prompt"),

@@ -152,6 +152,20 @@ def test_streamed_chat_is_chunks_that_add_up_to_the_answer(client):
     assert texts == {c["index"]: c["message"]["content"] for c in plain["choices"]}
 
 
+def test_max_completion_tokens_0_ends_every_choice_with_length(client):
+    """As a completion's (test_api_edges.py): each choice says why it ended, unstreamed and in a
+    streamed chunk of its own; before, no chunk carried it and the answer said null."""
+    chat = {"model": FILE, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0, "n": 2}
+    assert [choice["finish_reason"] for choice in ok(client.post("/v1/chat/completions", json=chat))["choices"]] \
+        == ["length", "length"]
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
+        assert response.status_code == 200
+        events = [json.loads(event) for event in sse_events(response) if event != "[DONE]"]
+    finished = {choice["index"]: choice["finish_reason"] for event in events
+                for choice in event["choices"] if choice["finish_reason"]}
+    assert finished == {0: "length", 1: "length"}
+
+
 def test_the_openai_client_chats(chat_server):
     oai = OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0)
     answer = oai.chat.completions.create(model=FILE, messages=MESSAGES, max_tokens=5, temperature=0)
