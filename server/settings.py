@@ -157,6 +157,12 @@ class ServerSettings(SettingsGroup):
                                   "or the number of token ids")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_request_body_bytes: int = Field(8_000_000, ge=1, description="larger request bodies get 413")
+    # a stream's client that stops reading fills its socket, and the server's next write waits:
+    # after this long the client counts as gone (its generation cancelled, its session let go),
+    # where it would otherwise hold its session, and its request's events, for as long as it
+    # keeps the connection open
+    stream_send_timeout_seconds: float = Field(60, gt=0, description="a streamed answer (SSE or websocket) whose "
+                                               "client has not taken a write for this long is ended")
     # a session state's body (PUT /v1/sessions/{id}/state, POST /v1/sessions/import) is binary,
     # read in chunks and never parsed as JSON, and at real size hundreds of MB (237 MB for a
     # transfo-xl-wt103 session in float32): its own limit, so that taking whole states does not

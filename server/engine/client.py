@@ -447,7 +447,7 @@ class EngineClient:
         submissions, self.submissions = self.submissions, {}
         for submission in submissions.values():
             submission.ended = True
-            submission.queue.put_nowait(error())
+            submission.put(error())
 
     def cut(self, error: Callable[[], BaseException]) -> int:
         """End every generation and append still running with a fresh `error()` as its last
@@ -458,7 +458,7 @@ class EngineClient:
             submission.ended = True
             submission.cancelled.set()
             self.send(Cancel(submission.id))
-            submission.queue.put_nowait(error())
+            submission.put(error())
         return len(submissions)
 
     def unavailable_error(self) -> BaseException:
@@ -482,7 +482,7 @@ class EngineClient:
             if is_last(event):
                 submission.ended = True
                 del submissions[request_id]
-            submission.queue.put_nowait(event)
+            submission.put(event)
 
     # -- calls -------------------------------------------------------------------------------
 

@@ -91,4 +91,4 @@ class SubmissionDelivery:
         with self.lock:
             items = self.pending.pop(loop, [])
         for submission, event in items:
-            submission.queue.put_nowait(event)
+            submission.put(event)

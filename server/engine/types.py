@@ -14,7 +14,19 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from xlserve.server.engine.errors import Cancelled
+from xlserve.server.engine.errors import Cancelled, StreamNotRead
+
+# The most log-probabilities (a token's own and its alternatives', one for any other event) a
+# request's consumer may leave unread in its queue. The engine does not wait for a stream's
+# client: one that stops reading (its socket full, its chunks waiting) would otherwise have every
+# event the engine makes for it held here. As many as an answer that is not streamed may return
+# (server/api/protocol.py MAX_GENERATED_LOGPROBS, the same number); past it the request stops
+# with StreamNotRead
+MAX_UNREAD_LOGPROBS = 1_000_000
+
+
+def _weight(event: object) -> int:
+    return 1 + len(event.top) if isinstance(event, TokenEvent) else 1
 
 
 @dataclass
@@ -120,13 +132,37 @@ class Submission:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submitted_at = time.monotonic()
+        # what the events in `queue` weigh (`_weight`), and the most they may (a batch of prompts
+        # shares MAX_UNREAD_LOGPROBS out among its requests, server/api/serving/generation.py)
+        self.unread, self.unread_limit = 0, MAX_UNREAD_LOGPROBS
+        self.overrun = False  # stopped for leaving too much unread: later events are dropped
+
+    def put(self, event: object) -> None:
+        """Hand the consumer an event (on its event loop). Past `unread_limit` unread, the request
+        stops: the engine drops it, what waits is let go, and the consumer's next event is
+        StreamNotRead."""
+        if self.overrun:
+            return
+        self.unread += _weight(event)
+        if self.unread <= self.unread_limit:
+            self.queue.put_nowait(event)
+            return
+        self.overrun = True
+        self._stop()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        error = StreamNotRead(f"the client left more than {self.unread_limit:,} log-probabilities of this stream "
+                              "unread (its chunks waiting for its socket): the request was stopped and nothing was "
+                              "committed", code="stream_not_read")
+        self.unread = _weight(error)
+        self.queue.put_nowait(error)
 
     def cancel(self) -> None:
         """Stop the request: the engine drops it at its next step; `events()` raises Cancelled
         at once. Nothing is committed."""
         if not self.cancelled.is_set():
             self._stop()
-            self.queue.put_nowait(Cancelled())
+            self.put(Cancelled())
 
     def _stop(self) -> None:
         """Tell the engine to drop the request (a no-op for one that has finished)."""
@@ -140,6 +176,7 @@ class Submission:
         try:
             while True:
                 event = await self.queue.get()
+                self.unread -= _weight(event)
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, TokenEvent):

@@ -14,7 +14,11 @@ hand in tests/server/test_cancellation.py.
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import socket
+import struct
 import time
 
 import httpx
@@ -105,3 +109,82 @@ def test_a_client_that_leaves_mid_prefill_stops_it_between_chunks(slow_prefill, 
         assert info["tokens"] == 0 and info["version"] == 0, info  # nothing was committed
         again = client.post(f"/v1/sessions/{session_id}/append", json={"text": "short"})
         assert again.status_code == 200 and again.json()["version"] == 1  # its lease was let go
+
+
+def silent_socket(port: int, request: bytes) -> socket.socket:
+    """A client that sends `request` and never reads: its receive buffer as small as the kernel
+    allows, so that the server's writes fill it and wait."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request)
+    return sock
+
+
+def websocket_frame(payload: bytes) -> bytes:
+    """One masked text frame, as a client sends it (RFC 6455)."""
+    mask = os.urandom(4)
+    length = len(payload)
+    head = bytes([0x81]) + (bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + struct.pack(">H", length))
+    return head + mask + bytes(byte ^ mask[i % 4] for i, byte in enumerate(payload))
+
+
+def session_freed_within(client, session: str, seconds: float) -> bool:
+    """Whether `session`, once a stream holds it, is free again (an append to it gets 200, where it
+    gets 409 while the stream runs) before `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while not client.get(f"/v1/sessions/{session}").json()["in_use"]:  # the stream has taken it
+        assert time.monotonic() < deadline, "the stream never took the session"
+        time.sleep(0.05)
+    while time.monotonic() < deadline:
+        answer = client.post(f"/v1/sessions/{session}/append", json={"text": "y"})
+        if answer.status_code == 200:
+            return True
+        assert answer.status_code == 409 and answer.json()["error"]["code"] == "session_busy", answer.text
+        time.sleep(0.2)
+    return False
+
+
+def test_a_stream_whose_client_stops_reading_lets_its_session_go(tiny_checkpoint, tmp_path):
+    """A client that sends a streamed completion on its session and then reads nothing keeps its
+    connection open: the server's writes fill its socket and wait. After one write has waited
+    XLSERVE_STREAM_SEND_TIMEOUT_SECONDS the client counts as gone: its generation is cancelled and
+    its session is free again, over SSE and over the websocket. Before, the session stayed busy
+    (409) for as long as the connection stayed open, and the request's events piled up."""
+    log_path = tmp_path / "server.log"
+    server = ServerProcess([tiny_checkpoint], env={"XLSERVE_STREAM_SEND_TIMEOUT_SECONDS": "2"},
+                           log_path=log_path).start()
+    sockets = []
+    try:
+        with server.client() as client:
+            for transport in ("sse", "websocket"):
+                session = create(client)
+                assert client.post(f"/v1/sessions/{session}/append", json={"text": "def main():"}).status_code == 200
+                generate = {"model": MODEL, "prompt": "\n", "max_tokens": 4000, "logprobs": 20, "temperature": 1,
+                            "session_id": session}
+                if transport == "sse":
+                    body = json.dumps({**generate, "stream": True}).encode()
+                    sockets.append(silent_socket(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                                 % len(body) + body))
+                else:
+                    key = base64.b64encode(os.urandom(16))
+                    sock = silent_socket(server.port, b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                         b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: "
+                                         + key + b"\r\n\r\n")
+                    sockets.append(sock)
+                    handshake = b""
+                    while b"\r\n\r\n" not in handshake:
+                        handshake += sock.recv(1)
+                    assert handshake.startswith(b"HTTP/1.1 101"), handshake
+                    sock.sendall(websocket_frame(json.dumps({"type": "generate", **generate}).encode()))
+                # busy while it runs, then let go once a write has waited 2 s: well before 4,000
+                # tokens with their alternatives could have drained into a socket nobody reads
+                assert session_freed_within(client, session, 60), transport
+        warnings = [line for line in log_path.read_text().splitlines() if "XLSERVE_STREAM_SEND_TIMEOUT_SECONDS" in line]
+        assert any("websocket" in line for line in warnings) and any("streamed answer" in line for line in warnings), \
+            warnings
+    finally:
+        for sock in sockets:
+            sock.close()
+        server.stop()

@@ -58,6 +58,8 @@ ANSWERED = {
     # added since: the device out of memory while checking an imported state (a RuntimeError like a
     # malformed state's, which was answered 400 before)
     "DeviceOutOfMemory": (503, "service_unavailable", "device_out_of_memory", None, {"Retry-After": "1"}),
+    # added since: a stream whose client stopped reading, stopped with nothing committed
+    "StreamNotRead": (408, "invalid_request_error", "stream_not_read", None, {}),
     "SessionNotFound": (404, "not_found_error", "session_not_found", "session_id", {}),
     "SessionLocked": (409, "session_busy", "session_busy", "session_id", {}),
     "SessionConflict": (409, "conflict", "session_version_conflict", "session_id", {}),

@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+import anyio
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from xlserve.server.api.protocol import CancelFrame, GenerateFrame, frame_id, parse_frame
@@ -60,12 +61,28 @@ class _Connection:
         self.session_header = websocket.headers.get(SESSION_ID_HEADER.lower())
         self.send_lock = asyncio.Lock()
         self.current: _RunningRequest | None = None
+        # the client took no write for XLSERVE_STREAM_SEND_TIMEOUT_SECONDS: it counts as gone
+        # (nothing more is sent; what runs is cancelled, its session let go) although its
+        # connection is open, and the receive loop ends it when it reads or closes
+        self.stalled = False
 
     async def send(self, frame: dict) -> None:
-        """Send a frame; a connection that is gone is noticed by the receive loop, which cancels."""
+        """Send a frame; a connection that is gone is noticed by the receive loop, which cancels.
+        A client that stops reading fills its socket and the write waits: past the send timeout
+        the connection is stalled and its running request cancelled."""
+        timeout = self.state.settings.server.stream_send_timeout_seconds
         async with self.send_lock:
+            if self.stalled:
+                return
             try:
-                await self.websocket.send_text(json.dumps(frame))
+                with anyio.fail_after(timeout):
+                    await self.websocket.send_text(json.dumps(frame))
+            except TimeoutError:  # first: TimeoutError is an OSError
+                self.stalled = True
+                log.warning("websocket: the client took no write for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
+                            "its running request is cancelled and nothing more is sent", timeout)
+                if self.current is not None:
+                    self.current.cancellation.cancel()
             except (WebSocketDisconnect, RuntimeError, OSError):
                 pass
 
@@ -73,7 +90,7 @@ class _Connection:
         try:
             while True:
                 message = await self.websocket.receive()
-                if message["type"] == "websocket.disconnect":
+                if message["type"] == "websocket.disconnect" or self.stalled:  # stalled: answers were lost
                     return
                 await self.handle(message.get("text"))  # None: a binary frame
         finally:  # the client left (or the server is stopping): cancel what runs, nothing is committed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import secrets
 import time
@@ -44,6 +45,9 @@ from xlserve.server.api.structured import (
     render_message,
     tool_grammar,
 )
+
+
+log = logging.getLogger("xlserve.server")
 
 
 # -- POST /v1/completions -------------------------------------------------------------------------
@@ -181,12 +185,26 @@ def sse(data: dict | str) -> bytes:
 
 class EventStream(StreamingResponse):
     """A streaming response that notices a client disconnect at once (not only at the next
-    write) and closes the stream, so the generation is cancelled within one engine step."""
+    write) and closes the stream, so the generation is cancelled within one engine step. A client
+    that stops reading is gone too, once one write has waited `send_timeout` seconds for its full
+    socket (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): it would otherwise hold its session and its
+    request for as long as it keeps the connection open."""
+
+    def __init__(self, *args, send_timeout: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed_send(message) -> None:
+            with anyio.fail_after(self.send_timeout):
+                await send(message)
+
         async def stream() -> None:
             try:
-                await self.stream_response(send)
+                await self.stream_response(timed_send if self.send_timeout else send)
+            except TimeoutError:  # first: TimeoutError is an OSError
+                log.warning("a streamed answer's client took no write for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
+                            "its stream is ended and its request cancelled", self.send_timeout)
             except OSError:  # the client went away mid-write
                 pass
             finally:
@@ -205,7 +223,8 @@ async def stream_completion(completion: Completion) -> EventStream:
     """A streamed completion's response, once the generation is queued (a refusal before then
     is an HTTP error)."""
     chunks = await queued(_completion_chunks(completion))
-    return EventStream(chunks, media_type="text/event-stream",
+    return EventStream(chunks, send_timeout=completion.state.settings.server.stream_send_timeout_seconds,
+                       media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                 **replayed_headers(completion.replayed)})
 

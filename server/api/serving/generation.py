@@ -22,6 +22,7 @@ from xlserve.server.cache.errors import SessionInfo
 from xlserve.server.cache.prefix_keys import scope_key
 from xlserve.server.engine.client import RemoteLease
 from xlserve.server.engine.types import (
+    MAX_UNREAD_LOGPROBS,
     Cancelled,
     ChoiceFinished,
     Finished,
@@ -206,6 +207,10 @@ class BatchedPromptLogprobs(PromptLogprobs):
     prompt: int = 0
 
 
+# events of a batch of prompts merged and waiting for the consumer (PromptBatch.queue)
+MERGED_EVENTS_WAITING = 1024
+
+
 class PromptBatch:
     """The prompts of one batched completion, each run as its own engine request and seen as one
     submission: their events merged into one stream whose choice indexes are OpenAI's
@@ -214,7 +219,12 @@ class PromptBatch:
 
     def __init__(self, submissions: list[Submission], n: int):
         self.submissions, self.n = submissions, n
-        self.queue: asyncio.Queue = asyncio.Queue()  # (prompt index, event or exception)
+        # (prompt index, event or exception), bounded: a consumer that does not read (a stream's
+        # client that stopped) holds the forwarders back, so what waits stays in each prompt's
+        # submission, whose bound (a share of MAX_UNREAD_LOGPROBS each) stops the request
+        self.queue: asyncio.Queue = asyncio.Queue(MERGED_EVENTS_WAITING)
+        for submission in submissions:
+            submission.unread_limit = MAX_UNREAD_LOGPROBS // len(submissions)
         self.forwarders = [asyncio.ensure_future(self._forward(prompt, submission))
                            for prompt, submission in enumerate(submissions)]
 
@@ -237,9 +247,9 @@ class PromptBatch:
     async def _forward(self, prompt: int, submission: Submission) -> None:
         try:
             async for event in submission.events():
-                self.queue.put_nowait((prompt, event))
+                await self.queue.put((prompt, event))
         except Exception as error:  # Cancelled, or the prompt's failure: the merged stream raises it
-            self.queue.put_nowait((prompt, error))
+            await self.queue.put((prompt, error))
 
     def cancel(self) -> None:
         for submission in self.submissions:

@@ -1,0 +1,90 @@
+"""A consumer that stops reading holds a bounded amount: a request's events wait in its
+Submission up to MAX_UNREAD_LOGPROBS (a token's own log-probability and its alternatives', one
+for any other event), past which the request stops with StreamNotRead and what waited is let
+go; a batch of prompts shares the bound out and merges into a bounded queue, so its forwarders
+pass the waiting back to each prompt's submission instead of holding it themselves."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from xlserve.server.api.protocol import MAX_GENERATED_LOGPROBS
+from xlserve.server.api.serving.generation import MERGED_EVENTS_WAITING, PromptBatch
+from xlserve.server.engine.errors import StreamNotRead
+from xlserve.server.engine.types import MAX_UNREAD_LOGPROBS, Finished, Submission, TokenEvent
+from xlserve.server.metrics import Metrics
+
+METRICS = Metrics()
+
+
+def token(i: int, alternatives: int = 4) -> TokenEvent:
+    return TokenEvent(token=i % 256, text="x", logprob=-1.0, top=[(j, -2.0) for j in range(alternatives)])
+
+
+def submission(stops: list | None = None) -> Submission:
+    cancelled = threading.Event()
+    made = Submission("m", METRICS, cancelled, wake=lambda: (stops.append(True) if stops is not None else None))
+    return made
+
+
+def test_the_bound_is_what_an_answer_that_is_not_streamed_may_hold():
+    assert MAX_UNREAD_LOGPROBS == MAX_GENERATED_LOGPROBS
+
+
+def test_a_consumer_that_reads_is_never_stopped():
+    async def run():
+        handle = submission()
+        handle.unread_limit = 50
+        events = handle.events()
+        for i in range(1000):  # 5,000 log-probabilities in all, 5 at a time
+            handle.put(token(i))
+            assert (await anext(events)).token == i % 256
+        assert handle.unread == 0 and not handle.overrun and not handle.cancelled.is_set()
+        handle.put(Finished(choices=[], prompt_tokens=1, completion_tokens=1000, cached_tokens=0, data=None))
+        assert isinstance(await anext(events), Finished)
+
+    asyncio.run(run())
+
+
+def test_past_the_bound_the_request_stops_and_what_waited_is_let_go():
+    async def run():
+        stops = []
+        handle = submission(stops)
+        handle.unread_limit = 100
+        for i in range(20):  # 20 x (1 + 4) = 100: at the bound, still held
+            handle.put(token(i))
+        assert handle.queue.qsize() == 20 and not handle.overrun
+        handle.put(token(20))  # one past it
+        assert handle.overrun and handle.cancelled.is_set() and stops == [True]  # the engine drops the request
+        assert handle.queue.qsize() == 1  # the waiting events let go: only why remains
+        for i in range(1000):  # what the engine still sends before it drops the request is not kept
+            handle.put(token(i))
+        assert handle.queue.qsize() == 1
+        with pytest.raises(StreamNotRead, match="more than 100 log-probabilities"):
+            await anext(handle.events())
+
+    asyncio.run(run())
+
+
+def test_a_batch_of_prompts_shares_the_bound_and_its_merged_queue_is_bounded():
+    async def run():
+        handles = [submission() for _ in range(4)]
+        batch = PromptBatch(handles, n=1)
+        assert [handle.unread_limit for handle in handles] == [MAX_UNREAD_LOGPROBS // 4] * 4
+        for handle in handles:
+            handle.unread_limit = 2_000  # small enough to pass here: 400 events of weight 5
+        events = batch.events()
+        for i in range(1000):  # nobody reads the batch: 4,000 events, more than the merged queue takes
+            for handle in handles:
+                handle.put(token(i))
+            await asyncio.sleep(0)  # the forwarders run
+        assert batch.queue.qsize() <= MERGED_EVENTS_WAITING
+        assert all(handle.overrun for handle in handles)  # each prompt's waiting events hit its share
+        with pytest.raises(StreamNotRead):
+            async for _ in events:  # what was merged first, then why it stopped
+                pass
+
+    asyncio.run(run())
