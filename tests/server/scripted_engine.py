@@ -27,7 +27,7 @@ class ScriptedEngine:
             raise self.refuse
         submission = Submission(model, self.metrics, threading.Event(), wake=lambda: None)
         for event in self.events:
-            submission.queue.put_nowait(event)
+            submission.put(event)
         return submission
 
     async def session_info(self, session_id, owner):

@@ -88,3 +88,48 @@ def test_a_batch_of_prompts_shares_the_bound_and_its_merged_queue_is_bounded():
                 pass
 
     asyncio.run(run())
+
+
+def test_a_backlog_is_written_in_turns_of_at_most_write_chunks():
+    """Chunks ready together go out in one write, but a backlog (2,000 tokens waiting when the
+    stream starts, as after a client that read slowly) goes out WRITE_CHUNKS at a time, each
+    write giving the event loop back, never as one join of everything."""
+    from xlserve.models.tokenizer import ByteTokenizer
+    from xlserve.server.api.deps import ServedModel
+    from xlserve.server.api.serving.completions import WRITE_CHUNKS
+    from xlserve.server.engine.types import ChoiceFinished
+    from xlserve.server.settings import Settings
+    from tests.server.scripted_engine import ScriptedEngine, scripted_app
+
+    engine = ScriptedEngine(Metrics())
+    engine.events = [token(i) for i in range(2000)]
+    end = ChoiceFinished(0, "length", "", 2000)
+    engine.events += [end, Finished(choices=[end], prompt_tokens=1, completion_tokens=2000, cached_tokens=0, data=None)]
+    app, _ = scripted_app(Settings(models="none-loaded"), engine, {"m": ServedModel("m", ByteTokenizer(), 256, {})})
+    body = b'{"model": "m", "prompt": "a", "max_tokens": 2000, "stream": true}'
+    writes = []
+
+    async def run():
+        sent_body = False
+
+        async def receive():
+            nonlocal sent_body
+            if not sent_body:
+                sent_body = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)  # the client stays
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                writes.append(message["body"].count(b"data: "))
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json"),
+                                                  (b"content-length", str(len(body)).encode())],
+                 "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1),
+                 "root_path": "", "app": app}
+        await asyncio.wait_for(app(scope, receive, send), 60)
+
+    asyncio.run(run())
+    assert sum(writes) == 2000 + 2  # every token's chunk, the finish chunk and [DONE]
+    assert max(writes) <= WRITE_CHUNKS and len(writes) >= 2000 // WRITE_CHUNKS

@@ -183,6 +183,10 @@ def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
+# SSE chunks joined into one write at most (_completion_chunks): about 100 bytes to 2 KB each
+WRITE_CHUNKS = 256
+
+
 class EventStream(StreamingResponse):
     """A streaming response that notices a client disconnect at once (not only at the next
     write) and closes the stream, so the generation is cancelled within one engine step. A client
@@ -303,7 +307,10 @@ async def _completion_chunks(completion: Completion) -> AsyncGenerator:
                     if extra:
                         pending.append(sse(completion.envelope([], usage=usage(
                             event.prompt_tokens, event.completion_tokens, event.cached_tokens))))
-                if pending and submission.queue.empty():
+                # chunks ready together go out in one write, at most WRITE_CHUNKS of them: a
+                # backlog (a client that read slowly, then again) is written in turns, each
+                # giving the event loop back to the other requests while the socket takes it
+                if pending and (submission.queue.empty() or len(pending) >= WRITE_CHUNKS):
                     yield b"".join(pending)
                     pending = []
             pending.append(sse("[DONE]"))
