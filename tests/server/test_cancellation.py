@@ -211,3 +211,46 @@ def test_a_cancellation_decides_once():
     with pytest.raises(Cancelled):
         stopped.begin_commit()
     assert not stopped.committing
+
+
+def test_a_stream_whose_client_leaves_before_it_is_queued_is_cancelled():
+    """Queuing a streamed generation can take seconds (a constraint's first compile, a prefix
+    lookup in Redis) before any response exists to notice a disconnect: the client's hang-up then
+    cancels the queuing (client.py `_queue` sends the engine a Cancel on that), lets its session
+    go, and the request ends Cancelled (499) instead of running for nobody."""
+    from xlserve.server.api.serving.completions import _queued_while_connected
+    from xlserve.server.api.serving.leases import QUEUED
+
+    class Hangs:
+        def __init__(self):
+            self.messages = asyncio.Queue()
+
+        async def receive(self):
+            return await self.messages.get()
+
+    cleaned = []
+
+    async def answer():
+        try:
+            await asyncio.sleep(3600)  # queuing: the constraint compiles
+            yield QUEUED
+        finally:
+            cleaned.append(True)  # its session's lease goes back here
+
+    async def run():
+        request = Hangs()
+        asyncio.get_running_loop().call_later(0.1, request.messages.put_nowait, {"type": "http.disconnect"})
+        with pytest.raises(Cancelled):
+            await asyncio.wait_for(_queued_while_connected(request, answer()), 10)
+        assert cleaned == [True]
+
+        # a client that stays: the answer, queued, streams on
+        async def quick():
+            yield QUEUED
+            yield b"chunk"
+
+        stays = Hangs()
+        chunks = await _queued_while_connected(stays, quick())
+        assert [chunk async for chunk in chunks] == [b"chunk"]
+
+    asyncio.run(run())

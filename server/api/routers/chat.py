@@ -42,5 +42,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_session_header(session_header, None)  # chat is about no session
     completion = ChatCompletion(app_state(request), body, owner)
     if body.stream:
-        return await stream_completion(completion)
+        return await stream_completion(completion, request)
     return await complete(completion, request)

@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     # with session_id, an Idempotency-Key makes the request apply at most once (routers/sessions.py)
     completion = Completion(app_state(request), body, owner, idempotency_key)
     if body.stream:
-        return await stream_completion(completion)
+        return await stream_completion(completion, request)
     answer = await complete(completion, request)
     response.headers.update(replayed_headers(completion.replayed))
     return answer

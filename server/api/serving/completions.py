@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -27,7 +28,7 @@ from xlserve.server.api.protocol import (
     SamplingOptions,
     ToolDefinition,
 )
-from xlserve.server.engine.errors import ContextLengthExceeded
+from xlserve.server.engine.errors import Cancelled, ContextLengthExceeded
 from xlserve.server.engine.types import (
     ChoiceFinished,
     Finished,
@@ -223,14 +224,38 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def stream_completion(completion: Completion) -> EventStream:
+async def stream_completion(completion: Completion, request: Request | None = None) -> EventStream:
     """A streamed completion's response, once the generation is queued (a refusal before then
-    is an HTTP error)."""
-    chunks = await queued(_completion_chunks(completion))
+    is an HTTP error). With the `request`, a client that hangs up before then cancels it."""
+    answer = _completion_chunks(completion)
+    chunks = await (queued(answer) if request is None else _queued_while_connected(request, answer))
     return EventStream(chunks, send_timeout=completion.state.settings.server.stream_send_timeout_seconds,
                        media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                 **replayed_headers(completion.replayed)})
+
+
+async def _queued_while_connected(request: Request, answer: AsyncGenerator) -> AsyncGenerator:
+    """`queued(answer)`, watching the connection meanwhile: queuing can take seconds (the first
+    compile of a constraint, up to XLSERVE_CONSTRAINT_COMPILE_SECONDS and a wait for a compile
+    thread; a prefix lookup in Redis), and nothing else notices a client that hangs up then. Its
+    request is cancelled (the engine drops it: client.py `_queue` sends Cancel), nothing is
+    committed, and it is answered 499 (Cancelled), as a plain request that loses its client is."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    queuing, watcher = asyncio.ensure_future(queued(answer)), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({queuing, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if queuing.done():
+        return queuing.result()
+    queuing.cancel()
+    await asyncio.gather(queuing, return_exceptions=True)
+    await answer.aclose()
+    raise Cancelled()
 
 
 def _replayed_chunks(answer: dict, include_usage: bool) -> bytes:
