@@ -237,7 +237,7 @@ async def stream_completion(completion: Completion, request: Request | None = No
 
 async def _queued_while_connected(request: Request, answer: AsyncGenerator) -> AsyncGenerator:
     """`queued(answer)`, watching the connection meanwhile: queuing can take seconds (the first
-    compile of a constraint, up to XLSERVE_CONSTRAINT_COMPILE_SECONDS and a wait for a compile
+    compile of a constraint, up to XLSERVE_STRUCTURED_COMPILE_SECONDS and a wait for a compile
     thread; a prefix lookup in Redis), and nothing else notices a client that hangs up then. Its
     request is cancelled (the engine drops it: client.py `_queue` sends Cancel), nothing is
     committed, and it is answered 499 (Cancelled), as a plain request that loses its client is."""
