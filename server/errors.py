@@ -105,6 +105,9 @@ RAISED_CODES: dict[str, str] = {
     "constraint_not_supported": "invalid_request_error",
     # no compile thread freed within the compile limit (QueueFull's other code)
     "constraint_compiler_busy": "rate_limit_error",
+    # as many session states as the API process holds at once are moving through it already
+    # (import, PUT state, export: server/api/serving/requests.py MAX_STATES_IN_FLIGHT)
+    "states_in_flight": "rate_limit_error",
     # an imported or PUT state the model cannot take (the engine's InvalidInput)
     "invalid_state": "invalid_request_error",
     "invalid_api_key": "authentication_error",

@@ -96,7 +96,8 @@ class AdmissionMiddleware:
             await send_error(scope, send, unreadable)
             return
         limit, setting = self.max_body_bytes, "XLSERVE_MAX_REQUEST_BODY_BYTES"
-        if state is not None and carries_a_state(scope):
+        state_upload = state is not None and carries_a_state(scope)
+        if state_upload:
             limit, setting = state.state_body_limit(), STATE_BODY_SETTING
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
@@ -106,7 +107,10 @@ class AdmissionMiddleware:
             await send_error(scope, send, too_large(int(length)))
             return
         json_body = is_json(headers)
-        if scope["method"] in ("POST", "PUT", "PATCH") and (length is None or json_body):
+        # a state's body is never buffered here, with a length or without: its route reads and
+        # measures it (serving/requests.py read_body) once it holds a place among the states in
+        # flight, which bounds the memory they take
+        if scope["method"] in ("POST", "PUT", "PATCH") and (json_body or (length is None and not state_upload)):
             unauthenticated = authentication_error(state, headers)
             if unauthenticated is not None:
                 await send_error(scope, send, unauthenticated)

@@ -51,6 +51,7 @@ class AppState:
     api_keys: list[str] = field(default_factory=list)
     draining: bool = False  # shutting down: new requests get 503 while running ones finish
     inflight: int = 0  # requests being served (HTTP and websocket), counted by admission
+    states_in_flight: int = 0  # session states held whole here now (serving/requests.py state_in_flight)
 
     def state_body_limit(self) -> int:
         """The largest session-state body taken (import, PUT state): XLSERVE_MAX_STATE_BODY_BYTES,

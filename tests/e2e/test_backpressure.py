@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import select
 import signal
+import socket
 import time
 
 import httpx
@@ -130,6 +133,66 @@ def test_a_session_state_has_a_body_limit_of_its_own_sized_to_the_models(limited
         # JSON bodies elsewhere under the sessions path keep theirs
         big = client.post(f"/v1/sessions/{session_id}/append", json={"text": "x" * 5000})
         assert big.status_code == 413 and "XLSERVE_MAX_REQUEST_BODY_BYTES" in big.json()["error"]["message"]
+
+
+def test_session_states_in_flight_are_bounded(limited):
+    """Each import, PUT state or export holds a whole state in the API process (237 MB at real
+    size): MAX_STATES_IN_FLIGHT at once. One more than that sending their bodies slowly, and
+    exactly one is refused 429 states_in_flight with Retry-After, before its body is read; every
+    place is given back, by a state that went through and by one that failed alike."""
+    from xlserve.server.api.serving.requests import MAX_STATES_IN_FLIGHT
+
+    with authed(limited) as client:
+        session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+        assert client.post(f"/v1/sessions/{session}/append", json={"text": "def f():"}).status_code == 200
+        state = client.get(f"/v1/sessions/{session}/state").content
+        # a session of its own for each PUT: two on one session would race for it (409)
+        targets = [client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+                   for _ in range(MAX_STATES_IN_FLIGHT + 1)]
+        uploads = []
+        for index, target in enumerate(targets):  # imports and PUTs, each body's first 100 bytes only
+            path = f"/v1/sessions/{target}/state" if index % 2 else "/v1/sessions/import"
+            sock = socket.create_connection(("127.0.0.1", limited.port))
+            sock.sendall(f"{'PUT' if index % 2 else 'POST'} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                         f"\r\nContent-Length: {len(state)}\r\nConnection: close\r\n\r\n".encode() + state[:100])
+            uploads.append(sock)
+        try:
+            # one of them is answered at once, its body unread: the others hold the places
+            deadline, refused = time.monotonic() + 30, []
+            while not refused:
+                assert time.monotonic() < deadline, "no upload was refused"
+                readable, _, _ = select.select(uploads, [], [], 0.1)
+                refused = readable
+            assert len(refused) == 1
+
+            def answer(sock: socket.socket) -> tuple[int, str, bytes]:
+                received = b""
+                while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < int(
+                        re.search(rb"content-length: (\d+)", received.lower()).group(1)):
+                    chunk = sock.recv(65536)
+                    assert chunk, received
+                    received += chunk
+                head, _, body = received.partition(b"\r\n\r\n")
+                return int(head.split()[1]), head.decode(), body
+
+            answers = {refused[0]: answer(refused[0])}  # read before its body is sent: it never will be
+            for sock in uploads:  # the others' bodies' ends: they go through
+                if sock is not refused[0]:
+                    sock.sendall(state[100:])
+                    answers[sock] = answer(sock)
+            answers = [answers[sock] for sock in uploads]
+        finally:
+            for sock in uploads:
+                sock.close()
+        assert sorted(status for status, _, _ in answers) == [200] * MAX_STATES_IN_FLIGHT + [429], answers
+        _, head, body = answers[uploads.index(refused[0])]
+        assert "retry-after: 1" in head.lower() and json.loads(body)["error"]["code"] == "states_in_flight"
+        assert f"at most {MAX_STATES_IN_FLIGHT} at once" in json.loads(body)["error"]["message"]
+        # every place given back, by the failures too: as many at once again, one by one
+        assert client.post("/v1/sessions/import", content=b"not a state").status_code == 400
+        for _ in range(MAX_STATES_IN_FLIGHT + 1):
+            assert client.post("/v1/sessions/import", content=state).status_code == 200
+            assert client.get(f"/v1/sessions/{session}/state").status_code == 200
 
 
 def chunked_small():

@@ -53,6 +53,7 @@ from xlserve.server.api.protocol import (
 from xlserve.server.api.serving import (
     IDEMPOTENCY_KEY_HEADER,
     Cancellation,
+    StateResponse,
     app_state,
     append_to_session,
     cancel_on_disconnect,
@@ -66,6 +67,8 @@ from xlserve.server.api.serving import (
     replace_session_state,
     replayed_headers,
     session_header_matches_path,
+    state_in_flight,
+    take_state_place,
 )
 
 router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the bodies (routers/completions.py)
@@ -92,7 +95,7 @@ async def create_session(body: CreateSession, request: Request, response: Respon
 
 
 @router.post("/v1/sessions/import", response_model=SessionObject, response_model_exclude_unset=True,
-             responses=error_responses(400, 401, 404, 409, 413, 422, 503))
+             responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503))
 async def import_new_session(request: Request, response: Response, model: str | None = None,
                              owner: str | None = Depends(owner_of),
                              idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
@@ -100,8 +103,9 @@ async def import_new_session(request: Request, response: Response, model: str | 
     state = app_state(request)
     if model is not None:
         state.served(model)
-    blob = await read_body(request)
-    result, replayed = await import_one(state, owner, model, blob, idempotency_key)
+    async with state_in_flight(state):
+        blob = await read_body(request)
+        result, replayed = await import_one(state, owner, model, blob, idempotency_key)
     response.headers.update(replayed_headers(replayed))
     return result
 
@@ -140,24 +144,30 @@ async def fork_session(session_id: str, request: Request, response: Response, ow
 
 
 @router.get("/v1/sessions/{session_id}/state", dependencies=PER_SESSION, response_class=Response,
-            responses={**error_responses(400, 401, 404, 409, 413, 503), 200: STATE_FILE})
+            responses={**error_responses(400, 401, 404, 409, 413, 429, 503), 200: STATE_FILE})
 async def export_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
-    info, blob = await app_state(request).engine.export(session_id, owner)
-    return Response(content=blob, media_type="application/octet-stream", headers={
+    give_back = take_state_place(app_state(request))
+    try:
+        info, blob = await app_state(request).engine.export(session_id, owner)
+    except BaseException:
+        give_back()
+        raise
+    return StateResponse(content=blob, give_back=give_back, media_type="application/octet-stream", headers={
         "Content-Disposition": f'attachment; filename="{session_id}.safetensors"',
         "X-Session-Version": str(info.version), "X-Session-Tokens": str(info.tokens),
     })
 
 
 @router.put("/v1/sessions/{session_id}/state", dependencies=PER_SESSION, response_model=SessionObject,
-            response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 409, 413, 422, 503))
+            response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503))
 async def import_state(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     state = app_state(request)
     # 404 for a session that is not yours before reading a body that may be large
     await state.engine.session_info(session_id, owner)
-    blob = await read_body(request)
-    body, replayed = await replace_session_state(state, owner, session_id, blob, idempotency_key)
+    async with state_in_flight(state):
+        blob = await read_body(request)
+        body, replayed = await replace_session_state(state, owner, session_id, blob, idempotency_key)
     response.headers.update(replayed_headers(replayed))
     return body
 

@@ -45,11 +45,14 @@ from xlserve.server.api.serving.completions import (
 from xlserve.server.api.serving.requests import (
     IDEMPOTENCY_KEY_HEADER,
     SESSION_ID_HEADER,
+    StateResponse,
     check_session_header,
     read_body,
     refuse_unknown_query_parameters,
     replayed_headers,
     session_header_matches_path,
+    state_in_flight,
+    take_state_place,
 )
 from xlserve.server.api.serving.cancellation import Cancellation, cancel_on_disconnect
 from xlserve.server.api.serving.sessions import (
@@ -90,6 +93,9 @@ __all__ = [
     "list_sessions",
     "owner_of",
     "read_body",
+    "StateResponse",
+    "state_in_flight",
+    "take_state_place",
     "refuse_unknown_query_parameters",
     "replace_session_state",
     "replayed_headers",

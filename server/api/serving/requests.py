@@ -6,13 +6,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
-from fastapi import Header, Request
+from fastapi import Header, Request, Response
 from fastapi.dependencies.models import Dependant
 from starlette.requests import HTTPConnection
 
 from xlserve.server.api.deps import STATE_BODY_SETTING, AppState, ServedModel, app_state
-from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, as_api_error
+from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, TooManyRequests, as_api_error
 from xlserve.server.api.protocol import (
     IDEMPOTENCY_KEY_PATTERN,
     MAX_STOP_CHARACTERS,
@@ -68,6 +70,56 @@ def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int],
         raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param,
                              code="token_id_out_of_vocabulary")
     return tokens
+
+
+# Session states moving through the API process at once (imports, PUT states, exports): each is
+# held whole here while the engine process checks or writes it, up to a whole state (237 MB at
+# transfo-xl-wt103 in float32), so their number bounds the memory they take; one more is 429
+MAX_STATES_IN_FLIGHT = 4
+
+
+def take_state_place(state: AppState) -> Callable[[], None]:
+    """A place for one session state among MAX_STATES_IN_FLIGHT, and the call that gives it back
+    (once); 429 states_in_flight (Retry-After: 1) when there is none."""
+    if state.states_in_flight >= MAX_STATES_IN_FLIGHT:
+        raise TooManyRequests(f"{state.states_in_flight} session states are moving through this server already "
+                              f"(imports, PUT states and exports: at most {MAX_STATES_IN_FLIGHT} at once, each held "
+                              "whole in memory); retry shortly", code="states_in_flight", headers={"Retry-After": "1"})
+    state.states_in_flight += 1
+    given_back = False
+
+    def give_back() -> None:
+        nonlocal given_back
+        if not given_back:
+            given_back = True
+            state.states_in_flight -= 1
+
+    return give_back
+
+
+@asynccontextmanager
+async def state_in_flight(state: AppState) -> AsyncIterator[None]:
+    """`take_state_place` for the block."""
+    give_back = take_state_place(state)
+    try:
+        yield
+    finally:
+        give_back()
+
+
+class StateResponse(Response):
+    """An exported state's response, which gives its place back (`take_state_place`) once it
+    has been sent, or failed to be: the bytes are held until then."""
+
+    def __init__(self, *args, give_back: Callable[[], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.give_back = give_back
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.give_back()
 
 
 async def read_body(request: Request) -> bytes:
