@@ -254,3 +254,57 @@ def test_a_stream_whose_client_leaves_before_it_is_queued_is_cancelled():
         assert [chunk async for chunk in chunks] == [b"chunk"]
 
     asyncio.run(run())
+
+
+def test_a_websocket_generate_being_queued_leaves_the_connection_reading(app_and_engine):
+    """A websocket generate is queued in its own task: while it waits (a constraint's first
+    compile, a prefix lookup) the connection goes on reading, so a second request is answered
+    request_in_progress at once and a close cancels the queuing, where the engine process is told
+    (client.py `_queue` sends Cancel on that), instead of compiling and running for nobody."""
+    app, state = app_and_engine
+
+    class QueuingForever(ScriptedEngine):
+        def __init__(self, metrics):
+            super().__init__(metrics)
+            self.queuing, self.cancelled = asyncio.Event(), asyncio.Event()
+
+        async def submit(self, model, tokens, params, lease, scope, owner=None):
+            self.queuing.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+
+    engine = state.engine = QueuingForever(state.metrics)
+    generate = {"type": "generate", "model": MODEL, "prompt": "abc", "max_tokens": 4}
+
+    async def scenario():
+        incoming, sent = asyncio.Queue(), []
+        for message in ({"type": "websocket.connect"},
+                        {"type": "websocket.receive", "text": json.dumps({**generate, "id": "first"})}):
+            incoming.put_nowait(message)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"", "root_path": "",
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "headers": [(b"host", b"test")],
+                 "subprotocols": []}
+        connection = asyncio.create_task(app(scope, incoming.get, send))
+        await asyncio.wait_for(engine.queuing.wait(), 5)
+        incoming.put_nowait({"type": "websocket.receive", "text": json.dumps({**generate, "id": "second"})})
+        for _ in range(100):  # answered while the first is still being queued
+            frames = [json.loads(m["text"]) for m in sent if m["type"] == "websocket.send"]
+            if frames:
+                break
+            await asyncio.sleep(0.01)
+        assert [(frame["id"], frame["error"]["code"]) for frame in frames] == [("second", "request_in_progress")]
+        assert not engine.cancelled.is_set()
+        incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
+        await asyncio.wait_for(engine.cancelled.wait(), 5)  # the close reached the queuing
+        await asyncio.wait_for(connection, 5)
+        assert state.inflight == 0
+
+    asyncio.run(scenario())

@@ -132,17 +132,30 @@ class _Connection:
                                "(or cancel it first)", code="request_in_progress")
             check_session_header(self.session_header, frame.session_id)
             request = _RunningRequest(frame.id, getattr(frame, "model", None))
-            if isinstance(frame, GenerateFrame):
-                # validated, holding its session and queued before this returns: a refusal is answered here
-                frames = await generation_frames(self.state, frame, self.owner, request.cancellation)
-            else:
-                frames = append_frames(self.state, frame, self.owner, request.cancellation)
-            request.frames = frames
             self.current = request
             self.state.inflight += 1
-            request.task = asyncio.create_task(self._answer(request, frames))
+            if isinstance(frame, GenerateFrame):
+                # queued in its own task, as it is answered: queuing can take seconds (a constraint's
+                # first compile, a prefix lookup in Redis), and meanwhile this loop goes on reading,
+                # so that a close cancels it there (the engine is told) and a `cancel` is taken
+                request.task = asyncio.create_task(self._queue_then_answer(request, frame))
+            else:
+                request.frames = append_frames(self.state, frame, self.owner, request.cancellation)
+                request.task = asyncio.create_task(self._answer(request, request.frames))
         except Exception as error:  # refused before it started: an error frame, the connection stays
             await self.send(error_frame(request_id, error, self.state, getattr(frame, "model", None)))
+
+    async def _queue_then_answer(self, request: _RunningRequest, frame: GenerateFrame) -> None:
+        """Validate a generate, hold its session and queue it (a refusal is its error frame, and
+        the connection takes its next request), then answer it."""
+        try:
+            frames = await generation_frames(self.state, frame, self.owner, request.cancellation)
+        except Exception as error:
+            self._finished_with(request)
+            await self.send(error_frame(request.id, error, self.state, request.model))
+            return
+        request.frames = frames
+        await self._answer(request, frames)
 
     def _finished_with(self, request: _RunningRequest) -> None:
         """Let the connection take its next request (at once when the client can see the answer's end)."""
