@@ -34,3 +34,10 @@ def server(tiny_checkpoint, tmp_path_factory):
 def client(server):
     with server.client() as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    """The openai package's client of `server`: this directory's, or the one a module defines."""
+    with server.openai_client(timeout=120) as client:
+        yield client

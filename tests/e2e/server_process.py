@@ -91,3 +91,10 @@ class ServerProcess:
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+
+    def openai_client(self, api_key: str = "not-needed", **options):
+        """The openai package's client of this server's /v1, which never retries (a test sees
+        every answer as the server gave it); `options` (timeout, ...) as OpenAI takes them."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **options)

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from tests.e2e.server_process import ServerProcess
@@ -55,7 +54,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
+    with server.openai_client(api_key=KEY, timeout=120) as client:
         yield client
 
 

@@ -10,7 +10,6 @@ import shutil
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from tests.e2e.server_process import ServerProcess
 
@@ -167,7 +166,7 @@ def test_max_completion_tokens_0_ends_every_choice_with_length(client):
 
 
 def test_the_openai_client_chats(chat_server):
-    oai = OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0)
+    oai = chat_server.openai_client(api_key="unused")
     answer = oai.chat.completions.create(model=FILE, messages=MESSAGES, max_tokens=5, temperature=0)
     assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens == 5
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in oai.chat.completions.create(

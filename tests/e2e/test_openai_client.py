@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import openai
 import pytest
-from openai import OpenAI
 
 MODEL = "txl-tiny"
 
 
 @pytest.fixture
 def oai(server):
-    with OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0, timeout=60) as client:
+    with server.openai_client(timeout=60) as client:
         yield client
 
 

@@ -28,7 +28,7 @@ def keyed_server(tiny_checkpoint):
 
 
 def client(server, key: str = KEYS[0]) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    return server.openai_client(api_key=key, timeout=60)
 
 
 def cached(result) -> int:

@@ -67,7 +67,7 @@ def server(imported, tmp_path_factory):
 
 
 def openai_client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return server.openai_client(api_key="unused", timeout=60)
 
 
 def test_the_start_up_log_names_each_models_tokenizer(server):

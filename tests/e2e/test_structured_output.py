@@ -13,7 +13,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 
 from tests.e2e.server_process import ServerProcess
 
@@ -43,12 +42,6 @@ def server(tmp_path_factory):
                             log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
     yield process
     process.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    with OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0, timeout=120) as client:
-        yield client
 
 
 def test_json_schema_outputs_validate_for_20_seeds(oai):

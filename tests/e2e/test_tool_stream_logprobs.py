@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
 from tests.e2e.server_process import ServerProcess
 from tests.server.test_tool_templates import TOOL_TEMPLATE  # a tool-aware template in the Hub's style
@@ -45,12 +44,6 @@ def server(tmp_path_factory):
                             log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
     yield process
     process.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    with OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0, timeout=120) as client:
-        yield client
 
 
 @pytest.mark.parametrize("model", [SHIPPED, WITH_TOOLS])
