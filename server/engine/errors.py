@@ -121,11 +121,11 @@ class EngineLoading(EngineError):
 
 
 class StreamNotRead(EngineError):
-    """A stream's client stopped reading: its socket is full and its chunks waited unread past the
-    bound (types.py `MAX_UNREAD_LOGPROBS`, or XLSERVE_STREAM_SEND_TIMEOUT_SECONDS for one blocked
-    send). The request is stopped and nothing is committed, so that one client that does not read
-    holds neither memory nor a session for good. Sent as the stream's last event, for a client
-    that reads again."""
+    """A stream's client stopped reading: its socket is full and its events waited unread past the
+    bound (types.py `MAX_UNREAD_LOGPROBS`). The request is stopped and nothing is committed, so
+    that one client that does not read holds no memory for good. Sent as the stream's last event,
+    for a client that reads again. (A write that waits XLSERVE_STREAM_SEND_TIMEOUT_SECONDS ends the
+    stream itself instead: completions.py EventStream, routers/ws.py.)"""
 
     http_status, error_type, default_code = 408, "invalid_request_error", "stream_not_read"
 

@@ -66,12 +66,16 @@ class Cancellation:
         self.committing = True
 
 
+async def disconnected(request: Request) -> None:
+    """Return when the client of this HTTP request hangs up (its body has been read: what the
+    connection says next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _watch(request: Request, cancellation: Cancellation) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            cancellation.cancel()
-            return
+    await disconnected(request)
+    cancellation.cancel()
 
 
 @asynccontextmanager

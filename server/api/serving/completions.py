@@ -20,7 +20,7 @@ from xlserve.models.tokenizer import SentencePieceTokenizer, TokenizersTokenizer
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.chat import ChatTemplateError
 from xlserve.server.api.errors import APIError, InvalidRequest, validation_error
-from xlserve.server.api.serving.cancellation import Cancellation, cancel_on_disconnect
+from xlserve.server.api.serving.cancellation import Cancellation, cancel_on_disconnect, disconnected
 from xlserve.server.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -241,11 +241,7 @@ async def _queued_while_connected(request: Request, answer: AsyncGenerator) -> A
     thread; a prefix lookup in Redis), and nothing else notices a client that hangs up then. Its
     request is cancelled (the engine drops it: client.py `_queue` sends Cancel), nothing is
     committed, and it is answered 499 (Cancelled), as a plain request that loses its client is."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    queuing, watcher = asyncio.ensure_future(queued(answer)), asyncio.ensure_future(disconnected())
+    queuing, watcher = asyncio.ensure_future(queued(answer)), asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({queuing, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
