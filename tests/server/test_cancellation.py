@@ -308,3 +308,71 @@ def test_a_websocket_generate_being_queued_leaves_the_connection_reading(app_and
         assert state.inflight == 0
 
     asyncio.run(scenario())
+
+
+def test_a_cancel_frame_stops_a_websocket_generate_being_queued(app_and_engine):
+    """A `cancel` for a generate still being queued (a constraint's first compile, a prefix
+    lookup) stops the queuing there, as a close does (the engine process is told), and is
+    answered `done` cancelled at once, with nothing run; the connection then takes its next
+    request. Before, the cancel waited for the queuing to end (a compile of up to
+    XLSERVE_STRUCTURED_COMPILE_SECONDS), and the client with it."""
+    app, state = app_and_engine
+
+    class QueuingForever(ScriptedEngine):
+        def __init__(self, metrics):
+            super().__init__(metrics)
+            self.queuing, self.cancelled = asyncio.Event(), asyncio.Event()
+
+        async def submit(self, model, tokens, params, lease, scope, owner=None):
+            self.queuing.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+
+    engine = state.engine = QueuingForever(state.metrics)
+    generate = {"type": "generate", "model": MODEL, "prompt": "abc", "max_tokens": 4}
+
+    async def scenario():
+        incoming, sent = asyncio.Queue(), []
+        for message in ({"type": "websocket.connect"},
+                        {"type": "websocket.receive", "text": json.dumps({**generate, "id": "first"})}):
+            incoming.put_nowait(message)
+
+        async def send(message):
+            sent.append(message)
+
+        def frames():
+            return [json.loads(m["text"]) for m in sent if m["type"] == "websocket.send"]
+
+        async def until(condition):
+            for _ in range(500):
+                if condition():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"frames so far: {frames()}")
+
+        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"", "root_path": "",
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "headers": [(b"host", b"test")],
+                 "subprotocols": []}
+        connection = asyncio.create_task(app(scope, incoming.get, send))
+        await asyncio.wait_for(engine.queuing.wait(), 5)
+        incoming.put_nowait({"type": "websocket.receive", "text": json.dumps({"type": "cancel", "id": "first"})})
+        await asyncio.wait_for(engine.cancelled.wait(), 5)  # the cancel reached the queuing
+        await until(lambda: frames())
+        [done] = frames()
+        assert (done["type"], done["id"], done["finish_reason"]) == ("done", "first", "cancelled"), done
+        assert done["usage"]["completion_tokens"] == 0
+        assert state.inflight == 0
+        # the connection is free: its next request is taken (and queued, not request_in_progress)
+        engine.queuing.clear()
+        incoming.put_nowait({"type": "websocket.receive", "text": json.dumps({**generate, "id": "second"})})
+        await asyncio.wait_for(engine.queuing.wait(), 5)
+        assert len(frames()) == 1 and state.inflight == 1
+        incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
+        await asyncio.wait_for(connection, 5)
+        assert state.inflight == 0
+
+    asyncio.run(scenario())

@@ -29,6 +29,7 @@ from xlserve.server.api.serving import (
     Conflict,
     app_state,
     append_frames,
+    cancelled_generation_frame,
     check_session_header,
     error_frame,
     generation_frames,
@@ -44,12 +45,14 @@ log = logging.getLogger("xlserve.server")
 class _RunningRequest:
     """The request running on a connection."""
 
-    def __init__(self, request_id: str | None, model: str | None = None):
+    def __init__(self, request_id: str | None, model: str | None = None, session_id: str | None = None):
         self.id = request_id
         self.model = model  # the model a generate frame named (errors are counted under it)
+        self.session_id = session_id
         self.cancellation = Cancellation()
         self.task: asyncio.Task | None = None
         self.frames: AsyncGenerator | None = None  # its answer, which may hold its session until closed
+        self.answering_the_cancel: asyncio.Task | None = None  # a cancel frame that came while it queued
 
 
 class _Connection:
@@ -126,12 +129,19 @@ class _Connection:
                 if running is None or (frame.id is not None and frame.id != running.id):
                     raise Conflict("nothing to cancel: no request with that id is running", code="nothing_to_cancel")
                 running.cancellation.cancel()
+                if running.frames is None and running.task is not None and not running.task.done():
+                    # a generate still being queued (a constraint's first compile, a prefix lookup)
+                    # stops waiting there, as on a close, and is answered at once. Cancelled in
+                    # this turn of the loop, while it is known to wait inside the queuing: a task
+                    # that got as far as its answer is stopped by the cancel above, as any other.
+                    running.task.cancel()
+                    running.answering_the_cancel = asyncio.create_task(self._answer_cancelled_queuing(running))
                 return
             if self.current is not None:
                 raise Conflict(f"request {self.current.id!r} is still running; send one request at a time "
                                "(or cancel it first)", code="request_in_progress")
             check_session_header(self.session_header, frame.session_id)
-            request = _RunningRequest(frame.id, getattr(frame, "model", None))
+            request = _RunningRequest(frame.id, getattr(frame, "model", None), frame.session_id)
             self.current = request
             self.state.inflight += 1
             if isinstance(frame, GenerateFrame):
@@ -156,6 +166,14 @@ class _Connection:
             return
         request.frames = frames
         await self._answer(request, frames)
+
+    async def _answer_cancelled_queuing(self, request: _RunningRequest) -> None:
+        """Once a generate whose queuing a `cancel` stopped has let go of what it held, answer it
+        cancelled (nothing ran), unless its queuing had finished all the same and it answers itself."""
+        await asyncio.gather(request.task, return_exceptions=True)
+        if self.current is request and request.frames is None:
+            self._finished_with(request)
+            await self.send(cancelled_generation_frame(request.id, request.session_id))
 
     def _finished_with(self, request: _RunningRequest) -> None:
         """Let the connection take its next request (at once when the client can see the answer's end)."""

@@ -65,7 +65,12 @@ from xlserve.server.api.serving.sessions import (
     replace_session_state,
 )
 from xlserve.server.api.serving.tokens import detokenize, tokenize
-from xlserve.server.api.serving.websocket import append_frames, error_frame, generation_frames
+from xlserve.server.api.serving.websocket import (
+    append_frames,
+    cancelled_generation_frame,
+    error_frame,
+    generation_frames,
+)
 
 # what the routers (and the app, for error frames) use
 __all__ = [
@@ -80,6 +85,7 @@ __all__ = [
     "InvalidRequest",
     "app_state",
     "append_frames",
+    "cancelled_generation_frame",
     "append_to_session",
     "cancel_on_disconnect",
     "complete",

@@ -82,8 +82,15 @@ async def _generation_frames(generation: Generation, request_id: str | None,
                         done.update(session_tokens=info.tokens, version=info.version)
                     yield done
     except Cancelled:
-        yield {"type": "done", "id": request_id, "finish_reason": "cancelled", "text": "",
-               "usage": usage(len(generation.tokens), generated), "session_id": body.session_id}
+        yield cancelled_generation_frame(request_id, body.session_id, len(generation.tokens), generated)
+
+
+def cancelled_generation_frame(request_id: str | None, session_id: str | None, prompt_tokens: int = 0,
+                               generated: int = 0) -> dict:
+    """The `done` frame of a generate that was cancelled: nothing committed; `usage` counts what
+    ran (nothing, for one cancelled while it was being queued)."""
+    return {"type": "done", "id": request_id, "finish_reason": "cancelled", "text": "",
+            "usage": usage(prompt_tokens, generated), "session_id": session_id}
 
 
 async def append_frames(state: AppState, frame: AppendFrame, owner: str | None,
