@@ -21,6 +21,8 @@ from pathlib import Path
 
 class ByteTokenizer:
     vocab_size = 256
+    # tokens that end a generation (the model's end of text): our byte models have none
+    stop_token_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -73,6 +75,9 @@ class WordTokenizer:
     "symbol count" vocabulary file works too). Export it from a Hugging Face vocab.pkl with a
     few lines of Python in an environment you trust; see docs/convert.md.
     """
+
+    # WikiText's <eos> is a line break (decode), not an end of text: nothing ends a generation
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __init__(self, symbols: list[str], unk: str = "<unk>", eos: str = "<eos>"):
         self.symbols = list(symbols)
@@ -194,8 +199,49 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
         vocab_size = config.get("config", {}).get("vocab_size")
         if vocab_size is not None and tokenizer.vocab_size > vocab_size:
             raise ValueError(f"{path} has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+        stops = config.get("stop_token_ids")
+        if stops is None:  # converted before xlserve recorded them: the copied tokenizer_config.json's eos_token
+            stops = stop_tokens_of(tokenizer, Path(directory))
+        elif not (isinstance(stops, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stops)
+                  and all(0 <= t < (vocab_size or tokenizer.vocab_size) for t in stops)):
+            raise ValueError(f"stop_token_ids in the checkpoint's config.json must be a list of token ids "
+                             f"of the vocabulary, got {stops!r}")
+        tokenizer.stop_token_ids = frozenset(stops)
         return tokenizer
     raise ValueError(f"unknown tokenizer {kind!r} in checkpoint config")
+
+
+def stop_tokens_of(tokenizer: "TokenizersTokenizer", directory: Path, config: dict | None = None) -> list[int]:
+    """The end-of-text tokens of a Hugging Face checkpoint in `directory`, where a generation ends
+    (as transformers' generate() and vLLM end it): generation_config.json's eos_token_id, else
+    that of its config.json (`config`, when given), else tokenizer_config.json's eos_token, as the
+    tokenizer encodes it. An id or a list of them; those outside the tokenizer are left out."""
+    def ids(value) -> list[int] | None:
+        values = value if isinstance(value, list) else [value]
+        found = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < tokenizer.vocab_size]
+        return found or None
+
+    for source in (_json_object(directory / "generation_config.json"), config or {}):
+        found = ids(source.get("eos_token_id"))
+        if found is not None:
+            return found
+    eos = _json_object(directory / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):  # {"content": "<|endoftext|>", ...}, as AddedToken is saved
+        eos = eos.get("content")
+    if isinstance(eos, str) and eos:
+        token = tokenizer.tokenizer.token_to_id(eos)
+        if token is not None:
+            return [token]
+    return []
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON object file's content; {} when it is missing or holds anything else."""
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return content if isinstance(content, dict) else {}
 
 
 def describe_tokenizer(config: dict) -> str:
@@ -214,10 +260,13 @@ class TokenizersTokenizer:
     tokens of the post-processor (a language model continues the text as given) but still
     recognises added tokens written in the text ("<|endoftext|>", a chat template's markers).
     The model's vocabulary may be larger than the tokenizer's (padded embeddings: 50,280 rows
-    for 50,277 tokens); ids past the tokenizer's decode to nothing and are named "<id N>"."""
+    for 50,277 tokens); ids past the tokenizer's decode to nothing and are named "<id N>".
+    `stop_token_ids`: the checkpoint's end-of-text tokens (`stop_tokens_of`), at which a
+    generation ends unless it asks to go on (`ignore_eos`)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_token_ids: Iterable[int] = ()):
         self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset(int(token) for token in stop_token_ids)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TokenizersTokenizer":
@@ -257,6 +306,8 @@ class SentencePieceTokenizer:
     XLNet preprocessing does. No special tokens are added (a language model continues the text).
     Needs the `sentencepiece` package, imported only when such a model is loaded."""
 
+    # no end of text: a converted XLNet generates until a stop string or max_tokens, as before
+    stop_token_ids: frozenset[int] = frozenset()
     UNDERLINE = "\u2581"  # sentencepiece's word-start marker
 
     def __init__(self, model_bytes: bytes, do_lower_case: bool = False, remove_space: bool = True,

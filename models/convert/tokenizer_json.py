@@ -5,7 +5,8 @@ tokenizer.json is read by the `tokenizers` library (never by hand-written BPE) t
 before it is copied beside the weights; models.tokenizer.TokenizersTokenizer serves it.
 tokenizer_config.json and chat_template.jinja are copied when the directory has them: the
 server's chat completions take the checkpoint's chat template (and bos/eos tokens) from them
-(server/api/chat.py).
+(server/api/chat.py). The end-of-text tokens, where a generation ends, are recorded in our
+config.json as `stop_token_ids` (models/tokenizer.py `stop_tokens_of`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ TOKENIZER_FILE = "tokenizer.json"
 COPIED_IF_PRESENT = ("tokenizer_config.json", "chat_template.jinja")
 
 
-def tokenizer_files(directory: Path, vocab_size: int) -> tuple[dict[str, bytes], list[str]]:
-    """The files that go beside the converted weights, and notes for the user."""
+def tokenizer_files(directory: Path, vocab_size: int, hf_config: dict) -> tuple[dict[str, bytes], list[int] | None, list[str]]:
+    """The files that go beside the converted weights, the end-of-text tokens at which a
+    generation ends (None without a tokenizer.json: found at load from the files put there
+    later), and notes for the user."""
     files: dict[str, bytes] = {}
     path = directory / TOKENIZER_FILE
     if not path.is_file():
-        return files, [f"no {TOKENIZER_FILE} in {directory}: the weights convert, but serving text needs the "
-                       f"checkpoint's {TOKENIZER_FILE} in the output directory"]
-    from xlserve.models.tokenizer import TokenizersTokenizer
+        return files, None, [f"no {TOKENIZER_FILE} in {directory}: the weights convert, but serving text needs the "
+                             f"checkpoint's {TOKENIZER_FILE} in the output directory"]
+    from xlserve.models.tokenizer import TokenizersTokenizer, stop_tokens_of
 
     content = path.read_bytes()
     try:
@@ -48,7 +51,13 @@ def tokenizer_files(directory: Path, vocab_size: int) -> tuple[dict[str, bytes],
             if not isinstance(parsed, dict):
                 raise ConversionError(f"{extra} does not hold a JSON object")
         files[name] = extra.read_bytes()
-    return files, []
+    stops = stop_tokens_of(tokenizer, directory, hf_config)
+    if stops:
+        names = ", ".join(f"{tokenizer.token_text(token)} ({token})" for token in stops)
+        notes = [f"a generation ends at {names}, as transformers' generate() ends it, unless a request sets ignore_eos"]
+    else:
+        notes = ["no end-of-text token (eos_token_id) found: generations end at a stop string or max_tokens"]
+    return files, stops, notes
 
 
 def finish_import(source: SourceCheckpoint, model, place, architecture: str, symbols: Path | None,
@@ -57,10 +66,11 @@ def finish_import(source: SourceCheckpoint, model, place, architecture: str, sym
     onto it, its tokenizer files and our config.json's extra fields."""
     if symbols is not None:
         raise ConversionError(f"--symbols is for word-level models; {architecture}'s tokenizer is its {TOKENIZER_FILE}")
-    files, tokenizer_notes = tokenizer_files(source.directory, model.config.vocab_size)
+    files, stops, tokenizer_notes = tokenizer_files(source.directory, model.config.vocab_size, source.config)
     extra = {
         "tokenizer": "tokenizers",
         "tokenizer_file": TOKENIZER_FILE,
+        **({"stop_token_ids": stops} if stops is not None else {}),
         "converted_from": {
             "format": "huggingface",
             "architecture": architecture,

@@ -294,6 +294,9 @@ class SamplingOptions(RequestBody):
                     at_most(MAX_STOPS, "stop strings")] = None
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     logit_bias: LogitBias | None = None
+    # vLLM's: go on past the model's end-of-text token (converted checkpoints name theirs; our
+    # byte and word models have none), which is then generated as any other token
+    ignore_eos: bool = False
     # the prefix-state cache, for requests without a session_id (README, "Reuse without sessions"):
     # states are shared only by requests of one API key and one cache_salt (vLLM's name); with
     # prefix_cache false a request neither starts from a cached state nor leaves one behind

@@ -114,6 +114,8 @@ class Engine:
         # refused past it when queued (check_context), generation ends there (_sample)
         self.history_limit = model.history_limit
         self.tokenizer = tokenizer
+        # the checkpoint's end-of-text tokens (models/tokenizer.py): a row that draws one ends there
+        self.stop_token_ids = tokenizer.stop_token_ids
         self.metrics = metrics
         self.prefill_chunk = max(1, prefill_chunk)
         self.max_batch_size = max(1, max_batch_size)
@@ -681,11 +683,17 @@ class Engine:
         elif constraint is not None:
             token = self._draw_constrained(row)
             if isinstance(token, str):  # it ends here, with this finish reason
-                return self._constraint_ends(row, token)
+                row.constraint.ended = True
+                return self._ends_without_token(row, token)
             logprob = float(row.host_log_probs[token])
         else:
             token = row.sampler.choose(row.host_log_probs)
             logprob = float(row.host_log_probs[token])
+        if token in self.stop_token_ids and constraint is None and not params.ignore_eos:
+            # the model ended its text: the row ends, as at a stop string, without the token (no
+            # text, not fed: a session's state holds exactly the text sent). A constrained row
+            # ends where its constraint lets it (the matcher's own end of text).
+            return self._ends_without_token(row, "stop")
         row.generated += 1
         row.generated_tokens.append(token)
         row.generated_logprobs.append(float(row.host_log_probs[token]))
@@ -736,11 +744,12 @@ class Engine:
         constraint.consume(token)
         return token
 
-    def _constraint_ends(self, row: Row, reason: str) -> bool:
-        """The row ends without a token of this step: its constraint is complete ("stop") or
-        allows nothing ("no_allowed_token"). Every token it drew went through the model already,
-        so a session's state holds exactly the text sent. Nothing to feed."""
-        row.finish_reason, row.constraint.ended = reason, True
+    def _ends_without_token(self, row: Row, reason: str) -> bool:
+        """The row ends without a token of this step: the model drew its end of text ("stop"), or
+        its constraint is complete ("stop") or allows nothing ("no_allowed_token"). Every token
+        it drew went through the model already, so a session's state holds exactly the text
+        sent. Nothing to feed."""
+        row.finish_reason = reason
         if row.request.first_token_at is None:
             self._first_output(row.request)
         return False

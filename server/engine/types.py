@@ -45,6 +45,7 @@ class SamplingParams:
     echo: bool = False
     n: int = 1  # independent choices sharing one prompt (prefilled once)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (as OpenAI)
+    ignore_eos: bool = False  # go on past the model's end-of-text token (vLLM's name), emitted as a token
     # structured output (server/engine/constraints.py): what the output must match, the request
     # field it came from (named by a refusal), e.g. ("json_schema", '{"type": ...}', "response_format")
     constraint_kind: str | None = None

@@ -138,6 +138,24 @@ def with_tokenizer(spec: dict, tmp_path: Path, vocab_size: int) -> Path:
     return source
 
 
+def wide_source(references, source: Path) -> Path:
+    """mamba 0's source with its embeddings widened to 300 rows, for a byte-level tokenizer.json
+    of 290 tokens (fewer than the rows, as GPT-NeoX's 50,277 in 50,280) and a tokenizer_config.json
+    whose eos_token is <|endoftext|>."""
+    spec = references[("mamba", 0)]
+    config = json.loads((Path(spec["dir"]) / "hf" / "config.json").read_text())
+    config["vocab_size"] = 300
+    tensors = load_file(str(Path(spec["dir"]) / "hf" / "model.safetensors"))
+    tensors["backbone.embeddings.weight"] = torch.randn(300, config["hidden_size"])
+    tensors.pop("lm_head.weight", None)
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(source / "model.safetensors"))
+    (source / "tokenizer.json").write_text(byte_level_tokenizer_json(290))
+    (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
+    return source
+
+
 def test_tokenizer_json_and_chat_template_go_with_the_weights(references, tmp_path):
     spec = references[("mamba", 1)]  # vocabulary 120 < 256 + merges: a larger tokenizer is refused
     source = with_tokenizer(spec, tmp_path, 300)
@@ -145,18 +163,7 @@ def test_tokenizer_json_and_chat_template_go_with_the_weights(references, tmp_pa
         convert(source, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
 
-    spec = references[("mamba", 0)]
-    config = json.loads((Path(spec["dir"]) / "hf" / "config.json").read_text())
-    config["vocab_size"] = 300  # the embeddings widened to fit a byte-level tokenizer
-    tensors = load_file(str(Path(spec["dir"]) / "hf" / "model.safetensors"))
-    tensors["backbone.embeddings.weight"] = torch.randn(300, config["hidden_size"])
-    tensors.pop("lm_head.weight", None)
-    source = tmp_path / "wide"
-    source.mkdir()
-    (source / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(source / "model.safetensors"))
-    (source / "tokenizer.json").write_text(byte_level_tokenizer_json(290))  # fewer tokens than embedding rows
-    (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
+    source = wide_source(references, tmp_path / "wide")
     summary = convert(source, tmp_path / "ours")
     assert summary["tokenizer"] == "tokenizers"
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(summary["files"])
@@ -173,6 +180,45 @@ def test_tokenizer_json_and_chat_template_go_with_the_weights(references, tmp_pa
 
     template = load_chat_template(read_config(tmp_path / "ours"), tmp_path / "ours")
     assert template.render([{"role": "user", "content": "hi"}]) == "<|user|>hi<|endoftext|><|assistant|>"
+
+
+def test_the_end_of_text_tokens_are_the_sources(references, tmp_path):
+    """Where a generation ends, as transformers' generate() takes it: generation_config.json's
+    eos_token_id (an id or a list), else config.json's, else tokenizer_config.json's eos_token
+    as the tokenizer encodes it; recorded in the converted config.json and said in the notes. A
+    checkpoint converted before they were recorded finds them at load from its copied
+    tokenizer_config.json; a malformed list is refused at load, naming the field."""
+    source = wide_source(references, tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+
+    def converted_stops(name: str) -> tuple[frozenset, list[str]]:
+        summary = convert(source, tmp_path / name)
+        tokenizer = tokenizer_for_checkpoint(read_config(tmp_path / name), tmp_path / name)
+        return tokenizer.stop_token_ids, summary["notes"]
+
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "bos_token_id": 0}))
+    config["eos_token_id"] = 5
+    (source / "config.json").write_text(json.dumps(config))
+    stops, notes = converted_stops("generation-config")
+    assert stops == {7, 9} and read_config(tmp_path / "generation-config")["stop_token_ids"] == [7, 9]
+    assert any("a generation ends at" in note and "ignore_eos" in note for note in notes), notes
+    (source / "generation_config.json").unlink()
+    assert converted_stops("config")[0] == {5}
+    config["eos_token_id"] = None
+    (source / "config.json").write_text(json.dumps(config))
+    stops, _ = converted_stops("tokenizer-config")
+    end = TokenizersTokenizer.from_file(source / "tokenizer.json").tokenizer.token_to_id("<|endoftext|>")
+    assert stops == {end}
+
+    ours = tmp_path / "config"
+    written = json.loads((ours / "config.json").read_text())
+    del written["stop_token_ids"]  # converted before they were recorded
+    (ours / "config.json").write_text(json.dumps(written))
+    assert tokenizer_for_checkpoint(read_config(ours), ours).stop_token_ids == {end}
+    written["stop_token_ids"] = [5, 300]  # past the model's vocabulary
+    (ours / "config.json").write_text(json.dumps(written))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tokenizer_for_checkpoint(read_config(ours), ours)
 
 
 # -- refusals: each names the problem and writes nothing -------------------------------------------------

@@ -836,3 +836,48 @@ def test_batch_size_quantiles_read_the_true_sizes():
     assert histogram_quantile(0.99, buckets("one")) == pytest.approx(1, abs=1e-3)
     assert histogram_quantile(0.99, buckets("mixed")) == pytest.approx(16, abs=1e-3)
     assert 2 < histogram_quantile(0.2, buckets("mixed")) <= 4
+
+
+def test_a_row_ends_at_the_models_end_of_text_unless_it_ignores_it():
+    """A checkpoint's end-of-text token (a converted Mamba's <|endoftext|>) ends a row with
+    "stop", as transformers' generate() and vLLM end it: the token is neither sent nor fed, so a
+    session holds exactly the text answered, and continues as the one pass over that text. With
+    ignore_eos the row goes on through it, as without one. A row of a batch ends alone."""
+    model = xl_model()
+    drawn = dict(max_tokens=12, temperature=1.0, seed=7)  # a seeded draw: the same tokens in every run
+    plain_engine = make_engine(model)
+    try:
+        plain = run(collect(plain_engine, generation(plain_engine, "hello", **drawn)))
+    finally:
+        plain_engine.close()
+    tokens = plain["tokens"][0]
+    # the third distinct token the model draws is its "end of text" here
+    end = next(token for token in tokens if tokens.index(token) >= 2 and token not in tokens[:2])
+    before = tokens[:tokens.index(end)]
+
+    class EndingBytes(ByteTokenizer):
+        stop_token_ids = frozenset({end})
+
+    engine = Engine("m", model, EndingBytes(), Metrics(), sink=local.SubmissionDelivery())
+
+    async def main():
+        ended, other = await asyncio.gather(
+            collect(engine, generation(engine, "hello", keep_state=True, **drawn)),
+            collect(engine, generation(engine, "other prompt", max_tokens=12, ignore_eos=True)))
+        going_on = await collect(engine, generation(engine, "hello", **drawn, ignore_eos=True))
+        data = ended["finished"].data
+        continued = await collect(engine, generation(engine, "x", start=data, max_tokens=4, ignore_eos=True))
+        one_pass = await collect(engine, EngineRequest("generate", [*b"hello", *before, *b"x"], engine.fresh_data(),
+                                                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+        return ended, other, going_on, continued, one_pass
+
+    try:
+        ended, other, going_on, continued, one_pass = run(main())
+    finally:
+        engine.close()
+    assert ended["tokens"] == [before] and ended["texts"] == [bytes(before).decode()]
+    assert ended["finished"].finish_reason == "stop" and ended["finished"].completion_tokens == len(before)
+    assert ended["finished"].data.tokens == len(b"hello") + len(before)  # the end of text was not fed
+    assert going_on["tokens"] == [tokens] and going_on["finished"].finish_reason == "length"
+    assert other["finished"].finish_reason == "length" and len(other["tokens"][0]) == 12
+    assert continued["tokens"] == one_pass["tokens"]

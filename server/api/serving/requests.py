@@ -36,6 +36,7 @@ def sampling_params(body: SamplingFields, echo: bool = False, n: int = 1) -> Sam
         min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, stop=stops, logprobs=body.logprobs, echo=echo, n=n,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
+        ignore_eos=body.ignore_eos,
     )
 
 
