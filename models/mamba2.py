@@ -2,7 +2,8 @@
 
 Paper: Tri Dao, Albert Gu, "Transformers are SSMs: Generalized Models and Efficient Algorithms
 Through Structured State Space Duality", ICML 2024 (arXiv:2405.21060). Served as Hugging Face's
-`Mamba2ForCausalLM` computes it without its CUDA kernels (models/convert/mamba2.py imports it).
+`Mamba2ForCausalLM` computes it without its CUDA kernels (models/convert/mamba2.py imports it),
+but for the gated RMSNorm, below.
 
 What changes from Mamba (models/mamba.py): A is one scalar per head instead of a diagonal per
 channel, so a head's whole (P × N) state decays by one number per position, and B and C are
@@ -26,8 +27,10 @@ and the state after the chunk is exp(c_L) h_0 + Σ_s exp(c_L − c_s) Δ_s x_s B
 is ≤ 0 (a difference of a non-increasing sum, the future masked before exp), so nothing
 overflows; the state is carried sequentially across chunks. Decoding one token is the recurrence.
 
-The gated RMSNorm normalises over all E channels, as transformers' torch path does (the CUDA
-path of the original code normalises per group of E / G channels; the two agree when G = 1).
+The gated RMSNorm normalises each group of E / G channels (the heads sharing one B and C) on its
+own, as the original code (mamba_ssm), which trained the published checkpoints, does in its CUDA
+kernel and its reference alike. transformers' torch path normalises over all E channels: the two
+agree when G = 1 (mamba2-130m … 2.7b) and differ when G > 1 (Mamba-Codestral-7B: G = 8).
 
 State (`SSDState`): per layer the last K − 1 inputs of the convolution and the (H, P, N) state,
 plus the token count: constant in size, and every output is a function of the tokens up to it
@@ -129,17 +132,20 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h: Tensor,
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm(y ⊙ silu(z)) over the last dimension, computed in float32."""
+    """RMSNorm(y ⊙ silu(z)) over each of `groups` equal slices of the last dimension, computed in
+    float32."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, groups: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
+        self.groups = groups
 
     def forward(self, y: Tensor, gate: Tensor) -> Tensor:
         y = y.float() * F.silu(gate.float())
+        y = y.unflatten(-1, (self.groups, -1))  # (..., G, E / G)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(gate.dtype)
+        return self.weight * y.flatten(-2).to(gate.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -153,7 +159,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(c.n_head))
         self.A_log = nn.Parameter(torch.empty(c.n_head))
         self.D = nn.Parameter(torch.ones(c.n_head))
-        self.norm = GatedRMSNorm(c.d_inner, c.layer_norm_epsilon)
+        self.norm = GatedRMSNorm(c.d_inner, c.layer_norm_epsilon, groups=c.n_groups)
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.proj_bias)
 
     def forward(self, h: Tensor, conv_inputs: Tensor, ssm: Tensor) -> tuple[Tensor, Tensor, Tensor]:

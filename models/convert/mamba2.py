@@ -9,8 +9,10 @@ Config (Hugging Face -> ours)
     tie_word_embeddings                                -> tie_embedding
 Refused: hidden_act other than silu, expand · hidden_size other than num_heads · head_dim,
 num_heads not a multiple of n_groups, and any architecture but Mamba2ForCausalLM. chunk_size is
-the reference's prefill chunk (ours is our own, the result does not depend on it); rms_norm and
-norm_before_gate do not change the reference's torch computation, which this follows.
+the reference's prefill chunk (ours is our own, the result does not depend on it); rms_norm does
+not change the reference's torch computation, which this follows, but for the gated RMSNorm: per
+group of channels, as mamba_ssm trained it (models/mamba2.py; transformers' torch path
+normalises over all channels, which differs when n_groups > 1).
 
 Tensors (per layer i; "M." = "backbone.layers.i.mixer.")
     backbone.embeddings.weight            -> embedding.weight
@@ -72,8 +74,8 @@ def translate_config(hf: dict, where: Path) -> tuple[Mamba2Config, list[str]]:
     )
     notes = []
     if n_groups > 1:
-        notes.append(f"n_groups {n_groups}: the gated RMSNorm normalises over all channels, as transformers' torch "
-                     "path does (the original CUDA path normalises per group)")
+        notes.append(f"n_groups {n_groups}: the gated RMSNorm normalises each group of channels, as mamba_ssm, "
+                     "which trained the model, does (transformers' torch path normalises over all of them)")
     return config, notes
 
 

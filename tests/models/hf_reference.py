@@ -9,7 +9,8 @@ process can import only one transformers. docs/convert.md says the same.
 As a module: `reference_runs(specs)` runs this file as a script in that environment. As a
 script: for every spec, it builds the reference model of a random config (seeded; weights drawn
 wider than transformers' initialisation so that logits differ by more than the tolerance),
-saves it with save_pretrained (safetensors) into spec["dir"]/hf, then writes spec["dir"]/ref.safetensors:
+saves it with save_pretrained (safetensors) into spec["dir"]/hf (Mamba-2's gated RMSNorm made
+per group, as mamba_ssm computes it: `_normalise_per_group`), then writes spec["dir"]/ref.safetensors:
   one_pass      log-probabilities of one forward over `tokens` (B, T) without a cache
   step_by_step  the same, one token at a time through the reference's own cache
   greedy        generate(tokens[:, :prompt], max_new_tokens=new, do_sample=False), the new tokens
@@ -59,6 +60,32 @@ def _build(arch: str, config: dict):
     return getattr(transformers, model_class.__name__)(config_class(**config))
 
 
+def _normalise_per_group(model) -> None:
+    """Mamba-2's gated RMSNorm as mamba_ssm computes it, each group of intermediate_size / n_groups
+    channels on its own (its reference `rms_norm_ref` and its CUDA kernel, with which the published
+    checkpoints were trained; so do transformers' own CUDA path and vLLM). transformers 4.57.1's
+    torch path, which this reference otherwise is, normalises over all channels; the two agree at
+    n_groups 1. Only this one function of the reference is replaced."""
+    import types
+
+    import torch
+    from torch.nn.functional import silu
+
+    groups = model.config.n_groups
+
+    def forward(self, hidden_states, gate=None):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        if gate is not None:
+            hidden_states = hidden_states * silu(gate.to(torch.float32))
+        grouped = hidden_states.view(*hidden_states.shape[:-1], groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * grouped.view(hidden_states.shape).to(dtype)
+
+    for layer in model.backbone.layers:
+        layer.mixer.norm.forward = types.MethodType(forward, layer.mixer.norm)
+
+
 def _widen(model, seed: int) -> None:
     """Weights of a trained model's spread: matrices N(0, 1/fan_in), vectors nudged by N(0, 0.1²)."""
     import torch
@@ -101,6 +128,8 @@ def main(specs: list[dict]) -> None:
         torch.manual_seed(spec["seed"])
         model = _build(spec["arch"], spec["config"])
         _widen(model, spec["seed"])
+        if spec["arch"] == "mamba2":
+            _normalise_per_group(model)
         out = Path(spec["dir"])
         # saved before any forward in eval mode: transformers' RWKV divides weights in place there
         model.save_pretrained(out / "hf", safe_serialization=True)
