@@ -10,6 +10,8 @@ The work splits in two:
   (no pickle is ever run, nothing downloaded), choosing the importer by the config's
   `model_type`, and writing the result all at once (into a temporary sibling directory renamed
   into place, so a failed conversion leaves nothing behind);
+- state-spaces' own Mamba and Mamba-2 format (no `model_type`) is translated into transformers'
+  first (models/convert/mamba_ssm.py), then imported as that;
 - in `models/convert/<name>.py`, one module per source architecture with two functions:
   `translate_config(config, where)` checks the source config and returns ours (raising
   ConversionError), and `import_checkpoint(source, symbols)` maps the tensors onto one of our
@@ -136,32 +138,55 @@ def read_source_config(directory: Path) -> dict:
 
 def read_source_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
     """All tensors of a Hugging Face directory, from safetensors (single file or shards) or,
-    failing that, from pytorch_model.bin, whose pickle is parsed as data, never run
-    (torch_file.py)."""
+    failing that, from pytorch_model.bin (single file or shards), whose pickle is parsed as data,
+    never run (torch_file.py)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     single = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
     pickled = directory / "pytorch_model.bin"
+    pickled_index = directory / "pytorch_model.bin.index.json"
     try:
         if single.is_file():
             return load_file(str(single)), single.name
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             tensors: dict[str, Tensor] = {}
-            for shard in shards:
+            for shard in _shards(index):
                 tensors.update(load_file(str(directory / shard)))
             return tensors, index.name
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         raise ConversionError(f"{directory}: the safetensors weights cannot be read: {e}") from None
     if pickled.is_file():
         return _load_pickled_tensors(pickled), pickled.name
+    if pickled_index.is_file():  # larger checkpoints saved before safetensors (e.g. RWKV-4 Pile 1.5B and up)
+        tensors = {}
+        for shard in _shards(pickled_index):
+            tensors.update(_load_pickled_tensors(directory / shard))
+        return tensors, pickled_index.name
     present = sorted(p.name for p in directory.iterdir())
     raise ConversionError(
-        f"{directory} holds no weights xlserve can read (model.safetensors, model.safetensors.index.json "
-        f"or pytorch_model.bin); found {present}"
+        f"{directory} holds no weights xlserve can read (model.safetensors, model.safetensors.index.json, "
+        f"pytorch_model.bin or pytorch_model.bin.index.json); found {present}"
     )
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a Hugging Face index (`weight_map`: tensor name -> file) names: plain
+    file names beside it, each once."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{index} is not a weights index (a JSON object with a weight_map): {e}") from None
+    if not isinstance(weight_map, dict):
+        raise ConversionError(f"{index}: weight_map is not an object of tensor name -> file")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise ConversionError(f"{index} names {shard!r}, not a file beside it")
+        if not (index.parent / shard).is_file():
+            raise ConversionError(f"{index} names {shard}, which is not in {index.parent}")
+    return shards
 
 
 def _load_pickled_tensors(path: Path) -> dict[str, Tensor]:
@@ -185,7 +210,8 @@ def importer_for(config: dict, config_path: Path):
     if model_type not in IMPORTERS:
         raise ConversionError(
             f"{config_path} describes a model of type {model_type!r} "
-            f"(architectures {config.get('architectures')}); xlserve convert imports: {sorted(IMPORTERS)}"
+            f"(architectures {config.get('architectures')}); xlserve convert imports: {sorted(IMPORTERS)}, "
+            "and state-spaces' own Mamba and Mamba-2 directories (d_model, n_layer, ssm_cfg)"
         )
     return importlib.import_module(IMPORTERS[model_type])
 
@@ -197,16 +223,27 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
     directory beside it first, so on any error `out_dir` is untouched.
     """
     from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.convert import mamba_ssm
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConversionError(f"{out_dir} already exists and is not an empty directory")
     config = read_source_config(source_dir)
+    original_mamba = mamba_ssm.describes(config)  # state-spaces' own format, not transformers'
+    if original_mamba:
+        config = mamba_ssm.as_hugging_face(config, source_dir / "config.json")
     importer = importer_for(config, source_dir / "config.json")
     importer.translate_config(config, source_dir / "config.json")  # refuse a bad config before reading weights
     tensors, weights_file = read_source_tensors(source_dir)
+    if original_mamba:
+        tensors = mamba_ssm.renamed(tensors)
     source = SourceCheckpoint(source_dir, config, tensors, weights_file)
     imported: Imported = importer.import_checkpoint(source, Path(symbols) if symbols else None)
+    if original_mamba:
+        imported.config_extra["converted_from"]["format"] = "mamba_ssm"
+        if "tokenizer.json" not in imported.files:
+            imported.notes.append("state-spaces' models use EleutherAI/gpt-neox-20b's tokenizer: copy its "
+                                  "tokenizer.json and tokenizer_config.json into the source directory and convert again")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

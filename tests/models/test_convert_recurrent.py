@@ -287,3 +287,86 @@ def test_pytorch_model_bin_converts_like_safetensors(references, tmp_path):
     model = load_checkpoint(tmp_path / "ours")
     with torch.no_grad():
         assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+
+
+def test_sharded_pytorch_model_bin_converts_like_safetensors(references, tmp_path):
+    """pytorch_model.bin.index.json and its shards (how larger checkpoints were saved before
+    safetensors), each parsed as data; an index naming a file outside the directory is refused."""
+    spec = references[("rwkv", 0)]
+    source = copy_of(spec, tmp_path)
+    tensors = load_file(str(source / "model.safetensors"))
+    (source / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :]}
+    for shard, held in shards.items():
+        torch.save({name: tensors[name] for name in held}, source / shard)
+    index = {"metadata": {}, "weight_map": {name: shard for shard, held in shards.items() for name in held}}
+    (source / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    summary = convert(source, tmp_path / "ours")
+    assert summary["weights_file"] == "pytorch_model.bin.index.json"
+    tokens = torch.tensor(spec["tokens"])
+    expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
+    model = load_checkpoint(tmp_path / "ours")
+    with torch.no_grad():
+        assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+
+    index["weight_map"][names[0]] = "../elsewhere.bin"
+    (source / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    refused(source, tmp_path / "escaping", r"names '\.\./elsewhere\.bin', not a file beside it")
+
+
+def mamba_ssm_directory(spec: dict, out: Path, ssm_cfg: dict, **config) -> Path:
+    """The reference's weights as state-spaces' own directory: mamba_ssm's config.json (no
+    model_type) and a pytorch_model.bin under its names (backbone.embedding), a tied head saved
+    twice as torch.save saves a tied state dict."""
+    hf = json.loads((Path(spec["dir"]) / "hf" / "config.json").read_text())
+    tensors = load_file(str(Path(spec["dir"]) / "hf" / "model.safetensors"))
+    tensors = {("backbone.embedding.weight" if name == "backbone.embeddings.weight" else name): tensor
+               for name, tensor in tensors.items()}
+    if hf.get("tie_word_embeddings", True):
+        tensors["lm_head.weight"] = tensors["backbone.embedding.weight"]
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({
+        "d_model": hf["hidden_size"], "n_layer": hf["num_hidden_layers"], "vocab_size": hf["vocab_size"],
+        "ssm_cfg": ssm_cfg, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+        "pad_vocab_size_multiple": 1, "tie_embeddings": hf.get("tie_word_embeddings", True), **config}))
+    torch.save(tensors, out / "pytorch_model.bin")
+    return out
+
+
+@torch.no_grad()
+def test_state_spaces_own_format_converts_as_transformers_form(references, tmp_path):
+    """state-spaces/mamba-* and mamba2-* as mamba_ssm saves them (config.json with d_model,
+    n_layer, ssm_cfg; pytorch_model.bin; the embedding padded to pad_vocab_size_multiple) give the
+    reference's log-probabilities; what would change the computation is refused, named."""
+    cases = [
+        (references[("mamba", 2)], {"d_state": 16, "d_conv": 2, "expand": 3, "dt_rank": 2},
+         dict(vocab_size=61, pad_vocab_size_multiple=8)),  # 61 padded to 64 rows
+        (references[("mamba2", 0)], {"layer": "Mamba2", "d_state": 8, "headdim": 8, "ngroups": 2, "d_conv": 4,
+                                     "expand": 2, "chunk_size": 16}, {}),
+    ]
+    for number, (spec, ssm_cfg, config) in enumerate(cases):
+        source = mamba_ssm_directory(spec, tmp_path / f"source-{number}", ssm_cfg, **config)
+        summary = convert(source, tmp_path / f"ours-{number}")
+        assert summary["architecture"] == spec["arch"] and summary["weights_file"] == "pytorch_model.bin"
+        assert any("gpt-neox-20b" in note for note in summary["notes"]), summary["notes"]
+        assert read_config(tmp_path / f"ours-{number}")["converted_from"]["format"] == "mamba_ssm"
+        model = load_checkpoint(tmp_path / f"ours-{number}")
+        tokens = torch.tensor(spec["tokens"])
+        expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
+        assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+
+    spec, ssm_cfg, _ = cases[1]
+    for name, change, match in [
+        ("hybrid", {"attn_layer_idx": [1]}, "attn_layer_idx"),
+        ("mlp", {"d_intermediate": 64}, "d_intermediate"),
+        ("layernorm", {"rms_norm": False}, "rms_norm"),
+        ("gate", {"ssm_cfg": {**ssm_cfg, "norm_before_gate": True}}, "norm_before_gate"),
+        ("part", {"ssm_cfg": {**ssm_cfg, "d_ssm": 32}}, "d_ssm 32"),
+        ("layer", {"ssm_cfg": {"layer": "Mamba3"}}, "layer 'Mamba3'"),
+    ]:
+        source = mamba_ssm_directory(spec, tmp_path / f"refused-{name}", ssm_cfg)
+        written = json.loads((source / "config.json").read_text())
+        (source / "config.json").write_text(json.dumps({**written, **change}))
+        refused(source, tmp_path / "out", match)
