@@ -82,8 +82,10 @@ class Placement:
         # Redis head read before the delete must not bring one back into the books (session ids
         # are never reused), and a listing may go on after one (its place in the order)
         self._deleted: collections.OrderedDict[str, tuple[str | None, float]] = collections.OrderedDict()
-        # sessions still in the books whose disk copy was dropped but whose file could not be removed
+        # sessions still in the books whose disk copy was dropped but whose file could not be removed,
+        # and files a sweep could not remove (tried again at every sweep; how often each failed)
         self._left_files: list[str] = []
+        self._removal_failures: dict[str, int] = {}
         self._published: set[tuple[str, str]] = set()
 
     # -- bytes, outside the lock (the caller holds the session) --------------------------------
@@ -121,7 +123,8 @@ class Placement:
         """Remove the files of sessions that left the books (no lock needed for the files:
         nothing can reach those sessions any more), and the files left over by sessions still in
         them (`leave_file`), each under a hold taken here, so that no spill of the session is
-        written or read meanwhile; a session held now keeps its file until a later sweep."""
+        written or read meanwhile; a session held now keeps its file until a later sweep, and so
+        does a file whose removal fails here."""
         with self._lock:
             forgotten, self._forgotten = self._forgotten, []
             left, self._left_files = self._left_files, []
@@ -150,8 +153,15 @@ class Placement:
             for session_id in gone + [session_id for session_id, _ in held]:
                 try:
                     self.disk.delete(session_id)
+                    self._removal_failures.pop(session_id, None)
                 except OSError as error:
-                    log.warning("session %s: its file could not be removed (%s)", session_id, error)
+                    # tried again at the next sweep, for as long as it fails: a file left over is
+                    # taken for a session on the next start (one answered as never made, or deleted)
+                    failures = self._removal_failures[session_id] = self._removal_failures.get(session_id, 0) + 1
+                    if failures == 1 or failures % 1000 == 0:
+                        log.warning("session %s: its file could not be removed (%s; %d tries); a later sweep "
+                                    "tries again", session_id, error, failures)
+                    self.leave_file(session_id)
         finally:
             if held:
                 with self._lock:

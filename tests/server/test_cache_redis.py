@@ -165,6 +165,8 @@ def test_with_redis_disk_is_a_spill_tier(tmp_path, redis_url):  # noqa: F811
 
 
 def test_a_spill_file_that_could_not_be_removed_goes_at_a_later_sweep(tmp_path, redis_url):  # noqa: F811
+    """A file whose removal fails is tried again at every later sweep, also when it fails inside a
+    sweep (it was tried once and forgotten: after a restart the session was back)."""
     n = 100
     cache = replica(tmp_path, "e", redis_url, device=size(n), host=size(n), disk=size(n))
     first = cache.create("toy", None, data(n, 0)).id
@@ -173,16 +175,18 @@ def test_a_spill_file_that_could_not_be_removed_goes_at_a_later_sweep(tmp_path, 
     assert cache.info(first, None).tier == "disk"
     real_delete, failed = cache.disk.delete, []
 
-    def delete_failing_once(session_id):
-        if session_id == first and not failed:
+    def delete_failing_twice(session_id):
+        if session_id == first and len(failed) < 2:
             failed.append(session_id)
             raise PermissionError("injected: the file could not be removed")
         real_delete(session_id)
 
-    cache.disk.delete = delete_failing_once
+    cache.disk.delete = delete_failing_twice
     cache.create("toy", None, data(n, 3))  # the disk spill is full: `first` leaves it (Redis has it)
     assert failed == [first] and cache.disk.exists(first)  # left over: the books say Redis holds it only
-    assert cache.info(first, None).tier == "redis"  # the next operation's sweep removes it ...
+    assert cache.info(first, None).tier == "redis"  # the next operation's sweep fails to remove it too ...
+    assert failed == [first, first] and cache.disk.exists(first) and cache.holds.kind(first) is None
+    assert cache.info(first, None).tier == "redis"  # ... and the one after removes it
     assert not cache.disk.exists(first) and cache.holds.kind(first) is None
     lease = cache.acquire(first, None)  # ... and the session is served from Redis, as before
     assert same(lease.data, data(n, 0))
