@@ -45,6 +45,8 @@ IMPORTERS: dict[str, str] = {
     "mamba2": "xlserve.models.convert.mamba2",
     "rwkv": "xlserve.models.convert.rwkv",
 }
+# state-spaces' own Mamba and Mamba-2 format (no model_type), translated into transformers' first
+ORIGINAL_MAMBA = "xlserve.models.convert.mamba_ssm"
 
 
 class ConversionError(ValueError):
@@ -223,7 +225,8 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
     directory beside it first, so on any error `out_dir` is untouched.
     """
     from xlserve.models.checkpoint import save_checkpoint
-    from xlserve.models.convert import mamba_ssm
+
+    mamba_ssm = importlib.import_module(ORIGINAL_MAMBA)  # as the importers: by name, after this module
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
