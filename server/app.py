@@ -50,6 +50,7 @@ from xlserve.server.api.routers import chat, completions, health, models, playgr
 from xlserve.server.api.routers.docs import DOCUMENTATION_PATHS, documentation_router
 from xlserve.server.api.routers.playground import PAGE_PATHS
 from xlserve.server.api.serving import error_frame, refuse_unknown_query_parameters
+from xlserve.server.cache.manager import home_tier, tier_too_small
 from xlserve.server.engine.client import EngineClient
 from xlserve.server.engine.errors import EngineError, ShuttingDown
 from xlserve.server.metrics import HTTP_METHODS, OTHER_METHOD, UNMATCHED_ROUTE, Metrics
@@ -119,6 +120,17 @@ def _gib(size: int) -> str:
     return f"{size / (1 << 30):.3g} GiB"
 
 
+def _budgets(store: dict) -> dict[str, int]:
+    return {tier: store.get(f"{tier}_bytes", 0) for tier in ("device", "host", "disk")}
+
+
+def full_sessions_refused(card: dict, store: dict, redis: bool) -> tuple[str, int] | None:
+    """The tier (and its budget) too small for one session of this model at full memory, where
+    the cache refuses it (placement.py refuse_never_fits); None when it fits."""
+    per_session = card.get("state_bytes_per_session")
+    return None if per_session is None else tier_too_small(per_session, _budgets(store), "redis" if redis else "disk")
+
+
 def sessions_per_tier(card: dict, store: dict, redis: bool) -> str:
     """How many sessions of a model fit in each tier's budget once their memories are full (the
     card's state_bytes_per_session, in the cache's state dtype), for the start-up log: what an
@@ -128,9 +140,16 @@ def sessions_per_tier(card: dict, store: dict, redis: bool) -> str:
         return "its state grows with every token, so no fixed number of sessions fits a tier"
     counts = ", ".join(f"{tier} {store.get(f'{tier}_bytes', 0) // per_session:,}" for tier in ("device", "host", "disk"))
     last = ", Redis up to its maxmemory" if redis else ""
+    budgets = _budgets(store)
+    too_small = full_sessions_refused(card, store, redis)
+    if too_small is not None:
+        tier, budget = too_small
+        return (f"{per_session:,} bytes per session at full memory; sessions that fit: {counts}{last}; but every "
+                f"session is refused (413 session_too_large) once its memory passes the {tier} budget of {budget:,} "
+                f"bytes: raise XLSERVE_{tier.upper()}_STATE_BYTES to at least {per_session:,}")
     # larger than the device's whole budget: each lives on host RAM and runs on the device per request
     on_host = ("; larger than the device budget, so they live on host RAM and visit the device per request"
-               if per_session > store.get("device_bytes", 0) and store.get("host_bytes", 0) >= per_session else "")
+               if home_tier(per_session, budgets) == "host" else "")
     return f"{per_session:,} bytes per session at full memory; sessions that fit: {counts}{last}{on_host}"
 
 
@@ -158,12 +177,17 @@ def log_startup(state: AppState, engine: EngineClient, seconds: float) -> None:
     redis = store.get("redis") or (masked_url(settings.cache.redis_url) if settings.cache.redis_url else None)
     lines.append(f"  session store: {tiers} -> Redis {redis}" if redis else
                  f"  session store: {tiers} (no Redis: the disk is the last tier)")
+    warnings = []
     for described in engine.models:
-        lines.append(f"  model {described['name']}: {sessions_per_tier(described['card'], store, redis is not None)}")
+        line = f"  model {described['name']}: {sessions_per_tier(described['card'], store, redis is not None)}"
+        refused = full_sessions_refused(described["card"], store, redis is not None) is not None
+        (warnings if refused else lines).append(line)
     keys = len(state.api_keys)
     lines.append(f"  API keys: {keys}" if keys else "  API keys: none, the API is open (XLSERVE_API_KEYS)")
     for line in lines:
         log.info("%s", line)
+    for line in warnings:  # budgets no full session of that model fits
+        log.warning("%s", line.strip())
 
 
 class LoadingGate:

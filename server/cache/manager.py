@@ -36,6 +36,24 @@ from dataclasses import dataclass, field
 TIERS = ("device", "host", "disk", "redis")
 
 
+def home_tier(nbytes: int, budgets: dict[str, int | None]) -> str:
+    """Where a session of `nbytes` is kept between requests: the device, or host RAM when it is
+    larger than the device's whole budget and there is a host tier (a host budget of 0: none)."""
+    device, host = budgets.get("device"), budgets.get("host", 0)
+    return "host" if device is not None and nbytes > device and host != 0 else "device"
+
+
+def tier_too_small(nbytes: int, budgets: dict[str, int | None], last_tier: str) -> tuple[str, int] | None:
+    """The tier, and its budget, whose whole budget a session of `nbytes` exceeds among those it
+    must fit (its home, `home_tier`, and the last tier): such a session could never be served.
+    None when it fits them (budgets of None are unbounded)."""
+    for tier in dict.fromkeys((home_tier(nbytes, budgets), last_tier)):
+        budget = budgets.get(tier)
+        if budget is not None and nbytes > budget:
+            return tier, budget
+    return None
+
+
 @dataclass
 class Record:
     """What the manager knows about one session."""

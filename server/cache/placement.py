@@ -55,7 +55,7 @@ from xlserve.server.cache.codec import SessionData, encode_parts
 from xlserve.server.cache.durable import DurableStore, store_call
 from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge, SessionUnavailable
 from xlserve.server.cache.leases import MOVE, NEW, Holds
-from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record
+from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record, home_tier, tier_too_small
 from xlserve.server.cache.stores import Head, MemoryStore
 
 log = logging.getLogger("xlserve.cache")
@@ -249,9 +249,7 @@ class Placement:
     def home(self, nbytes: int) -> str:
         """Where a session of `nbytes` is kept between requests: the device, or host RAM when it
         is larger than the device's whole budget (and the host tier is there to hold it)."""
-        budget = self.manager.budgets.get("device")
-        host = self.manager.budgets.get("host", 0)  # 0: no host tier
-        return "host" if budget is not None and nbytes > budget and host != 0 else "device"
+        return home_tier(nbytes, self.manager.budgets)
 
     def home_copy(self, session_id: str, nbytes: int, data: SessionData) -> SessionData | None:
         """A just-written session's state (`data`, on its model's device) as its home keeps it:
@@ -467,17 +465,18 @@ class Placement:
         """SessionTooLarge when `nbytes` of state exceed the whole budget of the last tier (where
         it is kept), or of its home (`home`: the device, or host RAM for a session larger than the
         device's budget): no wait could help."""
-        for tier in dict.fromkeys((self.home(nbytes), self.durable.tier)):
-            budget = self.manager.budgets.get(tier)
-            if budget is not None and nbytes > budget:
-                if self.metrics is not None:
-                    self.metrics.session_refusals.labels(model, tier).inc()
-                subject = (f"this request would make session '{session_id}' hold" if committing
-                           else f"session '{session_id}' holds" if session_id else "the new session would hold")
-                raise SessionTooLarge(
-                    f"{subject} {nbytes} bytes of state, more than the whole {tier} budget of {budget} bytes "
-                    f"(XLSERVE_{tier.upper()}_STATE_BYTES): it could never be served, so nothing was changed. A "
-                    "retry cannot help; the server's operator can raise the budget", session_id)
+        too_small = tier_too_small(nbytes, self.manager.budgets, self.durable.tier)
+        if too_small is None:
+            return
+        tier, budget = too_small
+        if self.metrics is not None:
+            self.metrics.session_refusals.labels(model, tier).inc()
+        subject = (f"this request would make session '{session_id}' hold" if committing
+                   else f"session '{session_id}' holds" if session_id else "the new session would hold")
+        raise SessionTooLarge(
+            f"{subject} {nbytes} bytes of state, more than the whole {tier} budget of {budget} bytes "
+            f"(XLSERVE_{tier.upper()}_STATE_BYTES): it could never be served, so nothing was changed. A "
+            "retry cannot help; the server's operator can raise the budget", session_id)
 
     def full(self, tier: str, model: str, nbytes: int, session_id: str | None = None) -> CacheError:
         """CacheFull (503, retry later), or SessionTooLarge (413) when `nbytes` exceed the tier's
