@@ -52,7 +52,7 @@ from xlserve.server.cache.errors import (
     SessionNotFound,
     SessionUnavailable,
 )
-from xlserve.server.cache.ledger import IDEMPOTENCY_KEYS_PER_SESSION, TOMBSTONE_SECONDS, kept
+from xlserve.server.cache.ledger import IDEMPOTENCY_KEYS_PER_SESSION, TOMBSTONE_SECONDS, entry_line, kept
 from xlserve.server.cache.manager import Record
 from xlserve.server.cache.stores import (
     SESSION_ID,
@@ -62,7 +62,6 @@ from xlserve.server.cache.stores import (
     StoreFull,
     StoreUnavailable,
     StoreWriteInDoubt,
-    entry_line,
 )
 
 log = logging.getLogger("xlserve.cache")

@@ -17,12 +17,18 @@ hash that the write script updates).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 
 from xlserve.server.cache.errors import IdempotencyKeyReused, SessionInfo
 
 IDEMPOTENCY_KEYS_PER_SESSION = 32  # the most recent Idempotency-Keys a session remembers (README)
+# ... and at most this many bytes of them (each entry as its JSON line, `entry_line`), the newest
+# whatever its size: a remembered answer may hold 1 MiB (generation.py REMEMBERED_ANSWER_BYTES),
+# and the entries ride in every write of the session and in the books' memory of it, uncounted
+# by the budgets (32 of 1 MiB made a commit re-encode 32 MiB under the cache's lock)
+REMEMBERED_BYTES_PER_SESSION = 2 << 20
 TOMBSTONE_SECONDS = 24 * 3600  # how long a delete's Idempotency-Key is remembered
 
 
@@ -64,9 +70,24 @@ def commit_entry(remember: dict, committed: SessionInfo, at: float) -> dict:
     return new_entry(remember, result, committed.version, committed.tokens, at)
 
 
+def entry_line(entry: dict) -> str:
+    """An Idempotency-Key entry as one line of JSON (JSON escapes every newline inside; ASCII, so
+    its length is its bytes, as Redis's scripts count them)."""
+    return json.dumps(entry, separators=(",", ":"))
+
+
 def kept(entry: dict, remembered: list[dict]) -> list[dict]:
-    """The remembered entries once `entry` is added: newest first, the oldest dropped."""
-    return ([entry] + remembered)[:IDEMPOTENCY_KEYS_PER_SESSION]
+    """The remembered entries once `entry` is added: newest first, the oldest dropped past
+    IDEMPOTENCY_KEYS_PER_SESSION entries or REMEMBERED_BYTES_PER_SESSION bytes (stores.py's
+    scripts keep the same ones in Redis)."""
+    out, total = [entry], len(entry_line(entry))
+    for older in remembered:
+        size = len(entry_line(older))
+        if len(out) >= IDEMPOTENCY_KEYS_PER_SESSION or total + size > REMEMBERED_BYTES_PER_SESSION:
+            break
+        out.append(older)
+        total += size
+    return out
 
 
 def deleted_before(tombstone: tuple[str | None, list[dict]] | None, owner: str | None,

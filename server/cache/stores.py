@@ -72,6 +72,7 @@ import torch
 
 from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, blob_parts,
                                         check_record_metadata, entries_from_lines, metadata_of)
+from xlserve.server.cache.ledger import REMEMBERED_BYTES_PER_SESSION, entry_line
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
@@ -558,13 +559,17 @@ class DiskStore:
             yield session_id, meta
 
 
-# Lua shared by the scripts: `list` (lines, newest first) with `item` in front, at most `limit` lines.
-_PREPEND = """
-local function prepend(list, item, limit)
-  local out = {item}
+# Lua shared by the scripts: `list` (lines, newest first) with `item` in front, at most `limit`
+# lines and, when `max_bytes` is given, at most that many bytes of lines but the first (the
+# remembered Idempotency-Keys: ledger.py `kept`, which keeps the same ones without Redis).
+_PREPEND = "local REMEMBERED_BYTES = " + str(REMEMBERED_BYTES_PER_SESSION) + """
+local function prepend(list, item, limit, max_bytes)
+  local out, total = {item}, string.len(item)
   if list then
     for line in string.gmatch(list, '[^\\n]+') do
       if #out >= limit then break end
+      if max_bytes and total + string.len(line) > max_bytes then break end
+      total = total + string.len(line)
       out[#out + 1] = line
     end
   end
@@ -588,7 +593,7 @@ local fields = {'version', ARGV[2], 'meta', ARGV[3], 'blob', ARGV[4],
                 'writes', prepend(redis.call('HGET', KEYS[1], 'writes'), ARGV[5], tonumber(ARGV[8]))}
 if ARGV[6] ~= '' then
   fields[#fields + 1] = 'idempotency'
-  fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]))
+  fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]), REMEMBERED_BYTES)
 end
 local blocks = tonumber(redis.call('HGET', KEYS[1], 'logn') or '0')
 for i = 1, blocks do redis.call('HDEL', KEYS[1], 'log:' .. i) end
@@ -616,7 +621,7 @@ local fields = {'version', ARGV[2], 'meta', ARGV[3], 'log:' .. blocks, ARGV[4], 
                 'writes', prepend(redis.call('HGET', KEYS[1], 'writes'), ARGV[5], tonumber(ARGV[8]))}
 if ARGV[6] ~= '' then
   fields[#fields + 1] = 'idempotency'
-  fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]))
+  fields[#fields + 1] = prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[6], tonumber(ARGV[7]), REMEMBERED_BYTES)
 end
 redis.call('HSET', KEYS[1], unpack(fields))
 if logbytes > tonumber(ARGV[10]) * base then return 3 end
@@ -636,7 +641,7 @@ return 0
 # KEYS: the session's hash. ARGV: the version expected, the entry, how many keys to keep.
 _REMEMBER_SCRIPT = _PREPEND + """
 if redis.call('HGET', KEYS[1], 'version') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'idempotency', prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[2], tonumber(ARGV[3])))
+redis.call('HSET', KEYS[1], 'idempotency', prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[2], tonumber(ARGV[3]), REMEMBERED_BYTES))
 return 1
 """
 
@@ -645,7 +650,7 @@ return 1
 _TOMBSTONE_SCRIPT = _PREPEND + """
 local remembered = redis.call('HGET', KEYS[1], 'idempotency')
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'deleted', ARGV[1], 'idempotency', prepend(remembered, ARGV[2], tonumber(ARGV[3])))
+redis.call('HSET', KEYS[1], 'deleted', ARGV[1], 'idempotency', prepend(remembered, ARGV[2], tonumber(ARGV[3]), REMEMBERED_BYTES))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 1
 """
@@ -660,11 +665,6 @@ class Head(NamedTuple):
     version: int
     meta: dict
     remembered: list[dict] | None
-
-
-def entry_line(entry: dict) -> str:
-    """An Idempotency-Key entry as one line of JSON (JSON escapes every newline inside)."""
-    return json.dumps(entry, separators=(",", ":"))
 
 
 class RedisStore:

@@ -5,9 +5,11 @@ import pytest
 from xlserve.server.cache.errors import IdempotencyKeyReused, SessionInfo
 from xlserve.server.cache.ledger import (
     IDEMPOTENCY_KEYS_PER_SESSION,
+    REMEMBERED_BYTES_PER_SESSION,
     Replay,
     commit_entry,
     deleted_before,
+    entry_line,
     kept,
     new_entry,
     remembered_entry,
@@ -63,3 +65,17 @@ def test_a_commits_entry_holds_the_requests_answer_or_else_the_commits_own():
     assert own["result"]["version"] == 4 and own["result"]["tier"] == "device" and (own["version"], own["tokens"]) == (4, 9)
     answered = commit_entry({**key("k"), "result": {"choices": []}}, info, at=3.0)
     assert answered["result"] == {"choices": []} and answered["at"] == 3.0
+
+
+def test_kept_is_bounded_in_bytes_the_newest_whatever_its_size():
+    """At most REMEMBERED_BYTES_PER_SESSION bytes of entries (their JSON lines): 32 answers of
+    1 MiB rode in every write of the session and in the books' memory of it."""
+    big = "x" * (REMEMBERED_BYTES_PER_SESSION // 3)
+    remembered = []
+    for i in range(5):
+        remembered = kept(new_entry(key(f"k{i}"), {"text": big}, i, i), remembered)
+    assert [entry["key"] for entry in remembered] == ["k4", "k3"]  # a third would pass the bound
+    assert sum(len(entry_line(entry)) for entry in remembered) <= REMEMBERED_BYTES_PER_SESSION
+    huge = new_entry(key("huge"), {"text": "y" * REMEMBERED_BYTES_PER_SESSION}, 9, 9)
+    assert kept(huge, remembered) == [huge]  # the newest is kept, alone
+    assert [entry["key"] for entry in kept(new_entry(key("small"), {}, 10, 10), [huge])] == ["small"]

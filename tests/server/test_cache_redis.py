@@ -5,6 +5,7 @@ import pytest
 import redis
 
 from xlserve.server.cache import CacheFull, SessionConflict, SessionNotFound
+from xlserve.server.cache.ledger import REMEMBERED_BYTES_PER_SESSION, kept
 from xlserve.server.cache.session_cache import Replay, SessionCache
 from xlserve.server.cache.stores import RedisStore
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
@@ -278,3 +279,25 @@ def test_a_head_read_before_a_delete_never_brings_the_session_back(tmp_path, red
         a.acquire(sid, "k")
     assert sid not in {info.id for info in a.sessions()}
     a.close()
+
+
+def test_redis_remembers_the_keys_the_ledger_keeps(tmp_path, redis_url):  # noqa: F811
+    """Redis's scripts keep the same Idempotency-Keys as ledger.kept does without Redis: the 32
+    newest, at most REMEMBERED_BYTES_PER_SESSION bytes of them, in a commit and in a delete's
+    tombstone."""
+    cache = replica(tmp_path, "k", redis_url)
+    sid = cache.create("toy", None, data(10, 0)).id
+    big = "x" * (REMEMBERED_BYTES_PER_SESSION // 3)
+    expected = []
+    for i in range(5):
+        lease = cache.acquire(sid, None, {"key": f"k{i}", "fingerprint": "f"})
+        info = cache.commit(lease, data(10, i + 1), {"key": f"k{i}", "fingerprint": "f", "result": {"text": big}})
+        cache.release(lease)
+        stored = cache.redis.head(sid, remembered=True).remembered
+        expected = kept(stored[0], expected)
+        assert stored == expected and info.version == i + 1
+    assert [entry["key"] for entry in stored] == ["k4", "k3"]
+    cache.delete(sid, None, {"key": "gone", "fingerprint": "d"})
+    tombstone = cache.durable.tombstone(sid)
+    assert tombstone[1][0]["key"] == "gone" and tombstone[1] == kept(tombstone[1][0], stored)
+    cache.close()
