@@ -215,10 +215,10 @@ class DurableStore:
         self._check_head(session_id, head.meta)
         return head
 
-    def heads(self) -> dict[str, tuple[int, dict]] | None:
+    def heads(self, unreadable: set[str] | None = None) -> dict[str, tuple[int, dict]] | None:
         """(version, meta) of every session Redis holds whose metadata reads (one that does not
-        is left out, with a warning: it fails its own session, never the listing); None without
-        Redis."""
+        is left out, with a warning: it fails its own session, never the listing; its id is added
+        to `unreadable` when given); None without Redis."""
         if self.redis is None:
             return None
         heads = store_call(self.redis.heads)
@@ -228,6 +228,8 @@ class DurableStore:
             except SessionUnavailable as error:
                 log.warning("%s; left out of the listing", error)
                 del heads[session_id]
+                if unreadable is not None:
+                    unreadable.add(session_id)
         return heads
 
     def _check_head(self, session_id: str, meta: dict) -> None:

@@ -309,9 +309,13 @@ class SessionCache:
     def list_sessions(self, owner: str | None, limit: int = 20, after: str | None = None) -> tuple[list[SessionInfo], bool]:
         """`owner`'s sessions, newest first (created_at, then id), from the one after `after`
         (a session id, perhaps one of the owner's this replica deleted since; ValueError when it
-        is none of the owner's), at most `limit`; and whether more follow. With Redis, Redis is the truth: every replica's sessions are listed."""
-        heads = self.durable.heads()  # outside the lock
-        with self._lock:
+        is none of the owner's), at most `limit`; and whether more follow. With Redis, Redis is the truth: every replica's sessions are listed,
+        and this replica's books let go of the idle sessions another replica deleted (`_forget_deleted_elsewhere`)."""
+        listed_at, unreadable = time.time(), set()
+        heads = self.durable.heads(unreadable)  # outside the lock
+        with self._locked():  # the files of sessions let go here go when it is released
+            if heads is not None:
+                self._forget_deleted_elsewhere(heads.keys() | unreadable, listed_at)
             if heads is None:
                 infos = [self._info(r) for r in self.manager.records.values()
                          if r.owner == owner and self.holds.kind(r.id) != NEW]
@@ -341,6 +345,19 @@ class SessionCache:
             if start < 0:
                 raise ValueError(f"'after' is not one of your sessions: {after!r}")
         return infos[start : start + limit], start + limit < len(infos)
+
+    def _forget_deleted_elsewhere(self, in_redis: set[str], listed_at: float) -> None:
+        """(Under the lock.) With Redis, a session another replica deleted stays in these books,
+        with its copies on the device, host RAM and disk, until something asks for it here: the
+        books grow with every session deleted elsewhere. The sessions Redis does not hold
+        (`in_redis`, scanned from `listed_at` on), idle, and unchanged here for longer than a
+        write may take to land in Redis (`hold_wait_s`: a create or commit whose write the scan
+        missed is younger), leave the books as `_lookup` lets one go that Redis says is gone."""
+        settled_before = listed_at - self.hold_wait_s
+        for record in list(self.manager.records.values()):
+            if (record.id not in in_redis and not record.pinned and self.holds.kind(record.id) is None
+                    and record.last_used_at < settled_before):
+                self.placement.forget(record)
 
     def acquire(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> Lease:
         """Take the session for one request; its committed state comes back on its model's
