@@ -103,6 +103,9 @@ RAISED_CODES: dict[str, str] = {
     "invalid_response_format": "invalid_request_error",
     "grammar_too_large": "invalid_request_error",
     "constraint_not_supported": "invalid_request_error",
+    # a constrained row's parser took longer than XLSERVE_STRUCTURED_TOKEN_MILLISECONDS for each of
+    # 3 tokens in a row (an ambiguous grammar): its request ends, mid-stream too, and the others go on
+    "constraint_too_slow": "invalid_request_error",
     # no compile thread freed within the compile limit (QueueFull's other code)
     "constraint_compiler_busy": "rate_limit_error",
     # as many session states as the API process holds at once are moving through it already

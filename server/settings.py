@@ -241,8 +241,9 @@ class EngineSettings(SettingsGroup):
                                 "choices takes n)")
     max_queued_requests: int = Field(256, ge=0, description="requests waiting for a batch slot per model; beyond "
                                      "that 429")
-    # structured output (server/engine/constraints.py): compiled constraints kept per model, and
-    # the limits past which a schema or grammar is refused with 400 grammar_too_large
+    # structured output (server/engine/constraints.py): compiled constraints kept per model, the
+    # limits past which a schema or grammar is refused with 400 grammar_too_large, and the time a
+    # row's parser may take per token, past which its request ends with 400 constraint_too_slow
     structured_cache_size: int = Field(256, ge=0, description="compiled structured-output constraints "
                                        "(schemas, regexes, grammars) kept per model, least recently used dropped")
     structured_compile_seconds: float = Field(5.0, gt=0, description="longest a constraint may take to compile, "
@@ -250,6 +251,9 @@ class EngineSettings(SettingsGroup):
                                               "thread free within it, 429 constraint_compiler_busy")
     structured_max_bytes: int = Field(65536, ge=1, description="largest constraint text (a schema, regex, "
                                       "grammar, choice list or the tools) in bytes; beyond it 400 grammar_too_large")
+    structured_token_milliseconds: float = Field(5.0, ge=0, description="parser (CPU) time one constrained row may "
+                                                 "take for one token; beyond it for 3 tokens in a row its request "
+                                                 "ends with 400 constraint_too_slow (0: no limit)")
     # the engine process hands freed memory back to the system when idle (server/engine/memory.py)
     return_memory: bool = Field(True, description="hand freed memory back to the system once the engines "
                                 "are idle")

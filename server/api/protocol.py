@@ -224,7 +224,9 @@ class JsonSchemaFormat(RequestBody):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: Text | None = None
     schema_: JsonObject | None = Field(None, alias="schema")  # `schema` itself is a BaseModel method's name
-    strict: bool | None = None  # accepted: the schema is always enforced
+    # the schema is always enforced; strict: every keyword of it (else those the engine does not
+    # implement are ignored), objects without additionalProperties closed (server/api/structured.py)
+    strict: bool | None = None
 
 
 class ResponseFormat(RequestBody):
@@ -248,7 +250,7 @@ class FunctionDefinition(RequestBody):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: Text | None = None
     parameters: JsonObject | None = None  # a JSON schema for the arguments; none: any object
-    strict: bool | None = None  # accepted: the arguments always fit `parameters`
+    strict: bool | None = None  # the arguments always fit `parameters`; strict as response_format's json_schema
 
 
 class ToolDefinition(RequestBody):
@@ -426,7 +428,7 @@ class ChatCompletionRequest(SamplingOptions):
     # the parameters OpenAI's chat completion request marks nullable: null is the default
     null_means_default = frozenset({"temperature", "top_p", "n", "stream", "stream_options", "max_tokens",
                                     "max_completion_tokens", "logprobs", "top_logprobs", "stop", "seed", "logit_bias",
-                                    "presence_penalty", "frequency_penalty"})
+                                    "presence_penalty", "frequency_penalty", "parallel_tool_calls"})
     model: Text
     messages: Messages = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=0)

@@ -11,17 +11,26 @@ A request names at most one constraint, in any of these forms (each becomes the 
   vLLM's newer `structured_outputs` object (`json`, `regex`, `choice`, `grammar`);
 - on /v1/chat/completions, `tools` with `tool_choice` "auto", "required" or a named function.
 
+A JSON schema (response_format's, a tool's `parameters`) is enforced as OpenAI's API enforces
+it: with `"strict": true` every keyword must be one the engine implements (a refusal names the
+one that is not) and an object that does not say `additionalProperties` may hold no other
+properties (OpenAI's strict mode requires `additionalProperties: false`; vLLM takes it as that);
+otherwise keywords and formats the engine does not implement (`uniqueItems`, `not`, `if`,
+`"format": "uri-reference"`, ...) are ignored rather than refused, as JSON Schema treats unknown
+formats (`enforced_schema`; vLLM's guided_json has no `strict`: always so).
+
 Tool calls are text the model writes, in the form Hermes-style templates use:
 `<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`, one block per
 call, nothing between them. The constraint is a grammar that allows exactly those blocks with
-each function's `parameters` schema for its arguments ("required", a named function), or either
-those blocks or text that does not start with "<" ("auto": the first character decides). The
-answer carries the calls as OpenAI's `tool_calls` (finish_reason "tool_calls"); a stream sends
-each call's id and name once its name is complete and then its arguments as they are generated
-(`ToolCallStream`). The chat template gets `tools` (as Hugging Face templates do) to describe
-them to the model. An assistant message's `tool_calls` go to the template with their arguments
-parsed; a template that does not render `tool_calls` itself gets them as the same blocks, appended
-to the message's content (`render_message`).
+each function's `parameters` schema for its arguments ("required"; exactly one block for a named
+function), or either those blocks or text that does not start with "<" ("auto": the first
+character decides). The answer carries the calls as OpenAI's `tool_calls` (finish_reason
+"tool_calls"); a stream sends each call's id and name once its name is complete and then its
+arguments as they are generated (`ToolCallStream`); an answer that starts a call is never
+content, even where it ends before the call's name is whole. The chat template gets `tools` (as
+Hugging Face templates do) to describe them to the model. An assistant message's `tool_calls` go
+to the template with their arguments parsed; a template that does not render `tool_calls` itself
+gets them as the same blocks, appended to the message's content (`render_message`).
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
             if spec is None:
                 raise InvalidRequest('response_format of type "json_schema" needs json_schema: {"name": ..., '
                                      '"schema": {...}}', param="response_format", code="invalid_response_format")
-            kind, text = ("json_object", "") if spec.schema_ is None else ("json_schema", json.dumps(spec.schema_))
+            kind, text = (("json_object", "") if spec.schema_ is None else
+                          ("json_schema", json.dumps(enforced_schema(spec.schema_, strict=spec.strict is True))))
     elif form == "guided_json":
         value = values["guided_json"]
         if isinstance(value, str):
@@ -98,7 +108,7 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
         if not isinstance(value, (dict, bool)):
             raise InvalidRequest("guided_json must be a JSON schema (an object)", param=param,
                                  code="invalid_response_format")
-        kind, text = "json_schema", json.dumps(value)
+        kind, text = "json_schema", json.dumps(enforced_schema(value, strict=False))  # vLLM's field has no strict
     elif form == "guided_regex":
         kind, text = "regex", values["guided_regex"]
     elif form == "guided_choice":
@@ -130,60 +140,99 @@ def called_functions(tools: list, tool_choice) -> list | None:
     return chosen
 
 
-# keywords whose values are JSON data rather than schemas: a "$ref" inside them is not a reference
-DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-# keywords whose values map names to schemas: a name ("default", "$ref") is no keyword there
+# keywords whose value is a subschema, a list of subschemas, or a map of names to subschemas
+SUBSCHEMA_KEYWORDS = frozenset({"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then",
+                                "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties"})
+SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def relocated_schema(schema: Any, new_root: str) -> Any:
-    """`schema` with its local references ("#" and "#/pointer") rewritten for `schema` moved to
-    the JSON pointer fragment `new_root` ("#/$defs/tool_0") of a larger document: "#/$defs/Addr"
-    becomes "#/$defs/tool_0/$defs/Addr", and "#" (the schema itself, a recursive one) `new_root`.
-    Other references (a URL, an anchor) are left as they are."""
-    if isinstance(schema, list):
-        return [relocated_schema(item, new_root) for item in schema]
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` in each object schema that says nothing of
+    other properties (neither `additionalProperties` nor `unevaluatedProperties`): what OpenAI's
+    strict mode requires of every object, and what vLLM makes of one that leaves it out. Without
+    it a model may add any key it likes ({"name": "c", "age": 23, "": 10})."""
     if not isinstance(schema, dict):
         return schema
-    moved = {}
+    closed = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            moved[key] = new_root + value[1:]
-        elif key in DATA_KEYWORDS:
-            moved[key] = value
-        elif key in SCHEMA_MAPS and isinstance(value, dict):
-            moved[key] = {name: relocated_schema(subschema, new_root) for name, subschema in value.items()}
-        else:
-            moved[key] = relocated_schema(value, new_root)
-    return moved
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(subschema) for name, subschema in value.items()}
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            closed[key] = [closed_objects(subschema) for subschema in value]
+        elif key in SUBSCHEMA_KEYWORDS:
+            closed[key] = closed_objects(value)
+        else:  # data (const, enum, default), annotations, a keyword unknown here
+            closed[key] = value
+    types = schema.get("type")
+    describes_objects = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in schema
+    if describes_objects and "additionalProperties" not in schema and "unevaluatedProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def enforced_schema(schema: Any, strict: bool, layout: dict | None = None) -> Any:
+    """`schema` as the engine is to enforce it: with `strict`, objects closed (`closed_objects`)
+    and every keyword enforced (a refusal names one the engine does not implement); without,
+    compiled leniently (llguidance's `x-guidance: {"lenient": true}`), so that keywords and formats
+    it does not implement are ignored, as OpenAI accepts them where `strict` is not true. `layout`:
+    how JSON is laid out, for a schema embedded in a grammar (where the engine's defaults do not
+    reach). What the schema's own `x-guidance` says stays."""
+    if not isinstance(schema, dict):  # true, false: nothing to close or to ignore
+        return schema
+    if strict:
+        schema = closed_objects(schema)
+    options = {**(layout or {}), **({} if strict else {"lenient": True})}
+    given = schema.get("x-guidance", {})
+    if not options or not isinstance(given, dict):  # one that is no object: llguidance refuses it, naming it
+        return schema
+    return {**schema, "x-guidance": {**options, **given}}
 
 
 def tool_grammar(functions: list, auto: bool, parallel: bool) -> str:
     """The Lark grammar (llguidance's dialect) of an answer that calls `functions`: one call
     block (or, with `parallel`, one or more), or with `auto` also text that does not start
-    with "<". Each call is JSON with the function's name and arguments that fit its parameters.
+    with "<". Each call is its function's name, written out, and arguments that fit its parameters.
 
-    The calls are one JSON schema, and a function's `parameters` may refer to parts of itself
-    ("#/$defs/Addr", "#/definitions/Addr", "#" for a recursive schema; `pydantic_function_tool`
-    writes such schemas for nested models). References resolve against the document's root, so
-    each function's parameters sit whole under the root's `$defs` (as "tool_<index>": unique
-    whatever the functions' names), their references rewritten to point there."""
-    definitions, calls = {}, []
-    for index, function in enumerate(functions):
-        name = f"tool_{index}"
-        parameters = function.parameters if function.parameters is not None else {"type": "object"}
-        definitions[name] = relocated_schema(parameters, f"#/$defs/{name}")
-        calls.append({"type": "object",
-                      "properties": {"name": {"const": function.name}, "arguments": {"$ref": f"#/$defs/{name}"}},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    schema = {"x-guidance": JSON_LAYOUT, "$defs": definitions, "anyOf": calls}
+    Each function's arguments are a JSON schema of their own (`%json`, rule `arguments_<index>`),
+    so references within its `parameters` ("#/$defs/Addr", "#/definitions/Addr", "#" for a
+    recursive schema, as `pydantic_function_tool` writes nested models) resolve in that schema
+    whatever its `$id`, and each function's `strict` applies to its schema alone."""
+    calls = [f"call_{index}" for index in range(len(functions))]
     lines = [f"start: calls{' | TEXT' if auto else ''}",
              f"calls: call{'+' if parallel else ''}",
-             f"call: {json.dumps(TOOL_OPEN)} body {json.dumps(TOOL_CLOSE)}",
-             f"body: %json {json.dumps(schema)}"]
+             f"call: {' | '.join(calls)}"]
+    for index, function in enumerate(functions):
+        head = TOOL_OPEN + '{"name": ' + json.dumps(function.name) + ', "arguments": '
+        lines.append(f"{calls[index]}: {json.dumps(head)} arguments_{index} {json.dumps(CALL_END)}")
+    for index, function in enumerate(functions):
+        parameters = function.parameters if function.parameters is not None else {"type": "object"}
+        schema = enforced_schema(parameters, strict=function.strict is True, layout=JSON_LAYOUT)
+        lines.append(f"arguments_{index}: %json {json.dumps(schema)}")
     if auto:
         lines.append(r"TEXT: /[^<][\s\S]*/")
     return "\n".join(lines) + "\n"
+
+
+# where the engine's refusal of a grammar points: its line, then llguidance's reason
+_REFUSED_AT = re.compile(r"at (\d+)\(\d+\): (?:failed to compile JSON schema: )?([^\n]*)")
+_ARGUMENTS_RULE = re.compile(r"arguments_(\d+): %json ")
+
+
+def tool_refusal(message: str, grammar: str, functions: list) -> str:
+    """The engine's refusal of `tool_grammar(functions, ...)` (`grammar`) in the client's terms:
+    the function whose `parameters` it is about, and why, without the grammar, which the client
+    never wrote. A message that points nowhere in it stays as it is."""
+    refused = _REFUSED_AT.search(message)
+    if refused is None:
+        return message
+    lines = grammar.splitlines()
+    line = int(refused.group(1))
+    rule = _ARGUMENTS_RULE.match(lines[line - 1]) if 0 < line <= len(lines) else None
+    if rule is None:
+        return f"the tools cannot be enforced: {refused.group(2)}"
+    name = functions[int(rule.group(1))].name
+    return f"the parameters of function '{name}' cannot be enforced: {refused.group(2)}"
 
 
 def parsed_arguments(arguments: str) -> Any:
@@ -262,16 +311,17 @@ class ToolCallStream:
     def finish(self, finish_reason: str) -> tuple[list[dict], str]:
         """At the end of the text: the deltas of what is held back, and the finish reason to send
         ("tool_calls" for whole calls that stopped; otherwise `finish_reason`). Held back when the
-        text ends short of a whole call (max_tokens): inside a call's arguments, the rest of those
-        arguments, cut as they are (OpenAI's "length" answer has such arguments too); between
-        calls, content."""
+        text ends short of a whole call (max_tokens, a stop string): inside a call's arguments, the
+        rest of those arguments, cut as they are (OpenAI's "length" answer has such arguments
+        too), less any start of the call's closing markup after whole arguments; before a call's
+        name is whole, nothing: the text is a call's markup, never content."""
         if self.complete and finish_reason == "stop":
             finish_reason = "tool_calls"
         held, self.buffer = self.buffer, ""
         deltas: list[dict] = []
         if self.open:
-            self._add_arguments(deltas, held)
-        elif held:
+            self._add_arguments(deltas, held[: _arguments_cut(self.calls[-1]["function"]["arguments"], held)])
+        elif held and self.mode == "text":
             self.content += held
             deltas.append({"content": held})
         return deltas, finish_reason
@@ -296,6 +346,18 @@ def _arguments_end(buffer: str) -> int | None:
     except (ValueError, RecursionError):
         return None
     return end if buffer.startswith(CALL_END, end) else None
+
+
+def _arguments_cut(sent: str, held: str) -> int:
+    """How much of `held`, the text after a call's arguments so far (`sent`) where the text ended,
+    belongs to the arguments: all of it, but where whole arguments are followed by the start of
+    the call's closing markup ("}</tool_c"), only what comes before that markup."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(sent + held)
+    except (ValueError, RecursionError):  # cut inside the arguments: all of it is theirs
+        return len(held)
+    end = max(end - len(sent), 0)
+    return end if CALL_END.startswith(held[end:]) else len(held)
 
 
 def render_message(message, template_renders_tool_calls: bool = False) -> dict[str, Any]:

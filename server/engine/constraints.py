@@ -38,9 +38,24 @@ token (the perturbed row's argmax is forbidden; with truncation "end here" is dr
 choice beside the allowed tokens with that mass, server/engine/sampling.py `Sampler.choose`;
 greedy ends when the most likely token is forbidden).
 Where the constraint can only end (a JSON object's closing brace), the row ends after that token.
-Both end with finish_reason "stop". A row whose constraint allows no token and cannot end
-(llguidance ran out of its per-step budget, say) ends with finish_reason "no_allowed_token"; the
-rest of the batch goes on.
+Both end with finish_reason "stop". A row whose constraint allows no token and cannot end ends
+with finish_reason "no_allowed_token"; the rest of the batch goes on. A matcher that stopped with
+an error of its own (one of llguidance's limits, `parser_limits`, reached mid-output) is no such
+end: its request fails alone with 400 `grammar_too_large` carrying llguidance's reason, which the
+engine logs too (`RowConstraint.failure`).
+
+Cost. Every row's parser runs on the engine's one worker thread, between the model's steps, so a
+constraint that is slow to follow holds every other request of the model. An ambiguous grammar
+(`start: x "b"`, `x: x x | x x x | "a"`) costs a step time that grows with the square of the
+output (0.3 ms at token 25, 6-10 ms at 100, 30-170 ms past 175), and no llguidance limit trips. A
+row therefore measures the parser's CPU time (its thread's, so neither the GIL nor a loaded
+machine counts) for each token it draws, the step and the mask together; past
+`structured_token_milliseconds` for `SLOW_TOKENS_IN_A_ROW` tokens in a row (one alone may be a
+spike: a garbage collection, lexer states built the first time) its request ends alone with 400
+`constraint_too_slow`, naming the setting (`RowConstraint.too_slow`). The JSON schemas,
+regexes, choice lists and tool grammars clients send take 0.01-0.5 ms at their worst token (128
+tools: 1.2 ms at the first); a schema of 600 optional properties up to 20 ms where a key starts,
+but one token at a time, so it passes.
 
 Compiling happens once per distinct constraint text: compiled matchers are kept in a bounded
 LRU cache (`structured_cache_size`), and so are refusals, so a repeated bad schema costs nothing.
@@ -48,13 +63,17 @@ A compile runs on a worker thread and is given `structured_compile_seconds`: one
 longer is refused (400 `grammar_too_large`), and so is a constraint text over
 `structured_max_bytes` (checked by the API before it gets here) or a grammar llguidance finds
 too large (its own limits). A schema or grammar llguidance rejects is 400
-`invalid_response_format`, with llguidance's message.
+`invalid_response_format`, with llguidance's message (a keyword or format it does not implement
+in plain words, `plain_reason`). The API asks for lenient compiles, which ignore such keywords,
+unless the request says `strict: true` (server/api/structured.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -72,6 +91,16 @@ NO_ALLOWED_TOKEN = "no_allowed_token"  # the finish_reason of a row its constrai
 # max_tokens; this way every token goes to content, and the output is still any parser's JSON
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 COMPILE_THREADS = 2  # compiles of distinct constraints at once (a timed-out one finishes in the background)
+# Earley items one row of llguidance's parser may hold. Its default (2,000) ended a schema of 600
+# optional properties (four items each where a key may start) at its first key, though the
+# schema is a third of XLSERVE_STRUCTURED_MAX_BYTES: 32,768 covers the optional properties a 64 KiB
+# schema can list (`"p1": {}, ` is 10 bytes). What such rows cost to follow is bounded by time,
+# per token (`RowConstraint.too_slow`), not by this count.
+MAX_ITEMS_IN_ROW = 32_768
+# tokens in a row over the parser's time limit that end a row: one alone is a spike (a garbage
+# collection, the lexer building states it meets for the first time), where a grammar that grows
+# slower with every token is over the limit at every token from some point on
+SLOW_TOKENS_IN_A_ROW = 3
 
 
 def llguidance_grammar(kind: str, text: str) -> str:
@@ -92,10 +121,47 @@ def llguidance_grammar(kind: str, text: str) -> str:
         choices = json.loads(text)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
             raise ValueError("a choice is a non-empty list of strings")
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        # one lexeme whose alternatives are the choices: the lexer follows them all at once (10,000
+        # compile in 50 ms), where alternatives of a rule are a parser item each, past the row's
+        # bound. json.dumps writes each as a Lark string: quotes, backslashes, control and non-ASCII
+        # characters escaped (\uXXXX, surrogate pairs included), which llguidance reads back
+        return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: "
+                                                      + " | ".join(json.dumps(choice) for choice in choices))
     if kind == "grammar":
         return llguidance.LLMatcher.grammar_from_lark(text)
     raise ValueError(f"unknown constraint kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def parser_limits():
+    """llguidance's limits for every matcher: its defaults, but `MAX_ITEMS_IN_ROW`, and terse
+    errors (a verbose one lists the parser's state: the output so far, for the log and the client)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW, verbose_errors=False)
+
+
+# llguidance's words for JSON schema keywords and formats it does not implement
+_UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]\n]*)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def plain_reason(message: str) -> str:
+    """llguidance's reason for refusing a JSON schema, its words for keywords or a format it does
+    not implement (which a lenient compile ignores) put plainly; the rest as it is."""
+
+    def keywords(found: re.Match) -> str:
+        names = [name.strip().strip('"') for name in found.group(1).split(",") if name.strip()]
+        listed = ", ".join(f'"{name}"' for name in names)
+        them = "them" if len(names) > 1 else "it"
+        return (f"the schema uses {listed}, which structured output does not enforce: a schema marked "
+                f'"strict": true may not use {them} (without "strict": true it is accepted, and {them} ignored)')
+
+    def unknown_format(found: re.Match) -> str:
+        return (f'the schema uses "format": "{found.group(1)}", a format structured output does not know: a schema '
+                'marked "strict": true may not use it (without "strict": true it is accepted, and the format '
+                "ignored)")
+
+    return _UNKNOWN_FORMAT.sub(unknown_format, _UNIMPLEMENTED_KEYS.sub(keywords, message))
 
 
 def byte_level_tokenizer(vocab_size: int):
@@ -196,7 +262,7 @@ class ConstraintCompiler:
         def build():
             started.set()
             # the constructor never raises for a bad grammar: the matcher is left in an error state
-            return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
 
         # The time limit is the compile's own, from when a thread takes it: time spent waiting
         # behind other clients' compiles must not turn this one into grammar_too_large, cached
@@ -217,28 +283,58 @@ class ConstraintCompiler:
         if matcher.is_error():
             message = matcher.get_error().strip()
             code = "grammar_too_large" if "limit" in message.lower() else "invalid_response_format"
-            return InvalidInput(f"the {what} is not valid: {message}", code=code)
+            return InvalidInput(f"the {what} is not valid: {plain_reason(message)}", code=code)
         return matcher
 
 
 class RowConstraint:
-    """One row's matcher: which tokens it may draw next, and what it has drawn."""
+    """One row's matcher: which tokens it may draw next, and what it has drawn; and what the parser
+    costs per token (`start_token`, `too_slow`)."""
 
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher.deep_copy()
         self.vocab_size = vocab_size
         self.ended = False  # the row ended because of its constraint (its text is flushed, not cut)
+        self.taken = 0  # tokens it has taken
+        self.token_seconds = 0.0  # the parser's CPU time since `start_token`
+        self.slow_tokens = 0  # tokens in a row, up to the last, over the time limit
+
+    def start_token(self) -> None:
+        """The parser's time from here on is the next token's."""
+        self.token_seconds = 0.0
+
+    def too_slow(self, limit_seconds: float, param: str | None) -> InvalidInput | None:
+        """The refusal of a row whose parser took longer than `limit_seconds` (0: no limit) for
+        each of its last `SLOW_TOKENS_IN_A_ROW` tokens, the last since `start_token`; else None."""
+        if limit_seconds <= 0:
+            return None
+        self.slow_tokens = self.slow_tokens + 1 if self.token_seconds > limit_seconds else 0
+        if self.slow_tokens < SLOW_TOKENS_IN_A_ROW:
+            return None
+        return InvalidInput(
+            f"the constraint took {self.token_seconds * 1e3:.1f} ms of parser time for its last token, over the "
+            f"limit of {limit_seconds * 1e3:g} ms (XLSERVE_STRUCTURED_TOKEN_MILLISECONDS) for {self.slow_tokens} "
+            "tokens in a row, so that one request cannot hold the others. An ambiguous grammar (a rule such as "
+            '`x: x x | "a"`) grows slower with every token, and so do schemas with hundreds of optional '
+            "properties; simplify the constraint", param=param, code="constraint_too_slow")
+
+    def _timed(self, call, *args):
+        started = time.thread_time()  # this thread's CPU time: waits for the GIL or a core do not count
+        try:
+            return call(*args)
+        finally:
+            self.token_seconds += time.thread_time() - started
 
     def allowed(self) -> tuple[torch.Tensor, bool]:
         """((V,) bool: the tokens that keep the output valid, whether it may end here)."""
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        words = np.frombuffer(self._timed(self.matcher.compute_bitmask), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")  # bit i of the little-endian words is token i
         may_end = bool(bits[self.vocab_size]) and self.matcher.is_accepting()
         return torch.from_numpy(bits[: self.vocab_size].astype(bool)), may_end
 
     def allowed_bits(self) -> np.ndarray:
         """(V,) bool, NumPy: the tokens that keep the output valid."""
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        words = np.frombuffer(self._timed(self.matcher.compute_bitmask), dtype=np.uint8)
         return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
 
     def may_end(self) -> bool:
@@ -247,11 +343,24 @@ class RowConstraint:
     def accept(self, token: int) -> bool:
         """Take `token` if the constraint allows it (True), else change nothing (False): one
         step of the parser, far cheaper than a whole mask."""
-        return self.matcher.try_consume_tokens([token]) == 1
+        taken = self._timed(self.matcher.try_consume_tokens, [token]) == 1
+        self.taken += taken
+        return taken
 
     def consume(self, token: int) -> None:
         """Take a token drawn from the mask."""
-        self.matcher.consume_token(token)
+        self._timed(self.matcher.consume_token, token)
+        self.taken += 1
+
+    def failure(self, param: str | None) -> InvalidInput | None:
+        """Why the matcher stopped, when it stopped with an error of its own rather than at the end
+        of its language: one of llguidance's limits (`parser_limits`) reached at this point of the
+        output. None while it has no error."""
+        if not self.matcher.is_error():
+            return None
+        reason = (self.matcher.get_error().strip().splitlines() or ["no reason given"])[0]
+        return InvalidInput(f"the constraint's parser stopped after {self.taken} tokens of output: {reason}",
+                            param=param, code="grammar_too_large")
 
     @property
     def complete(self) -> bool:

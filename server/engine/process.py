@@ -197,7 +197,9 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
                         threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache,
                         constraint_cache_size=settings.structured_cache_size,
-                        constraint_compile_seconds=settings.structured_compile_seconds, weights_identity=weights,
+                        constraint_compile_seconds=settings.structured_compile_seconds,
+                        constraint_token_seconds=settings.structured_token_milliseconds / 1000,
+                        weights_identity=weights,
                         on_loop_failure=exit_for_a_new_engine_process)
         loaded[directory.name] = LoadedModel(directory.name, directory, model, tokenizer, engine,
                                              time.perf_counter() - started)

@@ -96,6 +96,7 @@ class Engine:
                  prefill_chunk: int = 512, max_batch_size: int = 64, max_queued: int = 256, threads: int = 0,
                  prompt_threads: int = 0, prefix_cache: PrefixCache | None = None,
                  constraint_cache_size: int = 256, constraint_compile_seconds: float = 5.0,
+                 constraint_token_seconds: float = 0.005,
                  weights_identity: bytes = b"", on_loop_failure: Callable[[BaseException], None] | None = None):
         self.name = name
         # called (on the worker thread) when the step loop itself failed and stopped: every request
@@ -108,6 +109,9 @@ class Engine:
         self.weights_identity = weights_identity
         # structured output: constraints compiled once per distinct text, cached with a bound
         self.constraints = ConstraintCompiler(tokenizer, name, constraint_cache_size, constraint_compile_seconds)
+        # the parser time a constrained row may take for one token (0: no limit); past it the row's
+        # request ends alone (server/engine/constraints.py, "Cost")
+        self.constraint_token_seconds = constraint_token_seconds
         self.prefix_cache = prefix_cache
         self.model = model
         # the longest context a request may reach, where the model stops (None: no such bound):
@@ -681,10 +685,16 @@ class Engine:
         if row.plain_greedy:  # argmax taken once for the whole batch
             token, logprob = row.greedy
         elif constraint is not None:
+            constraint.start_token()
             token = self._draw_constrained(row)
             if isinstance(token, str):  # it ends here, with this finish reason
                 row.constraint.ended = True
                 return self._ends_without_token(row, token)
+            failure = constraint.too_slow(self.constraint_token_seconds, params.constraint_param)
+            if failure is not None:  # going on, it would hold every other row of the model
+                log.warning("model %s: a constrained row stopped after %d tokens: %s", self.name, row.generated,
+                            failure.message)
+                raise failure
             logprob = float(row.host_log_probs[token])
         else:
             token = row.sampler.choose(row.host_log_probs)
@@ -730,19 +740,29 @@ class Engine:
                     return "stop"
                 allowed = constraint.allowed_bits()
                 if not allowed.any():
-                    return NO_ALLOWED_TOKEN
+                    return self._no_allowed_token(row)
                 token = int(np.where(allowed, scores, -np.inf).argmax())  # the same draw, from the allowed tokens
                 constraint.consume(token)
             sampler.record(token)
             return token
         allowed, may_end = constraint.allowed()
         if not may_end and not bool(allowed.any()):  # nothing may follow and it may not end: that row alone ends
-            return NO_ALLOWED_TOKEN
+            return self._no_allowed_token(row)
         token = sampler.choose(row.host_log_probs, allowed, may_end)
         if token >= allowed.numel():  # "end here" (server/engine/sampling.py)
             return "stop"
         constraint.consume(token)
         return token
+
+    def _no_allowed_token(self, row: Row) -> str:
+        """The finish reason of a row its constraint leaves no token to draw; but a matcher that
+        stopped with an error of its own (one of llguidance's limits, reached mid-output) is no
+        end of its language: its request fails alone, telling the client llguidance's reason."""
+        failure = row.constraint.failure(row.request.params.constraint_param)
+        if failure is not None:
+            log.warning("model %s: a constrained row stopped: %s", self.name, failure.message)
+            raise failure
+        return NO_ALLOWED_TOKEN
 
     def _ends_without_token(self, row: Row, reason: str) -> bool:
         """The row ends without a token of this step: the model drew its end of text ("stop"), or

@@ -323,3 +323,74 @@ def test_the_openai_client_s_parse_helpers_get_their_pydantic_models(oai):
                     tool_choice="required", max_tokens=100, seed=2).choices[0]
     assert weather.finish_reason == "tool_calls"
     assert isinstance(weather.message.tool_calls[0].function.parsed_arguments, GetWeather)
+
+
+def test_an_ambiguous_grammar_ends_its_stream_with_constraint_too_slow_and_holds_no_one(server, oai):
+    """Every step of `x: x x | x x x | "a"` costs more than the last, on the engine's one thread:
+    past XLSERVE_STRUCTURED_TOKEN_MILLISECONDS for 3 tokens in a row the request ends with its error
+    event, after the text it had sent, and a completion beside it is its solo answer."""
+    plain = dict(model=MODEL, prompt="def h(z):\n", max_tokens=48, seed=22, temperature=1.0)
+    solo = oai.completions.create(**plain).choices[0].text
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 400, "n": 2, "seed": 0, "stream": True,
+            "logit_bias": {str(ord("a")): 100}, "guided_grammar": 'start: x "b"\nx: x x | x x x | "a"\n'}
+    events: list[dict] = []
+
+    def hog():
+        with server.client() as http, http.stream("POST", "/v1/completions", json=body, timeout=120) as response:
+            events.extend(json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {"))
+
+    thread = threading.Thread(target=hog)
+    thread.start()
+    beside = oai.completions.create(**plain).choices[0].text
+    thread.join()
+    assert beside == solo
+    *chunks, last = events
+    assert sum(len(choice["text"]) for chunk in chunks for choice in chunk["choices"]) > 0
+    assert (last["error"]["code"], last["error"]["param"]) == ("constraint_too_slow", "guided_grammar"), last
+    assert "XLSERVE_STRUCTURED_TOKEN_MILLISECONDS" in last["error"]["message"]
+
+
+def test_two_thousand_choices_give_one_of_them(oai):
+    choices = [f"w{i}" for i in range(2050)]  # a rule of over 2,000 alternatives died at its second token
+    result = oai.completions.create(model=MODEL, prompt="tag: ", n=3, seed=1, max_tokens=30,
+                                    extra_body={"guided_choice": choices})
+    assert [(choice.text in choices, choice.finish_reason) for choice in result.choices] == [(True, "stop")] * 3
+
+
+def test_tools_with_unimplemented_keywords_and_an_id_are_called(oai):
+    """A tool's `parameters` as OpenAPI specs write them (uniqueItems, format uri-reference) are
+    taken without strict, tool_choice unset; one with `$id` resolves its own references."""
+    search = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "uniqueItems": True, "maxItems": 3},
+        "link": {"type": "string", "format": "uri-reference", "maxLength": 20}}, "required": ["tags"],
+        "additionalProperties": False}}}
+    answer = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[search], max_tokens=120, seed=3)
+    assert answer.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    fetch = {"type": "function", "function": {"name": "fetch", "parameters": {
+        "$id": "https://example.com/fetch.json", "type": "object", "properties": {"u": {"$ref": "#/$defs/U"}},
+        "required": ["u"], "additionalProperties": False, "$defs": {"U": {"type": "string", "maxLength": 10}}}}}
+    for seed in range(3):
+        choice = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[fetch], tool_choice="required",
+                                             max_tokens=120, seed=seed).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        for called in choice.message.tool_calls:
+            assert len(json.loads(called.function.arguments)["u"]) <= 10  # U's maxLength, through the $ref
+
+
+def test_a_call_cut_before_its_name_is_whole_is_no_content(oai):
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=16, seed=1)
+    choice = oai.chat.completions.create(**kwargs).choices[0]
+    assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == ("length", None, None)
+    streamed = [c.delta.content for chunk in oai.chat.completions.create(stream=True, **kwargs) for c in chunk.choices]
+    assert not any(streamed)
+
+
+def test_a_named_function_is_called_once_and_parallel_tool_calls_may_be_null(server):
+    with server.client() as http:
+        for seed in range(6):
+            answer = http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": ASK, "max_tokens": 300, "seed": seed, "temperature": 1.0, "tools": [TIME],
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "parallel_tool_calls": None})
+            assert answer.status_code == 200, answer.text
+            choice = answer.json()["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice

@@ -1,6 +1,7 @@
 """Structured output in the engine (server/engine/constraints.py): the compiled-constraint cache
-and its limits, the sampler's mask and its "end here" choice, and rows of the shipped byte-level
-Transformer-XL that end by their constraint, alone or beside unconstrained rows."""
+and its limits, the sampler's mask and its "end here" choice, rows of the shipped byte-level
+Transformer-XL that end by their constraint, alone or beside unconstrained rows, and requests
+that end alone, saying why, for a matcher's own error or a parser too slow per token."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.tokenizer import ByteTokenizer, WordTokenizer
 from xlserve.server.engine import local
-from xlserve.server.engine.constraints import NO_ALLOWED_TOKEN, ConstraintCompiler
+from xlserve.server.engine.constraints import NO_ALLOWED_TOKEN, SLOW_TOKENS_IN_A_ROW, ConstraintCompiler, RowConstraint
 from xlserve.server.engine.errors import InvalidInput
 from xlserve.server.engine.request import EngineRequest
 from xlserve.server.engine.sampling import Sampler
@@ -159,19 +160,124 @@ async def collect(engine, queued: EngineRequest) -> dict:
 
 
 def test_a_row_its_constraint_leaves_no_token_ends_alone(engine):
+    # after "7" only the end of the output (token 256, no token of the model's) may come, and then
+    # more: no token to draw, and it may not end; the matcher is in no error
+    stuck_grammar = 'start: "7" <[256]> "7"\n'
+    plain = dict(max_tokens=24, temperature=1.0, seed=5)
+
+    async def together():
+        return await asyncio.gather(collect(engine, request(engine, "n = ", max_tokens=24, constraint_kind="grammar",
+                                                            constraint=stuck_grammar)),
+                                    collect(engine, request(engine, "def f():\n", **plain)))
+
+    stuck, beside = asyncio.run(together())
+    alone = asyncio.run(collect(engine, request(engine, "def f():\n", **plain)))
+    assert stuck["reasons"] == [NO_ALLOWED_TOKEN] and stuck["texts"] == ["7"]
+    assert beside["texts"] == alone["texts"] and beside["reasons"] == ["length"]
+
+
+async def failure_of(engine, queued: EngineRequest) -> Exception:
+    with pytest.raises(InvalidInput) as failed:
+        await collect(engine, queued)
+    return failed.value
+
+
+def test_a_matcher_stopped_by_an_error_of_its_own_fails_its_request_alone_saying_why(engine, caplog):
+    """A matcher in llguidance's error state (a limit reached mid-output) is no end of its language:
+    the client is told llguidance's reason, and the server logs it, rather than a bare
+    no_allowed_token; the request beside goes on as alone."""
     dead = engine.constraints.matcher("regex", "[0-9]+").deep_copy()
     dead.consume_token(ord("x"))  # a token the regex forbids: the matcher is in its error state for good
     assert dead.is_error()
     plain = dict(max_tokens=24, temperature=1.0, seed=5)
 
     async def together():
-        return await asyncio.gather(collect(engine, request(engine, "n = ", matcher=dead, max_tokens=24)),
-                                    collect(engine, request(engine, "def f():\n", **plain)))
+        stuck = request(engine, "n = ", matcher=dead, max_tokens=24, constraint_param="guided_regex")
+        return await asyncio.gather(failure_of(engine, stuck), collect(engine, request(engine, "def f():\n", **plain)))
 
-    stuck, beside = asyncio.run(together())
+    failure, beside = asyncio.run(together())
     alone = asyncio.run(collect(engine, request(engine, "def f():\n", **plain)))
-    assert stuck["reasons"] == [NO_ALLOWED_TOKEN] and stuck["texts"] == [""]
+    assert (failure.code, failure.param) == ("grammar_too_large", "guided_regex")
+    assert "doesn't satisfy the grammar" in failure.message  # llguidance's own reason
+    assert any("doesn't satisfy the grammar" in record.getMessage() for record in caplog.records)
     assert beside["texts"] == alone["texts"] and beside["reasons"] == ["length"]
+
+
+def test_an_ambiguous_grammar_ends_its_request_alone_at_the_per_token_budget(engine):
+    """Each step of `x: x x | x x x | "a"` costs the square of the output so far; every row
+    runs on the engine's one thread, so without a bound it held every other request (a 200-token
+    completion took 52 s instead of 0.65 s beside 8 such rows). Past XLSERVE_STRUCTURED_TOKEN_MILLISECONDS
+    for 3 tokens in a row the request ends with 400 constraint_too_slow naming the setting, and
+    the request beside it gets exactly its solo answer."""
+    grammar = 'start: x "b"\nx: x x | x x x | "a"\n'
+    plain = dict(max_tokens=32, temperature=1.0, seed=7)
+
+    async def together():
+        hog = request(engine, "a", max_tokens=400, n=2, seed=0, logit_bias={ord("a"): 100.0},
+                      constraint_kind="grammar", constraint=grammar, constraint_param="guided_grammar")
+        return await asyncio.gather(failure_of(engine, hog), collect(engine, request(engine, "def g(y):\n", **plain)))
+
+    failure, beside = asyncio.run(together())
+    alone = asyncio.run(collect(engine, request(engine, "def g(y):\n", **plain)))
+    assert (failure.code, failure.param) == ("constraint_too_slow", "guided_grammar")
+    assert "XLSERVE_STRUCTURED_TOKEN_MILLISECONDS" in failure.message
+    assert beside["texts"] == alone["texts"] and beside["reasons"] == ["length"]
+
+
+def test_a_row_ends_for_its_parser_time_only_after_tokens_in_a_row_over_the_limit():
+    """One slow token alone is a spike (a garbage collection, lexer states built the first time):
+    only SLOW_TOKENS_IN_A_ROW of them in a row end the row; a token within the limit starts the
+    count again, and 0 is no limit."""
+    row = RowConstraint(ConstraintCompiler(ByteTokenizer(), "m").matcher("regex", "[0-9]+"), 256)
+
+    def token(seconds: float, limit: float = 0.005):
+        row.start_token()
+        row.token_seconds = seconds  # as if the parser had taken that long
+        return row.too_slow(limit, "guided_regex")
+
+    assert token(0.5) is None and token(0.5) is None and token(0.001) is None  # spikes, then a fast token
+    assert [token(0.006) for _ in range(SLOW_TOKENS_IN_A_ROW - 1)] == [None] * (SLOW_TOKENS_IN_A_ROW - 1)
+    refused = token(0.006)
+    assert (refused.code, refused.param) == ("constraint_too_slow", "guided_regex")
+    assert "6.0 ms" in refused.message and "XLSERVE_STRUCTURED_TOKEN_MILLISECONDS" in refused.message
+    assert all(token(10.0, limit=0) is None for _ in range(5))
+
+
+def test_ten_thousand_choices_generate_one_of_them(engine):
+    """guided_choice takes 10,000 strings (the API's bound): one lexeme of them all, not a rule
+    of 10,000 alternatives (llguidance's row bound, 2,000, ended those at the second token)."""
+    choices = [f"category/{i}" for i in range(10_000)]
+    picked = asyncio.run(collect(engine, request(engine, "tag: ", max_tokens=30, n=3, seed=1, constraint_kind="choice",
+                                                 constraint=json.dumps(choices), constraint_param="guided_choice")))
+    assert picked["reasons"] == ["stop"] * 3 and all(text in choices for text in picked["texts"]), picked
+
+
+@pytest.mark.parametrize("choices", [["café", "日本", "😀 smile"], ['a"b', "c\\d", "a|b", "/re/", "%ignore"],
+                                     ["", "x", "yes", "yes!"], ["a\nb", "tab\t", "nul\x00x", "\u2028"]])
+def test_choices_are_exactly_their_strings(choices):
+    compiler = ConstraintCompiler(ByteTokenizer(), "m")
+    matcher = compiler.matcher("choice", json.dumps(choices))
+
+    def takes(text: str) -> bool:
+        copy = matcher.deep_copy()
+        return copy.consume_tokens(list(text.encode())) and not copy.is_error() and copy.is_accepting()
+
+    assert all(takes(choice) for choice in choices)
+    others = [other for other in ("cafe", "a\\nb", "ye", "c\\\\d", "a b", "\\u2028") if other not in choices]
+    assert not any(takes(other) for other in others)
+
+
+def test_a_schema_of_600_optional_properties_goes_past_its_first_key():
+    """Where a key may start, each optional property is four items of the parser's row: 600 of
+    them passed llguidance's default bound (2,000) and the row stopped at `{"`."""
+    properties = {f"field_{i}": {"type": "integer"} for i in range(600)}
+    compiler = ConstraintCompiler(ByteTokenizer(), "m")
+    matcher = compiler.matcher("json_schema", json.dumps({"type": "object", "properties": properties,
+                                                          "additionalProperties": False}))
+    row_matcher = matcher.deep_copy()
+    text = b'{"field_3": 1, "field_250": 2, "field_599": 3}'
+    assert row_matcher.consume_tokens(list(text)), row_matcher.get_error()
+    assert row_matcher.is_stopped() and not row_matcher.is_error()
 
 
 def test_a_session_row_that_ends_by_choice_keeps_exactly_the_text_sent(engine):

@@ -184,7 +184,8 @@ def test_an_empty_session_id_is_refused_naming_it(served):
 COMPLETION_NULLS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "echo", "logprobs",
                     "stop", "seed", "logit_bias", "presence_penalty", "frequency_penalty"]
 CHAT_NULLS = ["temperature", "top_p", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-              "logprobs", "top_logprobs", "stop", "seed", "logit_bias", "presence_penalty", "frequency_penalty"]
+              "logprobs", "top_logprobs", "stop", "seed", "logit_bias", "presence_penalty", "frequency_penalty",
+              "parallel_tool_calls"]  # the last as vLLM takes it (Optional[bool]), which clients send null for
 
 
 def test_null_means_the_default_for_every_nullable_completion_parameter(served):
@@ -222,7 +223,6 @@ def test_null_means_the_default_for_every_nullable_chat_parameter(served):
     ("/v1/completions", {"model": MODEL, "prompt": "ab"}, "prefix_cache"),
     ("/v1/completions", {"model": MODEL, "prompt": "ab"}, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}, "parallel_tool_calls"),
 ])
 def test_null_stays_refused_where_openai_does_not_take_it(served, path, body, field):
     client, _ = served

@@ -28,7 +28,7 @@ from xlserve.server.api.protocol import (
     SamplingOptions,
     ToolDefinition,
 )
-from xlserve.server.engine.errors import Cancelled, ContextLengthExceeded
+from xlserve.server.engine.errors import Cancelled, ContextLengthExceeded, InvalidInput
 from xlserve.server.engine.types import (
     ChoiceFinished,
     Finished,
@@ -45,6 +45,7 @@ from xlserve.server.api.structured import (
     called_functions,
     render_message,
     tool_grammar,
+    tool_refusal,
 )
 
 
@@ -448,14 +449,18 @@ class ChatCompletion(Completion):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.token_bytes = token_bytes_reader(self.served.tokenizer)
         self.calls_tools = functions is not None
+        self.functions, self.tool_grammar = functions, None
         if functions is not None:
-            grammar = tool_grammar(functions, auto=body.tool_choice in (None, "auto"),
-                                   parallel=body.parallel_tool_calls)
+            # a named function is called once, as OpenAI and vLLM answer it, whatever parallel_tool_calls says
+            named = body.tool_choice not in (None, "auto", "required")
+            self.tool_grammar = tool_grammar(functions, auto=body.tool_choice in (None, "auto"),
+                                             parallel=body.parallel_tool_calls and not named)
             limit = state.settings.engine.structured_max_bytes
-            if len(grammar.encode("utf-8")) > limit:
-                raise InvalidRequest(f"the tools make a grammar of {len(grammar.encode('utf-8'))} bytes; the limit is "
-                                     f"{limit} (XLSERVE_STRUCTURED_MAX_BYTES)", param="tools", code="grammar_too_large")
-            self.set_constraint(("grammar", grammar, "tools"))
+            size = len(self.tool_grammar.encode("utf-8"))
+            if size > limit:
+                raise InvalidRequest(f"the tools make a grammar of {size} bytes; the limit is {limit} "
+                                     "(XLSERVE_STRUCTURED_MAX_BYTES)", param="tools", code="grammar_too_large")
+            self.set_constraint(("grammar", self.tool_grammar, "tools"))
 
     async def submit(self) -> Submission:
         try:
@@ -463,6 +468,11 @@ class ChatCompletion(Completion):
         except ContextLengthExceeded as error:  # the prompt the engine measured is the rendered messages
             error.param = "messages"
             raise
+        except InvalidInput as error:  # the tools' grammar refused: said of the function, not of the grammar
+            if error.param != "tools" or self.tool_grammar is None:
+                raise
+            raise type(error)(tool_refusal(error.message, self.tool_grammar, self.functions), param=error.param,
+                              code=error.code) from None
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         kind = "chat.completion.chunk" if self.body.stream else "chat.completion"
@@ -489,8 +499,10 @@ class ChatCompletion(Completion):
                 calls = ToolCallStream()
                 calls.push(message["content"])
                 _, finish_reason = calls.finish(finish_reason)
-                if calls.calls:  # calls, the last one cut short by max_tokens where finish_reason is "length"
-                    message = {"role": "assistant", "content": calls.content or None, "tool_calls": calls.calls}
+                if calls.mode == "tools":  # calls, the last one perhaps cut short; a call's markup is no content
+                    message = {"role": "assistant", "content": calls.content or None}
+                    if calls.calls:
+                        message["tool_calls"] = calls.calls
             choices.append({"index": choice.index, "message": message, "logprobs": self.chat_logprobs(choice.logprobs),
                             "finish_reason": finish_reason})
         return self.envelope(choices, usage=usage(finished.prompt_tokens, finished.completion_tokens,
