@@ -494,6 +494,19 @@ class SessionCache:
                 return
             self._end_lease(lease)
 
+    def release_after_commit(self, lease: Lease) -> None:
+        """The request left while its commit is on its way to `commit` (queued behind other
+        session operations in the engine process): as a release during the commit, the hold
+        becomes the commit's, so that a request for the session (the client's retry) waits for
+        the write instead of being refused 409, and the commit ends the lease, whether it lands or
+        fails. Whoever sent the commit still calls `release` once it returned (a commit that
+        failed before it began leaves the lease to that)."""
+        with self._lock:
+            if lease.done:
+                return
+            lease.release_asked = True
+            self.holds.hand_over(lease.session_id, lease.lease_id)
+
     def delete(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> Replay | None:
         """Delete the session. With `idempotency`, a tombstone remembers the key for
         TOMBSTONE_SECONDS, and the same delete again returns a Replay instead of 404."""

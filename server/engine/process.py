@@ -702,7 +702,9 @@ class EngineProcess:
     # while the commit was on its way) sends Commit and Release back to back. Read at once, the
     # release would end the lease under the commit waiting in the pool, and a commit that had
     # begun would be lost (cancellation.py: once it has begun, a cancel changes nothing). So the
-    # release of a lease whose commit runs waits for it, and runs after it.
+    # release of a lease whose commit runs waits for it, and runs after it; meanwhile the session's
+    # hold is the commit's (session_cache.py `release_after_commit`), so that the client's retry
+    # waits for the write, as design.md section 6 says, instead of 409 session_busy.
 
     @handlers.register(Commit, inline=True)
     def commit(self, request: Commit) -> Deferred:
@@ -729,12 +731,18 @@ class EngineProcess:
     @handlers.register(Release, inline=True)
     def release(self, request: Release) -> None:
         with self.lock:
-            if request.lease in self.committing:
+            committing = request.lease in self.committing
+            if committing:
                 self.committing[request.lease] = True  # the commit's end releases it
-                return
-            lease = self.leases.pop(request.lease, None)
-            self.results.pop(request.lease, None)
-        if lease is not None:
+                lease = self.leases.get(request.lease)
+            else:
+                lease = self.leases.pop(request.lease, None)
+                self.results.pop(request.lease, None)
+        if lease is None:
+            return
+        if committing:  # meanwhile its hold is the commit's: the client's retry waits for the write, not 409
+            self.cache.release_after_commit(lease)
+        else:
             self.cache.release(lease)
 
     @handlers.register(CreateSession)
