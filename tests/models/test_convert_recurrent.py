@@ -274,6 +274,14 @@ def test_refusals_name_the_problem_and_write_nothing(references, tmp_path, arch)
     refused(source, tmp_path / "out", "only .*ForCausalLM .*converts")
 
 
+@torch.no_grad()
+def assert_gives_the_references_one_pass(spec: dict, converted_directory: Path) -> None:
+    model = load_checkpoint(converted_directory)
+    expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
+    tokens = torch.tensor(spec["tokens"])
+    assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+
+
 def test_pytorch_model_bin_converts_like_safetensors(references, tmp_path):
     """pytorch_model.bin, its pickle parsed as data (never unpickled), gives the same model."""
     spec = references[("mamba2", 0)]
@@ -282,11 +290,7 @@ def test_pytorch_model_bin_converts_like_safetensors(references, tmp_path):
     (source / "model.safetensors").unlink()
     summary = convert(source, tmp_path / "ours")
     assert summary["weights_file"] == "pytorch_model.bin"
-    tokens = torch.tensor(spec["tokens"])
-    expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
-    model = load_checkpoint(tmp_path / "ours")
-    with torch.no_grad():
-        assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+    assert_gives_the_references_one_pass(spec, tmp_path / "ours")
 
 
 def test_sharded_pytorch_model_bin_converts_like_safetensors(references, tmp_path):
@@ -305,11 +309,7 @@ def test_sharded_pytorch_model_bin_converts_like_safetensors(references, tmp_pat
     (source / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     summary = convert(source, tmp_path / "ours")
     assert summary["weights_file"] == "pytorch_model.bin.index.json"
-    tokens = torch.tensor(spec["tokens"])
-    expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
-    model = load_checkpoint(tmp_path / "ours")
-    with torch.no_grad():
-        assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+    assert_gives_the_references_one_pass(spec, tmp_path / "ours")
 
     index["weight_map"][names[0]] = "../elsewhere.bin"
     (source / "pytorch_model.bin.index.json").write_text(json.dumps(index))
@@ -335,7 +335,6 @@ def mamba_ssm_directory(spec: dict, out: Path, ssm_cfg: dict, **config) -> Path:
     return out
 
 
-@torch.no_grad()
 def test_state_spaces_own_format_converts_as_transformers_form(references, tmp_path):
     """state-spaces/mamba-* and mamba2-* as mamba_ssm saves them (config.json with d_model,
     n_layer, ssm_cfg; pytorch_model.bin; the embedding padded to pad_vocab_size_multiple) give the
@@ -352,10 +351,7 @@ def test_state_spaces_own_format_converts_as_transformers_form(references, tmp_p
         assert summary["architecture"] == spec["arch"] and summary["weights_file"] == "pytorch_model.bin"
         assert any("gpt-neox-20b" in note for note in summary["notes"]), summary["notes"]
         assert read_config(tmp_path / f"ours-{number}")["converted_from"]["format"] == "mamba_ssm"
-        model = load_checkpoint(tmp_path / f"ours-{number}")
-        tokens = torch.tensor(spec["tokens"])
-        expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
-        assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+        assert_gives_the_references_one_pass(spec, tmp_path / f"ours-{number}")
 
     spec, ssm_cfg, _ = cases[1]
     for name, change, match in [

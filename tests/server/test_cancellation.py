@@ -256,55 +256,84 @@ def test_a_stream_whose_client_leaves_before_it_is_queued_is_cancelled():
     asyncio.run(run())
 
 
+class QueuingForever(ScriptedEngine):
+    """An engine whose submit never returns (a generate being queued: a constraint's first
+    compile, a prefix lookup); it says when it was cancelled."""
+
+    def __init__(self, metrics):
+        super().__init__(metrics)
+        self.queuing, self.cancelled = asyncio.Event(), asyncio.Event()
+
+    async def submit(self, model, tokens, params, lease, scope, owner=None):
+        self.queuing.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+GENERATE = {"type": "generate", "model": MODEL, "prompt": "abc", "max_tokens": 4}
+
+
+class WebsocketConnection:
+    """A websocket connection to the app, driven by hand: `receive` a message from the client,
+    `frames` the frames the server sent."""
+
+    def __init__(self, app):
+        self.incoming, self.sent = asyncio.Queue(), []
+        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"", "root_path": "",
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "headers": [(b"host", b"test")],
+                 "subprotocols": []}
+        self.incoming.put_nowait({"type": "websocket.connect"})
+        self.task = asyncio.create_task(app(scope, self.incoming.get, self._send))
+
+    async def _send(self, message):
+        self.sent.append(message)
+
+    def receive(self, frame: dict) -> None:
+        self.incoming.put_nowait({"type": "websocket.receive", "text": json.dumps(frame)})
+
+    def frames(self) -> list[dict]:
+        return [json.loads(m["text"]) for m in self.sent if m["type"] == "websocket.send"]
+
+    async def until_frames(self) -> list[dict]:
+        for _ in range(500):
+            if self.frames():
+                return self.frames()
+            await asyncio.sleep(0.01)
+        raise AssertionError("no frame came")
+
+    async def close(self) -> None:
+        self.incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
+        await asyncio.wait_for(self.task, 5)
+
+
+async def first_generate_queuing(app, engine: QueuingForever) -> WebsocketConnection:
+    """A connection whose generate "first" is being queued (and stays so)."""
+    connection = WebsocketConnection(app)
+    connection.receive({**GENERATE, "id": "first"})
+    await asyncio.wait_for(engine.queuing.wait(), 5)
+    return connection
+
+
 def test_a_websocket_generate_being_queued_leaves_the_connection_reading(app_and_engine):
     """A websocket generate is queued in its own task: while it waits (a constraint's first
     compile, a prefix lookup) the connection goes on reading, so a second request is answered
     request_in_progress at once and a close cancels the queuing, where the engine process is told
     (client.py `_queue` sends Cancel on that), instead of compiling and running for nobody."""
     app, state = app_and_engine
-
-    class QueuingForever(ScriptedEngine):
-        def __init__(self, metrics):
-            super().__init__(metrics)
-            self.queuing, self.cancelled = asyncio.Event(), asyncio.Event()
-
-        async def submit(self, model, tokens, params, lease, scope, owner=None):
-            self.queuing.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-
     engine = state.engine = QueuingForever(state.metrics)
-    generate = {"type": "generate", "model": MODEL, "prompt": "abc", "max_tokens": 4}
 
     async def scenario():
-        incoming, sent = asyncio.Queue(), []
-        for message in ({"type": "websocket.connect"},
-                        {"type": "websocket.receive", "text": json.dumps({**generate, "id": "first"})}):
-            incoming.put_nowait(message)
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
-                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"", "root_path": "",
-                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "headers": [(b"host", b"test")],
-                 "subprotocols": []}
-        connection = asyncio.create_task(app(scope, incoming.get, send))
-        await asyncio.wait_for(engine.queuing.wait(), 5)
-        incoming.put_nowait({"type": "websocket.receive", "text": json.dumps({**generate, "id": "second"})})
-        for _ in range(100):  # answered while the first is still being queued
-            frames = [json.loads(m["text"]) for m in sent if m["type"] == "websocket.send"]
-            if frames:
-                break
-            await asyncio.sleep(0.01)
+        connection = await first_generate_queuing(app, engine)
+        connection.receive({**GENERATE, "id": "second"})  # answered while the first is still being queued
+        frames = await connection.until_frames()
         assert [(frame["id"], frame["error"]["code"]) for frame in frames] == [("second", "request_in_progress")]
         assert not engine.cancelled.is_set()
-        incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
-        await asyncio.wait_for(engine.cancelled.wait(), 5)  # the close reached the queuing
-        await asyncio.wait_for(connection, 5)
+        await connection.close()
+        assert engine.cancelled.is_set()  # the close reached the queuing
         assert state.inflight == 0
 
     asyncio.run(scenario())
@@ -317,62 +346,22 @@ def test_a_cancel_frame_stops_a_websocket_generate_being_queued(app_and_engine):
     request. Before, the cancel waited for the queuing to end (a compile of up to
     XLSERVE_STRUCTURED_COMPILE_SECONDS), and the client with it."""
     app, state = app_and_engine
-
-    class QueuingForever(ScriptedEngine):
-        def __init__(self, metrics):
-            super().__init__(metrics)
-            self.queuing, self.cancelled = asyncio.Event(), asyncio.Event()
-
-        async def submit(self, model, tokens, params, lease, scope, owner=None):
-            self.queuing.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-
     engine = state.engine = QueuingForever(state.metrics)
-    generate = {"type": "generate", "model": MODEL, "prompt": "abc", "max_tokens": 4}
 
     async def scenario():
-        incoming, sent = asyncio.Queue(), []
-        for message in ({"type": "websocket.connect"},
-                        {"type": "websocket.receive", "text": json.dumps({**generate, "id": "first"})}):
-            incoming.put_nowait(message)
-
-        async def send(message):
-            sent.append(message)
-
-        def frames():
-            return [json.loads(m["text"]) for m in sent if m["type"] == "websocket.send"]
-
-        async def until(condition):
-            for _ in range(500):
-                if condition():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"frames so far: {frames()}")
-
-        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
-                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"", "root_path": "",
-                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "headers": [(b"host", b"test")],
-                 "subprotocols": []}
-        connection = asyncio.create_task(app(scope, incoming.get, send))
-        await asyncio.wait_for(engine.queuing.wait(), 5)
-        incoming.put_nowait({"type": "websocket.receive", "text": json.dumps({"type": "cancel", "id": "first"})})
+        connection = await first_generate_queuing(app, engine)
+        connection.receive({"type": "cancel", "id": "first"})
         await asyncio.wait_for(engine.cancelled.wait(), 5)  # the cancel reached the queuing
-        await until(lambda: frames())
-        [done] = frames()
+        [done] = await connection.until_frames()
         assert (done["type"], done["id"], done["finish_reason"]) == ("done", "first", "cancelled"), done
         assert done["usage"]["completion_tokens"] == 0
         assert state.inflight == 0
         # the connection is free: its next request is taken (and queued, not request_in_progress)
         engine.queuing.clear()
-        incoming.put_nowait({"type": "websocket.receive", "text": json.dumps({**generate, "id": "second"})})
+        connection.receive({**GENERATE, "id": "second"})
         await asyncio.wait_for(engine.queuing.wait(), 5)
-        assert len(frames()) == 1 and state.inflight == 1
-        incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
-        await asyncio.wait_for(connection, 5)
+        assert len(connection.frames()) == 1 and state.inflight == 1
+        await connection.close()
         assert state.inflight == 0
 
     asyncio.run(scenario())
