@@ -193,7 +193,7 @@ def main(argv: list[str]) -> None:
         itl = measure_itl(engine, tokenizer, args)
     finally:
         engine.close()
-    compiler = ConstraintCompiler(tokenizer, "bench")
+    compiler = ConstraintCompiler(tokenizer, "bench", vocab_size=model.vocab_size)
     result = {
         "benchmark": "structured", "quick": args.quick,
         "setting": {"model": path.name, "architecture": model.architecture, "batches": args.batches,

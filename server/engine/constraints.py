@@ -14,12 +14,20 @@ JSON schema to grammar, masks over token byte strings). A compiled constraint is
 over the model's tokens; each row decodes with its own copy (`RowConstraint`), so n > 1 choices
 and the prompts of a batched request never share parser state.
 
-Tokens as bytes: llguidance needs each token's byte string. A byte-level vocabulary (token i is
-byte i) has exactly that; one extra token, past the model's vocabulary, stands for "the output
-may end here" (llguidance's EOS). Word-level and SentencePiece vocabularies are refused
-(400 `constraint_not_supported`): their decoded text is not the concatenation of per-token bytes (words
-are joined by spaces, pieces lose their leading space at the start), so a mask over them would
-allow text the constraint does not.
+Tokens as bytes: llguidance needs each token's byte string, such that the decoded text is those
+strings joined (`model_tokenizer`). A byte-level vocabulary (token i is byte i) has exactly that,
+and so has a tokenizer.json whose decoder is ByteLevel (GPT-2's and GPT-NeoX's byte-level BPE,
+which converted Mamba, Mamba-2 and RWKV-4 checkpoints carry): each token's name spells its bytes
+(models/tokenizer.py `TokenizersTokenizer.token_bytes`). llguidance's vocabulary is the MODEL's
+(the logits' width, which may pass the tokenizer's: mamba-130m-hf has 50,280 rows for 50,277
+tokens, a byte checkpoint may have 260) plus one token, past it, that stands for "the output may
+end here" (llguidance's EOS). Every id without bytes of its own is a special token, which no
+JSON schema, regex, choice or tool grammar allows: a row past the tokenizer's (padding), a byte
+model's id past 255, and every added token of a tokenizer.json (<|endoftext|>, the model's end of
+text; a chat template's markers). Word-level, SentencePiece and other tokenizer.json vocabularies
+are refused (400 `constraint_not_supported`): their decoded text is not the concatenation of
+per-token bytes (words are joined by spaces, pieces lose their leading space at the start), so a
+mask over them would allow text the constraint does not.
 
 Drawing (server/engine/scheduler.py `_draw_constrained`). Where the sampler does not truncate
 the row (no top-k, top-p or min-p; greedy counts as untruncated), the row is perturbed once with
@@ -30,9 +38,11 @@ forbids it is the mask computed, and the argmax over the allowed tokens taken: e
 from the masked row, with no second draw, and most steps never compute a mask. With truncation
 the mask comes first and the sampler draws as usual (`Sampler.choose`), as in vLLM's order.
 
-Ending. These models have no end-of-text token, so a row cannot stop by itself. Where the
-constraint is complete but could go on (a number's digits, text after a tool call), the output
-ends when the model's draw is a token the constraint forbids: the model "wanted" something the
+Ending. Our byte models have no end-of-text token, so a row cannot stop by itself; a converted
+model's end of text (<|endoftext|>) is a special token no constraint allows, and a constrained
+row does not end at it as an unconstrained row does. Where the constraint is complete but could
+go on (a number's digits, text after a tool call), the output ends when the model's draw is a
+token the constraint forbids (the end of text among them): the model "wanted" something the
 output may not contain. So "end here" has the probability the model gives to every forbidden
 token (the perturbed row's argmax is forbidden; with truncation "end here" is drawn as one more
 choice beside the allowed tokens with that mass, server/engine/sampling.py `Sampler.choose`;
@@ -81,7 +91,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
-from xlserve.models.tokenizer import ByteTokenizer
+from xlserve.models.tokenizer import ByteTokenizer, TokenizersTokenizer
 from xlserve.server.engine.errors import InvalidInput, QueueFull
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -164,16 +174,20 @@ def plain_reason(message: str) -> str:
     return _UNKNOWN_FORMAT.sub(unknown_format, _UNIMPLEMENTED_KEYS.sub(keywords, message))
 
 
+END = b"\xff[end]"  # the name of llguidance's end-of-output token; \xff: llguidance's special-token mark
+
+
 def byte_level_tokenizer(vocab_size: int):
-    """llguidance's tokenizer for a byte-level vocabulary: token i is byte i, and token
+    """llguidance's tokenizer for a byte-level vocabulary of `vocab_size` ids: token i < 256 is
+    byte i, an id past 255 (a byte checkpoint with more rows than bytes) is special, and token
     `vocab_size` is the end of the output (a special token, never fed to the model)."""
     import llguidance
 
     class Tokens:
         eos_token_id = vocab_size
         bos_token_id = None
-        tokens = [bytes([i]) for i in range(vocab_size)] + [b"\xff[end]"]  # \xff: llguidance's special-token mark
-        special_token_ids = [vocab_size]
+        tokens = [bytes([i]) if i < 256 else b"\xff[id %d]" % i for i in range(vocab_size)] + [END]
+        special_token_ids = [*range(256, vocab_size), vocab_size]
 
         def __call__(self, text):
             return list(text if isinstance(text, bytes) else text.encode("utf-8"))
@@ -182,18 +196,99 @@ def byte_level_tokenizer(vocab_size: int):
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()), slices=[])
 
 
+def byte_level_bpe_tokenizer(tokenizer: TokenizersTokenizer, vocab_size: int):
+    """llguidance's tokenizer for a byte-level BPE (a tokenizer.json whose decoder is ByteLevel)
+    under a model of `vocab_size` ids: token i is the bytes its name spells
+    (`TokenizersTokenizer.token_bytes`); an added token (<|endoftext|>, a chat template's marker)
+    and an id past the tokenizer's (a padded embedding row) are special, so no constraint
+    allows them; token `vocab_size` is the end of the output (special, never fed to the model).
+    llguidance's own LLTokenizer(tokenizer.json) cannot be used: it refuses an end token past
+    the tokenizer's own ids."""
+    import llguidance
+
+    tokens: list[bytes] = []
+    special: list[int] = []
+    known = tokenizer.vocab_size  # the library counts them anew at each call (3 ms at 50,277 tokens)
+    for token in range(vocab_size):
+        spelled = tokenizer.token_bytes(token)
+        if spelled is None:
+            name = tokenizer.tokenizer.id_to_token(token) if token < known else None
+            tokens.append(b"\xff" + (name.encode("utf-8") if name else b"[id %d]" % token))
+            special.append(token)
+        else:
+            tokens.append(spelled)
+    specials = set(special)
+    single = {spelled[0]: token for token, spelled in enumerate(tokens) if len(spelled) == 1 and token not in specials}
+
+    class Tokens:
+        eos_token_id = vocab_size
+        bos_token_id = None
+        special_token_ids = [*special, vocab_size]
+
+        def __call__(self, text):
+            """Token ids whose bytes join to `text`: the tokenizer's, unless they hold a special
+            token (an added token written in the text) or spell something else; then one
+            byte token per byte."""
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+            try:
+                ids = tokenizer.encode(data.decode("utf-8"))
+            except UnicodeDecodeError:
+                ids = None
+            if ids is not None and all(0 <= i < vocab_size and i not in specials for i in ids) \
+                    and b"".join(tokens[i] for i in ids) == data:
+                return ids
+            return [single[byte] for byte in data if byte in single]
+
+    Tokens.tokens = tokens + [END]
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()))
+
+
+def vocabulary_refusal(tokenizer, model_name: str) -> str | None:
+    """Why structured output cannot be enforced over the model's tokens (the message of 400
+    `constraint_not_supported`); None where it can: a byte-level vocabulary, or a tokenizer.json
+    whose decoder is ByteLevel."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return None
+    if isinstance(tokenizer, TokenizersTokenizer):
+        if tokenizer.byte_level:
+            return None
+        decoder = tokenizer.tokenizer.decoder
+        return (f"model '{model_name}' has a tokenizer.json whose decoder is "
+                f"{type(decoder).__name__ if decoder is not None else 'none'}, not ByteLevel, so its tokens are not "
+                "known to be byte strings that join to the decoded text, and structured output cannot be enforced on "
+                "it; it can on byte-level models and on byte-level BPE tokenizers (GPT-2's and GPT-NeoX's "
+                "tokenizer.json)")
+    return (f"model '{model_name}' has a {type(tokenizer).__name__}, whose tokens are not byte strings that join "
+            "to the decoded text (words are joined by spaces, pieces lose a leading space), so structured output "
+            "cannot be enforced on it; it can on byte-level models and on byte-level BPE tokenizers (GPT-2's and "
+            "GPT-NeoX's tokenizer.json)")
+
+
+def model_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's tokenizer for a model of `vocab_size` ids (its logits' width) whose text
+    `tokenizer` makes, one token past them standing for the end of the output
+    (`vocabulary_refusal` says which tokenizers it takes)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return byte_level_tokenizer(vocab_size)
+    return byte_level_bpe_tokenizer(tokenizer, vocab_size)
+
+
 class ConstraintCompiler:
     """One model's constraints: compiles them (once per distinct text, on a worker thread, within
     a time limit) and keeps the results in a bounded LRU cache. Any thread."""
 
-    def __init__(self, tokenizer, model_name: str, cache_size: int = 256, compile_seconds: float = 5.0):
+    def __init__(self, tokenizer, model_name: str, cache_size: int = 256, compile_seconds: float = 5.0,
+                 vocab_size: int | None = None):
         self.model_name = model_name
-        self.vocab_size = tokenizer.vocab_size
-        self.unsupported = (None if isinstance(tokenizer, ByteTokenizer) else
-                            f"model '{model_name}' has a {type(tokenizer).__name__}, whose tokens are not byte strings "
-                            "that concatenate to the text (words are joined by spaces, pieces lose a leading space), so "
-                            "structured output cannot be enforced on it; use a byte-level model")
+        # the MODEL's vocabulary (its logits' width; the tokenizer's when not given), which may
+        # pass the tokenizer's: llguidance's vocabulary is that and one end token
+        self.vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
+        self.unsupported = vocabulary_refusal(tokenizer, model_name)
+        self._model_tokenizer = tokenizer
         self._tokenizer = None  # llguidance's, built at the first constraint
+        # held while llguidance's tokenizer is built (0.25 s for a vocabulary of 50,000 tokens), not
+        # `_lock`, which the engine process's reader thread takes to look in the cache
+        self._build_lock = threading.Lock()
         self.cache_size = max(0, cache_size)
         self.compile_seconds = compile_seconds
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()  # -> LLMatcher, or the InvalidInput it got
@@ -245,9 +340,9 @@ class ConstraintCompiler:
     def _compile(self, kind: str, text: str, param: str | None):
         import llguidance
 
-        with self._lock:
+        with self._build_lock:
             if self._tokenizer is None:
-                self._tokenizer = byte_level_tokenizer(self.vocab_size)
+                self._tokenizer = model_tokenizer(self._model_tokenizer, self.vocab_size)
                 self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="constraint-compile")
             tokenizer, pool = self._tokenizer, self._pool
         what = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",

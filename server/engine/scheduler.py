@@ -107,8 +107,10 @@ class Engine:
         # mixed into every prefix scope: entries shared through Redis name the weights that made
         # them (process.py `weights_identity`; empty where entries never outlive this process)
         self.weights_identity = weights_identity
-        # structured output: constraints compiled once per distinct text, cached with a bound
-        self.constraints = ConstraintCompiler(tokenizer, name, constraint_cache_size, constraint_compile_seconds)
+        # structured output: constraints compiled once per distinct text, cached with a bound, over
+        # the model's vocabulary (the logits' width, which may pass the tokenizer's: padded rows)
+        self.constraints = ConstraintCompiler(tokenizer, name, constraint_cache_size, constraint_compile_seconds,
+                                              vocab_size=model.vocab_size)
         # the parser time a constrained row may take for one token (0: no limit); past it the row's
         # request ends alone (server/engine/constraints.py, "Cost")
         self.constraint_token_seconds = constraint_token_seconds

@@ -4,14 +4,17 @@ of each, built with transformers' own classes in the second reference environmen
 goes through `xlserve convert` and a real server. The start-up log names each model's tokenizer;
 a session continues exactly as one request over the same text; a stateless multi-turn client
 (the unmodified openai package) is served from the prefix-state cache from its second turn on,
-with the answers of a cold run; chat completions render the checkpoint's template."""
+with the answers of a cold run; chat completions render the checkpoint's template; structured
+output and chat's tools are enforced over the byte-level BPE's tokens."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 from openai import OpenAI
 
@@ -151,3 +154,62 @@ def test_generation_ends_at_the_checkpoints_end_of_text(server, imported, model)
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks][-1] == "stop"
     assert going_on["choices"][0]["finish_reason"] == "length" and going_on["usage"]["completion_tokens"] == 4
     assert len(going_on["choices"][0]["logprobs"]["tokens"]) == 4
+
+
+# -- structured output over the byte-level BPE -------------------------------------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]}}}
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "a word's definition",
+    "parameters": {"type": "object", "required": ["word"], "additionalProperties": False,
+                   "properties": {"word": {"type": "string", "maxLength": 10}}}}}
+ASK = [{"role": "user", "content": "def main():"}]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_json_schema_and_regex_are_enforced_over_the_byte_level_bpe(server, model):
+    """A tokenizer.json with GPT-NeoX's byte-level BPE (and the model's spare rows past it) takes
+    structured output, where every such model was refused with 400 constraint_not_supported."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    with openai_client(server) as oai:
+        chat = [oai.chat.completions.create(model=model, messages=ASK, response_format=response_format, seed=seed,
+                                            temperature=1.0, max_tokens=120) for seed in range(3)]
+        completion = oai.completions.create(model=model, prompt=TURNS[0], n=4, seed=7, temperature=1.0,
+                                            max_tokens=120, extra_body={"response_format": response_format})
+        pattern = "[a-z]{2,6}_[0-9]{1,3}"
+        regex = oai.completions.create(model=model, prompt=TURNS[0], n=4, seed=8, temperature=1.0, max_tokens=30,
+                                       extra_body={"guided_regex": pattern})
+    texts = [c.choices[0].message.content for c in chat] + [choice.text for choice in completion.choices]
+    assert [c.choices[0].finish_reason for c in chat] + [c.finish_reason for c in completion.choices] == ["stop"] * 7
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert all(re.fullmatch(pattern, choice.text) and choice.finish_reason == "stop" for choice in regex.choices), \
+        [choice.text for choice in regex.choices]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_chat_with_tools_is_answered_and_calls_parse(server, model):
+    """`tools` without tool_choice (auto) is a grammar too: answered, not refused with 400; with
+    `required` the model calls the function, and the call comes back as tool_calls whose
+    arguments fit its parameters."""
+    with openai_client(server) as oai:
+        unset = oai.chat.completions.create(model=model, messages=ASK, tools=[LOOKUP], n=3, seed=1, max_tokens=60)
+        auto = oai.chat.completions.create(model=model, messages=ASK, tools=[LOOKUP], tool_choice="auto", n=3,
+                                           seed=2, max_tokens=60)
+        required = [oai.chat.completions.create(model=model, messages=ASK, tools=[LOOKUP], tool_choice="required",
+                                                seed=seed, max_tokens=100, parallel_tool_calls=False)
+                    for seed in range(3)]
+    for choice in [*unset.choices, *auto.choices]:
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "lookup"
+        else:
+            assert choice.message.content is not None and not choice.message.content.startswith("<")
+    for answer in required:
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id and call.function.name == "lookup"
+        jsonschema.validate(json.loads(call.function.arguments), LOOKUP["function"]["parameters"])

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "transformer-xl-stdlib"
@@ -36,9 +36,13 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
+WIDE = "bytes-260"  # a byte model with more rows than bytes (`xlserve new --config '{"vocab_size": 260}'`)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess([REPO / "weights" / MODEL], env={"XLSERVE_STRUCTURED_MAX_BYTES": "20000"},
+    wide = make_checkpoint(tmp_path_factory.mktemp("checkpoints") / WIDE, config={"vocab_size": 260})
+    process = ServerProcess([REPO / "weights" / MODEL, wide], env={"XLSERVE_STRUCTURED_MAX_BYTES": "20000"},
                             log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
     yield process
     process.stop()
@@ -394,3 +398,29 @@ def test_a_named_function_is_called_once_and_parallel_tool_calls_may_be_null(ser
             assert answer.status_code == 200, answer.text
             choice = answer.json()["choices"][0]
             assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice
+
+
+def test_a_byte_model_with_more_rows_than_bytes_keeps_its_constraint(oai):
+    """A byte checkpoint of 260 rows: llguidance's vocabulary was 256 + 1 while the logits are 260
+    wide, so a constrained row could draw id 256, llguidance's end token, as a byte, and the
+    request failed with 500 "bytes must be in range(0, 256)". Ids 256-259 stand for no byte: a
+    constraint never allows them (even where the model favours them), and unconstrained they
+    decode to nothing."""
+    pattern = "[a-z]{1,8}"
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for bias in (None, {"257": 5}, {"256": 5, "259": 5}):
+        for top_k in (None, 50):
+            extra = {"top_k": top_k} if top_k else {}
+            regex = oai.completions.create(model=WIDE, prompt="x", n=8, seed=1, max_tokens=10, temperature=1.0,
+                                           logit_bias=bias, extra_body={"guided_regex": pattern, **extra})
+            assert all(choice.finish_reason == "stop" and re.fullmatch(pattern, choice.text)
+                       for choice in regex.choices), [(c.text, c.finish_reason) for c in regex.choices]
+            person = oai.completions.create(model=WIDE, prompt="p = ", n=2, seed=2, max_tokens=400, temperature=1.0,
+                                            logit_bias=bias, extra_body={"response_format": response_format, **extra})
+            for choice in person.choices:
+                assert choice.finish_reason == "stop", choice
+                jsonschema.validate(json.loads(choice.text), PERSON)
+    plain = oai.completions.create(model=WIDE, prompt="x", max_tokens=4, temperature=0, logit_bias={"257": 100},
+                                   logprobs=0)
+    choice = plain.choices[0]
+    assert choice.text == "" and choice.finish_reason == "length" and choice.logprobs.tokens == ["<id 257>"] * 4

@@ -338,3 +338,173 @@ def test_first_compiles_wait_on_their_own_threads_and_their_queue_is_bounded():
         handler.generate(generation(limit))
     assert refused.value.code == "constraint_compiler_busy"
     assert limit not in handler.requests and len(handler.requests) == limit  # the refused one left nothing
+
+
+# -- a byte-level BPE (tokenizer.json with a ByteLevel decoder) under a model of more rows ----------------
+
+
+BPE_TOKENS, BPE_ROWS = 290, 300  # the tokenizer's tokens, the model's rows (padding past them, as mamba-130m-hf)
+END_OF_TEXT = 0  # <|endoftext|>: the tokenizer's added token, the model's end of text
+FORBIDDEN = [END_OF_TEXT, *range(BPE_TOKENS, BPE_ROWS)]
+# made far likelier than any token of text, so a draw of the model would pick them most of the time
+ATTRACTIVE = {token: 6.0 for token in FORBIDDEN}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "count", "ok", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b"]}}}}
+COLOURS = ["red", "green", "blue", "dark red", "¿qué?"]
+
+
+def holds_person(value) -> bool:
+    """`value` fits PERSON, checked by hand."""
+    return (isinstance(value, dict) and set(value) == {"name", "count", "ok", "tags"}
+            and isinstance(value["name"], str) and len(value["name"]) <= 6
+            and type(value["count"]) is int and 0 <= value["count"] <= 999
+            and isinstance(value["ok"], bool)
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"})
+
+
+@pytest.fixture(scope="module")
+def bpe_engine():
+    """A random Mamba of 300 rows that reads text with a trained byte-level BPE of 290 tokens,
+    whose <|endoftext|> ends its unconstrained generations."""
+    from tests.models.test_convert_recurrent import byte_level_tokenizer_json
+    from xlserve.models.registry import build_model
+    from xlserve.models.tokenizer import TokenizersTokenizer
+
+    tokenizer = TokenizersTokenizer.from_bytes(byte_level_tokenizer_json(BPE_TOKENS).encode())
+    tokenizer.stop_token_ids = frozenset({END_OF_TEXT})
+    assert tokenizer.vocab_size == BPE_TOKENS and tokenizer.tokenizer.id_to_token(END_OF_TEXT) == "<|endoftext|>"
+    torch.manual_seed(0)
+    model = build_model("mamba", dict(vocab_size=BPE_ROWS, n_layer=1, d_model=32, d_inner=64, d_state=8,
+                                      dt_rank=4)).eval()
+    engine = Engine("bpe", model, tokenizer, Metrics(), sink=local.SubmissionDelivery())
+    yield engine, tokenizer
+    engine.close()
+
+
+async def tokens_of(engine, queued: EngineRequest) -> dict:
+    """Each choice's token ids, text and finish reason."""
+    tokens, texts, reasons = {}, {}, {}
+    async for event in local.generate(engine, queued):
+        if isinstance(event, TokenEvent):
+            tokens.setdefault(event.index, []).append(event.token)
+            texts[event.index] = texts.get(event.index, "") + event.text
+        elif isinstance(event, ChoiceFinished):
+            texts[event.index] = texts.get(event.index, "") + event.text_tail
+            reasons[event.index] = event.finish_reason
+    order = sorted(reasons)
+    return {"tokens": [tokens.get(i, []) for i in order], "texts": [texts.get(i, "") for i in order],
+            "reasons": [reasons[i] for i in order]}
+
+
+def bpe_generate(bpe_engine, prompt: str, **params) -> dict:
+    engine, tokenizer = bpe_engine
+    queued = EngineRequest("generate", tokenizer.encode(prompt), engine.fresh_data(), SamplingParams(**params))
+    return asyncio.run(tokens_of(engine, queued))
+
+
+def test_the_bias_makes_the_forbidden_tokens_the_models_likeliest(bpe_engine):
+    """Unconstrained, the same bias has the model draw padding rows and end at <|endoftext|>:
+    what the constrained draws below never do is what the model wants most."""
+    drawn = bpe_generate(bpe_engine, "def f(x):", max_tokens=12, n=4, seed=1, logit_bias=ATTRACTIVE, ignore_eos=True)
+    assert any(token in FORBIDDEN for tokens in drawn["tokens"] for token in tokens), drawn
+
+
+@pytest.mark.parametrize("truncation", [{}, {"top_k": 40}], ids=["gumbel", "top-k"])
+@pytest.mark.parametrize("bias", [None, ATTRACTIVE], ids=["plain", "forbidden-likeliest"])
+def test_a_byte_level_bpe_model_generates_what_its_constraint_says(bpe_engine, truncation, bias):
+    """With a tokenizer.json whose decoder is ByteLevel (the GPT-NeoX BPE of converted Mamba and
+    RWKV checkpoints), a regex, a JSON schema and a choice list are enforced over the model's 300
+    rows: at temperature 1, over several seeds, every choice decodes (with the tokenizer) to
+    text that matches, and neither a padding row nor <|endoftext|> is ever drawn."""
+    _, tokenizer = bpe_engine
+    pattern = "[a-z]{2,8}-[0-9]{1,3}( [A-Z][a-z]+)?"
+    constraints = [("regex", pattern, lambda text: re.fullmatch(pattern, text) is not None),
+                   ("json_schema", json.dumps(PERSON), lambda text: holds_person(json.loads(text))),
+                   ("choice", json.dumps(COLOURS), lambda text: text in COLOURS)]
+    for kind, text, holds in constraints:
+        for seed in range(4):
+            drawn = bpe_generate(bpe_engine, "def parse(text):", max_tokens=120, temperature=1.0, seed=seed, n=3,
+                                 logit_bias=bias, constraint_kind=kind, constraint=text, **truncation)
+            assert drawn["reasons"] == ["stop"] * 3, (kind, drawn)
+            for tokens, streamed in zip(drawn["tokens"], drawn["texts"]):
+                assert not set(tokens) & set(FORBIDDEN), (kind, tokens)
+                decoded = tokenizer.decode(tokens)
+                assert decoded == streamed and holds(decoded), (kind, decoded)
+
+
+def test_a_tool_grammar_on_a_byte_level_bpe_model(bpe_engine):
+    """Chat's tools (here `required`: one call) are a grammar over the same tokens."""
+    from xlserve.server.api.protocol import FunctionDefinition
+    from xlserve.server.api.structured import tool_grammar
+
+    function = FunctionDefinition(name="lookup", parameters={
+        "type": "object", "required": ["key"], "additionalProperties": False,
+        "properties": {"key": {"type": "string", "maxLength": 5}}})
+    grammar = tool_grammar([function], auto=False, parallel=False)
+    for seed in range(3):
+        drawn = bpe_generate(bpe_engine, "<|user|>find x<|endoftext|><|assistant|>", max_tokens=80, seed=seed,
+                             logit_bias=ATTRACTIVE, constraint_kind="grammar", constraint=grammar)
+        (tokens,), (text,) = drawn["tokens"], drawn["texts"]
+        assert drawn["reasons"] == ["stop"] and not set(tokens) & set(FORBIDDEN), drawn
+        assert bpe_engine[1].decode(tokens) == text
+        call = re.fullmatch(r"<tool_call>(.*)</tool_call>", text, re.S)
+        assert call is not None, text
+        arguments = json.loads(call.group(1))
+        assert arguments["name"] == "lookup" and len(arguments["arguments"]["key"]) <= 5, arguments
+
+
+def test_a_tokenizer_json_without_a_byte_level_decoder_is_refused_naming_its_decoder():
+    from tokenizers import Tokenizer, decoders, models
+
+    from xlserve.models.tokenizer import TokenizersTokenizer
+
+    pieces = Tokenizer(models.BPE(vocab={"▁the": 0, "<0x0A>": 1}, merges=[]))
+    pieces.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()])
+    compiler = ConstraintCompiler(TokenizersTokenizer(pieces), "llama-like")
+    with pytest.raises(InvalidInput) as refused:
+        compiler.matcher("regex", "the", param="guided_regex")
+    assert refused.value.code == "constraint_not_supported"
+    assert "Sequence, not ByteLevel" in refused.value.message and "byte-level BPE" in refused.value.message
+
+
+# -- a byte checkpoint with more rows than bytes ----------------------------------------------------------
+
+
+def test_a_byte_model_of_260_rows_enforces_its_constraint_over_bytes_only():
+    """`xlserve new --config '{"vocab_size": 260}'`: llguidance's vocabulary was 256 + 1 while the
+    logits are 260 wide, so a constrained row drew id 256, its end token, as a byte (HTTP 500
+    "bytes must be in range(0, 256)"). Ids 256-259 are special now, the end bit is at 260, and
+    the output matches, even where the model would rather draw those ids."""
+    from xlserve.models.registry import build_model
+
+    torch.manual_seed(0)
+    model = build_model("mamba", dict(vocab_size=260, n_layer=1, d_model=32, d_inner=64, d_state=8, dt_rank=4)).eval()
+    engine = Engine("v260", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery())
+    beyond = {token: 6.0 for token in range(256, 260)}
+    try:
+        for kind, text, holds in [("regex", "[a-z]{1,8}", lambda out: re.fullmatch("[a-z]{1,8}", out)),
+                                  ("json_schema", json.dumps(PERSON), lambda out: holds_person(json.loads(out)))]:
+            for extra in ({}, {"top_k": 50}, {"logit_bias": beyond}, {"logit_bias": beyond, "top_k": 50}):
+                for seed in range(3):
+                    queued = EngineRequest("generate", list(b"x = "), engine.fresh_data(),
+                                           SamplingParams(max_tokens=150, temperature=1.0, seed=seed, n=4,
+                                                          constraint_kind=kind, constraint=text, **extra))
+                    drawn = asyncio.run(tokens_of(engine, queued))
+                    assert drawn["reasons"] == ["stop"] * 4, (kind, extra, drawn)
+                    for tokens, streamed in zip(drawn["tokens"], drawn["texts"]):
+                        assert all(token < 256 for token in tokens) and holds(streamed), (kind, extra, streamed)
+                        assert bytes(tokens).decode() == streamed
+    finally:
+        engine.close()
+
+
+def test_ids_past_255_of_a_byte_model_decode_to_nothing():
+    """Unconstrained, such a model may draw them: they stand for no byte, and are named."""
+    tokenizer = ByteTokenizer()
+    detokenizer = tokenizer.detokenizer()
+    assert [detokenizer.push(token) for token in (0x68, 257, 0xC3, 259, 0xA9)] == ["h", "", "", "", "é"]
+    assert tokenizer.decode([0x68, 257, 0x69]) == "hi" and tokenizer.byte_length([0x68, 257]) == 1
+    assert tokenizer.token_text(258) == "<id 258>" and tokenizer.token_bytes(258) is None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import re
@@ -16,7 +15,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from fastapi.responses import StreamingResponse
 
-from xlserve.models.tokenizer import SentencePieceTokenizer, TokenizersTokenizer
+from xlserve.models.tokenizer import SentencePieceTokenizer, TokenizersTokenizer, byte_level_bytes
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.chat import ChatTemplateError
 from xlserve.server.api.errors import APIError, InvalidRequest, validation_error
@@ -352,37 +351,24 @@ BYTE_TOKEN_NAME = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 WORD_START = "\u2581"  # SentencePiece's mark for the space before a word
 
 
-@functools.cache
-def byte_level_alphabet() -> dict[str, int]:
-    """The characters GPT-2-style byte-level BPE names bytes with (tokenizer.json's ByteLevel):
-    a printable Latin-1 byte is its own character, every other byte, in order, one of the
-    characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    others = [byte for byte in range(256) if byte not in printable]
-    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
-
-
 def token_bytes_reader(tokenizer) -> Callable[[str], list[int]]:
     """How chat logprobs' `bytes` are made from a token's name (the tokenizer's `token_text`):
     the bytes the token adds to the text, which a client joins to rebuild characters split
     over several tokens. A byte token's name is an escape ("<0xC3>"): its byte; a byte-level
-    BPE name (tokenizer.json's ByteLevel decoder): the bytes its characters stand for; a
-    SentencePiece name: its UTF-8 with the word-start mark as the space it is; any other name
-    is the token's text: its UTF-8."""
-    alphabet = None
-    if isinstance(tokenizer, TokenizersTokenizer):
-        from tokenizers.decoders import ByteLevel  # the tokenizer is loaded: its library is here
-
-        if isinstance(tokenizer.tokenizer.decoder, ByteLevel):
-            alphabet = byte_level_alphabet()
-    word_start = isinstance(tokenizer, (SentencePieceTokenizer, TokenizersTokenizer)) and alphabet is None
+    BPE name (tokenizer.json's ByteLevel decoder): the bytes its characters stand for
+    (models/tokenizer.py `byte_level_bytes`); a SentencePiece name: its UTF-8 with the
+    word-start mark as the space it is; any other name is the token's text: its UTF-8."""
+    byte_level = isinstance(tokenizer, TokenizersTokenizer) and tokenizer.byte_level
+    word_start = isinstance(tokenizer, (SentencePieceTokenizer, TokenizersTokenizer)) and not byte_level
 
     def token_bytes(name: str) -> list[int]:
         byte = BYTE_TOKEN_NAME.fullmatch(name)
         if byte is not None:
             return [int(byte.group(1), 16)]
-        if alphabet is not None and all(character in alphabet for character in name):
-            return [alphabet[character] for character in name]
+        if byte_level:
+            named = byte_level_bytes(name)
+            if named is not None:
+                return list(named)
         return list((name.replace(WORD_START, " ") if word_start else name).encode("utf-8"))
 
     return token_bytes
