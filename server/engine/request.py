@@ -140,6 +140,9 @@ class Row:
         self.generated_logprobs: list[float] = []
         self.pending: int | None = None
         self.finish_reason: str | None = None
+        # it ended at a stop string: the text held back was that string's start, and goes (any
+        # other end, the model's end of text or a constraint's included, sends what is held back)
+        self.stopped_by_string = False
 
     @property
     def keeps_state(self) -> bool:

@@ -715,7 +715,7 @@ class Engine:
         if row.request.first_token_at is None:
             self._first_output(row.request)
         if stopped:
-            row.finish_reason = "stop"
+            row.finish_reason, row.stopped_by_string = "stop", True
         elif constraint is not None and constraint.complete:  # nothing may follow: the output is complete
             row.finish_reason, constraint.ended = "stop", True
         elif row.generated >= params.max_tokens or self._context_full(row):
@@ -831,8 +831,8 @@ class Engine:
 
     def _finish_row(self, row: Row) -> None:
         request = row.request
-        if row.finish_reason == "stop" and not (row.constraint is not None and row.constraint.ended):
-            tail = ""  # a stop string: the text held back was its start
+        if row.stopped_by_string:
+            tail = ""  # the text held back was the stop string's start
         else:
             tail = row.stops.push(row.detokenizer.flush())[0] + row.stops.flush()
         choice = ChoiceFinished(row.index, row.finish_reason, tail, row.generated)

@@ -860,22 +860,28 @@ def test_a_row_ends_at_the_models_end_of_text_unless_it_ignores_it():
 
     engine = Engine("m", model, EndingBytes(), Metrics(), sink=local.SubmissionDelivery())
 
+    # a stop string the text before the end of text starts, but never finishes: what the stop
+    # checker holds back at the end goes out with the end of text, as at any end but a stop string
+    held = bytes(before).decode()[-1] + "\x01"
+
     async def main():
         ended, other = await asyncio.gather(
             collect(engine, generation(engine, "hello", keep_state=True, **drawn)),
             collect(engine, generation(engine, "other prompt", max_tokens=12, ignore_eos=True)))
+        held_back = await collect(engine, generation(engine, "hello", **drawn, stop=[held]))
         going_on = await collect(engine, generation(engine, "hello", **drawn, ignore_eos=True))
         data = ended["finished"].data
         continued = await collect(engine, generation(engine, "x", start=data, max_tokens=4, ignore_eos=True))
         one_pass = await collect(engine, EngineRequest("generate", [*b"hello", *before, *b"x"], engine.fresh_data(),
                                                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
-        return ended, other, going_on, continued, one_pass
+        return ended, other, going_on, continued, one_pass, held_back
 
     try:
-        ended, other, going_on, continued, one_pass = run(main())
+        ended, other, going_on, continued, one_pass, held_back = run(main())
     finally:
         engine.close()
     assert ended["tokens"] == [before] and ended["texts"] == [bytes(before).decode()]
+    assert held_back["texts"] == ended["texts"] and held_back["finished"].finish_reason == "stop"
     assert ended["finished"].finish_reason == "stop" and ended["finished"].completion_tokens == len(before)
     assert ended["finished"].data.tokens == len(b"hello") + len(before)  # the end of text was not fed
     assert going_on["tokens"] == [tokens] and going_on["finished"].finish_reason == "length"
