@@ -130,10 +130,13 @@ class Placement:
             left, self._left_files = self._left_files, []
             gone: list[str] = []
             held: list[tuple[str, int]] = []
+            # a left file whose session has left the books since is a forgotten one's
+            forgotten += [session_id for session_id in left if self.manager.get(session_id) is None]
             # a forgotten id may be in the books again (a keyed id: a create retried with its
             # Idempotency-Key), whose new file is not to go; held meanwhile, it cannot come back
             for session_id in dict.fromkeys(forgotten):
                 if self.manager.get(session_id) is not None or self.holds.kind(session_id) == NEW:
+                    self._removal_failures.pop(session_id, None)
                     continue
                 if self.holds.kind(session_id) is None:
                     held.append((session_id, self.holds.take(session_id, MOVE)))
@@ -142,9 +145,10 @@ class Placement:
             for session_id in dict.fromkeys(left):
                 record = self.manager.get(session_id)
                 if record is None:
-                    gone.append(session_id)
-                elif "disk" in record.copies:
-                    continue  # a newer copy was written to disk since: the file is no longer left over
+                    continue  # with the forgotten ones above
+                elif "disk" in record.copies:  # a newer copy was written to disk since: the file is no longer left over
+                    self._removal_failures.pop(session_id, None)
+                    continue
                 elif self.holds.kind(session_id) is None:
                     held.append((session_id, self.holds.take(session_id, MOVE)))
                 else:
@@ -161,7 +165,8 @@ class Placement:
                     if failures == 1 or failures % 1000 == 0:
                         log.warning("session %s: its file could not be removed (%s; %d tries); a later sweep "
                                     "tries again", session_id, error, failures)
-                    self.leave_file(session_id)
+                    with self._lock:  # checked again then as it is now: the id may be a new session's by then
+                        (self._forgotten if self.manager.get(session_id) is None else self._left_files).append(session_id)
         finally:
             if held:
                 with self._lock:

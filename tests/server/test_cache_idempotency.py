@@ -360,3 +360,31 @@ def test_a_delete_of_a_session_in_use_is_busy_before_its_key_is_checked(tmp_path
         cache.delete(sid, "owner", key("k", "another-request"))
     assert cache.info(sid, "owner").version == 1  # nothing deleted, and nothing left holding it
     cache.release(cache.acquire(sid, "owner"))
+
+
+def test_a_file_whose_removal_failed_is_never_removed_under_a_session_made_anew(tmp_path):
+    """A forgotten session's file whose removal fails is tried again at a later sweep as a
+    forgotten one: skipped once its id is a new session's (a keyed create retried: the NEW hold,
+    then its own file), not deleted without a look as a file left over, which removed the new
+    session's only copy."""
+    from xlserve.server.cache.leases import NEW
+
+    cache = make_cache(tmp_path)
+    sid = cache.create("toy", "alice", data(10, 0)).id
+    with cache._lock:
+        cache.placement.forget(cache.manager.get(sid))
+    real_delete = cache.disk.delete
+
+    def failing_delete(session_id):
+        raise PermissionError("injected: the file could not be removed")
+
+    cache.disk.delete = failing_delete
+    cache.placement.sweep()  # fails: the id is tried again at a later sweep
+    cache.disk.delete = real_delete
+    with cache._lock:
+        hold = cache.holds.take(sid, NEW)  # the keyed create's retry makes the session anew ...
+    assert cache.disk.exists(sid)  # (its file, written under that hold, stands for the old one here)
+    cache.placement.sweep()
+    assert cache.disk.exists(sid)  # ... and the sweep leaves its file alone
+    with cache._lock:
+        cache.holds.give_back(sid, hold)
