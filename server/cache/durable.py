@@ -221,7 +221,7 @@ class DurableStore:
         to `unreadable` when given); None without Redis."""
         if self.redis is None:
             return None
-        heads = store_call(self.redis.heads)
+        heads = store_call(lambda: self.redis.heads(unreadable))
         for session_id, (_, meta) in list(heads.items()):
             try:
                 self._check_head(session_id, meta)

@@ -811,8 +811,9 @@ class RedisStore:
             raise StoreUnavailable(f"Redis at {self._safe_url()} holds session {session_id} with a log block missing")
         return *self._version_and_meta(session_id, fields["version"], fields.get("meta")), fields["blob"], blocks
 
-    def heads(self) -> dict[str, tuple[int, dict]]:
-        """(version, meta) of every session Redis holds (tombstones and fences left out). In a
+    def heads(self, unreadable: set[str] | None = None) -> dict[str, tuple[int, dict]]:
+        """(version, meta) of every session Redis holds (tombstones and fences left out; one whose
+        record does not read is left out too, its id added to `unreadable` when given). In a
         cluster, scan_iter walks every primary; the pipeline is split by node."""
 
         def scan() -> dict[str, tuple[int, dict]]:
@@ -829,6 +830,8 @@ class RedisStore:
                             found[session_id] = self._version_and_meta(session_id, version, meta)
                         except StoreUnavailable as error:
                             log.warning("%s; left out of the listing", error)
+                            if unreadable is not None:
+                                unreadable.add(session_id)
             return found
 
         return self._read(scan)

@@ -309,20 +309,22 @@ def test_a_listing_lets_go_of_idle_sessions_another_replica_deleted(tmp_path, re
     """With Redis, sessions another replica deleted left this replica's books only when asked for
     here: their records and copies (device, host, disk spill) piled up with every session deleted
     elsewhere. A listing lets go of those Redis no longer holds, idle and older than a write takes
-    to land (hold_wait_s); a session in use, or one younger, stays."""
+    to land (hold_wait_s); a session in use, or one whose Redis record does not read, stays."""
     n = 100
     here = SessionCache(tmp_path / "a", size(n), size(n), size(4 * n), redis_url=redis_url, hold_wait_s=0.2)
     here.open({"toy": MODEL})
     elsewhere = replica(tmp_path, "b", redis_url)
     ids = [here.create("toy", "alice", data(n, i)).id for i in range(4)]  # the first spilled to disk
     assert here.info(ids[0], "alice").tier == "disk" and here.disk.exists(ids[0])
+    damaged = here.create("toy", "alice", data(n, 5)).id  # its Redis record will not read: not gone
+    redis.Redis.from_url(redis_url).hset(here.redis.prefix + damaged, "version", "one")
     held = here.acquire(ids[3], "alice")  # in use here while the other replica deletes it
     for session_id in ids:
         elsewhere.delete(session_id, "alice")
     time.sleep(0.3)  # older than hold_wait_s
     young = here.create("toy", "alice", data(n, 9)).id
     assert [info.id for info in here.list_sessions("alice")[0]] == [young]
-    assert {record.id for record in here.manager.records.values()} == {young, ids[3]}
+    assert {record.id for record in here.manager.records.values()} == {young, ids[3], damaged}
     assert not here.disk.exists(ids[0])  # its spill file went with it
     here.release(held)
     here.close()
