@@ -365,3 +365,45 @@ def test_a_cancel_frame_stops_a_websocket_generate_being_queued(app_and_engine):
         assert state.inflight == 0
 
     asyncio.run(scenario())
+
+
+def test_a_cancel_while_the_session_is_taken_is_answered_after_its_release(app_and_engine):
+    """A `cancel` for a generate whose session the engine process is still taking (its state
+    coming back from disk or Redis) is answered once the lease has been let go, so that the
+    client's next request for the session, sent on that answer, is not refused 409 by the lease
+    of the one it cancelled (the release used to follow whenever the lease arrived)."""
+    app, state = app_and_engine
+
+    class SlowToTake(SessionEngine):
+        def __init__(self, metrics):
+            super().__init__(metrics)
+            self.taking, self.taken = asyncio.Event(), asyncio.Event()
+            self.order: list[str] = []
+
+        async def acquire(self, session_id, owner, key):
+            self.taking.set()
+            await self.taken.wait()
+            return await super().acquire(session_id, owner, key)
+
+        def release(self, lease):
+            super().release(lease)
+            self.order.append("released")
+
+    engine = state.engine = SlowToTake(state.metrics)
+
+    async def scenario():
+        connection = WebsocketConnection(app)
+        connection.receive({**GENERATE, "id": "first", "session_id": SESSION})
+        await asyncio.wait_for(engine.taking.wait(), 5)
+        connection.receive({"type": "cancel", "id": "first"})
+        await asyncio.sleep(0.2)
+        assert connection.frames() == [] and engine.order == []  # the lease is still on its way
+        engine.taken.set()
+        [done] = await connection.until_frames()
+        engine.order.append("answered")
+        assert (done["id"], done["finish_reason"]) == ("first", "cancelled"), done
+        assert engine.order == ["released", "answered"] and engine.released == 1
+        assert state.inflight == 0
+        await connection.close()
+
+    asyncio.run(scenario())

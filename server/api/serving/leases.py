@@ -14,6 +14,10 @@ from xlserve.server.engine.client import RemoteLease
 
 # -- a request's hold on its session --------------------------------------------------------------
 
+# how long a request that was cancelled while its session was being taken waits for the lease to
+# let it go at once (beyond, it is let go whenever it arrives)
+RELEASE_WAIT_SECONDS = 30.0
+
 
 @asynccontextmanager
 async def session_lease(state: AppState, session_id: str | None, owner: str | None,
@@ -30,10 +34,17 @@ async def session_lease(state: AppState, session_id: str | None, owner: str | No
     try:
         lease = await asyncio.shield(acquiring)
     except asyncio.CancelledError:
-        # the caller is gone (a client that left) but the lease is on its way: let it go when it
-        # arrives, so the session never stays pinned
-        acquiring.add_done_callback(
-            lambda done: done.cancelled() or done.exception() is not None or state.engine.release(done.result()))
+        # the caller is gone (a client that left, a websocket's cancel) but the lease is on its
+        # way: it is let go once it arrives, so the session never stays pinned; waited for here
+        # (at most RELEASE_WAIT_SECONDS), so that the answer to a cancel goes out after the
+        # release, and the client's next request for the session is not refused 409 by this one
+        try:
+            lease = await asyncio.wait_for(asyncio.shield(acquiring), RELEASE_WAIT_SECONDS)
+        except BaseException:  # noqa: BLE001 (its own failure, the wait's end, a second cancel)
+            acquiring.add_done_callback(
+                lambda done: done.cancelled() or done.exception() is not None or state.engine.release(done.result()))
+        else:
+            state.engine.release(lease)
         raise
     try:
         yield lease
