@@ -117,6 +117,7 @@ from xlserve.server.engine.wire import (
 from xlserve.server.metrics import Metrics
 from xlserve.server.redis_urls import masked_url
 from xlserve.server.settings import EngineSettings, Settings, parse_quantize
+from xlserve.server.version import package_version
 
 log = logging.getLogger("xlserve.engine_process")
 
@@ -209,16 +210,18 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
 def weights_identity(directory: Path, dtype: torch.dtype, quantize: str) -> bytes:
     """What a model's prefix states depend on besides its served name: its checkpoint's bytes
     (config and weights, hashed: about 0.8 s for wt103's 1.1 GB, read from the page cache just
-    after loading) and how this replica computes with them (dtype, quantization). Prefix entries
-    in Redis outlive the replica that wrote them and are found by every replica, so an entry
-    written with other weights under the same name (a new checkpoint rolled out, an int8
-    replica beside float32 ones) must not be found: the engine mixes this into every scope."""
+    after loading) and how this replica computes with them (dtype, quantization, and the
+    version of xlserve: a release may compute a model otherwise, as Mamba-2's grouped norm
+    changed). Prefix entries in Redis outlive the replica that wrote them and are found by every
+    replica, so an entry written with other weights under the same name (a new checkpoint rolled
+    out, an int8 replica beside float32 ones, a replica of another release during a rolling
+    upgrade) must not be found: the engine mixes this into every scope."""
     digest = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         with open(directory / name, "rb") as f:
             while chunk := f.read(16 << 20):
                 digest.update(chunk)
-    digest.update(f"dtype={dtype};quantize={quantize}".encode())
+    digest.update(f"dtype={dtype};quantize={quantize};xlserve={package_version()}".encode())
     return digest.digest()
 
 

@@ -618,8 +618,10 @@ def test_entries_name_the_weights_that_made_them_where_they_outlive_the_process(
     """Prefix entries in Redis outlive the replica that wrote them: a replica with other weights
     under the same model name (a new checkpoint rolled out, int8 beside float32) must not find
     them. The engine mixes its weights' identity into every scope; the identity changes with
-    any byte of the checkpoint, the dtype and the quantization."""
+    any byte of the checkpoint, the dtype, the quantization and the release of xlserve (which
+    may compute a model otherwise: a rolling upgrade runs two)."""
     from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.server.engine import process
     from xlserve.server.engine.process import weights_identity
 
     save_checkpoint(xl_model(), tmp_path / "a")
@@ -627,6 +629,12 @@ def test_entries_name_the_weights_that_made_them_where_they_outlive_the_process(
     assert weights_identity(tmp_path / "a", torch.float32, "none") == first
     assert weights_identity(tmp_path / "a", torch.bfloat16, "none") != first
     assert weights_identity(tmp_path / "a", torch.float32, "int8") != first
+    real_version = process.package_version
+    process.package_version = lambda: real_version() + ".next"
+    try:
+        assert weights_identity(tmp_path / "a", torch.float32, "none") != first
+    finally:
+        process.package_version = real_version
     weights = tmp_path / "a" / "model.safetensors"
     changed = bytearray(weights.read_bytes())
     changed[-1] ^= 1
