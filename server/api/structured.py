@@ -171,9 +171,26 @@ def closed_objects(schema: Any) -> Any:
     return closed
 
 
+def combines_objects(schema: Any) -> bool:
+    """Whether `schema` somewhere says an object is several schemas at once (an allOf of two or
+    more: `allOf: [{"$ref": "#/$defs/Base"}, {"properties": {"extra": ...}}]`). Their branches,
+    and the definitions they refer to, describe one object together: closed one by one, no object
+    could hold the properties of two, so such a schema is enforced as it is written. (An allOf
+    of one, pydantic's wrapper of a `$ref` with a description, is no combination.)"""
+    if isinstance(schema, list):
+        return any(combines_objects(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return True
+    return any(combines_objects(value) for key, value in schema.items() if key not in ("const", "enum", "default",
+                                                                                       "examples"))
+
+
 def enforced_schema(schema: Any, strict: bool, layout: dict | None = None) -> Any:
-    """`schema` as the engine is to enforce it: with `strict`, objects closed (`closed_objects`)
-    and every keyword enforced (a refusal names one the engine does not implement); without,
+    """`schema` as the engine is to enforce it: with `strict`, objects closed (`closed_objects`;
+    not in a schema that `combines_objects`) and every keyword enforced (a refusal names one the engine does not implement); without,
     compiled leniently (llguidance's `x-guidance: {"lenient": true}`), so that keywords and formats
     it does not implement are ignored, as OpenAI accepts them where `strict` is not true. `layout`:
     how JSON is laid out, for a schema embedded in a grammar (where the engine's defaults do not
@@ -181,7 +198,7 @@ def enforced_schema(schema: Any, strict: bool, layout: dict | None = None) -> An
     if not isinstance(schema, dict):  # true, false: nothing to close or to ignore
         return schema
     if strict:
-        schema = closed_objects(schema)
+        schema = schema if combines_objects(schema) else closed_objects(schema)
     options = {**(layout or {}), **({} if strict else {"lenient": True})}
     given = schema.get("x-guidance", {})
     if not options or not isinstance(given, dict):  # one that is no object: llguidance refuses it, naming it

@@ -249,3 +249,18 @@ def test_a_named_function_is_called_exactly_once(served, parallel):
     assert takes(matcher, once)
     assert not takes(matcher, once + call("get_weather", {"city": "b"}))
     assert not takes(matcher, call("get_time", {}))
+
+
+def test_strict_enforces_objects_combined_by_all_of_as_written(served):
+    """allOf's branches (and the definitions they refer to) describe one object together: closed
+    one by one, no object could hold the properties of two (`allOf: [{$ref Base}, {properties:
+    {age}}]` with age required was refused as unsatisfiable), so such a schema is not closed."""
+    client, engine = served
+    schema = {"$defs": {"Base": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
+                                 "required": ["name"]}},
+              "allOf": [{"$ref": "#/$defs/Base"},
+                        {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}]}
+    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4,
+                                                          "response_format": json_schema_format(schema, strict=True)})
+    assert response.status_code == 200, response.text
+    assert takes(engine.matchers[-1], json.dumps({"name": "c", "age": 23}))
