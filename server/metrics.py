@@ -176,7 +176,7 @@ class Metrics:
             ["model", "kind"], registry=r)
         # compactions behind a commit's answer (server/cache/compactor.py), by outcome: compacted,
         # busy (a request held the session: its next commit asks again), moved_on (another replica
-        # committed first; Redis only), failed (the store refused or did not answer; the log stays)
+        # committed first, with Redis; or, on disk, the log was gone already), failed (the store refused or did not answer; the log stays)
         self.session_compactions = Counter(
             "xlserve_session_compactions", "Compactions behind a commit's answer, by outcome (compacted, busy, "
             "moved_on, failed)", ["model", "outcome"], registry=r)

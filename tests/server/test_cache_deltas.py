@@ -878,3 +878,15 @@ def test_an_append_that_could_not_be_cut_off_is_rewritten_before_the_session_lea
     assert_books_count_the_logs(cache)
     cache.close()
     assert other
+
+
+def test_a_compaction_asked_for_a_log_already_gone_writes_nothing(tmp_path):
+    """A compaction whose turn comes after the log was cleared (the session written whole
+    meanwhile: another compaction, an import) does not write the whole state again."""
+    model, metrics, cache, session_id = a_session_with_one_delta(tmp_path, 5)
+    assert cache.compact(session_id) is True and not cache.disk.log_path(session_id).exists()
+    assert cache.compact(session_id) is False  # nothing to compact: no second whole write
+    assert cache.durable.written["compaction"][0] == 1
+    sample = metrics.registry.get_sample_value
+    assert sample("xlserve_session_compactions_total", {"model": "m", "outcome": "moved_on"}) == 1
+    cache.close()
