@@ -42,6 +42,10 @@ HF_DEFAULTS = {
 }
 
 
+# the World models' vocabulary (RWKV/rwkv-4-world-*), whose tokenizer is no tokenizer.json
+WORLD_VOCAB_SIZE = 65536
+
+
 def translate_config(hf: dict, where: Path) -> tuple[RwkvConfig, list[str]]:
     check_architecture(hf, where, ARCHITECTURE)
     get = lambda key: hf.get(key, HF_DEFAULTS[key])  # noqa: E731
@@ -57,7 +61,12 @@ def translate_config(hf: dict, where: Path) -> tuple[RwkvConfig, list[str]]:
         layer_norm_epsilon=float(get("layer_norm_epsilon")), rescale_every=rescale,
         tie_embedding=bool(get("tie_word_embeddings")),
     )
-    return config, []
+    notes = []
+    if config.vocab_size == WORLD_VOCAB_SIZE and not (where.parent / "tokenizer.json").is_file():
+        notes.append(f"a vocabulary of {WORLD_VOCAB_SIZE:,} tokens and no tokenizer.json: an RWKV World model, whose "
+                     "tokenizer (rwkv_vocab_v20230424, read by the repository's own code) xlserve does not read; "
+                     "the weights convert and take token ids, but text needs a tokenizer.json")
+    return config, notes
 
 
 def _place(model: Rwkv, source: SourceTensors) -> dict[str, Tensor]:

@@ -366,3 +366,16 @@ def test_state_spaces_own_format_converts_as_transformers_form(references, tmp_p
         written = json.loads((source / "config.json").read_text())
         (source / "config.json").write_text(json.dumps({**written, **change}))
         refused(source, tmp_path / "out", match)
+
+
+def test_an_rwkv_world_directory_converts_saying_its_tokenizer_is_not_read(references, tmp_path):
+    """RWKV-4 World checkpoints (65,536 tokens) carry no tokenizer.json but their own vocabulary
+    file read by remote code: the weights convert, and the notes say text needs a tokenizer.json
+    rather than suggesting one exists to copy."""
+    from xlserve.models.convert.rwkv import translate_config
+
+    source = copy_of(references[("rwkv", 0)], tmp_path)
+    config = json.loads((source / "config.json").read_text())
+    _, notes = translate_config({**config, "vocab_size": 65536}, source / "config.json")
+    assert any("RWKV World" in note and "tokenizer.json" in note for note in notes), notes
+    assert translate_config(config, source / "config.json")[1] == []
