@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,7 @@ class SourceCheckpoint:
 
     directory: Path
     config: dict
-    tensors: dict[str, Tensor]
+    tensors: Mapping[str, Tensor]  # read when taken, from safetensors (SafetensorsFiles)
     weights_file: str  # the file the tensors came from, for messages
 
 
@@ -84,7 +85,10 @@ class SourceTensors:
     def take(self, name: str, shape: tuple[int, ...]) -> Tensor:
         if name not in self.tensors:
             raise ConversionError(f"{self.where}: tensor '{name}' is missing")
-        tensor = self.tensors[name]
+        try:
+            tensor = self.tensors[name]
+        except Exception as e:  # noqa: BLE001 (read from its file now: the library's own errors)
+            raise ConversionError(f"{self.where}: tensor '{name}' cannot be read: {e}") from None
         self.used.add(name)
         if tuple(tensor.shape) != tuple(shape):
             raise ConversionError(
@@ -109,17 +113,46 @@ class SourceTensors:
             raise ConversionError(f"{self.where}: cannot place tensor '{left[0]}'{more}")
 
 
+def skeleton(model_class, config):
+    """`model_class(config)` without random weights to overwrite: built on the meta device, so a
+    conversion holds the weights it places and not a second, random copy of the model (2.8 B
+    parameters are 11 GB in float32), which `load_placed` then fills. A model that computes
+    buffers when it is built (the Reformer's rotations) is built as usual: nothing would fill them."""
+    try:
+        with torch.device("meta"):
+            model = model_class(config)
+    except Exception:  # noqa: BLE001 (an initialisation that needs real values: built as usual)
+        return model_class(config)
+    if next(model.buffers(), None) is not None:
+        return model_class(config)
+    return model
+
+
 def load_placed(model: LanguageModel, placed: dict[str, Tensor], source: SourceTensors) -> LanguageModel:
-    """Copy `placed` (our parameter name -> value) into `model`, once every parameter has a value
-    and every source tensor was used; returns the model in eval mode."""
+    """Put `placed` (our parameter name -> value) into `model`, once every parameter has a value
+    and every source tensor was used; returns the model in eval mode. A `skeleton`'s parameters
+    are made here, one at a time, each value let go once it is in: a tied parameter is made once,
+    and every name it has points to it."""
     parameters = dict(model.named_parameters())  # tied parameters appear once, under their first name
     missing = sorted(set(parameters) - set(placed))
     if missing:  # a mapping the importer forgot; never load a model with uninitialised weights
         raise ConversionError(f"no source tensor for parameter '{missing[0]}'")
     source.check_all_used()
+    names: dict[int, list[str]] = {}  # every name of each parameter (tied ones have several)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
     with torch.no_grad():
-        for name, value in placed.items():
-            parameters[name].copy_(value)
+        for name in list(placed):
+            value, parameter = placed.pop(name), parameters[name]
+            if not parameter.is_meta:
+                parameter.copy_(value)
+                continue
+            made = torch.nn.Parameter(torch.empty(parameter.shape, dtype=parameter.dtype), parameter.requires_grad)
+            made.copy_(value)
+            del value
+            for alias in names[id(parameter)]:
+                owner, _, attribute = alias.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, made)
     return model.eval()
 
 
@@ -138,12 +171,11 @@ def read_source_config(directory: Path) -> dict:
     return config
 
 
-def read_source_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
+def read_source_tensors(directory: Path) -> tuple[Mapping[str, Tensor], str]:
     """All tensors of a Hugging Face directory, from safetensors (single file or shards) or,
     failing that, from pytorch_model.bin (single file or shards), whose pickle is parsed as data,
     never run (torch_file.py)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     single = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
@@ -151,12 +183,9 @@ def read_source_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
     pickled_index = directory / "pytorch_model.bin.index.json"
     try:
         if single.is_file():
-            return load_file(str(single)), single.name
+            return SafetensorsFiles([single]), single.name
         if index.is_file():
-            tensors: dict[str, Tensor] = {}
-            for shard in _shards(index):
-                tensors.update(load_file(str(directory / shard)))
-            return tensors, index.name
+            return SafetensorsFiles([directory / shard for shard in _shards(index)]), index.name
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         raise ConversionError(f"{directory}: the safetensors weights cannot be read: {e}") from None
     if pickled.is_file():
@@ -171,6 +200,33 @@ def read_source_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
         f"{directory} holds no weights xlserve can read (model.safetensors, model.safetensors.index.json, "
         f"pytorch_model.bin or pytorch_model.bin.index.json); found {present}"
     )
+
+
+class SafetensorsFiles(Mapping):
+    """The tensors of safetensors files, each read from its file when an importer takes it (the
+    files stay mapped, not read whole into memory): with `skeleton` and `load_placed`, a
+    conversion holds about one copy of the model, not the source, the placed weights and the
+    model at once."""
+
+    def __init__(self, paths: list[Path]):
+        from safetensors import safe_open
+
+        self.files = {}  # tensor name -> the open file holding it
+        for path in paths:
+            opened = safe_open(str(path), framework="pt")
+            for name in opened.keys():
+                if name in self.files:
+                    raise ValueError(f"tensor '{name}' is in two shards")
+                self.files[name] = opened
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.files[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
 
 
 def _shards(index: Path) -> list[str]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, skeleton
 from xlserve.models.convert.tokenizer_json import check_architecture, finish_import, positive_int
 from xlserve.models.mamba import Mamba, MambaConfig
 
@@ -102,7 +102,7 @@ def _place(model: Mamba, source: SourceTensors) -> dict[str, Tensor]:
 def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> Imported:
     config, notes = translate_config(source.config, source.directory / "config.json")
     try:
-        model = Mamba(config)  # its random weights are all overwritten
+        model = skeleton(Mamba, config)  # its random weights are all overwritten
     except ValueError as e:
         raise ConversionError(f"{source.directory / 'config.json'}: {e}") from None
     return finish_import(source, model, _place, ARCHITECTURE, symbols, notes)

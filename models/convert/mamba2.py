@@ -32,7 +32,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, skeleton
 from xlserve.models.convert.tokenizer_json import check_architecture, finish_import, positive_int
 from xlserve.models.mamba2 import Mamba2, Mamba2Config
 
@@ -111,7 +111,7 @@ def _place(model: Mamba2, source: SourceTensors) -> dict[str, Tensor]:
 def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> Imported:
     config, notes = translate_config(source.config, source.directory / "config.json")
     try:
-        model = Mamba2(config)
+        model = skeleton(Mamba2, config)
     except ValueError as e:
         raise ConversionError(f"{source.directory / 'config.json'}: {e}") from None
     return finish_import(source, model, _place, ARCHITECTURE, symbols, notes)

@@ -62,7 +62,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
+from xlserve.models.convert import (
+    ConversionError,
+    Imported,
+    SourceCheckpoint,
+    SourceTensors,
+    load_placed,
+    skeleton,
+)
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.reformer import Reformer, ReformerConfig, bucket_factors, rotation_columns
 
@@ -227,7 +234,7 @@ def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> 
         raise ConversionError("--symbols is for word-level models; a byte-level Reformer needs no tokenizer file")
     config, notes, shift, seed = translate_config(source.config, source.directory / "config.json")
     try:
-        model = Reformer(config)  # its random weights are all overwritten below
+        model = skeleton(Reformer, config)  # its random weights are all overwritten below
     except ValueError as e:
         raise ConversionError(f"{source.directory / 'config.json'}: {e}") from None
     tensors = SourceTensors(source)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, skeleton
 from xlserve.models.convert.tokenizer_json import check_architecture, finish_import, positive_int
 from xlserve.models.rwkv import Rwkv, RwkvConfig
 
@@ -102,7 +102,7 @@ def _place(model: Rwkv, source: SourceTensors) -> dict[str, Tensor]:
 def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> Imported:
     config, notes = translate_config(source.config, source.directory / "config.json")
     try:
-        model = Rwkv(config)
+        model = skeleton(Rwkv, config)
     except ValueError as e:
         raise ConversionError(f"{source.directory / 'config.json'}: {e}") from None
     return finish_import(source, model, _place, ARCHITECTURE, symbols, notes)

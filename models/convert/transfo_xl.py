@@ -37,7 +37,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
+from xlserve.models.convert import (
+    ConversionError,
+    Imported,
+    SourceCheckpoint,
+    SourceTensors,
+    load_placed,
+    skeleton,
+)
 from xlserve.models.tokenizer import WordTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig, cluster_bounds
 
@@ -210,7 +217,7 @@ def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> 
             "text needs symbols.json in the output directory; docs/convert.md shows how to export it"
         )
 
-    model = TransformerXL(config)  # its random weights are all overwritten below
+    model = skeleton(TransformerXL, config)  # its random weights are all overwritten below
     tensors = SourceTensors(source)
     model = load_placed(model, _place(model, tensors), tensors)
     return Imported(model=model, config_extra=extra, files=files, notes=notes)

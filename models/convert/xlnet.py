@@ -41,7 +41,14 @@ from pathlib import Path
 
 from torch import Tensor
 
-from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
+from xlserve.models.convert import (
+    ConversionError,
+    Imported,
+    SourceCheckpoint,
+    SourceTensors,
+    load_placed,
+    skeleton,
+)
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.xlnet import XLNet, XLNetConfig
 
@@ -173,7 +180,7 @@ def import_checkpoint(source: SourceCheckpoint, symbols: Path | None = None) -> 
         },
     }
     try:
-        model = XLNet(config)  # its random weights are all overwritten below
+        model = skeleton(XLNet, config)  # its random weights are all overwritten below
     except ValueError as e:
         raise ConversionError(f"{source.directory / 'config.json'}: {e}") from None
     tensors = SourceTensors(source)

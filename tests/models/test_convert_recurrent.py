@@ -379,3 +379,30 @@ def test_an_rwkv_world_directory_converts_saying_its_tokenizer_is_not_read(refer
     _, notes = translate_config({**config, "vocab_size": 65536}, source / "config.json")
     assert any("RWKV World" in note and "tokenizer.json" in note for note in notes), notes
     assert translate_config(config, source / "config.json")[1] == []
+
+
+def test_a_conversion_builds_no_random_model_and_keeps_ties(references, tmp_path):
+    """Importers build their model as a skeleton (on the meta device, nothing allocated) and
+    load_placed makes each parameter from its placed value: a conversion holds about one copy
+    of the model, not a random one beside the placed weights. A tied embedding and head stay one
+    parameter; a model that computes buffers when built is built as usual."""
+    from xlserve.models.convert import SourceCheckpoint, SourceTensors, load_placed, read_source_tensors, skeleton
+    from xlserve.models.convert.mamba import _place, translate_config
+    from xlserve.models.mamba import Mamba
+    from xlserve.models.reformer import Reformer, ReformerConfig
+
+    spec = references[("mamba", 0)]  # tied
+    source_dir = Path(spec["dir"]) / "hf"
+    config, _ = translate_config(json.loads((source_dir / "config.json").read_text()), source_dir / "config.json")
+    model = skeleton(Mamba, config)
+    assert all(parameter.is_meta for parameter in model.parameters())
+    tensors, weights_file = read_source_tensors(source_dir)
+    source = SourceTensors(SourceCheckpoint(source_dir, {}, tensors, weights_file))
+    model = load_placed(model, _place(model, source), source)
+    assert not any(parameter.is_meta for parameter in model.parameters())
+    assert model.head.weight is model.embedding.weight
+    expected = load_file(str(Path(spec["dir"]) / "ref.safetensors"))["one_pass"]
+    with torch.no_grad():
+        tokens = torch.tensor(spec["tokens"])
+        assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
+    assert not any(tensor.is_meta for tensor in skeleton(Reformer, ReformerConfig()).buffers())
