@@ -62,14 +62,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from xlserve.models.convert import (
-    ConversionError,
-    Imported,
-    SourceCheckpoint,
-    SourceTensors,
-    load_placed,
-    skeleton,
-)
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed, skeleton
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.reformer import Reformer, ReformerConfig, bucket_factors, rotation_columns
 

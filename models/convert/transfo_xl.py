@@ -37,14 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from xlserve.models.convert import (
-    ConversionError,
-    Imported,
-    SourceCheckpoint,
-    SourceTensors,
-    load_placed,
-    skeleton,
-)
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed, skeleton
 from xlserve.models.tokenizer import WordTokenizer
 from xlserve.models.transformer_xl import TransformerXL, TransformerXLConfig, cluster_bounds
 

@@ -41,14 +41,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from xlserve.models.convert import (
-    ConversionError,
-    Imported,
-    SourceCheckpoint,
-    SourceTensors,
-    load_placed,
-    skeleton,
-)
+from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed, skeleton
 from xlserve.models.layers.feedforward import ACTIVATIONS
 from xlserve.models.xlnet import XLNet, XLNetConfig
 
