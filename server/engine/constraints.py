@@ -389,8 +389,6 @@ class RowConstraint:
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher.deep_copy()
         self.vocab_size = vocab_size
-        self.ended = False  # the row ended because of its constraint (its text is flushed, not cut)
-        self.taken = 0  # tokens it has taken
         self.token_seconds = 0.0  # the parser's CPU time since `start_token`
         self.slow_tokens = 0  # tokens in a row, up to the last, over the time limit
 
@@ -438,23 +436,20 @@ class RowConstraint:
     def accept(self, token: int) -> bool:
         """Take `token` if the constraint allows it (True), else change nothing (False): one
         step of the parser, far cheaper than a whole mask."""
-        taken = self._timed(self.matcher.try_consume_tokens, [token]) == 1
-        self.taken += taken
-        return taken
+        return self._timed(self.matcher.try_consume_tokens, [token]) == 1
 
     def consume(self, token: int) -> None:
         """Take a token drawn from the mask."""
         self._timed(self.matcher.consume_token, token)
-        self.taken += 1
 
-    def failure(self, param: str | None) -> InvalidInput | None:
+    def failure(self, param: str | None, taken: int) -> InvalidInput | None:
         """Why the matcher stopped, when it stopped with an error of its own rather than at the end
         of its language: one of llguidance's limits (`parser_limits`) reached at this point of the
-        output. None while it has no error."""
+        output, after `taken` tokens of it. None while it has no error."""
         if not self.matcher.is_error():
             return None
         reason = (self.matcher.get_error().strip().splitlines() or ["no reason given"])[0]
-        return InvalidInput(f"the constraint's parser stopped after {self.taken} tokens of output: {reason}",
+        return InvalidInput(f"the constraint's parser stopped after {taken} tokens of output: {reason}",
                             param=param, code="grammar_too_large")
 
     @property

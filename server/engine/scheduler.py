@@ -690,7 +690,6 @@ class Engine:
             constraint.start_token()
             token = self._draw_constrained(row)
             if isinstance(token, str):  # it ends here, with this finish reason
-                row.constraint.ended = True
                 return self._ends_without_token(row, token)
             failure = constraint.too_slow(self.constraint_token_seconds, params.constraint_param)
             if failure is not None:  # going on, it would hold every other row of the model
@@ -717,7 +716,7 @@ class Engine:
         if stopped:
             row.finish_reason, row.stopped_by_string = "stop", True
         elif constraint is not None and constraint.complete:  # nothing may follow: the output is complete
-            row.finish_reason, constraint.ended = "stop", True
+            row.finish_reason = "stop"
         elif row.generated >= params.max_tokens or self._context_full(row):
             row.finish_reason = "length"
         if row.finish_reason is None or row.request.feeds_every_token:
@@ -760,7 +759,7 @@ class Engine:
         """The finish reason of a row its constraint leaves no token to draw; but a matcher that
         stopped with an error of its own (one of llguidance's limits, reached mid-output) is no
         end of its language: its request fails alone, telling the client llguidance's reason."""
-        failure = row.constraint.failure(row.request.params.constraint_param)
+        failure = row.constraint.failure(row.request.params.constraint_param, row.generated)
         if failure is not None:
             log.warning("model %s: a constrained row stopped: %s", self.name, failure.message)
             raise failure
