@@ -301,9 +301,9 @@ class TokenizersTokenizer:
     byte string and the decoded text is those strings joined (`token_bytes`), which is what
     structured output needs (server/engine/constraints.py)."""
 
-    def __init__(self, tokenizer, stop_token_ids: Iterable[int] = ()):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.stop_token_ids = frozenset(int(token) for token in stop_token_ids)
+        self.stop_token_ids: frozenset[int] = frozenset()  # set by `tokenizer_for_checkpoint`
 
     @functools.cached_property
     def byte_level(self) -> bool:

@@ -144,6 +144,8 @@ def called_functions(tools: list, tool_choice) -> list | None:
 SUBSCHEMA_KEYWORDS = frozenset({"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then",
                                 "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties"})
 SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+# keywords whose values are JSON data, not schemas: nothing inside them is a keyword
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
@@ -184,8 +186,7 @@ def combines_objects(schema: Any) -> bool:
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return True
-    return any(combines_objects(value) for key, value in schema.items() if key not in ("const", "enum", "default",
-                                                                                       "examples"))
+    return any(combines_objects(value) for key, value in schema.items() if key not in DATA_KEYWORDS)
 
 
 def enforced_schema(schema: Any, strict: bool, layout: dict | None = None) -> Any:
