@@ -97,7 +97,7 @@ from xlserve.server.cache.errors import (
     SessionNotFound,
     SessionUnavailable,
 )
-from xlserve.server.cache.leases import MOVE, NEW, Holds, Lease
+from xlserve.server.cache.leases import MOVE, NEW, REQUEST, Holds, Lease
 from xlserve.server.cache.ledger import (
     IDEMPOTENCY_KEYS_PER_SESSION,
     TOMBSTONE_SECONDS,
@@ -115,6 +115,10 @@ from xlserve.server.cache.stores import SESSION_ID, DiskStore, Head, RedisStore
 __all__ = ["IDEMPOTENCY_KEYS_PER_SESSION", "TOMBSTONE_SECONDS", "Lease", "Replay", "SessionCache", "new_session_id"]
 
 log = logging.getLogger("xlserve.cache")
+
+# requests that may wait at once for one session the cache holds (a move, or the commit of a
+# request that left); the next is refused at once (`_settled` says why)
+WAITERS_PER_SESSION = 4
 
 
 def new_session_id() -> str:
@@ -162,6 +166,7 @@ class SessionCache:
         self.hold_wait_s = hold_wait_s if hold_wait_s is not None else max(30.0, settle_s + 3 * store_timeout_s)
         self._lock = threading.RLock()
         self.holds = Holds(self.manager, self._lock)
+        self._waiting: dict[str, int] = {}  # session id -> requests waiting for the cache's hold on it (`_settled`)
         self.placement = Placement(self.manager, self.durable, self.holds, self._lock, metrics)
         self.compactions = Compactor(self.compact)
 
@@ -825,18 +830,37 @@ class SessionCache:
 
     def _settled(self, session_id: str, owner: str | None, head: Head | None) -> Record:
         """`_lookup`, once the cache is done moving the session's bytes (it waits for that, at
-        most `hold_wait_s`: then SessionUnavailable, a 503 the client may retry)."""
+        most `hold_wait_s`: then SessionUnavailable, a 503 the client may retry). At most
+        WAITERS_PER_SESSION requests wait for one session; the next is refused at once with
+        SessionUnavailable. Each waiter holds one of the engine process's session-op threads,
+        which every other client's acquire and commit need: a client retrying one session in a
+        loop while its write is slow must not take them all."""
         deadline = time.monotonic() + self.hold_wait_s
-        while True:
-            record = self._lookup(session_id, owner, head)
-            left = deadline - time.monotonic()
-            if self.holds.settled(session_id, timeout=max(left, 0.0)):
-                return record
-            if left <= 0:
-                log.error("session %s: still held by the cache (%s) after %.0fs", session_id,
-                          self.holds.kind(session_id), self.hold_wait_s)
-                raise SessionUnavailable(f"session '{session_id}' is still being moved or written after "
-                                         f"{self.hold_wait_s:.0f}s; retry later", session_id)
+        record = self._lookup(session_id, owner, head)
+        if self.holds.kind(session_id) in (None, REQUEST):
+            return record
+        waiting = self._waiting.get(session_id, 0)
+        if waiting >= WAITERS_PER_SESSION:
+            raise SessionUnavailable(f"session '{session_id}' is being moved or written and {waiting} requests "
+                                     "already wait for it; retry later", session_id)
+        self._waiting[session_id] = waiting + 1
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if self.holds.settled(session_id, timeout=max(left, 0.0)):
+                    return record
+                record = self._lookup(session_id, owner, head)  # it may have changed meanwhile
+                if self.holds.kind(session_id) in (None, REQUEST):
+                    return record
+                if left <= 0:
+                    log.error("session %s: still held by the cache (%s) after %.0fs", session_id,
+                              self.holds.kind(session_id), self.hold_wait_s)
+                    raise SessionUnavailable(f"session '{session_id}' is still being moved or written after "
+                                             f"{self.hold_wait_s:.0f}s; retry later", session_id)
+        finally:
+            left_waiting = self._waiting.pop(session_id) - 1
+            if left_waiting:
+                self._waiting[session_id] = left_waiting
 
     def _leased(self, lease: Lease) -> Record:
         if lease.done:

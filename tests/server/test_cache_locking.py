@@ -15,7 +15,7 @@ import pytest
 
 from xlserve.server.cache.errors import SessionLocked, SessionUnavailable
 from xlserve.server.cache.leases import MOVE
-from xlserve.server.cache.session_cache import SessionCache
+from xlserve.server.cache.session_cache import WAITERS_PER_SESSION, SessionCache
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.cache_helpers import MODEL, data, same, size
 
@@ -323,6 +323,38 @@ def test_a_request_for_a_session_held_for_good_is_refused_in_time_not_hung(tmp_p
         waiting.join(10)
         assert isinstance(outcome.get("error"), SessionUnavailable), outcome
     assert time.monotonic() - started < 5
+
+
+def test_requests_waiting_for_one_held_session_are_bounded_and_the_rest_refused_at_once(tmp_path):
+    # each waiter holds one of the engine process's session-op threads: a client retrying one
+    # session whose write is slow must not take every thread the other clients' requests need
+    cache = SessionCache(tmp_path / "state", None, None, None, hold_wait_s=20)
+    cache.open({"toy": MODEL})
+    sid = cache.create("toy", None, data(N, 0)).id
+    other = cache.create("toy", None, data(N, 1)).id
+    with cache._lock:
+        hold = cache.holds.take(sid, MOVE)  # the cache writing or moving it
+    waiters = [in_thread(cache.acquire, sid, None) for _ in range(WAITERS_PER_SESSION)]
+    deadline = time.monotonic() + 10
+    while cache._waiting.get(sid, 0) < WAITERS_PER_SESSION and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    for call in (lambda: cache.acquire(sid, None), lambda: cache.delete(sid, None)):
+        with pytest.raises(SessionUnavailable, match="already wait"):
+            call()
+    assert time.monotonic() - started < 5  # refused at once, not after hold_wait_s
+    cache.release(cache.acquire(other, None))  # another session is served meanwhile
+    with cache._lock:
+        cache.holds.give_back(sid, hold)
+    outcomes = []
+    for thread, outcome in waiters:
+        thread.join(10)
+        outcomes.append(outcome)
+    taken = [outcome["value"] for outcome in outcomes if "value" in outcome]
+    assert len(taken) == 1  # one waiter takes it; the others find it leased (409)
+    assert all(isinstance(outcome.get("error"), SessionLocked) for outcome in outcomes if "value" not in outcome)
+    cache.release(taken[0])
+    assert cache._waiting == {}
 
 
 def test_a_rebalance_that_fails_partway_after_a_commit_gives_its_holds_back(tmp_path):
