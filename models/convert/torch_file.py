@@ -17,7 +17,10 @@ Both layouts torch.save writes are read:
   each storage as an int64 element count and its bytes.
 
 A tensor is `torch.frombuffer` over its storage's bytes, viewed with the file's offset, size
-and stride, so tensors that shared a storage (tied weights, views) share it here too.
+and stride, so tensors that shared a storage (tied weights, views) share it here too. The bytes
+are those of the file mapped into memory (copy on write), not read: a storage is paged in when an
+importer reads it, so converting a checkpoint of many gigabytes holds the model it builds, not
+the source file besides (a storage the file does not align to its element size is copied).
 
 The file is its author's, so nothing it declares is trusted before it is checked against what
 the file holds: an archive entry must be stored (torch.save never compresses) and lie within the
@@ -30,6 +33,7 @@ makes the parts raise is NotATensorFile too.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickletools
 import struct
@@ -83,11 +87,15 @@ def read_tensors(path: str | Path) -> dict[str, Tensor]:
     shorter than its tensors, sizes the file cannot hold)."""
     path = Path(path)
     try:
-        if zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as archive:
-                return _flat(_read_archive(archive, path.stat().st_size))
         with open(path, "rb") as stream:
-            return _read_legacy(_Bounded(stream, os.fstat(stream.fileno()).st_size))
+            size = os.fstat(stream.fileno()).st_size
+            mapped = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            if zipfile.is_zipfile(stream):
+                stream.seek(0)
+                with zipfile.ZipFile(stream) as archive:
+                    return _flat(_read_archive(archive, size, mapped))
+            stream.seek(0)
+            return _read_legacy(_Bounded(stream, size), mapped)
     except NotATensorFile:
         raise
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError, EOFError, zipfile.BadZipFile,
@@ -124,7 +132,7 @@ class _Bounded:
         return self.stream.tell()
 
 
-def _read_archive(archive: zipfile.ZipFile, archive_bytes: int) -> object:
+def _read_archive(archive: zipfile.ZipFile, archive_bytes: int, mapped: mmap.mmap) -> object:
     names = archive.namelist()
     pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
@@ -147,9 +155,7 @@ def _read_archive(archive: zipfile.ZipFile, archive_bytes: int) -> object:
                 raise NotATensorFile(f"storage {ref.key!r} holds {entry.file_size} bytes, fewer than its "
                                      f"{ref.numel} elements")
             _check_entry(entry, archive_bytes)
-            with archive.open(entry) as stored:
-                raw = _read_exactly(stored, size)
-            storages[ref.key] = _storage_tensor(raw, ref, order)
+            storages[ref.key] = _storage_tensor(_mapped_bytes(mapped, _data_start(mapped, entry), size), ref, order)
         return storages[ref.key]
 
     pickled = _entry_bytes(archive, archive.getinfo(pickles[0]), archive_bytes)
@@ -166,12 +172,32 @@ def _check_entry(entry: zipfile.ZipInfo, archive_bytes: int) -> None:
         raise NotATensorFile(f"its entry {entry.filename!r} declares more bytes than the file holds")
 
 
+def _data_start(mapped: mmap.mmap, entry: zipfile.ZipInfo) -> int:
+    """Where a stored entry's bytes begin: after its local header, whose name and extra field
+    may differ in length from those of the central directory (zipfile reads it the same way)."""
+    header = mapped[entry.header_offset : entry.header_offset + 30]
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise NotATensorFile(f"its entry {entry.filename!r} has no local header where the archive says")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return entry.header_offset + 30 + name_length + extra_length
+
+
+def _mapped_bytes(mapped: mmap.mmap, start: int, size: int) -> Tensor:
+    """`size` bytes of the mapped file from `start`, as a uint8 tensor over the mapping (nothing
+    read yet); NotATensorFile when the file ends before them."""
+    if start < 0 or start + size > len(mapped):
+        raise NotATensorFile("it ends inside a storage")
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=start)
+
+
 def _entry_bytes(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, archive_bytes: int) -> bytes:
     _check_entry(entry, archive_bytes)
     return archive.read(entry)
 
 
-def _read_legacy(stream) -> object:
+def _read_legacy(stream, mapped: mmap.mmap | None) -> object:
     try:
         header = [_evaluate(pickletools.genops(stream), _no_storage, legacy=True) for _ in range(3)]
     except NotATensorFile:
@@ -201,16 +227,16 @@ def _read_legacy(stream) -> object:
         if count != ref.numel:
             raise NotATensorFile(f"storage {key!r} holds {count} elements where {ref.numel} were named")
         size = count * _element_size(ref.dtype)
-        if size > left - stream.tell():  # checked before its buffer is allocated
+        if size > left - stream.tell():
             raise NotATensorFile("it ends inside a storage")
-        raw = _read_exactly(stream, size)
-        storages[key] = _storage_tensor(raw, ref, "little")
+        start = stream.tell()
+        storages[key] = _storage_tensor(_mapped_bytes(mapped, start, size), ref, "little")
+        stream.stream.seek(start + size)
     return {name: _strided(storages[view.ref.key], view.offset, view.size, view.stride) for name, view in loaded.items()}
 
 
 def _read_exactly(stream, n: int) -> bytearray:
-    """`n` bytes of `stream` into one buffer (a storage's, which a tensor then shares: the
-    file's bytes are held once)."""
+    """`n` bytes of `stream` into one buffer."""
     data = bytearray(n)
     view, got = memoryview(data), 0
     while got < n:
@@ -225,14 +251,17 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _storage_tensor(raw: bytearray, ref: _StorageRef, order: str) -> Tensor:
-    """The storage's elements (`raw`, exactly its bytes) as a flat tensor sharing `raw`."""
+def _storage_tensor(raw: Tensor, ref: _StorageRef, order: str) -> Tensor:
+    """The storage's elements (`raw`, exactly its bytes, uint8) as a flat tensor sharing `raw`
+    (a copy where `raw` does not start at a multiple of the element size)."""
     if order not in ("little", "big"):
         raise NotATensorFile(f"its byteorder is {order[:20]!r}")
     size = _element_size(ref.dtype)
     if ref.numel == 0:
         return torch.empty(0, dtype=ref.dtype)
-    flat = torch.frombuffer(raw, dtype=ref.dtype)
+    if raw.data_ptr() % size:
+        raw = raw.clone()  # a fresh allocation is aligned
+    flat = raw.view(ref.dtype)
     if order != sys.byteorder and size > 1:  # swap the bytes of each number (a complex number's two apart)
         part = size // 2 if ref.dtype.is_complex else size
         flat = flat.view(torch.uint8).view(-1, part).flip(1).contiguous().view(-1).view(ref.dtype)

@@ -249,3 +249,55 @@ def test_a_big_endian_complex_storage_swaps_each_part(tmp_path):
     rewritten(path, "byteorder", lambda _: b"big")
     rewritten(path, "data/0", lambda data: b"".join(struct.pack(">f", v) for v in struct.unpack("<4f", data)))
     assert torch.equal(read_tensors(path)["weight"], values)
+
+
+MAPPED_CHECK = """
+import gc, sys, torch
+from xlserve.models.convert.torch_file import read_tensors
+
+def anonymous_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+before = anonymous_bytes()
+tensors = read_tensors(sys.argv[1])
+gc.collect()
+total = sum(float(tensor.double().sum()) if tensor.numel() < 2**20 else float(tensor.sum()) for tensor in tensors.values())
+print(anonymous_bytes() - before, total)
+"""
+
+
+def test_an_archives_storages_are_the_files_pages_not_a_copy_read_into_memory(tmp_path):
+    """A checkpoint of many gigabytes is converted holding the model it builds, not the source
+    besides: the tensors read are over the file's mapping, paged in as they are read (their pages
+    are the file's, which the system may drop again), and they outlive the file's handle."""
+    import subprocess
+    import sys
+
+    generator = torch.Generator().manual_seed(0)
+    saved = {f"layer{i}.weight": torch.randn(1024, 4096, generator=generator) for i in range(4)}  # 64 MiB
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(saved, path)
+    expected = sum(float(tensor.sum()) for tensor in saved.values())
+    result = subprocess.run([sys.executable, "-c", MAPPED_CHECK, str(path)], capture_output=True, text=True,
+                            timeout=120, check=True)
+    grown, total = result.stdout.split()
+    assert int(grown) < 16 * 2**20, f"{int(grown) / 2**20:.1f} MiB of anonymous memory for a 64 MiB file"
+    assert abs(float(total) - expected) <= 1e-3 * abs(expected) + 1e-2
+    read = read_tensors(path)
+    path.unlink()  # the mapping holds the file's pages, not its name
+    for name, tensor in saved.items():
+        assert torch.equal(read[name], tensor), name
+
+
+def test_a_storage_the_file_does_not_align_is_copied_aligned(tmp_path):
+    """A legacy stream puts each storage where the one before ended (after its 8-byte count), so
+    a float storage can start at any byte: it is copied to an aligned buffer, values unchanged."""
+    saved = {"bytes": torch.arange(3, dtype=torch.uint8), "floats": torch.randn(5), "longs": torch.arange(4)}
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(saved, path, _use_new_zipfile_serialization=False)
+    read = read_tensors(path)
+    for name, tensor in saved.items():
+        assert read[name].data_ptr() % tensor.element_size() == 0, name
+        assert torch.equal(read[name], tensor), name
