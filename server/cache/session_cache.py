@@ -119,6 +119,8 @@ log = logging.getLogger("xlserve.cache")
 # requests that may wait at once for one session the cache holds (a move, or the commit of a
 # request that left); the next is refused at once (`_settled` says why)
 WAITERS_PER_SESSION = 4
+# with Redis, how often a replica's books let go of the sessions other replicas deleted
+FORGET_DELETED_ELSEWHERE_SECONDS = 600.0
 
 
 def new_session_id() -> str:
@@ -143,7 +145,8 @@ class SessionCache:
     def __init__(self, state_dir, device_bytes: int | None, host_bytes: int | None, disk_bytes: int | None,
                  redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0,
                  hold_wait_s: float | None = None, state_dtype: torch.dtype = torch.float32,
-                 compact_ratio: float = DEFAULT_COMPACT_RATIO):
+                 compact_ratio: float = DEFAULT_COMPACT_RATIO,
+                 forget_deleted_every_s: float = FORGET_DELETED_ELSEWHERE_SECONDS):
         """`store_timeout_s` bounds each Redis call; `settle_s` is how long a commit whose write
         timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown;
         `hold_wait_s` is how long a request waits for a session the cache holds (its bytes moving
@@ -152,7 +155,9 @@ class SessionCache:
         answers within its timeouts, and bounded, so that a hold leaked by a bug is an error, not
         a request that never returns. `state_dtype` is the dtype every floating state tensor is
         kept in (module docstring). `compact_ratio`: a session's log of delta commits is
-        compacted into a new base once it would outgrow this times the base (durable.py)."""
+        compacted into a new base once it would outgrow this times the base (durable.py).
+        `forget_deleted_every_s`: with Redis, how often the books let go of the sessions another
+        replica deleted (`forget_deleted_elsewhere`)."""
         self.state_dtype = state_dtype
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         self.redis = RedisStore(redis_url, timeout_s=store_timeout_s) if redis_url else None
@@ -169,6 +174,9 @@ class SessionCache:
         self._waiting: dict[str, int] = {}  # session id -> requests waiting for the cache's hold on it (`_settled`)
         self.placement = Placement(self.manager, self.durable, self.holds, self._lock, metrics)
         self.compactions = Compactor(self.compact)
+        self.forget_deleted_every_s = forget_deleted_every_s
+        self._closing = threading.Event()  # ends the thread of `forget_deleted_elsewhere`
+        self._forgetting: threading.Thread | None = None
 
     def lend_to(self, borrower) -> None:
         """Share the tiers' budgets with `borrower` (the prefix cache): it reports what it holds
@@ -209,12 +217,40 @@ class SessionCache:
                             "until some are deleted (a commit that would grow a log is written whole instead)",
                             self.manager.used("disk"), self.manager.budgets["disk"])
             self.placement.publish()
+        if self.redis is not None and self._forgetting is None:
+            self._forgetting = threading.Thread(target=self._forget_deleted_periodically, name="xlserve-forget-deleted",
+                                                daemon=True)
+            self._forgetting.start()
         return len(found)
+
+    def _forget_deleted_periodically(self) -> None:
+        while not self._closing.wait(self.forget_deleted_every_s):
+            try:
+                self.forget_deleted_elsewhere()
+            except Exception as error:  # noqa: BLE001 - Redis away: the next round tries again
+                log.warning("letting go of sessions deleted on other replicas failed: %r", error)
+
+    def forget_deleted_elsewhere(self) -> int:
+        """With Redis, let go of the idle sessions another replica deleted, as a listing does
+        (`_forget_deleted_elsewhere`); how many left the books. Run every `forget_deleted_every_s`
+        from `open`, so that a replica whose clients never list does not keep such records, and
+        their copies on its device, host RAM and disk, until evicted."""
+        if self.redis is None:
+            return 0
+        listed_at, unreadable = time.time(), set()
+        heads = self.durable.heads(unreadable)  # outside the lock
+        with self._locked():  # the files of sessions let go here go when it is released
+            before = len(self.manager.records)
+            self._forget_deleted_elsewhere(heads.keys() | unreadable, listed_at)
+            return before - len(self.manager.records)
 
     def close(self) -> None:
         """Graceful shutdown: make sure every session has its durable copy (write-through means
         they all have one already; a session that somehow lacks it is written now). A compaction
         that runs ends first; those still waiting are dropped (their logs are whole)."""
+        self._closing.set()
+        if self._forgetting is not None:
+            self._forgetting.join(self.hold_wait_s)  # a pass under way asks Redis at most for its timeouts
         self.compactions.close()
         with self._lock:
             lacking = [r for r in self.manager.records.values() if self.durable.tier not in r.copies]

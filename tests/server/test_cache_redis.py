@@ -329,3 +329,26 @@ def test_a_listing_lets_go_of_idle_sessions_another_replica_deleted(tmp_path, re
     here.release(held)
     here.close()
     elsewhere.close()
+
+
+def test_sessions_another_replica_deleted_leave_the_books_without_a_listing(tmp_path, redis_url):  # noqa: F811
+    """A replica whose clients never list kept the sessions other replicas deleted, and their
+    copies, until evicted: the cache lets go of them every `forget_deleted_every_s` by itself."""
+    n = 100
+    here = SessionCache(tmp_path / "a", size(n), size(n), size(4 * n), redis_url=redis_url, hold_wait_s=0.2,
+                        forget_deleted_every_s=0.1)
+    here.open({"toy": MODEL})
+    elsewhere = replica(tmp_path, "b", redis_url)
+    ids = [here.create("toy", "alice", data(n, i)).id for i in range(3)]  # the first spilled to disk
+    kept_id = here.create("toy", "alice", data(n, 7)).id
+    assert here.disk.exists(ids[0])
+    for session_id in ids:
+        elsewhere.delete(session_id, "alice")
+    deadline = time.monotonic() + 10
+    while here.manager.get(ids[0]) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {record.id for record in here.manager.records.values()} == {kept_id}
+    assert not here.disk.exists(ids[0])
+    here.close()
+    assert not here._forgetting.is_alive()
+    elsewhere.close()
