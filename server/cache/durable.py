@@ -264,6 +264,13 @@ class DurableStore:
                                      record.id) from None
         return self.decode(record, "disk", base, deltas)
 
+    def deleted_place(self, session_id: str) -> tuple[str | None, float] | None:
+        """With Redis, (owner, created_at) of a session some replica deleted lately (stores.py
+        `deleted_place`); None without Redis or for any other."""
+        if self.redis is None or not SESSION_ID.match(session_id):
+            return None
+        return store_call(lambda: self.redis.deleted_place(session_id))
+
     def tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
         """(owner, remembered keys) of a session deleted with an Idempotency-Key, or None."""
         if not SESSION_ID.match(session_id):
@@ -461,7 +468,8 @@ class DurableStore:
         tombstone that remembers it with the session's keys for TOMBSTONE_SECONDS: in Redis, in
         the same script; on disk, a file written before the session's file goes."""
         if self.redis is not None:
-            store_call(lambda: self.redis.delete(record.id, record.owner, entry, IDEMPOTENCY_KEYS_PER_SESSION))
+            store_call(lambda: self.redis.delete(record.id, record.owner, entry, IDEMPOTENCY_KEYS_PER_SESSION,
+                                                 created_at=record.created_at))
             return
         if entry is not None:
             store_call(lambda: self.disk.write_tombstone(record.id, record.owner, kept(entry, record.remembered)))

@@ -349,8 +349,8 @@ class SessionCache:
 
     def list_sessions(self, owner: str | None, limit: int = 20, after: str | None = None) -> tuple[list[SessionInfo], bool]:
         """`owner`'s sessions, newest first (created_at, then id), from the one after `after`
-        (a session id, perhaps one of the owner's this replica deleted since; ValueError when it
-        is none of the owner's), at most `limit`; and whether more follow. With Redis, Redis is the truth: every replica's sessions are listed,
+        (a session id, perhaps one of the owner's deleted since, here or, with Redis, on any
+        replica within the last hour; ValueError when it is none of the owner's), at most `limit`; and whether more follow. With Redis, Redis is the truth: every replica's sessions are listed,
         and this replica's books let go of the idle sessions another replica deleted (`_forget_deleted_elsewhere`)."""
         listed_at, unreadable = time.time(), set()
         heads = self.durable.heads(unreadable)  # outside the lock
@@ -378,6 +378,8 @@ class SessionCache:
             start = next((i + 1 for i, info in enumerate(infos) if info.id == after), -1)
             with self._lock:
                 deleted = self.placement.deleted_session(after) if start < 0 else None
+            if start < 0 and deleted is None:  # perhaps deleted on another replica: Redis remembers its place
+                deleted = self.durable.deleted_place(after)
             if deleted is not None and deleted[0] == owner:
                 # deleted since the page that named it (a client deleting the sessions it lists):
                 # the listing goes on from its place in the order

@@ -678,6 +678,7 @@ class RedisStore:
     WRITES_KEPT = 16  # write ids a session keeps, for `settle` (more than can land within one settle wait)
     FENCE_SECONDS = 24 * 3600  # how long a fenced write stays refused (a paused server may hold it that long)
     TOMBSTONE_SECONDS = 24 * 3600  # how long a delete's Idempotency-Key is remembered
+    DELETED_PLACE_SECONDS = 3600  # how long a deleted session's place in its owner's listing is remembered
 
     def __init__(self, url: str, prefix: str = "xlserve:session:", timeout_s: float = 5.0, max_connections: int = 64):
         try:
@@ -873,14 +874,34 @@ class RedisStore:
         return bool(self._call(lambda: self._script("remember", [self._key(session_id)], args)))
 
     def delete(self, session_id: str, owner: str | None = None, entry: dict | None = None,
-               keys_kept: int = 32) -> None:
+               keys_kept: int = 32, created_at: float | None = None) -> None:
         """Delete a session; with `entry` (a delete's Idempotency-Key) leave a tombstone that
-        remembers its keys for TOMBSTONE_SECONDS."""
+        remembers its keys for TOMBSTONE_SECONDS. With `created_at`, its place in its owner's
+        listing is remembered first, for DELETED_PLACE_SECONDS (`deleted_place`)."""
+        if created_at is not None:
+            place = json.dumps({"owner": owner or "", "created_at": created_at})
+            self._call(lambda: self.client.set(self._deleted_key(session_id), place, ex=self.DELETED_PLACE_SECONDS))
         if entry is None:
             self._call(lambda: self.client.delete(self._key(session_id)))
             return
         args = [owner or "", entry_line(entry), str(keys_kept), str(self.TOMBSTONE_SECONDS)]
         self._call(lambda: self._script("tombstone", [self._key(session_id)], args))
+
+    def deleted_place(self, session_id: str) -> tuple[str | None, float] | None:
+        """(owner, created_at) of a session any replica deleted within DELETED_PLACE_SECONDS: a
+        listing page that ends with it goes on from its place (session_cache.py `list_sessions`).
+        None for any other, or a place that does not read."""
+        text = self._read(lambda: self.client.get(self._deleted_key(session_id)))
+        try:
+            place = json.loads(text)
+            return place["owner"] or None, float(place["created_at"])
+        except (TypeError, ValueError, KeyError):
+            return None
+
+    def _deleted_key(self, session_id: str) -> str:
+        """Outside what `heads` scans (prefix + "sess_*"); its own slot in a cluster (written apart
+        from the session's scripts)."""
+        return self.prefix + "deleted:" + session_id
 
     def tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
         """(owner, remembered keys) of a session deleted with a key, or None."""

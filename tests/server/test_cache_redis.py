@@ -352,3 +352,24 @@ def test_sessions_another_replica_deleted_leave_the_books_without_a_listing(tmp_
     here.close()
     assert not here._forgetting.is_alive()
     elsewhere.close()
+
+
+def test_a_listing_goes_on_after_a_session_another_replica_deleted(tmp_path, redis_url):  # noqa: F811
+    """A client paging its sessions through a fleet, deleting as it goes: the page's last session,
+    deleted on another replica, was `after` that this replica had never seen deleted (400). Redis
+    remembers a deleted session's place for an hour, and the listing goes on from it."""
+    here = replica(tmp_path, "a", redis_url)
+    elsewhere = replica(tmp_path, "b", redis_url)
+    ids = []
+    for i in range(5):
+        ids.append(here.create("toy", "pager", data(10, i)).id)
+        time.sleep(0.01)  # distinct creation times
+    page, more = here.list_sessions("pager", limit=2)
+    assert [info.id for info in page] == ids[:-3:-1] and more
+    elsewhere.delete(page[-1].id, "pager")
+    rest, more = here.list_sessions("pager", limit=5, after=page[-1].id)
+    assert [info.id for info in rest] == ids[2::-1] and not more
+    with pytest.raises(ValueError, match="not one of your sessions"):  # another owner's place tells nothing
+        here.list_sessions("another-pager", after=page[-1].id)
+    here.close()
+    elsewhere.close()
