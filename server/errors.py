@@ -90,6 +90,8 @@ RAISED_CODES: dict[str, str] = {
     "remembered_answer_too_large": "request_too_large",
     "prompt_too_long": "invalid_request_error",
     "echo_logprobs_too_large": "invalid_request_error",
+    # an echo's prompt text over every prompt and choice past MAX_ECHOED_TOKENS (server/api/protocol.py)
+    "echo_too_large": "invalid_request_error",
     # an answer that is not streamed would return more generated tokens' log-probabilities than
     # MAX_GENERATED_LOGPROBS (server/api/protocol.py)
     "generated_logprobs_too_large": "invalid_request_error",
@@ -111,6 +113,9 @@ RAISED_CODES: dict[str, str] = {
     # as many session states as the API process holds at once are moving through it already
     # (import, PUT state, export: server/api/serving/requests.py MAX_STATES_IN_FLIGHT)
     "states_in_flight": "rate_limit_error",
+    # a session state's upload that came slower than STATE_BODY_BYTES_PER_SECOND after its grace
+    # (server/api/serving/requests.py read_body): it gave its place among those states back
+    "state_body_too_slow": "invalid_request_error",
     # an imported or PUT state the model cannot take (the engine's InvalidInput)
     "invalid_state": "invalid_request_error",
     "invalid_api_key": "authentication_error",

@@ -99,7 +99,9 @@ class AdmissionMiddleware:
         state_upload = state is not None and carries_a_state(scope)
         if state_upload:
             limit, setting = state.state_body_limit(), STATE_BODY_SETTING
-        headers = dict(scope["headers"])
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:  # a header sent twice: its first value, as Starlette reads it
+            headers.setdefault(name, value)
         length = headers.get(b"content-length")
         too_large = lambda size: RequestTooLarge(  # noqa: E731
             f"request body is {size} bytes; the limit is {limit} ({setting})")
@@ -110,7 +112,7 @@ class AdmissionMiddleware:
         # a state's body is never buffered here, with a length or without: its route reads and
         # measures it (serving/requests.py read_body) once it holds a place among the states in
         # flight, which bounds the memory they take
-        if scope["method"] in ("POST", "PUT", "PATCH") and (json_body or (length is None and not state_upload)):
+        if scope["method"] in ("POST", "PUT", "PATCH") and not state_upload and (json_body or length is None):
             unauthenticated = authentication_error(state, headers)
             if unauthenticated is not None:
                 await send_error(scope, send, unauthenticated)

@@ -68,6 +68,10 @@ class Conflict(APIError):
     status, type = 409, "conflict"
 
 
+class RequestTimeout(APIError):
+    status, type = 408, "invalid_request_error"  # as StreamNotRead, the other 408
+
+
 class RequestTooLarge(APIError):
     status, type = 413, "request_too_large"
 

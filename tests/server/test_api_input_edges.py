@@ -298,3 +298,46 @@ def test_tool_parameters_with_references_compile_and_hold_the_arguments():
     assert not matches(grammar, call("units", {"unit": "c", "same": "c", "default": "k"}))
     assert not matches(grammar, call("chain", {"v": 1, "next": {"value": 2}}))  # "#" is chain's own schema
     assert '"default": {"$ref": "#/not-a-reference"}' in grammar
+
+
+# -- a header sent twice; echo's text; the chosen token among the top log-probabilities ----------------
+
+
+def test_a_content_type_sent_twice_is_read_as_its_first_value_as_the_routes_read_it(served):
+    """Admission kept the last Content-Type where FastAPI reads the first: JSON then text/plain
+    skipped the key check before the body and the nesting check, and the body was parsed."""
+    keyed, anonymous, _ = served
+    twice = [("content-type", "application/json"), ("content-type", "text/plain")]
+    error = error_of(anonymous.post("/v1/completions", content=DEEP, headers=twice), 401)
+    assert error["code"] == "invalid_api_key"
+    assert error_of(keyed.post("/v1/completions", content=DEEP, headers=twice))["code"] == "json_too_deep"
+
+
+def test_an_echo_that_would_repeat_the_prompts_past_the_limit_is_400(served):
+    from xlserve.server.api.protocol import MAX_ECHOED_TOKENS
+
+    client, _, engine = served
+    body = {"model": MODEL, "prompt": ["x" * 10_000] * 16, "n": 16, "echo": True, "max_tokens": 0}
+    error = error_of(client.post("/v1/completions", json=body))
+    assert (error["param"], error["code"]) == ("echo", "echo_too_large")
+    assert f"returns 2,560,000 tokens of text; the limit is {MAX_ECHOED_TOKENS:,}" in error["message"]
+    assert engine.params == []
+    engine.events = finished_events()
+    assert client.post("/v1/completions", json={**body, "prompt": "x" * 10_000, "n": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("logprobs", [0, 1])
+def test_completion_top_logprobs_always_hold_the_chosen_token(served, logprobs):
+    """OpenAI and vLLM: up to logprobs + 1 entries, the chosen token's always among them (it was
+    sampled from outside the top here)."""
+    client, _, engine = served
+    top = [(0x27, -2.75)][:logprobs]
+    end = ChoiceFinished(0, "length", "", 2)
+    engine.events = [TokenEvent(ord("P"), "P", -4.86, top), TokenEvent(ord("'"), "'", -2.75, top), end,
+                     Finished([end], 1, 2, 0, None)]
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                    "logprobs": logprobs})
+    assert response.status_code == 200, response.text
+    tops = response.json()["choices"][0]["logprobs"]["top_logprobs"]
+    expected_first = {"'": -2.75, "P": -4.86} if logprobs else {"P": -4.86}
+    assert tops == [expected_first, {"'": -2.75}]

@@ -95,7 +95,7 @@ async def create_session(body: CreateSession, request: Request, response: Respon
 
 
 @router.post("/v1/sessions/import", response_model=SessionObject, response_model_exclude_unset=True,
-             responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503))
+             responses=error_responses(400, 401, 404, 408, 409, 413, 422, 429, 503))
 async def import_new_session(request: Request, response: Response, model: str | None = None,
                              owner: str | None = Depends(owner_of),
                              idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
@@ -152,14 +152,16 @@ async def export_state(session_id: str, request: Request, owner: str | None = De
     except BaseException:
         give_back()
         raise
-    return StateResponse(content=blob, give_back=give_back, media_type="application/octet-stream", headers={
+    send_timeout = app_state(request).settings.server.stream_send_timeout_seconds
+    return StateResponse(content=blob, give_back=give_back, send_timeout=send_timeout,
+                         media_type="application/octet-stream", headers={
         "Content-Disposition": f'attachment; filename="{session_id}.safetensors"',
         "X-Session-Version": str(info.version), "X-Session-Tokens": str(info.tokens),
     })
 
 
 @router.put("/v1/sessions/{session_id}/state", dependencies=PER_SESSION, response_model=SessionObject,
-            response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503))
+            response_model_exclude_unset=True, responses=error_responses(400, 401, 404, 408, 409, 413, 422, 429, 503))
 async def import_state(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     state = app_state(request)

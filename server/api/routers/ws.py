@@ -122,8 +122,9 @@ class _Connection:
     async def handle(self, text: str | None) -> None:
         request_id = frame = None
         try:
-            request_id = frame_id(text)
-            frame = parse_frame(text, max_bytes=self.state.settings.server.max_request_body_bytes)
+            max_bytes = self.state.settings.server.max_request_body_bytes
+            request_id = frame_id(text, max_bytes)
+            frame = parse_frame(text, max_bytes=max_bytes)
             if isinstance(frame, CancelFrame):
                 running = self.current
                 if running is None or (frame.id is not None and frame.id != running.id):

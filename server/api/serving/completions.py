@@ -77,8 +77,10 @@ class CompletionChoice:
         piece = {
             "tokens": [token_name(t) for t in tokens],
             "token_logprobs": list(logprobs),
-            "top_logprobs": [None if lp is None else {token_name(t): v for t, v in top}
-                             for top, lp in zip(tops, logprobs)],
+            # the `logprobs` most likely tokens and always the one chosen, as OpenAI and vLLM
+            # answer (up to logprobs + 1 entries; logprobs=0: the chosen token's alone)
+            "top_logprobs": [None if lp is None else {**{token_name(t): v for t, v in top}, token_name(token): lp}
+                             for token, top, lp in zip(tokens, tops, logprobs)],
             "text_offset": [],
         }
         for text in pieces:

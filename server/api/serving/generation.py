@@ -13,6 +13,7 @@ from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest, RequestTooLarge, count_error
 from xlserve.server.api.protocol import (
     MAX_ECHO_LOGPROBS,
+    MAX_ECHOED_TOKENS,
     MAX_GENERATED_LOGPROBS,
     CompletionRequest,
     SamplingFields,
@@ -79,6 +80,11 @@ class Generation:
         self.prompts = [prompt_tokens(state, self.served, prompt, param=self.field_name("prompt"))
                         for prompt in (batch or [body.prompt])]
         self.tokens = self.prompts[0]
+        if echo and n * sum(map(len, self.prompts)) > MAX_ECHOED_TOKENS:
+            raise InvalidRequest(
+                f"echo with n={n} over {sum(map(len, self.prompts)):,} prompt tokens returns "
+                f"{n * sum(map(len, self.prompts)):,} tokens of text; the limit is {MAX_ECHOED_TOKENS:,} (fewer choices "
+                "or prompt tokens, or no echo)", param="echo", code="echo_too_large")
         if echo and self.params.logprobs is not None:
             echoed = n * sum(map(len, self.prompts)) * (self.params.logprobs + 1)
             if echoed > MAX_ECHO_LOGPROBS:

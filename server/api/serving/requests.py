@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import Header, Request, Response
 from fastapi.dependencies.models import Dependant
 from starlette.requests import HTTPConnection
 
 from xlserve.server.api.deps import STATE_BODY_SETTING, AppState, ServedModel, app_state
-from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, TooManyRequests, as_api_error
+from xlserve.server.api.errors import (
+    APIError,
+    InvalidRequest,
+    RequestTimeout,
+    RequestTooLarge,
+    TooManyRequests,
+    as_api_error,
+)
 from xlserve.server.api.protocol import (
     IDEMPOTENCY_KEY_PATTERN,
     MAX_STOP_CHARACTERS,
@@ -22,6 +32,8 @@ from xlserve.server.api.protocol import (
 )
 from xlserve.server.engine.types import SamplingParams
 from xlserve.server.errors import RegisteredError
+
+log = logging.getLogger("xlserve.server")
 
 
 # -- building a request ---------------------------------------------------------------------------
@@ -110,25 +122,58 @@ async def state_in_flight(state: AppState) -> AsyncIterator[None]:
 
 class StateResponse(Response):
     """An exported state's response, which gives its place back (`take_state_place`) once it
-    has been sent, or failed to be: the bytes are held until then."""
+    has been sent, or failed to be: the bytes are held until then. A client that stops reading is
+    gone once one write has waited `send_timeout` seconds for its full socket
+    (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS), as a streamed answer's: its connection is closed and
+    the place given back, where it would otherwise hold both for as long as it kept the
+    connection open."""
 
-    def __init__(self, *args, give_back: Callable[[], None], **kwargs):
+    def __init__(self, *args, give_back: Callable[[], None], send_timeout: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.give_back = give_back
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed_send(message) -> None:
+            with anyio.fail_after(self.send_timeout):
+                await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send if self.send_timeout else send)
+        except TimeoutError:  # the server closes the connection of an answer it did not complete
+            log.warning("an exported state's client took no write for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
+                        "its answer is ended", self.send_timeout)
         finally:
             self.give_back()
 
 
+# A session state's upload holds one of the MAX_STATES_IN_FLIGHT places while it arrives: after a
+# grace, it must keep coming at this rate on average (2 Mbit/s), or it is refused with 408 and its
+# place given back. Four clients that send a few bytes and stop would otherwise hold every place,
+# and every other client's import, export and PUT state would be 429 for as long as they liked.
+STATE_BODY_GRACE_SECONDS = 30.0
+STATE_BODY_BYTES_PER_SECOND = 256 * 1024
+
+
 async def read_body(request: Request) -> bytes:
     """The raw body (a session state), refused past the state body limit (AppState
-    state_body_limit) even when no Content-Length announced it."""
+    state_body_limit) even when no Content-Length announced it, and with 408 when it arrives
+    slower than STATE_BODY_BYTES_PER_SECOND once its STATE_BODY_GRACE_SECONDS are spent."""
     limit = app_state(request).state_body_limit()
     chunks, size = [], 0
-    async for chunk in request.stream():
+    started = time.monotonic()
+    stream = request.stream().__aiter__()
+    while True:
+        allowed = started + STATE_BODY_GRACE_SECONDS + size / STATE_BODY_BYTES_PER_SECOND - time.monotonic()
+        try:
+            with anyio.fail_after(max(allowed, 0.0)):
+                chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise RequestTimeout(f"the state body came slower than {STATE_BODY_BYTES_PER_SECOND} bytes/s after "
+                                 f"{STATE_BODY_GRACE_SECONDS:g}s ({size} bytes in {time.monotonic() - started:.0f}s); "
+                                 "its place among the states in flight is given back", code="state_body_too_slow") from None
         size += len(chunk)
         if size > limit:
             raise RequestTooLarge(f"request body is over {limit} bytes ({STATE_BODY_SETTING})")

@@ -1,0 +1,107 @@
+"""Session states moving through the API process (import, PUT state, export) hold one of
+MAX_STATES_IN_FLIGHT places: a client that stalls must not keep one. An upload must keep coming
+after its grace (read_body: 408 state_body_too_slow), an export whose client stops reading ends
+after the stream send timeout (StateResponse), and admission never buffers a state's body, even
+one labelled JSON, before the route has a place for it. A stand-in engine; no model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from xlserve.models.tokenizer import ByteTokenizer
+from xlserve.server.api.deps import ServedModel
+from xlserve.server.api.protocol import frame_id
+from xlserve.server.api.serving import requests as serving_requests
+from xlserve.server.api.serving.requests import MAX_STATES_IN_FLIGHT, StateResponse
+from xlserve.server.metrics import Metrics
+from xlserve.server.settings import Settings
+
+from tests.server.scripted_engine import RecordingEngine, scripted_app
+
+MODEL = "m"
+CARD = {"id": MODEL, "object": "model", "created": 0, "owned_by": "xlserve", "architecture": "transformer-xl",
+        "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
+        "parameters": 0, "config": {}, "quantize": "none", "weight_bytes": 0, "state_bytes_per_session": 9216}
+
+
+@pytest.fixture
+def app_and_state():
+    return scripted_app(Settings(models="none-loaded", max_request_body_bytes=1_000_000), RecordingEngine(Metrics()),
+                        {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, CARD, None)})
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_an_upload_that_stalls_is_408_and_gives_its_place_back(app_and_state, monkeypatch):
+    app, state = app_and_state
+    monkeypatch.setattr(serving_requests, "STATE_BODY_GRACE_SECONDS", 0.3)
+    sent = []
+
+    async def trickle():
+        yield b"x" * 10
+        sent.append(10)
+        await asyncio.sleep(30)  # then nothing: a stalled client
+        yield b"never"
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            return await asyncio.wait_for(client.post("/v1/sessions/import", content=trickle(),
+                                                      headers={"content-type": "application/octet-stream"}), 10)
+
+    response = run(main())
+    assert response.status_code == 408, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "state_body_too_slow")
+    assert "bytes/s" in error["message"] and sent == [10]
+    assert state.states_in_flight == 0
+
+
+def test_a_state_upload_labelled_json_is_not_read_before_it_has_a_place(app_and_state):
+    """A state labelled application/json was buffered whole by admission (up to the state body
+    limit, hundreds of MB at real size) before the route found every place taken."""
+    app, state = app_and_state
+    pulled = []
+
+    async def body():
+        for i in range(100):
+            pulled.append(i)
+            yield b"x" * 1000
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            return await client.post("/v1/sessions/import", content=body(), headers={"content-type": "application/json"})
+
+    state.states_in_flight = MAX_STATES_IN_FLIGHT
+    response = run(main())
+    assert response.status_code == 429 and response.json()["error"]["code"] == "states_in_flight"
+    assert len(pulled) <= 1, f"{len(pulled)} chunks were read before the 429"
+
+
+def test_an_export_whose_client_stops_reading_ends_and_gives_its_place_back():
+    given_back = []
+    response = StateResponse(content=b"x" * 1000, give_back=lambda: given_back.append(True), send_timeout=0.2,
+                             media_type="application/octet-stream")
+    sent = []
+
+    async def send(message):
+        sent.append(message["type"])
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(60)  # a client whose socket is full and stays full
+
+    async def receive():
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    run(asyncio.wait_for(response({"type": "http", "method": "GET", "path": "/"}, receive, send), 10))
+    assert sent == ["http.response.start", "http.response.body"] and given_back == [True]
+
+
+def test_an_oversized_frame_is_not_parsed_for_its_id():
+    frame = '{"id": "r1", "type": "generate", "prompt": "' + "x" * 2000 + '"}'
+    assert frame_id(frame) == "r1"
+    assert frame_id(frame, max_bytes=100) is None
