@@ -177,19 +177,27 @@ class Sampler:
 
         With `allowed` ((V,) bool, a structured-output constraint's mask, server/engine/constraints.py)
         only those tokens may be drawn; with `may_end` too, "end here" is one more choice, token
-        V, whose logit is the log of the mass the biased, penalised row puts on every forbidden
-        token. The mask goes after logit_bias and the penalties and before the temperature, so
-        the rest of the order stands; it needs at least one allowed token or `may_end`."""
+        V, whose probability after the temperature is the mass the biased, penalised and tempered
+        row puts on every forbidden token: what a draw without truncation gives it (the perturbed
+        row's argmax is forbidden, scheduler.py `_draw_constrained`), so that top-k, top-p or
+        min-p, even one that removes nothing, does not change how often a row ends. The mask goes
+        after logit_bias and the penalties and before the temperature, so the rest of the order
+        stands; it needs at least one allowed token or `may_end`."""
         p = self.params
         logits = self._adjusted(log_probs)
         if allowed is not None:
             masked = logits.masked_fill(~allowed, float("-inf"))
-            if may_end:  # "end here" as token V: the log of the forbidden tokens' mass, shifted by the
-                # row's largest value so that no exp overflows (logit_bias can lift a value to +100);
-                # with nothing forbidden the model wants nothing the output may not hold: it never ends here
-                top = logits.max()
-                forbidden = torch.exp(logits - top).masked_fill(allowed, 0.0).sum()
-                masked = torch.cat([masked, (top + torch.log(forbidden)).reshape(1)])  # (V + 1,)
+            if may_end:  # "end here" as token V; with nothing forbidden the model wants nothing the
+                # output may not hold: it never ends here
+                forbidden = logits.masked_fill(allowed, float("-inf"))
+                if is_greedy(p):  # the most likely token is forbidden: end
+                    end = forbidden.max()
+                else:  # T log sum exp(l / T) over the forbidden tokens, shifted by the row's largest
+                    # value so that nothing overflows (logit_bias can lift a value to +100): after the
+                    # division by T below, its share of the softmax is exactly their tempered mass
+                    top = logits.max()
+                    end = top + p.temperature * torch.logsumexp((forbidden - top) / p.temperature, dim=0)
+                masked = torch.cat([masked, end.reshape(1)])  # (V + 1,)
             logits = masked
         best, value = most_likely(logits)
         failure = unusable_row(value)

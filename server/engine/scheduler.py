@@ -897,6 +897,10 @@ class Engine:
         self._emit(request, Cancelled())
 
     def _fail(self, request: EngineRequest, error: BaseException) -> None:
+        """End `request` with `error`, its last event; once (its choices may fail in separate
+        groups of one step, a request wider than a batch)."""
+        if request.failed:
+            return
         request.failed = True
         for row in request.rows:
             row.finish_reason = row.finish_reason or "error"

@@ -115,6 +115,30 @@ def test_the_sampler_draws_only_allowed_tokens_and_ends_with_the_forbidden_mass(
     assert greedy.choose(log_probs, everything, may_end=True) == int(log_probs.argmax())
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.5])
+def test_truncation_that_removes_nothing_does_not_change_how_often_a_row_ends(temperature):
+    """With top-k, top-p or min-p, "end here" is drawn beside the allowed tokens; its share must be
+    the forbidden tokens' tempered mass, as a draw without truncation gives it (the perturbed
+    row's argmax forbidden). It was their mass before the temperature, tempered as one token:
+    at T=0.5 a row here ended 85% of the time with top_p=0.9999 and 7% without."""
+    probabilities = torch.full((256,), 1e-9)
+    probabilities[0] = 0.30  # the one allowed token
+    probabilities[1:71] = 0.01  # 70 forbidden ones
+    log_probs = torch.log(probabilities / probabilities.sum())
+    allowed = torch.zeros(256, dtype=torch.bool)
+    allowed[0] = True
+    tempered = torch.softmax(log_probs / temperature, -1)
+    expected = float(tempered[~allowed].sum())
+    truncating = Sampler(SamplingParams(temperature=temperature, top_p=0.9999, seed=5))
+    assert truncating.truncates
+    draws = 600
+    ends = sum(truncating.choose(log_probs, allowed, may_end=True) == 256 for _ in range(draws))
+    plain = Sampler(SamplingParams(temperature=temperature, seed=6))
+    plain_ends = sum(int(plain.perturbed(log_probs).argmax()) != 0 for _ in range(draws))
+    assert abs(ends / draws - expected) < 0.06, (ends / draws, expected)
+    assert abs(plain_ends / draws - expected) < 0.06, (plain_ends / draws, expected)
+
+
 def test_the_perturbed_row_draws_from_the_allowed_tokens_in_their_proportions():
     """A constrained row that does not truncate draws with the Gumbel-max trick: the argmax of
     one perturbed row over the allowed tokens is a draw from the row restricted to them."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -267,3 +269,29 @@ def test_a_failed_request_crosses_the_wire_and_maps_to_its_own_error():
     api_error = as_api_error(RequestFailed("its forward raised", code="forward_failed"))
     assert api_error.status == 500 and api_error.code == "forward_failed"
     assert api_error.body()["error"]["message"] == "its forward raised"
+
+
+def test_a_request_whose_choices_fail_in_separate_groups_ends_once():
+    """n=2 with one row per batch: each choice's forward raises in its own group, and the request
+    was failed once per group, so the sink got two last events for it."""
+    events, ended = [], threading.Event()
+
+    def sink(items):
+        events.extend(items)
+        if any(isinstance(event, BaseException) for _, event in items):
+            ended.set()
+
+    engine = Engine("m", model(), ByteTokenizer(), Metrics(), sink=sink, max_batch_size=1)
+    try:
+        engine.enqueue(EngineRequest("generate", list(b"hello"), engine.fresh_data(),
+                                     SamplingParams(max_tokens=4, temperature=0, n=2, logit_bias={MARKER: 100.0}),
+                                     handle="R"))
+        assert ended.wait(30)
+        deadline = time.monotonic() + 5
+        while not engine.idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.idle
+    finally:
+        engine.close()
+    last = [event for handle, event in events if handle == "R" and isinstance(event, (BaseException, Finished))]
+    assert len(last) == 1 and isinstance(last[0], RequestFailed) and last[0].code == "forward_failed", events
