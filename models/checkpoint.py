@@ -78,9 +78,24 @@ def save_checkpoint(model: LanguageModel, directory: str | Path, extra: dict | N
 def _atomic_write(path: Path, write) -> None:
     temporary = path.with_name(path.name + ".tmp")
     write(temporary)
+    # as any file this user makes: safetensors writes its file private (0600), which a server
+    # running as another user (the Docker image's) could not read
+    os.chmod(temporary, 0o666 & ~_umask())
     with open(temporary, "rb") as f:
         os.fsync(f.fileno())
     os.replace(temporary, path)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it to read it, for every
+    thread at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def read_config(directory: str | Path) -> dict:

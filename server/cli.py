@@ -42,6 +42,17 @@ class Parser(argparse.ArgumentParser):
         return super().format_help()
 
 
+def port_number(text: str) -> int:
+    """--port: 0 to 65535 (uvicorn would take 99999 and listen on another port, 99999 mod 65536)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
+    return port
+
+
 def model_choices() -> str:
     """`train` / `new --help`: the architectures and each one's presets. Reading them imports torch
     (models/registry.py), so it happens only when help is asked for, not on every `xlserve` call."""
@@ -140,6 +151,8 @@ def _metavar(annotation, flat_name: str) -> str:
     if annotation is int:
         return "N"
     if annotation is float:
+        if flat_name.endswith("milliseconds"):
+            return "MS"
         return "SECONDS" if flat_name.endswith("seconds") else "X"
     if "dir" in flat_name:
         return "DIR"
@@ -194,6 +207,7 @@ def cmd_serve(args) -> None:
 
     from xlserve.server.api.chat import ChatTemplateError, check_template_file
     from xlserve.server.app import StartupRefused, build_app, checkpoints_to_serve, cut_streams, drain
+    from xlserve.server.cache.stores import StateDirectoryRefused, hold_state_directory
     from xlserve.server.settings import Settings, meant_api_keys
 
     _log_to_stderr(args.log_level)  # first: reading the settings may warn (a misspelt XLSERVE_ variable)
@@ -208,6 +222,11 @@ def cmd_serve(args) -> None:
                              "XLSERVE_API_KEYS the API would be open; did you mean XLSERVE_API_KEYS?")
         if settings.server.chat_template is not None:
             check_template_file(settings.server.chat_template)
+        # a state directory that cannot be written or that another server holds, before the port
+        # opens (the engine process takes it for good once it starts)
+        hold_state_directory(settings.cache.state_dir).close()
+    except StateDirectoryRefused as error:
+        raise SystemExit(f"xlserve serve: {error}") from None
     except pydantic.ValidationError as error:
         raise SystemExit(_settings_error_line("serve", error)) from None
     except StartupRefused as error:
@@ -305,13 +324,22 @@ def cmd_new(args) -> None:
         raise SystemExit(f"xlserve new: --config is not JSON: {error}") from None
     if not isinstance(replaced, dict):
         raise SystemExit("xlserve new: --config must be a JSON object of config fields")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        # random weights beside another model's card and evaluations, under its name (a shipped one
+        # in weights/ included): what `convert` refuses too
+        raise SystemExit(f"xlserve new: {out} exists and is not an empty directory; give a new one, or --force to "
+                         "overwrite its checkpoint files")
     torch.manual_seed(args.seed)
     try:
         model = build_model(args.arch, {**preset_config(args.arch, args.preset), **replaced})
     except (TypeError, ValueError) as error:  # a field the config does not have, or a value it refuses
         raise SystemExit(f"xlserve new: --config does not make a {args.arch} config: {error}") from None
-    save_checkpoint(model.eval(), args.out)
-    print(f"wrote a randomly initialised {args.arch}/{args.preset} to {args.out}")
+    try:
+        save_checkpoint(model.eval(), out)
+    except OSError as error:
+        raise SystemExit(f"xlserve new: cannot write {out}: {error}") from None
+    print(f"wrote a randomly initialised {args.arch}/{args.preset} to {out}")
 
 
 def cmd_store(args) -> None:
@@ -363,15 +391,22 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     import importlib
 
+    from xlserve.models.checkpoint import CheckpointError
     from xlserve.server.bench import BENCHMARKS, missing_packages
 
+    if args.name is None:
+        raise SystemExit(f"xlserve bench: name a benchmark (one of: {', '.join(sorted(BENCHMARKS))}; "
+                         "see xlserve bench --help)")
     if args.name not in BENCHMARKS:
         raise SystemExit(f"xlserve bench: unknown benchmark '{args.name}' (have: {', '.join(sorted(BENCHMARKS))})")
     missing = missing_packages(args.name)
     if missing:
         raise SystemExit(f"xlserve bench {args.name} needs {', '.join(missing)}, from the bench extra: make bench "
                          "(or .venv/bin/pip install -c constraints.txt -e '.[bench]') in the checkout")
-    importlib.import_module(f"xlserve.server.bench.{BENCHMARKS[args.name]}").main(args.args)
+    try:
+        importlib.import_module(f"xlserve.server.bench.{BENCHMARKS[args.name]}").main(args.args)
+    except CheckpointError as error:  # a model named that is not a checkpoint
+        raise SystemExit(f"xlserve bench {args.name}: {error}") from None
 
 
 def cmd_convert(args) -> None:
@@ -401,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 usage="%(prog)s [-h] [--host HOST] [--port PORT] [--log-level LEVEL] "
                                       "[SETTING FLAGS (below) ...]")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's and xlserve's log level (default info)")
     add_setting_flags(serve)
@@ -423,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog_when_asked=model_choices, formatter_class=argparse.RawDescriptionHelpFormatter)
     new.add_argument("--arch", required=True, help="the architecture (listed below)")
     new.add_argument("--preset", default="tiny", help="the architecture's preset (listed below; default tiny)")
-    new.add_argument("--out", required=True)
-    new.add_argument("--seed", type=int, default=0)
+    new.add_argument("--out", required=True, help="the checkpoint directory to write (new or empty)")
+    new.add_argument("--force", action="store_true", help="write into --out even if it holds files")
+    new.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     new.add_argument("--config", default="{}", help="a JSON object of config fields that replace the preset's "
                                                    "(e.g. '{\"axial_pos_shape\": [16, 16]}')")
     new.set_defaults(func=cmd_new)
@@ -448,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark (JSON + plot under bench-results/)",
                                 description="Run a benchmark alone on the machine; `xlserve bench NAME --help` "
                                             "gives its own flags (docs/benchmarks.md describes each).")
-    bench.add_argument("name", metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
+    bench.add_argument("name", metavar="NAME", nargs="?", help=f"one of: {', '.join(sorted(BENCHMARKS))}")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
     bench.set_defaults(func=cmd_bench)
 

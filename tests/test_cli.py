@@ -119,6 +119,12 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
      "setting max_batch_size (--max-num-seqs / XLSERVE_MAX_BATCH_SIZE): Input should be greater than or equal to 1"),
     (["serve"], {"XLSERVE_ENGINE_STALL_SECONDS": "0"}, "XLSERVE_ENGINE_STALL_SECONDS): Input should be greater than or equal to 2"),
     (["serve"], {"XLSERVE_ENGINE_RESTART_WINDOW_SECONDS": "-1"}, "Input should be greater than 0"),
+    # uvicorn took 99999 and listened on 34463 (99999 mod 65536)
+    (["serve", "--port", "99999"], {}, "argument --port: 99999 is not a port number (0 to 65535)"),
+    (["serve", "--state-dir", "README.md/state"], {}, "xlserve serve: XLSERVE_STATE_DIR "),
+    (["bench"], {}, "xlserve bench: name a benchmark (one of: continuation"),
+    (["bench", "sessions", "--models", "no-such-model"], {}, "xlserve bench sessions: "),
+    (["new", "--arch", "vanilla", "--out", "README.md/x"], {}, "xlserve new: cannot write README.md/x: [Errno 20] Not a directory"),
 ])
 def test_a_user_error_is_one_line_and_a_non_zero_exit(argv, env, expected):
     assert expected in one_line_error(xlserve(*argv, env=env))
@@ -149,3 +155,32 @@ def test_keys_meant_but_not_read_stop_serve(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert ("XLSERVE_API_KEY is not an xlserve setting, and without XLSERVE_API_KEYS the API would be open; "
             "did you mean XLSERVE_API_KEYS?") in done.stderr
+
+
+def test_new_refuses_a_directory_that_holds_files_unless_forced(tmp_path):
+    """`new` wrote random weights into a shipped checkpoint's directory, beside its card and
+    evaluations, and `make serve` then served them under its name; `convert` refuses the same."""
+    existing = tmp_path / "model"
+    existing.mkdir()
+    (existing / "card.md").write_text("bits per byte 1.34")
+    line = one_line_error(xlserve("new", "--arch", "vanilla", "--out", str(existing)))
+    assert f"xlserve new: {existing} exists and is not an empty directory" in line and "--force" in line
+    assert sorted(p.name for p in existing.iterdir()) == ["card.md"]
+    done = xlserve("new", "--arch", "vanilla", "--out", str(existing), "--force")
+    assert done.returncode == 0, done.stderr
+    assert (existing / "model.safetensors").is_file()
+
+
+def test_checkpoint_files_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors writes its files 0600: a checkpoint made by one user (new, convert, store) could
+    not be read by a server running as another, the Docker image's."""
+    done = subprocess.run(["sh", "-c", f"umask 022 && {sys.executable} -m xlserve.server.cli new --arch vanilla "
+                           f"--out {tmp_path / 'model'}"], cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "model" / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_a_setting_in_milliseconds_is_shown_as_such():
+    help_text = xlserve("serve", "--help").stdout
+    assert "--structured-token-milliseconds MS" in help_text

@@ -133,7 +133,7 @@ class MemoryStore:
         return session_id in self._data
 
 
-class StateDirectoryInUse(RuntimeError):
+class StateDirectoryRefused(RuntimeError):
     """Another server holds the state directory, or it cannot be written."""
 
 
@@ -143,26 +143,26 @@ def hold_state_directory(directory: str | Path) -> IO[str]:
     directory would each delete the other's writes in flight when they start (stray temporary
     files, logs without a base, the prefix cache's files) and overwrite each other's sessions
     without a version check: without Redis, a server reads the files only at start. Refused
-    with StateDirectoryInUse naming the holder and the setting; a directory that cannot be
+    with StateDirectoryRefused naming the holder and the setting; a directory that cannot be
     written is refused too, at start rather than at the first commit."""
-    directory = Path(directory)
+    directory = Path(directory).absolute()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         handle = open(directory / ".lock", "a+")
     except OSError as error:
-        raise StateDirectoryInUse(f"XLSERVE_STATE_DIR {directory} cannot be written: {error}") from None
+        raise StateDirectoryRefused(f"XLSERVE_STATE_DIR {directory} cannot be written: {error}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise StateDirectoryInUse(
+        raise StateDirectoryRefused(
             f"XLSERVE_STATE_DIR {directory} is in use by another xlserve server ({holder}); give each replica "
             "its own state directory, and share sessions between them through XLSERVE_REDIS_URL") from None
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.write(f"pid {os.getpid()}, child of pid {os.getppid()}, on {socket.gethostname()}\n")
     handle.flush()
     return handle
 

@@ -3,12 +3,13 @@ server on a directory another holds is refused at start naming the setting and t
 directory that cannot be written is refused at start, and the hold ends with its process, so
 an engine process restarted after a crash takes the directory again."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from xlserve.server.cache.stores import StateDirectoryInUse, hold_state_directory
+from xlserve.server.cache.stores import StateDirectoryRefused, hold_state_directory
 
 HOLD_THEN_WAIT = """
 import sys, time
@@ -23,10 +24,10 @@ def test_a_directory_another_process_holds_is_refused_until_that_process_ends(tm
     holder = subprocess.Popen([sys.executable, "-c", HOLD_THEN_WAIT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(StateDirectoryInUse) as refused:
+        with pytest.raises(StateDirectoryRefused) as refused:
             hold_state_directory(tmp_path)
         message = str(refused.value)
-        assert f"XLSERVE_STATE_DIR {tmp_path} is in use by another xlserve server (pid {holder.pid} on " in message
+        assert f"XLSERVE_STATE_DIR {tmp_path} is in use by another xlserve server (pid {holder.pid}, child of pid {os.getpid()}, on " in message
         assert "XLSERVE_REDIS_URL" in message
     finally:
         holder.kill()  # as kill -9 would: the kernel ends the hold
@@ -38,7 +39,7 @@ def test_a_directory_another_process_holds_is_refused_until_that_process_ends(tm
 
 def test_a_directory_that_cannot_be_made_or_written_is_refused(tmp_path):
     (tmp_path / "a-file").write_text("")  # a path through a file: not a directory anyone can write
-    with pytest.raises(StateDirectoryInUse, match="XLSERVE_STATE_DIR .* cannot be written"):
+    with pytest.raises(StateDirectoryRefused, match="XLSERVE_STATE_DIR .* cannot be written"):
         hold_state_directory(tmp_path / "a-file" / "state")
 
 
@@ -55,7 +56,7 @@ def test_two_engine_processes_on_one_directory(tmp_path):
     stray = tmp_path / "state" / ".sess_0.tmp"  # a write in flight in the first: a second start would delete it
     stray.write_bytes(b"in flight")
     try:
-        with pytest.raises(StateDirectoryInUse, match="in use by another xlserve server"):
+        with pytest.raises(StateDirectoryRefused, match="in use by another xlserve server"):
             EngineProcess(settings, sockets[1][1])
         assert stray.exists()
     finally:
