@@ -108,7 +108,10 @@ def read_config(directory: str | Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         found = config.get("format") if isinstance(config, dict) else type(config).__name__
-        raise CheckpointError(f"{path} is not an xlserve checkpoint (format {found!r})")
+        hint = ""
+        if isinstance(config, dict) and ("model_type" in config or "architectures" in config or "d_model" in config):
+            hint = f"; it reads as a Hugging Face model's: convert it first (xlserve convert {path.parent} OUT_DIR)"
+        raise CheckpointError(f"{path} is not an xlserve checkpoint (format {found!r}){hint}")
     architecture = config.get("architecture")
     if not isinstance(architecture, str) or architecture not in ARCHITECTURES:
         raise CheckpointError(f"{path} names architecture {architecture!r}; known: {sorted(ARCHITECTURES)}")

@@ -265,6 +265,9 @@ def _load_pickled_tensors(path: Path) -> dict[str, Tensor]:
 
 def importer_for(config: dict, config_path: Path):
     model_type = config.get("model_type")
+    if config.get("format") == "xlserve-checkpoint":  # models/checkpoint.py FORMAT
+        raise ConversionError(f"{config_path.parent} is an xlserve checkpoint already: serve it as it is "
+                              f"(xlserve serve --models {config_path.parent})")
     if model_type not in IMPORTERS:
         raise ConversionError(
             f"{config_path} describes a model of type {model_type!r} "

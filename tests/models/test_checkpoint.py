@@ -119,6 +119,8 @@ def rewrite_config(path, change) -> None:
 
 @pytest.mark.parametrize("config_text, words", [
     ("[]", "is not an xlserve checkpoint"),
+    ('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}',
+     "it reads as a Hugging Face model's: convert it first (xlserve convert"),
     ('{"format": "xlserve-checkpoint", "architecture": []}', "names architecture []"),
     ('{"format": "xlserve-checkpoint", "architecture": "transformer-xl"}', '"config" must be an object'),
     ('{"format": "xlserve-checkpoint", "architecture": "transformer-xl", "config": [1]}', '"config" must be an object'),
@@ -189,3 +191,11 @@ def test_building_without_random_init_leaves_only_what_the_file_fills():
                   if name not in persistent]
         for name, one, other in others:
             assert torch.equal(one, other), (architecture, name)
+
+
+def test_converting_an_xlserve_checkpoint_says_to_serve_it_as_it_is(saved, tmp_path):
+    from xlserve.models.convert import ConversionError, convert
+
+    _, path = saved
+    with pytest.raises(ConversionError, match="is an xlserve checkpoint already: serve it as it is"):
+        convert(path, tmp_path / "out")
