@@ -67,6 +67,11 @@ def requested_constraint(body, limit: int) -> tuple[str, str, str] | None:
     400 for two at once, a json_schema format without its schema, or a text over `limit` bytes."""
     given = []
     response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.type != "json_schema" and response_format.json_schema is not None:
+        # a schema that would be ignored: no parameter is (the client meant type "json_schema")
+        raise InvalidRequest(f'response_format of type "{response_format.type}" takes no json_schema; give type '
+                             '"json_schema" to constrain the output to it', param="response_format.json_schema",
+                             code="invalid_response_format")
     if response_format is not None and response_format.type != "text":
         given.append("response_format")
     given += [name for name in CONSTRAINT_FIELDS[1:-1] if getattr(body, name, None) is not None]

@@ -341,3 +341,13 @@ def test_completion_top_logprobs_always_hold_the_chosen_token(served, logprobs):
     tops = response.json()["choices"][0]["logprobs"]["top_logprobs"]
     expected_first = {"'": -2.75, "P": -4.86} if logprobs else {"P": -4.86}
     assert tops == [expected_first, {"'": -2.75}]
+
+
+def test_tokenize_names_messages_when_their_rendering_is_over_the_prompt_limit():
+    app, _ = scripted_app(Settings(models="none-loaded", max_prompt_bytes=50), RecordingEngine(Metrics()),
+                          {MODEL: ServedModel(MODEL, ByteTokenizer(), 256, CARD, ChatTemplate(TEMPLATE, "test"))})
+    client = TestClient(app)  # not entered: no lifespan
+    error = error_of(client.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 60}]}))
+    assert (error["param"], error["code"]) == ("messages", "prompt_too_long"), error
+    error = error_of(client.post("/tokenize", json={"model": MODEL, "prompt": "x" * 60}))
+    assert (error["param"], error["code"]) == ("prompt", "prompt_too_long"), error

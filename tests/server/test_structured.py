@@ -264,3 +264,14 @@ def test_strict_enforces_objects_combined_by_all_of_as_written(served):
                                                           "response_format": json_schema_format(schema, strict=True)})
     assert response.status_code == 200, response.text
     assert takes(engine.matchers[-1], json.dumps({"name": "c", "age": 23}))
+
+
+@pytest.mark.parametrize("kind", ["text", "json_object"])
+def test_a_json_schema_under_another_response_format_type_is_400_not_ignored(served, kind):
+    client, _ = served
+    response = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 4,
+        "response_format": {"type": kind, "json_schema": {"name": "n", "schema": {"type": "object"}}}})
+    error = response.json()["error"]
+    assert response.status_code == 400 and (error["param"], error["code"]) == \
+        ("response_format.json_schema", "invalid_response_format"), error

@@ -24,7 +24,7 @@ def tokenize(state: AppState, body: TokenizeRequest) -> TokenizeResponse:
                              param="tools")
     text = body.prompt if body.prompt is not None else chat_prompt(served, body.messages, body.add_generation_prompt,
                                                                    tools=body.tools)
-    tokens = prompt_tokens(state, served, text)
+    tokens = prompt_tokens(state, served, text, param="prompt" if body.prompt is not None else "messages")
     return TokenizeResponse(count=len(tokens), max_model_len=served.card.get("max_context"), tokens=tokens)
 
 
