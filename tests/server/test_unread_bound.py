@@ -90,6 +90,23 @@ def test_a_batch_of_prompts_shares_the_bound_and_its_merged_queue_is_bounded():
     asyncio.run(run())
 
 
+def test_a_batch_that_fails_stops_every_prompt_even_one_whose_forwarder_never_ran():
+    """A prompt whose forwarder was cancelled before its first step never entered its
+    submission's events(), whose cleanup stops the engine request: it ran to its end for nobody."""
+    async def run():
+        stops = [[] for _ in range(2)]
+        handles = [submission(stops[i]) for i in range(2)]
+        batch = PromptBatch(handles, n=1)
+        batch.forwarders[1].cancel()  # cancelled before it first ran
+        handles[0].put(RuntimeError("the first prompt failed"))
+        with pytest.raises(RuntimeError, match="the first prompt failed"):
+            async for _ in batch.events():
+                pass
+        assert handles[1].cancelled.is_set() and stops[1]
+
+    asyncio.run(run())
+
+
 def test_a_backlog_is_written_in_turns_of_at_most_write_chunks():
     """Chunks ready together go out in one write, but a backlog (2,000 tokens waiting when the
     stream starts, as after a client that read slowly) goes out WRITE_CHUNKS at a time, each

@@ -285,3 +285,7 @@ class PromptBatch:
         finally:  # a prompt still running (after a failure, a cancel, a client that left) is dropped
             for forwarder in self.forwarders:
                 forwarder.cancel()
+            # and its engine request too: a forwarder cancelled before its first step never entered
+            # its submission's events(), whose own cleanup would have stopped the request, which
+            # would then run to its end for nobody (a no-op for a prompt that finished)
+            self.cancel()
