@@ -497,11 +497,12 @@ class EngineClient:
         if not self.alive:
             raise self.unavailable_error()
         call_id = next(self.ids)
+        frame = encode_frame(*request_frame(request, call_id), checked=True)  # MessageTooLarge: this request alone
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
         if isinstance(request, CHANGES_A_SESSION):
             self.changing_calls.add(call_id)
-        self.writer.write(encode_frame(*request_frame(request, call_id)))
+        self.writer.write(frame)
         if self.writer.transport.get_write_buffer_size() > (1 << 20):
             try:
                 await self.writer.drain()

@@ -45,6 +45,15 @@ class ContextLengthExceeded(InvalidInput):
     default_code = "context_length_exceeded"
 
 
+class MessageTooLarge(EngineError):
+    """The request's message to the engine process would be over the frame header the engine
+    process reads (server/engine/wire.py MAX_HEADER_BYTES: a prompt of millions of token ids
+    under a raised XLSERVE_MAX_PROMPT_BYTES). Refused in the API process before it is sent: the
+    engine process would stop at such a frame, and every other request with it."""
+
+    http_status, error_type, default_code = 413, "request_too_large", "message_too_large"
+
+
 class RequestFailed(EngineError):
     """This request alone could not be computed: its row of log-probabilities is not finite
     (code "sampling_failed"), or the model's forward raised for its row alone ("forward_failed").

@@ -49,6 +49,7 @@ import xlserve.server.engine.types as engine_types
 # rebuilds: imported here so that the registry is whole wherever the wire is used
 import xlserve.server.engine.errors  # noqa: F401
 from xlserve.server.cache.errors import SessionInfo
+from xlserve.server.engine.errors import MessageTooLarge
 from xlserve.server.engine.types import SamplingParams
 from xlserve.server.errors import ERROR_CLASSES, RegisteredError
 
@@ -56,10 +57,16 @@ HEADER = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 << 20
 
 
-def encode_frame(header: dict, blob: bytes | None = None) -> bytes:
+def encode_frame(header: dict, blob: bytes | None = None, checked: bool = False) -> bytes:
+    """A frame's bytes. `checked` (what the API process sends the engine process):
+    MessageTooLarge for a header over MAX_HEADER_BYTES, which the engine process's `read_frame`
+    refuses, and could not skip without losing the stream."""
     if blob is not None:
         header = {**header, "blob": len(blob)}
     body = json.dumps(header, separators=(",", ":")).encode()
+    if checked and len(body) > MAX_HEADER_BYTES:
+        raise MessageTooLarge(f"this request's message to the engine process is {len(body):,} bytes of JSON, over "
+                              f"the {MAX_HEADER_BYTES:,} it reads (fewer prompt tokens, or an append in parts)")
     return HEADER.pack(len(body)) + body + (blob or b"")
 
 

@@ -53,6 +53,8 @@ ANSWERED = {
     "EngineRestarting": (503, "service_unavailable", "engine_restarting", None, {"Retry-After": "2"}),
     "EngineLoading": (503, "service_unavailable", "loading", None, {"Retry-After": "2"}),
     "RequestFailed": (500, "internal_error", "sampling_failed", None, {}),
+    # added since: a request whose message to the engine process is over the frame it reads
+    "MessageTooLarge": (413, "request_too_large", "message_too_large", None, {}),
     # a session whose state gives non-finite log-probs at use (issue 35): the client's state, a 4xx
     "StateNotUsable": (422, "invalid_request_error", "state_not_usable", "session_id", {}),
     # added since: the device out of memory while checking an imported state (a RuntimeError like a

@@ -337,3 +337,33 @@ def test_a_change_in_flight_when_the_engine_process_dies_may_have_landed():
     assert isinstance(commit, CommitOutcomeUnknown) and isinstance(create, CommitOutcomeUnknown)
     assert "may have landed" in str(commit) and "Idempotency-Key" in str(commit)
     assert isinstance(read, EngineRestarting)
+
+
+def test_a_request_over_the_frame_the_engine_reads_fails_alone_before_it_is_sent(monkeypatch, tmp_path):
+    """The engine process stops at a frame header over MAX_HEADER_BYTES (it cannot skip it without
+    losing the stream), taking every request with it: a prompt of millions of token ids under a
+    raised XLSERVE_MAX_PROMPT_BYTES. The API process refuses that request alone (413), sends
+    nothing, and keeps no call waiting for it."""
+    import asyncio
+
+    import pytest
+
+    from xlserve.server.engine import wire
+    from xlserve.server.engine.client import EngineClient
+    from xlserve.server.engine.errors import MessageTooLarge
+    from xlserve.server.metrics import Metrics
+    from xlserve.server.settings import Settings
+
+    class Writer:
+        written: list = []
+
+        def write(self, data):
+            self.written.append(data)
+
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 1_000)
+    client = EngineClient(Settings(models="none-loaded"), Metrics())
+    client.status, client.writer = "ready", Writer()
+    with pytest.raises(MessageTooLarge, match="over the 1,000 it reads"):
+        asyncio.run(client.call(Generate(5, "m", [65] * 1_000, SamplingParams(max_tokens=4))))
+    assert client.writer.written == [] and client.calls == {} and client.changing_calls == set()
+    assert (MessageTooLarge.http_status, MessageTooLarge.default_code) == (413, "message_too_large")
