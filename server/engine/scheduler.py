@@ -208,11 +208,13 @@ class Engine:
 
     @property
     def prefix_lookup_waits(self) -> bool:
-        """Whether a prefix lookup may wait on a store rather than only read memory: Redis, or
-        entries on disk (a hit there reads and checks its file, tens to hundreds of MB at real
-        size)."""
+        """Whether a prefix lookup may do more than read the device's memory: ask Redis, read
+        an entry on disk (a hit there reads and checks its file, tens to hundreds of MB at real
+        size), or copy one from host RAM to the device (and push another down to make room):
+        hundreds of MB at real size, which must not hold the reader thread that every other
+        request's frames wait on."""
         cache = self.prefix_cache
-        return cache is not None and (cache.remote is not None or cache.held("disk") > 0)
+        return cache is not None and (cache.remote is not None or cache.held("disk") > 0 or cache.held("host") > 0)
 
     def _restore_prefix(self, blob: bytes):
         """A prefix entry from a shared store, on this model's device and checked as an imported

@@ -522,6 +522,32 @@ def test_a_lookup_that_may_read_a_file_runs_off_the_reader_thread(tmp_path):
         assert hits[-1] is not None and hits[-1].tokens >= len(prompt) - 1  # from the file on disk
 
 
+def test_a_lookup_that_may_copy_from_host_ram_runs_off_the_reader_thread(tmp_path):
+    """A hit in host RAM copies the entry to the device (and may push another down): hundreds of
+    MB at real size on a GPU, which ran on the reader thread every request's frames wait on."""
+    from xlserve.server.engine.process import Deferred
+    from xlserve.server.engine.types import SamplingParams
+    from xlserve.server.engine.wire import Generate
+    from tests.server.engine_process_helpers import engine_process
+    from tests.server.polling import eventually
+
+    with engine_process(tmp_path, prefix_cache_bytes=1, prefix_cache_host_bytes=1 << 30,
+                        prefix_cache_disk_bytes=0) as (process, _):
+        engine = process.models["tiny"].engine
+        cache = engine.prefix_cache
+        params = SamplingParams(max_tokens=1, temperature=0)
+        prompt = list(b"def parse(text):\n    return text")
+        scope = SCOPE.hex()
+        assert not engine.prefix_lookup_waits
+        first = process.generate(Generate(1, "tiny", prompt, params, prefix_scope=scope))
+        assert not isinstance(first, Deferred)
+        assert eventually(lambda: cache.held("host") > 0, seconds=60)  # the device cap is 1 byte
+        assert engine.prefix_lookup_waits
+        second = process.generate(Generate(2, "tiny", prompt + list(b"\n"), params, prefix_scope=scope))
+        assert isinstance(second, Deferred)
+        second.work()
+
+
 def test_the_disk_writer_skips_entries_gone_before_their_turn_and_outlives_any_error(tmp_path, monkeypatch):
     """The disk writer encodes an entry only if it is still waiting for its file (one dropped,
     moved up or written again meanwhile would be encoded for nothing, holding its bytes against
