@@ -655,7 +655,17 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 1
 """
 
-_SCRIPTS = {"cas": _CAS_SCRIPT, "append": _APPEND_SCRIPT, "settle": _SETTLE_SCRIPT, "remember": _REMEMBER_SCRIPT, "tombstone": _TOMBSTONE_SCRIPT}
+# File a prefix entry under its block's slot n, returning the entry filed there before ('' = none).
+# KEYS: the block's hash. ARGV: n, the entry's key, the TTL (s).
+_PREFIX_SWAP_SCRIPT = """
+local replaced = redis.call('HGET', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+return replaced or ''
+"""
+
+_SCRIPTS = {"cas": _CAS_SCRIPT, "append": _APPEND_SCRIPT, "settle": _SETTLE_SCRIPT, "remember": _REMEMBER_SCRIPT, "tombstone": _TOMBSTONE_SCRIPT,
+            "prefix_swap": _PREFIX_SWAP_SCRIPT}
 
 
 class Head(NamedTuple):
@@ -945,12 +955,13 @@ class RedisPrefixStore(RedisStore):
         deleted: unreachable, it would hold its bytes until its TTL."""
 
         def write():
-            pipeline = self.client.pipeline(transaction=False)
-            pipeline.hget(self.prefix + "block:" + block, str(n))
-            pipeline.set(self.prefix + "entry:" + key, blob, ex=self.ttl_s)
-            pipeline.hset(self.prefix + "block:" + block, str(n), key)
-            pipeline.expire(self.prefix + "block:" + block, self.ttl_s)
-            replaced = pipeline.execute()[0]
+            # the entry first, whole; then the block's slot swapped in one script, which returns the
+            # entry it replaced. Two replicas filing (block, n) at once each delete what their own
+            # swap replaced, so whichever swaps last is filed and the other deleted: read in the same
+            # pipeline as the SET, the slot was read before a large entry had arrived, and the entry
+            # filed in between was left unreachable for its whole TTL
+            self.client.set(self.prefix + "entry:" + key, blob, ex=self.ttl_s)
+            replaced = self._script("prefix_swap", [self.prefix + "block:" + block], [str(n), key, str(self.ttl_s)])
             replaced = replaced.decode() if isinstance(replaced, bytes) else replaced
             if replaced and replaced != key:
                 self.client.delete(self.prefix + "entry:" + replaced)

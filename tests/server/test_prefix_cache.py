@@ -296,6 +296,26 @@ def test_an_entry_filed_in_place_of_another_removes_it_from_redis(redis_url):  #
     assert store.get_entry("02" * 8) == b"second"
 
 
+def test_two_replicas_filing_one_slot_at_once_leave_no_entry_unreachable(redis_url):  # noqa: F811
+    """Replica A's entry (hundreds of MB) is still arriving when replica B files another under the
+    same block and length: the slot was read in A's pipeline before its entry had arrived, so
+    B's entry was replaced without being deleted and held its bytes, unreachable, for a day."""
+    from xlserve.server.cache.stores import RedisPrefixStore
+
+    a = RedisPrefixStore(redis_url, prefix="test:race:")
+    b = RedisPrefixStore(redis_url, prefix="test:race:")
+    swap = a._script
+
+    def b_files_while_a_is_between_its_entry_and_its_swap(name, keys, args):
+        b.put_entry("bb", 20, "02" * 8, b"small")
+        return swap(name, keys, args)
+
+    a._script = b_files_while_a_is_between_its_entry_and_its_swap
+    a.put_entry("bb", 20, "01" * 8, b"large")
+    assert a.filed(["bb"]) == [{20: "01" * 8}]
+    assert a.get_entry("01" * 8) == b"large" and a.get_entry("02" * 8) is None  # nothing left unreachable
+
+
 def test_entries_are_not_shared_past_half_of_redis_maxmemory():
     """With `noeviction`, a Redis full of prefix entries would refuse every session commit for
     the entries' TTL: entries are shared only while Redis holds less than half its maxmemory,
