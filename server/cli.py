@@ -141,8 +141,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # settings that may hold a password or a key
-SECRET_SETTINGS = frozenset({"api_keys", "redis_url"})
-NAMED_METAVARS = {"models": "NAMES", "redis_url": "URL", "api_keys": "KEYS"}
+SECRET_SETTINGS = frozenset({"api_keys", "redis_url", "prefix_cache_redis_url"})
+NAMED_METAVARS = {"models": "NAMES", "redis_url": "URL", "prefix_cache_redis_url": "URL", "api_keys": "KEYS"}
 
 
 def _metavar(annotation, flat_name: str) -> str:

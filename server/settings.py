@@ -334,6 +334,18 @@ class PrefixCacheSettings(SettingsGroup):
     block_tokens: int = Field(16, ge=1, description="tokens per block of the prefix hash chain")
     redis_ttl_seconds: int = Field(24 * 3600, ge=1, description="with Redis: entries shared there expire after "
                                    "this long unused")
+    redis_url: str = Field("", description="where entries are shared between replicas: empty, the sessions' "
+                           "XLSERVE_REDIS_URL; `none`, nowhere (each replica keeps its own); or another Redis's URL. "
+                           "Entries are a cache of up to a whole state each: a Redis that fsyncs every write for "
+                           "the sessions (appendfsync always) would stall every commit behind them")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        value = value.strip()
+        if value and value != "none":
+            parse_redis_url(value)  # its ValueError's message never quotes credentials
+        return value
 
 
 class SecuritySettings(SettingsGroup):

@@ -187,13 +187,15 @@ class PrefixCache:
     @classmethod
     def from_settings(cls, settings, session_settings, metrics=None, sessions=None) -> "PrefixCache | None":
         """From the prefix cache's group of the server's settings (`settings.prefix_cache`) and the
-        session cache's (`settings.cache`: the Redis store and the state directory it shares);
+        session cache's (`settings.cache`: the state directory it shares, and its Redis unless
+        XLSERVE_PREFIX_CACHE_REDIS_URL names another or `none`);
         None when its device cap is 0. Duck-typed: the cache imports nothing of server/settings.py."""
         if settings.bytes <= 0:
             return None
         remote = None
-        if session_settings.redis_url:
-            remote = RedisPrefixStore(session_settings.redis_url, timeout_s=session_settings.store_timeout_seconds,
+        url = getattr(settings, "redis_url", "") or session_settings.redis_url  # "none": shared nowhere
+        if url and url != "none":
+            remote = RedisPrefixStore(url, timeout_s=session_settings.store_timeout_seconds,
                                       ttl_s=settings.redis_ttl_seconds)
         return cls(settings.bytes, settings.block_tokens, metrics, remote,
                    host_bytes=settings.host_bytes, disk_bytes=settings.disk_bytes,

@@ -741,3 +741,24 @@ def test_a_shared_entry_this_replica_cannot_take_stays_for_the_others(redis_url)
     assert reader.lookup("toy", SCOPE, prompt, restore=out_of_memory) is None
     assert writer.remote.client.exists("test:stays:entry:" + key)
     assert reader.lookup("toy", SCOPE, prompt, restore=toy_restore).tokens == len(prompt)
+
+
+def test_where_entries_are_shared_is_its_own_setting(tmp_path):
+    """Entries go through the sessions' Redis unless XLSERVE_PREFIX_CACHE_REDIS_URL says `none` or
+    names another: a Redis that fsyncs every session write (the Kubernetes manifests') stalled
+    every commit behind entries of up to a whole state."""
+    from xlserve.server.settings import Settings
+
+    def remote(**flat):
+        settings = Settings(models="none-loaded", state_dir=str(tmp_path), **flat)
+        cache = PrefixCache.from_settings(settings.prefix_cache, settings.cache)
+        return None if cache.remote is None else cache.remote.url
+
+    sessions, entries = "redis://127.0.0.1:6399/0", "redis://127.0.0.1:6400/0"
+    assert remote() is None
+    assert remote(redis_url=sessions) == sessions
+    assert remote(redis_url=sessions, prefix_cache_redis_url="none") is None
+    assert remote(redis_url=sessions, prefix_cache_redis_url=entries) == entries
+    assert remote(prefix_cache_redis_url=entries) == entries
+    with pytest.raises(ValueError):
+        Settings(models="none-loaded", prefix_cache_redis_url="http://nowhere")
