@@ -322,7 +322,8 @@ class CacheSettings(SettingsGroup):
 
 class PrefixCacheSettings(SettingsGroup):
     """The prefix-state cache (server/cache/prefix_cache.py): requests without a session resume
-    from the longest cached prefix of their prompt. It shares the session cache's tiers and Redis."""
+    from the longest cached prefix of their prompt. It shares the session cache's tiers, and its
+    Redis unless `redis_url` says otherwise."""
 
     model_config = _group_config("PREFIX_CACHE_")
     flat_prefix: ClassVar[str] = "prefix_cache_"
