@@ -127,6 +127,9 @@ SESSION_OP_THREADS = 32  # session operations in flight at once (most of their t
 # session operations' threads, which every other client's acquire and commit need
 FIRST_COMPILE_THREADS = 4
 FIRST_COMPILES_QUEUED = 32
+# generations whose prefix lookup may wait (Redis, a file, a copy from host RAM: hundreds of MB at
+# real size) wait on threads of their own too: a slow Redis must not hold the session operations'
+PREFIX_LOOKUP_THREADS = 8
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -430,6 +433,8 @@ class EngineProcess:
         self.first_compiles = ThreadPoolExecutor(max_workers=FIRST_COMPILE_THREADS, thread_name_prefix="first-compile",
                                                  initializer=own_torch_threads, initargs=(1,))
         self.first_compiles_waiting = 0  # guarded by self.lock: deferred generations not yet queued
+        self.prefix_lookups = ThreadPoolExecutor(max_workers=PREFIX_LOOKUP_THREADS, thread_name_prefix="prefix-lookup",
+                                                 initializer=own_torch_threads, initargs=(1,))
         # freed memory goes back to the system once the engines idle (server/engine/memory.py)
         self.memory = MemoryReturner.for_engine_process(
             lambda: all(loaded.engine.idle for loaded in self.models.values()), settings.engine.return_memory)
@@ -503,6 +508,7 @@ class EngineProcess:
             loaded.engine.close()
         self.pool.shutdown(wait=True)
         self.first_compiles.shutdown(wait=True)
+        self.prefix_lookups.shutdown(wait=True)
         self.cache.close()
         self.state_directory.close()  # the directory is free for the next process
 
@@ -582,13 +588,13 @@ class EngineProcess:
                 self.first_compiles_waiting += compile_first
                 self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
             return Deferred(lambda: self._deferred_generate(request, engine, cancelled, compile_first),
-                            self.first_compiles if compile_first else None)
+                            self.first_compiles if compile_first else self.prefix_lookups)
         return self._generate(request, engine, constraint=constraint)
 
     def _deferred_generate(self, request: Generate, engine: Engine, cancelled: threading.Event,
                            compile_first: bool) -> Accepted:
-        """`generate`'s slow part, on the session-op pool: the constraint's compile, then the
-        request queued. Whatever fails before it is queued takes its stand-in out of the table."""
+        """`generate`'s slow part, on a pool of its own (first compiles', or prefix lookups'):
+        the constraint's compile, or the prefix lookup, then the request queued. Whatever fails before it is queued takes its stand-in out of the table."""
         params = request.params
         try:
             constraint = None

@@ -565,6 +565,7 @@ def test_a_lookup_that_may_copy_from_host_ram_runs_off_the_reader_thread(tmp_pat
         assert engine.prefix_lookup_waits
         second = process.generate(Generate(2, "tiny", prompt + list(b"\n"), params, prefix_scope=scope))
         assert isinstance(second, Deferred)
+        assert second.pool is process.prefix_lookups  # not the session operations' threads
         second.work()
 
 
