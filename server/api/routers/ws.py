@@ -123,8 +123,12 @@ class _Connection:
         request_id = frame = None
         try:
             max_bytes = self.state.settings.server.max_request_body_bytes
-            request_id = frame_id(text, max_bytes)
-            frame = parse_frame(text, max_bytes=max_bytes)
+            try:
+                frame = parse_frame(text, max_bytes=max_bytes)
+            except Exception:
+                request_id = frame_id(text, max_bytes)  # read apart only for a refused frame's answer
+                raise
+            request_id = frame.id
             if isinstance(frame, CancelFrame):
                 running = self.current
                 if running is None or (frame.id is not None and frame.id != running.id):
