@@ -137,10 +137,11 @@ def one_of(shapes: str) -> WrapValidator:
 
 
 # a JSON string, matched whole from its opening quote (an escape, a backslash and the character
-# after it, never ends it), or, unterminated, everything from its quote to the end of the text.
+# after it, never ends it), or, unterminated, everything from its quote to the end of the text;
+# and an escape outside any string (not JSON: the parser stops there), whose character is no quote
 # Possessive: a string that does not close is scanned once, not again from every quote inside it
 # ('"\\"\\"\\"...'), which would be quadratic in the text's size.
-_STRING_BYTES = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
+_STRING_BYTES = re.compile(rb'\\.|"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
 _BRACKETS = np.frombuffer(b"[{]}", dtype=np.uint8)
 
 

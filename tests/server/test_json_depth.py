@@ -40,3 +40,7 @@ def test_the_depth_check_agrees_with_the_parser_on_what_it_accepts():
             value = {"x": value, "s": "[{\"]}", "t": ["\\", "\""]}
         text = json.dumps(value)
         assert json_depth_exceeded(text) is (depth + 6 > MAX_JSON_DEPTH), depth
+
+
+def test_an_escape_outside_any_string_starts_no_string():
+    assert json_depth_exceeded('\\"' + "[" * (MAX_JSON_DEPTH + 1))
