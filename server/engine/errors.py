@@ -47,8 +47,9 @@ class ContextLengthExceeded(InvalidInput):
 
 class MessageTooLarge(EngineError):
     """The request's message to the engine process would be over the frame header the engine
-    process reads (server/engine/wire.py MAX_HEADER_BYTES: a prompt of millions of token ids
-    under a raised XLSERVE_MAX_PROMPT_BYTES). Refused in the API process before it is sent: the
+    process reads (server/engine/wire.py MAX_HEADER_BYTES: a constraint's text under a raised
+    XLSERVE_STRUCTURED_MAX_BYTES, say; token ids cross as the blob). Refused in the API process
+    before it is sent: the
     engine process would stop at such a frame, and every other request with it."""
 
     http_status, error_type, default_code = 413, "request_too_large", "message_too_large"

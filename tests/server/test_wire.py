@@ -1,5 +1,6 @@
 """The messages, framing and error transport between the API process and the engine process."""
 
+import array
 import asyncio
 import dataclasses
 import io
@@ -106,9 +107,12 @@ def test_every_message_round_trips_through_a_frame():
             assert header["op"] == sample.kind.value
             back = type(sample).from_frame(header, blob)
         assert back == sample, type(sample).__name__
-        # a session state crosses as the frame's blob, never inside the JSON header
-        assert (blob is not None) == any(value == STATE for value in vars(sample).values())
+        # a session state, and token ids, cross as the frame's blob, never inside the JSON header
+        tokens = getattr(sample, "prompt", None) or getattr(sample, "tokens", None) if isinstance(sample, (Generate, Append)) else None
+        assert (blob is not None) == (any(value == STATE for value in vars(sample).values()) or tokens is not None)
         assert STATE.decode("latin-1") not in json.dumps(header)
+        if tokens is not None:
+            assert blob == array.array("i", tokens).tobytes() and "prompt" not in header and "tokens" not in header
     # the logit bias's token ids come back as ints, though JSON object keys are strings
     assert decode_request(*through_the_socket(*request_frame(SAMPLES[0]))).params.logit_bias == {17: -1.5}
     # a notice carries no id: nobody waits for its answer
@@ -341,9 +345,9 @@ def test_a_change_in_flight_when_the_engine_process_dies_may_have_landed():
 
 def test_a_request_over_the_frame_the_engine_reads_fails_alone_before_it_is_sent(monkeypatch, tmp_path):
     """The engine process stops at a frame header over MAX_HEADER_BYTES (it cannot skip it without
-    losing the stream), taking every request with it: a prompt of millions of token ids under a
-    raised XLSERVE_MAX_PROMPT_BYTES. The API process refuses that request alone (413), sends
-    nothing, and keeps no call waiting for it."""
+    losing the stream), taking every request with it: a constraint's text under a raised
+    XLSERVE_STRUCTURED_MAX_BYTES, say (a prompt's token ids cross as the blob). The API process
+    refuses that request alone (413), sends nothing, and keeps no call waiting for it."""
     import asyncio
 
     import pytest
@@ -364,6 +368,7 @@ def test_a_request_over_the_frame_the_engine_reads_fails_alone_before_it_is_sent
     client = EngineClient(Settings(models="none-loaded"), Metrics())
     client.status, client.writer = "ready", Writer()
     with pytest.raises(MessageTooLarge, match="over the 1,000 it reads"):
-        asyncio.run(client.call(Generate(5, "m", [65] * 1_000, SamplingParams(max_tokens=4))))
+        asyncio.run(client.call(Generate(5, "m", [65] * 1_000, SamplingParams(
+            max_tokens=4, constraint_kind="regex", constraint="a" * 2_000, constraint_param="guided_regex"))))
     assert client.writer.written == [] and client.calls == {} and client.changing_calls == set()
     assert (MessageTooLarge.http_status, MessageTooLarge.default_code) == (413, "message_too_large")
