@@ -248,8 +248,9 @@ def install_error_handlers(app: FastAPI) -> None:
     paths and methods as their HTTP status, anything else a 500 that names only the class.
     Each is counted (`count_error`) as it is answered."""
 
-    def answer(request: Request, error: APIError, body: Any = None) -> AsciiErrorResponse:
-        count_error(_app_state(request.app), error, requested_model(request, body))
+    def answer(request: Request, error: APIError, body: Any = None, raised: BaseException | None = None) -> AsciiErrorResponse:
+        model = getattr(raised if raised is not None else error, "session_model", None)  # session_lease's
+        count_error(_app_state(request.app), error, model or requested_model(request, body))
         return AsciiErrorResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)
@@ -258,7 +259,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RegisteredError)  # Cancelled, one of them, has its own handler below
     async def _mapped(request: Request, error: Exception):
-        return answer(request, as_api_error(error))
+        return answer(request, as_api_error(error), raised=error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):
@@ -287,4 +288,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):
-        return answer(request, as_api_error(error))
+        return answer(request, as_api_error(error), raised=error)

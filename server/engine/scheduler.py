@@ -154,6 +154,7 @@ class Engine:
         self._prefill_tokens_metric = metrics.prefill_tokens.labels(name)
         self._decode_time_metric = metrics.request_decode_time.labels(name)
         self._cancelled_metric = metrics.requests.labels(name, "cancelled")  # outcomes: finish_reason
+        self._appended_metric = metrics.requests.labels(name, "appended")  # an append's end
         thread_ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(thread_ready,), name=f"engine-{name}", daemon=True)
         self._thread.start()
@@ -329,6 +330,8 @@ class Engine:
                 self._waiting.clear()
             self._running = []
             self.layout.clear()
+            self._running_metric.set(0)
+            self._waiting_metric.set(0)
             for request in pending:
                 self._emit(request, self._gone())
             try:
@@ -360,6 +363,7 @@ class Engine:
                 for request in list(self._running):
                     self._fail(request, error)
                 self.layout.clear()
+                self._running_metric.set(len(self._running))  # set at a step's end, which this one never reached
             finally:
                 self._step_started_at = None
             self._flush()
@@ -621,6 +625,7 @@ class Engine:
             self._first_output(request)  # an append's result is its only output
             scored = [logprob for logprob in request.prompt_logprobs if logprob is not None]
             self._emit(request, Appended(data=data, logprob=float(sum(scored)), scored=len(scored)))
+            self._appended_metric.inc()
             self._remove(request)
             return
         if request.prompt_top_k is not None and request.prompt:
@@ -871,8 +876,9 @@ class Engine:
         completion = sum(c.completion_tokens for c in choices)
         self._emit(request, Finished(choices=choices, prompt_tokens=len(request.prompt), completion_tokens=completion,
                                      cached_tokens=request.cached_tokens, data=data))
-        for choice in choices:
-            self.metrics.requests.labels(self.name, choice.finish_reason).inc()
+        # once per request (the error ratio's denominator counts requests, not choices): the first
+        # choice's reason, which is every choice's but where n > 1 end differently
+        self.metrics.requests.labels(self.name, choices[0].finish_reason if choices else "length").inc()
         self._remove(request)
 
     def _offer(self, request: EngineRequest, tokens: list[int], data: SessionData,

@@ -189,10 +189,13 @@ class Submission:
                     if previous is not None:
                         inter_token.observe(now - previous)
                     last_token_at[event.index] = now
-                yield event
                 if isinstance(event, (Finished, Appended)):
+                    # before the yield: a consumer that stops at its last event (`appended`) closes
+                    # this generator there, and a stream commits before it asks for more
                     metrics.e2e_latency.labels(name).observe(time.monotonic() - self.submitted_at)
+                    yield event
                     return
+                yield event
         finally:
             self._stop()  # no-op when finished; the engine drops the request when the consumer left
 

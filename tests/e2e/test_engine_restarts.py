@@ -129,6 +129,12 @@ def test_a_frozen_engine_process_is_noticed_and_restarted_like_a_dead_one(tiny_c
         time.sleep(STALL_SECONDS + 2)  # idle beyond the stall setting: the heartbeat keeps a running engine from counting as frozen
         assert engine_pid(server) == frozen
         os.kill(frozen, signal.SIGSTOP)
+        # a scrape meanwhile answers with the API process's half at least, in time: it waited on
+        # the frozen engine process until its scrape timed out, and Prometheus saw the server down
+        started = time.monotonic()
+        scraped = httpx.get(server.url + "/metrics", timeout=10)
+        assert scraped.status_code == 200 and "xlserve_http_requests_total" in scraped.text
+        assert time.monotonic() - started < 5
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
             reasons, health_bodies = [], []

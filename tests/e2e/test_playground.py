@@ -395,3 +395,23 @@ def test_a_browser_authenticates_the_websocket_with_a_subprotocol(page_server):
         assert http.get("/v1/models").status_code == 401
     log = page_server.log_path.read_text()
     assert KEY not in log and subprotocol(KEY) not in log
+
+
+@needs_browser
+def test_a_generation_refused_for_its_key_says_why_and_a_new_key_opens_a_new_socket(page_server, browser):
+    """The server refuses a websocket with a wrong key in an error frame that names no request: the
+    page dropped it and showed only "connection closed". And a socket opened with one key went on
+    being used after the key changed."""
+    from selenium.webdriver.common.keys import Keys
+
+    page = Page(browser)
+    page.open(page_server)
+    page.set_value("prompt", "def main():\n")
+    page.set_value("max-tokens", 5)
+    page.find("generate").click()
+    wait_for(lambda: page.find("generation-stats").get_attribute("data-finish") == "length", what="a generation")
+    key = page.find("api-key")
+    key.clear()
+    key.send_keys("wrong", Keys.TAB)  # the change event: the open socket carried the right key
+    page.find("generate").click()
+    wait_for(lambda: "API key" in page.text("generation-stats"), what="the refusal's reason")

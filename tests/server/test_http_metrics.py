@@ -365,3 +365,88 @@ def test_queue_prefill_and_decode_times_are_observed_per_request():
     assert (queued, prefilled, decoded) == (4, 4, 2)
     # the second request waited for (most of) the first one's decoding, and nothing took longer than the run
     assert 0 < decode_seconds / 2 <= took and queue_seconds >= 0.5 * decode_seconds / 2
+
+
+def test_requests_are_counted_once_each_and_appends_with_their_latency():
+    """xlserve_requests_total counted a request once per choice (n=3 made 3) and never an append,
+    whose end-to-end latency was never observed either (its consumer stops at its last event)."""
+    from tests.server.test_engine import HistoryModel, collect, generation, make_engine
+    from xlserve.server.engine import local
+
+    engine = make_engine(HistoryModel())
+
+    async def main():
+        await collect(engine, generation(engine, "ab", max_tokens=3, n=3, temperature=1.0, seed=1))
+        await collect(engine, generation(engine, "cd", max_tokens=2))
+        await local.append(engine, engine.fresh_data(), list(b"gh"))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
+    counted = {labels: value for labels, value in samples(engine.metrics, "xlserve_requests_total").items() if value}
+    assert counted == {("length", "m"): 2, ("appended", "m"): 1}
+    assert samples(engine.metrics, "xlserve_e2e_request_latency_seconds_count")[("m",)] == 3
+
+
+def test_latency_histograms_reach_past_a_minute():
+    """4,096 tokens after a 1 MB prompt take minutes on a CPU: 60 s buckets clamped the p99 panels
+    and the time-to-first-token alert."""
+    metrics = Metrics()
+    metrics.e2e_latency.labels("m").observe(500.0)
+    metrics.time_to_first_token.labels("m").observe(200.0)
+    for name in ("xlserve_e2e_request_latency_seconds_bucket", "xlserve_time_to_first_token_seconds_bucket"):
+        buckets = {labels[0]: value for labels, value in samples(metrics, name).items()}
+        assert buckets["60.0"] == 0 and buckets["600.0"] == 1, name
+
+
+def test_a_step_that_fails_leaves_no_running_requests_counted():
+    """The running gauge was set only at a step's end: a step that raised left it at its old value
+    until another request finished a step."""
+    from tests.server.test_engine import HistoryModel, collect, generation, make_engine
+
+    engine = make_engine(HistoryModel())
+    real_step = engine._step
+    calls = []
+
+    def step_then_fail():
+        calls.append(1)
+        real_step()
+        if len(calls) == 3:
+            engine._running_metric.set(len(engine._running))  # as a step's end does: 1 running
+            raise RuntimeError("injected: the step loop's own bug")
+
+    engine._step = step_then_fail
+
+    async def main():
+        return await collect(engine, generation(engine, "ab", max_tokens=40))
+
+    try:
+        with pytest.raises(Exception):
+            asyncio.run(main())
+    finally:
+        engine.close()
+    assert samples(engine.metrics, "xlserve_requests_running")[("m",)] == 0
+
+
+def test_an_error_once_a_session_is_held_is_counted_under_its_model(served):
+    """A session route names no model: what failed once its session was held (the engine process
+    restarting mid-append, a commit whose outcome is unknown) was counted under model "", which
+    the per-model error ratio and its alert drop."""
+    from xlserve.server.cache.errors import SessionInfo
+    from xlserve.server.engine.client import RemoteLease
+    from xlserve.server.engine.errors import EngineRestarting
+
+    client, state = served
+    engine = state.engine
+    released = []
+
+    async def acquire(session_id, owner, key):
+        return RemoteLease(1, session_id, SessionInfo(session_id, MODEL, None, 0, 0, 10, "device", 0.0, 0.0), False)
+
+    async def append(lease, tokens, score):
+        raise EngineRestarting("the engine process is restarting", code="engine_restarting")
+
+    engine.acquire, engine.append, engine.release = acquire, append, released.append
+    assert client.post("/v1/sessions/s/append", json={"text": "x"}).status_code == 503
+    assert errors(state) == {(MODEL, "service_unavailable", "engine_restarting"): 1} and len(released) == 1

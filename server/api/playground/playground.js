@@ -10,7 +10,12 @@ const state = { session: null, socket: null, running: null, models: {} };
 
 const keyInput = $("api-key");
 keyInput.value = localStorage.getItem("xlserve-api-key") || "";
-keyInput.addEventListener("change", () => { localStorage.setItem("xlserve-api-key", keyInput.value); loadModels(); });
+keyInput.addEventListener("change", () => {
+  localStorage.setItem("xlserve-api-key", keyInput.value);
+  // an open websocket carries the key it was opened with: the next generation opens one with this key
+  if (state.socket && !state.running) { state.socket.close(); state.socket = null; }
+  loadModels();
+});
 
 function headers(extra = {}) {
   const h = { ...extra };
@@ -142,7 +147,10 @@ async function generate(prompt, target, stats, withSession) {
 
 function onFrame(frame) {
   const running = state.running;
-  if (!running || frame.id !== running.id) return;
+  // the server's refusal of the connection itself (a wrong or missing API key) names no request:
+  // it is the running generation's answer, not a frame to drop
+  const refusal = frame.type === "error" && frame.id === null;
+  if (!running || (frame.id !== running.id && !refusal)) return;
   if (frame.type === "token") {
     if (running.first === null) running.first = performance.now();
     running.tokens += 1;

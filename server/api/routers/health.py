@@ -10,6 +10,8 @@ the reason, so no new traffic is routed to it meanwhile. Admission leaves /healt
 one is a 400 (`unknown_parameter`), as on every API route.
 """
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -60,6 +62,12 @@ async def ready(request: Request):
     return ReadyResponse(status="ready", models=sorted(state.models))
 
 
+# how long /metrics waits for the engine process's half: a scrape every 10 s, each timing out at
+# 10 s by default, must not fail whole while the engine process is frozen (up to
+# XLSERVE_ENGINE_STALL_SECONDS, 60 s, before its watchdog replaces it)
+ENGINE_METRICS_SECONDS = 2.0
+
+
 # Prometheus's text format; 401 only with XLSERVE_METRICS_REQUIRE_KEY
 @router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(400, 401, by_reference=True))
 async def metrics(request: Request):
@@ -69,9 +77,9 @@ async def metrics(request: Request):
         owner_of(request)
     text = state.metrics.render(engine_side=False)
     if state.engine is not None and state.engine.alive:
-        try:
-            text += await state.engine.metrics_text()
-        except Exception:  # the engine process died meanwhile: this half is all there is
+        try:  # a frozen engine process (until its watchdog replaces it) must not take this half with it
+            text += await asyncio.wait_for(state.engine.metrics_text(), ENGINE_METRICS_SECONDS)
+        except Exception:  # the engine process died meanwhile, or did not answer in time: this half is all there is
             pass
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -181,8 +181,8 @@ class Generation:
         """Make the generation's effect on its session permanent (durable when this returns);
         returns the session's info, or None without a session. On a cache error nothing changed.
         `result`, the answer, is remembered with the request's Idempotency-Key."""
-        self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
-        if self.lease is None:
+        if self.lease is None:  # a prefix hit's reuse: nothing to commit
+            self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
             return None
         if result is not None and self.lease.idempotency is not None:
             size = len(json.dumps(result, separators=(",", ":")))
@@ -192,6 +192,8 @@ class Generation:
                     f"{REMEMBERED_ANSWER_BYTES}); nothing was committed: send it without the key, or ask for less "
                     "(echo, logprobs, max_tokens)", param="Idempotency-Key", code="remembered_answer_too_large")
         info = await self.state.engine.commit(self.lease, result)
+        # counted once the commit landed: a refused commit (a conflict, a full cache) reused nothing
+        self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
         self.state.metrics.state_bytes_per_session.labels(self.body.model).observe(info.state_bytes)
         return info
 

@@ -48,6 +48,16 @@ async def session_lease(state: AppState, session_id: str | None, owner: str | No
         raise
     try:
         yield lease
+    except Exception as error:
+        # what fails once the session is held is counted under its model (api/errors.py
+        # `count_error`): a session route's request names none, and its errors fell out of the
+        # per-model error ratio and its alert
+        if getattr(error, "session_model", None) is None:
+            try:
+                error.session_model = lease.info.model
+            except AttributeError:  # an exception class that takes no attributes
+                pass
+        raise
     finally:
         state.engine.release(lease)
 

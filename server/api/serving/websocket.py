@@ -24,7 +24,7 @@ def error_frame(request_id: str | None, error: BaseException, state: AppState | 
     answer would carry Retry-After. With the app's `state` the error is counted, under `model`
     when the frame named a served one (server/api/errors.py's count_error): once per frame sent."""
     api_error = error_for(error)
-    count_error(state, api_error, model)
+    count_error(state, api_error, getattr(error, "session_model", None) or model)  # session_lease's, once held
     frame = {"type": "error", "id": request_id, **api_error.body()}
     if "Retry-After" in api_error.headers:
         frame["retry_after"] = int(api_error.headers["Retry-After"])
