@@ -1,5 +1,7 @@
 """Checks that need CUDA; `make gpu-check` runs them (CPU-only CI skips them)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -36,11 +38,11 @@ def test_cuda_bfloat16_stays_close_and_state_moves_between_devices():
     cpu, gpu = model_pair()
     tokens = torch.randint(0, 256, (1, 64))
     expected, cpu_state = cpu(tokens, cpu.init_state(1))
-    bf16 = gpu.to(torch.bfloat16)
+    bf16 = copy.deepcopy(gpu).to(torch.bfloat16)  # Module.to changes the module itself: a copy, or gpu is bf16 too
     log_probs, _ = bf16(tokens.cuda(), bf16.init_state(1))
     assert (log_probs.float().cpu().exp() - expected.exp()).abs().max().item() < 0.05
-    # a state made on the CPU continues on the GPU
-    gpu32 = gpu.float()
+    # a state made on the CPU continues on the GPU (the float32 weights, never rounded to bf16)
+    gpu32 = gpu
     next_cpu, _ = cpu(tokens[:, :5], cpu_state)
     next_gpu, _ = gpu32(tokens[:, :5].cuda(), cpu_state.to("cuda"))
     assert (next_gpu.cpu() - next_cpu).abs().max().item() < 1e-4
