@@ -83,22 +83,54 @@ def test_a_state_upload_labelled_json_is_not_read_before_it_has_a_place(app_and_
 
 
 def test_an_export_whose_client_stops_reading_ends_and_gives_its_place_back():
-    given_back = []
-    response = StateResponse(content=b"x" * 1000, give_back=lambda: given_back.append(True), send_timeout=0.2,
-                             media_type="application/octet-stream")
-    sent = []
+    """A real uvicorn and a client that reads 100 bytes of a 64 MB state, then stops. Sent as one
+    message, the state went into the server's write buffer at once, its place came back at once and
+    the process held the bytes for as long as the client kept the connection open; sent in parts,
+    a part waits for the full socket, the send times out, and the connection is closed."""
+    import socket
+    import time
 
-    async def send(message):
-        sent.append(message["type"])
-        if message["type"] == "http.response.body":
-            await asyncio.sleep(60)  # a client whose socket is full and stays full
+    import uvicorn
 
-    async def receive():
-        await asyncio.sleep(60)
-        return {"type": "http.disconnect"}
+    events = []
 
-    run(asyncio.wait_for(response({"type": "http", "method": "GET", "path": "/"}, receive, send), 10))
-    assert sent == ["http.response.start", "http.response.body"] and given_back == [True]
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        started = time.monotonic()
+        response = StateResponse(content=b"x" * (64 << 20), send_timeout=1.0, media_type="application/octet-stream",
+                                 give_back=lambda: events.append(("given back", time.monotonic() - started)))
+        await response(scope, receive, send)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def main():
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+
+        def stalled_client():
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            client.recv(100)  # a little, then nothing
+            return client
+
+        client = await asyncio.to_thread(stalled_client)
+        deadline = time.monotonic() + 15
+        while not events and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        client.close()
+        server.should_exit = True
+        await serving
+
+    asyncio.run(main())
+    assert len(events) == 1
+    assert 0.9 <= events[0][1] < 10, events  # held while the client could still read, then let go
 
 
 def test_an_oversized_frame_is_not_parsed_for_its_id():

@@ -120,13 +120,20 @@ async def state_in_flight(state: AppState) -> AsyncIterator[None]:
         give_back()
 
 
+# an exported state is sent in parts of this size: the server (uvicorn) waits for a full socket to
+# drain only at the start of a send, so the state sent as one message would be taken into its
+# write buffer at once, the place given back at once, and a client that stops reading would hold
+# the whole state in this process for as long as it kept the connection open
+STATE_SEND_BYTES = 1 << 20
+
+
 class StateResponse(Response):
-    """An exported state's response, which gives its place back (`take_state_place`) once it
-    has been sent, or failed to be: the bytes are held until then. A client that stops reading is
-    gone once one write has waited `send_timeout` seconds for its full socket
-    (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS), as a streamed answer's: its connection is closed and
-    the place given back, where it would otherwise hold both for as long as it kept the
-    connection open."""
+    """An exported state's response, sent in parts of STATE_SEND_BYTES, which gives its place
+    back (`take_state_place`) once the last part is taken, or the sending failed: the bytes are
+    held until then. A client that stops reading is gone once one part has waited
+    `send_timeout` seconds for its full socket (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS), as a
+    streamed answer's: its connection is closed and the place given back, where it would
+    otherwise hold both for as long as it kept the connection open."""
 
     def __init__(self, *args, give_back: Callable[[], None], send_timeout: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -135,14 +142,26 @@ class StateResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         async def timed_send(message) -> None:
+            if self.send_timeout is None:
+                await send(message)
+                return
             with anyio.fail_after(self.send_timeout):
                 await send(message)
 
         try:
-            await super().__call__(scope, receive, timed_send if self.send_timeout else send)
+            await timed_send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            body = memoryview(self.body)
+            if scope.get("method") == "HEAD":
+                body = body[:0]
+            for start in range(0, max(len(body), 1), STATE_SEND_BYTES):
+                last = start + STATE_SEND_BYTES >= len(body)
+                await timed_send({"type": "http.response.body", "body": bytes(body[start:start + STATE_SEND_BYTES]),
+                                  "more_body": not last})
         except TimeoutError:  # the server closes the connection of an answer it did not complete
             log.warning("an exported state's client took no write for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
                         "its answer is ended", self.send_timeout)
+        except OSError:  # the client went away mid-answer
+            pass
         finally:
             self.give_back()
 
