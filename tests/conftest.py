@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Tests run beside a possible background job on 2 cores; one thread per test process keeps
 # them from fighting over cores (a server subprocess sets its own).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -19,6 +21,14 @@ def file_rank(path: str) -> int:
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: file_rank(item.nodeid))  # sort is stable: file and test order kept
+    # `make gpu-check` (XLSERVE_DEVICE=cuda) without a CUDA device would skip every test it runs and
+    # pass: it stops instead, saying why
+    if os.environ.get("XLSERVE_DEVICE") == "cuda" and any(item.get_closest_marker("gpu") for item in items):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("XLSERVE_DEVICE=cuda, but torch sees no CUDA device (a CPU build of torch, or no "
+                                    "driver): the gpu tests would all be skipped")
 
 
 def pytest_addoption(parser):
