@@ -487,7 +487,7 @@ def random_checkpoint(out: Path) -> Path:
     directory = out / "transformer-xl-small-random"
     if not (directory / "model.safetensors").is_file():
         subprocess.run([sys.executable, "-m", "xlserve.server.cli", "new", "--arch", "transformer-xl", "--preset", "small",
-                        "--out", str(directory)], check=True, capture_output=True)
+                        "--out", str(directory), "--force"], check=True, capture_output=True)  # over a run cut short
     return directory
 
 

@@ -72,6 +72,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -218,17 +219,12 @@ class SessionCache:
                             self.manager.used("disk"), self.manager.budgets["disk"])
             self.placement.publish()
         if self.redis is not None and self._forgetting is None:
-            self._forgetting = threading.Thread(target=self._forget_deleted_periodically, name="xlserve-forget-deleted",
-                                                daemon=True)
+            # the thread holds the cache weakly: a cache nobody closes is not kept alive by it
+            self._forgetting = threading.Thread(target=_forget_deleted_periodically,
+                                                args=(weakref.ref(self), self._closing, self.forget_deleted_every_s),
+                                                name="xlserve-forget-deleted", daemon=True)
             self._forgetting.start()
         return len(found)
-
-    def _forget_deleted_periodically(self) -> None:
-        while not self._closing.wait(self.forget_deleted_every_s):
-            try:
-                self.forget_deleted_elsewhere()
-            except Exception as error:  # noqa: BLE001 - Redis away: the next round tries again
-                log.warning("letting go of sessions deleted on other replicas failed: %r", error)
 
     def forget_deleted_elsewhere(self) -> int:
         """With Redis, let go of the idle sessions another replica deleted, as a listing does
@@ -916,3 +912,17 @@ class SessionCache:
             state_bytes=record.nbytes, tier=tier or record.tier, created_at=record.created_at,
             last_used_at=record.last_used_at, in_use=self.holds.leased(record.id) if in_use is None else in_use,
         )
+
+
+def _forget_deleted_periodically(cache_ref: weakref.ref, closing: threading.Event, every_s: float) -> None:
+    """SessionCache's thread of `forget_deleted_elsewhere`, every `every_s` until `closing`, or
+    until the cache is gone."""
+    while not closing.wait(every_s):
+        cache = cache_ref()
+        if cache is None:
+            return
+        try:
+            cache.forget_deleted_elsewhere()
+        except Exception as error:  # noqa: BLE001 - Redis away: the next round tries again
+            log.warning("letting go of sessions deleted on other replicas failed: %r", error)
+        del cache

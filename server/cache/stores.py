@@ -888,9 +888,12 @@ class RedisStore:
         """Delete a session; with `entry` (a delete's Idempotency-Key) leave a tombstone that
         remembers its keys for TOMBSTONE_SECONDS. With `created_at`, its place in its owner's
         listing is remembered first, for DELETED_PLACE_SECONDS (`deleted_place`)."""
-        if created_at is not None:
+        if created_at is not None:  # a help to a listing, not part of the delete: it fails alone
             place = json.dumps({"owner": owner or "", "created_at": created_at})
-            self._call(lambda: self.client.set(self._deleted_key(session_id), place, ex=self.DELETED_PLACE_SECONDS))
+            try:
+                self._call(lambda: self.client.set(self._deleted_key(session_id), place, ex=self.DELETED_PLACE_SECONDS))
+            except StoreUnavailable as error:
+                log.warning("session %s: its place in its owner's listing was not remembered (%s)", session_id, error)
         if entry is None:
             self._call(lambda: self.client.delete(self._key(session_id)))
             return

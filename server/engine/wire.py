@@ -2,7 +2,8 @@
 and their framing; used on both sides, free of torch.
 
 **Frames.** A frame is a 4-byte big-endian length, a JSON header of that length, and, when the
-header says `"blob": n`, n raw bytes (a safetensors session state). JSON and raw bytes only:
+header says `"blob": n`, n raw bytes (a safetensors session state, or a prompt's or an append's
+token ids, 4-byte integers in this machine's order). JSON and raw bytes only:
 nothing that crosses the socket is ever unpickled. Every header names its kind in "op": an
 `Operation` (a request) or a `FrameKind` (everything else).
 
@@ -11,7 +12,8 @@ nothing that crosses the socket is ever unpickled. Every header names its kind i
 reply (`Accepted`, `Acquired`, `ExportedState`, ...), or none for a notice that is never answered
 (`Cancel`, `Release`). A request crosses as {"op", "id"?, its fields}, its reply inside an
 `answer` frame as {"op": "answer", "id", "ok": its fields} or, when it failed, {"op": "answer",
-"id", "error"}. A field typed `bytes` (a session state) crosses as the frame's blob. The engine
+"id", "error"}. A field typed `bytes` (a session state) or `TokenIds` (`Generate.prompt`,
+`Append.tokens`) crosses as the frame's blob. The engine
 process answers each request class with one handler (process.py `EngineProcess.handlers`), the
 API process sends each from one method of `EngineClient` (client.py);
 tests/server/test_wire.py checks that all three agree.
@@ -171,7 +173,7 @@ class _FieldCodec:
     name: str
     encode: Callable[[Any], Any] | None  # None: the value is JSON as it is
     decode: Callable[[Any], Any] | None
-    is_blob: bool = False  # a `bytes` field: it crosses as the frame's blob
+    is_blob: bool = False  # a `bytes` or `TokenIds` field: it crosses as the frame's blob
 
 
 def _without_none(kind: Any) -> Any:
@@ -209,8 +211,8 @@ def _field_codecs(message_class: type) -> tuple[_FieldCodec, ...]:
 
 
 class Message:
-    """A dataclass that crosses the socket: its fields as the JSON header, a `bytes` field (at
-    most one) as the frame's blob."""
+    """A dataclass that crosses the socket: its fields as the JSON header, a `bytes` or
+    `TokenIds` field (at most one) as the frame's blob."""
 
     def to_frame(self) -> tuple[dict[str, Any], bytes | None]:
         fields, blob = {}, None

@@ -108,7 +108,9 @@ def test_every_message_round_trips_through_a_frame():
             back = type(sample).from_frame(header, blob)
         assert back == sample, type(sample).__name__
         # a session state, and token ids, cross as the frame's blob, never inside the JSON header
-        tokens = getattr(sample, "prompt", None) or getattr(sample, "tokens", None) if isinstance(sample, (Generate, Append)) else None
+        tokens = None
+        if isinstance(sample, (Generate, Append)):
+            tokens = sample.prompt if isinstance(sample, Generate) else sample.tokens
         assert (blob is not None) == (any(value == STATE for value in vars(sample).values()) or tokens is not None)
         assert STATE.decode("latin-1") not in json.dumps(header)
         if tokens is not None:
