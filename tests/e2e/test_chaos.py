@@ -27,7 +27,7 @@ time to act while it does.
 Every loop has a count and every request a timeout. A probe does not stop at its first problem:
 it notes them all and the next probe still runs; the test fails at the end, after printing the
 table, if any probe saw one. `make test` runs one round of each (well under a minute on two
-cores); `make chaos` runs CHAOS_ROUNDS of them (6–10 minutes at 20). The test process runs
+cores); `make chaos` runs CHAOS_ROUNDS of them (5–10 minutes at 20). The test process runs
 no model: everything is HTTP, signals and /proc.
 """
 
