@@ -207,7 +207,7 @@ def cmd_serve(args) -> None:
 
     from xlserve.server.api.chat import ChatTemplateError, check_template_file
     from xlserve.server.app import StartupRefused, build_app, checkpoints_to_serve, cut_streams, drain
-    from xlserve.server.cache.stores import StateDirectoryRefused, hold_state_directory
+    from xlserve.server.cache.state_directory import StateDirectoryRefused, hold_state_directory
     from xlserve.server.settings import Settings, meant_api_keys
 
     _log_to_stderr(args.log_level)  # first: reading the settings may warn (a misspelt XLSERVE_ variable)

@@ -352,8 +352,18 @@ def test_the_engine_process_loads_no_web_framework(tmp_path):
 
 def test_the_api_process_loads_no_torch(tmp_path):
     """The API process holds no model: the app and the CLI import without torch (the session
-    cache's package imports only its torch-free names for this)."""
-    loaded = loaded_after_import([f"{PACKAGE}.server.app", f"{PACKAGE}.server.cli"], tmp_path)
+    cache's package imports only its torch-free names for this), and so do the modules `serve`
+    imports when it runs (a check of the state directory from server/cache/stores.py once loaded
+    torch there: 200 MB more in the API process)."""
+    import ast
+
+    cli = Path(__file__).resolve().parents[1] / "server" / "cli.py"
+    serve = next(node for node in ast.walk(ast.parse(cli.read_text()))
+                 if isinstance(node, ast.FunctionDef) and node.name == "cmd_serve")
+    lazy = sorted({node.module for node in ast.walk(serve)
+                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{PACKAGE}.")})
+    assert f"{PACKAGE}.server.cache.state_directory" in lazy
+    loaded = loaded_after_import([f"{PACKAGE}.server.app", f"{PACKAGE}.server.cli", *lazy], tmp_path)
     assert "fastapi" in loaded
     wrong = _under(loaded, ("torch",))
     assert not wrong, f"the API process imported: {wrong[:20]}"

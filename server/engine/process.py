@@ -60,7 +60,7 @@ from xlserve.server.cache import CorruptState, SessionInfo
 from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
 from xlserve.server.cache.codec import SessionData, conform_import, decode, floating_dtypes, session_data
 from xlserve.server.cache.prefix_cache import PrefixCache
-from xlserve.server.cache.stores import hold_state_directory
+from xlserve.server.cache.state_directory import hold_state_directory
 from xlserve.server.engine.errors import Cancelled, DeviceOutOfMemory, InvalidInput, ModelNotFound, QueueFull
 from xlserve.server.engine.memory import MemoryReturner
 from xlserve.server.engine.request import EngineRequest

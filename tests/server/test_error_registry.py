@@ -36,7 +36,7 @@ NEVER_REACH_A_CLIENT = {
     "xlserve.server.cache.session_cache._AlreadyMade": "create answers it with the session its Idempotency-Key "
                                                        "made (a Replay), or SessionLocked while that is written",
     "xlserve.server.bench.soak.HttpError": "the soak benchmark's own HTTP client: it runs against a server",
-    "xlserve.server.cache.stores.StateDirectoryRefused": "raised as the engine process starts: the server stops "
+    "xlserve.server.cache.state_directory.StateDirectoryRefused": "raised as the engine process starts: the server stops "
                                                        "(EngineStartFailed) naming the directory and its holder",
 }
 

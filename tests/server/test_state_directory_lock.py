@@ -1,4 +1,4 @@
-"""One server per state directory (server/cache/stores.py `hold_state_directory`): a second
+"""One server per state directory (server/cache/state_directory.py `hold_state_directory`): a second
 server on a directory another holds is refused at start naming the setting and the holder, a
 directory that cannot be written is refused at start, and the hold ends with its process, so
 an engine process restarted after a crash takes the directory again."""
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from xlserve.server.cache.stores import StateDirectoryRefused, hold_state_directory
+from xlserve.server.cache.state_directory import StateDirectoryRefused, hold_state_directory
 
 HOLD_THEN_WAIT = """
 import sys, time
-from xlserve.server.cache.stores import hold_state_directory
+from xlserve.server.cache.state_directory import hold_state_directory
 hold = hold_state_directory(sys.argv[1])
 print("held", flush=True)
 time.sleep(60)
