@@ -37,7 +37,7 @@ from xlserve.server.engine.types import (
 )
 from xlserve.server.api.serving.generation import Generation
 from xlserve.server.api.serving.leases import QUEUED, queued
-from xlserve.server.api.serving.requests import error_for, replayed_headers, usage
+from xlserve.server.api.serving.requests import error_for, replayed_headers, send_within, usage
 from xlserve.server.api.structured import (
     CONSTRAINT_FIELDS,
     ToolCallStream,
@@ -202,13 +202,9 @@ class EventStream(StreamingResponse):
         self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
-        async def timed_send(message) -> None:
-            with anyio.fail_after(self.send_timeout):
-                await send(message)
-
         async def stream() -> None:
             try:
-                await self.stream_response(timed_send if self.send_timeout else send)
+                await self.stream_response(send_within(send, self.send_timeout))
             except TimeoutError:  # first: TimeoutError is an OSError
                 log.warning("a streamed answer's client took no write for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
                             "its stream is ended and its request cancelled", self.send_timeout)

@@ -120,6 +120,20 @@ async def state_in_flight(state: AppState) -> AsyncIterator[None]:
         give_back()
 
 
+def send_within(send, timeout: float | None):
+    """`send`, each of its messages failing with TimeoutError once it has waited `timeout`
+    seconds for the client's full socket (None: `send` as it is). A streamed answer's and an
+    exported state's: a client that stops reading must not hold its request or its place."""
+    if timeout is None:
+        return send
+
+    async def timed_send(message) -> None:
+        with anyio.fail_after(timeout):
+            await send(message)
+
+    return timed_send
+
+
 # an exported state is sent in parts of this size: the server (uvicorn) waits for a full socket to
 # drain only at the start of a send, so the state sent as one message would be taken into its
 # write buffer at once, the place given back at once, and a client that stops reading would hold
@@ -141,13 +155,7 @@ class StateResponse(Response):
         self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
-        async def timed_send(message) -> None:
-            if self.send_timeout is None:
-                await send(message)
-                return
-            with anyio.fail_after(self.send_timeout):
-                await send(message)
-
+        timed_send = send_within(send, self.send_timeout)
         try:
             await timed_send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             body = memoryview(self.body)
