@@ -116,11 +116,16 @@ class Holds:
         self._held[session_id] = (hold_id, COMMIT)
         return True
 
+    def by_cache(self, session_id: str) -> bool:
+        """Whether the cache itself holds the session (a move, a new session, or a left request's
+        commit): a request waits for such a hold rather than being refused."""
+        return self.kind(session_id) not in (None, REQUEST)
+
     def settled(self, session_id: str, timeout: float | None = None) -> bool:
         """True when the cache holds no move (nor a left request's commit) of the session;
         otherwise waits until some hold ends, or `timeout` seconds pass, and returns False (the
         caller looks the session up again: it may have changed meanwhile)."""
-        if self.kind(session_id) in (None, REQUEST):
+        if not self.by_cache(session_id):
             return True
         self.wait(timeout)
         return False

@@ -98,7 +98,7 @@ from xlserve.server.cache.errors import (
     SessionNotFound,
     SessionUnavailable,
 )
-from xlserve.server.cache.leases import MOVE, NEW, REQUEST, Holds, Lease
+from xlserve.server.cache.leases import MOVE, NEW, Holds, Lease
 from xlserve.server.cache.ledger import (
     IDEMPOTENCY_KEYS_PER_SESSION,
     TOMBSTONE_SECONDS,
@@ -871,7 +871,7 @@ class SessionCache:
         loop while its write is slow must not take them all."""
         deadline = time.monotonic() + self.hold_wait_s
         record = self._lookup(session_id, owner, head)
-        if self.holds.kind(session_id) in (None, REQUEST):
+        if not self.holds.by_cache(session_id):
             return record
         waiting = self._waiting.get(session_id, 0)
         if waiting >= WAITERS_PER_SESSION:
@@ -881,16 +881,15 @@ class SessionCache:
         try:
             while True:
                 left = deadline - time.monotonic()
-                if self.holds.settled(session_id, timeout=max(left, 0.0)):
-                    return record
-                record = self._lookup(session_id, owner, head)  # it may have changed meanwhile
-                if self.holds.kind(session_id) in (None, REQUEST):
-                    return record
                 if left <= 0:
                     log.error("session %s: still held by the cache (%s) after %.0fs", session_id,
                               self.holds.kind(session_id), self.hold_wait_s)
                     raise SessionUnavailable(f"session '{session_id}' is still being moved or written after "
                                              f"{self.hold_wait_s:.0f}s; retry later", session_id)
+                self.holds.wait(left)  # until some hold ends
+                record = self._lookup(session_id, owner, head)  # it may have changed meanwhile
+                if not self.holds.by_cache(session_id):
+                    return record
         finally:
             left_waiting = self._waiting.pop(session_id) - 1
             if left_waiting:
