@@ -878,7 +878,7 @@ class Engine:
                                      cached_tokens=request.cached_tokens, data=data))
         # once per request (the error ratio's denominator counts requests, not choices): the first
         # choice's reason, which is every choice's but where n > 1 end differently
-        self.metrics.requests.labels(self.name, choices[0].finish_reason if choices else "length").inc()
+        self.metrics.requests.labels(self.name, choices[0].finish_reason).inc()
         self._remove(request)
 
     def _offer(self, request: EngineRequest, tokens: list[int], data: SessionData,
