@@ -30,6 +30,11 @@ class CacheError(RegisteredError, abstract=True):
         return cls(fields.get("message", ""), fields.get("session_id"))
 
 
+# The most of a session id an error message repeats: an id is "sess_" and 32 hex digits, and a
+# request can name one of any length (a 1 MB `session_id` must not come back as a 1 MB 404)
+SHOWN_ID_CHARS = 64
+
+
 class _SessionError(CacheError, abstract=True):
     """An error about one session, made from its id alone; the client's message says which."""
 
@@ -39,7 +44,10 @@ class _SessionError(CacheError, abstract=True):
         super().__init__(session_id, session_id)
 
     def client_message(self) -> str:
-        return self.message_template.format(session=self.session_id or "")
+        session = self.session_id or ""
+        if len(session) > SHOWN_ID_CHARS:
+            session = f"{session[:SHOWN_ID_CHARS]}... ({len(session)} characters)"
+        return self.message_template.format(session=session)
 
     @classmethod
     def from_wire_fields(cls, fields: dict[str, Any]) -> _SessionError:

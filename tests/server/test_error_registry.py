@@ -168,6 +168,22 @@ def test_what_a_client_reads_of_each_kind_of_error():
     assert (corrupt.status, corrupt.message, corrupt.code) == (500, "internal error: CorruptState", None)
 
 
+def test_a_session_id_of_any_length_comes_back_cut_to_a_few_dozen_characters():
+    """A request may name a session with a `session_id` of megabytes (the body's limit): its 404
+    repeats the id's start and says how long it was, never the whole id."""
+    from xlserve.server.cache.errors import SessionNotFound
+
+    named = "sess_" + "ab" * 500_000
+    error = as_api_error(SessionNotFound(named))
+    assert error.status == 404 and error.code == "session_not_found"
+    assert len(error.message) < 160, error.message[:200]
+    assert error.message.startswith("session '" + named[:64] + "...") and "(1000005 characters)" in error.message
+    # an id as the server makes them comes back whole
+    assert as_api_error(SessionNotFound("sess_" + "0" * 32)).message == f"session 'sess_{'0' * 32}' does not exist"
+    # the wire still carries it whole between the processes
+    assert error_from_wire(error_to_wire(SessionNotFound(named))).session_id == named
+
+
 def test_two_error_classes_cannot_share_a_name_on_the_wire():
     with pytest.raises(TypeError, match="two error classes named QueueFull"):
         class QueueFull(RegisteredError):  # noqa: F811 - the point: a second class of that name
