@@ -38,7 +38,12 @@ writer thread of their own, never by the thread that offers (an engine's worker,
 decoding steps of every stream of its model: a real-size state takes a large fraction of a second
 to encode and write); until its file is written an entry on disk keeps its state in host RAM and
 is found there, and with `DISK_WRITES_BYTES` of entries waiting, one more pushed to disk is
-dropped (reuse lost, no stall).
+dropped (reuse lost, no stall). A state's copy from the device to host RAM (an entry pushed down,
+or kept below the device at once) is booked under the lock and made outside it, by the thread
+that booked it, before it returns (`_copy_down`): the lock guards the books only, so a lookup
+or the session cache's `release` (called under the session cache's own lock) never waits
+behind a copy of hundreds of MB. Until its copy lands an entry keeps its device state and is
+found with it.
 
 With Redis (XLSERVE_REDIS_URL), every entry kept is also written to Redis (`RedisPrefixStore`,
 stores.py) by a writer thread of its own, never by the engine's worker thread, and a lookup
@@ -118,6 +123,7 @@ class _Entry:
     device: torch.device | None  # where the model runs: a promoted entry goes back there
     tier: str = "device"
     writing: int = 0  # on disk with its file not yet written: the id of the write queued for it (else 0)
+    copying: int = 0  # below the device with its state still there: the id of its copy to host RAM (else 0)
 
 
 def _entry_bytes(data: SessionData, logprobs: list) -> int:
@@ -180,6 +186,10 @@ class PrefixCache:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
         self._disk_writes: queue.Queue = queue.Queue()
         self._write_ids = 0
+        # copies to host RAM booked under the lock, made outside it (`_copy_down`): (entry, copy id,
+        # its state, the disk write it waits for or 0)
+        self._copies: list[tuple[_Entry, int, SessionData, int]] = []
+        self._copy_ids = 0
         self._disk_writes_bytes = 0  # of the entries queued for the disk writer (under the lock)
         if self.caps["disk"]:
             threading.Thread(target=self._write_disk, name="prefix-cache-disk", daemon=True).start()
@@ -306,6 +316,7 @@ class PrefixCache:
         with self._lock:
             if self._index.get(entry.key) is entry and entry.tier == tier:
                 self._move(entry, tier, "device", data, logprobs)
+        self._copy_down()  # of the entries its room pushed down
         self._count_evictions()
         self._publish()
         return PrefixHit(entry.n, data, logprobs)
@@ -386,6 +397,7 @@ class PrefixCache:
                         behind = True
                 if behind:
                     log.warning("prefix cache: the Redis writer is behind; an entry stays local")
+        self._copy_down()
         self._count_evictions()
         self._publish()
         return kept
@@ -513,30 +525,29 @@ class PrefixCache:
             return False
         if source == "disk":
             self._path(entry).unlink(missing_ok=True)
-        try:
-            return self._place(key, entry, target, data, logprobs)
-        except BaseException:  # a copy that failed (host memory): out of every tier, it goes from the books too
-            self._index.pop(key, None)
-            self._unfile(entry, key)
-            self._evictions[entry.model] = self._evictions.get(entry.model, 0) + 1
-            raise
+        return self._place(key, entry, target, data, logprobs)
 
     def _place(self, key: bytes, entry: _Entry, tier: str, data: SessionData, logprobs) -> bool:
-        if tier == "disk":  # its file written by the disk writer (`_write_disk`); its state in host RAM till then
+        """File `entry` in `tier` with its state `data` (wherever it is now). Below the device the
+        copy to host RAM is only booked here (`_copies`), and made by `_copy_down`; on disk the
+        file is written by the disk writer (`_write_disk`) once that copy is made, the entry
+        holding its state in memory till then."""
+        entry.writing = entry.copying = 0
+        if tier == "disk":
             if self._disk_writes_bytes and self._disk_writes_bytes + entry.nbytes > DISK_WRITES_BYTES:
                 log.warning("prefix cache: the disk writer is behind; an entry is dropped")
                 self._index.pop(key, None)
                 self._unfile(entry, key)
                 self._evictions[entry.model] = self._evictions.get(entry.model, 0) + 1
                 return False
-            held = data.to("cpu")
             self._write_ids += 1
-            self._disk_writes_bytes += entry.nbytes
-            self._disk_writes.put_nowait((entry, self._write_ids, held, logprobs))
-            entry.data, entry.logprobs, entry.writing = held, logprobs, self._write_ids
-        else:
-            entry.data = data if tier == "device" else data.to("cpu")
-            entry.logprobs, entry.writing = logprobs, 0
+            self._disk_writes_bytes += entry.nbytes  # booked now: the writer's queue bounds what waits
+            entry.writing = self._write_ids
+        if tier != "device":
+            self._copy_ids += 1
+            entry.copying = self._copy_ids
+            self._copies.append((entry, entry.copying, data, entry.writing))
+        entry.data, entry.logprobs = data, logprobs
         entry.tier = tier
         self._tiers[tier][key] = entry
         self._bytes[tier] += entry.nbytes
@@ -547,6 +558,33 @@ class PrefixCache:
             self._drop(shadowed, counted=True)  # one entry per (block, n) can be found, so the other one goes
         self._by_block.setdefault(entry.block, {})[entry.n] = key
         return True
+
+    def _copy_down(self) -> None:
+        """Make the copies to host RAM booked so far (`_place`), outside the lock: each lands
+        under the lock if its entry still waits for it (not moved, dropped or placed again
+        since), and goes to the disk writer when the entry is on disk. An entry whose copy fails
+        (host memory) is dropped: it costs reuse, never the request that offered or looked up."""
+        with self._lock:
+            copies, self._copies = self._copies, []
+        for entry, copy_id, data, write_id in copies:
+            try:
+                held, error = data.to("cpu"), None
+            except Exception as failure:  # noqa: BLE001 - reported below, never raised to the caller
+                held, error = None, failure
+            with self._lock:
+                current = self._index.get(entry.key) is entry and entry.copying == copy_id
+                if current and error is not None:
+                    log.warning("prefix cache: an entry could not be copied to host RAM (%s: %s); it is dropped",
+                                type(error).__name__, error)
+                    self._drop(entry, counted=True)
+                elif current:
+                    entry.data, entry.copying = held, 0
+                    if entry.tier == "disk" and entry.writing == write_id:
+                        self._disk_writes.put_nowait((entry, write_id, held, entry.logprobs))
+                        continue
+                if write_id:  # booked in `_place`, and never queued: the writer will not give it back
+                    self._disk_writes_bytes -= entry.nbytes
+        self._count_evictions()
 
     def _drop(self, entry: _Entry, counted: bool = False) -> None:
         key = entry.key

@@ -705,11 +705,14 @@ def test_entries_name_the_weights_that_made_them_where_they_outlive_the_process(
 
 def test_an_entry_whose_move_fails_leaves_the_books_instead_of_every_tier():
     """An entry pushed off the device whose copy to host RAM fails (out of memory) used to stay in
-    the index but in no tier: never evicted, its memory outside every budget. It goes instead."""
+    the index but in no tier: never evicted, its memory outside every budget. It goes instead,
+    counted as an eviction, and the offer that pushed it down is kept: a failed copy costs reuse,
+    never the request that offered."""
     from tests.server.cache_helpers import size
 
     entry_bytes = size(100) + 4 * 8
-    cache = PrefixCache(entry_bytes, block_tokens=4, host_bytes=entry_bytes)
+    metrics = Metrics()
+    cache = PrefixCache(entry_bytes, block_tokens=4, host_bytes=entry_bytes, metrics=metrics)
     first, second = toy_entry(1), toy_entry(2)
     assert cache.offer("toy", SCOPE, *first)
 
@@ -718,10 +721,69 @@ def test_an_entry_whose_move_fails_leaves_the_books_instead_of_every_tier():
 
     moved = cache._index[next(iter(cache._index))]
     moved.data.to = failing_copy  # the copy to host RAM of the entry pushed down
-    with pytest.raises(RuntimeError):
-        cache.offer("toy", SCOPE, *second)
+    assert cache.offer("toy", SCOPE, *second)
     assert moved.key not in cache._index and sum(len(t) for t in cache._tiers.values()) == len(cache._index)
     assert cache.lookup("toy", SCOPE, first[0]) is None
+    assert cache.lookup("toy", SCOPE, second[0]).tokens == 8
+    assert cache.usage("host") == {} and 'xlserve_prefix_cache_evictions_total{model="toy"} 1.0' in metrics.render().decode()
+
+
+def test_a_copy_off_the_device_is_made_outside_the_lock_and_the_entry_found_meanwhile(tmp_path):
+    """A state's copy to host RAM (hundreds of MB from a GPU) is booked under the cache's lock and
+    made outside it: lookups, and the session cache's `release` (which it calls under its own
+    lock), do not wait behind it. Meanwhile the entry is found with the state it had; brought back
+    to the device before its copy lands, that copy is let go; an entry bound for disk is written
+    once its copy has landed."""
+    import threading
+
+    from tests.server.cache_helpers import same, size
+
+    entry_bytes = size(100) + 4 * 8
+    cache = PrefixCache(entry_bytes, block_tokens=4, host_bytes=entry_bytes, disk_bytes=4 * entry_bytes,
+                        directory=tmp_path / "prefix")
+    first, second, third = toy_entry(1), toy_entry(2), toy_entry(3)
+    assert cache.offer("toy", SCOPE, *first)
+    moved = cache._index[next(iter(cache._index))]
+    copy, copying, gate = moved.data.to, threading.Event(), threading.Event()
+
+    def held_copy(device, *args, **kwargs):
+        if device == "cpu":  # the copy down; a promotion asks for the entry's device (a torch.device)
+            copying.set()
+            assert gate.wait(30)
+        return copy(device, *args, **kwargs)
+
+    moved.data.to = held_copy
+    offered = threading.Thread(target=cache.offer, args=("toy", SCOPE, *second))
+    offered.start()
+    try:
+        assert copying.wait(30)  # the offer pushed `first` down to host RAM and copies it there now
+        answers = []
+
+        def meanwhile():
+            answers.append(cache.lookup("toy", SCOPE, second[0]))  # on the device
+            cache.release("disk", entry_bytes)  # the session cache taking room back: nothing to drop
+            answers.append(cache.lookup("toy", SCOPE, first[0]))  # in host RAM by the books, its copy not made
+
+        other = threading.Thread(target=meanwhile)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), "a lookup waited behind a copy to host RAM"
+    finally:
+        gate.set()
+        offered.join(30)
+    assert not offered.is_alive()
+    hit_second, hit_first = answers
+    assert same(hit_second.data, second[1]) and same(hit_first.data, first[1]) and hit_first.logprobs == first[2]
+    # `first` is back on the device (its copy, landed late, was let go) and `second` went down in its place
+    assert cache._index[moved.key].tier == "device" and cache._index[moved.key].copying == 0
+    assert cache.usage("host") == {"toy": (1, entry_bytes)} and not cache._copies
+    # an entry pushed to disk is written once its copy has landed, and read back exact
+    assert cache.offer("toy", SCOPE, *third)
+    assert cache.flush_disk() and len(list((tmp_path / "prefix").glob("*.safetensors"))) == 1
+    assert cache._disk_writes_bytes == 0
+    for prompt, state, logprobs in (first, second, third):
+        hit = cache.lookup("toy", SCOPE, prompt, restore=toy_restore)
+        assert same(hit.data, state) and hit.logprobs == logprobs
 
 
 def test_a_shared_entry_this_replica_cannot_take_stays_for_the_others(redis_url):  # noqa: F811
