@@ -56,7 +56,7 @@ def port_number(text: str) -> int:
 def model_choices() -> str:
     """`train` / `new --help`: the architectures and each one's presets. Reading them imports torch
     (models/registry.py), so it happens only when help is asked for, not on every `xlserve` call."""
-    from xlserve.models.training.train import PRESETS
+    from xlserve.models.training.presets import PRESETS
 
     rows = [f"  {architecture}: {', '.join(sorted(presets))}" for architecture, presets in sorted(PRESETS.items())]
     return "architectures (--arch) and their presets (--preset):\n" + "\n".join(rows)
@@ -93,7 +93,7 @@ def _resolve_model_dir(name_or_path: str, command: str) -> Path:
 
 def _check_architecture_and_preset(command: str, architecture: str, preset: str) -> None:
     """An unknown --arch or --preset in one line naming the known ones (before any work)."""
-    from xlserve.models.training.train import PRESETS
+    from xlserve.models.training.presets import PRESETS
 
     if architecture not in PRESETS:
         raise SystemExit(f"xlserve {command}: unknown architecture '{architecture}' "
@@ -311,12 +311,8 @@ def cmd_train(args) -> None:
 
 
 def cmd_new(args) -> None:
-    import torch
-
-    from xlserve.models.checkpoint import save_checkpoint
-    from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
-
+    # every check of the arguments first, torch-free: a mistake is answered at once, not after
+    # the seconds of a torch import
     _check_architecture_and_preset("new", args.arch, args.preset)
     try:
         replaced = json.loads(args.config)
@@ -330,6 +326,12 @@ def cmd_new(args) -> None:
         # in weights/ included): what `convert` refuses too
         raise SystemExit(f"xlserve new: {out} exists and is not an empty directory; give a new one, or --force to "
                          "overwrite its checkpoint files")
+    import torch
+
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.presets import preset_config
+
     torch.manual_seed(args.seed)
     try:
         model = build_model(args.arch, {**preset_config(args.arch, args.preset), **replaced})
@@ -391,7 +393,6 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     import importlib
 
-    from xlserve.models.checkpoint import CheckpointError
     from xlserve.server.bench import BENCHMARKS, missing_packages
 
     if args.name is None:
@@ -403,6 +404,8 @@ def cmd_bench(args) -> None:
     if missing:
         raise SystemExit(f"xlserve bench {args.name} needs {', '.join(missing)}, from the bench extra: make bench "
                          "(or .venv/bin/pip install -c constraints.txt -e '.[bench]') in the checkout")
+    from xlserve.models.checkpoint import CheckpointError  # (torch: after the checks above)
+
     try:
         importlib.import_module(f"xlserve.server.bench.{BENCHMARKS[args.name]}").main(args.args)
     except CheckpointError as error:  # a model named that is not a checkpoint

@@ -83,7 +83,7 @@ def test_bench_help_lists_the_benchmarks():
 
 @pytest.mark.parametrize("command", ["new", "train"])
 def test_new_and_train_help_list_architectures_and_presets(command):
-    from xlserve.models.training.train import PRESETS
+    from xlserve.models.training.presets import PRESETS
 
     done = xlserve(command, "--help")
     assert done.returncode == 0, done.stderr
@@ -128,6 +128,26 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
 ])
 def test_a_user_error_is_one_line_and_a_non_zero_exit(argv, env, expected):
     assert expected in one_line_error(xlserve(*argv, env=env))
+
+
+@pytest.mark.parametrize("argv", [
+    ["new", "--arch", "nope", "--out", "unused"],
+    ["new", "--arch", "vanilla", "--preset", "huge", "--out", "unused"],
+    ["new", "--arch", "vanilla", "--config", "{", "--out", "unused"],
+    ["new", "--arch", "vanilla", "--out", "README.md"],  # a file where the checkpoint would go
+    ["bench"],
+    ["bench", "no-such-benchmark"],
+    ["new", "--help"],
+    ["train", "--help"],
+])
+def test_mistakes_and_help_are_answered_without_importing_torch(argv):
+    """A mistyped --arch, --preset, --config, output or benchmark name, and the help that lists
+    the presets, are answered before torch is imported: at once, not after the 2-3 s it takes."""
+    script = ("import sys\nfrom xlserve.server.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+              "sys.stdout.flush()\nprint('torch loaded' if 'torch' in sys.modules else 'torch not loaded', file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPOSITORY, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stderr.strip().endswith("torch not loaded"), done.stderr[-2000:]
 
 
 def test_a_chat_template_that_does_not_compile_stops_serve(tmp_path):

@@ -57,7 +57,7 @@ def models_to_run(args) -> list[tuple[str, object]]:
         chosen.append((path.name, load_checkpoint(path, device=args.device).eval()))
     for item in filter(None, args.presets.split(",")):
         from xlserve.models.registry import build_model
-        from xlserve.models.training.train import preset_config
+        from xlserve.models.training.presets import preset_config
 
         architecture, _, preset = item.partition(":")
         model = build_model(architecture, preset_config(architecture, preset or "small")).to(args.device).eval()

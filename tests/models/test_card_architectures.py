@@ -10,7 +10,8 @@ import torch
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.registry import ARCHITECTURES, build_model
 from xlserve.models.training import card
-from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import STANDARD_RECIPE, train
 
 HISTORIES = (256, 1024)  # instead of the card's 4 KB and 64 KB: the same path, in a fraction of a second
 

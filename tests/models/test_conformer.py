@@ -15,7 +15,8 @@ from xlserve.models.layers.causal_conv import ConvWindowMemory
 from xlserve.models.layers.relative import sinusoid_encoding
 from xlserve.models.layers.ring_buffer import ring_positions
 from xlserve.models.registry import build_model
-from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import STANDARD_RECIPE, train
 from tests.models.helpers import (
     assert_rows_batch_like_single_rows, assert_state_round_trips, run_in_chunks,
     state_bytes_after_4_kb_and_64_kb, tokens,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xlserve.models.registry import ARCHITECTURES, build_model
-from xlserve.models.training.train import preset_config
+from xlserve.models.training.presets import preset_config
 from xlserve.models.xlnet import XLNet, XLNetConfig
 
 # longer than every tiny preset's memory: Transformer-XL's and XLNet's mem_len 32, the adaptive

@@ -11,7 +11,8 @@ import xlserve.models.linformer as linformer
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.linformer import CompressedSegmentMemory, Linformer, LinformerConfig, pooling_projection
 from xlserve.models.registry import build_model
-from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import STANDARD_RECIPE, train
 from tests.models.helpers import (
     assert_rows_batch_like_single_rows, assert_same_as_one_pass, assert_state_round_trips,
     run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens,

@@ -12,7 +12,8 @@ from xlserve.models.logsparse import (
     pattern_mask,
 )
 from xlserve.models.registry import build_model
-from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import STANDARD_RECIPE, train
 from tests.models.helpers import assert_state_round_trips, run_in_chunks, state_bytes_after_4_kb_and_64_kb, tokens
 
 R, W = 16, 3  # restart length and local window of the test model

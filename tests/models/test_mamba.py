@@ -15,7 +15,8 @@ from tests.models.helpers import (
 )
 from xlserve.models.checkpoint import load_checkpoint
 from xlserve.models.mamba import SCAN_EXPONENT_LIMIT, Mamba, MambaConfig, selective_scan
-from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import STANDARD_RECIPE, train
 
 
 def small_model(seed: int = 0, **overrides) -> Mamba:

@@ -16,7 +16,8 @@ from xlserve.models.performer import (
     orthogonal_random_matrix, query_features,
 )
 from xlserve.models.registry import build_model
-from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import STANDARD_RECIPE, train
 from xlserve.models.training.train import training_loss as standard_training_loss
 from tests.models.helpers import assert_state_round_trips, run_in_chunks, tokens
 

@@ -225,7 +225,7 @@ def test_a_model_quantized_after_it_ran_reads_tables_of_its_int8_projections(arc
     after a forward (as the real-size bench quantizes a copy of a model that ran), the tables
     built from the float r_net go, and it answers as the same model quantized before any call."""
     from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
+    from xlserve.models.training.presets import preset_config
 
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     answers = []

@@ -16,7 +16,8 @@ from xlserve.models.reformer import (
 )
 from xlserve.models.registry import build_model
 from xlserve.models.training.card import describe_state
-from xlserve.models.training.train import STANDARD_RECIPE, preset_config, train
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import STANDARD_RECIPE, train
 from tests.models.helpers import assert_state_round_trips, run_in_chunks, tokens
 
 C_LSH, C_LOCAL = 4, 3  # lcm 12: a first call of 17 tokens is padded to 24
@@ -532,7 +533,7 @@ def test_held_out_scoring_stops_where_the_model_stops():
     document's first max_context + 1 bytes (the most it can be fed) and never by windows."""
     from xlserve.models.training import card
     from xlserve.models.training.evaluate import bits_per_byte
-    from xlserve.models.training.train import preset_config
+    from xlserve.models.training.presets import preset_config
 
     torch.manual_seed(0)
     model = build_model("reformer", {**preset_config("reformer", "tiny"), "axial_pos_shape": [8, 16]}).eval()

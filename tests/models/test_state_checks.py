@@ -12,7 +12,7 @@ import torch
 from xlserve.models.infinity_former import ContinuousMemory
 from xlserve.models.layers.xl_memory import XLMemory
 from xlserve.models.registry import ARCHITECTURES, build_model
-from xlserve.models.training.train import preset_config
+from xlserve.models.training.presets import preset_config
 from xlserve.models.vanilla import ByteWindow
 
 HISTORY = list(b"import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n" * 5)  # past every window

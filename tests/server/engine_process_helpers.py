@@ -17,7 +17,7 @@ def tiny_settings(tmp_path: Path, **overrides):
 
     from xlserve.models.checkpoint import save_checkpoint
     from xlserve.models.registry import build_model
-    from xlserve.models.training.train import preset_config
+    from xlserve.models.training.presets import preset_config
     from xlserve.server.settings import Settings
 
     if not (tmp_path / "tiny").exists():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xlserve.models.registry import build_model
-from xlserve.models.training.train import preset_config
+from xlserve.models.training.presets import preset_config
 from xlserve.server.bench.models import turn_bits_per_byte
 
 TEXT = list(b"import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n" * 4)

@@ -7,7 +7,7 @@ import torch
 
 from xlserve.models.checkpoint import save_checkpoint
 from xlserve.models.registry import build_model
-from xlserve.models.training.train import preset_config
+from xlserve.models.training.presets import preset_config
 from xlserve.server.bench import sessions
 
 

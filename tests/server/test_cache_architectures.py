@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from xlserve.models.registry import ARCHITECTURES, build_model
-from xlserve.models.training.train import preset_config
+from xlserve.models.training.presets import preset_config
 from xlserve.server.cache.codec import SessionData, decode, encode, session_data
 from xlserve.server.cache.session_cache import SessionCache
 

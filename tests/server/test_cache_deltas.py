@@ -20,7 +20,7 @@ import torch
 
 from xlserve.models.interface import same_bits
 from xlserve.models.registry import ARCHITECTURES
-from xlserve.models.training.train import PRESETS
+from xlserve.models.training.presets import PRESETS
 from xlserve.server.cache import SessionConflict
 from xlserve.server.cache.codec import SessionData, decode, encode, floating_dtypes, session_data
 from xlserve.server.cache.session_cache import SessionCache

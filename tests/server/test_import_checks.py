@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from xlserve.models.registry import build_model
-from xlserve.models.training.train import preset_config
+from xlserve.models.training.presets import preset_config
 from xlserve.server.cache.codec import SessionData, encode
 from xlserve.server.engine import process
 from xlserve.server.engine.errors import InvalidInput
