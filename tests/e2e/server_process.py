@@ -1,7 +1,7 @@
 """Start a real xlserve server (uvicorn on 127.0.0.1, a free port) in a subprocess.
 
-The test process stays free of torch work: checkpoints are written by `xlserve new` in a
-subprocess, and everything else is HTTP.
+Checkpoints are written by `xlserve new` in the test process (`new_checkpoints`); everything
+else is HTTP.
 """
 
 from __future__ import annotations
@@ -30,20 +30,29 @@ def free_port() -> int:
 def make_checkpoint(directory: Path, arch: str = "transformer-xl", preset: str = "tiny", seed: int = 0,
                     config: dict | None = None) -> Path:
     """A random checkpoint of `arch`'s `preset`, its `config` fields replaced by those given."""
-    subprocess.run([sys.executable, "-m", "xlserve.server.cli", "new", "--arch", arch, "--preset", preset,
-                    "--out", str(directory), "--seed", str(seed), "--config", json.dumps(config or {})],
-                   check=True, cwd=REPO, capture_output=True)
+    new_checkpoints([["new", "--arch", arch, "--preset", preset, "--out", str(directory), "--seed", str(seed),
+                      "--config", json.dumps(config or {})]])
     return directory
 
 
 def make_checkpoints(directory: Path, architectures: dict[str, str], preset: str = "tiny", seed: int = 0) -> dict[str, Path]:
-    """`make_checkpoint` for each name -> architecture, in one subprocess: one torch import in
-    all, not one per checkpoint."""
-    calls = [["new", "--arch", arch, "--preset", preset, "--out", str(directory / name), "--seed", str(seed)]
-             for name, arch in architectures.items()]
-    script = "import json, sys\nfrom xlserve.server.cli import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
-    subprocess.run([sys.executable, "-c", script, json.dumps(calls)], check=True, cwd=REPO, capture_output=True)
+    """`make_checkpoint` for each name -> architecture."""
+    new_checkpoints([["new", "--arch", arch, "--preset", preset, "--out", str(directory / name), "--seed", str(seed)]
+                     for name, arch in architectures.items()])
     return {name: directory / name for name in architectures}
+
+
+def new_checkpoints(calls: list[list[str]]) -> None:
+    """`xlserve new` with each argv, in this process: a test worker imports torch once (most have
+    already, for the model tests), where a subprocess per checkpoint paid 2-3 s for its own import.
+    The global random generator is left as it was: `--seed` seeds it for the weights."""
+    import torch
+
+    from xlserve.server.cli import main
+
+    with torch.random.fork_rng(devices=[]):
+        for argv in calls:
+            main(argv)
 
 
 class ServerProcess:

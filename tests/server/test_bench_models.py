@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from tests.e2e.server_process import make_checkpoint
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIELDS = {"model", "architecture", "state_kind", "parameters", "bits_per_byte", "bits_per_byte_scored_bytes",
           "state_bytes", "append_s", "append_s_rounds", "append_time_spread", "decode_tokens_per_s",
@@ -24,7 +26,7 @@ def cli(*args, cwd):
 def test_models_bench_quick(tmp_path):
     weights = tmp_path / "weights"
     for arch in ("performer", "adaptive-span"):
-        cli("new", "--arch", arch, "--preset", "tiny", "--out", str(weights / f"{arch}-tiny"), cwd=tmp_path)
+        make_checkpoint(weights / f"{arch}-tiny", arch=arch)
         (weights / f"{arch}-tiny" / "card.md").write_text(f"# {arch}-tiny\n")
     # only the performer has a held-out evaluation; the other's bits per byte are missing
     (weights / "performer-tiny" / "evaluation.json").write_text(json.dumps(
@@ -75,7 +77,7 @@ def test_models_bench_named_checkpoint_and_fixed_context(tmp_path):
     """--models takes a path; a fixed-context model (vanilla) is fed only its last window of
     each history, and the state is still that of the whole history (same bytes)."""
     checkpoint = tmp_path / "vanilla-tiny"
-    cli("new", "--arch", "vanilla", "--preset", "tiny", "--out", str(checkpoint), cwd=tmp_path)
+    make_checkpoint(checkpoint, arch="vanilla")
     out = tmp_path / "models.json"
     cli("bench", "models", "--quick", "--models", str(checkpoint), "--batch-sizes", "1,2", "--threads", "1",
         "--out", str(out), cwd=tmp_path)

@@ -6,12 +6,13 @@ import json
 
 from xlserve.models.checkpoint import load_checkpoint
 
+from tests.e2e.server_process import make_checkpoint
 from tests.server.test_bench_models import cli
 
 
 def test_models_bench_measures_the_int8_model(tmp_path):
     checkpoint = tmp_path / "transformer-xl-tiny"
-    cli("new", "--arch", "transformer-xl", "--preset", "tiny", "--out", str(checkpoint), cwd=tmp_path)
+    make_checkpoint(checkpoint)
     out = tmp_path / "models-int8.json"
     cli("bench", "models", "--quick", "--quantize", "int8", "--models", str(checkpoint), "--batch-sizes", "1",
         "--threads", "1", "--out", str(out), cwd=tmp_path)

@@ -14,6 +14,8 @@ from xlserve.models.registry import build_model
 from xlserve.models.training.presets import preset_config
 from xlserve.server.bench.models import turn_bits_per_byte
 
+from tests.e2e.server_process import make_checkpoint
+
 TEXT = list(b"import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n" * 4)
 
 
@@ -41,8 +43,7 @@ def test_scoring_in_turns_is_the_one_pass_score_and_16_bits_stay_close(architect
 def test_quick_run_reports_bytes_and_bits_per_byte_in_both_dtypes(tmp_path):
     weights = tmp_path / "weights"
     checkpoint = weights / "performer-tiny"
-    subprocess.run([sys.executable, "-m", "xlserve.server.cli", "new", "--arch", "performer", "--preset", "tiny",
-                    "--out", str(checkpoint)], check=True, capture_output=True, cwd=tmp_path, timeout=300)
+    make_checkpoint(checkpoint, arch="performer")
     (checkpoint / "card.md").write_text("# performer-tiny\n")
     out = tmp_path / "models.json"
     done = subprocess.run([sys.executable, "-m", "xlserve.server.cli", "bench", "models", "--quick", "--weights-dir",
