@@ -9,7 +9,8 @@ from safetensors.torch import load, save
 from xlserve.models.checkpoint import load_checkpoint, save_checkpoint
 from xlserve.models.infinity_former import ContinuousMemory, InfinityFormer, InfinityFormerConfig
 from xlserve.models.registry import build_model
-from xlserve.models.training.presets import preset_config, training_loss
+from xlserve.models.training.presets import preset_config
+from xlserve.models.training.train import training_loss
 
 SEGMENT = 8
 
