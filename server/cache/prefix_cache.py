@@ -186,9 +186,9 @@ class PrefixCache:
             threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
         self._disk_writes: queue.Queue = queue.Queue()
         self._write_ids = 0
-        # copies to host RAM booked under the lock, made outside it (`_copy_down`): (entry, copy id,
-        # its state, the disk write it waits for or 0)
-        self._copies: list[tuple[_Entry, int, SessionData, int]] = []
+        # copies to host RAM booked under the lock, made outside it by the thread that booked them
+        # (`_copy_down`): .copies, that thread's [(entry, copy id, its state, the disk write it waits for or 0)]
+        self._booked = threading.local()
         self._copy_ids = 0
         self._disk_writes_bytes = 0  # of the entries queued for the disk writer (under the lock)
         if self.caps["disk"]:
@@ -398,6 +398,7 @@ class PrefixCache:
                 if behind:
                     log.warning("prefix cache: the Redis writer is behind; an entry stays local")
         self._copy_down()
+        kept = kept and self._index.get(key) is entry  # a copy down that failed dropped it
         self._count_evictions()
         self._publish()
         return kept
@@ -443,7 +444,7 @@ class PrefixCache:
 
     def _write_disk(self) -> None:
         """The disk writer thread: encodes and writes queued entries, one at a time, in the order
-        they were placed; then, under the lock, the entry lets go of its host copy, or, moved or
+        their copies to host RAM landed (`_copy_down`); then, under the lock, the entry lets go of its host copy, or, moved or
         dropped meanwhile (or placed on disk again: a later write of the same file follows), the
         file goes. An entry whose file cannot be written is dropped."""
         while True:
@@ -508,14 +509,14 @@ class PrefixCache:
         for tier in PREFIX_TIERS[PREFIX_TIERS.index(entry.tier) + 1:]:
             if self._move(entry, entry.tier, tier, entry.data, entry.logprobs):
                 return
-            if self._index.get(entry.key) is not entry:  # a write that failed dropped it
+            if self._index.get(entry.key) is not entry:  # dropped on its way to disk (the disk writer is behind)
                 return
         self._drop(entry, counted=True)
 
     def _move(self, entry: _Entry, source: str, target: str, data: SessionData | None, logprobs) -> bool:
         """Take `entry` from `source` and place it in `target` (data: its state, wherever it is
-        now). False when `target` has no room (the entry stays in `source`) or the write there
-        failed (the entry is dropped). While it moves, the room made for it never evicts it."""
+        now). False when `target` has no room (the entry stays in `source`) or it was dropped on
+        its way to disk (the disk writer is behind). While it moves, the room made for it never evicts it."""
         key = entry.key
         del self._tiers[source][key]
         self._bytes[source] -= entry.nbytes
@@ -546,7 +547,7 @@ class PrefixCache:
         if tier != "device":
             self._copy_ids += 1
             entry.copying = self._copy_ids
-            self._copies.append((entry, entry.copying, data, entry.writing))
+            self._bookings().append((entry, entry.copying, data, entry.writing))
         entry.data, entry.logprobs = data, logprobs
         entry.tier = tier
         self._tiers[tier][key] = entry
@@ -559,18 +560,34 @@ class PrefixCache:
         self._by_block.setdefault(entry.block, {})[entry.n] = key
         return True
 
+    def _bookings(self) -> list:
+        """This thread's copies booked and not yet made."""
+        booked = getattr(self._booked, "copies", None)
+        if booked is None:
+            booked = self._booked.copies = []
+        return booked
+
     def _copy_down(self) -> None:
-        """Make the copies to host RAM booked so far (`_place`), outside the lock: each lands
-        under the lock if its entry still waits for it (not moved, dropped or placed again
-        since), and goes to the disk writer when the entry is on disk. An entry whose copy fails
-        (host memory) is dropped: it costs reuse, never the request that offered or looked up."""
-        with self._lock:
-            copies, self._copies = self._copies, []
-        for entry, copy_id, data, write_id in copies:
-            try:
-                held, error = data.to("cpu"), None
-            except Exception as failure:  # noqa: BLE001 - reported below, never raised to the caller
-                held, error = None, failure
+        """Make the copies to host RAM this thread booked (`_place`), outside the lock, one at a
+        time: a copy is made only while its entry still waits for it (not moved, dropped or
+        placed again since), lands under the lock if it still does, and goes to the disk writer
+        when the entry is on disk. Each device state is let go as soon as its copy lands. An
+        entry whose copy fails (host memory) is dropped: it costs reuse, never the request that
+        offered or looked up."""
+        booked, interrupted = self._bookings(), None
+        while booked:
+            entry, copy_id, data, write_id = booked.pop(0)
+            with self._lock:
+                current = self._index.get(entry.key) is entry and entry.copying == copy_id
+            held = error = None
+            if current:
+                try:
+                    held = data.to("cpu")
+                except BaseException as failure:  # noqa: BLE001 - the books are kept first, then re-raised if not an Exception
+                    error = failure
+                    if not isinstance(failure, Exception):
+                        interrupted = failure
+            del data
             with self._lock:
                 current = self._index.get(entry.key) is entry and entry.copying == copy_id
                 if current and error is not None:
@@ -585,6 +602,8 @@ class PrefixCache:
                 if write_id:  # booked in `_place`, and never queued: the writer will not give it back
                     self._disk_writes_bytes -= entry.nbytes
         self._count_evictions()
+        if interrupted is not None:
+            raise interrupted
 
     def _drop(self, entry: _Entry, counted: bool = False) -> None:
         key = entry.key

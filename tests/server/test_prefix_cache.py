@@ -776,7 +776,8 @@ def test_a_copy_off_the_device_is_made_outside_the_lock_and_the_entry_found_mean
     assert same(hit_second.data, second[1]) and same(hit_first.data, first[1]) and hit_first.logprobs == first[2]
     # `first` is back on the device (its copy, landed late, was let go) and `second` went down in its place
     assert cache._index[moved.key].tier == "device" and cache._index[moved.key].copying == 0
-    assert cache.usage("host") == {"toy": (1, entry_bytes)} and not cache._copies
+    assert cache.usage("host") == {"toy": (1, entry_bytes)}
+    assert all(entry.copying == 0 for entry in cache._index.values())  # every copy booked has landed or was let go
     # an entry pushed to disk is written once its copy has landed, and read back exact
     assert cache.offer("toy", SCOPE, *third)
     assert cache.flush_disk() and len(list((tmp_path / "prefix").glob("*.safetensors"))) == 1
@@ -784,6 +785,58 @@ def test_a_copy_off_the_device_is_made_outside_the_lock_and_the_entry_found_mean
     for prompt, state, logprobs in (first, second, third):
         hit = cache.lookup("toy", SCOPE, prompt, restore=toy_restore)
         assert same(hit.data, state) and hit.logprobs == logprobs
+
+
+def test_a_copy_is_not_made_for_an_entry_dropped_before_its_turn_and_a_failed_own_copy_is_not_kept():
+    """Copies booked by one offer are made one at a time; an entry the sessions took its room from
+    (`release`) before its turn is not copied at all (host RAM just given back is not taken), and
+    the disk writes booked stay balanced. An offer whose own entry went straight to host RAM and
+    could not be copied there says it was not kept."""
+    import threading
+
+    from tests.server.cache_helpers import size
+
+    entry_bytes = size(100) + 4 * 8
+    cache = PrefixCache(2 * entry_bytes, block_tokens=4, host_bytes=3 * entry_bytes)
+    first, second = toy_entry(1), toy_entry(2)
+    assert cache.offer("toy", SCOPE, *first) and cache.offer("toy", SCOPE, *second)
+    # first's log-probs are -1.5, second's -2.5: the older entry is pushed down, and copied, first
+    older, newer = sorted(cache._index.values(), key=lambda entry: entry.logprobs[1], reverse=True)
+    copy, copying, gate, copied = older.data.to, threading.Event(), threading.Event(), []
+
+    def held_copy(*args, **kwargs):
+        copying.set()
+        assert gate.wait(30)
+        return copy(*args, **kwargs)
+
+    def recorded_copy(*args, **kwargs):
+        copied.append(args)
+        return copy(*args, **kwargs)
+
+    older.data.to, newer.data.to = held_copy, recorded_copy
+    big = toy_entry(3, floats=2 * 100 + 8)  # room for it pushes both down: two copies booked by one offer
+    offered = threading.Thread(target=cache.offer, args=("toy", SCOPE, *big))
+    offered.start()
+    try:
+        assert copying.wait(30)
+        cache.release("host", 2 * entry_bytes)  # the sessions take host RAM back: both are dropped
+    finally:
+        gate.set()
+        offered.join(30)
+    assert not offered.is_alive()
+    assert copied == [] and older.key not in cache._index and newer.key not in cache._index
+    assert cache.usage("host") == {} and cache._disk_writes_bytes == 0 and not cache._bookings()
+
+    # an entry kept below the device at once (the device's cap is 1 byte) whose copy fails
+    direct = PrefixCache(1, block_tokens=4, host_bytes=4 * entry_bytes)
+    prompt, state, logprobs = toy_entry(4)
+
+    def failing_copy(*args, **kwargs):
+        raise RuntimeError("out of host memory")
+
+    state.to = failing_copy
+    assert not direct.offer("toy", SCOPE, prompt, state, logprobs)
+    assert direct.lookup("toy", SCOPE, prompt) is None and direct.usage("host") == {}
 
 
 def test_a_shared_entry_this_replica_cannot_take_stays_for_the_others(redis_url):  # noqa: F811
