@@ -54,8 +54,8 @@ def port_number(text: str) -> int:
 
 
 def model_choices() -> str:
-    """`train` / `new --help`: the architectures and each one's presets. Reading them imports torch
-    (models/registry.py), so it happens only when help is asked for, not on every `xlserve` call."""
+    """`train` / `new --help`: the architectures and each one's presets (models/training/presets.py,
+    torch-free)."""
     from xlserve.models.training.presets import PRESETS
 
     rows = [f"  {architecture}: {', '.join(sorted(presets))}" for architecture, presets in sorted(PRESETS.items())]
@@ -287,8 +287,6 @@ def cmd_serve(args) -> None:
 def cmd_train(args) -> None:
     from dataclasses import replace
 
-    from xlserve.models.training.train import STANDARD_RECIPE, TrainingDiverged, train
-
     if args.without_lane_memory and not args.export_progress:
         # a training run always saves the lanes' memory; accepting the flag here would promise otherwise
         raise SystemExit("xlserve train: --without-lane-memory applies only to --export-progress DIR "
@@ -301,6 +299,8 @@ def cmd_train(args) -> None:
               + (" (without the lanes' memory)" if args.without_lane_memory else ""))
         return
     _check_architecture_and_preset("train", args.arch, args.preset)
+    from xlserve.models.training.train import STANDARD_RECIPE, TrainingDiverged, train  # (torch: after the checks)
+
     recipe = STANDARD_RECIPE
     if args.train_bytes:
         recipe = replace(recipe, train_bytes=args.train_bytes)

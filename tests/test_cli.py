@@ -135,14 +135,17 @@ def test_a_user_error_is_one_line_and_a_non_zero_exit(argv, env, expected):
     ["new", "--arch", "vanilla", "--preset", "huge", "--out", "unused"],
     ["new", "--arch", "vanilla", "--config", "{", "--out", "unused"],
     ["new", "--arch", "vanilla", "--out", "README.md"],  # a file where the checkpoint would go
+    ["train", "--arch", "nope", "--out", "unused"],
+    ["train", "--arch", "vanilla", "--preset", "huge", "--out", "unused"],
     ["bench"],
     ["bench", "no-such-benchmark"],
     ["new", "--help"],
     ["train", "--help"],
 ])
 def test_mistakes_and_help_are_answered_without_importing_torch(argv):
-    """A mistyped --arch, --preset, --config, output or benchmark name, and the help that lists
-    the presets, are answered before torch is imported: at once, not after the 2-3 s it takes."""
+    """A mistyped --arch, --preset, --config, output or benchmark name (new, train, bench), and
+    the help that lists the presets, are answered before torch is imported: at once, not after
+    the 2-3 s it takes."""
     script = ("import sys\nfrom xlserve.server.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
               "sys.stdout.flush()\nprint('torch loaded' if 'torch' in sys.modules else 'torch not loaded', file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPOSITORY, capture_output=True, text=True,

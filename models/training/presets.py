@@ -2,7 +2,7 @@
 preset -> config. "small" is the one shipped as <arch>-stdlib.
 
 Free of torch, so that the command line checks an --arch or --preset, and lists them in its
-help, without the seconds a torch import costs (models/training/train.py re-exports them).
+help, without the seconds a torch import costs (models/training/train.py builds from them).
 """
 
 from __future__ import annotations

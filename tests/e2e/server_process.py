@@ -50,7 +50,7 @@ def new_checkpoints(calls: list[list[str]]) -> None:
 
     from xlserve.server.cli import main
 
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng():  # the CPU generator's state and, with CUDA, the devices' (seeded too)
         for argv in calls:
             main(argv)
 
