@@ -302,6 +302,12 @@ class TokenizersTokenizer:
     structured output needs (server/engine/constraints.py)."""
 
     def __init__(self, tokenizer):
+        # a tokenizer.json keeps the truncation and padding its last user set (transformers saves
+        # them as a call left them: "truncation": {"max_length": 2048}); applied here, every prompt
+        # past that length would be cut short, and every shorter one padded, without a word.
+        # transformers and vLLM set both per call; a prompt here is always the whole text
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self.tokenizer = tokenizer
         self.stop_token_ids: frozenset[int] = frozenset()  # set by `tokenizer_for_checkpoint`
 

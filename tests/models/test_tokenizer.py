@@ -109,3 +109,21 @@ def test_runs_without_text_or_of_broken_characters_neither_stall_nor_grow_the_wi
         assert max(lengths) <= bound, (name, max(lengths))
         if whole != tokenizer.decode(word * 2):  # the run has text: most of it leaves before the run ends
             assert len("".join(pieces[: len(word) + 1000 * len(unit) - 20])) > len(whole) // 2, name
+
+
+def test_a_tokenizer_json_saved_with_truncation_or_padding_encodes_the_whole_text_unpadded():
+    """transformers saves a tokenizer.json with the truncation and padding its last call left
+    ("truncation": {"max_length": 2048, ...}); read as they are, every longer prompt would be cut
+    and every shorter one padded, without a word. Both are off for a served model's tokenizer."""
+    from tokenizers import Tokenizer
+
+    from tests.models.test_convert_recurrent import byte_level_tokenizer_json
+    from xlserve.models.tokenizer import TokenizersTokenizer
+
+    saved = Tokenizer.from_str(byte_level_tokenizer_json(300))
+    plain = [list(saved.encode(text, add_special_tokens=False).ids) for text in ("x", "def f(x):\n" * 20)]
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=8, pad_id=0)
+    tokenizer = TokenizersTokenizer.from_bytes(saved.to_str().encode())
+    assert [tokenizer.encode(text) for text in ("x", "def f(x):\n" * 20)] == plain
+    assert len(plain[1]) > 8 and len(plain[0]) < 4
