@@ -183,17 +183,19 @@ def read_source_tensors(directory: Path) -> tuple[Mapping[str, Tensor], str]:
     pickled_index = directory / "pytorch_model.bin.index.json"
     try:
         if single.is_file():
-            return SafetensorsFiles([single]), single.name
+            return SafetensorsFiles(_not_lfs_pointers([single])), single.name
         if index.is_file():
-            return SafetensorsFiles([directory / shard for shard in _shards(index)]), index.name
+            return SafetensorsFiles(_not_lfs_pointers([directory / shard for shard in _shards(index)])), index.name
+    except ConversionError:
+        raise
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         raise ConversionError(f"{directory}: the safetensors weights cannot be read: {e}") from None
     if pickled.is_file():
-        return _load_pickled_tensors(pickled), pickled.name
+        return _load_pickled_tensors(*_not_lfs_pointers([pickled])), pickled.name
     if pickled_index.is_file():  # larger checkpoints saved before safetensors (e.g. RWKV-4 Pile 1.5B and up)
         tensors = {}
-        for shard in _shards(pickled_index):
-            tensors.update(_load_pickled_tensors(directory / shard))
+        for shard in _not_lfs_pointers([directory / shard for shard in _shards(pickled_index)]):
+            tensors.update(_load_pickled_tensors(shard))
         return tensors, pickled_index.name
     present = sorted(p.name for p in directory.iterdir())
     raise ConversionError(
@@ -227,6 +229,27 @@ class SafetensorsFiles(Mapping):
 
     def __len__(self) -> int:
         return len(self.files)
+
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def _not_lfs_pointers(paths: list[Path]) -> list[Path]:
+    """`paths`, refused when one is a Git LFS pointer: a `git clone` of a hub repository without
+    git-lfs leaves a text file of about 130 bytes in place of each large file, which would
+    otherwise be reported as a damaged safetensors header or pickle."""
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                start = handle.read(len(LFS_POINTER))
+        except OSError:
+            continue  # the reader says what is wrong with it
+        if start == LFS_POINTER:
+            raise ConversionError(
+                f"{path} is a Git LFS pointer ({path.stat().st_size} bytes), not the weights: the repository was "
+                "cloned without its LFS files. Fetch them (`git lfs install && git lfs pull` in the directory) or "
+                "download the files themselves, then convert again")
+    return paths
 
 
 def _shards(index: Path) -> list[str]:

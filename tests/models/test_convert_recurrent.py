@@ -406,3 +406,24 @@ def test_a_conversion_builds_no_random_model_and_keeps_ties(references, tmp_path
         tokens = torch.tensor(spec["tokens"])
         assert (model(tokens, model.init_state(2))[0] - expected).abs().max() < TOLERANCE
     assert not any(tensor.is_meta for tensor in skeleton(Reformer, ReformerConfig()).buffers())
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin", "model-00002-of-00002.safetensors"])
+def test_a_git_lfs_pointer_in_place_of_the_weights_is_named_as_one(tmp_path, weights):
+    """A `git clone` without git-lfs leaves a pointer of about 130 bytes where each weights file
+    should be: named as such, with what to run, not as a damaged header or pickle."""
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"],
+                                                    "vocab_size": 50280, "hidden_size": 768, "num_hidden_layers": 24}))
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 516993768\n"
+    if weights.startswith("model-"):  # a sharded checkpoint whose second shard is the pointer
+        save_file({"backbone.embeddings.weight": torch.zeros(2, 2)}, str(source / "model-00001-of-00002.safetensors"))
+        (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "backbone.embeddings.weight": "model-00001-of-00002.safetensors", "lm_head.weight": weights}}))
+    (source / weights).write_bytes(pointer)
+    with pytest.raises(ConversionError) as refused:
+        convert(source, tmp_path / "out")
+    message = str(refused.value)
+    assert message.startswith(f"{source / weights} is a Git LFS pointer ({len(pointer)} bytes)"), message
+    assert "git lfs pull" in message and not (tmp_path / "out").exists()
