@@ -330,8 +330,11 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
             imported.notes.append("state-spaces' models use EleutherAI/gpt-neox-20b's tokenizer: copy its "
                                   "tokenizer.json and tokenizer_config.json into the source directory and convert again")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:  # a parent that is a file, or that this user cannot write
+        raise ConversionError(f"cannot write {out_dir}: {e}") from None
     try:
         save_checkpoint(imported.model, staging, extra=imported.config_extra)
         for name, content in imported.files.items():
@@ -340,8 +343,12 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above); rename needs the name free
         os.rename(staging, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        from safetensors import SafetensorError  # what safetensors raises for a write that fails
+
+        if isinstance(e, (OSError, SafetensorError)):  # a full disk (a 2.8B model writes 11 GB of float32)
+            raise ConversionError(f"cannot write {out_dir}: {e}") from None
         raise
     n_params = sum(p.numel() for p in imported.model.parameters())
     return {

@@ -326,3 +326,31 @@ def test_the_server_serves_a_converted_word_level_model(tmp_path):
         text = response.json()["choices"][0]["text"]
     words = text.split()
     assert words and all(w in _symbols(BASE["vocab_size"]) for w in words)
+
+
+@pytest.mark.parametrize("failure", ["disk full", "parent is a file"])
+def test_a_conversion_that_cannot_write_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, failure):
+    """A full disk (a 2.8B-parameter model writes 11 GB of float32) or an output whose parent is a
+    file ends `xlserve convert` in one line naming the output, with no staging directory left."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from xlserve.models import checkpoint
+
+    save_reference(build_reference(), tmp_path / "hf")
+    out = tmp_path / "xl"
+    if failure == "disk full":
+        def full_disk(*args, **kwargs):
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+        monkeypatch.setattr(checkpoint, "save_checkpoint", full_disk)  # convert imports it when it runs
+        expected = f"xlserve convert: cannot write {out}: Error while serializing"
+    else:
+        (tmp_path / "file").write_text("not a directory")
+        out = tmp_path / "file" / "xl"
+        expected = f"xlserve convert: cannot write {out}: [Errno {errno.EEXIST}]"
+    with pytest.raises(SystemExit) as stopped:
+        cli(["convert", str(tmp_path / "hf"), str(out)])
+    assert str(stopped.value).startswith(expected), stopped.value
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["hf"] + (["file"] if failure != "disk full" else []))
