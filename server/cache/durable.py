@@ -133,7 +133,7 @@ class DurableStore:
         first: a server that cannot reach it does not start."""
         if self.redis is not None:
             self.redis.ping()
-        self.disk.prune_tombstones(TOMBSTONE_SECONDS)
+        self.prune_tombstones()
         return sorted(self.disk.scan(), key=lambda item: float(item[1].get("last_used_at", 0)))
 
     def close(self) -> None:
@@ -277,7 +277,13 @@ class DurableStore:
             return None
         if self.redis is not None:
             return store_call(lambda: self.redis.tombstone(session_id))
-        return self.disk.read_tombstone(session_id)
+        return self.disk.read_tombstone(session_id, TOMBSTONE_SECONDS)
+
+    def prune_tombstones(self) -> None:
+        """Remove the disk's tombstones past TOMBSTONE_SECONDS (at start, and every
+        SessionCache.forget_deleted_every_s: a keyed delete's file may hold 2 MiB of answers,
+        outside the disk budget). Redis expires its own."""
+        self.disk.prune_tombstones(TOMBSTONE_SECONDS)
 
     # -- writes --------------------------------------------------------------------------------
 

@@ -157,8 +157,8 @@ class SessionCache:
         a request that never returns. `state_dtype` is the dtype every floating state tensor is
         kept in (module docstring). `compact_ratio`: a session's log of delta commits is
         compacted into a new base once it would outgrow this times the base (durable.py).
-        `forget_deleted_every_s`: with Redis, how often the books let go of the sessions another
-        replica deleted (`forget_deleted_elsewhere`)."""
+        `forget_deleted_every_s`: how often the disk's expired tombstones are removed, and with
+        Redis the books let go of the sessions another replica deleted (`forget_deleted_elsewhere`)."""
         self.state_dtype = state_dtype
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         self.redis = RedisStore(redis_url, timeout_s=store_timeout_s) if redis_url else None
@@ -218,7 +218,7 @@ class SessionCache:
                             "until some are deleted (a commit that would grow a log is written whole instead)",
                             self.manager.used("disk"), self.manager.budgets["disk"])
             self.placement.publish()
-        if self.redis is not None and self._forgetting is None:
+        if self._forgetting is None:
             # the thread holds the cache weakly: a cache nobody closes is not kept alive by it
             self._forgetting = threading.Thread(target=_forget_deleted_periodically,
                                                 args=(weakref.ref(self), self._closing, self.forget_deleted_every_s),
@@ -914,13 +914,14 @@ class SessionCache:
 
 
 def _forget_deleted_periodically(cache_ref: weakref.ref, closing: threading.Event, every_s: float) -> None:
-    """SessionCache's thread of `forget_deleted_elsewhere`, every `every_s` until `closing`, or
-    until the cache is gone."""
+    """SessionCache's housekeeping thread, every `every_s` until `closing` or until the cache is
+    gone: the disk's expired tombstones go, and with Redis `forget_deleted_elsewhere`."""
     while not closing.wait(every_s):
         cache = cache_ref()
         if cache is None:
             return
         try:
+            cache.durable.prune_tombstones()  # the disk's; Redis expires its own
             cache.forget_deleted_elsewhere()
         except Exception as error:  # noqa: BLE001 - Redis away: the next round tries again
             log.warning("letting go of sessions deleted on other replicas failed: %r", error)

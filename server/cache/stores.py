@@ -478,11 +478,15 @@ class DiskStore:
         body = json.dumps({"owner": owner, "idempotency": remembered, "deleted_at": time.time()})
         self._write_file(self.tombstone_path(session_id), session_id, body.encode())
 
-    def read_tombstone(self, session_id: str) -> tuple[str | None, list[dict]] | None:
+    def read_tombstone(self, session_id: str, lifetime_s: float | None = None) -> tuple[str | None, list[dict]] | None:
+        """(owner, remembered keys) of a tombstone; None when there is none, it is unreadable, or
+        it is older than `lifetime_s` (a server that runs for days prunes only now and then)."""
         try:
             body = json.loads(self.tombstone_path(session_id).read_text())
+            if lifetime_s is not None and time.time() - float(body.get("deleted_at", 0)) > lifetime_s:
+                return None
             return body.get("owner"), list(body.get("idempotency") or [])
-        except (OSError, ValueError, AttributeError):  # none, or unreadable: as good as none
+        except (OSError, ValueError, TypeError, AttributeError):  # none, or unreadable: as good as none
             return None
 
     def prune_tombstones(self, older_than_s: float) -> None:

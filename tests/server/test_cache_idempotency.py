@@ -388,3 +388,35 @@ def test_a_file_whose_removal_failed_is_never_removed_under_a_session_made_anew(
     assert cache.disk.exists(sid)  # ... and the sweep leaves its file alone
     with cache._lock:
         cache.holds.give_back(sid, hold)
+
+
+def test_a_disk_tombstone_past_its_lifetime_is_not_honoured_and_goes_while_the_server_runs(tmp_path):
+    """A keyed delete's tombstone (a file of up to 2 MiB of answers, outside the disk budget) was
+    pruned only at start: a server that ran for weeks kept every one, and honoured a key past the
+    day Redis remembers it. Past TOMBSTONE_SECONDS it is not read, and the housekeeping thread
+    removes it without a restart."""
+    import json
+    import os
+    import time
+
+    from xlserve.server.cache.session_cache import TOMBSTONE_SECONDS
+
+    cache = SessionCache(tmp_path / "state", None, None, None, forget_deleted_every_s=0.05)
+    cache.open({"toy": MODEL})
+    try:
+        made = cache.create("toy", "owner", data(10, 0), key("c", "create"))
+        assert cache.delete(made.id, "owner", key("d", "delete")) is None
+        path = cache.durable.disk.tombstone_path(made.id)
+        assert isinstance(cache.delete(made.id, "owner", key("d", "delete")), Replay)  # within its lifetime
+        body = json.loads(path.read_text())
+        old = time.time() - TOMBSTONE_SECONDS - 60
+        path.write_text(json.dumps({**body, "deleted_at": old}))
+        with pytest.raises(SessionNotFound):  # read, but past its lifetime: as if none
+            cache.delete(made.id, "owner", key("d", "delete"))
+        os.utime(path, (old, old))
+        deadline = time.monotonic() + 10
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not path.exists()
+    finally:
+        cache.close()
