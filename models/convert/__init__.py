@@ -101,6 +101,11 @@ class SourceTensors:
             raise ConversionError(f"{self.where}: tensor '{name}' contains NaN or infinity")
         return tensor
 
+    def first_of(self, *names: str) -> str:
+        """The first of `names` the file has (a tensor some checkpoints save under an older
+        name), else the first: `take` then says it is missing under its current name."""
+        return next((name for name in names if name in self.tensors), names[0])
+
     def ignore(self, name: str) -> None:
         """A tensor the model does not need (a copy of a tied one), if the file has it."""
         if name in self.tensors:

@@ -73,7 +73,9 @@ def _place(model: Mamba, source: SourceTensors) -> dict[str, Tensor]:
     c = model.config
     d, E, N, K, R = c.d_model, c.d_inner, c.d_state, c.d_conv, c.dt_rank
     placed = {
-        "embedding.weight": source.take("backbone.embeddings.weight", (c.vocab_size, d)),
+        # an older name transformers still reads (its model's load hook renames it)
+        "embedding.weight": source.take(source.first_of("backbone.embeddings.weight", "backbone.embedding.weight"),
+                                        (c.vocab_size, d)),
         "final_norm.weight": source.take("backbone.norm_f.weight", (d,)),
     }
     if c.tie_embedding:

@@ -83,7 +83,9 @@ def _place(model: Mamba2, source: SourceTensors) -> dict[str, Tensor]:
     c = model.config
     d, E, H, K, C = c.d_model, c.d_inner, c.n_head, c.d_conv, c.conv_dim
     placed = {
-        "embedding.weight": source.take("backbone.embeddings.weight", (c.vocab_size, d)),
+        # an older name transformers still reads (its model's load hook renames it)
+        "embedding.weight": source.take(source.first_of("backbone.embeddings.weight", "backbone.embedding.weight"),
+                                        (c.vocab_size, d)),
         "final_norm.weight": source.take("backbone.norm_f.weight", (d,)),
     }
     if c.tie_embedding:

@@ -427,3 +427,16 @@ def test_a_git_lfs_pointer_in_place_of_the_weights_is_named_as_one(tmp_path, wei
     message = str(refused.value)
     assert message.startswith(f"{source / weights} is a Git LFS pointer ({len(pointer)} bytes)"), message
     assert "git lfs pull" in message and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_the_embedding_under_its_older_name_converts_as_transformers_reads_it(references, tmp_path, arch):
+    """Some Mamba and Mamba-2 directories on the hub save `backbone.embedding.weight`, which
+    transformers' load hook renames to `backbone.embeddings.weight`: they convert to the same model."""
+    spec = references[(arch, 0)]
+    source = copy_of(spec, tmp_path)
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
+    save_file(tensors, str(source / "model.safetensors"))
+    convert(source, tmp_path / "ours")
+    assert_gives_the_references_one_pass(spec, tmp_path / "ours")
