@@ -444,9 +444,10 @@ class PrefixCache:
 
     def _write_disk(self) -> None:
         """The disk writer thread: encodes and writes queued entries, one at a time, in the order
-        their copies to host RAM landed (`_copy_down`); then, under the lock, the entry lets go of its host copy, or, moved or
-        dropped meanwhile (or placed on disk again: a later write of the same file follows), the
-        file goes. An entry whose file cannot be written is dropped."""
+        their copies to host RAM landed (`_copy_down`); then, under the lock, the entry lets go
+        of its host copy, or, moved or dropped meanwhile (or placed on disk again: a later write
+        of the same file follows), the file goes. An entry whose file cannot be written is
+        dropped."""
         while True:
             entry, write_id, data, logprobs = self._disk_writes.get()
             try:
@@ -516,7 +517,8 @@ class PrefixCache:
     def _move(self, entry: _Entry, source: str, target: str, data: SessionData | None, logprobs) -> bool:
         """Take `entry` from `source` and place it in `target` (data: its state, wherever it is
         now). False when `target` has no room (the entry stays in `source`) or it was dropped on
-        its way to disk (the disk writer is behind). While it moves, the room made for it never evicts it."""
+        its way to disk (the disk writer is behind). While it moves, the room made for it never
+        evicts it."""
         key = entry.key
         del self._tiers[source][key]
         self._bytes[source] -= entry.nbytes
@@ -530,9 +532,9 @@ class PrefixCache:
 
     def _place(self, key: bytes, entry: _Entry, tier: str, data: SessionData, logprobs) -> bool:
         """File `entry` in `tier` with its state `data` (wherever it is now). Below the device the
-        copy to host RAM is only booked here (`_copies`), and made by `_copy_down`; on disk the
-        file is written by the disk writer (`_write_disk`) once that copy is made, the entry
-        holding its state in memory till then."""
+        copy to host RAM is only booked here (this thread's `_bookings`), and made by
+        `_copy_down`; on disk the file is written by the disk writer (`_write_disk`) once that
+        copy is made, the entry holding its state in memory till then."""
         entry.writing = entry.copying = 0
         if tier == "disk":
             if self._disk_writes_bytes and self._disk_writes_bytes + entry.nbytes > DISK_WRITES_BYTES:
@@ -569,7 +571,7 @@ class PrefixCache:
 
     def _copy_down(self) -> None:
         """Make the copies to host RAM this thread booked (`_place`), outside the lock, one at a
-        time: a copy is made only while its entry still waits for it (not moved, dropped or
+        time (its caller counts the evictions after it): a copy is made only while its entry still waits for it (not moved, dropped or
         placed again since), lands under the lock if it still does, and goes to the disk writer
         when the entry is on disk. Each device state is let go as soon as its copy lands. An
         entry whose copy fails (host memory) is dropped: it costs reuse, never the request that
@@ -601,7 +603,6 @@ class PrefixCache:
                         continue
                 if write_id:  # booked in `_place`, and never queued: the writer will not give it back
                     self._disk_writes_bytes -= entry.nbytes
-        self._count_evictions()
         if interrupted is not None:
             raise interrupted
 
