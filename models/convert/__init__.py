@@ -311,6 +311,8 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
     `out_dir` must not exist or be empty. Everything is checked and written into a temporary
     directory beside it first, so on any error `out_dir` is untouched.
     """
+    from safetensors import SafetensorError  # what a write that fails raises (a full disk)
+
     from xlserve.models.checkpoint import save_checkpoint
 
     mamba_ssm = importlib.import_module(ORIGINAL_MAMBA)  # as the importers: by name, after this module
@@ -350,8 +352,6 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
         os.rename(staging, out_dir)
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
-        from safetensors import SafetensorError  # what safetensors raises for a write that fails
-
         if isinstance(e, (OSError, SafetensorError)):  # a full disk (a 2.8B model writes 11 GB of float32)
             raise ConversionError(f"cannot write {out_dir}: {e}") from None
         raise
