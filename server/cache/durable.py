@@ -53,7 +53,7 @@ from xlserve.server.cache.errors import (
     SessionUnavailable,
 )
 from xlserve.server.cache.ledger import IDEMPOTENCY_KEYS_PER_SESSION, TOMBSTONE_SECONDS, entry_line, kept
-from xlserve.server.cache.manager import Record
+from xlserve.server.cache.manager import Record, commit_of
 from xlserve.server.cache.stores import (
     SESSION_ID,
     DiskStore,
@@ -151,7 +151,7 @@ class DurableStore:
             "owner": record.owner or "", "version": str(record.version),
             "created_at": repr(record.created_at), "last_used_at": repr(record.last_used_at),
         } | ({"idempotency": "\n".join(entry_line(entry) for entry in record.remembered)} if record.remembered else {}) \
-          | ({"made_by": record.made_by} if record.made_by else {})
+          | ({"made_by": record.made_by} if record.made_by else {}) | ({"commit": record.commit_id} if record.commit_id else {})
 
     @staticmethod
     def record_from_meta(session_id: str, meta: dict, copies: set[str]) -> Record:
@@ -160,7 +160,7 @@ class DurableStore:
             nbytes=int(meta["nbytes"]), tokens=int(meta["tokens"]), version=int(meta["version"]),
             created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
             copies=set(copies), remembered=entries_from_lines(meta.get("idempotency")),
-            made_by=str(meta.get("made_by") or ""),
+            made_by=str(meta.get("made_by") or ""), commit_id=str(meta.get("commit") or ""),
         )
 
     @staticmethod
@@ -181,6 +181,9 @@ class DurableStore:
             if meta.get("session_id") != record.id or int(meta.get("version", -1)) != record.version:
                 raise CorruptState(f"{tier} holds session {meta.get('session_id')} version {meta.get('version')}, "
                                    f"expected version {record.version}")
+            if (meta.get("commit") or "") != record.commit_id:  # the same number, another state (manager.py)
+                raise CorruptState(f"{tier} holds session {record.id} version {record.version} from commit "
+                                   f"'{meta.get('commit') or ''}', expected commit '{record.commit_id}'")
             data = session_data(spec.state_class, meta, tensors, next_log_probs)
             # the model's whole check, as an import gets it (finite, consistent, fits the token
             # count), on the state in the dtypes the model computes in: it is stored in the cache's
@@ -247,7 +250,7 @@ class DurableStore:
         got = store_call(lambda: self.redis.get_chain(record.id))
         if got is None:
             raise SessionNotFound(record.id)
-        if got[0] != record.version:  # another replica committed a moment ago
+        if got[0] != record.version or commit_of(got[1]) != record.commit_id:  # another replica committed a moment ago
             raise SessionConflict(record.id)
         return self.decode(record, "redis", got[2], got[3])
 
@@ -288,12 +291,13 @@ class DurableStore:
     # -- writes --------------------------------------------------------------------------------
 
     def write(self, record: Record, blob: Blob | Callable[[], Blob], expected: int | None,
-              entry: dict | None = None, delta: bytes | None = None) -> Written:
+              entry: dict | None = None, delta: bytes | None = None, expected_commit: str = "") -> Written:
         """Write `record`'s state (`blob`, encoded with `metadata(record)` as bytes or in parts
         (codec.py `encode_parts`, joined only for Redis), or a function that encodes it, called
         only when a whole write is needed) to the last tier: the disk file (its
         metadata carries `record.remembered`), or Redis, compare-and-set on `expected` (None: a new
-        session), with `entry` added to the remembered Idempotency-Keys. With `delta` (a block of
+        session) and on `expected_commit`, the commit that made that version (manager.py
+        `Record.commit_id`), with `entry` added to the remembered Idempotency-Keys. With `delta` (a block of
         codec.py `encode_delta` from the version `expected` to this one) only the block is
         appended to the session's log, unless the log would outgrow LOG_SLACK * `compact_ratio`
         times its base: then the session is written whole, which compacts it. Durable when this
@@ -320,7 +324,7 @@ class DurableStore:
             write_id = secrets.token_hex(8)
             try:
                 written = self.redis.append(record.id, expected, record.version, meta, delta, most, self.compact_ratio,
-                                            write_id, entry, IDEMPOTENCY_KEYS_PER_SESSION)
+                                            write_id, entry, IDEMPOTENCY_KEYS_PER_SESSION, expected_commit)
             except StoreFull as error:  # refused before anything was written
                 raise CacheFull(f"session storage is full: {error}") from None
             except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
@@ -335,7 +339,7 @@ class DurableStore:
             write_id = secrets.token_hex(8)
             try:
                 written = self.redis.put(record.id, expected, record.version, meta, encoded, write_id, entry,
-                                         IDEMPOTENCY_KEYS_PER_SESSION)
+                                         IDEMPOTENCY_KEYS_PER_SESSION, expected_commit)
             except StoreFull as error:  # refused before anything was written
                 raise CacheFull(f"session storage is full: {error}") from None
             except StoreUnavailable as error:  # perhaps written, perhaps not, perhaps later
@@ -355,7 +359,7 @@ class DurableStore:
         """The `meta` field a session's Redis hash carries (`head` and `record_from_meta` read it)."""
         return {"model": record.model, "owner": record.owner, "tokens": record.tokens, "nbytes": record.nbytes,
                 "created_at": record.created_at, "last_used_at": record.last_used_at} \
-            | ({"made_by": record.made_by} if record.made_by else {})
+            | ({"made_by": record.made_by} if record.made_by else {}) | ({"commit": record.commit_id} if record.commit_id else {})
 
     def compact(self, record: Record, blob: Callable[[], Blob]) -> str:
         """Write the session whole at its version (`blob()`, encoded from its committed state): a
@@ -375,7 +379,8 @@ class DurableStore:
         meta = self._redis_meta(record)
         encoded = joined(blob())
         try:
-            written = self.redis.put(record.id, record.version, record.version, meta, encoded, secrets.token_hex(8))
+            written = self.redis.put(record.id, record.version, record.version, meta, encoded, secrets.token_hex(8),
+                                     expected_commit=record.commit_id)
         except StoreUnavailable as error:
             log.warning("session %s: compaction not written (%s); its log stays", record.id, error)
             return "failed"
@@ -444,11 +449,12 @@ class DurableStore:
             f"(as version {record.version}) is not known yet. GET /v1/sessions/{record.id} and compare its version "
             "and tokens, or retry with the same Idempotency-Key, which applies at most once", record.id)
 
-    def remember(self, session_id: str, version: int, entry: dict) -> bool:
-        """With Redis: add an Idempotency-Key entry to a session still at `version`, without a new
-        version (False when it is not at that version). Without Redis the caller rewrites the
-        file with the entry in its metadata (`write`)."""
-        return store_call(lambda: self.redis.remember(session_id, version, entry, IDEMPOTENCY_KEYS_PER_SESSION))
+    def remember(self, session_id: str, version: int, entry: dict, commit_id: str = "") -> bool:
+        """With Redis: add an Idempotency-Key entry to a session still at `version` from the commit
+        `commit_id`, without a new version (False when it is not). Without Redis the caller
+        rewrites the file with the entry in its metadata (`write`)."""
+        return store_call(lambda: self.redis.remember(session_id, version, entry, IDEMPOTENCY_KEYS_PER_SESSION,
+                                                      commit_id))
 
     def delete_unreadable(self, session_id: str, owner: str | None, entry: dict | None) -> bool:
         """Delete a session whose record in Redis does not read (`head` said SessionUnavailable)
@@ -469,13 +475,18 @@ class DurableStore:
         log.warning("session %s: its record in Redis did not read; deleted by its owner", session_id)
         return True
 
-    def delete(self, record: Record, entry: dict | None) -> None:
+    def delete(self, record: Record, entry: dict | None, head: Head | None = None) -> None:
         """Delete the session's durable copy. With `entry` (a delete's Idempotency-Key) leave a
         tombstone that remembers it with the session's keys for TOMBSTONE_SECONDS: in Redis, in
-        the same script; on disk, a file written before the session's file goes."""
+        the same script; on disk, a file written before the session's file goes. With Redis only
+        the version the deleting request saw (`head`, read for it) is deleted: SessionConflict,
+        nothing deleted, when another replica committed since (a retry reads the new version)."""
         if self.redis is not None:
-            store_call(lambda: self.redis.delete(record.id, record.owner, entry, IDEMPOTENCY_KEYS_PER_SESSION,
-                                                 created_at=record.created_at))
+            holding = (record.version, record.commit_id) if head is None else (head.version, commit_of(head.meta))
+            deleted = store_call(lambda: self.redis.delete(record.id, record.owner, entry, IDEMPOTENCY_KEYS_PER_SESSION,
+                                                           created_at=record.created_at, holding=holding))
+            if not deleted:
+                raise SessionConflict(record.id)
             return
         if entry is not None:
             store_call(lambda: self.disk.write_tombstone(record.id, record.owner, kept(entry, record.remembered)))

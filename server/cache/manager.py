@@ -30,6 +30,7 @@ used entries of that tier), since entries are a cache and sessions are data.
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +53,16 @@ def tier_too_small(nbytes: int, budgets: dict[str, int | None], last_tier: str) 
         if budget is not None and nbytes > budget:
             return tier, budget
     return None
+
+
+def new_commit_id() -> str:
+    """A fresh `Record.commit_id`: 64 random bits."""
+    return secrets.token_hex(8)
+
+
+def commit_of(meta: dict) -> str:
+    """The commit id a session's stored metadata names ("" when written before commit ids)."""
+    return str(meta.get("commit") or "")
 
 
 @dataclass
@@ -79,6 +90,13 @@ class Record:
     # tier (stores.py `DiskStore.append`): up to compact_ratio times the base, on disk as surely
     # as the base, so the disk's budget counts them too
     disk_log_bytes: int = 0
+    # names the commit that made this version (random, kept by a compaction): with Redis, the
+    # version alone does not say which state it is. A session deleted and made anew under the
+    # same keyed id, or a version Redis lost in a failover and another replica wrote again,
+    # reach the same number with another state; a replica compares this too before it trusts
+    # its own copy, and every write compare-and-sets on it with the version (stores.py). "" for
+    # sessions written before it existed.
+    commit_id: str = ""
 
     @property
     def tier(self) -> str:

@@ -55,7 +55,7 @@ from xlserve.server.cache.codec import SessionData, encode_parts
 from xlserve.server.cache.durable import DurableStore, store_call
 from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge, SessionUnavailable
 from xlserve.server.cache.leases import MOVE, NEW, Holds
-from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record, home_tier, tier_too_small
+from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record, commit_of, home_tier, tier_too_small
 from xlserve.server.cache.stores import Head, MemoryStore
 
 log = logging.getLogger("xlserve.cache")
@@ -63,6 +63,12 @@ log = logging.getLogger("xlserve.cache")
 DELETED_REMEMBERED = 100_000  # deleted sessions remembered (about 20 MB): against stale heads, and as cursors
 
 MEMORY_TIERS = ("device", "host")
+
+
+def same_commit(record: Record, head: Head) -> bool:
+    """Whether Redis's `head` is the very state the record describes: the same version, made by the
+    same commit (manager.py `Record.commit_id`)."""
+    return head.version == record.version and commit_of(head.meta) == record.commit_id
 
 
 class Placement:
@@ -332,7 +338,7 @@ class Placement:
         self.manager.add_copy(record.id, self.durable.tier)
         self.manager.resize(record.id, committed.nbytes, committed.disk_log_bytes)
         record.tokens, record.version, record.last_used_at = committed.tokens, committed.version, committed.last_used_at
-        record.remembered = committed.remembered
+        record.remembered, record.commit_id = committed.remembered, committed.commit_id
         self._keep(record.id, committed.nbytes, data)
         self.manager.touch(record.id)
 
@@ -357,8 +363,11 @@ class Placement:
         the session (`read_while_held`), when no local commit can be in flight: then Redis lost a
         version it had acknowledged (a failover with asynchronous replication, a restore from a
         snapshot), and what it holds is the truth, taken in the same way. Ignoring it would leave
-        the session answering 409 (the books' version is not Redis's) until a restart."""
-        if head is None or head.version == record.version:
+        the session answering 409 (the books' version is not Redis's) until a restart. The same
+        version made by another commit (manager.py `Record.commit_id`: the session deleted and made
+        anew under its keyed id, or a lost version written again by another replica) is another
+        state: taken in as a newer one."""
+        if head is None or same_commit(record, head):
             return
         if head.version < record.version:
             if not read_while_held:
@@ -366,10 +375,17 @@ class Placement:
             log.warning("session %s: Redis holds version %d, older than the version %d this replica committed: "
                         "it lost an acknowledged write (a failover or a restore?); the session goes on from Redis's",
                         record.id, head.version, record.version)
+        elif head.version == record.version:
+            log.warning("session %s: Redis holds version %d from another commit than this replica's copy (the "
+                        "session deleted and made anew, or a lost version written again); its copies here go",
+                        record.id, head.version)
         self.forget_local(record, transfer)
         self.manager.resize(record.id, int(head.meta["nbytes"]))
-        record.version, record.tokens = head.version, int(head.meta["tokens"])
+        record.version, record.tokens, record.commit_id = head.version, int(head.meta["tokens"]), commit_of(head.meta)
         record.last_used_at = float(head.meta.get("last_used_at", record.last_used_at))
+        # what a session made anew under the same id may have changed (the owner is in its id)
+        record.model, record.made_by = str(head.meta["model"]), str(head.meta.get("made_by") or "")
+        record.created_at = float(head.meta.get("created_at", record.created_at))
 
     def forget_local(self, record: Record, transfer: Transfer) -> None:
         """Drop every local copy of a held session (they are stale); Redis keeps the truth."""

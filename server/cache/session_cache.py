@@ -109,8 +109,8 @@ from xlserve.server.cache.ledger import (
     new_entry,
     remembered_entry,
 )
-from xlserve.server.cache.manager import CacheManager, Record
-from xlserve.server.cache.placement import Placement, Transfer
+from xlserve.server.cache.manager import CacheManager, Record, new_commit_id
+from xlserve.server.cache.placement import Placement, Transfer, same_commit
 from xlserve.server.cache.stores import SESSION_ID, DiskStore, Head, RedisStore
 
 __all__ = ["IDEMPOTENCY_KEYS_PER_SESSION", "TOMBSTONE_SECONDS", "Lease", "Replay", "SessionCache", "new_session_id"]
@@ -326,7 +326,7 @@ class SessionCache:
         try:
             with self._locked():
                 record = self._lookup(session_id, owner, head)
-                if head is None or head.version <= record.version:
+                if head is None or head.version < record.version or same_commit(record, head):
                     return self._info(record)
                 if record.pinned:  # held (a commit may be landing, or its bytes moving): report, change nothing
                     return dataclasses.replace(self._info(record), version=head.version,
@@ -412,8 +412,10 @@ class SessionCache:
         transfer = Transfer(self.placement)
         try:
             read_while_held = False
-            if head is not None and head.version < record.version:
-                # a commit here went in between that read and the hold: read again (it cannot change now)
+            if head is not None and (head.version < record.version
+                                     or head.version == record.version and not same_commit(record, head)):
+                # a commit here went in between that read and the hold, or Redis holds this version
+                # from another commit (manager.py `Record.commit_id`): read again (it cannot change now)
                 head, read_while_held = self.durable.head(session_id, want_keys), True
             with self._locked():
                 record = self._lookup(session_id, owner, head)
@@ -458,7 +460,7 @@ class SessionCache:
             committed = Record(
                 id=record.id, model=record.model, owner=record.owner, nbytes=data.nbytes(), tokens=data.tokens,
                 version=lease.version + 1, created_at=record.created_at, last_used_at=now,
-                remembered=list(record.remembered), made_by=record.made_by,
+                remembered=list(record.remembered), made_by=record.made_by, commit_id=new_commit_id(),
             )
             entry = None
             if remember is not None:  # the info in it is the commit's answer: on the device, the lease ended
@@ -476,7 +478,7 @@ class SessionCache:
         try:  # the lease's hold keeps every other request of this replica off the session meanwhile
             delta = None if changes is None else encode_delta(changes, state_metadata(data), data.next_log_probs, meta)
             written = self.durable.write(committed, lambda: encode_parts(data, meta), expected=lease.version,
-                                         entry=entry, delta=delta)
+                                         entry=entry, delta=delta, expected_commit=record.commit_id)
             committed.disk_log_bytes = self.durable.disk_log_bytes(record.id)
         except (SessionConflict, CommitOutcomeUnknown):
             transfer = Transfer(self.placement)
@@ -577,7 +579,7 @@ class SessionCache:
             return None
         entry = None if idempotency is None else new_entry(idempotency, {}, record.version, record.tokens)
         try:
-            self.durable.delete(record, entry)  # outside the lock, the session held
+            self.durable.delete(record, entry, head)  # outside the lock, the session held
         except BaseException:
             with self._lock:
                 self.holds.give_back(session_id, hold)
@@ -615,6 +617,7 @@ class SessionCache:
             meta["owner"] = ""
             meta.pop("idempotency", None)
             meta.pop("made_by", None)
+            meta.pop("commit", None)  # the session's, not the file's: an import is a commit of its own
             return lease.info, encode(lease.data, meta)
         finally:
             self.release(lease)
@@ -660,7 +663,7 @@ class SessionCache:
                 return False
             if self.redis is not None:  # another replica may have committed since: then its log is its own
                 head = self.durable.head(session_id)
-                if head is None or head.version != record.version:
+                if head is None or not same_commit(record, head):
                     outcome = "moved_on"
                     return False
             data = self.placement.read(record, record.tier, to_device=False)
@@ -725,7 +728,8 @@ class SessionCache:
             source_id = None
         now = time.time()
         record = Record(id=session_id or new_session_id(), model=model, owner=owner, nbytes=data.nbytes(),
-                        tokens=data.tokens, version=0, created_at=now, last_used_at=now, made_by=made_by)
+                        tokens=data.tokens, version=0, created_at=now, last_used_at=now, made_by=made_by,
+                        commit_id=new_commit_id())
         meta = self.durable.metadata(record)
         meta_block = None if source_id is None else encode_delta({}, state_metadata(data), "same", meta)
         with self._lock:
@@ -775,7 +779,9 @@ class SessionCache:
     def _remember(self, lease: Lease, entry: dict) -> None:
         """Remember an Idempotency-Key on a leased session without changing its state (a fork's)."""
         if self.redis is not None:
-            if not self.durable.remember(lease.session_id, lease.version, entry):
+            with self._lock:
+                commit_id = self._leased(lease).commit_id
+            if not self.durable.remember(lease.session_id, lease.version, entry, commit_id):
                 log.warning("session %s changed before its fork's Idempotency-Key could be remembered", lease.session_id)
             return
         with self._lock:

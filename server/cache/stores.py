@@ -543,18 +543,31 @@ local function prepend(list, item, limit, max_bytes)
   end
   return table.concat(out, '\\n')
 end
+-- the commit id in a session's `meta` ('' when it has none, or none that reads: manager.py commit_of)
+local function commit_of(meta)
+  if not meta then return '' end
+  local ok, parsed = pcall(cjson.decode, meta)
+  if ok and type(parsed) == 'table' and type(parsed['commit']) == 'string' then return parsed['commit'] end
+  return ''
+end
+-- whether the session's hash holds version `version` made by commit `commit`
+local function holds(key, version, commit)
+  local stored = redis.call('HMGET', key, 'version', 'meta')
+  return stored[1] == version and commit_of(stored[2]) == commit
+end
 """
 
 # KEYS: the session's hash, this write's fence. ARGV: the version expected ('' = none: a new
 # session), the new version, meta, blob, the write id, an Idempotency-Key entry ('' = none), how
-# many keys and write ids to keep. Returns 1 written, 0 another writer got there first, -1 this
-# write was settled as not written (fenced) before it arrived.
+# many keys and write ids to keep, the commit that made the version expected (manager.py
+# `Record.commit_id`). Returns 1 written, 0 another writer got there first (or the version
+# expected is another state's: a session made anew under the same id), -1 this write was settled
+# as not written (fenced) before it arrived.
 _CAS_SCRIPT = _PREPEND + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-local current = redis.call('HGET', KEYS[1], 'version')
 if ARGV[1] == '' then
   if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end  -- a session, or a delete's tombstone
-elseif current ~= ARGV[1] then
+elseif not holds(KEYS[1], ARGV[1], ARGV[9]) then
   return 0
 end
 local fields = {'version', ARGV[2], 'meta', ARGV[3], 'blob', ARGV[4],
@@ -574,12 +587,13 @@ return 1
 # in all), version, meta, writes and remembered keys as the CAS script sets them, in one atomic
 # step. KEYS and ARGV[1..8] as the CAS script's (ARGV[4] the block; the expected version is never
 # ''), ARGV[9]: the ratio of log bytes to the base's past which the log is compacted instead,
-# ARGV[10]: the ratio past which a compaction is due. Returns 1, 0 and -1 as the CAS script; 2 when
+# ARGV[10]: the ratio past which a compaction is due, ARGV[11]: the commit that made the version
+# expected (a block appended to another state would corrupt it). Returns 1, 0 and -1 as the CAS script; 2 when
 # the block would outgrow the base (nothing written: the caller writes the session whole, with the
 # CAS script, which clears the log); 3 when written and the log is past ARGV[10] times the base.
 _APPEND_SCRIPT = _PREPEND + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-if redis.call('HGET', KEYS[1], 'version') ~= ARGV[1] then return 0 end
+if not holds(KEYS[1], ARGV[1], ARGV[11]) then return 0 end
 local logbytes = tonumber(redis.call('HGET', KEYS[1], 'logbytes') or '0') + string.len(ARGV[4])
 local base = redis.call('HSTRLEN', KEYS[1], 'blob')
 if logbytes > tonumber(ARGV[9]) * base then return 2 end
@@ -606,18 +620,28 @@ return 0
 """
 
 # Remember an Idempotency-Key without a new version (a fork remembers its key on its source).
-# KEYS: the session's hash. ARGV: the version expected, the entry, how many keys to keep.
+# KEYS: the session's hash. ARGV: the version expected, the entry, how many keys to keep, the
+# commit that made the version expected.
 _REMEMBER_SCRIPT = _PREPEND + """
-if redis.call('HGET', KEYS[1], 'version') ~= ARGV[1] then return 0 end
+if not holds(KEYS[1], ARGV[1], ARGV[4]) then return 0 end
 redis.call('HSET', KEYS[1], 'idempotency', prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[2], tonumber(ARGV[3]), REMEMBERED_BYTES))
 return 1
 """
 
-# Delete a session, leaving a tombstone with its keys and this delete's. KEYS: the session's
-# hash. ARGV: the owner ('' = none), the entry, how many keys to keep, the tombstone's lifetime (s).
+# Delete a session, leaving a tombstone with its keys and this delete's when given one. KEYS: the
+# session's hash. ARGV: the owner ('' = none), the entry ('' = none: no tombstone), how many keys to
+# keep, the tombstone's lifetime (s), and, unless ARGV[5] is '', the version and commit the
+# deleting replica read (ARGV[5], ARGV[6]): a session that holds another version (a commit that
+# landed after that read, acknowledged to its client) is not deleted, whenever this script
+# arrives (a delete whose answer was lost cannot land on a later commit). Returns 1 deleted (or
+# there was no session), 0 it holds another version: nothing changed.
 _TOMBSTONE_SCRIPT = _PREPEND + """
+if ARGV[5] ~= '' and redis.call('HEXISTS', KEYS[1], 'version') == 1 and not holds(KEYS[1], ARGV[5], ARGV[6]) then
+  return 0
+end
 local remembered = redis.call('HGET', KEYS[1], 'idempotency')
 redis.call('DEL', KEYS[1])
+if ARGV[2] == '' then return 1 end
 redis.call('HSET', KEYS[1], 'deleted', ARGV[1], 'idempotency', prepend(remembered, ARGV[2], tonumber(ARGV[3]), REMEMBERED_BYTES))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 1
@@ -816,27 +840,29 @@ class RedisStore:
         return self._read(scan)
 
     def put(self, session_id: str, expected: int | None, version: int, meta: dict, blob: bytes,
-            write_id: str = "", entry: dict | None = None, keys_kept: int = 32) -> int:
-        """Store `blob` as `version` if Redis holds `expected` (None: holds nothing), with
-        `entry` added to the remembered Idempotency-Keys. Returns 1 when written, 0 (changing
+            write_id: str = "", entry: dict | None = None, keys_kept: int = 32, expected_commit: str = "") -> int:
+        """Store `blob` as `version` if Redis holds `expected` (None: holds nothing) made by the
+        commit `expected_commit`, with `entry` added to the remembered Idempotency-Keys. Returns 1 when written, 0 (changing
         nothing) when another writer got there first, -1 when this write id was fenced by
         `settle`. A StoreUnavailable leaves the outcome open: ask `settle(write_id)`."""
         write_id = write_id or secrets.token_hex(8)
         args = ["" if expected is None else str(expected), str(version), json.dumps(meta), blob, write_id,
-                "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT)]
+                "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT), expected_commit]
         keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
         return int(self._call(lambda: self._script("cas", keys, args)))
 
     def append(self, session_id: str, expected: int, version: int, meta: dict, block: bytes, ratio: float,
-               due_ratio: float, write_id: str = "", entry: dict | None = None, keys_kept: int = 32) -> int:
-        """Append a delta block as `version` if Redis holds `expected`: 1, 0 and -1 as `put`; 2
+               due_ratio: float, write_id: str = "", entry: dict | None = None, keys_kept: int = 32,
+               expected_commit: str = "") -> int:
+        """Append a delta block as `version` if Redis holds `expected` made by `expected_commit`
+        (the state the block was computed from): 1, 0 and -1 as `put`; 2
         (nothing written) when the log would pass `ratio` times the base: write it whole with
         `put` (a compaction); 3 when written and the log is now past `due_ratio` times the base (a
         compaction is due: `put` of the same version, compare-and-set on it)."""
         write_id = write_id or secrets.token_hex(8)
         args = [str(expected), str(version), json.dumps(meta), block, write_id,
                 "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT), repr(float(ratio)),
-                repr(float(due_ratio))]
+                repr(float(due_ratio)), expected_commit]
         keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
         return int(self._call(lambda: self._script("append", keys, args)))
 
@@ -846,27 +872,29 @@ class RedisStore:
         keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
         return bool(self._read(lambda: self._script("settle", keys, [write_id, str(self.FENCE_SECONDS)])))
 
-    def remember(self, session_id: str, version: int, entry: dict, keys_kept: int = 32) -> bool:
-        """Add an Idempotency-Key entry to a session still at `version` (False when it is not)."""
-        args = [str(version), entry_line(entry), str(keys_kept)]
+    def remember(self, session_id: str, version: int, entry: dict, keys_kept: int = 32, commit: str = "") -> bool:
+        """Add an Idempotency-Key entry to a session still at `version` from `commit` (False when
+        it is not)."""
+        args = [str(version), entry_line(entry), str(keys_kept), commit]
         return bool(self._call(lambda: self._script("remember", [self._key(session_id)], args)))
 
     def delete(self, session_id: str, owner: str | None = None, entry: dict | None = None,
-               keys_kept: int = 32, created_at: float | None = None) -> None:
+               keys_kept: int = 32, created_at: float | None = None, holding: tuple[int, str] | None = None) -> bool:
         """Delete a session; with `entry` (a delete's Idempotency-Key) leave a tombstone that
         remembers its keys for TOMBSTONE_SECONDS. With `created_at`, its place in its owner's
-        listing is remembered first, for DELETED_PLACE_SECONDS (`deleted_place`)."""
+        listing is remembered first, for DELETED_PLACE_SECONDS (`deleted_place`). With `holding`
+        (version, commit id) only that version is deleted: False, changing nothing, when Redis
+        holds another (the script refuses it whenever it arrives, so a delete whose answer was
+        lost never removes a commit made after it). True when deleted, or already gone."""
         if created_at is not None:  # a help to a listing, not part of the delete: it fails alone
             place = json.dumps({"owner": owner or "", "created_at": created_at})
             try:
                 self._call(lambda: self.client.set(self._deleted_key(session_id), place, ex=self.DELETED_PLACE_SECONDS))
             except StoreUnavailable as error:
                 log.warning("session %s: its place in its owner's listing was not remembered (%s)", session_id, error)
-        if entry is None:
-            self._call(lambda: self.client.delete(self._key(session_id)))
-            return
-        args = [owner or "", entry_line(entry), str(keys_kept), str(self.TOMBSTONE_SECONDS)]
-        self._call(lambda: self._script("tombstone", [self._key(session_id)], args))
+        args = [owner or "", "" if entry is None else entry_line(entry), str(keys_kept), str(self.TOMBSTONE_SECONDS),
+                "" if holding is None else str(holding[0]), "" if holding is None else holding[1]]
+        return bool(self._call(lambda: self._script("tombstone", [self._key(session_id)], args)))
 
     def deleted_place(self, session_id: str) -> tuple[str | None, float] | None:
         """(owner, created_at) of a session any replica deleted within DELETED_PLACE_SECONDS: a

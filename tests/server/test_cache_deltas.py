@@ -412,6 +412,70 @@ def test_two_replicas_race_with_delta_commits(tmp_path, redis_url):  # noqa: F81
     b.close()
 
 
+def test_a_session_made_anew_under_its_keyed_id_is_never_taken_for_the_old_one(tmp_path, redis_url):  # noqa: F811
+    """A session made with an Idempotency-Key, deleted without one and made again with the key,
+    has the same id and, after as many commits, the same version as before, with another state.
+    A replica that still holds the old one must neither serve it nor append a delta computed from
+    it onto the new base (nor write it whole over the new one): the commit id, not the version
+    alone, says which state Redis holds (manager.py `Record.commit_id`)."""
+    model = tiny_model("transformer-xl")
+    a, b, c = (SessionCache(tmp_path / name, None, None, None, redis_url=redis_url) for name in "abc")
+    for cache in (a, b, c):
+        cache.open({"m": model})
+    fresh = SessionData(model.init_state(1), 0, None)
+    key = {"key": "made-twice", "fingerprint": "create m"}
+    session_id = a.create("m", None, feed(model, fresh, list(range(30)))[1], idempotency=key).id
+    step(model, a, session_id, [1, 2, 3])  # version 1 on a, which keeps it on its device
+    stale = a.acquire(session_id, None)  # a request on a reads the old version 1 ...
+    old = feed(model, stale.data, [4, 4])[1]
+
+    b.delete(session_id, None)  # ... another replica deletes the session without a key ...
+    made_again = c.create("m", None, feed(model, fresh, list(range(50, 90)))[1], idempotency=key)
+    assert made_again.id == session_id and made_again.version == 0
+    new = step(model, c, session_id, [5, 6])  # ... and a third makes it anew: version 1 again
+
+    with pytest.raises(SessionConflict):  # the delta from the old version 1 is not appended to the new one
+        a.commit(stale, old)
+    a.release(stale)
+    assert identical(stored(c, session_id), new)
+    lease = a.acquire(session_id, None)  # a's copy of the old version 1 is not served
+    assert lease.version == 1 and identical(lease.data, new)
+    a.release(lease)
+    after = step(model, a, session_id, [7])  # a delta on the new base
+    assert a.durable.written["delta"][0] >= 2
+    assert identical(stored(c, session_id), after) and identical(stored(b, session_id), after)
+    for cache in (a, b, c):
+        cache.close()
+
+
+def test_a_version_redis_lost_and_another_replica_wrote_again_is_not_appended_to(tmp_path, redis_url):  # noqa: F811
+    """Redis acknowledged a's version 2 and then lost it (a failover with asynchronous
+    replication); b wrote another version 2. a's copy of its own version 2 is not Redis's: a
+    serves b's, and its next delta goes onto b's base."""
+    import redis as redis_client
+
+    model = tiny_model("transformer-xl")
+    a, b = (SessionCache(tmp_path / name, None, None, None, redis_url=redis_url) for name in "ab")
+    for cache in (a, b):
+        cache.open({"m": model})
+    session_id = a.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(30)))[1]).id
+    step(model, a, session_id, [1, 2, 3])  # version 1
+    server = redis_client.Redis.from_url(redis_url)
+    key = a.redis.prefix + session_id
+    snapshot = server.dump(key)
+    step(model, a, session_id, [4, 4])  # version 2, acknowledged ...
+    server.restore(key, 0, snapshot, replace=True)  # ... and lost
+    theirs = step(model, b, session_id, [8, 8, 8])  # another version 2
+    lease = a.acquire(session_id, None)
+    assert lease.version == 2 and identical(lease.data, theirs)
+    a.release(lease)
+    after = step(model, a, session_id, [9])
+    assert identical(stored(b, session_id), after)
+    server.close()
+    for cache in (a, b):
+        cache.close()
+
+
 # -- compactions behind the answer -----------------------------------------------------------------
 
 

@@ -120,6 +120,26 @@ def test_a_write_to_a_redis_that_forgot_its_scripts_sends_its_blob_once(redis_ur
     store.close()
 
 
+def test_a_delete_that_arrives_after_a_later_commit_changes_nothing(tmp_path, redis_url):  # noqa: F811
+    """A delete is the version its replica read: one whose answer was lost (a 503) and that
+    reaches Redis after a later commit was acknowledged to another client deletes nothing. A
+    replica whose own copy is older than Redis's still deletes the session it reads."""
+    a = replica(tmp_path, "a", redis_url)
+    b = replica(tmp_path, "b", redis_url)
+    sid = a.create("toy", "k", data(10, 0)).id
+    head = a.durable.head(sid)
+    lease = b.acquire(sid, "k")
+    b.commit(lease, data(10, 1))  # acknowledged at version 1
+    late = a.redis.delete(sid, "k", holding=(head.version, head.meta.get("commit", "")))  # the delete read version 0
+    assert not late
+    assert b.info(sid, "k").version == 1
+    a.delete(sid, "k")  # a's books say version 0; it reads Redis's version 1 and deletes that
+    with pytest.raises(SessionNotFound):
+        b.acquire(sid, "k")
+    a.close()
+    b.close()
+
+
 def test_a_session_moves_between_replicas_and_a_stale_writer_gets_a_conflict(tmp_path, redis_url):  # noqa: F811
     a = replica(tmp_path, "a", redis_url)
     b = replica(tmp_path, "b", redis_url)
