@@ -507,7 +507,11 @@ class DiskStore:
 
     def scan(self) -> Iterator[tuple[str, dict[str, str]]]:
         """(session id, metadata) of every session file, read from headers only. A file whose
-        header is unreadable is renamed to *.corrupt and skipped, with a warning."""
+        contents do not read (CorruptState) is renamed to *.corrupt, its log with it, and skipped,
+        with a warning. One the system could not read (an I/O error, too many open files, no
+        permission: nothing says its contents are bad) is left where it is and skipped, with an
+        error: a later start may read it. A rename that fails skips the file too; neither stops
+        the start, whose other sessions are served."""
         for path in sorted(self.directory.glob("sess_*" + self.SUFFIX)):
             session_id = path.name[: -len(self.SUFFIX)]
             if not SESSION_ID.match(session_id):
@@ -517,14 +521,26 @@ class DiskStore:
                 if meta.get("session_id") != session_id:
                     raise CorruptState(f"file holds session {meta.get('session_id')!r}")
                 check_record_metadata(meta, ("model", "nbytes", "tokens", "version"))
-            except (OSError, CorruptState) as error:
-                log.warning("session file %s is unreadable (%s); moved aside as .corrupt", path, error)
-                path.rename(path.with_suffix(".corrupt"))
-                log_path = self.log_path(session_id)  # kept beside it: a log without its base is removed on open
-                if log_path.exists():
-                    log_path.rename(log_path.with_name(log_path.name + ".corrupt"))
+            except CorruptState as error:
+                self._move_aside(session_id, path, error)
+                continue
+            except OSError as error:
+                log.error("session file %s could not be read (%s); left where it is and not served until a start "
+                          "reads it", path, error)
                 continue
             yield session_id, meta
+
+    def _move_aside(self, session_id: str, path: Path, error: Exception) -> None:
+        """Rename a session file whose contents do not read, and its log, to *.corrupt (kept for
+        a person to look at); a rename that fails leaves them where they are."""
+        log.warning("session file %s is unreadable (%s); moved aside as .corrupt", path, error)
+        log_path = self.log_path(session_id)  # kept beside it: a log without its base is removed on open
+        try:
+            path.rename(path.with_suffix(".corrupt"))
+            if log_path.exists():
+                log_path.rename(log_path.with_name(log_path.name + ".corrupt"))
+        except OSError as rename_error:
+            log.error("session file %s could not be moved aside (%s); left where it is", path, rename_error)
 
 
 # Lua shared by the scripts: `list` (lines, newest first) with `item` in front, at most `limit`

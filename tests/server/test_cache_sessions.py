@@ -153,6 +153,50 @@ def test_a_header_that_parses_but_lacks_a_field_fails_its_own_session_at_start(t
     assert same(cache.acquire(other, None).data, data(10, 1))
 
 
+def test_a_file_the_system_cannot_read_at_start_is_left_in_place_and_a_failed_rename_does_not_stop_the_start(
+        tmp_path, monkeypatch):
+    """At start, a session file that cannot be read for a reason that says nothing of its
+    contents (EIO, EMFILE, EACCES) is not moved aside as .corrupt: it stays, skipped with an error,
+    and a later start serves it. A corrupt file whose rename fails is skipped too; neither stops
+    the start."""
+    import errno
+    from pathlib import Path
+
+    from xlserve.server.cache.stores import DiskStore
+
+    cache = make_cache(tmp_path)
+    unlucky = cache.create("toy", None, data(10, 0)).id
+    corrupt = cache.create("toy", None, data(10, 1)).id
+    fine = cache.create("toy", None, data(10, 2)).id
+    cache.close()
+    state = tmp_path / "state"
+    (state / f"{corrupt}.safetensors").write_bytes(b"not a safetensors file")
+    read_head = DiskStore._read_head
+
+    def failing_read(store, path):
+        if unlucky in path.name:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_head(store, path)
+
+    def failing_rename(path, target):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(DiskStore, "_read_head", failing_read)
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    cache = make_cache(tmp_path)  # starts
+    assert same(cache.acquire(fine, None).data, data(10, 2))
+    for skipped in (unlucky, corrupt):
+        with pytest.raises(SessionNotFound):
+            cache.info(skipped, None)
+    assert (state / f"{unlucky}.safetensors").exists() and not (state / f"{unlucky}.corrupt").exists()
+    cache.close()
+    monkeypatch.undo()
+    cache = make_cache(tmp_path)  # the disk reads again: the session is served, the corrupt file goes aside
+    assert same(cache.acquire(unlucky, None).data, data(10, 0))
+    assert (state / f"{corrupt}.corrupt").exists()
+    cache.close()
+
+
 def test_fork_diverges_export_round_trips_replace_commits(tmp_path):
     cache = make_cache(tmp_path)
     sid = cache.create("toy", None, data(10, 0)).id
