@@ -663,7 +663,7 @@ class SessionCache:
                 return False
             if self.redis is not None:  # another replica may have committed since: then its log is its own
                 head = self.durable.head(session_id)
-                if head is None or not same_commit(record, head):
+                if head is None or not same_commit(record, head) or head.log_bytes == 0:  # or its log went since
                     outcome = "moved_on"
                     return False
             data = self.placement.read(record, record.tier, to_device=False)

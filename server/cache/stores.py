@@ -677,12 +677,13 @@ _SCRIPTS = {"cas": _CAS_SCRIPT, "append": _APPEND_SCRIPT, "settle": _SETTLE_SCRI
 
 
 class Head(NamedTuple):
-    """What Redis holds of a session, without its state: its version, metadata and (when asked
-    for) its remembered Idempotency-Keys, newest first."""
+    """What Redis holds of a session, without its state: its version, metadata, (when asked
+    for) its remembered Idempotency-Keys, newest first, and the bytes of its log of delta blocks."""
 
     version: int
     meta: dict
     remembered: list[dict] | None
+    log_bytes: int = 0
 
 
 class RedisStore:
@@ -790,12 +791,16 @@ class RedisStore:
     def head(self, session_id: str, remembered: bool = False) -> Head | None:
         """Version and metadata without the state (and the remembered keys when asked), or None
         when Redis has no such session."""
-        fields = ["version", "meta"] + (["idempotency"] if remembered else [])
+        fields = ["version", "meta", "logbytes"] + (["idempotency"] if remembered else [])
         values = self._read(lambda: self.client.hmget(self._key(session_id), *fields))
         if values[0] is None:
             return None
         version, meta = self._version_and_meta(session_id, values[0], values[1])
-        return Head(version, meta, self._entries(session_id, values[2]) if remembered else None)
+        try:
+            log_bytes = int(values[2] or 0)
+        except ValueError:  # written by something else: a compaction, if one is asked for, rewrites it
+            log_bytes = 1
+        return Head(version, meta, self._entries(session_id, values[3]) if remembered else None, log_bytes)
 
     def raw_metadata(self, session_id: str) -> dict | None:
         """The metadata Redis holds for a session as it parses, unchecked, with the record's

@@ -494,12 +494,13 @@ def gate_compactions(cache: SessionCache):
     return release, waiting
 
 
-def a_session_with_one_delta(tmp_path: Path, tokens: int) -> tuple:
-    """A Transformer-XL session on disk (40 tokens, then one delta commit of `tokens`) in a cache
-    that counts its metrics and compacts only past a ratio of 100: (model, metrics, cache, id)."""
+def a_session_with_one_delta(tmp_path: Path, tokens: int, redis_url: str | None = None) -> tuple:  # noqa: F811
+    """A Transformer-XL session on disk (or Redis, given its URL: 40 tokens, then one delta commit
+    of `tokens`) in a cache that counts its metrics and compacts only past a ratio of 100:
+    (model, metrics, cache, id)."""
     model = tiny_model("transformer-xl")
     metrics = Metrics()
-    cache = SessionCache(tmp_path / "state", None, None, None, metrics=metrics, compact_ratio=100.0)
+    cache = SessionCache(tmp_path / "state", None, None, None, metrics=metrics, compact_ratio=100.0, redis_url=redis_url)
     cache.open({"m": model})
     session_id = cache.create("m", None, feed(model, SessionData(model.init_state(1), 0, None), list(range(40)))[1]).id
     step(model, cache, session_id, list(range(tokens)))
@@ -944,11 +945,14 @@ def test_an_append_that_could_not_be_cut_off_is_rewritten_before_the_session_lea
     assert other
 
 
-def test_a_compaction_asked_for_a_log_already_gone_writes_nothing(tmp_path):
+@pytest.mark.parametrize("store", ["disk", "redis"])
+def test_a_compaction_asked_for_a_log_already_gone_writes_nothing(store, tmp_path, request):
     """A compaction whose turn comes after the log was cleared (the session written whole
     meanwhile: another compaction, an import) does not write the whole state again."""
-    model, metrics, cache, session_id = a_session_with_one_delta(tmp_path, 5)
-    assert cache.compact(session_id) is True and not cache.disk.log_path(session_id).exists()
+    url = request.getfixturevalue("redis_url") if store == "redis" else None
+    model, metrics, cache, session_id = a_session_with_one_delta(tmp_path, 5, url)
+    assert cache.compact(session_id) is True
+    assert cache.redis is not None or not cache.disk.log_path(session_id).exists()
     assert cache.compact(session_id) is False  # nothing to compact: no second whole write
     assert cache.durable.written["compaction"][0] == 1
     sample = metrics.registry.get_sample_value
