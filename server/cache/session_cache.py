@@ -250,24 +250,31 @@ class SessionCache:
         self.compactions.close()
         with self._lock:
             lacking = [r for r in self.manager.records.values() if self.durable.tier not in r.copies]
-        written = 0
-        for record in lacking:
-            with self._lock:
-                if record.pinned or self.manager.get(record.id) is not record:
-                    continue
-                hold = self.holds.take(record.id, MOVE)
-            try:
-                data = self.placement.read(record, record.tier, to_device=False)
-                self.durable.write(record, encode_parts(data, self.durable.metadata(record)), expected=None)
+        written, failed = 0, []
+        try:
+            for record in lacking:  # one write that fails leaves the others to be written
                 with self._lock:
-                    self.manager.add_copy(record.id, self.durable.tier)
-                written += 1
-            finally:
-                with self._lock:
-                    self.holds.give_back(record.id, hold)
-        log.info("session cache closed: %d sessions persisted (%d written at shutdown)",
-                 len(self.manager.records), written)
-        self.durable.close()
+                    if record.pinned or self.manager.get(record.id) is not record:
+                        continue
+                    hold = self.holds.take(record.id, MOVE)
+                try:
+                    data = self.placement.read(record, record.tier, to_device=False)
+                    self.durable.write(record, encode_parts(data, self.durable.metadata(record)), expected=None)
+                    with self._lock:
+                        self.manager.add_copy(record.id, self.durable.tier)
+                    written += 1
+                except Exception as error:
+                    log.error("session %s: its durable copy could not be written at shutdown (%s); its change since "
+                              "its last durable write is lost", record.id, error)
+                    failed.append(record.id)
+                finally:
+                    with self._lock:
+                        self.holds.give_back(record.id, hold)
+            log.log(logging.ERROR if failed else logging.INFO,
+                    "session cache closed: %d sessions persisted (%d written at shutdown, %d could not be)",
+                    len(self.manager.records) - len(failed), written, len(failed))
+        finally:
+            self.durable.close()
 
     # -- the API ----------------------------------------------------------------------------
 

@@ -197,6 +197,32 @@ def test_a_file_the_system_cannot_read_at_start_is_left_in_place_and_a_failed_re
     cache.close()
 
 
+def test_shutdown_writes_every_session_lacking_its_durable_copy_though_one_write_fails(tmp_path, monkeypatch, caplog):
+    """close() writes each session whose durable copy is in doubt; one write that fails is logged
+    as an error and the others are still written (it used to stop at the first failure, and left
+    the store unclosed)."""
+    cache = make_cache(tmp_path)
+    ids = [cache.create("toy", None, data(10, i)).id for i in range(3)]
+    with cache._lock:
+        for session_id in ids:
+            cache.placement.doubt_durable_copy(cache.manager.get(session_id))
+    write, attempted, closed = cache.durable.write, [], []
+
+    def failing_first(record, *args, **kwargs):
+        attempted.append(record.id)
+        if len(attempted) == 1:
+            raise SessionUnavailable("the disk is failing", record.id)
+        return write(record, *args, **kwargs)
+
+    monkeypatch.setattr(cache.durable, "write", failing_first)
+    monkeypatch.setattr(cache.durable, "close", lambda: closed.append(True))
+    with caplog.at_level("ERROR", logger="xlserve.cache"):
+        cache.close()
+    assert sorted(attempted) == sorted(ids) and closed == [True]
+    assert cache.durable.written["whole"][0] == 3 + 2  # the three creates, then two of the three at shutdown
+    assert any("could not be written at shutdown" in r.getMessage() for r in caplog.records)
+
+
 def test_fork_diverges_export_round_trips_replace_commits(tmp_path):
     cache = make_cache(tmp_path)
     sid = cache.create("toy", None, data(10, 0)).id
