@@ -133,8 +133,25 @@ class DurableStore:
         first: a server that cannot reach it does not start."""
         if self.redis is not None:
             self.redis.ping()
+            self._check_eviction_policy()
         self.prune_tombstones()
         return sorted(self.disk.scan(), key=lambda item: float(item[1].get("last_used_at", 0)))
+
+    def _check_eviction_policy(self) -> None:
+        """An error in the log when Redis may evict keys: under any maxmemory-policy but noeviction
+        a full Redis drops committed sessions (allkeys-*) or the fences and tombstones that keep
+        settled writes out and deletes remembered (volatile-*), where noeviction refuses the
+        commit (503). The server still starts: the Redis may be shared on purpose."""
+        try:
+            policies = self.redis.eviction_policies()
+        except StoreUnavailable as error:
+            log.warning("Redis's maxmemory-policy could not be read (%s)", error)
+            return
+        if policies - {"noeviction"}:
+            log.error("Redis at %s evicts keys when full (maxmemory-policy %s): committed sessions, or the fences and "
+                      "tombstones that guard them, can vanish. Set maxmemory-policy noeviction for the sessions' Redis "
+                      "(deploy/README.md); then a full Redis refuses commits with 503 instead",
+                      self.redis._safe_url(), ", ".join(sorted(policies)))
 
     def close(self) -> None:
         if self.redis is not None:

@@ -776,6 +776,22 @@ class RedisStore:
     def ping(self) -> None:
         self._read(lambda: self.client.ping())
 
+    def _info_memory(self) -> list[dict]:
+        """INFO memory of each node: one for a server, each primary of a cluster (INFO goes to one
+        node unless asked for all)."""
+
+        def read():
+            if hasattr(self.client, "get_primaries"):  # a cluster client
+                return self.client.info("memory", target_nodes=self.client.PRIMARIES)
+            return self.client.info("memory")
+
+        info = self._read(read)
+        return [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
+
+    def eviction_policies(self) -> set[str]:
+        """The maxmemory-policy of each node, as INFO reports it (CONFIG may be disabled)."""
+        return {str(node.get("maxmemory_policy", "")) for node in self._info_memory()} - {""}
+
     def _version_and_meta(self, session_id: str, version, meta) -> tuple[int, dict]:
         """A record's version and metadata as Redis holds them; StoreUnavailable, for this session
         alone, when something other than xlserve wrote them and they do not read."""
@@ -1016,14 +1032,7 @@ class RedisPrefixStore(RedisStore):
         """(used_memory, maxmemory) of each node as Redis reports them: one for a server, each
         primary of a cluster (INFO goes to one node unless asked for all); maxmemory 0: none set."""
 
-        def read():
-            if hasattr(self.client, "get_primaries"):  # a cluster client
-                return self.client.info("memory", target_nodes=self.client.PRIMARIES)
-            return self.client.info("memory")
-
-        info = self._read(read)
-        nodes = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
-        return [(int(node.get("used_memory", 0)), int(node.get("maxmemory", 0))) for node in nodes]
+        return [(int(node.get("used_memory", 0)), int(node.get("maxmemory", 0))) for node in self._info_memory()]
 
     def filed(self, blocks: list[str]) -> list[dict[int, str]]:
         """For each block (hex), its {n: entry key}: one round trip for the whole chain."""

@@ -140,6 +140,26 @@ def test_a_delete_that_arrives_after_a_later_commit_changes_nothing(tmp_path, re
     b.close()
 
 
+def test_a_redis_that_evicts_keys_is_named_at_start(tmp_path, redis_url, caplog):  # noqa: F811
+    """Under any maxmemory-policy but noeviction a full Redis drops committed sessions (or their
+    fences and tombstones): the start logs an error that says so and what to set."""
+    server = redis.Redis.from_url(redis_url)
+    try:
+        server.config_set("maxmemory-policy", "allkeys-lru")
+        with caplog.at_level("ERROR", logger="xlserve.cache"):
+            replica(tmp_path, "evicting", redis_url).close()
+        assert any("maxmemory-policy allkeys-lru" in r.getMessage() and "noeviction" in r.getMessage()
+                   for r in caplog.records if r.levelname == "ERROR")
+        server.config_set("maxmemory-policy", "noeviction")
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="xlserve.cache"):
+            replica(tmp_path, "safe", redis_url).close()
+        assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    finally:
+        server.config_set("maxmemory-policy", "noeviction")
+        server.close()
+
+
 def test_a_session_moves_between_replicas_and_a_stale_writer_gets_a_conflict(tmp_path, redis_url):  # noqa: F811
     a = replica(tmp_path, "a", redis_url)
     b = replica(tmp_path, "b", redis_url)
