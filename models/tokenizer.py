@@ -287,6 +287,72 @@ def byte_level_bytes(name: str) -> bytes | None:
         return None
 
 
+# the tokenizers release from which tokenizer.json may hold the forms `readable_by_library` rewrites
+NEWEST_FORMS = (0, 20)
+
+
+def library_version() -> tuple[int, int]:
+    """(major, minor) of the installed `tokenizers` (read from its metadata: no import)."""
+    from importlib.metadata import version
+
+    major, minor = version("tokenizers").split(".")[:2]
+    return int(major), int(minor)
+
+
+def readable_by_library(content: dict, library: tuple[int, int]) -> dict:
+    """A parsed tokenizer.json written by tokenizers 0.19 or later, in the form `library` (an
+    older release's (major, minor)) reads, with the same tokens for every text; ValueError, naming
+    what to install, for a file whose meaning an older release cannot express. A make test install
+    keeps tokenizers 0.15 (the test extra's transformers 4.37.2, the last with TransfoXL, needs
+    <0.19), and such files are what today's checkpoints ship. What changed:
+
+    - 0.20 writes a BPE model's merges as pairs (["a", "b"]) where older releases wrote "a b".
+      A pair is joined with a space, which is lossless unless a token holds a space itself
+      (byte-level BPE writes a space as "Ġ"): then it is refused.
+    - 0.19 gives BPE `ignore_merges` (take a word the vocabulary holds whole, before any merge),
+      which older releases do not know: false is dropped, true is refused.
+    - 0.19's Metaspace (pre-tokenizer and decoder) has `prepend_scheme` and `split` in place of
+      `add_prefix_space`: add_prefix_space is prepend_scheme other than "never"; split true is
+      what older releases always do, split false is refused."""
+    content = json.loads(json.dumps(content))  # a copy, changed in place below
+    where = f"this tokenizer.json was written by a newer tokenizers than the installed {library[0]}.{library[1]}"
+    advice = "install tokenizers>=0.20 (`pip install -U tokenizers`; the test extra's transformers 4.37.2 needs <0.19)"
+    model = content.get("model")
+    if isinstance(model, dict) and model.get("type") == "BPE":
+        merges = model.get("merges")
+        if isinstance(merges, list) and merges and isinstance(merges[0], list):
+            joined = []
+            for merge in merges:
+                if not (isinstance(merge, list) and len(merge) == 2 and all(isinstance(part, str) for part in merge)):
+                    raise ValueError(f"{where}, and a BPE merge in it is not a pair of strings: {merge!r}")
+                if " " in merge[0] or " " in merge[1]:
+                    raise ValueError(f"{where}, and its merge {merge!r} has a token with a space, which the installed "
+                                     f"release cannot read; {advice}")
+                joined.append(f"{merge[0]} {merge[1]}")
+            model["merges"] = joined
+        if library < (0, 19) and "ignore_merges" in model:
+            if model.pop("ignore_merges"):
+                raise ValueError(f"{where}, and its BPE model sets ignore_merges, which the installed release does not "
+                                 f"apply (its words would tokenize differently); {advice}")
+
+    def metaspace(node) -> None:
+        if isinstance(node, list):
+            for item in node:
+                metaspace(item)
+        elif isinstance(node, dict):
+            if node.get("type") == "Metaspace" and library < (0, 19) and "add_prefix_space" not in node:
+                if node.pop("split", True) is not True:
+                    raise ValueError(f"{where}, and its Metaspace sets split false, which the installed release "
+                                     f"cannot express; {advice}")
+                node["add_prefix_space"] = node.setdefault("prepend_scheme", "always") != "never"
+            for value in node.values():
+                metaspace(value)
+
+    metaspace(content.get("pre_tokenizer"))
+    metaspace(content.get("decoder"))
+    return content
+
+
 class TokenizersTokenizer:
     """A Hugging Face tokenizer.json (the byte-level BPE of GPT-NeoX that Mamba and RWKV-4 use,
     or any other the `tokenizers` library reads), run by that library. encode adds no special
@@ -346,15 +412,24 @@ class TokenizersTokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TokenizersTokenizer":
-        from tokenizers import Tokenizer
-
-        return cls(Tokenizer.from_file(str(path)))
+        return cls.from_bytes(Path(path).read_bytes())
 
     @classmethod
     def from_bytes(cls, content: bytes) -> "TokenizersTokenizer":
+        """A tokenizer.json's tokenizer; one written by a newer `tokenizers` than the installed one
+        is first put in the form the installed one reads (`readable_by_library`)."""
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_str(content.decode("utf-8")))
+        text = content.decode("utf-8")
+        library = library_version()
+        if library < NEWEST_FORMS:
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = None  # the library says what is wrong with it
+            if isinstance(parsed, dict):
+                text = json.dumps(readable_by_library(parsed, library))
+        return cls(Tokenizer.from_str(text))
 
     @property
     def vocab_size(self) -> int:

@@ -127,3 +127,85 @@ def test_a_tokenizer_json_saved_with_truncation_or_padding_encodes_the_whole_tex
     tokenizer = TokenizersTokenizer.from_bytes(saved.to_str().encode())
     assert [tokenizer.encode(text) for text in ("x", "def f(x):\n" * 20)] == plain
     assert len(plain[1]) > 8 and len(plain[0]) < 4
+
+
+# -- tokenizer.json written by a newer tokenizers ------------------------------------------------
+
+# run by the reference environment's tokenizers (0.22): trains the tokenizers today's checkpoints
+# ship (byte-level BPE, GPT-NeoX's kind; a Metaspace BPE, Llama's and Mistral's kind, with each
+# prepend scheme and inside a Sequence), saves each in its own form, and writes the ids and the
+# decoded text that release gives for every text
+NEWER_TOKENIZERS = r'''
+import json, sys
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+out, texts = sys.argv[1], json.loads(sys.argv[2])
+corpus = [t * 3 for t in texts] * 20
+made = {}
+byte_level = Tokenizer(models.BPE())
+byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+byte_level.decoder = decoders.ByteLevel()
+byte_level.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+made["byte_level"] = byte_level
+for scheme in ("always", "first", "never"):
+    meta = Tokenizer(models.BPE(unk_token="<unk>"))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    meta.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    meta.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    made["metaspace_" + scheme] = meta
+sequence = Tokenizer(models.BPE(unk_token="<unk>"))
+sequence.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                  pre_tokenizers.Metaspace(prepend_scheme="first")])
+sequence.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="first")])
+sequence.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+made["sequence"] = sequence
+results = {}
+for name, tokenizer in made.items():
+    ids = [tokenizer.encode(text).ids for text in texts]
+    results[name] = {"json": tokenizer.to_str(), "ids": ids, "decoded": [tokenizer.decode(i) for i in ids]}
+open(out, "w").write(json.dumps(results))
+'''
+
+
+def test_tokenizer_json_of_a_newer_tokenizers_reads_with_the_same_tokens(tmp_path):
+    """tokenizers 0.19 and 0.20 changed how tokenizer.json is written (merges as pairs, Metaspace's
+    prepend_scheme and split); the release this install keeps (0.15) could not read such files,
+    which are what checkpoints saved today ship. Rewritten for it (`readable_by_library`), each
+    gives the newer release's ids and decoded text for every text."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.models.hf_reference import REFERENCE_DIR, reference_available
+    from xlserve.models.tokenizer import TokenizersTokenizer
+
+    if not reference_available():
+        pytest.skip(f"the reference environment {REFERENCE_DIR} (tokenizers 0.22) is missing; make test installs it")
+    texts = ["hello world, the quick brown fox", " leading space and  two spaces", "numbers 12345 and 2026-12-06",
+             "ünïcödé ✓ and emoji 😀", "tab\tnew\nline", "the lazy dog jumps over the quick brown fox again"]
+    out = tmp_path / "newer.json"
+    done = subprocess.run([sys.executable, "-c", NEWER_TOKENIZERS, str(out), json.dumps(texts)],
+                          env={**os.environ, "PYTHONPATH": str(REFERENCE_DIR)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, made in json.loads(out.read_text()).items():
+        tokenizer = TokenizersTokenizer.from_bytes(made["json"].encode())
+        assert [tokenizer.encode(text) for text in texts] == made["ids"], name
+        assert [tokenizer.decode(ids) for ids in made["ids"]] == made["decoded"], name
+
+
+@pytest.mark.parametrize("change, refused", [
+    (lambda c: c["model"].__setitem__("ignore_merges", True), "ignore_merges"),
+    (lambda c: c["pre_tokenizer"].__setitem__("split", False), "split false"),
+    (lambda c: c["model"]["merges"].append(["a b", "c"]), "token with a space"),
+])
+def test_a_newer_tokenizer_json_an_older_tokenizers_cannot_express_is_refused_naming_why(change, refused):
+    from xlserve.models.tokenizer import readable_by_library
+
+    content = {"model": {"type": "BPE", "merges": [["a", "b"]], "vocab": {"a": 0, "b": 1, "ab": 2}},
+               "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}}
+    assert readable_by_library(content, (0, 15))["model"]["merges"] == ["a b"]
+    change(content)
+    with pytest.raises(ValueError, match=refused) as error:
+        readable_by_library(content, (0, 15))
+    assert "tokenizers>=0.20" in str(error.value)
