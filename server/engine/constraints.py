@@ -49,7 +49,8 @@ choice beside the allowed tokens with that mass, server/engine/sampling.py `Samp
 greedy ends when the most likely token is forbidden).
 Where the constraint can only end (a JSON object's closing brace), the row ends after that token.
 Both end with finish_reason "stop". A row whose constraint allows no token and cannot end ends
-with finish_reason "no_allowed_token"; the rest of the batch goes on. A matcher that stopped with
+with finish_reason "no_allowed_token", and so does one whose model gives every allowed token no
+chance (log-probability -inf) where it cannot end; the rest of the batch goes on. A matcher that stopped with
 an error of its own (one of llguidance's limits, `parser_limits`, reached mid-output) is no such
 end: its request fails alone with 400 `grammar_too_large` carrying llguidance's reason, which the
 engine logs too (`RowConstraint.failure`).

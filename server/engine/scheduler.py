@@ -749,18 +749,30 @@ class Engine:
                 allowed = constraint.allowed_bits()
                 if not allowed.any():
                     return self._no_allowed_token(row)
-                token = int(np.where(allowed, scores, -np.inf).argmax())  # the same draw, from the allowed tokens
+                masked = np.where(allowed, scores, -np.inf)
+                token = int(masked.argmax())  # the same draw, from the allowed tokens
+                if masked[token] == -np.inf:  # the model gives every allowed token no chance
+                    return self._no_allowed_token(row)
                 constraint.consume(token)
             sampler.record(token)
             return token
         allowed, may_end = constraint.allowed()
         if not may_end and not bool(allowed.any()):  # nothing may follow and it may not end: that row alone ends
             return self._no_allowed_token(row)
+        if not may_end and self._rules_out(row.host_log_probs, allowed):
+            return self._no_allowed_token(row)
         token = sampler.choose(row.host_log_probs, allowed, may_end)
         if token >= allowed.numel():  # "end here" (server/engine/sampling.py)
             return "stop"
         constraint.consume(token)
         return token
+
+    @staticmethod
+    def _rules_out(log_probs: torch.Tensor, allowed: torch.Tensor) -> bool:
+        """Whether a row that is otherwise a distribution (some token has a finite value) gives
+        every allowed token no chance (-inf): the constraint then leaves nothing to draw, as when
+        it allows nothing. logit_bias and the penalties keep a finite value finite."""
+        return bool((log_probs[allowed] == float("-inf")).all()) and bool(torch.isfinite(log_probs).any())
 
     def _no_allowed_token(self, row: Row) -> str:
         """The finish reason of a row its constraint leaves no token to draw; but a matcher that

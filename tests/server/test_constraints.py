@@ -532,3 +532,43 @@ def test_ids_past_255_of_a_byte_model_decode_to_nothing():
     assert [detokenizer.push(token) for token in (0x68, 257, 0xC3, 259, 0xA9)] == ["h", "", "", "", "é"]
     assert tokenizer.decode([0x68, 257, 0x69]) == "hi" and tokenizer.byte_length([0x68, 257]) == 1
     assert tokenizer.token_text(258) == "<id 258>" and tokenizer.token_bytes(258) is None
+
+
+@pytest.mark.parametrize("truncation", [{}, {"top_k": 5}], ids=["untruncated", "top_k"])
+def test_a_model_that_rules_out_every_allowed_token_ends_the_row_without_breaking_its_constraint(truncation):
+    """A model whose row gives every token the constraint allows no chance (log-probability −inf)
+    while other tokens have one: the row ends with no_allowed_token, as when the constraint allows
+    nothing, on both ways of drawing. The untruncated draw took the argmax of an all −inf masked
+    row, token 0, which the constraint forbids; the truncating one failed the request as if its
+    whole row were unusable. The row beside goes on as alone."""
+    model = load_checkpoint(SHIPPED)
+    digits = torch.tensor([ord(c) for c in "0123456789"])
+    forward, forward_scored = model.forward, model.forward_scored
+
+    def ruling_out(log_probs: torch.Tensor) -> torch.Tensor:
+        return log_probs.index_fill(-1, digits, float("-inf"))
+
+    def patched_forward(tokens, state, **kwargs):
+        log_probs, state = forward(tokens, state, **kwargs)
+        return ruling_out(log_probs), state
+
+    def patched_forward_scored(tokens, state, lengths=None):
+        last, scores, state = forward_scored(tokens, state, lengths)
+        return ruling_out(last), scores, state
+
+    model.forward, model.forward_scored = patched_forward, patched_forward_scored
+    engine = Engine("m", model, ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery())
+    plain = dict(max_tokens=12, temperature=1.0, seed=5)
+    try:
+        async def together():
+            return await asyncio.gather(
+                collect(engine, request(engine, "n = ", max_tokens=8, temperature=1.0, seed=3, constraint_kind="regex",
+                                        constraint="[0-9]+", **truncation)),
+                collect(engine, request(engine, "def f():\n", **plain)))
+
+        ruled_out, beside = asyncio.run(together())
+        alone = asyncio.run(collect(engine, request(engine, "def f():\n", **plain)))
+    finally:
+        engine.close()
+    assert ruled_out["reasons"] == [NO_ALLOWED_TOKEN] and ruled_out["texts"] == [""]
+    assert beside["texts"] == alone["texts"]
