@@ -179,6 +179,17 @@ def test_an_empty_session_id_is_refused_naming_it(served):
     assert state.engine.acquired == 0 and state.engine.submitted == []  # nothing reached the engine
 
 
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_another_method_on_the_import_route_is_405_allow_post_not_a_missing_session(served, method):
+    """/v1/sessions/import takes POST only; GET or DELETE there fell to /v1/sessions/{session_id}
+    and answered 404 for a session named "import"."""
+    client, state = served
+    response = client.request(method, "/v1/sessions/import")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert "POST" in error_of(response)["message"]
+    assert state.engine.acquired == 0
+
+
 # -- 3. null for OpenAI's nullable parameters ---------------------------------------------------------
 
 COMPLETION_NULLS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "echo", "logprobs",

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import Header, Request, Response
 from fastapi.dependencies.models import Dependant
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import HTTPConnection
 
 from xlserve.server.api.deps import STATE_BODY_SETTING, AppState, ServedModel, app_state
@@ -224,9 +225,15 @@ def check_session_header(header: str | None, session_id: str | None) -> None:
                              code="session_id_mismatch")
 
 
-def session_header_matches_path(session_id: str,
+def session_header_matches_path(request: Request, session_id: str,
                                 header: str | None = Header(None, alias=SESSION_ID_HEADER)) -> None:
-    """A dependency of the /v1/sessions/{session_id}... routes: check_session_header."""
+    """A dependency of the /v1/sessions/{session_id}... routes: check_session_header. The path
+    /v1/sessions/import is a route of its own, for POST only: another method there (GET, DELETE)
+    is 405 with `Allow: POST`, not a session named "import" that is not found."""
+    route = request.scope.get("route")
+    if session_id == "import" and getattr(route, "path", None) == "/v1/sessions/{session_id}":
+        raise StarletteHTTPException(405, f"{request.method} is not allowed on /v1/sessions/import; it takes POST "
+                                          "(a session's exported state)", headers={"Allow": "POST"})
     check_session_header(header, session_id)
 
 
