@@ -61,8 +61,10 @@ def new_commit_id() -> str:
 
 
 def commit_of(meta: dict) -> str:
-    """The commit id a session's stored metadata names ("" when written before commit ids)."""
-    return str(meta.get("commit") or "")
+    """The commit id a session's stored metadata names: "" when written before commit ids, or
+    when it is not a string (as the Redis scripts' `commit_of` reads it, stores.py)."""
+    commit = meta.get("commit")
+    return commit if isinstance(commit, str) else ""
 
 
 @dataclass

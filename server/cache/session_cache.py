@@ -109,7 +109,7 @@ from xlserve.server.cache.ledger import (
     new_entry,
     remembered_entry,
 )
-from xlserve.server.cache.manager import CacheManager, Record, new_commit_id
+from xlserve.server.cache.manager import CacheManager, Record, commit_of, new_commit_id
 from xlserve.server.cache.placement import Placement, Transfer, same_commit
 from xlserve.server.cache.stores import SESSION_ID, DiskStore, Head, RedisStore
 
@@ -371,7 +371,8 @@ class SessionCache:
                     record = self.manager.get(session_id)
                     if record is None and self.placement.deleted_here(session_id, meta):  # read before a delete here
                         continue
-                    if record is not None and record.version >= version:
+                    if record is not None and (record.version > version or record.version == version
+                                               and commit_of(meta) == record.commit_id):
                         infos.append(self._info(record))
                     else:
                         infos.append(DurableStore.info_from_head(session_id, version, meta, self.holds.leased(session_id)))
@@ -563,12 +564,20 @@ class SessionCache:
             with self._locked():
                 record = self._settled(session_id, owner, head)
                 hold = self.holds.take(session_id)  # SessionLocked (409) while a request holds it, before ...
-                try:
+            try:
+                if head is not None and (head.version < record.version
+                                         or head.version == record.version and not same_commit(record, head)):
+                    # a commit of this replica landed between that read and the hold (one the delete
+                    # waited for in `_settled`): read again, as the delete is of the version Redis
+                    # holds now (durable.py `delete`); no commit of this replica can land while held
+                    head = self.durable.head(session_id, idempotency is not None)
+                with self._lock:
                     remembered = head.remembered if head is not None else record.remembered
                     remembered_entry(remembered or [], idempotency, session_id)  # ... a key used elsewhere: 422
-                except BaseException:
+            except BaseException:
+                with self._lock:
                     self.holds.give_back(session_id, hold)
-                    raise
+                raise
         except SessionNotFound:
             replay = None if idempotency is None else deleted_before(
                 self.durable.tombstone(session_id), owner, idempotency, session_id)

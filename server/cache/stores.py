@@ -537,10 +537,16 @@ class DiskStore:
         log_path = self.log_path(session_id)  # kept beside it: a log without its base is removed on open
         try:
             path.rename(path.with_suffix(".corrupt"))
+        except OSError as rename_error:
+            log.error("session file %s could not be moved aside (%s); it and its log are left where they are",
+                      path, rename_error)
+            return
+        try:
             if log_path.exists():
                 log_path.rename(log_path.with_name(log_path.name + ".corrupt"))
-        except OSError as rename_error:
-            log.error("session file %s could not be moved aside (%s); left where it is", path, rename_error)
+        except OSError as rename_error:  # a log without its base is removed at the next start
+            log.error("the log %s of a session file moved aside could not be moved with it (%s); the next start "
+                      "removes it", log_path, rename_error)
 
 
 # Lua shared by the scripts: `list` (lines, newest first) with `item` in front, at most `limit`
@@ -649,11 +655,19 @@ return 1
 # keep, the tombstone's lifetime (s), and, unless ARGV[5] is '', the version and commit the
 # deleting replica read (ARGV[5], ARGV[6]): a session that holds another version (a commit that
 # landed after that read, acknowledged to its client) is not deleted, whenever this script
-# arrives (a delete whose answer was lost cannot land on a later commit). Returns 1 deleted (or
-# there was no session), 0 it holds another version: nothing changed.
+# arrives (a delete whose answer was lost cannot land on a later commit); one already gone (no
+# hash, or another delete's tombstone) keeps that tombstone's keys, this delete's entry added.
+# Returns 1 deleted (or already gone), 0 it holds another version: nothing changed.
 _TOMBSTONE_SCRIPT = _PREPEND + """
-if ARGV[5] ~= '' and redis.call('HEXISTS', KEYS[1], 'version') == 1 and not holds(KEYS[1], ARGV[5], ARGV[6]) then
-  return 0
+if ARGV[5] ~= '' then
+  if redis.call('HEXISTS', KEYS[1], 'version') == 0 then
+    if ARGV[2] == '' then return 1 end
+    redis.call('HSET', KEYS[1], 'deleted', ARGV[1], 'idempotency',
+               prepend(redis.call('HGET', KEYS[1], 'idempotency'), ARGV[2], tonumber(ARGV[3]), REMEMBERED_BYTES))
+    redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+    return 1
+  end
+  if not holds(KEYS[1], ARGV[5], ARGV[6]) then return 0 end
 end
 local remembered = redis.call('HGET', KEYS[1], 'idempotency')
 redis.call('DEL', KEYS[1])
@@ -789,8 +803,10 @@ class RedisStore:
         return [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
 
     def eviction_policies(self) -> set[str]:
-        """The maxmemory-policy of each node, as INFO reports it (CONFIG may be disabled)."""
-        return {str(node.get("maxmemory_policy", "")) for node in self._info_memory()} - {""}
+        """The maxmemory-policy of each node that has a maxmemory (one without never evicts), as
+        INFO reports it (CONFIG may be disabled)."""
+        return {str(node.get("maxmemory_policy", "")) for node in self._info_memory()
+                if int(node.get("maxmemory", 0) or 0) > 0} - {""}
 
     def _version_and_meta(self, session_id: str, version, meta) -> tuple[int, dict]:
         """A record's version and metadata as Redis holds them; StoreUnavailable, for this session

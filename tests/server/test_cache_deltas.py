@@ -433,6 +433,8 @@ def test_a_session_made_anew_under_its_keyed_id_is_never_taken_for_the_old_one(t
     made_again = c.create("m", None, feed(model, fresh, list(range(50, 90)))[1], idempotency=key)
     assert made_again.id == session_id and made_again.version == 0
     new = step(model, c, session_id, [5, 6])  # ... and a third makes it anew: version 1 again
+    listed = {info.id: info for info in a.list_sessions(None)[0]}[session_id]  # a lists the new one
+    assert (listed.version, listed.tokens, listed.created_at) == (1, new.tokens, c.info(session_id, None).created_at)
 
     with pytest.raises(SessionConflict):  # the delta from the old version 1 is not appended to the new one
         a.commit(stale, old)

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from xlserve.server.cache import CacheFull, SessionConflict, SessionNotFound
-from xlserve.server.cache.ledger import REMEMBERED_BYTES_PER_SESSION, kept
+from xlserve.server.cache.ledger import REMEMBERED_BYTES_PER_SESSION, kept, new_entry
 from xlserve.server.cache.session_cache import Replay, SessionCache
 from xlserve.server.cache.stores import RedisStore
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
@@ -140,23 +140,67 @@ def test_a_delete_that_arrives_after_a_later_commit_changes_nothing(tmp_path, re
     b.close()
 
 
+def test_a_delete_that_waited_for_a_commit_of_its_own_replica_deletes_what_it_committed(tmp_path, redis_url,
+                                                                                         monkeypatch):  # noqa: F811
+    """A delete reads Redis's head, then waits for the session (a commit of this replica whose
+    client left, `_settled`). That commit lands a version the head does not name: read again once
+    held, the delete is of that version, not a 409."""
+    a = replica(tmp_path, "a", redis_url)
+    sid = a.create("toy", "k", data(10, 0)).id
+    stale = a.durable.head(sid)  # read before the commit below landed
+    lease = a.acquire(sid, "k")
+    a.commit(lease, data(10, 1))
+    reads = []
+    head = a.durable.head
+
+    def first_stale(session_id, remembered=False):
+        reads.append(session_id)
+        return stale if len(reads) == 1 else head(session_id, remembered)
+
+    monkeypatch.setattr(a.durable, "head", first_stale)
+    a.delete(sid, "k")
+    assert len(reads) == 2 and a.redis.head(sid) is None
+    a.close()
+
+
+def test_a_delete_without_a_key_keeps_the_tombstone_of_a_keyed_delete_that_landed_first(redis_url):  # noqa: F811
+    """Two replicas delete one session at once: a keyed delete lands first and leaves its tombstone
+    (its retry is answered with its first answer); a delete without a key that read the session
+    before must not remove that tombstone, and another keyed one adds its key to it."""
+    store = RedisStore(redis_url, prefix="test-tombstones:")
+    meta = {"owner": "k", "commit": "c0"}
+    assert store.put("sess_x", None, 0, meta, b"zero")
+    first, second = (new_entry({"key": key, "fingerprint": "f"}, {}, -1, 0) for key in ("first", "second"))
+    assert store.delete("sess_x", "k", first, holding=(0, "c0"))
+    assert store.delete("sess_x", "k", None, holding=(0, "c0"))  # already gone: nothing to do
+    assert store.delete("sess_x", "k", second, holding=(0, "c0"))
+    owner, remembered = store.tombstone("sess_x")
+    assert owner == "k" and [entry["key"] for entry in remembered] == ["second", "first"]
+    store.close()
+
+
 def test_a_redis_that_evicts_keys_is_named_at_start(tmp_path, redis_url, caplog):  # noqa: F811
     """Under any maxmemory-policy but noeviction a full Redis drops committed sessions (or their
     fences and tombstones): the start logs an error that says so and what to set."""
     server = redis.Redis.from_url(redis_url)
     try:
+        server.config_set("maxmemory", "1gb")  # without a maxmemory Redis never evicts
         server.config_set("maxmemory-policy", "allkeys-lru")
         with caplog.at_level("ERROR", logger="xlserve.cache"):
             replica(tmp_path, "evicting", redis_url).close()
         assert any("maxmemory-policy allkeys-lru" in r.getMessage() and "noeviction" in r.getMessage()
                    for r in caplog.records if r.levelname == "ERROR")
-        server.config_set("maxmemory-policy", "noeviction")
-        caplog.clear()
-        with caplog.at_level("ERROR", logger="xlserve.cache"):
-            replica(tmp_path, "safe", redis_url).close()
-        assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+        for name, settings in (("safe", {"maxmemory-policy": "noeviction"}),
+                               ("unbounded", {"maxmemory": "0", "maxmemory-policy": "allkeys-lru"})):
+            for setting, value in settings.items():
+                server.config_set(setting, value)
+            caplog.clear()
+            with caplog.at_level("ERROR", logger="xlserve.cache"):
+                replica(tmp_path, name, redis_url).close()
+            assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()], name
     finally:
         server.config_set("maxmemory-policy", "noeviction")
+        server.config_set("maxmemory", "0")
         server.close()
 
 
