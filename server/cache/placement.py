@@ -443,27 +443,40 @@ class Placement:
                 self.manager.drop_copy(record.id, above)
 
     def _execute(self, moves: list[Move | Reclaim], transfer: Transfer) -> None:
-        """Book `moves` now and put their bytes in `transfer`. Each move is booked and put in
-        `transfer` before anything else can fail (the borrower, the metrics), so that should this
-        raise partway, the books and `transfer` still agree on every move booked so far."""
-        moving: dict[str, _Evict] = {}
+        """Book `moves` now and put their bytes in `transfer`. A plan may move one session more
+        than once: down twice (device → host → disk), or one copy down and another dropped (with
+        Redis, a session on the device whose disk spill made room on the disk). What is carried is
+        each session's whole change: its state taken out of the memory tier it left, written to
+        the tier it gained, its spill file removed where the disk copy went, and nothing where a
+        copy went and came back (the same version). Each session's moves are booked and its step
+        put in `transfer` before the next session's, so that should this raise partway, the books
+        and `transfer` agree on every session booked so far."""
+        by_session: dict[str, list[Move]] = {}
         for move in moves:
             if isinstance(move, Reclaim):  # room the prefix cache borrowed: it drops entries (its own lock only)
                 self.borrower.release(move.tier, move.nbytes)
-                continue
-            record = self.manager.get(move.session)
-            self.manager.apply(move)
-            if record.id in moving:  # moved down twice in one plan: its bytes go straight to the second place
-                step = moving[record.id]
-                step.move = Move(record.id, step.move.src, move.dst)
             else:
-                data = self._take_out(move.src, record.id) if move.src in MEMORY_TIERS else None
-                if move.dst is not None or move.src not in MEMORY_TIERS:  # else a lower tier has it: nothing to carry
-                    transfer.hold(record.id, self.holds.take(record.id, MOVE))
-                    moving[record.id] = _Evict(record, move, data)
-                    transfer.add(moving[record.id])
+                by_session.setdefault(move.session, []).append(move)
+        for session_id, its_moves in by_session.items():
+            record = self.manager.get(session_id)
+            had = set(record.copies)
+            for move in its_moves:
+                self.manager.apply(move)
+            left, gained = had - record.copies, record.copies - had
+            source = next((tier for tier in MEMORY_TIERS if tier in left), None)
+            if len(gained) > 1 or (gained and source is None):  # moves only go down, from memory into the tier below
+                raise RuntimeError(f"session {session_id}: a plan that moves it {its_moves} cannot be carried out")
+            data = self._take_out(source, session_id) if source is not None else None
+            for tier in left - {source, "disk"}:  # a second memory copy let go (a lower tier has the state)
+                self._store(tier).drop(session_id)
+            destination = next(iter(gained), None)
+            if destination is not None or "disk" in left:  # else a lower tier has it: nothing to carry
+                transfer.hold(session_id, self.holds.take(session_id, MOVE))
+                transfer.add(_Evict(record, Move(session_id, source or "disk", destination), data,
+                                    unlink="disk" in left))
             if self.metrics is not None:
-                self.metrics.session_evictions.labels(record.model, move.src).inc()
+                for move in its_moves:
+                    self.metrics.session_evictions.labels(record.model, move.src).inc()
 
     def _durable_room(self, model: str, nbytes: int, session_id: str | None = None) -> None:
         room = self.manager.plan_room(self.durable.tier, nbytes)
@@ -676,17 +689,19 @@ class _Fetch(_Step):
 
 class _Evict(_Step):
     """An idle session moved down (`move`, booked already): its state, taken out of a memory tier
-    (`data`), copied to `move.dst` (None: let go, a lower tier has it); or its file removed from
-    disk. A copy that cannot be made is dropped from the books: the session keeps its copies below."""
+    (`data`), copied to `move.dst` (None: let go, a lower tier has it); and, with `unlink`, its
+    file removed from disk (the disk copy it left: `move.src` "disk", or a spill dropped in the
+    same plan). A copy that cannot be made is dropped from the books: the session keeps its copies
+    below."""
 
-    def __init__(self, record: Record, move: Move, data: SessionData | None):
-        self.record, self.move, self.data = record, move, data
+    def __init__(self, record: Record, move: Move, data: SessionData | None, unlink: bool = False):
+        self.record, self.move, self.data, self.unlink = record, move, data, unlink or move.src == "disk"
         self.out: SessionData | None = None
 
     def _run(self, placement: Placement) -> None:
         if self.move.dst is not None:
             self.out = placement.write(self.record, self.move.dst, self.data)
-        if self.move.src == "disk":
+        if self.unlink:
             placement.disk.delete(self.record.id)
 
     def finish(self, placement: Placement) -> BaseException | None:
@@ -697,7 +712,7 @@ class _Evict(_Step):
             return None
         log.warning("session %s: moving it from %s to %s failed (%s); it keeps its copies below", record.id,
                     move.src, move.dst or "the tiers below", self.error)
-        if move.src == "disk":  # the books dropped its disk copy, the file may be there still
+        if self.unlink:  # the books dropped its disk copy, the file may be there still
             placement.leave_file(record.id)
         if move.dst is not None:
             manager.drop_copy(record.id, move.dst)

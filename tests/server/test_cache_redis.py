@@ -457,3 +457,43 @@ def test_a_listing_goes_on_after_a_session_another_replica_deleted(tmp_path, red
         here.list_sessions("another-pager", after=page[-1].id)
     here.close()
     elsewhere.close()
+
+
+def test_a_plan_that_moves_one_session_twice_carries_both_changes(tmp_path, redis_url):  # noqa: F811
+    """With Redis the disk is a spill, and a session brought back to the device keeps its spill
+    file. Making room for a large session can then move it twice in one plan: its spill dropped
+    to make room on the disk for another session, then its device copy moved to host RAM. Both
+    changes are carried out: its device copy leaves the device (it stayed there, unbooked, and
+    the move to host RAM failed), its host copy is made, its spill file goes; every copy the books
+    list holds the session's state, and the device holds nothing the books do not list."""
+    n = 100
+    cache = replica(tmp_path, "c", redis_url, device=2 * size(n), host=size(n), disk=size(n))
+    older, spilled, twice = (cache.create("toy", "k", data(n, seed)).id for seed in (1, 2, 3))
+    large = cache.create("toy", "k", data(3 * n // 2, 4)).id  # more than one session's room
+    for sid in (large, older, spilled, twice):
+        cache.move(sid, "redis")
+    cache.move(twice, "disk")
+    cache.move(spilled, "host")
+    cache.move(older, "device")
+    cache.release(cache.acquire(twice, "k"))  # back on the device, its spill kept: the most recent
+    copies = {sid: set(cache.manager.get(sid).copies) for sid in (older, spilled, twice)}
+    assert copies == {older: {"device", "redis"}, spilled: {"host", "redis"}, twice: {"device", "disk", "redis"}}
+
+    lease = cache.acquire(large, "k")  # room for 1.5 sessions on the device: both leave it
+    assert same(lease.data, data(3 * n // 2, 4))
+    cache.release(lease)
+    expected = {older: data(n, 1), spilled: data(n, 2), twice: data(n, 3)}
+    assert set(cache.placement.device._data) == {sid for sid, r in cache.manager.records.items() if "device" in r.copies}
+    assert set(cache.placement.host._data) == {sid for sid, r in cache.manager.records.items() if "host" in r.copies}
+    state = tmp_path / "c"
+    for sid, want in expected.items():
+        record = cache.manager.get(sid)
+        assert ("disk" in record.copies) == (state / f"{sid}.safetensors").exists(), (sid, record.copies)
+        for tier in record.copies & {"device", "host"}:
+            assert same((cache.placement.device if tier == "device" else cache.placement.host).get(sid), want), (sid, tier)
+    assert cache.manager.get(twice).copies == {"host", "redis"}
+    for sid, want in expected.items():  # and each is served as it was
+        lease = cache.acquire(sid, "k")
+        assert same(lease.data, want), sid
+        cache.release(lease)
+    cache.close()
