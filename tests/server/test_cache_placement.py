@@ -90,7 +90,8 @@ def test_a_promotion_is_booked_at_once_and_its_bytes_move_outside_the_lock(tmp_p
 
 def test_a_session_moved_twice_in_one_plan_goes_straight_to_its_last_place(tmp_path):
     # making room for c (two units) moves a to host RAM, then b to host RAM, which pushes a on
-    # (it is host's least recently used): a's bytes go from the device straight to their last place
+    # (it is host's least recently used; its file keeps it): a's device copy is let go, nothing
+    # carried for it, and only b's bytes move
     cache = Cache(tmp_path, device=2 * UNIT, host=UNIT)
     h = cache.add("4", ("host",))
     a, b = cache.add("a", ("device",)), cache.add("b", ("device",))
@@ -98,7 +99,7 @@ def test_a_session_moved_twice_in_one_plan_goes_straight_to_its_last_place(tmp_p
     transfer, hold = cache.promote(c)
     with cache.lock:
         moved = [step.move for step in transfer.steps if hasattr(step, "move")]
-    assert [(m.session, m.src, m.dst) for m in moved] == [(a.id, "device", None), (b.id, "device", "host")]
+    assert [(m.session, m.src, m.dst) for m in moved] == [(b.id, "device", "host")]
     fetched = transfer.carry_out(cache.lock)
     assert cache.tiers(h, a, b, c) == [{"disk"}, {"disk"}, {"host", "disk"}, {"device", "disk"}]
     assert same(fetched, data(2 * N, cache.seeds[c.id]))
