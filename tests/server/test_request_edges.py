@@ -270,6 +270,34 @@ def test_generated_logprobs_past_the_bound_are_refused_without_streaming(served)
     assert RAISED_CODES["generated_logprobs_too_large"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_are_exactly_the_alternatives_asked_for(served, stream):
+    """Chat lists top_logprobs alternatives per token, as OpenAI and vLLM do: logprobs alone gives
+    none, top_logprobs k gives k, whether or not the chosen token is among them (completions' list
+    adds the chosen token). A temperature-0 test never sees the difference: the chosen token is
+    then the most likely."""
+    client, state = served
+    alternatives = [(ord("a"), -1.0), (ord("b"), -2.0)]
+    for asked, expected in ((None, []), (2, ["a", "b"])):
+        state.engine.events = [one_token("h", top=alternatives[: asked or 0]), *finished()]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "max_tokens": 1,
+                "stream": stream, **({"top_logprobs": asked} if asked is not None else {})}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            content = [entry for chunk in chunks for choice in chunk["choices"]
+                       for entry in ((choice.get("logprobs") or {}).get("content") or [])]
+        else:
+            content = response.json()["choices"][0]["logprobs"]["content"]
+        assert [entry["token"] for entry in content] == ["h"]
+        assert [top["token"] for top in content[0]["top_logprobs"]] == expected, asked
+    state.engine.events = [one_token("h", top=alternatives), *finished()]
+    completion = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 2, "max_tokens": 1})
+    assert list(completion.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == ["a", "b", "h"]  # as before
+
+
 def test_chat_logprobs_past_the_bound_name_the_chat_fields(served):
     client, state = served
     state.engine.events = [one_token(), *finished(16)]

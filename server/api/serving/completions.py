@@ -67,6 +67,9 @@ class CompletionChoice:
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.text_length = 0
         self.finish_reason: str | None = None
+        # completions' top_logprobs list the chosen token too (OpenAI's and vLLM's: up to
+        # logprobs + 1 entries); chat's list exactly the top_logprobs most likely (ChatCompletion)
+        self.chosen_in_top = True
 
     def add(self, token_name, tokens, logprobs, tops, pieces) -> dict | None:
         """Record text pieces (one per token) and their logprobs; returns this piece's logprobs."""
@@ -79,7 +82,8 @@ class CompletionChoice:
             "token_logprobs": list(logprobs),
             # the `logprobs` most likely tokens and always the one chosen, as OpenAI and vLLM
             # answer (up to logprobs + 1 entries; logprobs=0: the chosen token's alone)
-            "top_logprobs": [None if lp is None else {**{token_name(t): v for t, v in top}, token_name(token): lp}
+            "top_logprobs": [None if lp is None else {token_name(t): v for t, v in top}
+                             | ({token_name(token): lp} if self.chosen_in_top else {})
                              for token, top, lp in zip(tokens, tops, logprobs)],
             "text_offset": [],
         }
@@ -430,6 +434,8 @@ class ChatCompletion(Completion):
         field_names = {"prompt": "messages", "max_tokens": max_tokens_name,
                        "logprobs": "top_logprobs" if body.top_logprobs is not None else "logprobs"}
         super().__init__(state, request, owner, field_names=field_names)
+        for choice in self.choices:  # exactly top_logprobs alternatives per token, as OpenAI's and vLLM's chat
+            choice.chosen_in_top = False
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.token_bytes = token_bytes_reader(self.served.tokenizer)
         self.calls_tools = functions is not None
