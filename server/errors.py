@@ -124,6 +124,11 @@ RAISED_CODES: dict[str, str] = {
     "request_in_progress": "conflict",
     # the model's forward raised for one request alone (RequestFailed's other code)
     "forward_failed": "internal_error",
+    # a step's work for one request alone raised (its prefill's results, its detokenizer's end,
+    # its final state taken out of its batch): that request fails, the step's others go on
+    "finish_failed": "internal_error",
+    # a step failed outside any one request's work: each of its requests is told so
+    "step_failed": "internal_error",
     # requests still running when the shutdown grace period ended
     "server_shutting_down": "service_unavailable",
 }

@@ -183,10 +183,13 @@ class BatchLayout:
         states = group.split() if kept or not places else None
         for i, row in enumerate(group.rows):
             if row is not None and id(row) in going:
-                if places:
-                    row.state = states[i].clone() if row in kept else None
+                if places and row in kept:
+                    try:  # its own copy: a failure (out of memory) is that row's request's alone
+                        row.state = states[i].clone()
+                    except Exception as error:  # noqa: BLE001 - handed to the scheduler, which fails that request
+                        row.state, row.state_error = None, error
                 else:
-                    row.state = states[i]
+                    row.state = None if places else states[i]
                 group.rows[i] = None
         if places or self._compact(group):
             return True

@@ -143,6 +143,9 @@ class Row:
         # it ended at a stop string: the text held back was that string's start, and goes (any
         # other end, the model's end of text or a constraint's included, sends what is held back)
         self.stopped_by_string = False
+        # its final state could not be taken out of its batch (batch.py `_leave`: a copy that ran
+        # out of memory): its request fails alone when the row finishes
+        self.state_error: BaseException | None = None
 
     @property
     def keeps_state(self) -> bool:

@@ -69,6 +69,7 @@ from xlserve.server.engine.constraints import NO_ALLOWED_TOKEN, ConstraintCompil
 from xlserve.server.engine.errors import (
     Cancelled,
     ContextLengthExceeded,
+    DeviceOutOfMemory,
     EngineError,
     EngineGone,
     InvalidInput,
@@ -360,8 +361,9 @@ class Engine:
                 with torch.inference_mode():
                     self._step()
             except BaseException as error:  # a bug in the loop itself: fail everyone, keep serving
+                log.exception("model %s: a step failed outside any one request's work", self.name)
                 for request in list(self._running):
-                    self._fail(request, error)
+                    self._fail(request, alone_error(error, "step_failed"))
                 self.layout.clear()
                 self._running_metric.set(len(self._running))  # set at a step's end, which this one never reached
             finally:
@@ -458,7 +460,7 @@ class Engine:
             if request.rows or request.failed:
                 continue
             if request.fed == len(request.prompt):
-                self._prefilled(request)
+                self._alone(request, self._prefilled, request)
             else:
                 pending.append(request)
         chunks = []
@@ -583,19 +585,25 @@ class Engine:
             return
         self._prompt_metric.inc(sum(lengths))
         for i, (request, chunk) in enumerate(batch):
-            if request.prompt_top_k is not None or request.score or request.prefix_scope is not None:
-                self._record_prompt_logprobs(request, chunk, scores[i, : len(chunk) - 1],
-                                             None if log_probs is None else log_probs[i, : len(chunk)])
-            request.state = states[i]
-            request.next_log_probs = next_rows[i]
-            request.tokens += len(chunk)
-            request.fed += len(chunk)
-            if not self.model.chunking_invariant and request.fed % self.prefill_chunk == 0:
-                # resuming reproduces one pass only where a cold request's chunks also end
-                self._offer(request, request.prompt[: request.fed], SessionData(
-                    state=request.state, tokens=request.tokens, next_log_probs=request.next_log_probs))
-            if request.fed == len(request.prompt):
-                self._prefilled(request)
+            self._alone(request, self._prefilled_chunk, request, chunk, states[i], next_rows[i], scores[i],
+                        None if log_probs is None else log_probs[i])
+
+    def _prefilled_chunk(self, request: EngineRequest, chunk: list[int], state: State, next_row: torch.Tensor,
+                         scores: torch.Tensor, log_probs: torch.Tensor | None) -> None:
+        """One request's share of a prefill forward: its row of the batch's results."""
+        if request.prompt_top_k is not None or request.score or request.prefix_scope is not None:
+            self._record_prompt_logprobs(request, chunk, scores[: len(chunk) - 1],
+                                         None if log_probs is None else log_probs[: len(chunk)])
+        request.state = state
+        request.next_log_probs = next_row
+        request.tokens += len(chunk)
+        request.fed += len(chunk)
+        if not self.model.chunking_invariant and request.fed % self.prefill_chunk == 0:
+            # resuming reproduces one pass only where a cold request's chunks also end
+            self._offer(request, request.prompt[: request.fed], SessionData(
+                state=request.state, tokens=request.tokens, next_log_probs=request.next_log_probs))
+        if request.fed == len(request.prompt):
+            self._prefilled(request)
 
     def _record_prompt_logprobs(self, request: EngineRequest, chunk: list[int], scores: torch.Tensor,
                                 log_probs: torch.Tensor | None) -> None:
@@ -680,7 +688,7 @@ class Engine:
             self.layout.arrange([])
         for row in rows:
             if row.finish_reason is not None and not row.request.failed:
-                self._finish_row(row)
+                self._alone(row.request, self._finish_row, row)
 
     def _sample(self, row: Row) -> bool:
         """Choose the row's next token and send it out; True when it is to be fed to the model
@@ -847,8 +855,20 @@ class Engine:
 
     # endings ----------------------------------------------------------------------------------
 
+    def _alone(self, request: EngineRequest, work, *args) -> None:
+        """`work(*args)`, a step's work for `request` alone (its prefill's results, its end): what
+        it raises fails that request alone (as RequestFailed `finish_failed`, or 503
+        DeviceOutOfMemory), never the step's other requests."""
+        try:
+            work(*args)
+        except Exception as error:
+            self._fail(request, alone_error(error))
+
     def _finish_row(self, row: Row) -> None:
         request = row.request
+        if row.state_error is not None:  # its state could not be taken out of its batch
+            self._fail(request, alone_error(row.state_error))
+            return
         if row.stopped_by_string:
             tail = ""  # the text held back was the stop string's start
         else:
@@ -982,9 +1002,22 @@ def request_error(error: BaseException, code: str) -> EngineError:
     else as RequestFailed with `code`, naming what went wrong."""
     if isinstance(error, EngineError):
         return error
-    where = "sampling its next token" if code == "sampling_failed" else "running the model on its tokens"
+    where = {"sampling_failed": "sampling its next token", "forward_failed": "running the model on its tokens",
+             "finish_failed": "finishing its answer or its state"}.get(code)
+    if where is None:  # step_failed: the step's own bookkeeping, which every request of the step shared
+        return RequestFailed(f"this request failed with the engine step it was in ({type(error).__name__}: {error}); "
+                             "nothing was committed; the engine serves on", code=code)
     return RequestFailed(f"this request failed while {where} ({type(error).__name__}: {error}); "
                          "the other requests were not affected and nothing was committed", code=code)
+
+
+def alone_error(error: BaseException, code: str = "finish_failed") -> EngineError:
+    """`request_error` for a step's work of one request; the device out of memory is the server's
+    passing trouble (503 DeviceOutOfMemory, retry), not the request's."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return DeviceOutOfMemory(f"the model's device ran out of memory while finishing this request ({error}); "
+                                 "nothing was committed; retry shortly")
+    return request_error(error, code)
 
 
 def _most_likely(rows: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:

@@ -295,3 +295,82 @@ def test_a_request_whose_choices_fail_in_separate_groups_ends_once():
         engine.close()
     last = [event for handle, event in events if handle == "R" and isinstance(event, (BaseException, Finished))]
     assert len(last) == 1 and isinstance(last[0], RequestFailed) and last[0].code == "forward_failed", events
+
+
+# -- a request's own end of step that raises ---------------------------------------------------
+
+CARET = ord("^")  # the token whose detokenizer end raises (FragileEndTokenizer)
+
+
+class FragileEndTokenizer(ByteTokenizer):
+    """Bytes, whose detokenizer raises at the end of a text holding '^' (a detokenizer's flush
+    that fails for one request's text)."""
+
+    def detokenizer(self):
+        inner = super().detokenizer()
+
+        class Fragile:
+            seen = False
+
+            def push(self, token: int) -> str:
+                self.seen = self.seen or token == CARET
+                return inner.push(token)
+
+            def flush(self) -> str:
+                if self.seen:
+                    raise UnicodeError("this detokenizer cannot end a text holding '^'")
+                return inner.flush()
+
+        return Fragile()
+
+
+def test_a_request_whose_own_end_raises_fails_alone_and_the_batch_goes_on():
+    """A failure in one request's work after the forward (here its detokenizer's end, as a state
+    copy that runs out of memory would be) fails that request alone with finish_failed; it used
+    to reach the step's catch-all and fail every request in the batch."""
+    engine = Engine("m", model(), FragileEndTokenizer(), Metrics(), sink=local.SubmissionDelivery())
+    try:
+        poisoned = run_beside_victim(engine, request(engine, "import os\n", max_tokens=2, temperature=0,
+                                                     logit_bias={CARET: 100.0}))
+    finally:
+        engine.close()
+    assert isinstance(poisoned["ended"], RequestFailed) and poisoned["ended"].code == "finish_failed"
+    assert "cannot end a text" in poisoned["ended"].message
+
+
+def test_a_kept_state_that_cannot_be_copied_out_of_its_batch_fails_its_request_alone(monkeypatch):
+    """A session row of a batch whose state class keeps idle places (a fixed-shape state: Mamba's)
+    ends while another row decodes on: its final state is copied out of the batch, and a copy that
+    runs out of memory fails that request alone, 503 device_out_of_memory, not the row beside."""
+    from tests.server.test_cache_architectures import tiny_model
+    from xlserve.models.mamba import SelectiveState
+    from xlserve.server.engine.errors import DeviceOutOfMemory
+
+    engine = Engine("m", tiny_model("mamba"), ByteTokenizer(), Metrics(), sink=local.SubmissionDelivery())
+    clone = SelectiveState.clone
+
+    def out_of_memory_for_batch_rows(state):
+        if getattr(state, "_from_batch", False):
+            raise torch.OutOfMemoryError("no room for the copy")
+        return clone(state)
+
+    split = SelectiveState.split
+
+    def marked_split(state):
+        parts = split(state)
+        for part in parts:
+            object.__setattr__(part, "_from_batch", state.batch_size > 1)
+        return parts
+
+    monkeypatch.setattr(SelectiveState, "clone", out_of_memory_for_batch_rows)
+    monkeypatch.setattr(SelectiveState, "split", marked_split)
+    try:
+        victim_params = dict(max_tokens=8, temperature=0.8, seed=7)
+        expected = alone(engine, request(engine, VICTIM_PROMPT, **victim_params))
+        victim, poisoned = asyncio.run(together(engine, request(engine, VICTIM_PROMPT, **victim_params),
+                                                request(engine, "x = ", engine.fresh_data(), keep_state=True,
+                                                        max_tokens=2, temperature=0)))
+    finally:
+        engine.close()
+    assert victim["tokens"] == expected["tokens"] and isinstance(victim["ended"], Finished)
+    assert isinstance(poisoned["ended"], DeviceOutOfMemory)
