@@ -190,6 +190,27 @@ def test_another_method_on_the_import_route_is_405_allow_post_not_a_missing_sess
     assert state.engine.acquired == 0
 
 
+def test_an_append_too_large_or_empty_is_refused_before_its_session_is_fetched():
+    """An append's size limit and its emptiness need no model: refused before the lease (which may
+    bring the session back from disk or Redis, moving others off the device), not after it."""
+    app, state = make_app(max_prompt_bytes=10)
+    client = TestClient(app)
+    for text, code in (("x" * 11, "prompt_too_long"), ("", None), ([1] * 11, "prompt_too_long"), ([], None)):
+        error = error_of(client.post("/v1/sessions/sess_0123456789abcdef0123456789abcdef/append", json={"text": text}))
+        assert (error["param"], error["code"]) == ("text", code), text
+    assert state.engine.acquired == 0
+
+
+def test_the_bound_on_generated_logprobs_comes_before_the_prompts_are_tokenized(served):
+    """It needs only the number of prompts: a request past it is refused before up to 16 prompts
+    of up to XLSERVE_MAX_PROMPT_BYTES each are tokenized (here, one whose token id would be refused
+    when tokenized)."""
+    client, state = served
+    body = {"model": MODEL, "prompt": [[999_999]] * 16, "logprobs": 20, "max_tokens": 4096}
+    error = error_of(client.post("/v1/completions", json=body))
+    assert error["code"] == "generated_logprobs_too_large"
+
+
 # -- 3. null for OpenAI's nullable parameters ---------------------------------------------------------
 
 COMPLETION_NULLS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "echo", "logprobs",

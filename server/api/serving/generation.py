@@ -77,8 +77,25 @@ class Generation:
             if body.session_id is not None:
                 raise InvalidRequest("a list of prompts cannot be combined with session_id: a session continues "
                                      "one text", param="prompt")
+        raw_prompts = batch or [body.prompt]
+        # an answer that is not streamed holds every generated token's log-probabilities until it is
+        # sent whole, built as Python objects and written as one JSON text on the event loop, which
+        # every other request waits for meanwhile. A stream sends each token's as it comes and keeps
+        # none of them (completions.py `_completion_chunks`; the websocket's `token` frames). It needs
+        # only the number of prompts: checked before up to MAX_PROMPTS of them are tokenized
+        if self.params.logprobs is not None and isinstance(body, CompletionRequest) and not body.stream:
+            generated = len(raw_prompts) * n * body.max_tokens * (self.params.logprobs + 1)
+            if generated > MAX_GENERATED_LOGPROBS:
+                logprobs_name, max_tokens_name = self.field_name("logprobs"), self.field_name("max_tokens")
+                raise InvalidRequest(
+                    f"{len(raw_prompts)} prompt(s) x n={n} x {max_tokens_name}={body.max_tokens} tokens with "
+                    f"{logprobs_name}={self.params.logprobs} return up to {generated:,} log-probabilities; the limit "
+                    f"for an answer that is not streamed is {MAX_GENERATED_LOGPROBS:,} (fewer {logprobs_name}, "
+                    f"choices, prompts or {max_tokens_name}, which a request that sets none gets at the server's "
+                    "limit, XLSERVE_MAX_TOKENS_LIMIT; or stream the answer)", param=logprobs_name,
+                    code="generated_logprobs_too_large")
         self.prompts = [prompt_tokens(state, self.served, prompt, param=self.field_name("prompt"))
-                        for prompt in (batch or [body.prompt])]
+                        for prompt in raw_prompts]
         self.tokens = self.prompts[0]
         if echo and n * sum(map(len, self.prompts)) > MAX_ECHOED_TOKENS:
             raise InvalidRequest(
@@ -92,21 +109,6 @@ class Generation:
                     f"echo with logprobs={self.params.logprobs} and n={n} over {sum(map(len, self.prompts))} prompt "
                     f"tokens returns {echoed:,} log-probabilities; the limit is {MAX_ECHO_LOGPROBS:,} (fewer "
                     "logprobs, choices or prompt tokens, or no echo)", param="logprobs", code="echo_logprobs_too_large")
-        # an answer that is not streamed holds every generated token's log-probabilities until it is
-        # sent whole, built as Python objects and written as one JSON text on the event loop, which
-        # every other request waits for meanwhile. A stream sends each token's as it comes and keeps
-        # none of them (completions.py `_completion_chunks`; the websocket's `token` frames)
-        if self.params.logprobs is not None and isinstance(body, CompletionRequest) and not body.stream:
-            generated = len(self.prompts) * n * body.max_tokens * (self.params.logprobs + 1)
-            if generated > MAX_GENERATED_LOGPROBS:
-                logprobs_name, max_tokens_name = self.field_name("logprobs"), self.field_name("max_tokens")
-                raise InvalidRequest(
-                    f"{len(self.prompts)} prompt(s) x n={n} x {max_tokens_name}={body.max_tokens} tokens with "
-                    f"{logprobs_name}={self.params.logprobs} return up to {generated:,} log-probabilities; the limit "
-                    f"for an answer that is not streamed is {MAX_GENERATED_LOGPROBS:,} (fewer {logprobs_name}, "
-                    f"choices, prompts or {max_tokens_name}, which a request that sets none gets at the server's "
-                    "limit, XLSERVE_MAX_TOKENS_LIMIT; or stream the answer)", param=logprobs_name,
-                    code="generated_logprobs_too_large")
         self.lease: RemoteLease | None = None
         # a key only means something for a request that changes a session; a malformed one is
         # refused all the same, so a client learns of it before it relies on one

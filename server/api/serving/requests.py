@@ -61,23 +61,26 @@ def check_logit_bias(params: SamplingParams, served: ServedModel) -> None:
                              f"{outside[:5]}", param="logit_bias", code="invalid_logit_bias")
 
 
+def check_prompt_size(state: AppState, prompt: str | list[int], param: str = "prompt") -> None:
+    """XLSERVE_MAX_PROMPT_BYTES for a prompt (text: its UTF-8 bytes; token ids: their number),
+    which needs no model: checked before any work (an append's, before its session is fetched)."""
+    limit = state.settings.server.max_prompt_bytes
+    size, unit = (len(prompt.encode("utf-8")), "bytes") if isinstance(prompt, str) else (len(prompt), "tokens")
+    if size > limit:
+        raise InvalidRequest(f"{param} is {size} {unit}; the limit is {limit} (XLSERVE_MAX_PROMPT_BYTES)",
+                             param=param, code="prompt_too_long")
+
+
 def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int], param: str = "prompt") -> list[int]:
     """Tokenise a prompt (text or token ids), enforcing XLSERVE_MAX_PROMPT_BYTES; `param` names
     the field it came in."""
-    limit = state.settings.server.max_prompt_bytes
+    check_prompt_size(state, prompt, param)
     if isinstance(prompt, str):
-        size = len(prompt.encode("utf-8"))
-        if size > limit:
-            raise InvalidRequest(f"{param} is {size} bytes; the limit is {limit} (XLSERVE_MAX_PROMPT_BYTES)",
-                                 param=param, code="prompt_too_long")
         try:
             return served.tokenizer.encode(prompt)
         except ValueError as error:  # a word-level vocabulary without <unk> meets a word it lacks
             raise InvalidRequest(str(error), param=param, code="word_not_in_vocabulary") from None
     tokens = list(prompt)
-    if len(tokens) > limit:
-        raise InvalidRequest(f"{param} is {len(tokens)} tokens; the limit is {limit} (XLSERVE_MAX_PROMPT_BYTES)",
-                             param=param, code="prompt_too_long")
     vocab = served.vocab_size
     bad = next((t for t in tokens if not 0 <= t < vocab), None)
     if bad is not None:

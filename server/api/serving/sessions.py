@@ -16,7 +16,7 @@ from xlserve.server.engine.client import RemoteLease
 from xlserve.server.engine.types import appended
 from xlserve.server.api.serving.cancellation import Cancellation
 from xlserve.server.api.serving.leases import session_lease
-from xlserve.server.api.serving.requests import idempotency, prompt_tokens
+from xlserve.server.api.serving.requests import check_prompt_size, idempotency, prompt_tokens
 
 
 # -- POST /v1/sessions/{id}/append, and the websocket's `append` ----------------------------------
@@ -78,6 +78,11 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
     With an Idempotency-Key seen before on the session, the first answer comes back, nothing runs."""
     cancellation = cancellation or Cancellation()
     key = idempotency(idempotency_key, "append", {"text": text, "score": score})
+    # what needs no model is refused before the session is fetched (from disk or Redis, perhaps
+    # moving others off the device to make room); the vocabulary's checks follow the lease
+    check_prompt_size(state, text, param="text")
+    if len(text) == 0:
+        raise InvalidRequest("text is empty", param="text")
     async with session_lease(state, session_id, owner, key) as lease:
         if lease.replay is not None:
             return AppendResult.remembered(session_id, lease)
