@@ -241,6 +241,9 @@ class EngineSettings(SettingsGroup):
                                 "choices takes n)")
     max_queued_requests: int = Field(256, ge=0, description="requests waiting for a batch slot per model; beyond "
                                      "that 429")
+    max_queued_per_key: int = Field(0, ge=0, description="requests one API key may have waiting for a batch slot "
+                                    "per model; beyond that 429 for that key alone, so that one key cannot fill the "
+                                    "queue for every other (0: no bound of its own)")
     # structured output (server/engine/constraints.py): compiled constraints kept per model, the
     # limits past which a schema or grammar is refused with 400 grammar_too_large, and the time a
     # row's parser may take per token, past which its request ends with 400 constraint_too_slow

@@ -199,6 +199,7 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
         weights = weights_identity(directory, dtype, settings.quantize_for(directory.name)) if shared else b""
         engine = Engine(directory.name, model, tokenizer, metrics, sink, prefill_chunk=settings.prefill_chunk_tokens,
                         max_batch_size=settings.max_batch_size, max_queued=settings.max_queued_requests,
+                        max_queued_per_key=settings.max_queued_per_key,
                         threads=threads, prompt_threads=prompt_threads, prefix_cache=prefix_cache,
                         constraint_cache_size=settings.structured_cache_size,
                         constraint_compile_seconds=settings.structured_compile_seconds,
@@ -433,6 +434,9 @@ class EngineProcess:
         self.first_compiles = ThreadPoolExecutor(max_workers=FIRST_COMPILE_THREADS, thread_name_prefix="first-compile",
                                                  initializer=own_torch_threads, initargs=(1,))
         self.first_compiles_waiting = 0  # guarded by self.lock: deferred generations not yet queued
+        # guarded by self.lock: generations waiting for their prefix lookup, not yet queued (their
+        # engine's queue bound counts them only once queued: this bounds the pool's own queue)
+        self.prefix_lookups_waiting = 0
         self.prefix_lookups = ThreadPoolExecutor(max_workers=PREFIX_LOOKUP_THREADS, thread_name_prefix="prefix-lookup",
                                                  initializer=own_torch_threads, initargs=(1,))
         # freed memory goes back to the system once the engines idle (server/engine/memory.py)
@@ -585,7 +589,11 @@ class EngineProcess:
                 if compile_first and self.first_compiles_waiting >= FIRST_COMPILE_THREADS + FIRST_COMPILES_QUEUED:
                     raise QueueFull(f"{self.first_compiles_waiting} requests wait for a constraint to compile; "
                                     "retry later", code="constraint_compiler_busy")
+                if not compile_first and self.prefix_lookups_waiting >= PREFIX_LOOKUP_THREADS + engine.max_queued:
+                    raise QueueFull(f"{self.prefix_lookups_waiting} requests wait for their prefix-cache lookup "
+                                    f"(XLSERVE_MAX_QUEUED_REQUESTS: {engine.max_queued}); retry later", code="queue_full")
                 self.first_compiles_waiting += compile_first
+                self.prefix_lookups_waiting += not compile_first
                 self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
             return Deferred(lambda: self._deferred_generate(request, engine, cancelled, compile_first),
                             self.first_compiles if compile_first else self.prefix_lookups)
@@ -609,9 +617,11 @@ class EngineProcess:
                 self.requests.pop(request.request_id, None)
             raise
         finally:
-            if compile_first:
-                with self.lock:
+            with self.lock:
+                if compile_first:
                     self.first_compiles_waiting -= 1
+                else:
+                    self.prefix_lookups_waiting -= 1
 
     def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None,
                   constraint: object = None) -> Accepted:

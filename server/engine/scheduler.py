@@ -42,8 +42,9 @@ every request's context: `enqueue` refuses one whose history and prompt (and a g
 first token) would pass it with `ContextLengthExceeded` (a 400), before anything runs, and a
 generation that reaches it ends there with finish_reason "length", as at max_tokens.
 
-The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait;
-`enqueue` refuses more with `QueueFull`. After `stop_admitting` (graceful shutdown) it refuses
+The queue is bounded: beyond `max_batch_size` running rows, at most `max_queued` requests wait,
+and at most `max_queued_per_key` of one API key's where that is set; `enqueue` refuses more with
+`QueueFull`. After `stop_admitting` (graceful shutdown) it refuses
 everything with `ShuttingDown` while running requests finish.
 """
 
@@ -94,7 +95,8 @@ class Engine:
     """One model's scheduler: a queue of `EngineRequest`s and the worker thread that steps them."""
 
     def __init__(self, name: str, model: LanguageModel, tokenizer, metrics: Metrics, sink: EventSink,
-                 prefill_chunk: int = 512, max_batch_size: int = 64, max_queued: int = 256, threads: int = 0,
+                 prefill_chunk: int = 512, max_batch_size: int = 64, max_queued: int = 256, max_queued_per_key: int = 0,
+                 threads: int = 0,
                  prompt_threads: int = 0, prefix_cache: PrefixCache | None = None,
                  constraint_cache_size: int = 256, constraint_compile_seconds: float = 5.0,
                  constraint_token_seconds: float = 0.005,
@@ -127,6 +129,8 @@ class Engine:
         self.prefill_chunk = max(1, prefill_chunk)
         self.max_batch_size = max(1, max_batch_size)
         self.max_queued = max(0, max_queued)
+        # requests one owner (API key) may have waiting; 0: no bound but max_queued
+        self.max_queued_per_key = max(0, max_queued_per_key)
         self._condition = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()  # guarded by _condition
         self._running: list[EngineRequest] = []  # worker thread only
@@ -273,6 +277,13 @@ class Engine:
                     "(XLSERVE_MAX_QUEUED_REQUESTS); retry later",
                     code="queue_full",
                 )
+            if self.max_queued_per_key and request.owner is not None and queued > 0:
+                mine = 1 + sum(1 for waiting in self._waiting
+                               if waiting.owner == request.owner and not waiting.cancelled.is_set())
+                if mine > self.max_queued_per_key:
+                    raise QueueFull(
+                        f"this API key has {mine - 1} requests waiting for model '{self.name}', the limit per key is "
+                        f"{self.max_queued_per_key} (XLSERVE_MAX_QUEUED_PER_KEY); retry later", code="queue_full")
             request.queued_at = time.monotonic()
             self._waiting.append(request)
             self._waiting_metric.set(len(self._waiting))

@@ -348,7 +348,7 @@ def test_first_compiles_wait_on_their_own_threads_and_their_queue_is_bounded():
     handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
     handler.models = {"m": SimpleNamespace(engine=engine)}
     handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
-    handler.first_compiles = object()
+    handler.first_compiles, handler.prefix_lookups_waiting = object(), 0
 
     def generation(i: int) -> Generate:
         params = SamplingParams(max_tokens=4, constraint_kind="json_schema", constraint=schema(i))
@@ -362,6 +362,34 @@ def test_first_compiles_wait_on_their_own_threads_and_their_queue_is_bounded():
         handler.generate(generation(limit))
     assert refused.value.code == "constraint_compiler_busy"
     assert limit not in handler.requests and len(handler.requests) == limit  # the refused one left nothing
+
+
+def test_generations_waiting_for_their_prefix_lookup_are_bounded():
+    """A generation whose prefix lookup may wait (Redis, a file) waits on the prefix-lookup
+    threads before it is queued, where the engine's queue bound does not count it yet: past
+    PREFIX_LOOKUP_THREADS + XLSERVE_MAX_QUEUED_REQUESTS of them the next is refused with 429
+    queue_full; one client flooding generations while Redis is slow cannot queue without bound."""
+    import threading
+    from types import SimpleNamespace
+
+    from xlserve.server.engine import process
+    from xlserve.server.engine.errors import QueueFull
+    from xlserve.server.engine.wire import Generate
+
+    engine = SimpleNamespace(check_context=lambda *args: None, prefix_lookup_waits=True, max_queued=3,
+                             constraints=SimpleNamespace(cached_matcher=lambda *args: None))
+    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
+    handler.models = {"m": SimpleNamespace(engine=engine)}
+    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
+    handler.prefix_lookups, handler.prefix_lookups_waiting = object(), 0
+    limit = process.PREFIX_LOOKUP_THREADS + engine.max_queued
+    for i in range(limit):
+        deferred = handler.generate(Generate(i, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00"))
+        assert isinstance(deferred, process.Deferred) and deferred.pool is handler.prefix_lookups
+    with pytest.raises(QueueFull) as refused:
+        handler.generate(Generate(limit, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00"))
+    assert refused.value.code == "queue_full" and "prefix-cache lookup" in refused.value.message
+    assert limit not in handler.requests and len(handler.requests) == limit
 
 
 # -- a byte-level BPE (tokenizer.json with a ByteLevel decoder) under a model of more rows ----------------

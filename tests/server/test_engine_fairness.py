@@ -319,3 +319,34 @@ def test_events_for_a_closed_event_loop_are_dropped_not_kept():
     for step in range(5):
         delivery([(submission, step)])
     assert loop not in delivery.pending
+
+
+def test_one_key_may_hold_at_most_its_share_of_the_queue():
+    """XLSERVE_MAX_QUEUED_PER_KEY: past that many waiting requests of one API key, its next is
+    429 queue_full, naming the setting, while another key's request still queues."""
+    import dataclasses
+
+    from xlserve.server.engine.errors import QueueFull
+    from xlserve.server.engine.request import EngineRequest
+    from xlserve.server.engine.types import SamplingParams
+
+    engine = Engine("m", xl_model(), ByteTokenizer(), Metrics(), sink=lambda events: None,
+                    max_batch_size=1, max_queued=8, max_queued_per_key=2)
+    try:
+        def queued(owner: str) -> EngineRequest:
+            request = EngineRequest("generate", [1, 2], engine.fresh_data(), SamplingParams(max_tokens=1))
+            request.owner = owner
+            return request
+
+        with engine._condition:  # nothing is admitted while the queue is filled
+            engine._running_rows = 1  # the batch is full: every request waits
+            for _ in range(2):
+                engine.enqueue(queued("a"))
+            with pytest.raises(QueueFull) as refused:
+                engine.enqueue(queued("a"))
+            engine.enqueue(queued("b"))
+            engine._waiting.clear()
+            engine._running_rows = 0
+    finally:
+        engine.close()
+    assert "XLSERVE_MAX_QUEUED_PER_KEY" in refused.value.message
