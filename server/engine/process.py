@@ -597,6 +597,9 @@ class EngineProcess:
                 self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
             return Deferred(lambda: self._deferred_generate(request, engine, cancelled, compile_first),
                             self.first_compiles if compile_first else self.prefix_lookups)
+        if request.lease is not None and self._casts(request.lease, engine):
+            return self._off_the_reader(request.request_id, engine,
+                                        lambda cancelled: self._generate(request, engine, cancelled, constraint))
         return self._generate(request, engine, constraint=constraint)
 
     def _deferred_generate(self, request: Generate, engine: Engine, cancelled: threading.Event,
@@ -643,13 +646,47 @@ class EngineProcess:
         return self._enqueue(queued, engine, request.lease)
 
     @handlers.register(Append, inline=True)
-    def append(self, request: Append) -> Accepted:
+    def append(self, request: Append) -> Accepted | Deferred:
         lease = self.lease(request.lease)
         engine = self.loaded(lease.info.model).engine
-        queued = EngineRequest("append", request.tokens, self.starting_data(request.lease, engine),
-                               SamplingParams(max_tokens=0), score=request.score,
-                               handle=request.request_id, owner=lease.info.owner)
-        return self._enqueue(queued, engine, request.lease)
+
+        def queue(cancelled: threading.Event | None = None) -> Accepted:
+            queued = EngineRequest("append", request.tokens, self.starting_data(request.lease, engine),
+                                   SamplingParams(max_tokens=0), score=request.score,
+                                   handle=request.request_id, owner=lease.info.owner,
+                                   **({"cancelled": cancelled} if cancelled is not None else {}))
+            return self._enqueue(queued, engine, request.lease)
+
+        if self._casts(request.lease, engine):
+            return self._off_the_reader(request.request_id, engine, queue)
+        return queue()
+
+    def _casts(self, lease_id: int, engine: Engine) -> bool:
+        """Whether the leased state is kept in another dtype than `engine`'s model computes in
+        (XLSERVE_STATE_DTYPE bfloat16 or float16): its conversion (`starting_data`) copies the
+        whole state, 237 MB at transfo-xl-wt103's shape, which is not for the reader thread."""
+        wanted = compute_dtypes(engine.model)
+        return any(tensor.dtype != wanted.get(name, tensor.dtype)
+                   for name, tensor in self.lease(lease_id).data.state._named_tensors() if tensor.is_floating_point())
+
+    def _off_the_reader(self, request_id: int, engine: Engine,
+                        queue: Callable[[threading.Event], Accepted]) -> Deferred:
+        """Queue the request from the session-op threads (`queue(cancelled)`), a stand-in
+        registered first so that a cancel sent meanwhile is not lost; whatever fails before it
+        is queued takes the stand-in out of the table."""
+        cancelled = threading.Event()
+        with self.lock:
+            self.requests[request_id] = (_PendingLookup(cancelled), engine, None)
+
+        def run() -> Accepted:
+            try:
+                return queue(cancelled)
+            except BaseException:
+                with self.lock:
+                    self.requests.pop(request_id, None)
+                raise
+
+        return Deferred(run, self.pool)
 
     def starting_data(self, lease_id: int, engine: Engine) -> SessionData:
         """The leased session's state in the dtypes `engine`'s model computes in: the cache keeps

@@ -9,6 +9,9 @@ changes nothing)."""
 
 import threading
 
+import pytest
+import torch
+
 from tests.server.engine_process_helpers import engine_process
 from tests.server.polling import eventually
 
@@ -64,3 +67,48 @@ def test_a_release_right_behind_a_commit_waits_for_it(tmp_path):
         assert eventually(lambda: not process.leases, seconds=10)  # every lease released
         again = process.acquire(Acquire(info.id, None))  # nobody holds the session any more
         process.release(Release(again.lease))
+
+
+@pytest.mark.parametrize("operation", ["generate", "append"])
+def test_a_state_kept_in_16_bits_is_converted_off_the_reader_thread(operation):
+    """With XLSERVE_STATE_DTYPE bfloat16 a leased state is converted to the model's float32 for
+    its request: a copy of the whole state (237 MB at transfo-xl-wt103's shape), made on the
+    session-op threads, not the reader thread that must read every cancel meanwhile; a cancel
+    sent before it is queued still reaches it. A state already in the model's dtypes is queued
+    at once, as before."""
+    import threading
+    from types import SimpleNamespace
+
+    from tests.server.test_engine import xl_model
+    from xlserve.server.cache.codec import SessionData
+    from xlserve.server.engine import process
+    from xlserve.server.engine.types import SamplingParams
+    from xlserve.server.engine.wire import Append, Cancel, Generate
+
+    model = xl_model()
+    queued = []
+    engine = SimpleNamespace(model=model, check_context=lambda *args: None, prefix_lookup_waits=False,
+                             enqueue=queued.append, wake=lambda: None)
+    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
+    handler.models = {"m": SimpleNamespace(engine=engine)}
+    handler.lock, handler.requests, handler.pool = threading.Lock(), {}, object()
+    info = SimpleNamespace(owner=None, model="m")
+    with torch.inference_mode():
+        _, state = model(torch.tensor([[1, 2, 3]]), model.init_state(1))
+    data = SessionData(state=state, tokens=3, next_log_probs=None)
+    handler.leases = {1: SimpleNamespace(data=data, info=info),
+                      2: SimpleNamespace(data=data.cast_state(torch.bfloat16), info=info)}
+
+    def send(request_id: int, lease: int):
+        if operation == "generate":
+            return handler.generate(Generate(request_id, "m", [4], SamplingParams(max_tokens=1), lease=lease))
+        return handler.append(Append(request_id, lease, [4], False))
+
+    assert not isinstance(send(10, 1), process.Deferred) and len(queued) == 1  # float32: at once
+    deferred = send(11, 2)
+    assert isinstance(deferred, process.Deferred) and deferred.pool is handler.pool and len(queued) == 1
+    handler.cancel(Cancel(11))  # sent before the conversion ended
+    deferred.work()
+    started = queued[-1]
+    assert started.cancelled.is_set()
+    assert {t.dtype for t in started.start.state.to_tensors().values() if t.is_floating_point()} == {torch.float32}
