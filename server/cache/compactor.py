@@ -19,6 +19,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from xlserve.models.torch_threads import own_torch_threads
+
 log = logging.getLogger("xlserve.cache")
 
 
@@ -60,6 +62,7 @@ class Compactor:
             thread.join(timeout)
 
     def _run(self) -> None:
+        own_torch_threads(1)  # a compaction encodes a whole state: beside the engines, on one core
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._waiting or self._closed)

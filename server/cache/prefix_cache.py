@@ -74,6 +74,7 @@ from pathlib import Path
 
 import torch
 
+from xlserve.models.torch_threads import own_torch_threads
 from xlserve.server.cache.codec import CorruptState, SessionData, decode, encode, session_data
 from xlserve.server.cache.prefix_keys import block_chain, entry_key, scope_key  # noqa: F401  (scope_key: re-exported)
 from xlserve.server.cache.stores import RedisPrefixStore, StoreUnavailable
@@ -405,6 +406,7 @@ class PrefixCache:
 
     def _write_remote(self) -> None:
         """The Redis writer thread: encodes and writes queued entries, one at a time."""
+        own_torch_threads(1)  # beside the engines, on one core (models/torch_threads.py)
         while True:
             block, n, key, model, data, logprobs, nbytes = self._writes.get()
             try:
@@ -448,6 +450,7 @@ class PrefixCache:
         of its host copy, or, moved or dropped meanwhile (or placed on disk again: a later write
         of the same file follows), the file goes. An entry whose file cannot be written is
         dropped."""
+        own_torch_threads(1)  # beside the engines, on one core (models/torch_threads.py)
         while True:
             entry, write_id, data, logprobs = self._disk_writes.get()
             try:

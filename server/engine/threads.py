@@ -31,24 +31,13 @@ from __future__ import annotations
 
 import torch
 
+from xlserve.models.torch_threads import own_torch_threads  # noqa: F401  (the engine's threads use it)
+
 PARALLEL_MIN_TOKENS = 8  # forwards of fewer tokens (a decode step of a few rows) run on one thread
 PROMPT_PARALLEL_TOKENS = 256  # forwards of at least this many tokens (prompts, batched) run on `prompt_threads`
 # a decode step reading at least this many bytes of weights (16 M float32 parameters, beyond a
 # core's own caches) makes every forward of a CPU model a big one: it runs on `prompt_threads`
 LARGE_MODEL_BYTES = 64 << 20
-
-
-def own_torch_threads(count: int) -> int:
-    """Make `count` intra-op threads (0: those it has) the calling thread's own, and return its
-    count. torch sets a thread's count from the process-wide default on the thread's first
-    parallel op, and every torch.set_num_threads moves that default (engines move it as they
-    switch, see `ForwardThreads.use_for`); so a thread that only called torch.set_num_threads
-    could later be reset to whatever the default is by then. Asking for the count first settles
-    it; the value set after it stays this thread's."""
-    torch.get_num_threads()
-    if count > 0:
-        torch.set_num_threads(count)
-    return torch.get_num_threads()
 
 
 def threads_per_engine(torch_threads: int, prompt_threads: int, engines: int) -> tuple[int, int]:

@@ -960,3 +960,28 @@ def test_a_compaction_asked_for_a_log_already_gone_writes_nothing(store, tmp_pat
     sample = metrics.registry.get_sample_value
     assert sample("xlserve_session_compactions_total", {"model": "m", "outcome": "moved_on"}) == 1
     cache.close()
+
+
+def test_a_compaction_runs_torch_on_one_thread_of_its_own(tmp_path):
+    """The compactor thread encodes a whole state (seconds at real size) beside the engines'
+    steps: on one torch thread, not on the process-wide default the engines move (server/engine/
+    threads.py says why a thread outside an engine keeps to one)."""
+    model, metrics, cache, session_id = a_session_with_one_delta(tmp_path, 9)
+    cache.durable.compact_ratio = log_to_ratio(cache, session_id)
+    seen = []
+    compact = cache.durable.compact
+
+    def counting(record, blob):
+        seen.append(torch.get_num_threads())
+        return compact(record, blob)
+
+    cache.durable.compact = counting
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the default an engine leaves behind when its compactor thread starts
+    try:
+        step(model, cache, session_id, list(range(6)))
+        assert cache.compactions.wait_idle(timeout=60)
+    finally:
+        torch.set_num_threads(before)
+        cache.close()
+    assert seen == [1]
