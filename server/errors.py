@@ -129,6 +129,9 @@ RAISED_CODES: dict[str, str] = {
     "finish_failed": "internal_error",
     # a step failed outside any one request's work: each of its requests is told so
     "step_failed": "internal_error",
+    # an event or error the engine process sent for one request did not read in the API process
+    # (server/engine/client.py): that request ends with it, the others go on
+    "engine_message_unreadable": "internal_error",
     # requests still running when the shutdown grace period ended
     "server_shutting_down": "service_unavailable",
 }

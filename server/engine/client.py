@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 from xlserve.server.cache.errors import CommitOutcomeUnknown, SessionInfo
-from xlserve.server.engine.errors import EngineGone, EngineLoading, EngineRestarting, ShuttingDown
+from xlserve.server.engine.errors import EngineGone, EngineLoading, EngineRestarting, RequestFailed, ShuttingDown
 from xlserve.server.engine.memory import engine_environment
 from xlserve.server.engine.types import SamplingParams, Submission
 from xlserve.server.engine.wire import (
@@ -336,7 +336,7 @@ class EngineClient:
                     self.changing_calls.discard(header["id"])
                     if future is not None and not future.done():
                         if "error" in header:
-                            future.set_exception(error_from_wire(header["error"]))
+                            future.set_exception(_readable(error_from_wire, header["error"]))
                         else:
                             future.set_result((header["ok"], blob))
         finally:
@@ -478,7 +478,11 @@ class EngineClient:
             submission = submissions.get(item[0])
             if submission is None:  # a request this side already gave up on
                 continue
-            request_id, event = event_from_wire(item)
+            try:
+                request_id, event = event_from_wire(item)
+            except Exception as error:  # that request's event alone: it ends with the error, the frame's others go on
+                log.exception("an event of request %s from the engine process could not be read", item[0])
+                request_id, event = item[0], _unreadable(error)
             if is_last(event):
                 submission.ended = True
                 del submissions[request_id]
@@ -627,3 +631,18 @@ def _info_or_replay(reply: SessionChanged) -> tuple[SessionInfo, bool]:
     if reply.replay is not None:
         return SessionInfo(**reply.replay["result"]), True
     return reply.info, False
+
+
+def _unreadable(error: Exception) -> RequestFailed:
+    """What a request is told when a message of the engine process for it does not read here."""
+    return RequestFailed(f"the engine process's answer for this request could not be read ({type(error).__name__}: "
+                         f"{error}); nothing of it is known to be committed", code="engine_message_unreadable")
+
+
+def _readable(read: Callable[[object], BaseException], wire: object) -> BaseException:
+    """`read(wire)`, an error the engine process sent; one that does not read is `_unreadable`."""
+    try:
+        return read(wire)
+    except Exception as error:
+        log.exception("an error from the engine process could not be read")
+        return _unreadable(error)

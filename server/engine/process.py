@@ -545,7 +545,13 @@ class EngineProcess:
         if isinstance(result, Deferred):
             (result.pool or self.pool).submit(self.run, result.work, call_id, operation)
         elif result is not None and call_id is not None:
-            self.writer.send(*answer_frame(call_id, result))
+            try:
+                frame = answer_frame(call_id, result)
+            except Exception as error:  # a reply that does not encode: its call is answered with the error, not left waiting
+                log.exception("the answer to a %s call could not be encoded", operation.value)
+                self.answer_error(call_id, operation.value, error)
+                return
+            self.writer.send(*frame)
 
     def answer_error(self, call_id: int | None, operation: str | None, error: BaseException) -> None:
         if call_id is None:  # a notice: nobody waits for an answer

@@ -887,3 +887,29 @@ def test_a_row_ends_at_the_models_end_of_text_unless_it_ignores_it():
     assert going_on["tokens"] == [tokens] and going_on["finished"].finish_reason == "length"
     assert other["finished"].finish_reason == "length" and len(other["tokens"][0]) == 12
     assert continued["tokens"] == one_pass["tokens"]
+
+
+def test_an_event_of_one_request_that_does_not_read_ends_that_request_alone():
+    """The API process reads each step's events in one frame: an event of one request that does
+    not decode (a wire bug, a class this side lacks) ends that request with its own error
+    (engine_message_unreadable), and the frame's other events reach their requests; it ended the
+    reader, and with it every request, and restarted the engine process."""
+    import threading as threading_module
+
+    from xlserve.server.engine.client import EngineClient
+    from xlserve.server.engine.errors import RequestFailed
+    from xlserve.server.engine.types import Submission
+    from xlserve.server.engine.wire import event_to_wire
+
+    async def route():
+        client = EngineClient.__new__(EngineClient)  # its routing alone
+        good, bad = (Submission("m", Metrics(), threading_module.Event()) for _ in range(2))
+        client.submissions = {1: good, 2: bad}
+        token = TokenEvent(104, "h", -0.5, [])
+        client._route([event_to_wire(1, token), [2, "no such kind", 1, 2]])
+        return good.queue.get_nowait(), bad.queue.get_nowait(), client.submissions
+
+    first, failed, left = asyncio.run(route())
+    assert isinstance(first, TokenEvent) and first.text == "h"
+    assert isinstance(failed, RequestFailed) and failed.code == "engine_message_unreadable"
+    assert list(left) == [1]  # the failed request is no longer waited for
