@@ -414,9 +414,11 @@ class Placement:
         except (TypeError, ValueError):
             return True
 
-    def forget(self, record: Record, deleted: bool = True) -> None:
+    def forget(self, record: Record, deleted: bool = True, publish: bool = True) -> None:
         """The session leaves the books (deleted, which this replica remembers; or, with
-        `deleted` False, never made); its file goes at the next `sweep`."""
+        `deleted` False, never made); its file goes at the next `sweep`. Without `publish` the
+        metrics wait for the caller's `publish` (a pass over many sessions publishes once: each
+        publish is a pass over every record)."""
         for tier in MEMORY_TIERS:
             self._store(tier).drop(record.id)
         self._forgotten.append(record.id)
@@ -425,7 +427,8 @@ class Placement:
         while len(self._deleted) > DELETED_REMEMBERED:
             self._deleted.popitem(last=False)
         self.manager.remove(record.id)
-        self.publish()
+        if publish:
+            self.publish()
 
     def move(self, record: Record, tier: str, transfer: Transfer) -> None:
         """Put a held session's fastest copy in `tier`: copies above it are dropped, one is made

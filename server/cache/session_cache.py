@@ -401,10 +401,14 @@ class SessionCache:
         write may take to land in Redis (`hold_wait_s`: a create or commit whose write the scan
         missed is younger), leave the books as `_lookup` lets one go that Redis says is gone."""
         settled_before = listed_at - self.hold_wait_s
+        forgotten = 0
         for record in list(self.manager.records.values()):
             if (record.id not in in_redis and not record.pinned and self.holds.kind(record.id) is None
                     and record.last_used_at < settled_before):
-                self.placement.forget(record)
+                self.placement.forget(record, publish=False)  # one publish for the pass: each is a pass over the books
+                forgotten += 1
+        if forgotten:
+            self.placement.publish()
 
     def acquire(self, session_id: str, owner: str | None, idempotency: dict | None = None) -> Lease:
         """Take the session for one request; its committed state comes back on its model's
@@ -670,10 +674,11 @@ class SessionCache:
                 self._count_compaction(record.model, "busy")
                 return False
             hold = self.holds.take(session_id, MOVE)
-            meta = self.durable.metadata(record)
         started = time.monotonic()
         outcome = "failed"
-        try:
+        try:  # from the hold on: whatever fails gives it back
+            with self._lock:
+                meta = self.durable.metadata(record)
             if self.redis is None and record.disk_log_bytes == 0:  # a whole write cleared the log since it was asked
                 outcome = "moved_on"
                 return False

@@ -10,6 +10,7 @@ from xlserve.server.cache import CacheFull, SessionConflict, SessionNotFound
 from xlserve.server.cache.ledger import REMEMBERED_BYTES_PER_SESSION, kept, new_entry
 from xlserve.server.cache.session_cache import Replay, SessionCache
 from xlserve.server.cache.stores import RedisStore
+from xlserve.server.metrics import Metrics
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
 from tests.server.cache_helpers import MODEL, data, same, size
 
@@ -497,3 +498,24 @@ def test_a_plan_that_moves_one_session_twice_carries_both_changes(tmp_path, redi
         assert same(lease.data, want), sid
         cache.release(lease)
     cache.close()
+
+
+def test_a_pass_that_lets_go_of_many_sessions_publishes_once(tmp_path, redis_url):  # noqa: F811
+    """Letting go of the sessions other replicas deleted is one pass under the cache's lock; each
+    publish of the metrics is a pass over every record, so the pass publishes once, not once per
+    session (20,000 records and thousands deleted elsewhere held the lock for minutes)."""
+    here = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url, hold_wait_s=0.0,
+                        forget_deleted_every_s=3600, metrics=Metrics())
+    here.open({"toy": MODEL})
+    elsewhere = replica(tmp_path, "b", redis_url)
+    ids = [here.create("toy", "alice", data(10, i)).id for i in range(6)]
+    for session_id in ids:
+        elsewhere.delete(session_id, "alice")
+    published = []
+    publish = here.placement.publish
+    here.placement.publish = lambda: (published.append(1), publish())[1]
+    time.sleep(0.01)  # last used before the listing by more than hold_wait_s
+    assert here.forget_deleted_elsewhere() == 6
+    assert len(published) == 1
+    here.close()
+    elsewhere.close()
