@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, check_record_metadata,
                                         entries_from_lines, floating_dtypes, joined, materialise, session_data)
 from xlserve.server.cache.errors import (
+    CacheError,
     CacheFull,
     CommitOutcomeUnknown,
     SessionConflict,
@@ -505,10 +506,21 @@ class DurableStore:
             if not deleted:
                 raise SessionConflict(record.id)
             return
-        if entry is not None:
-            store_call(lambda: self.disk.write_tombstone(record.id, record.owner, kept(entry, record.remembered)))
+        remembered = None if entry is None else kept(entry, record.remembered)
+        full = False
+        if remembered is not None:
+            try:
+                store_call(lambda: self.disk.write_tombstone(record.id, record.owner, remembered))
+            except CacheFull:  # a full disk: the session's own bytes go first, then its tombstone
+                full = True
         try:
             self.disk.delete(record.id)
         except OSError as error:
             raise SessionUnavailable(f"session '{record.id}': its stored state could not be removed ({error})",
                                      record.id) from None
+        if full:  # the delete stands; its key is remembered where the freed room allows it
+            try:
+                store_call(lambda: self.disk.write_tombstone(record.id, record.owner, remembered))
+            except CacheError as error:
+                log.warning("session %s: deleted on a full disk, and its Idempotency-Key could not be remembered "
+                            "(%s): a retry of the delete gets 404", record.id, error)

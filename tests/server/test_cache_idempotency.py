@@ -420,3 +420,26 @@ def test_a_disk_tombstone_past_its_lifetime_is_not_honoured_and_goes_while_the_s
         assert not path.exists()
     finally:
         cache.close()
+
+
+def test_a_keyed_delete_on_a_full_disk_deletes_and_remembers_its_key_in_the_room_it_freed(tmp_path, monkeypatch):
+    """Without Redis a keyed delete writes its tombstone before the session's file goes (so that
+    a crash between them never loses the key); on a disk too full for the tombstone it answered
+    503 "delete sessions", which the client was trying to do. The session's file goes first then,
+    and the tombstone is written in the room it freed: the delete's retry is still a replay."""
+    from xlserve.server.cache.stores import DiskStore, StoreFull
+
+    cache = make_cache(tmp_path)
+    made = cache.create("toy", "owner", data(10, 0))
+    write_tombstone, calls = DiskStore.write_tombstone, []
+
+    def full_until_the_session_goes(store, session_id, owner, remembered):
+        calls.append(store.exists(session_id))
+        if store.exists(session_id):
+            raise StoreFull("No space left on device")
+        return write_tombstone(store, session_id, owner, remembered)
+
+    monkeypatch.setattr(DiskStore, "write_tombstone", full_until_the_session_goes)
+    assert cache.delete(made.id, "owner", key("d", "delete")) is None
+    assert calls == [True, False] and not cache.durable.disk.exists(made.id)
+    assert isinstance(cache.delete(made.id, "owner", key("d", "delete")), Replay)
