@@ -52,6 +52,8 @@ class AppState:
     draining: bool = False  # shutting down: new requests get 503 while running ones finish
     inflight: int = 0  # requests being served (HTTP and websocket), counted by admission
     states_in_flight: int = 0  # session states held whole here now (serving/requests.py state_in_flight)
+    # of those, each API key's (owner id -> count, absent at 0)
+    states_in_flight_by_owner: dict = field(default_factory=dict)
 
     def state_body_limit(self) -> int:
         """The largest session-state body taken (import, PUT state): XLSERVE_MAX_STATE_BODY_BYTES,

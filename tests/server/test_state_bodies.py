@@ -137,3 +137,45 @@ def test_an_oversized_frame_is_not_parsed_for_its_id():
     frame = '{"id": "r1", "type": "generate", "prompt": "' + "x" * 2000 + '"}'
     assert frame_id(frame) == "r1"
     assert frame_id(frame, max_bytes=100) is None
+
+
+def test_one_api_key_holds_at_most_its_share_of_the_state_places():
+    """Four places for states in flight, two of them at most one key's: one key's slow transfers
+    cannot make every other key's import, export and PUT state 429."""
+    from types import SimpleNamespace
+
+    from xlserve.server.api.errors import TooManyRequests
+    from xlserve.server.api.serving.requests import MAX_STATES_IN_FLIGHT_PER_KEY, take_state_place
+
+    state = SimpleNamespace(states_in_flight=0, states_in_flight_by_owner={})
+    alice = [take_state_place(state, "alice") for _ in range(MAX_STATES_IN_FLIGHT_PER_KEY)]
+    with pytest.raises(TooManyRequests) as refused:
+        take_state_place(state, "alice")
+    assert refused.value.code == "states_in_flight" and "API key" in refused.value.message
+    bob = take_state_place(state, "bob")
+    alice[0]()
+    alice[0]()  # once only
+    alice.append(take_state_place(state, "alice"))
+    for give_back in (*alice[1:], bob):
+        give_back()
+    assert state.states_in_flight == 0 and state.states_in_flight_by_owner == {}
+
+
+def test_an_export_read_slower_than_the_state_rate_ends_and_gives_its_place_back(monkeypatch):
+    """An export whose client reads each part just within the send timeout, but slower than
+    STATE_BODY_BYTES_PER_SECOND after the grace, is ended and its place given back (it held the
+    place, and 237 MB, for hours at 17 kB/s)."""
+    monkeypatch.setattr(serving_requests, "STATE_BODY_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(serving_requests, "STATE_BODY_BYTES_PER_SECOND", 8 << 20)  # 1 MiB parts: 0.125 s each
+    sent, given_back = [], []
+
+    async def slow_reader(message):
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(0.15)  # each part within the 5 s send timeout, the whole far under the rate
+            sent.append(len(message["body"]))
+
+    response = StateResponse(content=b"x" * (16 << 20), send_timeout=5.0, media_type="application/octet-stream",
+                             give_back=lambda: given_back.append(True))
+    run(response({"type": "http", "method": "GET"}, None, slow_reader))
+    assert given_back == [True]
+    assert 0 < len(sent) < 16

@@ -103,7 +103,7 @@ async def import_new_session(request: Request, response: Response, model: str | 
     state = app_state(request)
     if model is not None:
         state.served(model)
-    async with state_in_flight(state):
+    async with state_in_flight(state, owner):
         blob = await read_body(request)
         result, replayed = await import_one(state, owner, model, blob, idempotency_key)
     response.headers.update(replayed_headers(replayed))
@@ -146,7 +146,7 @@ async def fork_session(session_id: str, request: Request, response: Response, ow
 @router.get("/v1/sessions/{session_id}/state", dependencies=PER_SESSION, response_class=Response,
             responses={**error_responses(400, 401, 404, 409, 413, 429, 503), 200: STATE_FILE})
 async def export_state(session_id: str, request: Request, owner: str | None = Depends(owner_of)):
-    give_back = take_state_place(app_state(request))
+    give_back = take_state_place(app_state(request), owner)
     try:
         info, blob = await app_state(request).engine.export(session_id, owner)
     except BaseException:
@@ -167,7 +167,7 @@ async def import_state(session_id: str, request: Request, response: Response, ow
     state = app_state(request)
     # 404 for a session that is not yours before reading a body that may be large
     await state.engine.session_info(session_id, owner)
-    async with state_in_flight(state):
+    async with state_in_flight(state, owner):
         blob = await read_body(request)
         body, replayed = await replace_session_state(state, owner, session_id, blob, idempotency_key)
     response.headers.update(replayed_headers(replayed))

@@ -93,16 +93,26 @@ def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int],
 # held whole here while the engine process checks or writes it, up to a whole state (237 MB at
 # transfo-xl-wt103 in float32), so their number bounds the memory they take; one more is 429
 MAX_STATES_IN_FLIGHT = 4
+# of which one API key may hold this many: one key's slow transfers cannot take every place
+MAX_STATES_IN_FLIGHT_PER_KEY = 2
 
 
-def take_state_place(state: AppState) -> Callable[[], None]:
-    """A place for one session state among MAX_STATES_IN_FLIGHT, and the call that gives it back
-    (once); 429 states_in_flight (Retry-After: 1) when there is none."""
+def take_state_place(state: AppState, owner: str | None = None) -> Callable[[], None]:
+    """A place for one session state among MAX_STATES_IN_FLIGHT (and, for an API key's `owner`,
+    among its MAX_STATES_IN_FLIGHT_PER_KEY), and the call that gives it back (once); 429
+    states_in_flight (Retry-After: 1) when there is none."""
     if state.states_in_flight >= MAX_STATES_IN_FLIGHT:
         raise TooManyRequests(f"{state.states_in_flight} session states are moving through this server already "
                               f"(imports, PUT states and exports: at most {MAX_STATES_IN_FLIGHT} at once, each held "
                               "whole in memory); retry shortly", code="states_in_flight", headers={"Retry-After": "1"})
+    by_owner = state.states_in_flight_by_owner
+    if owner is not None and by_owner.get(owner, 0) >= MAX_STATES_IN_FLIGHT_PER_KEY:
+        raise TooManyRequests(f"this API key has {by_owner[owner]} session states moving through this server already "
+                              f"(imports, PUT states and exports: at most {MAX_STATES_IN_FLIGHT_PER_KEY} of one key's at "
+                              "once); retry when one ends", code="states_in_flight", headers={"Retry-After": "1"})
     state.states_in_flight += 1
+    if owner is not None:
+        by_owner[owner] = by_owner.get(owner, 0) + 1
     given_back = False
 
     def give_back() -> None:
@@ -110,14 +120,18 @@ def take_state_place(state: AppState) -> Callable[[], None]:
         if not given_back:
             given_back = True
             state.states_in_flight -= 1
+            if owner is not None:
+                left = by_owner.pop(owner) - 1
+                if left:
+                    by_owner[owner] = left
 
     return give_back
 
 
 @asynccontextmanager
-async def state_in_flight(state: AppState) -> AsyncIterator[None]:
+async def state_in_flight(state: AppState, owner: str | None = None) -> AsyncIterator[None]:
     """`take_state_place` for the block."""
-    give_back = take_state_place(state)
+    give_back = take_state_place(state, owner)
     try:
         yield
     finally:
@@ -151,7 +165,10 @@ class StateResponse(Response):
     held until then. A client that stops reading is gone once one part has waited
     `send_timeout` seconds for its full socket (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS), as a
     streamed answer's: its connection is closed and the place given back, where it would
-    otherwise hold both for as long as it kept the connection open."""
+    otherwise hold both for as long as it kept the connection open. And as an upload
+    (`read_body`), after STATE_BODY_GRACE_SECONDS the state must go at STATE_BODY_BYTES_PER_SECOND
+    on average: a client that reads just fast enough for each part would otherwise hold its place
+    for hours (237 MB at 17 kB/s)."""
 
     def __init__(self, *args, give_back: Callable[[], None], send_timeout: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -160,6 +177,7 @@ class StateResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         timed_send = send_within(send, self.send_timeout)
+        started = time.monotonic()
         try:
             await timed_send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             body = memoryview(self.body)
@@ -167,8 +185,14 @@ class StateResponse(Response):
                 body = body[:0]
             for start in range(0, max(len(body), 1), STATE_SEND_BYTES):
                 last = start + STATE_SEND_BYTES >= len(body)
-                await timed_send({"type": "http.response.body", "body": bytes(body[start:start + STATE_SEND_BYTES]),
-                                  "more_body": not last})
+                allowed = started + STATE_BODY_GRACE_SECONDS + start / STATE_BODY_BYTES_PER_SECOND - time.monotonic()
+                with anyio.move_on_after(max(allowed, 0.0)) as pace:
+                    await timed_send({"type": "http.response.body", "body": bytes(body[start:start + STATE_SEND_BYTES]),
+                                      "more_body": not last})
+                if pace.cancelled_caught:  # the server closes the connection of an answer it did not complete
+                    log.warning("an exported state's client read slower than %d bytes/s after %gs: its answer is "
+                                "ended", STATE_BODY_BYTES_PER_SECOND, STATE_BODY_GRACE_SECONDS)
+                    return
         except TimeoutError:  # the server closes the connection of an answer it did not complete
             log.warning("an exported state's client took no write for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
                         "its answer is ended", self.send_timeout)
