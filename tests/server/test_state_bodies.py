@@ -179,3 +179,42 @@ def test_an_export_read_slower_than_the_state_rate_ends_and_gives_its_place_back
     run(response({"type": "http", "method": "GET"}, None, slow_reader))
     assert given_back == [True]
     assert 0 < len(sent) < 16
+
+
+def test_a_large_answer_that_is_not_streamed_is_sent_in_parts_within_the_send_timeout():
+    """A non-streamed completion can be about 20 MB (every token's log-probabilities): sent as one
+    message it went into the server's write buffer at once, with no deadline, and a client that
+    never read held it in the process. It goes in parts of 1 MiB, each within the stream send
+    timeout: a client that stops reading ends its answer."""
+    import json
+    from types import SimpleNamespace
+
+    from xlserve.server.api.serving.requests import PartedJSONResponse
+
+    answer = {"choices": [{"text": "x" * (3 << 20)}]}
+    settings = SimpleNamespace(server=SimpleNamespace(stream_send_timeout_seconds=0.2))
+    scope = {"type": "http", "method": "POST", "app": SimpleNamespace(state=SimpleNamespace(
+        xlserve=SimpleNamespace(settings=settings)))}
+    parts = []
+
+    async def reader(message):
+        if message["type"] == "http.response.body":
+            parts.append(message["body"])
+
+    run(PartedJSONResponse(answer)(scope, None, reader))
+    assert len(parts) == 4 and json.loads(b"".join(parts)) == answer  # the same bytes, in 1 MiB parts
+
+    stalled = []
+
+    async def stops_reading(message):
+        if message["type"] == "http.response.body":
+            stalled.append(len(message["body"]))
+            if len(stalled) > 1:
+                await asyncio.sleep(30)
+
+    async def timed():
+        started = asyncio.get_running_loop().time()
+        await PartedJSONResponse(answer)(scope, None, stops_reading)
+        return asyncio.get_running_loop().time() - started
+
+    assert run(timed()) < 5 and len(stalled) == 2

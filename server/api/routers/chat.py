@@ -11,7 +11,6 @@ the whole history, so an X-Session-Id header (which a proxy routes by) gets 400
 """
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import JSONResponse
 
 from xlserve.server.api.protocol import (
     ChatCompletionRequest,
@@ -23,6 +22,7 @@ from xlserve.server.api.protocol import (
 from xlserve.server.api.serving import (
     SESSION_ID_HEADER,
     ChatCompletion,
+    PartedJSONResponse,
     app_state,
     check_session_header,
     complete,
@@ -30,7 +30,7 @@ from xlserve.server.api.serving import (
     stream_completion,
 )
 
-router = APIRouter(default_response_class=JSONResponse)  # json.dumps writes the bodies (routers/completions.py)
+router = APIRouter(default_response_class=PartedJSONResponse)  # json.dumps writes the bodies (routers/completions.py)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_unset=True,

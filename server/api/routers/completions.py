@@ -17,7 +17,6 @@ request, a busy session, a full queue) is an HTTP error status, as without strea
 """
 
 from fastapi import APIRouter, Depends, Header, Request, Response
-from fastapi.responses import JSONResponse
 
 from xlserve.server.api.protocol import (
     CompletionRequest,
@@ -30,6 +29,7 @@ from xlserve.server.api.serving import (
     IDEMPOTENCY_KEY_HEADER,
     SESSION_ID_HEADER,
     Completion,
+    PartedJSONResponse,
     app_state,
     check_session_header,
     complete,
@@ -38,10 +38,11 @@ from xlserve.server.api.serving import (
     stream_completion,
 )
 
-# JSONResponse (json.dumps) writes the bodies, byte for byte as before they were typed; FastAPI's
+# JSONResponse (json.dumps) writes the bodies, byte for byte as before they were typed (sent in parts,
+# each within the stream send timeout: PartedJSONResponse); FastAPI's
 # default for a route with a response_model, pydantic's serialiser, writes some numbers otherwise
 # (1e-05 as 0.00001)
-router = APIRouter(default_response_class=JSONResponse)
+router = APIRouter(default_response_class=PartedJSONResponse)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, response_model_exclude_unset=True,

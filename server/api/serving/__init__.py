@@ -45,6 +45,7 @@ from xlserve.server.api.serving.completions import (
 from xlserve.server.api.serving.requests import (
     IDEMPOTENCY_KEY_HEADER,
     SESSION_ID_HEADER,
+    PartedJSONResponse,
     StateResponse,
     check_session_header,
     read_body,
@@ -99,6 +100,7 @@ __all__ = [
     "list_sessions",
     "owner_of",
     "read_body",
+    "PartedJSONResponse",
     "StateResponse",
     "state_in_flight",
     "take_state_place",

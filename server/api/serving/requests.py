@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import Header, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.dependencies.models import Dependant
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import HTTPConnection
@@ -157,6 +158,32 @@ def send_within(send, timeout: float | None):
 # write buffer at once, the place given back at once, and a client that stops reading would hold
 # the whole state in this process for as long as it kept the connection open
 STATE_SEND_BYTES = 1 << 20
+
+
+class PartedJSONResponse(JSONResponse):
+    """A JSON answer that is not streamed (a completion's, up to about 20 MB with every token's
+    log-probabilities), sent in parts of STATE_SEND_BYTES, each within the stream send timeout
+    (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS, read from the app's state): sent as one message it went
+    into the server's write buffer at once, and a client that never read held it in this process
+    for as long as it kept the connection open. Written by json.dumps, as JSONResponse writes it."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        app_state_ = getattr(getattr(scope.get("app"), "state", None), "xlserve", None)
+        timeout = getattr(getattr(getattr(app_state_, "settings", None), "server", None),
+                          "stream_send_timeout_seconds", None)
+        timed_send = send_within(send, timeout)
+        try:
+            await timed_send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            body = memoryview(self.body)
+            for start in range(0, max(len(body), 1), STATE_SEND_BYTES):
+                await timed_send({"type": "http.response.body", "body": bytes(body[start:start + STATE_SEND_BYTES]),
+                                  "more_body": start + STATE_SEND_BYTES < len(body)})
+        except TimeoutError:  # the server closes the connection of an answer it did not complete
+            log.warning("a client took no write of its %d-byte answer for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
+                        "its answer is ended", len(self.body), timeout)
+            return
+        if self.background is not None:
+            await self.background()
 
 
 class StateResponse(Response):
