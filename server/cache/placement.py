@@ -213,8 +213,7 @@ class Placement:
                 moves = self.manager.plan_room("host", record.nbytes, exclude={record.id})
                 if moves is None:
                     raise self.full("host", record.model, record.nbytes, record.id)
-                self._execute(moves, transfer)
-                self.manager.add_copy(record.id, "host")
+                self._execute_for(record, "host", moves, transfer)
             transfer.add(_Fetch(record, source, self.host.get(record.id) if source == "host" else None, home="host"))
             return
         if source == "host":  # the copy leaves host RAM: its room there is free for the moves below
@@ -224,9 +223,20 @@ class Placement:
             if source == "host":
                 self.manager.add_copy(record.id, "host")
             raise self.full("device", record.model, record.nbytes, record.id)
-        self._execute(moves, transfer)
-        self.manager.add_copy(record.id, "device")  # the room the moves made is this session's now
+        self._execute_for(record, "device", moves, transfer)
         transfer.add(_Fetch(record, source, self._take_out(source, record.id) if source == "host" else None))
+
+    def _execute_for(self, record: Record, tier: str, moves: list[Move | Reclaim], transfer: Transfer) -> None:
+        """`_execute` the moves that make room in `tier` for `record`, whose copy there is booked
+        then: its bytes are reserved before anything moves, since the prefix cache reads the room
+        sessions leave without this cache's lock (PrefixCache.limit) and would otherwise take the
+        room just given back to it, or freed by the moves, for an entry of its own meanwhile."""
+        self.manager.reserve(tier, record.nbytes)
+        try:
+            self._execute(moves, transfer)
+        finally:
+            self.manager.unreserve(tier, record.nbytes)
+        self.manager.add_copy(record.id, tier)  # the room the moves made is this session's now
 
     def rebalance(self, tier: str, transfer: Transfer) -> None:
         """Moves that bring `tier` back within its budget (after a commit or a new session), their

@@ -380,3 +380,36 @@ def test_a_create_whose_write_may_have_landed_leaves_no_session_behind(tmp_path,
     assert cache.sessions() == [] and cache.manager.used("disk") == 0
     cache.close()
     assert make_cache(tmp_path).sessions() == []
+
+
+def test_the_room_made_for_a_session_is_booked_before_the_prefix_cache_gives_any_back(tmp_path):
+    """Bringing a session to the device takes room back from the prefix cache (it holds entries in
+    the room sessions leave) and moves idle sessions down; the prefix cache reads that room without
+    the session cache's lock. The session's bytes are booked before any room is given back, so an
+    offer meanwhile (from an engine's thread) sees none free: it took the room just given back, and
+    sessions and entries together passed the device's budget."""
+    n = 100
+
+    class Borrower:
+        def __init__(self):
+            self.holding, self.free_seen = {"device": size(n)}, []
+
+        def held(self, tier: str) -> int:
+            return self.holding.get(tier, 0)
+
+        def release(self, tier: str, nbytes: int) -> None:
+            self.holding[tier] -= nbytes
+            self.free_seen.append(cache.manager.free(tier))  # what an offer made now would see
+
+    cache = make_cache(tmp_path, device=2 * size(n))
+    kept = cache.create("toy", None, data(n, 0)).id
+    brought = cache.create("toy", None, data(n, 1)).id
+    cache.move(brought, "disk")
+    borrower = Borrower()
+    cache.lend_to(borrower)  # the device: one session and one session's worth of entries, full
+    lease = cache.acquire(brought, None)
+    assert same(lease.data, data(n, 1))
+    cache.release(lease)
+    assert borrower.free_seen == [0]
+    assert cache.manager.used("device") + borrower.held("device") <= 2 * size(n)
+    assert cache.info(kept, None).tier == "device"
