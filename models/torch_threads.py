@@ -10,6 +10,9 @@ cores). Here, below every layer that starts such threads.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 
 
@@ -24,3 +27,20 @@ def own_torch_threads(count: int) -> int:
     if count > 0:
         torch.set_num_threads(count)
     return torch.get_num_threads()
+
+
+def start_one_threaded(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start a daemon thread that runs `target` with torch on one thread of its own. The calling
+    thread's own count is settled first: a thread's torch.set_num_threads moves the process-wide
+    default, which a thread that has not asked for its count yet would take up later (the engine
+    process's main thread shares the cores out among the engines from its count, after the prefix
+    cache started its writers: every engine then ran on one core)."""
+    own_torch_threads(0)
+
+    def run() -> None:
+        own_torch_threads(1)
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread

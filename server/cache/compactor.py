@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from xlserve.models.torch_threads import own_torch_threads
+from xlserve.models.torch_threads import start_one_threaded
 
 log = logging.getLogger("xlserve.cache")
 
@@ -41,8 +41,8 @@ class Compactor:
                 return
             self._waiting[session_id] = None
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="xlserve-compactor", daemon=True)
-                self._thread.start()
+                # a compaction encodes a whole state: beside the engines, on one core of its own
+                self._thread = start_one_threaded(self._run, "xlserve-compactor")
             self._changed.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -62,7 +62,6 @@ class Compactor:
             thread.join(timeout)
 
     def _run(self) -> None:
-        own_torch_threads(1)  # a compaction encodes a whole state: beside the engines, on one core
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._waiting or self._closed)

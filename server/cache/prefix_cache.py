@@ -74,7 +74,7 @@ from pathlib import Path
 
 import torch
 
-from xlserve.models.torch_threads import own_torch_threads
+from xlserve.models.torch_threads import start_one_threaded
 from xlserve.server.cache.codec import CorruptState, SessionData, decode, encode, session_data
 from xlserve.server.cache.prefix_keys import block_chain, entry_key, scope_key  # noqa: F401  (scope_key: re-exported)
 from xlserve.server.cache.stores import RedisPrefixStore, StoreUnavailable
@@ -184,7 +184,7 @@ class PrefixCache:
         # (read at, [(used, maxmemory) of each node]): the writer's, `_room_in_redis`
         self._redis_memory: tuple[float, list[tuple[int, int]]] | None = None
         if remote is not None:
-            threading.Thread(target=self._write_remote, name="prefix-cache-redis", daemon=True).start()
+            start_one_threaded(self._write_remote, "prefix-cache-redis")
         self._disk_writes: queue.Queue = queue.Queue()
         self._write_ids = 0
         # copies to host RAM booked under the lock, made outside it by the thread that booked them
@@ -193,7 +193,7 @@ class PrefixCache:
         self._copy_ids = 0
         self._disk_writes_bytes = 0  # of the entries queued for the disk writer (under the lock)
         if self.caps["disk"]:
-            threading.Thread(target=self._write_disk, name="prefix-cache-disk", daemon=True).start()
+            start_one_threaded(self._write_disk, "prefix-cache-disk")
 
     @classmethod
     def from_settings(cls, settings, session_settings, metrics=None, sessions=None) -> "PrefixCache | None":
@@ -406,7 +406,6 @@ class PrefixCache:
 
     def _write_remote(self) -> None:
         """The Redis writer thread: encodes and writes queued entries, one at a time."""
-        own_torch_threads(1)  # beside the engines, on one core (models/torch_threads.py)
         while True:
             block, n, key, model, data, logprobs, nbytes = self._writes.get()
             try:
@@ -450,7 +449,6 @@ class PrefixCache:
         of its host copy, or, moved or dropped meanwhile (or placed on disk again: a later write
         of the same file follows), the file goes. An entry whose file cannot be written is
         dropped."""
-        own_torch_threads(1)  # beside the engines, on one core (models/torch_threads.py)
         while True:
             entry, write_id, data, logprobs = self._disk_writes.get()
             try:

@@ -8,6 +8,7 @@ cold path's prefill chunks end)."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -878,3 +879,27 @@ def test_where_entries_are_shared_is_its_own_setting(tmp_path):
     assert remote(prefix_cache_redis_url=entries) == entries
     with pytest.raises(ValueError):
         Settings(models="none-loaded", prefix_cache_redis_url="http://nowhere")
+
+
+def test_starting_the_writer_threads_leaves_the_starting_threads_torch_count_alone(tmp_path):
+    """The prefix cache's writer threads run torch on one thread of their own. torch's
+    set_num_threads moves the process-wide default, which a thread that has not asked for its
+    count yet takes up: the engine process's main thread, which shares the cores out among the
+    engines after the prefix cache started, then read 1, and every engine ran on one core. In a
+    fresh process (nothing settled yet), the thread that made the cache keeps torch's default."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time, torch\n"
+        "from xlserve.server.cache.prefix_cache import PrefixCache\n"
+        f"PrefixCache(1 << 20, disk_bytes=1 << 20, directory={str(tmp_path / 'prefix')!r})\n"
+        "time.sleep(0.5)\n"
+        "print(torch.get_num_threads())\n"
+    )
+    default = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    after = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert after.returncode == 0, after.stderr[-2000:]
+    assert int(after.stdout) == int(default.stdout) == 2
