@@ -496,7 +496,9 @@ class DurableStore:
     def delete(self, record: Record, entry: dict | None, head: Head | None = None) -> None:
         """Delete the session's durable copy. With `entry` (a delete's Idempotency-Key) leave a
         tombstone that remembers it with the session's keys for TOMBSTONE_SECONDS: in Redis, in
-        the same script; on disk, a file written before the session's file goes. With Redis only
+        the same script; on disk, a file written before the session's file goes (on a disk too
+        full for it, after: a crash in between then leaves no tombstone, and the delete's retry
+        gets 404 as after a delete without a key). With Redis only
         the version the deleting request saw (`head`, read for it) is deleted: SessionConflict,
         nothing deleted, when another replica committed since (a retry reads the new version)."""
         if self.redis is not None:

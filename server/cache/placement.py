@@ -473,12 +473,17 @@ class Placement:
         for session_id, its_moves in by_session.items():
             record = self.manager.get(session_id)
             had = set(record.copies)
+            after = set(had)
             for move in its_moves:
-                self.manager.apply(move)
-            left, gained = had - record.copies, record.copies - had
+                after.discard(move.src)
+                if move.dst is not None:
+                    after.add(move.dst)
+            left, gained = had - after, after - had
             source = next((tier for tier in MEMORY_TIERS if tier in left), None)
             if len(gained) > 1 or (gained and source is None):  # moves only go down, from memory into the tier below
                 raise RuntimeError(f"session {session_id}: a plan that moves it {its_moves} cannot be carried out")
+            for move in its_moves:
+                self.manager.apply(move)
             data = self._take_out(source, session_id) if source is not None else None
             for tier in left - {source, "disk"}:  # a second memory copy let go (a lower tier has the state)
                 self._store(tier).drop(session_id)
@@ -710,18 +715,28 @@ class _Evict(_Step):
     def __init__(self, record: Record, move: Move, data: SessionData | None, unlink: bool = False):
         self.record, self.move, self.data, self.unlink = record, move, data, unlink or move.src == "disk"
         self.out: SessionData | None = None
+        self.unlink_error: OSError | None = None  # the copy was made, the file could not be removed
 
     def _run(self, placement: Placement) -> None:
         if self.move.dst is not None:
             self.out = placement.write(self.record, self.move.dst, self.data)
         if self.unlink:
-            placement.disk.delete(self.record.id)
+            try:
+                placement.disk.delete(self.record.id)
+            except OSError as error:
+                if self.move.dst is None:
+                    raise
+                self.unlink_error = error
 
     def finish(self, placement: Placement) -> BaseException | None:
         record, move, manager = self.record, self.move, placement.manager
         if self.error is None:
             if self.out is not None:
                 placement._store(move.dst).put(record.id, self.out)
+            if self.unlink_error is not None:  # the new copy stands; the stale file goes at a later sweep
+                log.warning("session %s: its disk file could not be removed (%s); it goes at a later sweep", record.id,
+                            self.unlink_error)
+                placement.leave_file(record.id)
             return None
         log.warning("session %s: moving it from %s to %s failed (%s); it keeps its copies below", record.id,
                     move.src, move.dst or "the tiers below", self.error)

@@ -483,6 +483,7 @@ class EngineClient:
             except Exception as error:  # that request's event alone: it ends with the error, the frame's others go on
                 log.exception("an event of request %s from the engine process could not be read", item[0])
                 request_id, event = item[0], _unreadable(error)
+                self.send(Cancel(request_id))  # and the engine stops it (harmless if that was its last event)
             if is_last(event):
                 submission.ended = True
                 del submissions[request_id]

@@ -57,6 +57,7 @@ from xlserve.models.huge_pages import weights_on_huge_pages
 from xlserve.models.quantize import QuantizationError, parameter_count, quantization_of, quantize_model, weight_bytes
 from xlserve.models.tokenizer import tokenizer_for_checkpoint
 from xlserve.server.cache import CorruptState, SessionInfo
+from xlserve.server.cache.errors import CommitOutcomeUnknown
 from xlserve.server.cache.session_cache import Lease, Replay, SessionCache
 from xlserve.server.cache.codec import SessionData, conform_import, decode, floating_dtypes, session_data
 from xlserve.server.cache.prefix_cache import PrefixCache
@@ -130,6 +131,12 @@ FIRST_COMPILES_QUEUED = 32
 # generations whose prefix lookup may wait (Redis, a file, a copy from host RAM: hundreds of MB at
 # real size) wait on threads of their own too: a slow Redis must not hold the session operations'
 PREFIX_LOOKUP_THREADS = 8
+
+
+# the operations whose reply says a session changed: one whose reply cannot be sent has changed it
+# all the same (CommitOutcomeUnknown, never an error that reads as "nothing happened")
+CHANGING_OPERATIONS = frozenset({Operation.COMMIT, Operation.CREATE_SESSION, Operation.FORK_SESSION,
+                                 Operation.IMPORT_SESSION, Operation.REPLACE_STATE, Operation.DELETE_SESSION})
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -549,6 +556,9 @@ class EngineProcess:
                 frame = answer_frame(call_id, result)
             except Exception as error:  # a reply that does not encode: its call is answered with the error, not left waiting
                 log.exception("the answer to a %s call could not be encoded", operation.value)
+                if operation in CHANGING_OPERATIONS:  # the change was made: the client must not take it as not made
+                    error = CommitOutcomeUnknown(f"the {operation.value} was carried out, but its answer could not be "
+                                                 f"sent ({type(error).__name__}): read the session to see it")
                 self.answer_error(call_id, operation.value, error)
                 return
             self.writer.send(*frame)

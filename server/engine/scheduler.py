@@ -270,29 +270,27 @@ class Engine:
             if not self._admitting or self._closed:
                 raise ShuttingDown("the server is shutting down and admits no new requests; retry on another replica",
                                    code="shutting_down")
-            queued = self._queued_with(request)
+            queued, queued_of_owner = self._queued_with(request)
             if queued > self.max_queued:
                 raise QueueFull(
                     f"model '{self.name}' has {queued - 1} requests waiting, the limit is {self.max_queued} "
                     "(XLSERVE_MAX_QUEUED_REQUESTS); retry later",
                     code="queue_full",
                 )
-            if self.max_queued_per_key and request.owner is not None and queued > 0:
-                mine = 1 + sum(1 for waiting in self._waiting
-                               if waiting.owner == request.owner and not waiting.cancelled.is_set())
-                if mine > self.max_queued_per_key:
-                    raise QueueFull(
-                        f"this API key has {mine - 1} requests waiting for model '{self.name}', the limit per key is "
-                        f"{self.max_queued_per_key} (XLSERVE_MAX_QUEUED_PER_KEY); retry later", code="queue_full")
+            if self.max_queued_per_key and request.owner is not None and queued_of_owner > self.max_queued_per_key:
+                raise QueueFull(
+                    f"this API key has {queued_of_owner - 1} requests waiting for model '{self.name}', the limit per "
+                    f"key is {self.max_queued_per_key} (XLSERVE_MAX_QUEUED_PER_KEY); retry later", code="queue_full")
             request.queued_at = time.monotonic()
             self._waiting.append(request)
             self._waiting_metric.set(len(self._waiting))
             self._condition.notify()
 
-    def _queued_with(self, request: EngineRequest) -> int:
+    def _queued_with(self, request: EngineRequest) -> tuple[int, int]:
         """Requests that would wait for a batch slot, `request` included (counted as if admission
-        were first come, first served: `_admit` may take another owner's first)."""
-        free, queued = self.max_batch_size - self._running_rows, 0
+        were first come, first served: `_admit` may take another owner's first), and how many of
+        them are `request`'s owner's."""
+        free, queued, of_owner = self.max_batch_size - self._running_rows, 0, 0
         for waiting in [*self._waiting, request]:
             if waiting.cancelled.is_set():  # leaves at the next admission, wherever it waits
                 continue
@@ -301,7 +299,8 @@ class Engine:
                 free -= width
             else:
                 queued += 1
-        return queued
+                of_owner += waiting.owner is not None and waiting.owner == request.owner
+        return queued, of_owner
 
     def wake(self) -> None:
         """Look at the requests now (one was cancelled)."""
@@ -878,8 +877,12 @@ class Engine:
     def _finish_row(self, row: Row) -> None:
         request = row.request
         if row.state_error is not None:  # its state could not be taken out of its batch
-            self._fail(request, alone_error(row.state_error))
-            return
+            if request.keep_state:  # a session's new state: nothing to commit
+                self._fail(request, alone_error(row.state_error))
+                return
+            # only a prefix-cache offer wanted it: the answer stands (its tokens are sent), the offer goes
+            log.warning("model %s: a finished row's state could not be kept for the prefix cache (%s)", self.name,
+                        row.state_error)
         if row.stopped_by_string:
             tail = ""  # the text held back was the stop string's start
         else:
@@ -890,7 +893,8 @@ class Engine:
         if len(request.done) < len(request.rows):
             return
         first = request.rows[0]
-        if request.offers_final_state and self.model.chunking_invariant and unusable_row(first.greedy[1]) is None:
+        if (request.offers_final_state and self.model.chunking_invariant and first.state_error is None
+                and unusable_row(first.greedy[1]) is None):
             # the next turn of a conversation resends exactly prompt + completion
             self._offer(request, request.prompt + first.generated_tokens,
                         SessionData(state=first.state, tokens=first.tokens, next_log_probs=first.next_log_probs),

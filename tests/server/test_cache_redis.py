@@ -460,7 +460,8 @@ def test_a_listing_goes_on_after_a_session_another_replica_deleted(tmp_path, red
     elsewhere.close()
 
 
-def test_a_plan_that_moves_one_session_twice_carries_both_changes(tmp_path, redis_url):  # noqa: F811
+@pytest.mark.parametrize("unlink", ["works", "fails"])
+def test_a_plan_that_moves_one_session_twice_carries_both_changes(tmp_path, redis_url, unlink, monkeypatch):  # noqa: F811
     """With Redis the disk is a spill, and a session brought back to the device keeps its spill
     file. Making room for a large session can then move it twice in one plan: its spill dropped
     to make room on the disk for another session, then its device copy moved to host RAM. Both
@@ -480,6 +481,17 @@ def test_a_plan_that_moves_one_session_twice_carries_both_changes(tmp_path, redi
     copies = {sid: set(cache.manager.get(sid).copies) for sid in (older, spilled, twice)}
     assert copies == {older: {"device", "redis"}, spilled: {"host", "redis"}, twice: {"device", "disk", "redis"}}
 
+    if unlink == "fails":  # the spill file stays: the host copy made beside it stands, the file goes later
+        delete = cache.placement.disk.delete
+        failed = []
+
+        def failing_once(session_id):
+            if session_id == twice and not failed:
+                failed.append(session_id)
+                raise OSError("read-only file system")
+            return delete(session_id)
+
+        monkeypatch.setattr(cache.placement.disk, "delete", failing_once)
     lease = cache.acquire(large, "k")  # room for 1.5 sessions on the device: both leave it
     assert same(lease.data, data(3 * n // 2, 4))
     cache.release(lease)
@@ -489,10 +501,13 @@ def test_a_plan_that_moves_one_session_twice_carries_both_changes(tmp_path, redi
     state = tmp_path / "c"
     for sid, want in expected.items():
         record = cache.manager.get(sid)
-        assert ("disk" in record.copies) == (state / f"{sid}.safetensors").exists(), (sid, record.copies)
+        if not (unlink == "fails" and sid == twice):
+            assert ("disk" in record.copies) == (state / f"{sid}.safetensors").exists(), (sid, record.copies)
         for tier in record.copies & {"device", "host"}:
             assert same((cache.placement.device if tier == "device" else cache.placement.host).get(sid), want), (sid, tier)
     assert cache.manager.get(twice).copies == {"host", "redis"}
+    if unlink == "fails":
+        assert (state / f"{twice}.safetensors").exists() and twice in cache.placement._left_files
     for sid, want in expected.items():  # and each is served as it was
         lease = cache.acquire(sid, "k")
         assert same(lease.data, want), sid

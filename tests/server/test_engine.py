@@ -905,11 +905,14 @@ def test_an_event_of_one_request_that_does_not_read_ends_that_request_alone():
         client = EngineClient.__new__(EngineClient)  # its routing alone
         good, bad = (Submission("m", Metrics(), threading_module.Event()) for _ in range(2))
         client.submissions = {1: good, 2: bad}
+        client.status, sent = "ready", []
+        client.writer = type("Writer", (), {"write": lambda self, frame: sent.append(frame)})()
         token = TokenEvent(104, "h", -0.5, [])
         client._route([event_to_wire(1, token), [2, "no such kind", 1, 2]])
-        return good.queue.get_nowait(), bad.queue.get_nowait(), client.submissions
+        return good.queue.get_nowait(), bad.queue.get_nowait(), client.submissions, sent
 
-    first, failed, left = asyncio.run(route())
+    first, failed, left, sent = asyncio.run(route())
     assert isinstance(first, TokenEvent) and first.text == "h"
     assert isinstance(failed, RequestFailed) and failed.code == "engine_message_unreadable"
     assert list(left) == [1]  # the failed request is no longer waited for
+    assert len(sent) == 1  # and the engine is told to stop it (a Cancel frame)

@@ -338,10 +338,13 @@ def test_a_request_whose_own_end_raises_fails_alone_and_the_batch_goes_on():
     assert "cannot end a text" in poisoned["ended"].message
 
 
-def test_a_kept_state_that_cannot_be_copied_out_of_its_batch_fails_its_request_alone(monkeypatch):
+@pytest.mark.parametrize("keeps", ["session", "prefix-cache offer"])
+def test_a_kept_state_that_cannot_be_copied_out_of_its_batch_fails_its_request_alone(monkeypatch, keeps):
     """A session row of a batch whose state class keeps idle places (a fixed-shape state: Mamba's)
     ends while another row decodes on: its final state is copied out of the batch, and a copy that
-    runs out of memory fails that request alone, 503 device_out_of_memory, not the row beside."""
+    runs out of memory fails that request alone, 503 device_out_of_memory, not the row beside. A
+    row whose state only a prefix-cache offer wanted finishes as it would: its answer was sent,
+    and only the offer goes."""
     from tests.server.test_cache_architectures import tiny_model
     from xlserve.models.mamba import SelectiveState
     from xlserve.server.engine.errors import DeviceOutOfMemory
@@ -367,10 +370,15 @@ def test_a_kept_state_that_cannot_be_copied_out_of_its_batch_fails_its_request_a
     try:
         victim_params = dict(max_tokens=8, temperature=0.8, seed=7)
         expected = alone(engine, request(engine, VICTIM_PROMPT, **victim_params))
-        victim, poisoned = asyncio.run(together(engine, request(engine, VICTIM_PROMPT, **victim_params),
-                                                request(engine, "x = ", engine.fresh_data(), keep_state=True,
-                                                        max_tokens=2, temperature=0)))
+        poison = request(engine, "x = ", engine.fresh_data(), keep_state=keeps == "session", max_tokens=2,
+                         temperature=0)
+        if keeps != "session":
+            poison.prefix_scope = b"scope"  # its final state is offered to the prefix cache
+        victim, poisoned = asyncio.run(together(engine, request(engine, VICTIM_PROMPT, **victim_params), poison))
     finally:
         engine.close()
     assert victim["tokens"] == expected["tokens"] and isinstance(victim["ended"], Finished)
-    assert isinstance(poisoned["ended"], DeviceOutOfMemory)
+    if keeps == "session":
+        assert isinstance(poisoned["ended"], DeviceOutOfMemory)
+    else:
+        assert isinstance(poisoned["ended"], Finished) and len(poisoned["tokens"][0]) == 2
