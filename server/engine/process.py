@@ -468,7 +468,11 @@ class EngineProcess:
                            "load_seconds": round(loaded.load_seconds, 3),
                            "every_forward_on_prompt_threads": loaded.engine.every_forward_on_prompt_threads})
         engine, cache = self.settings.engine, self.settings.cache
-        threads, prompt_threads = threads_per_engine(engine.torch_threads, engine.prompt_threads, len(self.models))
+        # what the engines run on (their worker threads settled it): counted again here, on this
+        # thread, which runs torch on one since loading, it read 1 whatever the machine had
+        engines = [loaded.engine for loaded in self.models.values()]
+        threads, prompt_threads = ((engines[0].threads, engines[0].prompt_threads) if engines else
+                                   threads_per_engine(engine.torch_threads, engine.prompt_threads, 1))
         store = {"state_dir": str(Path(cache.state_dir).resolve()), "device_bytes": cache.device_state_bytes,
                  "host_bytes": cache.host_state_bytes, "disk_bytes": cache.disk_state_bytes,
                  "redis": masked_url(cache.redis_url) if cache.redis_url else None,

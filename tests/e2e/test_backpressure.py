@@ -21,13 +21,14 @@ from tests.e2e.session_tools import full_state_bytes, metric
 
 MODEL = "txl-tiny"
 KEY = "test-key"
+SECOND_KEY, THIRD_KEY = "second-key", "third-key"  # other clients': the bounds per key leave each its share
 BURST = 24
 LIMITS = {
     "XLSERVE_MAX_BATCH_SIZE": "2",
     "XLSERVE_MAX_QUEUED_REQUESTS": "2",
     "XLSERVE_MAX_REQUEST_BODY_BYTES": "4096",
     "XLSERVE_MAX_TOKENS_LIMIT": "5000",
-    "XLSERVE_API_KEYS": KEY,
+    "XLSERVE_API_KEYS": f"{KEY},{SECOND_KEY},{THIRD_KEY}",
     "XLSERVE_METRICS_REQUIRE_KEY": "true",
 }
 
@@ -40,8 +41,8 @@ def limited(tiny_checkpoint, tmp_path_factory):
     process.stop()
 
 
-def authed(server, **kwargs) -> httpx.Client:
-    return server.client(headers={"Authorization": f"Bearer {KEY}"}, **kwargs)
+def authed(server, key: str = KEY, **kwargs) -> httpx.Client:
+    return server.client(headers={"Authorization": f"Bearer {key}"}, **kwargs)
 
 
 def test_a_burst_past_the_queue_gets_429s_and_no_5xx(limited):
@@ -135,27 +136,50 @@ def test_a_session_state_has_a_body_limit_of_its_own_sized_to_the_models(limited
         assert big.status_code == 413 and "XLSERVE_MAX_REQUEST_BODY_BYTES" in big.json()["error"]["message"]
 
 
+def slow_uploads(server, state: bytes, uploads: list[tuple[str, str | None]]) -> list[socket.socket]:
+    """For each (key, target session or None for an import): a PUT state or an import sending the
+    first 100 bytes of its body only."""
+    sockets = []
+    for key, target in uploads:
+        method, path = ("PUT", f"/v1/sessions/{target}/state") if target else ("POST", "/v1/sessions/import")
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}"
+                     f"\r\nContent-Length: {len(state)}\r\nConnection: close\r\n\r\n".encode() + state[:100])
+        sockets.append(sock)
+    return sockets
+
+
+def answer_of(sock: socket.socket) -> tuple[int, str, bytes]:
+    received = b""
+    while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < int(
+            re.search(rb"content-length: (\d+)", received.lower()).group(1)):
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode(), body
+
+
 def test_session_states_in_flight_are_bounded(limited):
     """Each import, PUT state or export holds a whole state in the API process (237 MB at real
-    size): MAX_STATES_IN_FLIGHT at once. One more than that sending their bodies slowly, and
-    exactly one is refused 429 states_in_flight with Retry-After, before its body is read; every
-    place is given back, by a state that went through and by one that failed alike."""
-    from xlserve.server.api.serving.requests import MAX_STATES_IN_FLIGHT
+    size): MAX_STATES_IN_FLIGHT at once, and MAX_STATES_IN_FLIGHT_PER_KEY of one API key's. One
+    more than that sending their bodies slowly, and exactly one is refused 429 states_in_flight
+    with Retry-After, before its body is read; every place is given back, by a state that went
+    through and by one that failed alike. Then one key's slow uploads take its share only: the
+    other key's import goes through meanwhile."""
+    from xlserve.server.api.serving.requests import MAX_STATES_IN_FLIGHT, MAX_STATES_IN_FLIGHT_PER_KEY
 
-    with authed(limited) as client:
+    with authed(limited) as client, authed(limited, SECOND_KEY) as second, authed(limited, THIRD_KEY) as third:
         session = client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
         assert client.post(f"/v1/sessions/{session}/append", json={"text": "def f():"}).status_code == 200
         state = client.get(f"/v1/sessions/{session}/state").content
-        # a session of its own for each PUT: two on one session would race for it (409)
-        targets = [client.post("/v1/sessions", json={"model": MODEL}).json()["id"]
-                   for _ in range(MAX_STATES_IN_FLIGHT + 1)]
-        uploads = []
-        for index, target in enumerate(targets):  # imports and PUTs, each body's first 100 bytes only
-            path = f"/v1/sessions/{target}/state" if index % 2 else "/v1/sessions/import"
-            sock = socket.create_connection(("127.0.0.1", limited.port))
-            sock.sendall(f"{'PUT' if index % 2 else 'POST'} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
-                         f"\r\nContent-Length: {len(state)}\r\nConnection: close\r\n\r\n".encode() + state[:100])
-            uploads.append(sock)
+        # imports and PUTs of three keys, none past its share, a session of its own for each PUT
+        # (two on one session would race for it: 409): only the bound on all of them refuses
+        keys = ([KEY, SECOND_KEY, THIRD_KEY] * MAX_STATES_IN_FLIGHT)[: MAX_STATES_IN_FLIGHT + 1]
+        owners = {KEY: client, SECOND_KEY: second, THIRD_KEY: third}
+        targets = [owners[key].post("/v1/sessions", json={"model": MODEL}).json()["id"] if index % 2 else None
+                   for index, key in enumerate(keys)]
+        uploads = slow_uploads(limited, state, list(zip(keys, targets)))
         try:
             # one of them is answered at once, its body unread: the others hold the places
             deadline, refused = time.monotonic() + 30, []
@@ -165,21 +189,11 @@ def test_session_states_in_flight_are_bounded(limited):
                 refused = readable
             assert len(refused) == 1
 
-            def answer(sock: socket.socket) -> tuple[int, str, bytes]:
-                received = b""
-                while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < int(
-                        re.search(rb"content-length: (\d+)", received.lower()).group(1)):
-                    chunk = sock.recv(65536)
-                    assert chunk, received
-                    received += chunk
-                head, _, body = received.partition(b"\r\n\r\n")
-                return int(head.split()[1]), head.decode(), body
-
-            answers = {refused[0]: answer(refused[0])}  # read before its body is sent: it never will be
+            answers = {refused[0]: answer_of(refused[0])}  # read before its body is sent: it never will be
             for sock in uploads:  # the others' bodies' ends: they go through
                 if sock is not refused[0]:
                     sock.sendall(state[100:])
-                    answers[sock] = answer(sock)
+                    answers[sock] = answer_of(sock)
             answers = [answers[sock] for sock in uploads]
         finally:
             for sock in uploads:
@@ -193,6 +207,24 @@ def test_session_states_in_flight_are_bounded(limited):
         for _ in range(MAX_STATES_IN_FLIGHT + 1):
             assert client.post("/v1/sessions/import", content=state).status_code == 200
             assert client.get(f"/v1/sessions/{session}/state").status_code == 200
+
+        # one key's share: its next slow upload is refused, the other key's import goes through
+        uploads = slow_uploads(limited, state, [(KEY, None)] * (MAX_STATES_IN_FLIGHT_PER_KEY + 1))
+        try:
+            deadline, refused = time.monotonic() + 30, []
+            while not refused:
+                assert time.monotonic() < deadline, "no upload was refused"
+                refused, _, _ = select.select(uploads, [], [], 0.1)
+            status, _, body = answer_of(refused[0])
+            assert status == 429 and f"at most {MAX_STATES_IN_FLIGHT_PER_KEY} of one key's" in body.decode()
+            assert second.post("/v1/sessions/import", content=state).status_code == 200
+            for sock in uploads:
+                if sock is not refused[0]:
+                    sock.sendall(state[100:])
+                    assert answer_of(sock)[0] == 200
+        finally:
+            for sock in uploads:
+                sock.close()
 
 
 def chunked_small():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -903,3 +904,25 @@ def test_starting_the_writer_threads_leaves_the_starting_threads_torch_count_alo
                            env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert after.returncode == 0, after.stderr[-2000:]
     assert int(after.stdout) == int(default.stdout) == 2
+
+
+def test_the_engine_process_shares_out_every_core_with_the_prefix_cache_on(tmp_path):
+    """In a fresh engine process with the defaults (the prefix cache on host RAM and disk, torch
+    threads and prompt threads 0: every core, less one for the API process for decode steps) the
+    engine's threads are counted from the machine's cores, not from what a writer thread started
+    before left torch's default at. Checked with OMP_NUM_THREADS=2, as on a 2-core machine."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, pathlib, sys\n"
+        "from tests.server.engine_process_helpers import engine_process\n"
+        "with engine_process(pathlib.Path(sys.argv[1]), torch_threads=0, prompt_threads=0) as (process, _):\n"
+        "    print(json.dumps(process.ready().threads))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    threads = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (threads["forward"], threads["prompt"]) == (1, 2), threads
