@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -23,6 +24,14 @@ from xlserve.server.engine.errors import Cancelled, StreamNotRead
 # (server/api/protocol.py MAX_GENERATED_LOGPROBS, the same number); past it the request stops
 # with StreamNotRead
 MAX_UNREAD_LOGPROBS = 1_000_000
+# ... and every request of this process together (about 230 bytes a token event: 460 MB): past
+# it, the stream that leaves the most unread stops (StreamNotRead), so that clients that each read
+# just fast enough to stay under their own bound cannot pin the process's memory between them.
+# Counted over the live submissions when one's own unread has grown by UNREAD_CHECK_STEP since
+# its last count, so that the many streams that keep up cost nothing
+MAX_UNREAD_IN_PROCESS = 2 * MAX_UNREAD_LOGPROBS
+UNREAD_CHECK_STEP = 10_000
+_LIVE: "weakref.WeakSet[Submission]" = weakref.WeakSet()
 
 
 def _weight(event: object) -> int:
@@ -137,6 +146,8 @@ class Submission:
         # shares MAX_UNREAD_LOGPROBS out among its requests, server/api/serving/generation.py)
         self.unread, self.unread_limit = 0, MAX_UNREAD_LOGPROBS
         self.overrun = False  # stopped for leaving too much unread: later events are dropped
+        self._counted_at = 0  # its unread when the process's last was counted (`_check_process`)
+        _LIVE.add(self)
 
     def put(self, event: object) -> None:
         """Hand the consumer an event (on its event loop). Past `unread_limit` unread, the request
@@ -145,15 +156,31 @@ class Submission:
         if self.overrun:
             return
         self.unread += _weight(event)
-        if self.unread <= self.unread_limit:
-            self.queue.put_nowait(event)
+        if self.unread > self.unread_limit:
+            self._overrun(f"the client left more than {self.unread_limit:,} log-probabilities of this stream unread")
             return
+        self.queue.put_nowait(event)
+        if self.unread - self._counted_at >= UNREAD_CHECK_STEP:
+            self._check_process()
+
+    def _check_process(self) -> None:
+        """Past MAX_UNREAD_IN_PROCESS unread in every live submission together, stop the one
+        that leaves the most (perhaps this one)."""
+        self._counted_at = self.unread
+        live = [submission for submission in _LIVE if not submission.overrun]
+        if sum(submission.unread for submission in live) > MAX_UNREAD_IN_PROCESS:
+            largest = max(live, key=lambda submission: submission.unread)
+            largest._overrun(f"the streams of this server left more than {MAX_UNREAD_IN_PROCESS:,} log-probabilities "
+                             f"unread together, this one the most ({largest.unread:,})")
+
+    def _overrun(self, why: str) -> None:
+        """Stop the request for leaving too much unread: what waits is let go, and the consumer's
+        next event is StreamNotRead."""
         self.overrun = True
         self._stop()
         while not self.queue.empty():
             self.queue.get_nowait()
-        error = StreamNotRead(f"the client left more than {self.unread_limit:,} log-probabilities of this stream "
-                              "unread (its chunks waiting for its socket): the request was stopped and nothing was "
+        error = StreamNotRead(f"{why} (its chunks waiting for its socket): the request was stopped and nothing was "
                               "committed", code="stream_not_read")
         self.unread = _weight(error)
         self.queue.put_nowait(error)
@@ -178,6 +205,7 @@ class Submission:
             while True:
                 event = await self.queue.get()
                 self.unread -= _weight(event)
+                self._counted_at = min(self._counted_at, self.unread)
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, TokenEvent):

@@ -150,3 +150,35 @@ def test_a_backlog_is_written_in_turns_of_at_most_write_chunks():
     asyncio.run(run())
     assert sum(writes) == 2000 + 2  # every token's chunk, the finish chunk and [DONE]
     assert max(writes) <= WRITE_CHUNKS and len(writes) >= 2000 // WRITE_CHUNKS
+
+
+def test_streams_that_each_stay_under_their_bound_are_bounded_together(monkeypatch):
+    """Each stream's bound alone lets clients that read just fast enough to stay under it pin
+    MAX_UNREAD_LOGPROBS each (about 230 MB of events): past MAX_UNREAD_IN_PROCESS together, the
+    stream that leaves the most unread stops with StreamNotRead, and the others go on."""
+    from xlserve.server.engine import types
+
+    monkeypatch.setattr(types, "MAX_UNREAD_IN_PROCESS", 200)
+    monkeypatch.setattr(types, "UNREAD_CHECK_STEP", 10)
+
+    async def run():
+        stops = []
+        slow, slower, reader = submission(stops), submission(stops), submission()
+        events = reader.events()
+        for i in range(16):  # 80 each, 160 in all: under the bound
+            slow.put(token(i))
+            slower.put(token(i))
+        for i in range(100):  # a stream that reads as it goes adds nothing
+            reader.put(token(i))
+            await anext(events)
+        assert not slow.overrun and not slower.overrun and stops == []
+        for i in range(10):  # slower goes on to 130, 210 in all: the largest stops
+            slower.put(token(i))
+        assert slower.overrun and not slow.overrun and not reader.overrun and stops == [True]
+        with pytest.raises(StreamNotRead, match="unread together, this one the most"):
+            async for _ in slower.events():
+                pass
+        slow.put(token(0))  # the other stream goes on
+        assert not slow.overrun
+
+    asyncio.run(run())
