@@ -152,13 +152,15 @@ class Placement:
                 record = self.manager.get(session_id)
                 if record is None:
                     continue  # with the forgotten ones above
+                elif self.holds.kind(session_id) is not None:
+                    # held (a commit whose old spill could not be removed, its books not yet
+                    # changed): judged at a later sweep, once the books say what the file is
+                    self._left_files.append(session_id)
                 elif "disk" in record.copies:  # a newer copy was written to disk since: the file is no longer left over
                     self._removal_failures.pop(session_id, None)
                     continue
-                elif self.holds.kind(session_id) is None:
-                    held.append((session_id, self.holds.take(session_id, MOVE)))
                 else:
-                    self._left_files.append(session_id)
+                    held.append((session_id, self.holds.take(session_id, MOVE)))
         try:
             for session_id in gone + [session_id for session_id, _ in held]:
                 try:

@@ -534,3 +534,37 @@ def test_a_pass_that_lets_go_of_many_sessions_publishes_once(tmp_path, redis_url
     assert len(published) == 1
     here.close()
     elsewhere.close()
+
+
+def test_a_stale_spill_left_by_a_commit_goes_even_when_a_sweep_runs_before_the_books_change(tmp_path,
+                                                                                           redis_url, monkeypatch):  # noqa: F811
+    """After a commit to Redis the old version's disk spill is removed; when that fails, a later
+    sweep removes it. A sweep that ran between the failed removal and the commit's change of the
+    books saw the spill still listed, took the file for a newer copy, and forgot it for good."""
+    n = 100
+    cache = replica(tmp_path, "c", redis_url)
+    sid = cache.create("toy", "k", data(n, 0)).id
+    cache.move(sid, "disk")
+    lease = cache.acquire(sid, "k")  # back on the device, its spill kept
+    assert cache.manager.get(sid).copies == {"device", "disk", "redis"}
+    delete = cache.placement.disk.delete
+    failing = [True]
+
+    def fails_once(session_id):
+        if failing:
+            failing.clear()
+            raise OSError("device busy")
+        return delete(session_id)
+
+    drop = cache.placement.drop_stale_file
+
+    def then_a_sweep(record):
+        drop(record)
+        cache.placement.sweep()  # before `committed` drops the spill from the books
+
+    monkeypatch.setattr(cache.placement.disk, "delete", fails_once)
+    monkeypatch.setattr(cache.placement, "drop_stale_file", then_a_sweep)
+    cache.commit(lease, data(n, 1))
+    cache.placement.sweep()
+    assert not (tmp_path / "c" / f"{sid}.safetensors").exists()
+    cache.close()
