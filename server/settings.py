@@ -255,8 +255,9 @@ class EngineSettings(SettingsGroup):
     structured_max_bytes: int = Field(65536, ge=1, description="largest constraint text (a schema, regex, "
                                       "grammar, choice list or the tools) in bytes; beyond it 400 grammar_too_large")
     structured_token_milliseconds: float = Field(5.0, ge=0, description="parser (CPU) time one constrained row may "
-                                                 "take for one token; beyond it for 3 tokens in a row its request "
-                                                 "ends with 400 constraint_too_slow (0: no limit)")
+                                                 "take for one token; beyond it for 3 tokens in a row, or on average "
+                                                 "by more than 200 tokens' worth, its request ends with 400 "
+                                                 "constraint_too_slow (0: no limit)")
     # the engine process hands freed memory back to the system when idle (server/engine/memory.py)
     return_memory: bool = Field(True, description="hand freed memory back to the system once the engines "
                                 "are idle")

@@ -62,8 +62,9 @@ output (0.3 ms at token 25, 6-10 ms at 100, 30-170 ms past 175), and no llguidan
 row therefore measures the parser's CPU time (its thread's, so neither the GIL nor a loaded
 machine counts) for each token it draws, the step and the mask together; past
 `structured_token_milliseconds` for `SLOW_TOKENS_IN_A_ROW` tokens in a row (one alone may be a
-spike: a garbage collection, lexer states built the first time) its request ends alone with 400
-`constraint_too_slow`, naming the setting (`RowConstraint.too_slow`). The JSON schemas,
+spike: a garbage collection, lexer states built the first time), or past that limit on average
+with more than `SLOW_TOKENS_SPARE` tokens' worth to spare (slow tokens between fast ones), its
+request ends alone with 400 `constraint_too_slow`, naming the setting (`RowConstraint.too_slow`). The JSON schemas,
 regexes, choice lists and tool grammars clients send take 0.01-0.5 ms at their worst token (128
 tools: 1.2 ms at the first); a schema of 600 optional properties up to 20 ms where a key starts,
 but one token at a time, so it passes.
@@ -112,6 +113,13 @@ MAX_ITEMS_IN_ROW = 32_768
 # collection, the lexer building states it meets for the first time), where a grammar that grows
 # slower with every token is over the limit at every token from some point on
 SLOW_TOKENS_IN_A_ROW = 3
+# and over any stretch of tokens, the parser may take the limit per token on average, with this
+# many tokens' worth of time to spare (1 s at the default 5 ms): a constraint whose slow tokens
+# alternate with fast ones (a schema of thousands of properties: 300 ms at each ", ", then a few
+# fast tokens) never has three slow ones in a row, and held every other request of the model
+# for minutes. A spike (a garbage collection) fits in the spare time, and so does a schema of 600
+# optional properties (20 ms where a key starts, every ten tokens or so: 2 ms a token)
+SLOW_TOKENS_SPARE = 200
 
 
 def llguidance_grammar(kind: str, text: str) -> str:
@@ -392,6 +400,7 @@ class RowConstraint:
         self.vocab_size = vocab_size
         self.token_seconds = 0.0  # the parser's CPU time since `start_token`
         self.slow_tokens = 0  # tokens in a row, up to the last, over the time limit
+        self.time_over = 0.0  # parser time past the limit, not yet paid back by faster tokens (`too_slow`)
 
     def start_token(self) -> None:
         """The parser's time from here on is the next token's."""
@@ -403,6 +412,15 @@ class RowConstraint:
         if limit_seconds <= 0:
             return None
         self.slow_tokens = self.slow_tokens + 1 if self.token_seconds > limit_seconds else 0
+        # the time taken past the limit, paid back by every token under it (a leaky bucket)
+        self.time_over = max(0.0, self.time_over + self.token_seconds - limit_seconds)
+        if self.time_over > SLOW_TOKENS_SPARE * limit_seconds:
+            return InvalidInput(
+                f"the constraint took {self.time_over * 1e3:.0f} ms of parser time more than the limit of "
+                f"{limit_seconds * 1e3:g} ms a token (XLSERVE_STRUCTURED_TOKEN_MILLISECONDS) allows over its recent "
+                f"tokens, past the {SLOW_TOKENS_SPARE * limit_seconds * 1e3:.0f} ms it may spare, so that one request "
+                "cannot hold the others. Schemas of thousands of properties cost that at every one; simplify the "
+                "constraint", param=param, code="constraint_too_slow")
         if self.slow_tokens < SLOW_TOKENS_IN_A_ROW:
             return None
         return InvalidInput(

@@ -600,3 +600,29 @@ def test_a_model_that_rules_out_every_allowed_token_ends_the_row_without_breakin
         engine.close()
     assert ruled_out["reasons"] == [NO_ALLOWED_TOKEN] and ruled_out["texts"] == [""]
     assert beside["texts"] == alone["texts"]
+
+
+def test_slow_tokens_between_fast_ones_end_the_row_on_average():
+    """A schema of thousands of properties costs about 300 ms at each ", " and next to nothing at
+    the tokens between: never three slow tokens in a row, and it held every other request of its
+    model for minutes. Past the limit on average, with SLOW_TOKENS_SPARE tokens' worth to spare, it
+    ends; a single spike, and a schema whose keys cost 20 ms every ten tokens, do not."""
+    from xlserve.server.engine.constraints import SLOW_TOKENS_SPARE
+
+    def row_after(seconds: list[float], limit: float = 0.005):
+        row = RowConstraint(ConstraintCompiler(ByteTokenizer(), "m").matcher("regex", "[0-9]+"), 256)
+        for taken in seconds:
+            row.start_token()
+            row.token_seconds = taken  # as if the parser had taken that long
+            refused = row.too_slow(limit, "response_format")
+            if refused is not None:
+                return refused
+        return None
+
+    refused = row_after(([0.3, 0.026] + [0.00001] * 7) * 20)
+    assert refused is not None and refused.code == "constraint_too_slow" and "on average" not in refused.message
+    assert "XLSERVE_STRUCTURED_TOKEN_MILLISECONDS" in refused.message
+    assert row_after([0.5] + [0.0001] * 2000) is None  # a spike
+    assert row_after(([0.02] + [0.0001] * 9) * 500) is None  # 2 ms a token on average
+    assert row_after([0.5] * 50, limit=0) is None  # no limit
+    assert SLOW_TOKENS_SPARE * 0.005 == pytest.approx(1.0)
