@@ -336,7 +336,7 @@ def metadata_of(blob_or_head: bytes) -> dict[str, str]:
     if not isinstance(meta, dict):
         raise CorruptState(f"not an {FORMAT} blob (its metadata is a JSON {type(meta).__name__}, not an object)")
     if meta.get("format") != FORMAT:
-        raise CorruptState(f"not an {FORMAT} blob (metadata 'format' is {meta.get('format')!r})")
+        raise CorruptState(f"not an {FORMAT} blob (metadata 'format' is {str(meta.get('format'))[:64]!r})")
     return {str(k): str(v) for k, v in meta.items()}
 
 
@@ -448,7 +448,7 @@ def decode_delta(blob: bytes) -> tuple[dict[str, str], dict, str, torch.Tensor |
         changes = {name: TensorChange(op, axis=int(axis), drop=int(drop), values=tensors[DELTA_VALUES + name],
                                       index=tensors.get(DELTA_INDEX + name))
                    for name, (op, axis, drop) in ops.items()}
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as error:  # not a {name: [op, axis, drop]}
         raise CorruptState(f"a delta block's description is unreadable: {error}") from None
     return meta, changes, meta.get("next_log_probs", "same"), tensors.get("next_log_probs")
 
@@ -517,7 +517,7 @@ def materialise(base: bytes, deltas: list[bytes]) -> tuple[dict[str, str], dict[
         try:
             for name, change in changes.items():
                 building.setdefault(name, _Building(None)).apply(change)
-        except (RuntimeError, IndexError) as error:
+        except (RuntimeError, IndexError, TypeError, ValueError) as error:  # TypeError: a slots op without its index
             raise CorruptState(f"a delta block does not apply to the state before it: {error}") from None
         if logits == "set":
             next_log_probs = logits_tensor

@@ -260,12 +260,34 @@ def model_card(loaded: LoadedModel, created: int, state_dtype: torch.dtype = tor
 # -- importing a session state -----------------------------------------------------------------
 
 
+# An imported state's safetensors header: its tensors' names, dtypes, shapes and offsets, and the
+# metadata an export writes (a few KB for any shipped model). Bounded before it is parsed: an
+# untrusted JSON header of the body's size takes about 24 bytes of memory a byte to parse, and
+# metadata values are quoted back in error messages, which go to the API process whole
+MAX_IMPORT_HEADER_BYTES = 1 << 20
+MAX_IMPORT_METADATA_VALUE = 4096
+
+
 def decode_import(blob: bytes):
+    """An imported state's (metadata, state tensors, next_log_probs); InvalidInput (400
+    invalid_state) for a body that is no xlserve session state, a header past
+    MAX_IMPORT_HEADER_BYTES, or a metadata value past MAX_IMPORT_METADATA_VALUE characters."""
+
+    def refuse(message: str) -> InvalidInput:
+        return InvalidInput(message, param="body", code="invalid_state")
+
+    if len(blob) >= 8 and int.from_bytes(blob[:8], "little") > MAX_IMPORT_HEADER_BYTES:
+        raise refuse(f"the body's safetensors header is {int.from_bytes(blob[:8], 'little'):,} bytes; an exported "
+                     f"state's is a few KB, and the limit is {MAX_IMPORT_HEADER_BYTES:,}")
     try:
-        return decode(blob, require_checksum=False)  # a checksum, when present, must match
+        meta, tensors, next_log_probs = decode(blob, require_checksum=False)  # a checksum, when present, must match
     except CorruptState as error:
-        raise InvalidInput(f"the body is not an xlserve session state: {error}", param="body",
-                             code="invalid_state") from None
+        raise refuse(f"the body is not an xlserve session state: {error}") from None
+    long = next((key for key, value in meta.items() if len(value) > MAX_IMPORT_METADATA_VALUE), None)
+    if long is not None:
+        raise refuse(f"the state's metadata value {long[:64]!r} is {len(meta[long]):,} characters; the limit is "
+                     f"{MAX_IMPORT_METADATA_VALUE:,}")
+    return meta, tensors, next_log_probs
 
 
 # The largest magnitude a floating state tensor of an import may hold (float32, bfloat16 and
@@ -310,7 +332,7 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
     except torch.OutOfMemoryError:  # a RuntimeError, but the server's trouble, not the state's
         raise DeviceOutOfMemory(f"the device of model '{name}' ran out of memory while checking the imported "
                                 "state; retry") from None
-    except (ValueError, IndexError, RuntimeError) as error:  # RuntimeError: torch on a malformed tensor
+    except (ValueError, IndexError, RuntimeError, TypeError, OverflowError) as error:  # RuntimeError: torch on a malformed tensor
         raise refuse(f"the state does not fit model '{name}': {error}") from None
     return data
 

@@ -184,3 +184,32 @@ def test_the_unchanged_export_is_imported(architecture):
     """The cases above change one thing each: the blob they start from is a good one."""
     model, metadata, tensors = exported(architecture)
     assert validated_import("m", model, *decode_import(save_safetensors(tensors, metadata=metadata))).tokens > 0
+
+
+def test_an_import_whose_header_or_metadata_is_huge_is_refused_before_it_is_parsed_or_quoted():
+    """An untrusted safetensors header took about 24 bytes of memory a byte to parse (64 MiB
+    allowed: 1.5 GB a request), and metadata values were quoted whole in error messages that go
+    to the API process (a 30 M-character model name: a 180 MB frame). An imported state's header
+    is bounded at 1 MiB before it is parsed, each metadata value at 4,096 characters."""
+    from xlserve.server.engine.process import MAX_IMPORT_HEADER_BYTES, MAX_IMPORT_METADATA_VALUE
+
+    header = b'{"x":[' + b"{}," * (MAX_IMPORT_HEADER_BYTES // 3) + b"{}]}"
+    with pytest.raises(InvalidInput, match="header is") as refused:
+        decode_import(struct.pack("<Q", len(header)) + header)
+    assert refused.value.code == "invalid_state" and len(refused.value.message) < 300
+    _, metadata, tensors = exported("transformer-xl")
+    blob = save_safetensors(tensors, {**metadata, "model": "é" * (MAX_IMPORT_METADATA_VALUE + 1)})
+    with pytest.raises(InvalidInput, match="'model' is 4,097 characters") as refused:
+        decode_import(blob)
+    assert len(refused.value.message) < 300
+
+
+def test_a_stored_delta_block_whose_description_is_no_mapping_is_corrupt_not_a_500():
+    """A delta block's `delta` metadata is JSON the store holds: a list there raised AttributeError
+    (a 500) where any other damage is CorruptState (the session's own 503)."""
+    from xlserve.server.cache.codec import CorruptState, checksum, decode_delta
+
+    meta = {"format": "xlserve-session", "format_version": "1", "delta": "[1, 2]"}
+    meta["checksum"] = checksum(meta, {})
+    with pytest.raises(CorruptState, match="description is unreadable"):
+        decode_delta(save_safetensors({}, meta))
