@@ -304,14 +304,18 @@ STATE_MAGNITUDE_BOUND = 1e12
 PROBE_TOKEN = 0
 
 
-def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tensors, next_log_probs) -> SessionData:
+def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tensors, next_log_probs,
+                     state_dtype: torch.dtype | None = None) -> SessionData:
     """A decoded state that fits model `name`, on its device; InvalidInput (code "invalid_state",
     naming the tensor at fault) otherwise. Everything the model could not have produced is
     refused here (`LanguageModel.check_session`: finite tensors, lengths that agree with each
     other and with the token count, a next-token row that is a log-distribution; magnitudes
     within STATE_MAGNITUDE_BOUND), and so is a state the model cannot go on from (`probe_forward`:
     one forward step on PROBE_TOKEN must give finite log-probabilities), before the state
-    replaces anything or runs beside another request."""
+    replaces anything or runs beside another request. With `state_dtype` (the session cache's
+    XLSERVE_STATE_DTYPE), what is checked and probed is the state as the cache will hold it: a
+    float32 value that a 16-bit dtype rounds to 0 or saturates could pass in float32 and fail
+    every request after."""
 
     def refuse(message: str):
         return InvalidInput(message, param="body", code="invalid_state")
@@ -325,6 +329,8 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
         # the model's compute dtype; the cache stores it in its own state dtype
         tensors = conform_import(tensors, compute_dtypes(model), meta.get("state_dtype"))
         data = session_data(model.state_class, meta, tensors, next_log_probs)
+        if state_dtype is not None:  # as the cache keeps it, then as the model computes with it
+            data = data.cast_state(state_dtype).cast_state(compute_dtypes(model))
         model.check_session(data.state, data.tokens, data.next_log_probs)
         check_state_magnitudes(data)
         data = data.to(model.device)
@@ -878,14 +884,14 @@ class EngineProcess:
     def import_session(self, request: ImportSession) -> SessionChanged:
         meta, tensors, next_log_probs = decode_import(request.state)
         loaded = self.loaded(request.model or meta.get("model", ""))
-        data = validated_import(loaded.name, loaded.model, meta, tensors, next_log_probs)
+        data = validated_import(loaded.name, loaded.model, meta, tensors, next_log_probs, self.cache.state_dtype)
         return _changed(self.cache.import_new(loaded.name, request.owner, data, request.idempotency))
 
     @handlers.register(ReplaceState)
     def replace_state(self, request: ReplaceState) -> SessionChanged:
         current = self.cache.info(request.session_id, request.owner)
         loaded = self.loaded(current.model)
-        data = validated_import(loaded.name, loaded.model, *decode_import(request.state))
+        data = validated_import(loaded.name, loaded.model, *decode_import(request.state), self.cache.state_dtype)
         return _changed(self.cache.replace(request.session_id, request.owner, data, request.idempotency))
 
     # -- the server's life -------------------------------------------------------------------

@@ -213,3 +213,20 @@ def test_a_stored_delta_block_whose_description_is_no_mapping_is_corrupt_not_a_5
     meta["checksum"] = checksum(meta, {})
     with pytest.raises(CorruptState, match="description is unreadable"):
         decode_delta(save_safetensors({}, meta))
+
+
+def test_an_import_is_checked_as_the_cache_will_keep_it():
+    """With a 16-bit XLSERVE_STATE_DTYPE the cache keeps an import rounded to it: the state the
+    checks and the probe see is that one (each value as float16 gives it back), not the float32
+    values the client sent, which a value that rounds to 0 or saturates could pass where the
+    stored state would fail every request after."""
+    from xlserve.models.interface import same_bits
+    from xlserve.server.engine.process import validated_import
+
+    model, metadata, tensors = exported("rwkv")
+    meta, state, next_log_probs = decode_import(save_safetensors(tensors, metadata))
+    sent = validated_import("m", model, meta, state, next_log_probs)
+    checked = validated_import("m", model, meta, state, next_log_probs, torch.float16)
+    stored = checked.cast_state(torch.float16).cast_state(torch.float32)
+    exact = lambda a, b: all(same_bits(x, y) for x, y in zip(a.state.to_tensors().values(), b.state.to_tensors().values()))
+    assert exact(checked, stored) and not exact(sent, checked)
