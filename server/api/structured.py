@@ -200,7 +200,9 @@ def enforced_schema(schema: Any, strict: bool, layout: dict | None = None) -> An
     compiled leniently (llguidance's `x-guidance: {"lenient": true}`), so that keywords and formats
     it does not implement are ignored, as OpenAI accepts them where `strict` is not true. `layout`:
     how JSON is laid out, for a schema embedded in a grammar (where the engine's defaults do not
-    reach). What the schema's own `x-guidance` says stays."""
+    reach). What the schema's own `x-guidance` says stays, but for the layout's keys, which are the
+    server's: a client's separators (`"item_separator": ";"`) would make the output no JSON, and
+    a tool call's arguments that the answer's parser never sees end."""
     if not isinstance(schema, dict):  # true, false: nothing to close or to ignore
         return schema
     if strict:
@@ -209,7 +211,7 @@ def enforced_schema(schema: Any, strict: bool, layout: dict | None = None) -> An
     given = schema.get("x-guidance", {})
     if not options or not isinstance(given, dict):  # one that is no object: llguidance refuses it, naming it
         return schema
-    return {**schema, "x-guidance": {**options, **given}}
+    return {**schema, "x-guidance": {**options, **given, **(layout or {})}}
 
 
 def tool_grammar(functions: list, auto: bool, parallel: bool) -> str:

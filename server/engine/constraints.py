@@ -133,6 +133,10 @@ def llguidance_grammar(kind: str, text: str) -> str:
         schema = json.loads(text)
         if not isinstance(schema, (dict, bool)):
             raise ValueError("a JSON schema is an object")
+        if isinstance(schema, dict) and isinstance(schema.get("x-guidance"), dict):
+            # the schema's own options stay, but for the layout, which is the server's: a client's
+            # separators ("item_separator": ";") would make the output no JSON
+            schema = {**schema, "x-guidance": {**schema["x-guidance"], **JSON_OPTIONS}}
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)

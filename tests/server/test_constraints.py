@@ -626,3 +626,25 @@ def test_slow_tokens_between_fast_ones_end_the_row_on_average():
     assert row_after(([0.02] + [0.0001] * 9) * 500) is None  # 2 ms a token on average
     assert row_after([0.5] * 50, limit=0) is None  # no limit
     assert SLOW_TOKENS_SPARE * 0.005 == pytest.approx(1.0)
+
+
+def test_a_schemas_own_layout_options_cannot_make_the_output_no_json():
+    """llguidance reads layout options from a schema's `x-guidance`; a client's separators there
+    (`"item_separator": ";", "key_separator": "="`) made a response_format output, and a tool
+    call's arguments, text no JSON parser reads. The layout is the server's: the schema's other
+    options stay."""
+    from xlserve.server.api.structured import enforced_schema
+    from xlserve.server.engine.constraints import JSON_OPTIONS
+
+    bent = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"], "additionalProperties": False,
+            "x-guidance": {"item_separator": ";", "key_separator": "=", "whitespace_flexible": True}}
+    compiler = ConstraintCompiler(ByteTokenizer(), "m")
+
+    def takes(text: str) -> bool:
+        row = RowConstraint(compiler.matcher("json_schema", json.dumps(bent)), 256)
+        return all(row.accept(byte) for byte in text.encode())
+
+    assert takes('{"a": 1, "b": 2}') and not takes('{"a"=1;"b"=2}')
+    layout = enforced_schema(bent, strict=False, layout=JSON_OPTIONS)["x-guidance"]
+    assert {key: layout[key] for key in JSON_OPTIONS} == JSON_OPTIONS and layout["lenient"] is True
