@@ -276,8 +276,11 @@ def cmd_serve(args) -> None:
         server.should_exit = True
 
     app = build_app(settings, load_in_background=True, on_fatal=engine_lost)
+    # a websocket frame up to the request body limit gets its answer (an error frame past it): uvicorn
+    # closes the connection (1009) on a frame past its own bound, 16 MiB unless raised with the limit
+    ws_max_size = max(1 << 24, 2 * settings.server.max_request_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, ws_max_size=ws_max_size)
     server = GracefulServer(config)
     server.run()
     if failure:

@@ -457,3 +457,22 @@ def test_control_characters_in_the_header_get_the_http_servers_400(keyed_server)
     status_line, _, raw = raw_handshake(keyed_server.port, [b"xlserve, a\x01b"])
     with raw:
         assert status_line == b"HTTP/1.1 400 Bad Request", status_line
+
+
+def test_a_frame_past_16_mib_under_a_raised_body_limit_gets_its_answer(tiny_checkpoint, tmp_path):
+    """uvicorn closes a websocket (1009) on a frame past its own bound, 16 MiB by default: with
+    XLSERVE_MAX_REQUEST_BODY_BYTES raised past that, a frame HTTP would take killed the socket, and
+    the request running on it, with no error frame. The bound follows the setting now."""
+    process = ServerProcess([tiny_checkpoint], env={"XLSERVE_MAX_REQUEST_BODY_BYTES": str(24 << 20)},
+                            log_path=tmp_path / "large-frames.log").start()
+    try:
+        with connect(ws_url(process), max_size=None, open_timeout=30) as ws:
+            send(ws, type="generate", id="large", model=MODEL, prompt="x" * (17 << 20), max_tokens=1)
+            frame = json.loads(ws.recv(timeout=60))
+            assert frame["type"] == "error" and frame["id"] == "large"
+            assert frame["error"]["code"] == "prompt_too_long"  # XLSERVE_MAX_PROMPT_BYTES, answered in a frame
+            send(ws, type="generate", id="after", model=MODEL, prompt="ok", max_tokens=2, temperature=0)
+            tokens, done = answer(ws)
+            assert done["type"] == "done" and len(tokens) == 2
+    finally:
+        process.stop()
