@@ -290,6 +290,9 @@ class VanillaTransformer(LanguageModel):
         if held != min(tokens, L):
             raise ValueError(f"state tensor 'valid' marks {held} bytes; after {tokens} bytes a window of "
                              f"context_len {L} holds {min(tokens, L)}")
+        if held != state.length:  # padding is a batch's (split takes it off): a session's bytes are all its own
+            raise ValueError(f"state tensor 'valid' marks {held} of its {state.length} positions: a session's "
+                             "window holds no padding")
         if tokens > L and state.cache_length > 0 and bool(state.cached.any()):
             raise ValueError(f"state tensor 'cached' claims a key/value cache for a window that has slid "
                              f"({tokens} bytes seen, context_len {L})")

@@ -230,3 +230,21 @@ def test_an_import_is_checked_as_the_cache_will_keep_it():
     stored = checked.cast_state(torch.float16).cast_state(torch.float32)
     exact = lambda a, b: all(same_bits(x, y) for x, y in zip(a.state.to_tensors().values(), b.state.to_tensors().values()))
     assert exact(checked, stored) and not exact(sent, checked)
+
+
+def test_a_vanilla_window_padded_on_the_left_is_refused():
+    """A batch pads short windows on the left, and `split` takes the padding off: a session's
+    window holds none. One imported with padding passed (the valid bytes matched the token
+    count), was read as history when it ran alone and not in a batch, and after one commit
+    failed every restore (503) until replaced."""
+    model, metadata, tensors = exported("vanilla")
+    L = model.config.context_len
+    padded = {name: tensor for name, tensor in tensors.items() if not name.startswith(("state.keys", "state.values"))}
+    padded["state.tokens"] = torch.zeros(1, L - 1, dtype=torch.long)
+    padded["state.valid"] = torch.tensor([[False] * (L - 2) + [True]])
+    padded["state.cached"] = torch.tensor([False])
+    for name in tensors:
+        if name.startswith(("state.keys", "state.values")):
+            padded[name] = torch.zeros(1, 0, *tensors[name].shape[2:])
+    with pytest.raises(InvalidInput, match="no padding"):
+        validated_import("m", model, *decode_import(save_safetensors(padded, {**metadata, "tokens": "1"})))
