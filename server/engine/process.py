@@ -276,9 +276,10 @@ def decode_import(blob: bytes):
     def refuse(message: str) -> InvalidInput:
         return InvalidInput(message, param="body", code="invalid_state")
 
-    if len(blob) >= 8 and int.from_bytes(blob[:8], "little") > MAX_IMPORT_HEADER_BYTES:
-        raise refuse(f"the body's safetensors header is {int.from_bytes(blob[:8], 'little'):,} bytes; an exported "
-                     f"state's is a few KB, and the limit is {MAX_IMPORT_HEADER_BYTES:,}")
+    declared = int.from_bytes(blob[:8], "little") if len(blob) >= 8 else 0
+    if MAX_IMPORT_HEADER_BYTES < declared <= len(blob) - 8:  # one longer than the body is no safetensors file at all
+        raise refuse(f"the body's safetensors header is {declared:,} bytes; an exported state's is a few KB, and "
+                     f"the limit is {MAX_IMPORT_HEADER_BYTES:,}")
     try:
         meta, tensors, next_log_probs = decode(blob, require_checksum=False)  # a checksum, when present, must match
     except CorruptState as error:
