@@ -178,7 +178,7 @@ class DurableStore:
             nbytes=int(meta["nbytes"]), tokens=int(meta["tokens"]), version=int(meta["version"]),
             created_at=float(meta.get("created_at", 0)), last_used_at=float(meta.get("last_used_at", 0)),
             copies=set(copies), remembered=entries_from_lines(meta.get("idempotency")),
-            made_by=str(meta.get("made_by") or ""), commit_id=str(meta.get("commit") or ""),
+            made_by=str(meta.get("made_by") or ""), commit_id=commit_of(meta),
         )
 
     @staticmethod
@@ -199,9 +199,9 @@ class DurableStore:
             if meta.get("session_id") != record.id or int(meta.get("version", -1)) != record.version:
                 raise CorruptState(f"{tier} holds session {meta.get('session_id')} version {meta.get('version')}, "
                                    f"expected version {record.version}")
-            if (meta.get("commit") or "") != record.commit_id:  # the same number, another state (manager.py)
+            if commit_of(meta) != record.commit_id:  # the same number, another state (manager.py)
                 raise CorruptState(f"{tier} holds session {record.id} version {record.version} from commit "
-                                   f"'{meta.get('commit') or ''}', expected commit '{record.commit_id}'")
+                                   f"'{commit_of(meta)}', expected commit '{record.commit_id}'")
             data = session_data(spec.state_class, meta, tensors, next_log_probs)
             # the model's whole check, as an import gets it (finite, consistent, fits the token
             # count), on the state in the dtypes the model computes in: it is stored in the cache's

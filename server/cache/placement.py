@@ -71,6 +71,13 @@ def same_commit(record: Record, head: Head) -> bool:
     return head.version == record.version and commit_of(head.meta) == record.commit_id
 
 
+def overtaken(record: Record, head: Head) -> bool:
+    """Whether Redis's `head`, read before the session was held, may not be what Redis holds now:
+    older than the books (a commit of this replica landed since), or the same version from
+    another commit. Read again once held, it is (no commit of this replica can land then)."""
+    return head.version <= record.version and not same_commit(record, head)
+
+
 class Placement:
     def __init__(self, manager: CacheManager, durable: DurableStore, holds: Holds, lock: threading.RLock,
                  metrics=None):

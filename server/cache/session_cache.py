@@ -109,8 +109,8 @@ from xlserve.server.cache.ledger import (
     new_entry,
     remembered_entry,
 )
-from xlserve.server.cache.manager import CacheManager, Record, commit_of, new_commit_id
-from xlserve.server.cache.placement import Placement, Transfer, same_commit
+from xlserve.server.cache.manager import CacheManager, Record, new_commit_id
+from xlserve.server.cache.placement import Placement, Transfer, overtaken, same_commit
 from xlserve.server.cache.stores import SESSION_ID, DiskStore, Head, RedisStore
 
 __all__ = ["IDEMPOTENCY_KEYS_PER_SESSION", "TOMBSTONE_SECONDS", "Lease", "Replay", "SessionCache", "new_session_id"]
@@ -371,8 +371,8 @@ class SessionCache:
                     record = self.manager.get(session_id)
                     if record is None and self.placement.deleted_here(session_id, meta):  # read before a delete here
                         continue
-                    if record is not None and (record.version > version or record.version == version
-                                               and commit_of(meta) == record.commit_id):
+                    if record is not None and (record.version > version
+                                               or same_commit(record, Head(version, meta, None))):
                         infos.append(self._info(record))
                     else:
                         infos.append(DurableStore.info_from_head(session_id, version, meta, self.holds.leased(session_id)))
@@ -424,8 +424,7 @@ class SessionCache:
         transfer = Transfer(self.placement)
         try:
             read_while_held = False
-            if head is not None and (head.version < record.version
-                                     or head.version == record.version and not same_commit(record, head)):
+            if head is not None and overtaken(record, head):
                 # a commit here went in between that read and the hold, or Redis holds this version
                 # from another commit (manager.py `Record.commit_id`): read again (it cannot change now)
                 head, read_while_held = self.durable.head(session_id, want_keys), True
@@ -569,8 +568,7 @@ class SessionCache:
                 record = self._settled(session_id, owner, head)
                 hold = self.holds.take(session_id)  # SessionLocked (409) while a request holds it, before ...
             try:
-                if head is not None and (head.version < record.version
-                                         or head.version == record.version and not same_commit(record, head)):
+                if head is not None and overtaken(record, head):
                     # a commit of this replica landed between that read and the hold (one the delete
                     # waited for in `_settled`): read again, as the delete is of the version Redis
                     # holds now (durable.py `delete`); no commit of this replica can land while held
