@@ -44,6 +44,7 @@ from xlserve.server.engine.errors import EngineGone, EngineLoading, EngineRestar
 from xlserve.server.engine.memory import engine_environment
 from xlserve.server.engine.types import SamplingParams, Submission
 from xlserve.server.engine.wire import (
+    CHANGES_A_SESSION,
     Acquire,
     Append,
     Cancel,
@@ -79,11 +80,6 @@ from xlserve.server.engine.wire import (
 )
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
-
-# the calls that change a session in the engine process: one in flight when that process dies may
-# have landed (its write was durable before the answer could be sent), so it is not "nothing
-# committed, send it again", which without an Idempotency-Key would apply it twice
-CHANGES_A_SESSION = (Commit, CreateSession, ForkSession, ImportSession, ReplaceState, DeleteSession)
 
 log = logging.getLogger("xlserve.engine_client")
 

@@ -69,6 +69,7 @@ from xlserve.server.engine.scheduler import Engine, EventSink
 from xlserve.server.engine.threads import own_torch_threads, threads_per_engine
 from xlserve.server.engine.types import SamplingParams
 from xlserve.server.engine.wire import (
+    CHANGES_A_SESSION,
     HEARTBEAT_SECONDS,
     REQUESTS,
     Accepted,
@@ -133,10 +134,10 @@ FIRST_COMPILES_QUEUED = 32
 PREFIX_LOOKUP_THREADS = 8
 
 
-# the operations whose reply says a session changed: one whose reply cannot be sent has changed it
-# all the same (CommitOutcomeUnknown, never an error that reads as "nothing happened")
-CHANGING_OPERATIONS = frozenset({Operation.COMMIT, Operation.CREATE_SESSION, Operation.FORK_SESSION,
-                                 Operation.IMPORT_SESSION, Operation.REPLACE_STATE, Operation.DELETE_SESSION})
+# the operations whose reply says a session changed (wire.py CHANGES_A_SESSION): one whose reply
+# cannot be sent has changed it all the same (CommitOutcomeUnknown, never an error that reads as
+# "nothing happened")
+CHANGING_OPERATIONS = frozenset(request.operation for request in CHANGES_A_SESSION)
 
 
 # -- loading ---------------------------------------------------------------------------------

@@ -467,6 +467,13 @@ class GetMetrics(Request, operation=Operation.GET_METRICS, reply=MetricsText):
     pass
 
 
+# the calls that change a session in the engine process: one whose answer is lost (the engine
+# process died, or its reply could not be sent) may have landed (its write was durable before the
+# answer), so it is not "nothing committed, send it again", which without an Idempotency-Key would
+# apply it twice (client.py, process.py)
+CHANGES_A_SESSION = (Commit, CreateSession, ForkSession, ImportSession, ReplaceState, DeleteSession)
+
+
 # -- the other frames ------------------------------------------------------------------------------
 
 
