@@ -160,6 +160,26 @@ def send_within(send, timeout: float | None):
 STATE_SEND_BYTES = 1 << 20
 
 
+async def send_in_parts(send, start: dict, body: memoryview, paced_from: float | None = None) -> bool:
+    """`start` (http.response.start), then `body` in parts of STATE_SEND_BYTES through `send`
+    (`send_within`'s: TimeoutError once one part waits past its timeout). With `paced_from` (a
+    monotonic time), after STATE_BODY_GRACE_SECONDS from it the body must go at
+    STATE_BODY_BYTES_PER_SECOND on average: False, the rest unsent, when it does not."""
+    await send(start)
+    for offset in range(0, max(len(body), 1), STATE_SEND_BYTES):
+        message = {"type": "http.response.body", "body": bytes(body[offset:offset + STATE_SEND_BYTES]),
+                   "more_body": offset + STATE_SEND_BYTES < len(body)}
+        if paced_from is None:
+            await send(message)
+            continue
+        allowed = paced_from + STATE_BODY_GRACE_SECONDS + offset / STATE_BODY_BYTES_PER_SECOND - time.monotonic()
+        with anyio.move_on_after(max(allowed, 0.0)) as pace:
+            await send(message)
+        if pace.cancelled_caught:
+            return False
+    return True
+
+
 class PartedJSONResponse(JSONResponse):
     """A JSON answer that is not streamed (a completion's, up to about 20 MB with every token's
     log-probabilities), sent in parts of STATE_SEND_BYTES, each within the stream send timeout
@@ -171,13 +191,9 @@ class PartedJSONResponse(JSONResponse):
         app_state_ = getattr(getattr(scope.get("app"), "state", None), "xlserve", None)
         timeout = getattr(getattr(getattr(app_state_, "settings", None), "server", None),
                           "stream_send_timeout_seconds", None)
-        timed_send = send_within(send, timeout)
         try:
-            await timed_send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            body = memoryview(self.body)
-            for start in range(0, max(len(body), 1), STATE_SEND_BYTES):
-                await timed_send({"type": "http.response.body", "body": bytes(body[start:start + STATE_SEND_BYTES]),
-                                  "more_body": start + STATE_SEND_BYTES < len(body)})
+            await send_in_parts(send_within(send, timeout), {"type": "http.response.start", "status": self.status_code,
+                                                             "headers": self.raw_headers}, memoryview(self.body))
         except TimeoutError:  # the server closes the connection of an answer it did not complete
             log.warning("a client took no write of its %d-byte answer for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
                         "its answer is ended", len(self.body), timeout)
@@ -203,23 +219,15 @@ class StateResponse(Response):
         self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
-        timed_send = send_within(send, self.send_timeout)
-        started = time.monotonic()
+        body = memoryview(self.body)
+        if scope.get("method") == "HEAD":
+            body = body[:0]
         try:
-            await timed_send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            body = memoryview(self.body)
-            if scope.get("method") == "HEAD":
-                body = body[:0]
-            for start in range(0, max(len(body), 1), STATE_SEND_BYTES):
-                last = start + STATE_SEND_BYTES >= len(body)
-                allowed = started + STATE_BODY_GRACE_SECONDS + start / STATE_BODY_BYTES_PER_SECOND - time.monotonic()
-                with anyio.move_on_after(max(allowed, 0.0)) as pace:
-                    await timed_send({"type": "http.response.body", "body": bytes(body[start:start + STATE_SEND_BYTES]),
-                                      "more_body": not last})
-                if pace.cancelled_caught:  # the server closes the connection of an answer it did not complete
-                    log.warning("an exported state's client read slower than %d bytes/s after %gs: its answer is "
-                                "ended", STATE_BODY_BYTES_PER_SECOND, STATE_BODY_GRACE_SECONDS)
-                    return
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            if not await send_in_parts(send_within(send, self.send_timeout), start, body, paced_from=time.monotonic()):
+                # the server closes the connection of an answer it did not complete
+                log.warning("an exported state's client read slower than %d bytes/s after %gs: its answer is "
+                            "ended", STATE_BODY_BYTES_PER_SECOND, STATE_BODY_GRACE_SECONDS)
         except TimeoutError:  # the server closes the connection of an answer it did not complete
             log.warning("an exported state's client took no write for %gs (XLSERVE_STREAM_SEND_TIMEOUT_SECONDS): "
                         "its answer is ended", self.send_timeout)
