@@ -634,7 +634,6 @@ class EngineProcess:
         compile_first = params.constraint_kind is not None and constraint is None
         if compile_first or (request.lease is None and request.prefix_scope is not None
                              and engine.prefix_lookup_waits):
-            cancelled = threading.Event()  # registered first, so that a cancel sent meanwhile is not lost
             with self.lock:
                 if compile_first and self.first_compiles_waiting >= FIRST_COMPILE_THREADS + FIRST_COMPILES_QUEUED:
                     raise QueueFull(f"{self.first_compiles_waiting} requests wait for a constraint to compile; "
@@ -644,9 +643,9 @@ class EngineProcess:
                                     f"(XLSERVE_MAX_QUEUED_REQUESTS: {engine.max_queued}); retry later", code="queue_full")
                 self.first_compiles_waiting += compile_first
                 self.prefix_lookups_waiting += not compile_first
-                self.requests[request.request_id] = (_PendingLookup(cancelled), engine, None)
-            return Deferred(lambda: self._deferred_generate(request, engine, cancelled, compile_first),
-                            self.first_compiles if compile_first else self.prefix_lookups)
+            return self._off_the_reader(request.request_id, engine,
+                                        lambda cancelled: self._deferred_generate(request, engine, cancelled, compile_first),
+                                        self.first_compiles if compile_first else self.prefix_lookups)
         if request.lease is not None and self._casts(request.lease, engine):
             return self._off_the_reader(request.request_id, engine,
                                         lambda cancelled: self._generate(request, engine, cancelled, constraint))
@@ -654,8 +653,8 @@ class EngineProcess:
 
     def _deferred_generate(self, request: Generate, engine: Engine, cancelled: threading.Event,
                            compile_first: bool) -> Accepted:
-        """`generate`'s slow part, on a pool of its own (first compiles', or prefix lookups'):
-        the constraint's compile, or the prefix lookup, then the request queued. Whatever fails before it is queued takes its stand-in out of the table."""
+        """`generate`'s slow part, on a pool of its own (first compiles', or prefix lookups', through
+        `_off_the_reader`): the constraint's compile, or the prefix lookup, then the request queued."""
         params = request.params
         try:
             constraint = None
@@ -665,10 +664,6 @@ class EngineProcess:
                 constraint = engine.constraints.matcher(params.constraint_kind, params.constraint or "",
                                                         params.constraint_param)
             return self._generate(request, engine, cancelled, constraint)
-        except BaseException:
-            with self.lock:
-                self.requests.pop(request.request_id, None)
-            raise
         finally:
             with self.lock:
                 if compile_first:
@@ -719,11 +714,11 @@ class EngineProcess:
         return any(tensor.dtype != wanted.get(name, tensor.dtype)
                    for name, tensor in self.lease(lease_id).data.state._named_tensors() if tensor.is_floating_point())
 
-    def _off_the_reader(self, request_id: int, engine: Engine,
-                        queue: Callable[[threading.Event], Accepted]) -> Deferred:
-        """Queue the request from the session-op threads (`queue(cancelled)`), a stand-in
-        registered first so that a cancel sent meanwhile is not lost; whatever fails before it
-        is queued takes the stand-in out of the table."""
+    def _off_the_reader(self, request_id: int, engine: Engine, queue: Callable[[threading.Event], Accepted],
+                        pool: ThreadPoolExecutor | None = None) -> Deferred:
+        """Queue the request from `pool`'s threads (the session-op threads by default) with
+        `queue(cancelled)`, a stand-in registered first so that a cancel sent meanwhile is not
+        lost; whatever fails before it is queued takes the stand-in out of the table."""
         cancelled = threading.Event()
         with self.lock:
             self.requests[request_id] = (_PendingLookup(cancelled), engine, None)
@@ -736,7 +731,7 @@ class EngineProcess:
                     self.requests.pop(request_id, None)
                 raise
 
-        return Deferred(run, self.pool)
+        return Deferred(run, pool or self.pool)
 
     def starting_data(self, lease_id: int, engine: Engine) -> SessionData:
         """The leased session's state in the dtypes `engine`'s model computes in: the cache keeps
