@@ -46,6 +46,7 @@ from xlserve.server.api.errors import (
     install_error_handlers,
     send_error,
 )
+from xlserve.server.api.request_ids import RequestIdMiddleware
 from xlserve.server.api.routers import chat, completions, health, models, playground, sessions, tokenize, ws
 from xlserve.server.api.routers.docs import DOCUMENTATION_PATHS, documentation_router
 from xlserve.server.api.routers.playground import PAGE_PATHS
@@ -428,7 +429,8 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     open_paths = OPEN_PATHS | PAGE_PATHS | documentation_paths(app)
     app.add_middleware(LoadingGate, open_paths=frozenset(open_paths))
     app.add_middleware(AdmissionMiddleware, max_body_bytes=settings.server.max_request_body_bytes)
-    app.add_middleware(ResponseMetrics)  # outermost: it counts what the others answer too
+    app.add_middleware(ResponseMetrics)  # it counts what the others answer too
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer the others give carries the id
 
     # every API route refuses a query parameter it does not take; the websocket checks its own
     # once accepted (an error frame), and the playground's pages take whatever a browser adds

@@ -15,6 +15,7 @@ and by serving for errors sent inside an SSE stream or as a websocket error fram
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +29,12 @@ from starlette.types import Scope, Send
 # the engine's and the cache's errors modules are imported for their classes: defining a class
 # registers it (server/errors.py), and the table below is built from the registry
 import xlserve.server.cache.errors  # noqa: F401
+from xlserve.server.api.request_ids import REQUEST_ID_HEADER, request_id_of
 from xlserve.server.engine.errors import Cancelled
 from xlserve.server.errors import RegisteredError, answered_error_classes
 from xlserve.server.metrics import error_code_label
+
+log = logging.getLogger("xlserve.server")
 
 
 class APIError(Exception):
@@ -288,4 +292,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):
-        return answer(request, as_api_error(error), raised=error)
+        # answered by Starlette's outermost middleware, outside RequestIdMiddleware: the id is
+        # added here, and logged with the request, since the traceback uvicorn logs after this
+        # answer names neither
+        request_id = request_id_of(request.scope)
+        log.error("request %s (%s %s) failed: %s", request_id, request.method, request.url.path, type(error).__name__)
+        response = answer(request, as_api_error(error), raised=error)
+        if request_id is not None:
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response

@@ -43,13 +43,13 @@ pid {directory}/nginx.pid;
 error_log {directory}/error.log info;
 events {{ worker_connections 256; }}
 http {{
-    access_log {directory}/access.log;
+    include {directory}/xlserve.conf;
+    access_log {directory}/access.log xlserve_request;
     client_body_temp_path {directory}/body;
     proxy_temp_path {directory}/proxy;
     fastcgi_temp_path {directory}/fastcgi;
     uwsgi_temp_path {directory}/uwsgi;
     scgi_temp_path {directory}/scgi;
-    include {directory}/xlserve.conf;
 }}
 """)
     return main
@@ -137,11 +137,12 @@ def test_a_session_stays_on_one_replica_and_survives_losing_it(fleet):
         assert proxy.get(f"/v1/sessions/{session}").json()["version"] == 6  # 3 appends, 3 completions
 
 
-def test_session_states_pass_the_proxy_under_their_own_body_limit(fleet):
+def test_session_states_pass_the_proxy_under_their_own_body_limit(fleet, tmp_path):
     """The shipped config takes a session state's body up to 512m (XLSERVE_MAX_STATE_BODY_BYTES'
     paths), streamed on, while JSON bodies keep 8m: a 9 MB import reaches xlserve, whose own
     limit answers (JSON naming its setting), where a 9 MB completion is refused by nginx itself.
-    An exported state goes back in through the proxy as a new session."""
+    An exported state goes back in through the proxy as a new session. Each request carries one
+    X-Request-Id from nginx (its own, or the client's) to the replica, back, and into its log."""
     url, _ = fleet
     nine_mb = b"\0" * 9_000_000
     with httpx.Client(base_url=url, timeout=60) as proxy:
@@ -161,3 +162,11 @@ def test_session_states_pass_the_proxy_under_their_own_body_limit(fleet):
             assert answer.status_code == 413 and "XLSERVE_MAX_STATE_BODY_BYTES" in answer.json()["error"]["message"]
         refused = proxy.post("/v1/completions", content=nine_mb, headers={"content-type": "application/json"})
         assert refused.status_code == 413 and "nginx" in refused.text  # nginx's own page: never reached xlserve
+
+        # one request id from nginx to the replica and back, in both locations, and in nginx's log
+        given = proxy.get(f"/v1/sessions/{session}", headers=header).headers["x-request-id"]
+        assert re.fullmatch("[0-9a-f]{32}", given)
+        assert proxy.get(f"/v1/sessions/{session}/state", headers={**header, "X-Request-Id": "mine-1"}
+                         ).headers["x-request-id"] == "mine-1"
+    log = (tmp_path / "nginx" / "access.log").read_text()  # the fleet's nginx, in this test's tmp_path
+    assert f"request_id={given} " in log and "request_id=mine-1 " in log
