@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load as load_safetensors
 
+from xlserve.models.allocation import out_of_memory
 from xlserve.models.interface import State, TensorChange
 from xlserve.server.cache.errors import CorruptState
 
@@ -518,6 +519,8 @@ def materialise(base: bytes, deltas: list[bytes]) -> tuple[dict[str, str], dict[
             for name, change in changes.items():
                 building.setdefault(name, _Building(None)).apply(change)
         except (RuntimeError, IndexError, TypeError, ValueError) as error:  # TypeError: a slots op without its index
+            if out_of_memory(error):  # the machine's trouble, not the blocks': never called damage
+                raise
             raise CorruptState(f"a delta block does not apply to the state before it: {error}") from None
         if logits == "set":
             next_log_probs = logits_tensor
@@ -526,6 +529,8 @@ def materialise(base: bytes, deltas: list[bytes]) -> tuple[dict[str, str], dict[
     try:
         tensors = {name: piece.join() for name, piece in building.items() if piece.parts}
     except RuntimeError as error:
+        if out_of_memory(error):
+            raise
         raise CorruptState(f"a delta block does not apply to the state before it: {error}") from None
     meta = {k: v for k, v in meta.items() if k not in ("delta", "next_log_probs")}
     return meta, tensors, next_log_probs

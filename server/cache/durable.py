@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from xlserve.models.allocation import out_of_memory
 from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, check_record_metadata,
                                         entries_from_lines, floating_dtypes, joined, materialise, session_data)
 from xlserve.server.cache.errors import (
@@ -208,7 +209,13 @@ class DurableStore:
             # state dtype (a copy only where the two differ, dropped after the check)
             computed = data.cast_state(floating_dtypes(spec.init_state(1)))
             spec.check_session(computed.state, computed.tokens, computed.next_log_probs)
-        except (CorruptState, ValueError) as error:
+        except (CorruptState, ValueError, RuntimeError, MemoryError) as error:
+            if out_of_memory(error):  # host RAM, or the device, for this read alone: the copy is fine
+                log.warning("session %s: no memory to read its %s copy: %s", record.id, tier, error)
+                raise SessionUnavailable(f"session '{record.id}': the server ran out of memory reading its state; "
+                                         "retry shortly", record.id) from None
+            if isinstance(error, RuntimeError):  # torch on a tensor that is not what the record says
+                error = CorruptState(str(error))
             log.error("session %s: %s copy is unusable: %s", record.id, tier, error)
             raise SessionUnavailable(f"session '{record.id}': the stored state is unusable ({error})", record.id) from None
         return data

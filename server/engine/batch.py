@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xlserve.models.allocation import out_of_memory
 from xlserve.models.interface import State
 from xlserve.server.engine.request import Row
 
@@ -82,10 +83,9 @@ class BatchLayout:
         and the class's rows of different shapes go on batching together at the next step."""
         try:
             return type(states[0]).concat(states)
-        except torch.OutOfMemoryError:
-            return None
-        except (RuntimeError, ValueError):
-            self.ragged[type(states[0])] = False
+        except (RuntimeError, ValueError, MemoryError) as error:
+            if not out_of_memory(error):
+                self.ragged[type(states[0])] = False
             return None
 
     def batches(self, items: list, state_of) -> list[list]:

@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from xlserve.models.allocation import out_of_memory
 from xlserve.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint, read_config
 from xlserve.models.interface import LanguageModel
 from xlserve.models.huge_pages import weights_on_huge_pages
@@ -337,10 +338,10 @@ def validated_import(name: str, model: LanguageModel, meta: dict[str, str], tens
         check_state_magnitudes(data)
         data = data.to(model.device)
         probe_forward(model, data)
-    except torch.OutOfMemoryError:  # a RuntimeError, but the server's trouble, not the state's
-        raise DeviceOutOfMemory(f"the device of model '{name}' ran out of memory while checking the imported "
-                                "state; retry") from None
-    except (ValueError, IndexError, RuntimeError, TypeError, OverflowError) as error:  # RuntimeError: torch on a malformed tensor
+    except (ValueError, IndexError, RuntimeError, TypeError, OverflowError, MemoryError) as error:  # RuntimeError: torch on a malformed tensor
+        if out_of_memory(error):  # a RuntimeError on the CPU too, but the server's trouble, not the state's
+            raise DeviceOutOfMemory(f"the device of model '{name}' ran out of memory while checking the imported "
+                                    "state; retry") from None
         raise refuse(f"the state does not fit model '{name}': {error}") from None
     return data
 

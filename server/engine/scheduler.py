@@ -61,6 +61,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from xlserve.models.allocation import out_of_memory
 from xlserve.models.interface import LanguageModel, State, rows_and_scores
 from xlserve.models.quantize import weight_bytes_per_step
 from xlserve.server.cache.codec import SessionData
@@ -373,7 +374,7 @@ class Engine:
             except BaseException as error:  # a bug in the loop itself: fail everyone, keep serving
                 log.exception("model %s: a step failed outside any one request's work", self.name)
                 for request in list(self._running):
-                    self._fail(request, alone_error(error, "step_failed"))
+                    self._fail(request, request_error(error, "step_failed"))
                 self.layout.clear()
                 self._running_metric.set(len(self._running))  # set at a step's end, which this one never reached
             finally:
@@ -872,13 +873,13 @@ class Engine:
         try:
             work(*args)
         except Exception as error:
-            self._fail(request, alone_error(error))
+            self._fail(request, request_error(error))
 
     def _finish_row(self, row: Row) -> None:
         request = row.request
         if row.state_error is not None:  # its state could not be taken out of its batch
             if request.keep_state:  # a session's new state: nothing to commit
-                self._fail(request, alone_error(row.state_error))
+                self._fail(request, request_error(row.state_error))
                 return
             # only a prefix-cache offer wanted it: the answer stands (its tokens are sent), the offer goes
             log.warning("model %s: a finished row's state could not be kept for the prefix cache (%s)", self.name,
@@ -1012,27 +1013,23 @@ def _water_fill(needs: list[int], budget: int) -> list[int]:
     return shares
 
 
-def request_error(error: BaseException, code: str) -> EngineError:
-    """What a request that failed alone is told: the engine's own refusals as they are, anything
-    else as RequestFailed with `code`, naming what went wrong."""
+def request_error(error: BaseException, code: str = "finish_failed") -> EngineError:
+    """What a request that failed alone is told: the engine's own refusals as they are; the
+    machine out of memory (the device's, or host RAM on the CPU: `out_of_memory`) as the server's
+    passing trouble, 503 DeviceOutOfMemory that a client retries; anything else as RequestFailed
+    with `code`, naming what went wrong."""
     if isinstance(error, EngineError):
         return error
     where = {"sampling_failed": "sampling its next token", "forward_failed": "running the model on its tokens",
              "finish_failed": "finishing its answer or its state"}.get(code)
+    if out_of_memory(error):
+        return DeviceOutOfMemory(f"the model's device ran out of memory while {where or 'stepping'} ({error}); "
+                                 "nothing was committed; retry shortly")
     if where is None:  # step_failed: the step's own bookkeeping, which every request of the step shared
         return RequestFailed(f"this request failed with the engine step it was in ({type(error).__name__}: {error}); "
                              "nothing was committed; the engine serves on", code=code)
     return RequestFailed(f"this request failed while {where} ({type(error).__name__}: {error}); "
                          "the other requests were not affected and nothing was committed", code=code)
-
-
-def alone_error(error: BaseException, code: str = "finish_failed") -> EngineError:
-    """`request_error` for a step's work of one request; the device out of memory is the server's
-    passing trouble (503 DeviceOutOfMemory, retry), not the request's."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return DeviceOutOfMemory(f"the model's device ran out of memory while finishing this request ({error}); "
-                                 "nothing was committed; retry shortly")
-    return request_error(error, code)
 
 
 def _most_likely(rows: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:

@@ -1,6 +1,7 @@
 """Which states batch together (server/engine/batch.py BatchLayout): a class whose concat refuses
 rows of different shapes is batched by shape from then on; running out of memory while making
-one batch is not such a refusal, and leaves the class batching its ragged rows together."""
+one batch (on an accelerator, or host RAM on the CPU) is not such a refusal, and leaves the class
+batching its ragged rows together."""
 
 import pytest
 import torch
@@ -15,7 +16,17 @@ def memory(length: int) -> XLMemory:
                     valid=torch.ones(1, length, dtype=torch.bool))
 
 
+def host_allocation_failure() -> RuntimeError:
+    """What torch's CPU allocator raises when host RAM runs out: a plain RuntimeError."""
+    try:
+        torch.empty(2**50, dtype=torch.uint8)
+    except RuntimeError as error:
+        return error
+    raise AssertionError("an allocation of 1 PiB succeeded")
+
+
 @pytest.mark.parametrize("error, ragged_after", [(torch.OutOfMemoryError("out of memory"), True),
+                                                 (host_allocation_failure(), True),
                                                  (RuntimeError("cannot pad these"), False)])
 def test_only_a_refusal_stops_ragged_batches(monkeypatch, error, ragged_after):
     layout = BatchLayout(max_batch_size=8)
@@ -30,3 +41,20 @@ def test_only_a_refusal_stops_ragged_batches(monkeypatch, error, ragged_after):
     assert layout.concat([short, long]) is None
     monkeypatch.undo()
     assert (layout.key(short) == layout.key(long)) is ragged_after
+
+
+def test_a_step_that_runs_out_of_memory_is_a_retryable_503_for_its_request_not_a_failure():
+    """A forward, a sampling or a finish that cannot allocate (the device's memory, or host RAM on
+    the CPU, where torch raises a plain RuntimeError) is the server's passing trouble: 503
+    device_out_of_memory with Retry-After, whichever part of the step it hit; any other error
+    stays the request's RequestFailed with its code."""
+    from xlserve.server.engine.errors import DeviceOutOfMemory, RequestFailed
+    from xlserve.server.engine.scheduler import request_error
+
+    for code in ("forward_failed", "sampling_failed", "finish_failed", "step_failed"):
+        for error in (torch.OutOfMemoryError("CUDA out of memory"), host_allocation_failure(), MemoryError()):
+            answered = request_error(error, code)
+            assert isinstance(answered, DeviceOutOfMemory), (code, error)
+            assert answered.retry_after_seconds == 1
+        plain = request_error(RuntimeError("shapes do not agree"), code)
+        assert isinstance(plain, RequestFailed) and plain.code == code

@@ -59,6 +59,35 @@ def test_decode_refuses_another_version_or_a_model_not_served(tmp_path):
         store.decode(unserved, "disk", store.disk.read(r.id))
 
 
+def test_running_out_of_memory_while_reading_a_state_is_no_sign_of_damage(tmp_path, monkeypatch, caplog):
+    """Host RAM that runs out while a stored state is read back (torch's CPU allocator raises a
+    plain RuntimeError, the class a tensor that does not fit raises too) fails that read alone
+    with a 503 that says to retry: never "the stored state is unusable", which an operator would
+    take for damage, and the same copy reads back once memory is there."""
+    import logging
+
+    import torch
+
+    from xlserve.server.cache import durable
+
+    store = on_disk(tmp_path)
+    r = record(version=3)
+    write(store, r, seed=1)
+    blob = store.disk.read(r.id)
+    materialise = durable.materialise
+
+    def without_memory(*args):
+        torch.empty(2**50, dtype=torch.uint8)  # beyond any machine: the allocator's own failure
+
+    monkeypatch.setattr(durable, "materialise", without_memory)
+    with caplog.at_level(logging.WARNING, logger="xlserve"), pytest.raises(SessionUnavailable) as refused:
+        store.decode(r, "disk", blob)
+    assert "ran out of memory" in str(refused.value) and "unusable" not in str(refused.value)
+    assert not any("unusable" in line.getMessage() for line in caplog.records)
+    monkeypatch.setattr(durable, "materialise", materialise)
+    assert same(store.decode(r, "disk", blob), data(10, 1))
+
+
 def test_a_disk_delete_with_a_key_leaves_a_tombstone_one_without_does_not(tmp_path):
     store = on_disk(tmp_path)
     first, second = record(owner="o"), record(session_id="sess_" + "b" * 32, owner="o")

@@ -96,9 +96,17 @@ def test_validated_import_takes_a_16_bit_export_and_refuses_an_integer_tensor_by
     assert refused.value.code == "invalid_state"
 
 
-def test_the_device_running_out_of_memory_while_probing_an_import_is_a_retryable_503(monkeypatch):
+def host_allocation_failure():
+    """What torch's CPU allocator really raises when host RAM runs out (a plain RuntimeError): an
+    allocation beyond any machine's address space."""
+    torch.empty(2**50, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("fails", ["device", "host"])
+def test_the_device_running_out_of_memory_while_probing_an_import_is_a_retryable_503(monkeypatch, fails):
     """torch's OutOfMemoryError is a RuntimeError, which a malformed state raises too: it must not
-    be answered as the client's state not fitting (a 400 the client would never retry)."""
+    be answered as the client's state not fitting (a 400 the client would never retry). On the
+    CPU the allocator's failure is a plain RuntimeError, told apart by its text."""
     from xlserve.server.api.errors import as_api_error
     from xlserve.server.engine import process
     from xlserve.server.engine.errors import DeviceOutOfMemory
@@ -108,6 +116,8 @@ def test_the_device_running_out_of_memory_while_probing_an_import_is_a_retryable
     meta, tensors, next_log_probs = decode(encode(session_after_history(model), {"model": "m"}))
 
     def out_of_memory(*args):
+        if fails == "host":
+            host_allocation_failure()
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(process, "probe_forward", out_of_memory)
