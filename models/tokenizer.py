@@ -18,7 +18,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
@@ -52,7 +52,9 @@ class ByteTokenizer:
             return f"<id {int(token)}>"
         return chr(token) if token < 0x80 else f"<0x{token:02X}>"
 
-    def detokenizer(self) -> "IncrementalDetokenizer":
+    def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "IncrementalDetokenizer":
+        """Bytes decode the same wherever they stand: `context` and `continues` (see
+        `SentencePieceDetokenizer`) change nothing here."""
         return IncrementalDetokenizer()
 
 
@@ -151,16 +153,20 @@ class WordTokenizer:
     def token_text(self, token: int) -> str:
         return self.symbols[token]
 
-    def detokenizer(self) -> "WordDetokenizer":
-        return WordDetokenizer(self)
+    def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "WordDetokenizer":
+        return WordDetokenizer(self, context, continues)
 
 
 class WordDetokenizer:
-    """Incremental `WordTokenizer.decode`: a space before every word but the first of a line."""
+    """Incremental `WordTokenizer.decode`: a space before every word but the first of a line.
 
-    def __init__(self, tokenizer: WordTokenizer) -> None:
+    A generation continues a prompt (`context`, its last tokens) or a session's text (`continues`:
+    text came before whose tokens are not at hand): its first word then takes its space, unless
+    the text before ended a line (<eos>), so that prompt + completion reads as one decode."""
+
+    def __init__(self, tokenizer: WordTokenizer, context: Sequence[int] = (), continues: bool = False) -> None:
         self._tokenizer = tokenizer
-        self._line_start = True
+        self._line_start = context[-1] == tokenizer.eos_id if context else not continues
 
     def push(self, token: int) -> str:
         if token == self._tokenizer.eos_id:
@@ -445,8 +451,8 @@ class TokenizersTokenizer:
         name = self.tokenizer.id_to_token(int(token))
         return name if name is not None else f"<id {int(token)}>"
 
-    def detokenizer(self) -> "SentencePieceDetokenizer":
-        return SentencePieceDetokenizer(self)
+    def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "SentencePieceDetokenizer":
+        return SentencePieceDetokenizer(self, context, continues)
 
 
 class SentencePieceTokenizer:
@@ -510,8 +516,8 @@ class SentencePieceTokenizer:
     def token_text(self, token: int) -> str:
         return self.processor.IdToPiece(int(token))
 
-    def detokenizer(self) -> "SentencePieceDetokenizer":
-        return SentencePieceDetokenizer(self)
+    def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "SentencePieceDetokenizer":
+        return SentencePieceDetokenizer(self, context, continues)
 
 
 class SentencePieceDetokenizer:
@@ -536,13 +542,33 @@ class SentencePieceDetokenizer:
     HOLD = 8
     REACH = 32
     STABLE_AFTER = 3  # tokens after which no earlier character can change
+    PRIMING = 8  # the prompt's last tokens decoded before the first generated one
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, context: Sequence[int] = (), continues: bool = False) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._context = 0  # the window decoded for context starts here
         self._read = 0  # every token before this has been handed out
         self._sent = 0  # characters handed out
+        self._prime(context, continues)
+
+    def _prime(self, context: Sequence[int], continues: bool) -> None:
+        """Start after text that is not handed out: the prompt's last tokens (`context`), or, for a
+        session whose earlier tokens are not at hand (`continues`), an anchor word ("a"). Without
+        it the first piece would be decoded as a text's start, and sentencepiece and Metaspace
+        drop a text's first word-start space: "Hello" + "▁world" would stream "world", not
+        " world" (vLLM primes its detokenizer with the prompt for the same reason). A context
+        whose text ends in a character still incomplete is not used: the window could not tell
+        its own text from the new one."""
+        anchor = list(context[-self.PRIMING :]) if context else []
+        if not anchor and continues:
+            anchor = self._tokenizer.encode("a")
+            if self._tokenizer.decode(anchor) != "a":  # no plain word to stand before the text
+                anchor = []
+        text = self._tokenizer.decode(anchor) if anchor else ""
+        if not text or text.endswith("\ufffd"):
+            return
+        self._ids, self._read, self._sent = [int(token) for token in anchor], len(anchor), len(text)
 
     def push(self, token: int) -> str:
         self._ids.append(int(token))

@@ -91,6 +91,10 @@ log = logging.getLogger("xlserve.engine")
 # (request.handle, event) pairs, in order; it must not block for long (the step waits for it)
 EventSink = Callable[[list[tuple[object, object]]], None]
 
+# the prompt's last tokens a choice's detokenizer starts after (models/tokenizer.py decodes the
+# last few of them before the first generated token)
+PROMPT_CONTEXT_TOKENS = 8
+
 
 class Engine:
     """One model's scheduler: a queue of `EngineRequest`s and the worker thread that steps them."""
@@ -661,10 +665,13 @@ class Engine:
         if request.next_log_probs is None:
             self._fail(request, InvalidInput("nothing to continue from: give a prompt", param="prompt"))
             return
-        # choices share the prompt's state: states are values, a forward never changes its input
+        # choices share the prompt's state: states are values, a forward never changes its input.
+        # Each choice's text continues the prompt's (or the session's text before it): its
+        # detokenizer starts after them, so a first word keeps the space that joins it on
+        context, continues = request.prompt[-PROMPT_CONTEXT_TOKENS:], request.start.tokens > 0
         try:
-            request.rows = [Row(request, i, self.tokenizer.detokenizer(), request.state, data.next_log_probs)
-                            for i in range(request.params.n)]
+            request.rows = [Row(request, i, self.tokenizer.detokenizer(context, continues), request.state,
+                                data.next_log_probs) for i in range(request.params.n)]
         except Exception as error:
             request.rows = []
             self._fail(request, request_error(error, "sampling_failed"))

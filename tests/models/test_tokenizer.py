@@ -209,3 +209,59 @@ def test_a_newer_tokenizer_json_an_older_tokenizers_cannot_express_is_refused_na
     with pytest.raises(ValueError, match=refused) as error:
         readable_by_library(content, (0, 15))
     assert "tokenizers>=0.20" in str(error.value)
+
+
+# -- a generation's text continues its prompt's ----------------------------------------------------
+
+
+def metaspace_tokenizer():
+    """A Metaspace BPE (Llama's and Mistral's kind) trained here with the installed tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from xlserve.models.tokenizer import TokenizersTokenizer
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", add_prefix_space=True)
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", add_prefix_space=True)
+    corpus = ["Hello world, the cat sat on the mat. 1990, 2024 and ünïcode words again."] * 20
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    return TokenizersTokenizer(tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["tokenizers", "sentencepiece", "metaspace", "words"])
+def test_a_generation_streams_the_text_that_follows_its_prompt(subword_tokenizers, kind):
+    """What a choice streams after a prompt is what one decode of prompt + completion adds to the
+    prompt's text: sentencepiece and Metaspace decoders drop a text's first word-start space, and
+    word-level text puts no space before a line's first word, so a detokenizer that started from
+    nothing streamed "Hello" + "world". After a session's text whose tokens are not at hand
+    (`continues`), the first word takes its space too."""
+    pytest.importorskip("sentencepiece" if kind == "sentencepiece" else "tokenizers")
+    from xlserve.models.tokenizer import WordTokenizer
+
+    text = "Hello world, the cat sat on the mat. 1990, and words again."
+    if kind == "metaspace":
+        tokenizer = metaspace_tokenizer()
+    elif kind == "words":
+        text = "Hello world , the cat\nsat on the mat . 1990 , and\nwords again ."
+        tokenizer = WordTokenizer(sorted(set(text.split())) + ["<eos>"])
+    else:
+        tokenizer = subword_tokenizers[kind]()
+    ids = tokenizer.encode(text)
+    checked = 0
+    for cut in range(1, len(ids)):
+        prompt, completion = ids[:cut], ids[cut:]
+        before, whole = tokenizer.decode(prompt), tokenizer.decode(ids)
+        if not whole.startswith(before):  # a cut inside a character: no text of the prompt's own to follow
+            continue
+        detokenizer = tokenizer.detokenizer(prompt[-8:])
+        streamed = "".join(detokenizer.push(token) for token in completion) + detokenizer.flush()
+        assert before + streamed == whole, (cut, before, streamed)
+        checked += 1
+    assert checked > len(ids) // 2
+    # a word's tokens as they follow other text: byte-level BPE carries the space in the token
+    word = tokenizer.encode(" world" if kind == "tokenizers" else "world")
+    detokenizer = tokenizer.detokenizer(continues=True)
+    assert "".join(detokenizer.push(token) for token in word) + detokenizer.flush() == " world"
+    if kind == "words":  # after a line's end, a line's first word
+        detokenizer = tokenizer.detokenizer(tokenizer.encode("cat\n"))
+        assert detokenizer.push(word[0]) == "world"

@@ -306,8 +306,8 @@ class FragileEndTokenizer(ByteTokenizer):
     """Bytes, whose detokenizer raises at the end of a text holding '^' (a detokenizer's flush
     that fails for one request's text)."""
 
-    def detokenizer(self):
-        inner = super().detokenizer()
+    def detokenizer(self, context=(), continues=False):
+        inner = super().detokenizer(context, continues)
 
         class Fragile:
             seen = False
@@ -382,3 +382,45 @@ def test_a_kept_state_that_cannot_be_copied_out_of_its_batch_fails_its_request_a
         assert isinstance(poisoned["ended"], DeviceOutOfMemory)
     else:
         assert isinstance(poisoned["ended"], Finished) and len(poisoned["tokens"][0]) == 2
+
+
+def test_a_choice_streams_the_text_that_follows_its_prompt_or_its_session():
+    """A word-level model (transfo-xl-wt103's kind) puts no space before a line's first word, so
+    a choice whose detokenizer started from nothing streamed "The cat" + "sat": the engine starts
+    each choice's detokenizer after the prompt's last tokens, or after the session's text when
+    the prompt is empty. Prompt + streamed text is then one decode of every token."""
+    from xlserve.models.tokenizer import WordTokenizer
+    from tests.server.test_cache_architectures import tiny_model
+
+    words = WordTokenizer([f"w{i}" for i in range(255)] + ["<eos>"])
+    engine = Engine("m", tiny_model("transformer-xl"), words, Metrics(), sink=local.SubmissionDelivery())
+
+    def streamed(prompt: list[int], start: SessionData, keep: bool = False, **params) -> tuple[list[int], str]:
+        texts, tokens = [], []
+
+        async def run():
+            async for event in local.submit(engine, EngineRequest("generate", prompt, start, SamplingParams(**params),
+                                                                  keep_state=keep)).events():
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.token)
+                    texts.append(event.text)
+                elif isinstance(event, ChoiceFinished):
+                    texts.append(event.text_tail)
+
+        asyncio.run(run())
+        return tokens, "".join(texts)
+
+    try:
+        prompt = words.encode("w1 w2 w3")
+        for seed in range(4):
+            tokens, text = streamed(prompt, engine.fresh_data(), max_tokens=6, temperature=1.0, seed=seed)
+            assert words.decode(prompt) + text == words.decode(prompt + tokens), (tokens, text)
+            if tokens[0] != words.eos_id:
+                assert text.startswith(" "), text
+        # a session's next turn with an empty prompt: its first word follows the session's text
+        session = asyncio.run(local.append(engine, engine.fresh_data(), prompt)).data
+        for seed in range(4):
+            tokens, text = streamed([], session, max_tokens=3, temperature=1.0, seed=seed, keep=True)
+            assert text == words.decode([words.index["w1"], *tokens])[len("w1"):], (tokens, text)
+    finally:
+        engine.close()
