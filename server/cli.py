@@ -348,15 +348,23 @@ def cmd_new(args) -> None:
 
 
 def cmd_store(args) -> None:
-    from xlserve.models.checkpoint import load_checkpoint, read_config, save_checkpoint
+    from xlserve.models.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
 
     directory = _resolve_model_dir(args.model, "store")
-    config = read_config(directory)
-    model = load_checkpoint(directory)
-    extra = {k: v for k, v in config.items()
-             if k not in ("format", "version", "architecture", "config", "tokenizer", "storage_dtype")}
+    try:
+        config = read_config(directory)
+        model = load_checkpoint(directory)
+    except CheckpointError as error:
+        raise SystemExit(f"xlserve store: {error}") from None
+    # everything the config says besides what save_checkpoint writes from the model: the
+    # tokenizer a converted model names above all (its default is bytes: a GPT-NeoX vocabulary
+    # read as bytes serves garbage without an error), its file, options and end tokens
+    extra = {k: v for k, v in config.items() if k not in ("format", "version", "architecture", "config", "storage_dtype")}
     dtype = None if args.dtype == "float32" else args.dtype
-    save_checkpoint(model, directory, extra=extra, storage_dtype=dtype)
+    try:
+        save_checkpoint(model, directory, extra=extra, storage_dtype=dtype)
+    except (CheckpointError, OSError) as error:  # a weight beyond float16's range, a disk that refuses
+        raise SystemExit(f"xlserve store: {error}") from None
     size = (directory / "model.safetensors").stat().st_size
     print(f"rewrote {directory} with weights stored as {args.dtype}: {size:,} bytes")
 

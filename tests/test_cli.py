@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from xlserve.server.bench import BENCHMARKS
 from xlserve.server.cli import build_parser, serve_overrides
@@ -207,3 +208,39 @@ def test_checkpoint_files_are_readable_as_the_umask_allows(tmp_path):
 def test_a_setting_in_milliseconds_is_shown_as_such():
     help_text = xlserve("serve", "--help").stdout
     assert "--structured-token-milliseconds MS" in help_text
+
+
+def test_store_rewrites_the_weights_and_keeps_everything_else_the_config_says(tmp_path):
+    """`xlserve store` narrows a checkpoint's weights and leaves its tokenizer as it was: a
+    converted model's config names its own (words, sentencepiece, tokenizer.json), and a store
+    that wrote the default ("bytes") served a word vocabulary as bytes without an error."""
+    import json
+
+    from xlserve.models.checkpoint import load_checkpoint, read_config, save_checkpoint
+    from xlserve.models.registry import build_model
+    from xlserve.models.tokenizer import WordTokenizer, tokenizer_for_checkpoint
+    from xlserve.models.training.presets import preset_config
+
+    config = {**preset_config("transformer-xl", "tiny"), "vocab_size": 40}
+    symbols = [f"w{i}" for i in range(39)] + ["<eos>"]
+    directory = tmp_path / "words-model"
+    save_checkpoint(build_model("transformer-xl", config).eval(), directory,
+                    extra={"tokenizer": "words", "tokenizer_file": "symbols.json", "source": "test"})
+    (directory / "symbols.json").write_text(json.dumps(symbols))
+    before = load_checkpoint(directory)
+
+    stored = xlserve("store", "--model", str(directory), "--dtype", "bfloat16")
+    assert stored.returncode == 0, stored.stderr
+    after = read_config(directory)
+    assert (after["tokenizer"], after["tokenizer_file"], after["source"], after["storage_dtype"]) == (
+        "words", "symbols.json", "test", "bfloat16")
+    assert isinstance(tokenizer_for_checkpoint(after, directory), WordTokenizer)
+    reloaded = load_checkpoint(directory)
+    for name, weight in before.state_dict().items():
+        assert reloaded.state_dict()[name].equal(weight.to(torch.bfloat16).float()), name
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    refused = xlserve("store", "--model", str(broken), "--dtype", "float16")
+    assert refused.returncode != 0 and refused.stderr.startswith("xlserve store:") and "Traceback" not in refused.stderr
