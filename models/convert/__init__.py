@@ -200,7 +200,10 @@ def read_source_tensors(directory: Path) -> tuple[Mapping[str, Tensor], str]:
     if pickled_index.is_file():  # larger checkpoints saved before safetensors (e.g. RWKV-4 Pile 1.5B and up)
         tensors = {}
         for shard in _not_lfs_pointers([directory / shard for shard in _shards(pickled_index)]):
-            tensors.update(_load_pickled_tensors(shard))
+            for name, tensor in _load_pickled_tensors(shard).items():
+                if name in tensors:  # as the safetensors shards refuse it: which copy is the model's?
+                    raise ConversionError(f"{directory}: tensor '{name}' is in two shards")
+                tensors[name] = tensor
         return tensors, pickled_index.name
     present = sorted(p.name for p in directory.iterdir())
     raise ConversionError(
@@ -325,7 +328,13 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
     if original_mamba:
         config = mamba_ssm.as_hugging_face(config, source_dir / "config.json")
     importer = importer_for(config, source_dir / "config.json")
-    importer.translate_config(config, source_dir / "config.json")  # refuse a bad config before reading weights
+    try:  # refuse a bad config before reading weights
+        importer.translate_config(config, source_dir / "config.json")
+    except ConversionError:
+        raise
+    except (TypeError, ValueError, KeyError, ArithmeticError) as error:  # a value of a type no field takes ("null")
+        raise ConversionError(f"{source_dir / 'config.json'}: a value it gives cannot be used ({type(error).__name__}: "
+                              f"{error})") from None
     tensors, weights_file = read_source_tensors(source_dir)
     if original_mamba:
         tensors = mamba_ssm.renamed(tensors)

@@ -33,7 +33,7 @@ from pathlib import Path
 from torch import Tensor
 
 from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, skeleton
-from xlserve.models.convert.tokenizer_json import check_architecture, finish_import, positive_int
+from xlserve.models.convert.tokenizer_json import check_architecture, finish_import, positive_int, real_number
 from xlserve.models.mamba import Mamba, MambaConfig
 
 ARCHITECTURE = "MambaForCausalLM"
@@ -52,7 +52,7 @@ def translate_config(hf: dict, where: Path) -> tuple[MambaConfig, list[str]]:
     if get("hidden_act") != "silu":
         raise ConversionError(f"{where}: hidden_act {get('hidden_act')!r} is not 'silu', the only one Mamba uses")
     d_model = positive_int(get("hidden_size"), "hidden_size", where)
-    expand = get("expand")
+    expand = real_number(get("expand"), "expand", where) if "intermediate_size" not in hf else None
     d_inner = hf.get("intermediate_size", int(expand * d_model) if isinstance(expand, (int, float)) else None)
     rank = get("time_step_rank")
     dt_rank = math.ceil(d_model / 16) if rank == "auto" else rank
@@ -64,7 +64,7 @@ def translate_config(hf: dict, where: Path) -> tuple[MambaConfig, list[str]]:
         d_conv=positive_int(get("conv_kernel"), "conv_kernel", where),
         dt_rank=positive_int(dt_rank, "time_step_rank", where),
         conv_bias=bool(get("use_conv_bias")), proj_bias=bool(get("use_bias")),
-        layer_norm_epsilon=float(get("layer_norm_epsilon")), tie_embedding=bool(get("tie_word_embeddings")),
+        layer_norm_epsilon=real_number(get("layer_norm_epsilon"), "layer_norm_epsilon", where), tie_embedding=bool(get("tie_word_embeddings")),
     )
     return config, []
 

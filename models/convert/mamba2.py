@@ -33,7 +33,7 @@ from pathlib import Path
 from torch import Tensor
 
 from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, skeleton
-from xlserve.models.convert.tokenizer_json import check_architecture, finish_import, positive_int
+from xlserve.models.convert.tokenizer_json import check_architecture, finish_import, positive_int, real_number
 from xlserve.models.mamba2 import Mamba2, Mamba2Config
 
 ARCHITECTURE = "Mamba2ForCausalLM"
@@ -53,7 +53,7 @@ def translate_config(hf: dict, where: Path) -> tuple[Mamba2Config, list[str]]:
     d_model = positive_int(get("hidden_size"), "hidden_size", where)
     n_head, head_dim = positive_int(get("num_heads"), "num_heads", where), positive_int(get("head_dim"), "head_dim", where)
     n_groups = positive_int(get("n_groups"), "n_groups", where)
-    if int(get("expand") * d_model) != n_head * head_dim:
+    if int(real_number(get("expand"), "expand", where) * d_model) != n_head * head_dim:
         raise ConversionError(f"{where}: expand · hidden_size ({get('expand')} · {d_model}) is not num_heads · head_dim "
                               f"({n_head} · {head_dim})")
     if n_head % n_groups:
@@ -61,7 +61,7 @@ def translate_config(hf: dict, where: Path) -> tuple[Mamba2Config, list[str]]:
     limit = get("time_step_limit")
     if not isinstance(limit, (list, tuple)) or len(limit) != 2:
         raise ConversionError(f"{where}: time_step_limit must be [min, max], got {limit!r}")
-    dt_min, dt_max = float(limit[0]), float(limit[1])
+    dt_min, dt_max = (real_number(bound, "time_step_limit", where, infinite=True) for bound in limit)
     config = Mamba2Config(
         vocab_size=positive_int(get("vocab_size"), "vocab_size", where),
         n_layer=positive_int(get("num_hidden_layers"), "num_hidden_layers", where),
@@ -69,7 +69,7 @@ def translate_config(hf: dict, where: Path) -> tuple[Mamba2Config, list[str]]:
         d_state=positive_int(get("state_size"), "state_size", where),
         d_conv=positive_int(get("conv_kernel"), "conv_kernel", where),
         conv_bias=bool(get("use_conv_bias")), proj_bias=bool(get("use_bias")),
-        layer_norm_epsilon=float(get("layer_norm_epsilon")), dt_min=dt_min,
+        layer_norm_epsilon=real_number(get("layer_norm_epsilon"), "layer_norm_epsilon", where), dt_min=dt_min,
         dt_max=None if math.isinf(dt_max) else dt_max, tie_embedding=bool(get("tie_word_embeddings")),
     )
     notes = []

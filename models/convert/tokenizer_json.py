@@ -12,6 +12,7 @@ config.json as `stop_token_ids` (models/tokenizer.py `stop_tokens_of`).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from xlserve.models.convert import ConversionError, Imported, SourceCheckpoint, SourceTensors, load_placed
@@ -93,3 +94,14 @@ def positive_int(value, name: str, where: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConversionError(f"{where}: {name} must be a positive integer, got {value!r}")
     return value
+
+
+def real_number(value, name: str, where: Path, infinite: bool = False) -> float:
+    """A config value that must be a finite number (an epsilon, a ratio), or with `infinite` a
+    bound that may be ±inf (Mamba-2's time_step_limit is [0, inf] by default): a null, a string
+    or NaN is refused naming the field, where float() raised a TypeError naming none."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+            or (not infinite and math.isinf(value))):
+        kind = "a number" if infinite else "a finite number"
+        raise ConversionError(f"{where}: {name} must be {kind}, got {value!r}")
+    return float(value)

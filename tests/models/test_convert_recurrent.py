@@ -273,6 +273,25 @@ def test_refusals_name_the_problem_and_write_nothing(references, tmp_path, arch)
     (source / "config.json").write_text(json.dumps({**config, "architectures": ["SomethingForSequenceClassification"]}))
     refused(source, tmp_path / "out", "only .*ForCausalLM .*converts")
 
+    source = copy_of(spec, tmp_path / "null")  # a number given as null: named, not a TypeError's traceback
+    (source / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": None}))
+    refused(source, tmp_path / "out", r"layer_norm_epsilon must be a finite number, got None")
+    if arch != "rwkv":
+        (source / "config.json").write_text(json.dumps({**config, "expand": None, "intermediate_size": None}
+                                                       if arch == "mamba" else {**config, "expand": "2"}))
+        refused(source, tmp_path / "out", "expand must be a finite number" if arch == "mamba2"
+                else "(expand|intermediate_size) must be")
+
+    source = copy_of(spec, tmp_path / "sharded")  # a tensor in two .bin shards: which one is the model's?
+    tensors = load_file(str(source / "model.safetensors"))
+    (source / "model.safetensors").unlink()
+    shards = {"a.bin": dict(tensors), "b.bin": {name: tensors[name]}}
+    for shard, held in shards.items():
+        torch.save(held, source / shard)
+    weight_map = {**{n: "a.bin" for n in tensors}, name: "b.bin"}
+    (source / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    refused(source, tmp_path / "out", f"tensor '{name}' is in two shards")
+
 
 @torch.no_grad()
 def assert_gives_the_references_one_pass(spec: dict, converted_directory: Path) -> None:
