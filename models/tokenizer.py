@@ -230,20 +230,27 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
     raise ValueError(f"unknown tokenizer {kind!r} in checkpoint config")
 
 
-def stop_tokens_of(tokenizer: "TokenizersTokenizer", directory: Path, config: dict | None = None) -> list[int]:
+def stop_tokens_of(tokenizer: "TokenizersTokenizer | None", directory: Path, config: dict | None = None,
+                   vocab_size: int | None = None) -> list[int]:
     """The end-of-text tokens of a Hugging Face checkpoint in `directory`, where a generation ends
     (as transformers' generate() and vLLM end it): generation_config.json's eos_token_id, else
     that of its config.json (`config`, when given), else tokenizer_config.json's eos_token, as the
-    tokenizer encodes it. An id or a list of them; those outside the tokenizer are left out."""
+    tokenizer encodes it. An id or a list of them; those outside the tokenizer are left out.
+    Without a tokenizer (a checkpoint converted before its tokenizer.json is put beside it) the
+    ids are bounded by the model's `vocab_size`, and an eos_token given as text is not read."""
+    limit = tokenizer.vocab_size if tokenizer is not None else vocab_size
+
     def ids(value) -> list[int] | None:
         values = value if isinstance(value, list) else [value]
-        found = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < tokenizer.vocab_size]
+        found = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < limit]
         return found or None
 
     for source in (_json_object(directory / "generation_config.json"), config or {}):
         found = ids(source.get("eos_token_id"))
         if found is not None:
             return found
+    if tokenizer is None:
+        return []
     eos = _json_object(directory / "tokenizer_config.json").get("eos_token")
     if isinstance(eos, dict):  # {"content": "<|endoftext|>", ...}, as AddedToken is saved
         eos = eos.get("content")

@@ -343,8 +343,9 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
     if original_mamba:
         imported.config_extra["converted_from"]["format"] = "mamba_ssm"
         if "tokenizer.json" not in imported.files:
-            imported.notes.append("state-spaces' models use EleutherAI/gpt-neox-20b's tokenizer: copy its "
-                                  "tokenizer.json and tokenizer_config.json into the source directory and convert again")
+            imported.notes.append("state-spaces' models use EleutherAI/gpt-neox-20b's tokenizer: put its "
+                                  "tokenizer.json and tokenizer_config.json (its eos_token ends a generation) in the "
+                                  "output directory, or in the source directory before converting")
 
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)

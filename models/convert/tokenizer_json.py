@@ -25,21 +25,24 @@ def tokenizer_files(directory: Path, vocab_size: int, hf_config: dict) -> tuple[
     """The files that go beside the converted weights, the end-of-text tokens at which a
     generation ends (None without a tokenizer.json: found at load from the files put there
     later), and notes for the user."""
-    files: dict[str, bytes] = {}
-    path = directory / TOKENIZER_FILE
-    if not path.is_file():
-        return files, None, [f"no {TOKENIZER_FILE} in {directory}: the weights convert, but serving text needs the "
-                             f"checkpoint's {TOKENIZER_FILE} in the output directory"]
     from xlserve.models.tokenizer import TokenizersTokenizer, stop_tokens_of
 
-    content = path.read_bytes()
-    try:
-        tokenizer = TokenizersTokenizer.from_bytes(content)
-    except Exception as e:  # the library raises its own Exception subclass on a bad file
-        raise ConversionError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
-    if tokenizer.vocab_size > vocab_size:
-        raise ConversionError(f"{path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size {vocab_size}")
-    files[TOKENIZER_FILE] = content
+    files: dict[str, bytes] = {}
+    path = directory / TOKENIZER_FILE
+    tokenizer = None
+    if path.is_file():
+        content = path.read_bytes()
+        try:
+            tokenizer = TokenizersTokenizer.from_bytes(content)
+        except Exception as e:  # the library raises its own Exception subclass on a bad file
+            raise ConversionError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
+        if tokenizer.vocab_size > vocab_size:
+            raise ConversionError(f"{path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+                                  f"{vocab_size}")
+        files[TOKENIZER_FILE] = content
+    # without a tokenizer.json these still go: the end of text is read from them at conversion
+    # (generation_config.json, config.json) or at load (tokenizer_config.json), once the user
+    # has put the tokenizer.json beside the converted weights
     for name in COPIED_IF_PRESENT:
         extra = directory / name
         if not extra.is_file():
@@ -52,7 +55,15 @@ def tokenizer_files(directory: Path, vocab_size: int, hf_config: dict) -> tuple[
             if not isinstance(parsed, dict):
                 raise ConversionError(f"{extra} does not hold a JSON object")
         files[name] = extra.read_bytes()
-    stops = stop_tokens_of(tokenizer, directory, hf_config)
+    stops = stop_tokens_of(tokenizer, directory, hf_config, vocab_size)
+    if tokenizer is None:
+        notes = [f"no {TOKENIZER_FILE} in {directory}: the weights convert, but serving text needs the "
+                 f"checkpoint's {TOKENIZER_FILE}: put it in the output directory"]
+        if stops:
+            notes.append(f"a generation ends at token {', '.join(map(str, stops))} (the source's eos_token_id), as "
+                         "transformers' generate() ends it, unless a request sets ignore_eos")
+        # none found: left unrecorded, so that the load reads tokenizer_config.json's eos_token
+        return files, stops or None, notes
     if stops:
         names = ", ".join(f"{tokenizer.token_text(token)} ({token})" for token in stops)
         notes = [f"a generation ends at {names}, as transformers' generate() ends it, unless a request sets ignore_eos"]

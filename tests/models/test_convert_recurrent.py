@@ -221,6 +221,32 @@ def test_the_end_of_text_tokens_are_the_sources(references, tmp_path):
         tokenizer_for_checkpoint(read_config(ours), ours)
 
 
+def test_a_tokenizer_json_put_beside_the_converted_weights_later_keeps_the_sources_end_of_text(references, tmp_path):
+    """A source without tokenizer.json (state-spaces' own directories, RWKV World) converts, and the
+    note says to put the tokenizer beside the converted weights. Its end of text must survive
+    that: the source's eos_token_id is recorded at conversion, and tokenizer_config.json (whose
+    eos_token the load reads when no id was given) goes with the weights."""
+    source = wide_source(references, tmp_path / "source")
+    tokenizer_json = (source / "tokenizer.json").read_bytes()
+    (source / "tokenizer.json").unlink()
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    summary = convert(source, tmp_path / "by-id")
+    assert any("put it in the output directory" in note for note in summary["notes"]), summary["notes"]
+    assert any("a generation ends at token 0" in note for note in summary["notes"]), summary["notes"]
+    (tmp_path / "by-id" / "tokenizer.json").write_bytes(tokenizer_json)
+    loaded = tokenizer_for_checkpoint(read_config(tmp_path / "by-id"), tmp_path / "by-id")
+    assert loaded.stop_token_ids == {0}
+
+    (source / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))  # only the eos_token's text
+    convert(source, tmp_path / "by-text")
+    assert "stop_token_ids" not in read_config(tmp_path / "by-text")
+    assert (tmp_path / "by-text" / "tokenizer_config.json").is_file()
+    (tmp_path / "by-text" / "tokenizer.json").write_bytes(tokenizer_json)
+    loaded = tokenizer_for_checkpoint(read_config(tmp_path / "by-text"), tmp_path / "by-text")
+    assert loaded.stop_token_ids == {loaded.tokenizer.token_to_id("<|endoftext|>")}
+
+
 # -- refusals: each names the problem and writes nothing -------------------------------------------------
 
 
