@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import init
 from torch.overrides import TorchFunctionMode
 
-from xlserve.models.interface import LanguageModel
+from xlserve.models.interface import LanguageModel, all_finite
 from xlserve.models.linear import use_batched_products
 from xlserve.models.registry import ARCHITECTURES, build_model
 
@@ -67,7 +67,7 @@ def save_checkpoint(model: LanguageModel, directory: str | Path, extra: dict | N
         tensor = tensor.detach().contiguous().cpu()
         if narrow is not None and tensor.is_floating_point():
             stored = tensor.to(narrow)
-            if not torch.isfinite(stored).all():
+            if not all_finite(stored):
                 raise CheckpointError(f"tensor '{name}' does not fit {storage_dtype} (largest |x| {tensor.abs().max():.3g})")
             tensor = stored
         tensors[name] = tensor
@@ -183,7 +183,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
     with torch.no_grad():
         for name in sorted(stored, key=lambda name: first_name[name] != name):  # a tied weight's first name first
             tensor = tensors.pop(name)
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            if tensor.is_floating_point() and not all_finite(tensor):
                 raise CheckpointError(f"{weights_path}: tensor '{name}' contains NaN or infinity")
             target = expected[name]
             if first_name[name] != name:  # a tied weight stored twice: both names must agree

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from xlserve.models.interface import LanguageModel
+from xlserve.models.interface import LanguageModel, all_finite
 
 # Hugging Face `model_type` -> module under models.convert implementing `import_checkpoint`
 IMPORTERS: dict[str, str] = {
@@ -89,6 +89,13 @@ class SourceTensors:
             tensor = self.tensors[name]
         except Exception as e:  # noqa: BLE001 (read from its file now: the library's own errors)
             raise ConversionError(f"{self.where}: tensor '{name}' cannot be read: {e}") from None
+        if tensor is None:
+            raise ConversionError(f"{self.where}: tensor '{name}' was taken twice (an importer's mistake)")
+        if isinstance(self.tensors, dict):
+            # a source read into memory (a .bin, parsed as data) lets each tensor go once taken,
+            # keeping its name: the model it becomes is then the one copy, not a second one
+            # beside the whole source (a legacy torch.save's storages are copies of the file)
+            self.tensors[name] = None
         self.used.add(name)
         if tuple(tensor.shape) != tuple(shape):
             raise ConversionError(
@@ -97,7 +104,7 @@ class SourceTensors:
         if not tensor.is_floating_point():
             raise ConversionError(f"{self.where}: tensor '{name}' has dtype {tensor.dtype}, expected floating point")
         tensor = tensor.to(torch.float32)
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise ConversionError(f"{self.where}: tensor '{name}' contains NaN or infinity")
         return tensor
 

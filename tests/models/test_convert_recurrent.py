@@ -485,3 +485,24 @@ def test_the_embedding_under_its_older_name_converts_as_transformers_reads_it(re
     save_file(tensors, str(source / "model.safetensors"))
     convert(source, tmp_path / "ours")
     assert_gives_the_references_one_pass(spec, tmp_path / "ours")
+
+
+def test_a_source_read_into_memory_lets_each_tensor_go_once_it_is_taken(references, tmp_path):
+    """A pytorch_model.bin is parsed into memory whole (a legacy torch.save's storages are copies,
+    not views of a mapped file): each source tensor is let go once the importer has taken it, so
+    the conversion does not hold the whole source beside the model it builds."""
+    import weakref
+
+    from xlserve.models.convert import SourceCheckpoint, SourceTensors
+
+    spec = references[("mamba", 0)]
+    tensors = load_file(str(Path(spec["dir"]) / "hf" / "model.safetensors"))
+    name = next(iter(tensors))
+    kept = weakref.ref(tensors[name])
+    source = SourceTensors(SourceCheckpoint(Path(spec["dir"]) / "hf", {}, tensors, "pytorch_model.bin"))
+    taken = source.take(name, tuple(tensors[name].shape))
+    assert name in source.tensors and source.first_of(name) == name  # still known by name
+    del taken
+    assert kept() is None  # nothing holds it but what the importer placed
+    with pytest.raises(ConversionError, match="taken twice"):
+        source.take(name, (1,))

@@ -182,3 +182,21 @@ def test_infinity_former_position_must_be_the_token_count():
     assert isinstance(state, ContinuousMemory)
     with pytest.raises(ValueError, match="'position' says 30 tokens, the session has seen 31"):
         model.check_session(state, 31, next_log_probs)
+
+
+def test_all_finite_checks_every_block_of_any_tensor():
+    """`all_finite` (the checks of states, checkpoints and conversions) checks a block at a time,
+    so that a check of a 98 MB embedding does not make 172 MB of temporaries: a non-finite value
+    in any block, the last one's last element included, is found, in any layout and dtype."""
+    from xlserve.models.interface import FINITE_CHECK_ELEMENTS, all_finite
+
+    size = 2 * FINITE_CHECK_ELEMENTS + 3  # two whole blocks and a partial one
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tensor = torch.zeros(size, dtype=dtype)
+        assert all_finite(tensor) and all_finite(tensor[:0]) and all_finite(tensor.view(-1, 1)[::2])
+        for where in (0, FINITE_CHECK_ELEMENTS - 1, FINITE_CHECK_ELEMENTS, size - 1):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                spoiled = tensor.clone()
+                spoiled[where] = bad
+                assert not all_finite(spoiled), (dtype, where, bad)
+                assert not all_finite(spoiled.view(-1, 1).t())  # not contiguous the same way
