@@ -205,8 +205,12 @@ class Mamba2Block(nn.Module):
         self.norm = nn.RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.mixer = Mamba2Mixer(config)
 
+    # Copied from xlserve.models.mamba.MambaBlock.forward
     def forward(self, x: Tensor, conv_inputs: Tensor, ssm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        out, conv_inputs, ssm = self.mixer(self.norm(x), conv_inputs, ssm)
+        # x, the residual stream, is float32 whatever the weights' dtype (mamba_ssm's and
+        # transformers' residual_in_fp32, set in every published checkpoint): in a 16-bit model
+        # only what enters the block is rounded, not the sum over 24-64 layers
+        out, conv_inputs, ssm = self.mixer(self.norm(x.to(self.norm.weight.dtype)), conv_inputs, ssm)
         return x + out, conv_inputs, ssm
 
 
@@ -274,11 +278,11 @@ class Mamba2(LanguageModel):
         B, T = tokens.shape
         if T == 0:
             return torch.zeros(B, 0, self.vocab_size, device=tokens.device), state
-        x = self.embedding(tokens)  # (B, T, d_model)
+        x = self.embedding(tokens).float()  # (B, T, d_model), the residual stream in float32 (MambaBlock)
         conv_inputs, ssm = [], []
         for i, block in enumerate(self.layers):
             x, recent, h = block(x, state.conv_inputs[i], state.ssm[i])
             conv_inputs.append(recent.detach())  # a state is a value: no gradient into the next call
             ssm.append(h.detach())
-        log_probs = F.log_softmax(self.head(self.final_norm(x)).float(), dim=-1)  # (B, T, V)
+        log_probs = F.log_softmax(self.head(self.final_norm(x.to(self.final_norm.weight.dtype))).float(), dim=-1)  # (B, T, V)
         return log_probs, SSDState(conv_inputs, ssm, state.position + T)

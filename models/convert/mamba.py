@@ -11,8 +11,9 @@ Config (Hugging Face -> ours)
     use_conv_bias / use_bias              -> conv_bias / proj_bias
     tie_word_embeddings                   -> tie_embedding
 Refused: hidden_act other than silu, and any architecture but MambaForCausalLM. residual_in_fp32
-changes nothing for a float32 model; use_mambapy and the time-step initialisation fields are
-for training.
+(true in every published checkpoint) is what xlserve always does: a model served in 16 bits
+keeps its residual stream in float32 (models/mamba.py MambaBlock); use_mambapy and the
+time-step initialisation fields are for training.
 
 Tensors (per layer i; "L." = "backbone.layers.i.", "M." = "L.mixer.")
     backbone.embeddings.weight             -> embedding.weight

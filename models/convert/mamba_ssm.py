@@ -19,7 +19,7 @@ Refused, naming the field: a hybrid with attention layers (attn_layer_idx), an M
 mixer (d_intermediate), LayerNorm instead of RMSNorm (rms_norm false), and the Mamba-2 options
 that change its computation (d_ssm other than the whole width, D_has_hdim, norm_before_gate,
 rmsnorm false, an activation other than silu). residual_in_fp32 and fused_add_norm change only
-the rounding of a half-precision model.
+the rounding of a half-precision model: xlserve keeps the residual stream in float32 always.
 
 Tensors: `backbone.embedding.weight` -> `backbone.embeddings.weight`; every other name is the
 same in both forms.

@@ -144,3 +144,29 @@ def test_training_a_few_steps_with_the_standard_loop(tmp_path):
     with torch.no_grad():
         assert torch.equal(model.eval()(text, model.init_state(1))[0], loaded(text, loaded.init_state(1))[0])
     assert preset_config("mamba", "stdlib") == preset_config("mamba", "small")
+
+
+@pytest.mark.parametrize("architecture", ["mamba", "mamba2"])
+def test_a_16_bit_model_keeps_its_residual_stream_in_float32(architecture):
+    """Served in bfloat16 (a GPU's `--dtype`), a Mamba keeps the sum of its blocks' outputs in
+    float32, as mamba_ssm and transformers do for the published checkpoints (residual_in_fp32):
+    each block's input is rounded, the stream over all layers is not. Its log-probabilities then
+    stay close to the float32 model's."""
+    from xlserve.models.registry import build_model
+
+    torch.manual_seed(0)
+    model = build_model(architecture, {**preset_config(architecture, "tiny"), "n_layer": 8}).eval()
+    half = build_model(architecture, {**preset_config(architecture, "tiny"), "n_layer": 8}).eval()
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.bfloat16)
+    streams = []
+    hooks = [block.register_forward_hook(lambda module, inputs, output: streams.append(output[0].dtype))
+             for block in half.layers]
+    tokens = torch.tensor([list(b"def main(argv):\n    return len(argv)\n")])
+    with torch.inference_mode():
+        full, _ = model(tokens, model.init_state(1))
+        rounded, _ = half(tokens, half.init_state(1))
+    for hook in hooks:
+        hook.remove()
+    assert streams == [torch.float32] * 8
+    assert rounded.dtype == torch.float32 and (rounded.exp() - full.exp()).abs().max() < 0.02
