@@ -741,9 +741,10 @@ class Engine:
         row.generated += 1
         row.generated_tokens.append(token)
         row.generated_logprobs.append(float(row.host_log_probs[token]))
-        text, stopped = row.stops.push(row.detokenizer.push(token))
+        decoded = row.detokenizer.push(token)
+        text, stopped = row.stops.push(decoded)
         top = top_alternatives(row.host_log_probs, params.logprobs) if params.logprobs else []
-        self._emit(row.request, TokenEvent(token, text, logprob, top, row.index))
+        self._emit(row.request, TokenEvent(token, text, logprob, top, row.index, len(decoded)))
         if row.request.first_token_at is None:
             self._first_output(row.request)
         if stopped:

@@ -91,6 +91,10 @@ class TokenEvent:
     logprob: float  # the model's log-probability of the token (before any sampling transform)
     top: list[tuple[int, float]]
     index: int = 0  # which choice (n > 1)
+    # characters this token added to the decoded text, whether released now or held back for a
+    # stop string (`text` may be "" while this is not): what completions' text_offset counts.
+    # None: as many as `text` has
+    width: int | None = None
 
 
 @dataclass

@@ -589,7 +589,7 @@ def is_last(event: object) -> bool:
 def event_to_wire(request_id: int, event: object) -> list:
     """[request id, kind, fields...]; a finished request's session state stays behind (data)."""
     if isinstance(event, engine_types.TokenEvent):
-        return [request_id, "t", event.token, event.text, event.logprob, event.top, event.index]
+        return [request_id, "t", event.token, event.text, event.logprob, event.top, event.index, event.width]
     if isinstance(event, engine_types.ChoiceFinished):
         return [request_id, "c", event.index, event.finish_reason, event.text_tail, event.completion_tokens]
     if isinstance(event, engine_types.PromptLogprobs):

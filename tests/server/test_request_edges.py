@@ -486,3 +486,31 @@ def test_tool_call_arguments_end_at_their_closing_tag_token_by_token():
     for character in text:
         stream.push(character)
     assert stream.complete and json.loads(stream.calls[0]["function"]["arguments"]) == {"x": [1, 2, {"y": "}</tool_call>"}]}
+
+
+# -- 8. text_offset counts text held back for a stop string -------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offset_counts_the_characters_each_token_decoded_to_even_while_held_back(served, stream):
+    """A token whose text is held back as a stop string's possible start releases "" and the
+    next one releases both: text_offset must still say where each token's own text starts in
+    the answer ("axyb" with stop "xyz": 0, 1, 2, 3, not 0, 1, 1, 1)."""
+    client, state = served
+    state.engine.events = [TokenEvent(ord("a"), "a", -0.1, [], 0, 1), TokenEvent(ord("x"), "", -0.2, [], 0, 1),
+                           TokenEvent(ord("y"), "", -0.3, [], 0, 1), TokenEvent(ord("b"), "xyb", -0.4, [], 0, 1),
+                           ChoiceFinished(0, "length", "", 4), Finished([ChoiceFinished(0, "length", "", 4)], 2, 4, 0,
+                                                                         None)]
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 4, "logprobs": 0, "stop": ["xyz"], "stream": stream}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in response.text.split("\n\n")
+                  if line.startswith("data: {")]
+        offsets = [o for chunk in chunks for choice in chunk["choices"] if choice.get("logprobs")
+                   for o in choice["logprobs"]["text_offset"]]
+        text = "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
+    else:
+        choice = response.json()["choices"][0]
+        offsets, text = choice["logprobs"]["text_offset"], choice["text"]
+    assert text == "axyb" and offsets == [0, 1, 2, 3]

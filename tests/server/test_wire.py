@@ -282,6 +282,7 @@ def test_events_round_trip_through_json_and_the_last_one_is_known():
         PromptLogprobs([97, 98], [None, -1.5], [[], [(98, -1.5), (99, -2.0)]]),
         TokenEvent(65, "A", -0.25, [(65, -0.25)], 1),
         TokenEvent(0xE2, "", float("-inf"), [], 0),  # part of a character: no text yet
+        TokenEvent(120, "", -1.0, [], 0, 1),  # its character held back for a stop string
         ChoiceFinished(1, "stop", "", 3),
         Finished([ChoiceFinished(0, "length", "x", 2), ChoiceFinished(1, "stop", "", 3)], 5, 5, 40, data="state"),
         Appended(data="state", logprob=-12.5, scored=7),

@@ -65,17 +65,23 @@ class CompletionChoice:
         # (each piece's go out in its chunk), so its memory does not grow with max_tokens x logprobs
         self.keep_logprobs = True
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        # characters decoded so far, held back for a stop string or not: a token's text_offset
+        # is where its own text starts, not where the text released so far ends
         self.text_length = 0
         self.finish_reason: str | None = None
         # completions' top_logprobs list the chosen token too (OpenAI's and vLLM's: up to
         # logprobs + 1 entries); chat's list exactly the top_logprobs most likely (ChatCompletion)
         self.chosen_in_top = True
 
-    def add(self, token_name, tokens, logprobs, tops, pieces) -> dict | None:
-        """Record text pieces (one per token) and their logprobs; returns this piece's logprobs."""
+    def add(self, token_name, tokens, logprobs, tops, pieces, widths=None) -> dict | None:
+        """Record text pieces (one per token) and their logprobs; returns this piece's logprobs.
+        `widths`: the characters each token decoded to (TokenEvent.width), where text held back
+        for a stop string makes a piece shorter; else each piece's length."""
         self.text.extend(pieces)
+        if widths is None:
+            widths = [len(text) for text in pieces]
         if not self.want_logprobs:
-            self.text_length += sum(len(t) for t in pieces)
+            self.text_length += sum(widths)
             return None
         piece = {
             "tokens": [token_name(t) for t in tokens],
@@ -87,9 +93,9 @@ class CompletionChoice:
                              for token, top, lp in zip(tokens, tops, logprobs)],
             "text_offset": [],
         }
-        for text in pieces:
+        for width in widths:
             piece["text_offset"].append(self.text_length)
-            self.text_length += len(text)
+            self.text_length += width
         if self.keep_logprobs:
             for key in self.logprobs:
                 self.logprobs[key].extend(piece[key])
@@ -133,7 +139,7 @@ class Completion(Generation):
 
     def add_token(self, event: TokenEvent) -> dict | None:
         return self.choices[event.index].add(self.token_name, [event.token], [event.logprob], [event.top],
-                                             [event.text])
+                                             [event.text], None if event.width is None else [event.width])
 
     def response(self, finished: Finished) -> dict:
         """The whole answer, as OpenAI's non-streamed body (also what an Idempotency-Key remembers)."""
