@@ -180,6 +180,24 @@ class WordDetokenizer:
         return ""
 
 
+def missing_tokenizer_file(config: dict, directory) -> str | None:
+    """Why the tokenizer a checkpoint's config.json names cannot be loaded from `directory` for
+    want of its file (what `tokenizer_for_checkpoint` would raise), without reading it: a start
+    checks this before its port opens, where loading a tokenizer would cost seconds."""
+    default_file = {"words": "symbols.json", "sentencepiece": "spiece.model", "tokenizers": "tokenizer.json"}
+    kind = config.get("tokenizer", "bytes")
+    if kind not in default_file:
+        return None
+    path = Path(directory) / config.get("tokenizer_file", default_file[kind])
+    if path.is_file():
+        return None
+    if kind == "words":
+        return (f"{path} does not exist: this converted word-level model needs its symbol list (export it from "
+                "the source's vocabulary and pass it to `xlserve convert --symbols`; see docs/convert.md)")
+    needed = "sentencepiece model" if kind == "sentencepiece" else "tokenizer.json"
+    return f"{path} does not exist: this converted model needs its {needed}"
+
+
 def tokenizer_for_checkpoint(config: dict, directory=None):
     """The tokenizer a checkpoint's config.json names: "bytes" for our own models, "words" (with
     "tokenizer_file", default symbols.json, in `directory`) for converted word-level models."""
@@ -191,11 +209,7 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
             raise ValueError("a word-level checkpoint needs its directory to find the symbol list")
         path = Path(directory) / config.get("tokenizer_file", "symbols.json")
         if not path.is_file():
-            raise ValueError(
-                f"{path} does not exist: this converted word-level model needs its symbol list "
-                "(export it from the source's vocabulary and pass it to `xlserve convert --symbols`; "
-                "see docs/convert.md)"
-            )
+            raise ValueError(missing_tokenizer_file(config, directory))
         tokenizer = WordTokenizer.from_file(path)
         vocab_size = config.get("config", {}).get("vocab_size")
         if vocab_size is not None and tokenizer.vocab_size != vocab_size:
@@ -206,14 +220,14 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
             raise ValueError("a sentencepiece checkpoint needs its directory to find the model file")
         path = Path(directory) / config.get("tokenizer_file", "spiece.model")
         if not path.is_file():
-            raise ValueError(f"{path} does not exist: this converted model needs its sentencepiece model")
+            raise ValueError(missing_tokenizer_file(config, directory))
         return SentencePieceTokenizer.from_file(path, **config.get("tokenizer_options", {}))
     if kind == "tokenizers":
         if directory is None:
             raise ValueError("a tokenizer.json checkpoint needs its directory to find the file")
         path = Path(directory) / config.get("tokenizer_file", "tokenizer.json")
         if not path.is_file():
-            raise ValueError(f"{path} does not exist: this converted model needs its tokenizer.json")
+            raise ValueError(missing_tokenizer_file(config, directory))
         tokenizer = TokenizersTokenizer.from_file(path)
         vocab_size = config.get("config", {}).get("vocab_size")
         if vocab_size is not None and tokenizer.vocab_size > vocab_size:

@@ -34,7 +34,7 @@ from fastapi import Depends, FastAPI
 from starlette.routing import WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from xlserve.models.tokenizer import describe_tokenizer, tokenizer_for_checkpoint
+from xlserve.models.tokenizer import describe_tokenizer, missing_tokenizer_file, tokenizer_for_checkpoint
 from xlserve.server.api.admission import OPEN_PATHS, AdmissionMiddleware
 from xlserve.server.api.chat import load_chat_template
 from xlserve.server.api.deps import AppState, ServedModel
@@ -99,7 +99,23 @@ def checkpoints_to_serve(settings: Settings) -> list[Path]:
             raise StartupRefused(f"two checkpoints would be served as '{directory.name}': {seen[directory.name]} "
                                  f"and {directory}")
         seen[directory.name] = directory
+    for directory in directories:
+        check_tokenizer_file(directory)
     return directories
+
+
+def check_tokenizer_file(directory: Path) -> None:
+    """StartupRefused when the tokenizer file a checkpoint's config.json names is missing (a
+    converted model whose symbols.json or tokenizer.json was never put beside its weights), so
+    that the start stops in one line before its port opens, not once the engine process has
+    loaded. A config.json that does not read is left to the engine's load, which names it."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    missing = missing_tokenizer_file(config, directory) if isinstance(config, dict) else None
+    if missing is not None:
+        raise StartupRefused(f"checkpoint {directory}: {missing}")
 
 
 def served_models(engine: EngineClient, chat_template_file: Path | None = None) -> dict[str, ServedModel]:

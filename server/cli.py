@@ -412,7 +412,8 @@ def cmd_bench(args) -> None:
     if args.name not in BENCHMARKS:
         raise SystemExit(f"xlserve bench: unknown benchmark '{args.name}' (have: {', '.join(sorted(BENCHMARKS))})")
     missing = missing_packages(args.name)
-    if missing:
+    if missing and not {"-h", "--help"} & set(args.args):  # its flags list without the extra
+        # (a benchmark imports matplotlib and transformers only once it runs)
         raise SystemExit(f"xlserve bench {args.name} needs {', '.join(missing)}, from the bench extra: make bench "
                          "(or .venv/bin/pip install -c constraints.txt -e '.[bench]') in the checkout")
     from xlserve.models.checkpoint import CheckpointError  # (torch: after the checks above)

@@ -121,6 +121,12 @@ def meant_api_keys(environment: Mapping[str, str] | None = None) -> list[str]:
             if closest == f"{ENVIRONMENT_PREFIX}API_KEYS"]
 
 
+def environment_checked_elsewhere() -> None:
+    """This process's environment was checked by the process that started it (the engine process
+    by the API process): its unknown variables are not warned about a second time."""
+    _warned_environment_variables.update(unknown_environment_variables())
+
+
 def warn_about_unknown_environment_variables() -> None:
     """Log `unknown_environment_variables()`, each once per process (settings are read many times).
     Without logging configured, Python's last-resort handler prints a warning as a bare line."""

@@ -244,3 +244,18 @@ def test_store_rewrites_the_weights_and_keeps_everything_else_the_config_says(tm
     (broken / "config.json").write_text("{}")
     refused = xlserve("store", "--model", str(broken), "--dtype", "float16")
     assert refused.returncode != 0 and refused.stderr.startswith("xlserve store:") and "Traceback" not in refused.stderr
+
+
+def test_a_benchmarks_flags_list_without_the_bench_extra(monkeypatch, capsys):
+    """`xlserve bench NAME --help` is the first thing a user runs after `make serve`, which does
+    not install the bench extra: the flags list, and running it says what to install."""
+    import xlserve.server.bench as bench
+    from xlserve.server.cli import main
+
+    monkeypatch.setattr(bench, "missing_packages", lambda name: ["matplotlib"])
+    with pytest.raises(SystemExit) as listed:
+        main(["bench", "models", "--help"])
+    assert listed.value.code == 0 and "--out" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "models"])
+    assert "needs matplotlib, from the bench extra" in str(refused.value.code)

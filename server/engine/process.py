@@ -119,7 +119,7 @@ from xlserve.server.engine.wire import (
 )
 from xlserve.server.metrics import Metrics
 from xlserve.server.redis_urls import masked_url
-from xlserve.server.settings import EngineSettings, Settings, parse_quantize
+from xlserve.server.settings import EngineSettings, Settings, environment_checked_elsewhere, parse_quantize
 from xlserve.server.version import package_version
 
 log = logging.getLogger("xlserve.engine_process")
@@ -951,6 +951,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s engine: %(message)s")
+    environment_checked_elsewhere()  # the API process warned of a misspelt XLSERVE_ variable once
     sock = socket.socket(fileno=int(argv[0]))
     stream = sock.makefile("rb")  # one buffered reader for the settings and every frame after them
     settings = None

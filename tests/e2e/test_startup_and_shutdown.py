@@ -82,9 +82,11 @@ def refused(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_the_port_opens_at_once_and_says_loading_until_the_models_are_loaded(tiny_checkpoint, tmp_path):
     """The engine process imports torch and loads the model after the port opens: the first
     answers are 503 `loading` (with Retry-After), /ready is 503 with the reason, a websocket
-    gets an error frame and close code 1013; then the start-up block is logged and it serves."""
+    gets an error frame and close code 1013; then the start-up block is logged and it serves. A
+    misspelt XLSERVE_ variable is warned about once, by the API process (the engine process it
+    starts inherits the environment, and said it again)."""
     log_path = tmp_path / "server.log"
-    server = spawn(ServerProcess([tiny_checkpoint]), log_path)
+    server = spawn(ServerProcess([tiny_checkpoint], env={"XLSERVE_DEVCE": "cpu"}), log_path)
     try:
         early = first_answer(server)
         assert early.status_code == 503, early.text
@@ -111,6 +113,7 @@ def test_the_port_opens_at_once_and_says_loading_until_the_models_are_loaded(tin
     assert f"state directory: {Path(server.env['XLSERVE_STATE_DIR']).resolve()} (0 sessions found)" in block
     assert "session store: device 1 GiB -> host 4 GiB -> disk 64 GiB (no Redis" in block
     assert "API keys: none" in block
+    assert sum("XLSERVE_DEVCE is not an xlserve setting" in line for line in lines) == 1
 
 
 def test_no_checkpoint_to_serve_is_refused_in_one_line(tmp_path):
@@ -125,6 +128,20 @@ def test_an_unknown_model_name_is_refused_in_one_line(tiny_checkpoint):
     done = refused("--models", f"{tiny_checkpoint},txl-tnyi", "--weights-dir", str(tiny_checkpoint.parent))
     assert done.stderr.strip().count("\n") == 0, done.stderr
     assert "no checkpoint 'txl-tnyi'" in done.stderr and "txl-tiny" in done.stderr  # what there is
+
+
+@pytest.mark.parametrize("kind, file", [("words", "symbols.json"), ("tokenizers", "tokenizer.json"),
+                                         ("sentencepiece", "spiece.model")])
+def test_a_converted_checkpoint_without_its_tokenizer_file_is_refused_in_one_line(tiny_checkpoint, tmp_path, kind, file):
+    """A converted model whose tokenizer file was never put beside its weights (convert's note
+    says so): refused before the port opens, naming the file, not after the engine has loaded."""
+    converted = tmp_path / "converted"
+    shutil.copytree(tiny_checkpoint, converted)
+    config = json.loads((converted / "config.json").read_text())
+    (converted / "config.json").write_text(json.dumps({**config, "tokenizer": kind}))
+    done = refused("--models", str(converted))
+    assert done.stderr.strip().count("\n") == 0 and "Uvicorn running" not in done.stdout + done.stderr, done.stderr
+    assert done.stderr.startswith(f"xlserve serve: checkpoint {converted}: {converted / file} does not exist")
 
 
 def test_a_checkpoint_the_engine_cannot_load_stops_the_server_in_one_line(tiny_checkpoint, tmp_path):
