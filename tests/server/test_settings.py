@@ -176,7 +176,8 @@ def test_every_xlserve_variable_the_repository_uses_is_a_setting_or_listed_as_no
     setting or in NON_SETTING_ENVIRONMENT_VARIABLES, or every server they start warns about it.
     (Not the docs, nor the tests of the warning, which misspell names on purpose.)"""
     repository = README.parent
-    misspelling_on_purpose = {Path(__file__).resolve(), repository / "tests" / "test_cli.py"}
+    misspelling_on_purpose = {Path(__file__).resolve(), repository / "tests" / "test_cli.py",
+                              repository / "tests" / "e2e" / "test_startup_and_shutdown.py"}
     used = set()
     for directory in ("Makefile", "tests", "docker", "deploy", "server", "models"):
         root = repository / directory
