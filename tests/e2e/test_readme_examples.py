@@ -317,7 +317,7 @@ def test_the_openai_client_examples_run_and_the_prefix_cache_reuses_the_whole_hi
     ((result, usage, _),) = run_python(runnable, namespace)
     assert isinstance(result, str) and usage.completion_tokens == 32
 
-    assert "# 0, then the whole previous history" in reuse_example
+    assert "# 0 on a fresh server, then the whole previous history" in reuse_example
     printed = run_python(reuse_example, namespace)
     assert len(printed) == 3
     cached = [value for value, _ in printed]
