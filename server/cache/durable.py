@@ -52,6 +52,7 @@ from xlserve.server.cache.errors import (
     SessionConflict,
     SessionInfo,
     SessionNotFound,
+    SessionReadOutOfMemory,
     SessionUnavailable,
 )
 from xlserve.server.cache.ledger import IDEMPOTENCY_KEYS_PER_SESSION, TOMBSTONE_SECONDS, entry_line, kept
@@ -212,8 +213,10 @@ class DurableStore:
         except (CorruptState, ValueError, RuntimeError, MemoryError) as error:
             if out_of_memory(error):  # host RAM, or the device, for this read alone: the copy is fine
                 log.warning("session %s: no memory to read its %s copy: %s", record.id, tier, error)
-                raise SessionUnavailable(f"session '{record.id}': the server ran out of memory reading its state; "
-                                         "retry shortly", record.id) from None
+                raise SessionReadOutOfMemory(f"session '{record.id}': the server ran out of memory reading its "
+                                             "state; retry shortly", record.id) from None
+            if isinstance(error, (NotImplementedError, RecursionError)):  # a bug of the server's, not damage
+                raise
             if isinstance(error, RuntimeError):  # torch on a tensor that is not what the record says
                 error = CorruptState(str(error))
             log.error("session %s: %s copy is unusable: %s", record.id, tier, error)

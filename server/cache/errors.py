@@ -88,6 +88,14 @@ class SessionUnavailable(CacheError):
     http_status, error_type, default_code = 503, "service_unavailable", "session_unavailable"
 
 
+class SessionReadOutOfMemory(SessionUnavailable):
+    """Memory (host RAM, or the device) ran out while the session's stored state was read back:
+    the stored copy is fine, it is not set aside, and a retry may find the memory."""
+
+    http_status, error_type, default_code = 503, "service_unavailable", "device_out_of_memory"
+    retry_after_seconds = 1
+
+
 class SessionTooLarge(CacheError):
     """The session's state is larger than the whole budget of a tier it must live in (the
     model's device, or the last tier): no retry can make it fit, unlike CacheFull (so no

@@ -53,7 +53,7 @@ import time
 
 from xlserve.server.cache.codec import SessionData, encode_parts
 from xlserve.server.cache.durable import DurableStore, store_call
-from xlserve.server.cache.errors import CacheError, CacheFull, SessionTooLarge, SessionUnavailable
+from xlserve.server.cache.errors import CacheError, CacheFull, SessionReadOutOfMemory, SessionTooLarge, SessionUnavailable
 from xlserve.server.cache.leases import MOVE, NEW, Holds
 from xlserve.server.cache.manager import CacheManager, Move, Reclaim, Record, commit_of, home_tier, tier_too_small
 from xlserve.server.cache.stores import Head, MemoryStore
@@ -668,8 +668,8 @@ class _Fetch(_Step):
             try:
                 self.data = placement.read(self.record, self.source, to_device)
             except SessionUnavailable as error:
-                if self.source != "disk" or placement.durable.tier == "disk":
-                    raise
+                if self.source != "disk" or placement.durable.tier == "disk" or isinstance(error, SessionReadOutOfMemory):
+                    raise  # (no memory to read it: the spill is fine, and Redis's copy would need the same)
                 # with Redis the disk only spills what Redis holds: read it there, and the spill goes
                 log.warning("session %s: its disk spill is unusable (%s); read from Redis", self.record.id, error)
                 self.data = placement.read(self.record, placement.durable.tier, to_device)

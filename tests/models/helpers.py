@@ -107,3 +107,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def allocator_refusal(nbytes: int = 2**30) -> RuntimeError:
+    """The error torch's CPU allocator raises when it cannot allocate `nbytes` (its own text, from
+    a real refusal of a size no machine holds, with the size replaced): what a model on the CPU
+    meets when host RAM runs out under a container's limit or a strict overcommit policy."""
+    import re
+
+    import torch
+
+    try:
+        torch.empty(2**50, dtype=torch.uint8)
+    except RuntimeError as error:
+        return RuntimeError(re.sub(r"allocate \d+ bytes", f"allocate {nbytes} bytes", str(error)))
+    raise AssertionError("an allocation of 1 PiB succeeded")

@@ -66,9 +66,9 @@ def test_running_out_of_memory_while_reading_a_state_is_no_sign_of_damage(tmp_pa
     take for damage, and the same copy reads back once memory is there."""
     import logging
 
-    import torch
-
+    from tests.models.helpers import allocator_refusal
     from xlserve.server.cache import durable
+    from xlserve.server.cache.errors import SessionReadOutOfMemory
 
     store = on_disk(tmp_path)
     r = record(version=3)
@@ -77,12 +77,13 @@ def test_running_out_of_memory_while_reading_a_state_is_no_sign_of_damage(tmp_pa
     materialise = durable.materialise
 
     def without_memory(*args):
-        torch.empty(2**50, dtype=torch.uint8)  # beyond any machine: the allocator's own failure
+        raise allocator_refusal()  # the CPU allocator's own failure, of a size the machine holds
 
     monkeypatch.setattr(durable, "materialise", without_memory)
     with caplog.at_level(logging.WARNING, logger="xlserve"), pytest.raises(SessionUnavailable) as refused:
         store.decode(r, "disk", blob)
     assert "ran out of memory" in str(refused.value) and "unusable" not in str(refused.value)
+    assert isinstance(refused.value, SessionReadOutOfMemory) and refused.value.retry_after_seconds == 1
     assert not any("unusable" in line.getMessage() for line in caplog.records)
     monkeypatch.setattr(durable, "materialise", materialise)
     assert same(store.decode(r, "disk", blob), data(10, 1))

@@ -302,6 +302,38 @@ def test_an_unusable_disk_spill_is_read_from_redis_and_goes(tmp_path, redis_url)
     cache.close()
 
 
+def test_a_disk_spill_read_without_memory_stays_and_the_acquire_is_retried(tmp_path, redis_url, monkeypatch):  # noqa: F811
+    """Memory that runs out while a disk spill is read (host RAM: the CPU allocator's refusal) says
+    nothing about the spill: the acquire fails alone with a retryable 503, the spill keeps its
+    place in the books and on disk, and a retry with memory reads it."""
+    from tests.models.helpers import allocator_refusal
+    from xlserve.server.cache import durable
+    from xlserve.server.cache.errors import SessionReadOutOfMemory
+
+    n = 100
+    cache = replica(tmp_path, "m", redis_url, device=size(n), host=size(n), disk=size(n))
+    ids = [cache.create("toy", None, data(n, i)).id for i in range(3)]
+    spilled = ids[0]
+    assert cache.info(spilled, None).tier == "disk"
+    materialise = durable.materialise
+
+    def without_memory(*args):  # the spill's read only: Redis's would have the memory
+        monkeypatch.setattr(durable, "materialise", materialise)
+        raise allocator_refusal()
+
+    monkeypatch.setattr(durable, "materialise", without_memory)
+    with pytest.raises(SessionReadOutOfMemory):
+        cache.acquire(spilled, None)
+    monkeypatch.setattr(durable, "materialise", materialise)
+    assert "disk" in cache.manager.get(spilled).copies
+    cache.info(ids[1], None)  # a sweep
+    assert cache.disk.exists(spilled)
+    lease = cache.acquire(spilled, None)
+    assert same(lease.data, data(n, 0))
+    cache.release(lease)
+    cache.close()
+
+
 def test_a_full_redis_refuses_with_cache_full_and_keeps_what_it_has(tmp_path, redis_url):  # noqa: F811
     admin = redis.Redis.from_url(redis_url)
     cache = replica(tmp_path, "d", redis_url)

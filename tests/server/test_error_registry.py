@@ -67,6 +67,9 @@ ANSWERED = {
     "SessionConflict": (409, "conflict", "session_version_conflict", "session_id", {}),
     "CacheFull": (503, "service_unavailable", "session_cache_full", "session_id", {"Retry-After": "1"}),
     "SessionUnavailable": (503, "service_unavailable", "session_unavailable", "session_id", {}),
+    # added since: memory ran out while a stored state was read back (its copy is fine: retry)
+    "SessionReadOutOfMemory": (503, "service_unavailable", "device_out_of_memory", "session_id",
+                               {"Retry-After": "1"}),
     "SessionTooLarge": (413, "request_too_large", "session_too_large", "session_id", {}),
     "CommitOutcomeUnknown": (503, "service_unavailable", "commit_outcome_unknown", "session_id", {}),
     "IdempotencyKeyReused": (422, "invalid_request_error", "idempotency_key_reused", "Idempotency-Key", {}),

@@ -97,9 +97,10 @@ def test_validated_import_takes_a_16_bit_export_and_refuses_an_integer_tensor_by
 
 
 def host_allocation_failure():
-    """What torch's CPU allocator really raises when host RAM runs out (a plain RuntimeError): an
-    allocation beyond any machine's address space."""
-    torch.empty(2**50, dtype=torch.uint8)
+    """What torch's CPU allocator raises when host RAM runs out (a plain RuntimeError)."""
+    from tests.models.helpers import allocator_refusal
+
+    raise allocator_refusal()
 
 
 @pytest.mark.parametrize("fails", ["device", "host"])
