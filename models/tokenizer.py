@@ -186,9 +186,12 @@ def missing_tokenizer_file(config: dict, directory) -> str | None:
     checks this before its port opens, where loading a tokenizer would cost seconds."""
     default_file = {"words": "symbols.json", "sentencepiece": "spiece.model", "tokenizers": "tokenizer.json"}
     kind = config.get("tokenizer", "bytes")
-    if kind not in default_file:
+    if not isinstance(kind, str) or kind not in default_file:
+        return None  # the load says what is wrong with a value of another kind
+    name = config.get("tokenizer_file", default_file[kind])
+    if not isinstance(name, str):
         return None
-    path = Path(directory) / config.get("tokenizer_file", default_file[kind])
+    path = Path(directory) / name
     if path.is_file():
         return None
     if kind == "words":

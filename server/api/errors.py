@@ -255,6 +255,9 @@ def install_error_handlers(app: FastAPI) -> None:
     def answer(request: Request, error: APIError, body: Any = None, raised: BaseException | None = None) -> AsciiErrorResponse:
         model = getattr(raised if raised is not None else error, "session_model", None)  # session_lease's
         count_error(_app_state(request.app), error, model or requested_model(request, body))
+        if error.status >= 500:  # the server's side: logged with the id the client was given
+            log.warning("request %s (%s %s) answered %d %s: %s", request_id_of(request.scope), request.method,
+                        request.url.path, error.status, error.code or error.type, error.message)
         return AsciiErrorResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)
@@ -293,10 +296,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):
         # answered by Starlette's outermost middleware, outside RequestIdMiddleware: the id is
-        # added here, and logged with the request, since the traceback uvicorn logs after this
-        # answer names neither
+        # added here (`answer` logs it with the request: the traceback uvicorn logs after this
+        # answer names neither)
         request_id = request_id_of(request.scope)
-        log.error("request %s (%s %s) failed: %s", request_id, request.method, request.url.path, type(error).__name__)
         response = answer(request, as_api_error(error), raised=error)
         if request_id is not None:
             response.headers[REQUEST_ID_HEADER] = request_id

@@ -168,5 +168,9 @@ def test_session_states_pass_the_proxy_under_their_own_body_limit(fleet, tmp_pat
         assert re.fullmatch("[0-9a-f]{32}", given)
         assert proxy.get(f"/v1/sessions/{session}/state", headers={**header, "X-Request-Id": "mine-1"}
                          ).headers["x-request-id"] == "mine-1"
+        # one the replica would not keep (two words): nginx's own goes in its place, on both sides
+        replaced = proxy.get(f"/v1/sessions/{session}", headers={**header, "X-Request-Id": "my id"}
+                             ).headers["x-request-id"]
+        assert re.fullmatch("[0-9a-f]{32}", replaced)
     log = (tmp_path / "nginx" / "access.log").read_text()  # the fleet's nginx, in this test's tmp_path
-    assert f"request_id={given} " in log and "request_id=mine-1 " in log
+    assert f"request_id={given} " in log and "request_id=mine-1 " in log and f"request_id={replaced} " in log

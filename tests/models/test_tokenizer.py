@@ -265,3 +265,18 @@ def test_a_generation_streams_the_text_that_follows_its_prompt(subword_tokenizer
     if kind == "words":  # after a line's end, a line's first word
         detokenizer = tokenizer.detokenizer(tokenizer.encode("cat\n"))
         assert detokenizer.push(word[0]) == "world"
+
+
+def test_a_missing_tokenizer_file_is_named_without_reading_it(tmp_path):
+    """What a start checks before its port opens: the file a converted checkpoint's config names,
+    without loading it; a value of another kind is left to the load, which says what is wrong."""
+    from xlserve.models.tokenizer import missing_tokenizer_file
+
+    assert missing_tokenizer_file({"tokenizer": "bytes"}, tmp_path) is None
+    assert "symbols.json does not exist" in missing_tokenizer_file({"tokenizer": "words"}, tmp_path)
+    assert "mine.json does not exist" in missing_tokenizer_file({"tokenizer": "tokenizers",
+                                                                  "tokenizer_file": "mine.json"}, tmp_path)
+    (tmp_path / "spiece.model").write_bytes(b"")
+    assert missing_tokenizer_file({"tokenizer": "sentencepiece"}, tmp_path) is None
+    for odd in ({"tokenizer": ["words"]}, {"tokenizer": "words", "tokenizer_file": 7}, {"tokenizer": None}):
+        assert missing_tokenizer_file(odd, tmp_path) is None

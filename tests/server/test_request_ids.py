@@ -59,10 +59,29 @@ def test_an_unexpected_failure_is_answered_and_logged_with_the_id(caplog):
 
     state.engine.acquire = broken
     client = TestClient(app, raise_server_exceptions=False)
-    with caplog.at_level(logging.ERROR, logger="xlserve.server"):
+    with caplog.at_level(logging.WARNING, logger="xlserve.server"):
         response = client.post("/v1/sessions/s1/append", json={"text": "hi"}, headers={"x-request-id": "oops-42"})
     assert response.status_code == 500
     assert response.json()["error"]["message"] == "internal error: ZeroDivisionError"
     assert response.headers.get_list("x-request-id") == ["oops-42"]
     assert any("oops-42" in record.getMessage() and "/v1/sessions/s1/append" in record.getMessage()
                for record in caplog.records)
+
+
+def test_every_answer_of_the_servers_side_is_logged_with_the_id(caplog):
+    """A 5xx an engine error maps to (here a request that failed in its forward) is logged with the
+    id, the route and the code; a 4xx, the client's own mistake, is not."""
+    import logging
+
+    from xlserve.server.engine.errors import RequestFailed
+
+    app, state = make_app()
+    state.engine.events = [RequestFailed("this request failed while running the model", code="forward_failed")]
+    client = TestClient(app)
+    with caplog.at_level(logging.WARNING, logger="xlserve.server"):
+        failed = client.post("/v1/completions", json=BODY, headers={"x-request-id": "engine-7"})
+        refused = client.post("/v1/completions", json={**BODY, "max_tokens": -1}, headers={"x-request-id": "mine-8"})
+    assert failed.status_code == 500 and refused.status_code == 400
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("engine-7" in line and "/v1/completions" in line and "forward_failed" in line for line in lines), lines
+    assert not any("mine-8" in line for line in lines)
