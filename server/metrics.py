@@ -229,6 +229,13 @@ class Metrics:
             "xlserve_session_cache_usage_ratio", "Fraction of each session-cache tier's budget its states hold (1 = full)",
             ["tier"], registry=r,
         )
+        # which tier holds every committed session (1 on its label): disk without Redis, where the
+        # disk filling up refuses sessions; redis with it, where the disk is a spill cache that
+        # fills by design (deploy/prometheus/alerts.yml tells them apart by this)
+        self.session_cache_last_tier = Gauge(
+            "xlserve_session_cache_last_tier", "1 for the tier that holds every committed session (disk or redis)",
+            ["tier"], registry=r,
+        )
         ProcessCollector(registry=r)  # process_*: rendered by the API process, of itself
         # xlserve_engine_process_*: rendered by the engine process, of itself (its /proc/self)
         ProcessCollector(namespace=ENGINE_PROCESS_NAMESPACE, registry=r)
@@ -276,9 +283,11 @@ class Metrics:
         for route, method, status in responses:
             self.http_requests.labels(route, method, str(status))
 
-    def declare_tiers(self, budgets: dict[str, int | None], used) -> None:
+    def declare_tiers(self, budgets: dict[str, int | None], used, last_tier: str) -> None:
         """Each tier's budget, and its usage ratio read at every scrape from `used(tier)` (bytes
-        held there now: CacheManager.used), for the tiers that have a budget."""
+        held there now: CacheManager.used), for the tiers that have a budget; and `last_tier`,
+        the one that holds every committed session."""
+        self.session_cache_last_tier.labels(last_tier).set(1)
         for tier, budget in budgets.items():
             if budget is None:
                 continue

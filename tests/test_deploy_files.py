@@ -126,6 +126,15 @@ def secret_value(ref: dict, variant: str = "") -> str:
     return base64.b64decode(secret["data"][ref["key"]]).decode()
 
 
+def quantity(text: str) -> int:
+    """Bytes of a Kubernetes memory quantity ("7Gi", "3584Mi") or a plain number."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * scale)
+    return int(text)
+
+
 def server_container(variant: str = "") -> tuple[dict, dict, dict]:
     """(Deployment, pod spec, the xlserve container)."""
     deployment = find("Deployment", "xlserve", variant)
@@ -484,6 +493,35 @@ def test_alert_rules_pass_promtool():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_disk_alert_fires_only_where_the_disk_is_the_last_tier(tmp_path):
+    """XlserveDiskTierNearlyFull, through promtool's rule tests: a replica without Redis whose disk
+    holds over 90% of its budget fires (new sessions will be refused); a replica with Redis, whose
+    disk is a spill cache that fills by design, does not."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Debian's prometheus, which `make test` installs) is not installed")
+    series = {
+        "xlserve_session_cache_usage_ratio{tier=\"disk\", instance=\"alone\", job=\"xlserve\"}": "0.95x20",
+        "xlserve_session_cache_last_tier{tier=\"disk\", instance=\"alone\", job=\"xlserve\"}": "1x20",
+        "xlserve_session_cache_usage_ratio{tier=\"disk\", instance=\"fleet\", job=\"xlserve\"}": "1x20",
+        "xlserve_session_cache_last_tier{tier=\"redis\", instance=\"fleet\", job=\"xlserve\"}": "1x20",
+    }
+    lines = ["rule_files:", f"  - {ALERTS}", "evaluation_interval: 1m", "tests:", "  - interval: 1m",
+             "    input_series:"]
+    for name, values in series.items():
+        lines += [f"      - series: '{name}'", f"        values: '{values}'"]
+    lines += ["    alert_rule_test:", "      - eval_time: 15m", "        alertname: XlserveDiskTierNearlyFull",
+              "        exp_alerts:", "          - exp_labels:", "              severity: warning",
+              "              instance: alone", "            exp_annotations:",
+              "              summary: 'The disk tier of alone is over 90% of its budget'",
+              "              description: 'Session states fill 95% of XLSERVE_DISK_STATE_BYTES; delete sessions or raise "
+              "the budget (and the volume) before new ones are refused.'"]
+    test_file = tmp_path / "disk_alert_test.yml"
+    test_file.write_text("\n".join(lines).replace("\\\"", "\"") + "\n")
+    result = subprocess.run([promtool, "test", "rules", str(test_file)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # --- the Deployment
 
 
@@ -548,6 +586,14 @@ def test_deployment_wiring():
     config = find("ConfigMap", config_volume["configMap"]["name"])["data"]["redis.conf"]
     directives = dict(line.split(None, 1) for line in config.splitlines() if line.strip() and not line.startswith("#"))
     assert directives["appendonly"] == "yes" and directives["maxmemory-policy"] == "noeviction"
+    assert directives["save"] == '""', "no snapshots besides the append-only file (a failed one stops every write)"
+    # the fork of a rewrite copies the pages written meanwhile: the pod holds maxmemory twice
+    maxmemory = quantity(directives["maxmemory"].replace("gb", "Gi").replace("mb", "Mi"))
+    assert quantity(redis_container["resources"]["limits"]["memory"]) >= 2 * maxmemory
+    probe = " ".join(redis_container["readinessProbe"]["exec"]["command"])
+    assert "PONG" in probe, "redis-cli exits 0 on an error reply: the probe reads the answer"
+    for pod_spec in (redis["spec"]["template"]["spec"], pod):
+        assert pod_spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert directives["appendfsync"] in ("always", "everysec")
     assert "everysec" in config and "always" in config, "redis.conf states both choices and what each loses"
     assert "requirepass" not in directives

@@ -330,7 +330,18 @@ class DurableStore:
         appended to the session's log, unless the log would outgrow LOG_SLACK * `compact_ratio`
         times its base: then the session is written whole, which compacts it. Durable when this
         returns. A Redis write that gets no answer is settled (`_settle`). Returns the kind of
-        write made and whether the session is due a compaction (`Written`)."""
+        write made and whether the session is due a compaction (`Written`). A store too full for
+        it (Redis at its maxmemory, a full disk) is counted as a refusal of the last tier
+        (xlserve_session_refusals_total), as the faster tiers' budgets are, and raises CacheFull."""
+        try:
+            return self._write(record, blob, expected, entry, delta, expected_commit)
+        except CacheFull:
+            if self.metrics is not None:
+                self.metrics.session_refusals.labels(record.model, self.tier).inc()
+            raise
+
+    def _write(self, record: Record, blob: Blob | Callable[[], Blob], expected: int | None, entry: dict | None,
+               delta: bytes | None, expected_commit: str) -> Written:
         whole = blob if callable(blob) else (lambda: blob)
         most = LOG_SLACK * self.compact_ratio
         if self.redis is None:

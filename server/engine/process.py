@@ -454,7 +454,7 @@ class EngineProcess:
         self.sessions_found = self.cache.open({name: loaded.model for name, loaded in self.models.items()})
         self.metrics.declare_engine_series(list(self.models), list(self.cache.manager.tiers))
         # each tier's budget and how full it is, read from the manager at every scrape
-        self.metrics.declare_tiers(self.cache.manager.budgets, self.cache.manager.used)
+        self.metrics.declare_tiers(self.cache.manager.budgets, self.cache.manager.used, self.cache.manager.tiers[-1])
         self.lock = threading.Lock()  # guards the four tables below
         self.leases: dict[int, Lease] = {}
         self.results: dict[int, SessionData] = {}  # lease -> the state its request ended with, until commit

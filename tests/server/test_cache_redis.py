@@ -335,14 +335,22 @@ def test_a_disk_spill_read_without_memory_stays_and_the_acquire_is_retried(tmp_p
 
 
 def test_a_full_redis_refuses_with_cache_full_and_keeps_what_it_has(tmp_path, redis_url):  # noqa: F811
+    """Redis at its maxmemory refuses a write: CacheFull (503), what it holds stays, and the refusal
+    is counted as the last tier's (xlserve_session_refusals_total{tier="redis"}), as a full
+    budget of a faster tier is, so the refusal alert fires for a full Redis too."""
+    from xlserve.server.metrics import Metrics
+
     admin = redis.Redis.from_url(redis_url)
-    cache = replica(tmp_path, "d", redis_url)
+    metrics = Metrics()
+    cache = SessionCache(tmp_path / "d", None, None, None, redis_url=redis_url, metrics=metrics)
+    cache.open({"toy": MODEL})
     kept = cache.create("toy", None, data(10, 0)).id
     admin.config_set("maxmemory", str(admin.info("memory")["used_memory"] + 2_000_000))  # noeviction by default
     try:
         with pytest.raises(CacheFull, match="full"):
             for i in range(100):  # 400 kB each: the limit is reached within a handful
                 cache.create("toy", None, data(100_000, i))
+        assert metrics.session_refusals.labels("toy", "redis")._value.get() == 1
         lease = cache.acquire(kept, None)
         assert same(lease.data, data(10, 0))
         cache.release(lease)

@@ -309,7 +309,8 @@ def test_every_code_written_in_the_server_is_registered():
 def test_tier_budgets_and_usage_ratio_are_read_at_every_scrape():
     metrics = Metrics()
     used = {"device": 0, "host": 0, "disk": 0, "redis": 5}
-    metrics.declare_tiers({"device": 1000, "host": 4000, "disk": 0, "redis": None}, used.__getitem__)
+    metrics.declare_tiers({"device": 1000, "host": 4000, "disk": 0, "redis": None}, used.__getitem__, "redis")
+    assert samples(metrics, "xlserve_session_cache_last_tier") == {("redis",): 1}  # the disk only spills
     assert samples(metrics, "xlserve_session_cache_budget_bytes") == {("device",): 1000, ("host",): 4000,
                                                                       ("disk",): 0}
     assert samples(metrics, "xlserve_session_cache_usage_ratio") == {("device",): 0, ("host",): 0, ("disk",): 0}
