@@ -43,7 +43,7 @@ from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError, nodes
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger("xlserve.server")
@@ -74,6 +74,18 @@ def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separa
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class GenerationTag(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks what the assistant
+    wrote (for training masks): templates on the Hub use it, and it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 def _reads_name(tree: nodes.Template, name: str) -> bool:
     """Whether the template `tree` reads a field called `name` (`message.name`, `message['name']`,
     `message.get('name')`, `'name' in message`). Read from the parsed template rather than its
@@ -86,17 +98,27 @@ def _reads_name(tree: nodes.Template, name: str) -> bool:
 class ChatTemplate:
     """A compiled chat template and the special tokens it may use."""
 
-    def __init__(self, source: str, origin: str, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str, origin: str, bos_token: str = "", eos_token: str = "",
+                 tool_use: "ChatTemplate | None" = None):
         self.source, self.origin = source, origin
         self.bos_token, self.eos_token = bos_token, eos_token
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        # a checkpoint's named "tool_use" template, rendered instead when a request gives tools
+        # (as transformers and vLLM choose it: Hermes-2-Pro's, Command-R's)
+        self.tool_use = tool_use
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=[loopcontrols, GenerationTag])
         environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         environment.filters["tojson"] = _tojson
         self.error: str | None = None
         self.renders_tool_calls = False
+        self.knows_developer = False
         try:
             self.template = environment.from_string(source)
-            self.renders_tool_calls = _reads_name(environment.parse(source), "tool_calls")
+            tree = environment.parse(source)
+            self.renders_tool_calls = _reads_name(tree, "tool_calls")
+            # OpenAI's `developer` is its newer name for `system`; a template with no branch of its
+            # own for it (most on the Hub) gets it as `system` rather than dropping it unseen
+            self.knows_developer = _reads_name(tree, "developer")
         except TemplateError as error:
             self.template = None
             self.error = f"the chat template in {origin} does not compile: {error}"
@@ -104,15 +126,22 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """The prompt text for `messages` (and `tools`, OpenAI's list of {"type": "function",
         "function": {...}}, for a template that describes them); ChatTemplateError if the
-        template cannot render them."""
+        template cannot render them: whatever a template raises on the messages (an arithmetic
+        error, a recursion too deep, a range past the sandbox's bound) is the template's, a 400."""
+        if tools and self.tool_use is not None and self.tool_use.template is not None:
+            return self.tool_use.render(messages, add_generation_prompt, tools)
         if self.template is None:
             raise ChatTemplateError(self.error)
+        if not self.knows_developer:
+            messages = [{**message, "role": "system"} if message.get("role") == "developer" else message
+                        for message in messages]
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except ChatTemplateError:
             raise
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError,
+                RecursionError) as error:
             raise ChatTemplateError(f"{type(error).__name__}: {error}") from None
 
 
@@ -124,13 +153,14 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _template_text(value) -> str | None:
-    """A `chat_template` value: a string, or a list of named templates ("default" is used)."""
+def _template_text(value, name: str = "default") -> str | None:
+    """A `chat_template` value: a string, or a list of named templates (the one called `name`;
+    a string is only ever the default)."""
     if isinstance(value, str) and value.strip():
-        return value
+        return value if name == "default" else None
     if isinstance(value, list):
         named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
-        chosen = named.get("default")
+        chosen = named.get(name)
         return chosen if isinstance(chosen, str) and chosen.strip() else None
     return None
 
@@ -188,7 +218,16 @@ def load_chat_template(config: dict, directory: str | Path | None,
             return unusable
     if found is None:
         return None
-    template = ChatTemplate(found[0], found[1], **special)
+    tool_use = None
+    for where, value in ((TOKENIZER_CONFIG, tokenizer_config.get("chat_template")), ("config.json",
+                                                                                     config.get("chat_template"))):
+        text = _template_text(value, "tool_use")
+        if text is not None and found[1].endswith(where):  # the same file's named variant
+            tool_use = ChatTemplate(text, f"{found[1]} (tool_use)", **special)
+            if tool_use.error:
+                log.warning("%s; requests with tools use the default template", tool_use.error)
+            break
+    template = ChatTemplate(found[0], found[1], **special, tool_use=tool_use)
     if template.error:
         log.warning("%s; /v1/chat/completions will refuse requests for this model", template.error)
     return template

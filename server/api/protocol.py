@@ -378,20 +378,29 @@ class ChatMessage(RequestBody):
     # a string, or OpenAI's list of content parts (their texts are joined with newlines)
     content: Annotated[Text | list[TextPart] | None, one_of("a string or a list of {\"type\": \"text\"} parts")] = None
     name: Text | None = None
-    tool_calls: list[MessageToolCall] | None = Field(None, min_length=1)  # an assistant's calls
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls ([] as none, as OpenAI's SDK may send)
     tool_call_id: Text | None = None  # a tool message: the call it answers
+    # what an assistant message OpenAI returned carries besides, sent back with the history as the
+    # SDK dumps it (`message.model_dump()`): a refusal stands for the text of a message without
+    # content; annotations (citations) are read past; audio and function_call only as null
+    refusal: Text | None = None
+    annotations: list[dict[str, Any]] | None = Field(None, max_length=MAX_CONTENT_PARTS)
+    audio: None = None
+    function_call: None = None
 
     @field_validator("tool_calls")
     @classmethod
     def _calls_are_an_assistants(cls, value, info):
-        if value is not None and info.data.get("role") != "assistant":
+        if not value:
+            return None
+        if info.data.get("role") != "assistant":
             raise PydanticCustomError("tool_calls_role", "only an assistant message makes tool calls")
         return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
 
 
 def bounded_message_items(messages: Any) -> Any:
@@ -441,6 +450,19 @@ class ChatCompletionRequest(SamplingOptions):
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
                            one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')] = None
     parallel_tool_calls: bool = True
+    # OpenAI's: keep the exchange for its dashboards (nothing is kept here, so only false), and a
+    # caller's tags for it (16 keys of up to 64 characters, values up to 512), taken and read past
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_is_stored(cls, value):
+        if value:
+            raise PydanticCustomError("store_unsupported", "true is not supported: this server keeps no completions "
+                                                          "(send false or leave it out)")
+        return value
 
 
 # -- /tokenize and /detokenize (as vLLM) ----------------------------------------------------------

@@ -234,3 +234,69 @@ def test_tojson_writes_json_as_hub_templates_expect_it():
                             origin="test")
     rendered = template.template.render(messages=[{"content": {"b": 1, "a": "<é>&"}}], value={"z": [1]})
     assert rendered == '{"b": 1, "a": "<é>&"}|{\n  "z": [\n    1\n  ]\n}'
+
+
+# -- chat as OpenAI's clients send it ------------------------------------------------------------------
+
+
+def test_a_history_as_openais_sdk_dumps_it_is_taken(served):
+    """An assistant message OpenAI returned, sent back with the history as `message.model_dump()`
+    writes it (refusal, annotations, audio and function_call as null or empty; tool_calls as []
+    when it made none), is taken; a refusal stands for the text of a message without content.
+    store: false and metadata are OpenAI's and change nothing here; store: true is refused."""
+    client, state = served
+    dumped = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": CALLS[:1]}
+    history = [HISTORY[0], dumped, HISTORY[2], {"role": "assistant", "content": "ok", "tool_calls": []},
+               {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+               {"role": "user", "content": "thanks"}]
+    state.engine.events = [ChoiceFinished(0, "length", "", 0), Finished([], 0, 0, 0, None)]
+    ok(client.post("/v1/chat/completions", json={"model": TOOL_MODEL, "messages": history, "store": False,
+                                                 "metadata": {"team": "docs"}}))
+    prompt = rendered(state, TOOL_MODEL, history)
+    assert prompt.count("<tool_call>") == 1 and "I can't help with that." in prompt
+    for refused in ({"store": True}, {"metadata": {str(i): "x" for i in range(17)}},
+                    {"messages": [{"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}]}):
+        response = client.post("/v1/chat/completions", json={"model": TOOL_MODEL, "messages": history, **refused})
+        assert response.status_code == 400, (refused, response.text)
+
+
+def test_whatever_a_template_raises_on_the_messages_is_a_400():
+    """A template that fails on the messages it is given (an arithmetic error, a range past the
+    sandbox's bound, a recursion) refuses the request as the template's (400
+    chat_template_error), never a 500."""
+    from xlserve.server.api.chat import ChatTemplateError
+
+    for source in ("{{ 10 // (messages | length - 1) }}",
+                   "{% for i in range(messages[0].content | length * 100000) %}{% endfor %}",
+                   "{% macro deep(n) %}{{ deep(n + 1) }}{% endmacro %}{{ deep(0) }}"):
+        with pytest.raises(ChatTemplateError):
+            ChatTemplate(source, "test").render([{"role": "user", "content": "hi"}])
+
+
+def test_templates_of_the_hub_render_as_transformers_renders_them(tmp_path):
+    """`{% generation %}` (transformers' mark of what the assistant wrote) renders its body; a
+    checkpoint's named tool_use template is the one rendered when a request gives tools; OpenAI's
+    developer role reaches a template with no branch for it as system."""
+    from xlserve.server.api.chat import load_chat_template
+
+    marked = ChatTemplate("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}",
+                          "test")
+    assert marked.render([{"role": "assistant", "content": "hi"}]) == "[hi]"
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "DEFAULT{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "TOOLS{{ tools | length }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+    ]}))
+    template = load_chat_template({}, tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages) == "DEFAULThi"
+    assert template.render(messages, tools=[WEATHER]) == "TOOLS1hi"
+
+    plain = ChatTemplate("{% for m in messages %}{% if m.role == 'system' %}S:{{ m.content }} {% elif m.role == "
+                         "'user' %}U:{{ m.content }}{% endif %}{% endfor %}", "test")
+    developer = [{"role": "developer", "content": "in French"}, {"role": "user", "content": "hi"}]
+    assert plain.render(developer) == "S:in French U:hi"
+    knowing = ChatTemplate("{% for m in messages %}{% if m.role == 'developer' %}D:{{ m.content }} {% endif %}"
+                           "{% endfor %}", "test")
+    assert knowing.render(developer) == "D:in French "
