@@ -391,11 +391,9 @@ class ChatMessage(RequestBody):
     @field_validator("tool_calls")
     @classmethod
     def _calls_are_an_assistants(cls, value, info):
-        if not value:
-            return None
-        if info.data.get("role") != "assistant":
+        if value is not None and info.data.get("role") != "assistant":
             raise PydanticCustomError("tool_calls_role", "only an assistant message makes tool calls")
-        return value
+        return value or None
 
     def text(self) -> str:
         if isinstance(self.content, list):
