@@ -114,3 +114,13 @@ def test_a_parametrized_weight_is_read_through_its_parametrization():
     x = torch.randn(8, weight.shape[1])
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, 2 * weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_goes_through_onednn_where_mkl_is_the_slow_one():
+    """Which kernel takes a product of few rows depends on the CPU: on AMD, MKL's product of one
+    row read a large weight at half oneDNN's rate (14-18 against 30-32 GB/s, an EPYC), so there
+    every row count goes through oneDNN; on Intel (and elsewhere) MKL keeps one to three rows."""
+    from xlserve.models.linear import cpu_vendor, few_rows_for
+
+    assert few_rows_for("AuthenticAMD") == 1 and few_rows_for("GenuineIntel") == 4 and few_rows_for("") == 4
+    assert FEW_ROWS == few_rows_for(cpu_vendor())
