@@ -454,6 +454,23 @@ class ChatCompletionRequest(SamplingOptions):
     metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
 
+    # vLLM's: render the messages without the assistant's turn after them, or (continue_final_message)
+    # so that the answer goes on from the last message, an assistant's: a prefilled start
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _a_final_message_to_continue(cls, value, info):
+        if value:
+            if info.data.get("add_generation_prompt", True):
+                raise PydanticCustomError("continue_final_message", "it goes on from the last message: send "
+                                                                    "add_generation_prompt false with it")
+            messages = info.data.get("messages")
+            if messages and messages[-1].role != "assistant":
+                raise PydanticCustomError("continue_final_message", "it needs the last message to be the assistant's")
+        return value
+
     @field_validator("store")
     @classmethod
     def _nothing_is_stored(cls, value):
@@ -477,6 +494,7 @@ class TokenizeRequest(RequestBody):
     # chat's type, so what chat refuses is refused here. No tool_choice: the prompt does not depend on it
     tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn, as chat does
+    continue_final_message: bool = False  # with messages: end where the last (an assistant's) does, as chat does
     add_special_tokens: bool = True  # accepted for vLLM's clients; these tokenizers add none
 
 

@@ -300,3 +300,28 @@ def test_templates_of_the_hub_render_as_transformers_renders_them(tmp_path):
     knowing = ChatTemplate("{% for m in messages %}{% if m.role == 'developer' %}D:{{ m.content }} {% endif %}"
                            "{% endfor %}", "test")
     assert knowing.render(developer) == "D:in French "
+
+
+def test_an_answer_can_go_on_from_a_prefilled_assistant_message(served):
+    """vLLM's add_generation_prompt and continue_final_message: without the assistant's turn after
+    the messages, or ending where the last message's content ends (the template's end-of-turn
+    after it cut off), so the answer goes on from a prefilled start; /tokenize counts the same
+    prompt. Both at once, or a last message that is not the assistant's, is 400 naming why."""
+    client, state = served
+    messages = [{"role": "user", "content": "the weather?"}, {"role": "assistant", "content": "It is"}]
+    state.engine.events = [ChoiceFinished(0, "length", "", 0), Finished([], 0, 0, 0, None)]
+    body = {"model": TOOL_MODEL, "messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    ok(client.post("/v1/chat/completions", json=body))
+    sent = bytes(state.engine.prompts[-1]).decode()
+    assert sent.endswith("<|assistant|>It is") and sent == rendered(state, TOOL_MODEL, messages, None)[: len(sent)]
+    tokenized = ok(client.post("/tokenize", json={k: v for k, v in body.items()}))
+    assert tokenized["tokens"] == state.engine.prompts[-1]
+
+    state.engine.events = [ChoiceFinished(0, "length", "", 0), Finished([], 0, 0, 0, None)]
+    ok(client.post("/v1/chat/completions", json={"model": TOOL_MODEL, "messages": messages[:1],
+                                                 "add_generation_prompt": False}))
+    assert not bytes(state.engine.prompts[-1]).decode().rstrip().endswith("<|assistant|>")
+
+    for wrong in ({**body, "add_generation_prompt": True}, {**body, "messages": messages[:1]}):
+        response = client.post("/v1/chat/completions", json=wrong)
+        assert response.status_code == 400 and "continue_final_message" in response.text, response.text

@@ -383,10 +383,13 @@ def token_bytes_reader(tokenizer) -> Callable[[str], list[int]]:
 
 
 def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[ToolDefinition] | None = None) -> str:
+                tools: list[ToolDefinition] | None = None, continue_final_message: bool = False) -> str:
     """The prompt text the model's chat template makes of `messages` and `tools` (server/api/chat.py);
     400 when the model has no template or its template refuses them. Chat and /tokenize both render
-    through here, so /tokenize counts the prompt a chat request with the same fields runs."""
+    through here, so /tokenize counts the prompt a chat request with the same fields runs. With
+    `continue_final_message` the text ends where the last message's content does (what the
+    template writes after it, an end-of-turn marker, is cut off, as vLLM cuts it), so that the
+    answer goes on from it."""
     template = served.chat_template
     if template is None:
         raise InvalidRequest(f"model '{served.name}' has no chat template, so it cannot take chat messages: use "
@@ -398,10 +401,19 @@ def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation
     # as OpenAI sends them: a field left out is absent, not null, which a template would test as defined
     described = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
     try:
-        return template.render(rendered, add_generation_prompt, described)
+        text = template.render(rendered, add_generation_prompt, described)
     except ChatTemplateError as error:
         raise InvalidRequest(f"the chat template of model '{served.name}' cannot render these messages: {error}",
                              param="messages", code="chat_template_error") from None
+    if continue_final_message:
+        final = messages[-1].text()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise InvalidRequest(f"the chat template of model '{served.name}' does not write the last message's "
+                                 "content as it is, so the answer cannot go on from it", param="messages",
+                                 code="chat_template_error")
+        text = text[: end + len(final)]
+    return text
 
 
 class ChatCompletion(Completion):
@@ -422,7 +434,9 @@ class ChatCompletion(Completion):
                 raise InvalidRequest(f"{other} cannot be combined with tools: the answer is text or tool calls",
                                      param=other, code="invalid_response_format")
         fields = {name: getattr(body, name) for name in SamplingOptions.model_fields}
-        fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages, tools=body.tools),
+        fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages,
+                                                           body.add_generation_prompt, body.tools,
+                                                           body.continue_final_message),
                       n=body.n,
                       stream=body.stream, stream_options=body.stream_options,
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
