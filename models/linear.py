@@ -12,9 +12,10 @@ per call (15-20 microseconds) is more than the whole product.
 So `linear(x, weight, bias)` is `F.linear`, except for a float32 product on the CPU without
 autograd of at least FEW_ROWS rows and a weight of at least LARGE_WEIGHT elements, which goes
 through oneDNN. FEW_ROWS depends on the CPU: on AMD, MKL's product of one row is the slow one
-too (`few_rows_for`), and oneDNN takes every row count. Nothing is packed or copied: the weight stays the model's parameter, read in
-place, and the checkpoint, the state dict and int8 quantization (models/quantize.py) see the
-same module. Training (autograd) always takes `F.linear`.
+too (`few_rows_for`), and oneDNN takes every row count. Nothing is packed or copied: the weight
+stays the model's parameter, read in place, and the checkpoint, the state dict and int8
+quantization (models/quantize.py) see the same module. Training (autograd) always takes
+`F.linear`.
 
 Numbers differ from `F.linear` by summation order only (a few parts in a million of the output's scale), as
 MKL's own answer for one row differs from its answer for that row within a batch.
@@ -30,6 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
 
 def cpu_vendor() -> str:
     """The CPU's vendor as Linux names it ("GenuineIntel", "AuthenticAMD"), or "" where unknown."""

@@ -281,5 +281,6 @@ class Mamba(LanguageModel):
             x, recent, h = block(x, state.conv_inputs[i], state.ssm[i])
             conv_inputs.append(recent.detach())  # a state is a value: no gradient into the next call
             ssm.append(h.detach())
-        log_probs = F.log_softmax(self.head(self.final_norm(x.to(self.final_norm.weight.dtype))).float(), dim=-1)  # (B, T, V)
+        h = self.final_norm(x.to(self.final_norm.weight.dtype))  # (B, T, d_model), in the weights' dtype
+        log_probs = F.log_softmax(self.head(h).float(), dim=-1)  # (B, T, V)
         return log_probs, SelectiveState(conv_inputs, ssm, state.position + T)

@@ -180,15 +180,18 @@ class WordDetokenizer:
         return ""
 
 
+# the file each kind of tokenizer is read from when a checkpoint's config.json names none
+TOKENIZER_FILES = {"words": "symbols.json", "sentencepiece": "spiece.model", "tokenizers": "tokenizer.json"}
+
+
 def missing_tokenizer_file(config: dict, directory) -> str | None:
     """Why the tokenizer a checkpoint's config.json names cannot be loaded from `directory` for
     want of its file (what `tokenizer_for_checkpoint` would raise), without reading it: a start
     checks this before its port opens, where loading a tokenizer would cost seconds."""
-    default_file = {"words": "symbols.json", "sentencepiece": "spiece.model", "tokenizers": "tokenizer.json"}
     kind = config.get("tokenizer", "bytes")
-    if not isinstance(kind, str) or kind not in default_file:
+    if not isinstance(kind, str) or kind not in TOKENIZER_FILES:
         return None  # the load says what is wrong with a value of another kind
-    name = config.get("tokenizer_file", default_file[kind])
+    name = config.get("tokenizer_file", TOKENIZER_FILES[kind])
     if not isinstance(name, str):
         return None
     path = Path(directory) / name
@@ -210,7 +213,7 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
     if kind == "words":
         if directory is None:
             raise ValueError("a word-level checkpoint needs its directory to find the symbol list")
-        path = Path(directory) / config.get("tokenizer_file", "symbols.json")
+        path = Path(directory) / config.get("tokenizer_file", TOKENIZER_FILES["words"])
         if not path.is_file():
             raise ValueError(missing_tokenizer_file(config, directory))
         tokenizer = WordTokenizer.from_file(path)
@@ -221,14 +224,14 @@ def tokenizer_for_checkpoint(config: dict, directory=None):
     if kind == "sentencepiece":
         if directory is None:
             raise ValueError("a sentencepiece checkpoint needs its directory to find the model file")
-        path = Path(directory) / config.get("tokenizer_file", "spiece.model")
+        path = Path(directory) / config.get("tokenizer_file", TOKENIZER_FILES["sentencepiece"])
         if not path.is_file():
             raise ValueError(missing_tokenizer_file(config, directory))
         return SentencePieceTokenizer.from_file(path, **config.get("tokenizer_options", {}))
     if kind == "tokenizers":
         if directory is None:
             raise ValueError("a tokenizer.json checkpoint needs its directory to find the file")
-        path = Path(directory) / config.get("tokenizer_file", "tokenizer.json")
+        path = Path(directory) / config.get("tokenizer_file", TOKENIZER_FILES["tokenizers"])
         if not path.is_file():
             raise ValueError(missing_tokenizer_file(config, directory))
         tokenizer = TokenizersTokenizer.from_file(path)
@@ -292,9 +295,8 @@ def describe_tokenizer(config: dict) -> str:
     kind = config.get("tokenizer", "bytes")
     if kind == "bytes":
         return "bytes"
-    default_file = {"words": "symbols.json", "sentencepiece": "spiece.model", "tokenizers": "tokenizer.json"}
     library = {"tokenizers": "the tokenizers library", "sentencepiece": "sentencepiece", "words": "a word list"}
-    return f"{config.get('tokenizer_file', default_file.get(kind, '?'))} ({library.get(kind, kind)})"
+    return f"{config.get('tokenizer_file', TOKENIZER_FILES.get(kind, '?'))} ({library.get(kind, kind)})"
 
 
 @functools.cache

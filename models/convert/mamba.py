@@ -53,8 +53,10 @@ def translate_config(hf: dict, where: Path) -> tuple[MambaConfig, list[str]]:
     if get("hidden_act") != "silu":
         raise ConversionError(f"{where}: hidden_act {get('hidden_act')!r} is not 'silu', the only one Mamba uses")
     d_model = positive_int(get("hidden_size"), "hidden_size", where)
-    expand = real_number(get("expand"), "expand", where) if "intermediate_size" not in hf else None
-    d_inner = hf.get("intermediate_size", int(expand * d_model) if isinstance(expand, (int, float)) else None)
+    if "intermediate_size" in hf:  # it wins over expand, as transformers reads them
+        d_inner = hf["intermediate_size"]
+    else:
+        d_inner = int(real_number(get("expand"), "expand", where) * d_model)
     rank = get("time_step_rank")
     dt_rank = math.ceil(d_model / 16) if rank == "auto" else rank
     config = MambaConfig(
@@ -65,7 +67,8 @@ def translate_config(hf: dict, where: Path) -> tuple[MambaConfig, list[str]]:
         d_conv=positive_int(get("conv_kernel"), "conv_kernel", where),
         dt_rank=positive_int(dt_rank, "time_step_rank", where),
         conv_bias=bool(get("use_conv_bias")), proj_bias=bool(get("use_bias")),
-        layer_norm_epsilon=real_number(get("layer_norm_epsilon"), "layer_norm_epsilon", where), tie_embedding=bool(get("tie_word_embeddings")),
+        layer_norm_epsilon=real_number(get("layer_norm_epsilon"), "layer_norm_epsilon", where),
+        tie_embedding=bool(get("tie_word_embeddings")),
     )
     return config, []
 

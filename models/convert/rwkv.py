@@ -58,7 +58,8 @@ def translate_config(hf: dict, where: Path) -> tuple[RwkvConfig, list[str]]:
         n_layer=positive_int(get("num_hidden_layers"), "num_hidden_layers", where), d_model=d_model,
         d_attention=positive_int(get("attention_hidden_size") or d_model, "attention_hidden_size", where),
         d_ffn=positive_int(get("intermediate_size") or 4 * d_model, "intermediate_size", where),
-        layer_norm_epsilon=real_number(get("layer_norm_epsilon"), "layer_norm_epsilon", where), rescale_every=rescale,
+        layer_norm_epsilon=real_number(get("layer_norm_epsilon"), "layer_norm_epsilon", where),
+        rescale_every=rescale,
         tie_embedding=bool(get("tie_word_embeddings")),
     )
     notes = []

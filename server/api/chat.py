@@ -199,15 +199,18 @@ def load_chat_template(config: dict, directory: str | Path | None,
     special = {"bos_token": _token_text(tokenizer_config.get("bos_token")),
                "eos_token": _token_text(tokenizer_config.get("eos_token"))}
     found: tuple[str, str] | None = None
+    named = None  # the `chat_template` value the template came from, which may name a tool_use one too
     if directory is not None and (directory / TEMPLATE_FILE).is_file():
         try:
             found = ((directory / TEMPLATE_FILE).read_text(encoding="utf-8"), str(directory / TEMPLATE_FILE))
         except (OSError, UnicodeDecodeError) as error:
             log.warning("cannot read %s: %s", directory / TEMPLATE_FILE, error)
     if found is None and _template_text(tokenizer_config.get("chat_template")) is not None:
-        found = (_template_text(tokenizer_config["chat_template"]), f"{directory / TOKENIZER_CONFIG}")
+        named = tokenizer_config["chat_template"]
+        found = (_template_text(named), f"{directory / TOKENIZER_CONFIG}")
     if found is None and _template_text(config.get("chat_template")) is not None:
-        found = (_template_text(config["chat_template"]), "config.json")
+        named = config["chat_template"]
+        found = (_template_text(named), "config.json")
     if found is None and default_file is not None:
         try:
             found = (read_template_file(default_file), str(default_file))
@@ -218,15 +221,11 @@ def load_chat_template(config: dict, directory: str | Path | None,
             return unusable
     if found is None:
         return None
-    tool_use = None
-    for where, value in ((TOKENIZER_CONFIG, tokenizer_config.get("chat_template")), ("config.json",
-                                                                                     config.get("chat_template"))):
-        text = _template_text(value, "tool_use")
-        if text is not None and found[1].endswith(where):  # the same file's named variant
-            tool_use = ChatTemplate(text, f"{found[1]} (tool_use)", **special)
-            if tool_use.error:
-                log.warning("%s; requests with tools use the default template", tool_use.error)
-            break
+    tool_use, tool_use_text = None, _template_text(named, "tool_use")  # the same value's named variant
+    if tool_use_text is not None:
+        tool_use = ChatTemplate(tool_use_text, f"{found[1]} (tool_use)", **special)
+        if tool_use.error:
+            log.warning("%s; requests with tools use the default template", tool_use.error)
     template = ChatTemplate(found[0], found[1], **special, tool_use=tool_use)
     if template.error:
         log.warning("%s; /v1/chat/completions will refuse requests for this model", template.error)

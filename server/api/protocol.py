@@ -334,6 +334,20 @@ def only_when_streamed(options: StreamOptions | None, info) -> StreamOptions | N
     return options
 
 
+def continues_an_assistants_message(value: bool, info) -> bool:
+    """vLLM's `continue_final_message`: the prompt ends where the last message, an assistant's,
+    ends, so it goes with `add_generation_prompt: false` and messages ending with the assistant's.
+    Both are declared before it, so they are validated by now (messages that failed their own
+    validation are not there to judge)."""
+    if value:
+        if info.data.get("add_generation_prompt", True):
+            raise PydanticCustomError("continue_final_message", "it goes on from the last message: send "
+                                                                "add_generation_prompt false with it")
+        if "messages" in info.data and (not info.data["messages"] or info.data["messages"][-1].role != "assistant"):
+            raise PydanticCustomError("continue_final_message", "it needs messages whose last is the assistant's")
+    return value
+
+
 def is_prompt_list(prompt: list) -> bool:
     """Whether a list `prompt` is several prompts (strings or token-id lists) rather than one
     prompt's token ids."""
@@ -458,18 +472,7 @@ class ChatCompletionRequest(SamplingOptions):
     # so that the answer goes on from the last message, an assistant's: a prefilled start
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _a_final_message_to_continue(cls, value, info):
-        if value:
-            if info.data.get("add_generation_prompt", True):
-                raise PydanticCustomError("continue_final_message", "it goes on from the last message: send "
-                                                                    "add_generation_prompt false with it")
-            messages = info.data.get("messages")
-            if messages and messages[-1].role != "assistant":
-                raise PydanticCustomError("continue_final_message", "it needs the last message to be the assistant's")
-        return value
+    _continues_an_assistants_message = field_validator("continue_final_message")(continues_an_assistants_message)
 
     @field_validator("store")
     @classmethod
@@ -495,6 +498,7 @@ class TokenizeRequest(RequestBody):
     tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn, as chat does
     continue_final_message: bool = False  # with messages: end where the last (an assistant's) does, as chat does
+    _continues_an_assistants_message = field_validator("continue_final_message")(continues_an_assistants_message)
     add_special_tokens: bool = True  # accepted for vLLM's clients; these tokenizers add none
 
 

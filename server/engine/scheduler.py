@@ -91,10 +91,6 @@ log = logging.getLogger("xlserve.engine")
 # (request.handle, event) pairs, in order; it must not block for long (the step waits for it)
 EventSink = Callable[[list[tuple[object, object]]], None]
 
-# the prompt's last tokens a choice's detokenizer starts after (models/tokenizer.py decodes the
-# last few of them before the first generated token)
-PROMPT_CONTEXT_TOKENS = 8
-
 
 class Engine:
     """One model's scheduler: a queue of `EngineRequest`s and the worker thread that steps them."""
@@ -667,10 +663,11 @@ class Engine:
             return
         # choices share the prompt's state: states are values, a forward never changes its input.
         # Each choice's text continues the prompt's (or the session's text before it): its
-        # detokenizer starts after them, so a first word keeps the space that joins it on
-        context, continues = request.prompt[-PROMPT_CONTEXT_TOKENS:], request.start.tokens > 0
+        # detokenizer starts after them (the last few of the prompt's: models/tokenizer.py), so a
+        # first word keeps the space that joins it on
+        continues = request.start.tokens > 0
         try:
-            request.rows = [Row(request, i, self.tokenizer.detokenizer(context, continues), request.state,
+            request.rows = [Row(request, i, self.tokenizer.detokenizer(request.prompt, continues), request.state,
                                 data.next_log_probs) for i in range(request.params.n)]
         except Exception as error:
             request.rows = []

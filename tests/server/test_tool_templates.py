@@ -323,5 +323,9 @@ def test_an_answer_can_go_on_from_a_prefilled_assistant_message(served):
     assert not bytes(state.engine.prompts[-1]).decode().rstrip().endswith("<|assistant|>")
 
     for wrong in ({**body, "add_generation_prompt": True}, {**body, "messages": messages[:1]}):
-        response = client.post("/v1/chat/completions", json=wrong)
-        assert response.status_code == 400 and "continue_final_message" in response.text, response.text
+        for route in ("/v1/chat/completions", "/tokenize"):
+            response = client.post(route, json=wrong)
+            assert response.status_code == 400 and "continue_final_message" in response.text, (route, response.text)
+    response = client.post("/tokenize", json={"model": TOOL_MODEL, "prompt": "It is", "add_generation_prompt": False,
+                                              "continue_final_message": True})
+    assert response.status_code == 400 and "continue_final_message" in response.text, response.text

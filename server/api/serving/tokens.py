@@ -22,10 +22,6 @@ def tokenize(state: AppState, body: TokenizeRequest) -> TokenizeResponse:
     if body.tools is not None and body.messages is None:
         raise InvalidRequest("tools are rendered with messages, by the chat template; a prompt is tokenized as it is",
                              param="tools")
-    if body.continue_final_message and (body.messages is None or body.add_generation_prompt
-                                        or body.messages[-1].role != "assistant"):
-        raise InvalidRequest("continue_final_message goes on from the last message, an assistant's: send messages "
-                             "ending with one, and add_generation_prompt false", param="continue_final_message")
     text = body.prompt if body.prompt is not None else chat_prompt(served, body.messages, body.add_generation_prompt,
                                                                    body.tools, body.continue_final_message)
     tokens = prompt_tokens(state, served, text, param="prompt" if body.prompt is not None else "messages")
