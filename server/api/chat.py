@@ -15,7 +15,9 @@ the helpers `raise_exception(message)` and `strftime_now(format)`, and the varia
 (a list of {"role", "content"[, "name", "tool_calls", "tool_call_id"]}), `tools` (a chat request's
 tools as OpenAI sends them, or None; server/api/structured.py), `add_generation_prompt` (True for a chat request:
 the text ends where the assistant's answer begins), and `bos_token` / `eos_token` from
-tokenizer_config.json (empty when it has none).
+tokenizer_config.json (empty when it has none). A request's `chat_template_kwargs` (vLLM's) adds
+further variables, such as Qwen3's `enable_thinking`; it cannot set any of these (the API
+refuses their names: each has its own field or source).
 
 An assistant message's `tool_calls` come as OpenAI sends them but with each call's `arguments`
 parsed into an object, as Hugging Face tool templates (and vLLM) expect them. A template that reads
@@ -123,21 +125,26 @@ class ChatTemplate:
             self.template = None
             self.error = f"the chat template in {origin} does not compile: {error}"
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               variables: dict | None = None) -> str:
         """The prompt text for `messages` (and `tools`, OpenAI's list of {"type": "function",
-        "function": {...}}, for a template that describes them); ChatTemplateError if the
-        template cannot render them: whatever a template raises on the messages (an arithmetic
-        error, a recursion too deep, a range past the sandbox's bound) is the template's, a 400."""
+        "function": {...}}, for a template that describes them; and `variables`, a request's
+        further variables for the template, vLLM's `chat_template_kwargs`); ChatTemplateError if
+        the template cannot render them: whatever a template raises on the messages (an
+        arithmetic error, a recursion too deep, a range past the sandbox's bound) is the
+        template's, a 400."""
         if tools and self.tool_use is not None and self.tool_use.template is not None:
-            return self.tool_use.render(messages, add_generation_prompt, tools)
+            return self.tool_use.render(messages, add_generation_prompt, tools, variables)
         if self.template is None:
             raise ChatTemplateError(self.error)
         if not self.knows_developer:
             messages = [{**message, "role": "system"} if message.get("role") == "developer" else message
                         for message in messages]
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+            # the request's variables first: the ones set here win (the API refuses their names)
+            return self.template.render({**(variables or {}), "messages": messages,
+                                         "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
+                                         "eos_token": self.eos_token, "tools": tools})
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError,

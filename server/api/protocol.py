@@ -348,6 +348,30 @@ def continues_an_assistants_message(value: bool, info) -> bool:
     return value
 
 
+# vLLM's `chat_template_kwargs`: more variables for the chat template (Qwen3's `enable_thinking`,
+# a persona, a date). The variables the server gives a template itself are not among them: each
+# has its own field, or is the checkpoint's (its special tokens) or the renderer's (its helpers)
+TEMPLATE_VARIABLES_OF_OUR_OWN = {"messages": "send them as messages", "tools": "send them as tools",
+                                 "add_generation_prompt": "send add_generation_prompt",
+                                 "continue_final_message": "send continue_final_message",
+                                 "bos_token": "the checkpoint's own", "eos_token": "the checkpoint's own",
+                                 "raise_exception": "the renderer's own", "strftime_now": "the renderer's own"}
+MAX_TEMPLATE_VARIABLES = 32
+TemplateVariableName = Annotated[Text, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]  # what a template can name
+TemplateVariables = Annotated[dict[TemplateVariableName, Any], Field(max_length=MAX_TEMPLATE_VARIABLES)]
+
+
+def none_of_our_own(variables: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` may not set a variable the server sets itself: refused naming it and
+    where its value comes from, rather than one of the two silently winning."""
+    for name in variables or {}:
+        if name in TEMPLATE_VARIABLES_OF_OUR_OWN:
+            raise PydanticCustomError("template_variable_of_our_own",
+                                      f"'{name}' is not a template variable a request sets here: "
+                                      f"{TEMPLATE_VARIABLES_OF_OUR_OWN[name]}")
+    return variables
+
+
 def is_prompt_list(prompt: list) -> bool:
     """Whether a list `prompt` is several prompts (strings or token-id lists) rather than one
     prompt's token ids."""
@@ -473,6 +497,8 @@ class ChatCompletionRequest(SamplingOptions):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     _continues_an_assistants_message = field_validator("continue_final_message")(continues_an_assistants_message)
+    chat_template_kwargs: TemplateVariables | None = None
+    _none_of_our_own = field_validator("chat_template_kwargs")(none_of_our_own)
 
     @field_validator("store")
     @classmethod
@@ -499,6 +525,8 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn, as chat does
     continue_final_message: bool = False  # with messages: end where the last (an assistant's) does, as chat does
     _continues_an_assistants_message = field_validator("continue_final_message")(continues_an_assistants_message)
+    chat_template_kwargs: TemplateVariables | None = None  # with messages: the template's further variables, as chat's
+    _none_of_our_own = field_validator("chat_template_kwargs")(none_of_our_own)
     add_special_tokens: bool = True  # accepted for vLLM's clients; these tokenizers add none
 
 

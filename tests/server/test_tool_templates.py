@@ -31,7 +31,13 @@ from tests.server.scripted_engine import RecordingEngine, scripted_app
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_TEMPLATE = (REPO / "weights" / "transformer-xl-stdlib" / "chat_template.jinja").read_text()
-TOOL_MODEL, SHIPPED_MODEL = "tool-template", "shipped-template"
+TOOL_MODEL, SHIPPED_MODEL, THINKING_MODEL = "tool-template", "shipped-template", "thinking-template"
+# in the style of Qwen3's: a request's `enable_thinking: false` (vLLM's chat_template_kwargs) opens
+# the answer with an empty thought
+THINKING_TEMPLATE = """\
+{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}\
+<think></think>{% endif %}{% endif %}"""
 
 # written for these tests in the style of common Hugging Face tool templates: it describes the
 # tools, and renders an assistant's calls itself, arguments through `tojson`
@@ -77,7 +83,8 @@ def served():
             "state_kind": "segment-recurrence", "state_grows_with_context": False, "max_context": None,
             "parameters": 0, "config": {}, "quantize": "none", "weight_bytes": 0, "state_bytes_per_session": 0}
     models = {name: ServedModel(name, ByteTokenizer(), 256, {**card, "id": name}, ChatTemplate(source, name))
-              for name, source in [(TOOL_MODEL, TOOL_TEMPLATE), (SHIPPED_MODEL, SHIPPED_TEMPLATE)]}
+              for name, source in [(TOOL_MODEL, TOOL_TEMPLATE), (SHIPPED_MODEL, SHIPPED_TEMPLATE),
+                                   (THINKING_MODEL, THINKING_TEMPLATE)]}
     app, state = scripted_app(Settings(models="none-loaded", max_request_body_bytes=100_000),
                               RecordingEngine(Metrics()), models)
     client = TestClient(app)  # not entered: no lifespan, no engine process
@@ -329,3 +336,47 @@ def test_an_answer_can_go_on_from_a_prefilled_assistant_message(served):
     response = client.post("/tokenize", json={"model": TOOL_MODEL, "prompt": "It is", "add_generation_prompt": False,
                                               "continue_final_message": True})
     assert response.status_code == 400 and "continue_final_message" in response.text, response.text
+
+
+def test_a_request_gives_the_template_further_variables(served):
+    """vLLM's chat_template_kwargs: variables a template reads besides the messages (Qwen3's
+    enable_thinking), on chat and /tokenize alike, and through a checkpoint's tool_use template.
+    One the server sets itself (messages, tools, add_generation_prompt, the special tokens), a
+    name no template can read, or the field with a prompt instead of messages is 400 naming why."""
+    client, state = served
+    messages = [{"role": "user", "content": "hi"}]
+    prompts = {}
+    for variables in (None, {"enable_thinking": False}, {"enable_thinking": True, "persona": {"name": "x"}}):
+        state.engine.events = [ChoiceFinished(0, "length", "", 0), Finished([], 0, 0, 0, None)]
+        body = {"model": THINKING_MODEL, "messages": messages}
+        if variables is not None:
+            body["chat_template_kwargs"] = variables
+        ok(client.post("/v1/chat/completions", json=body))
+        prompts[json.dumps(variables)] = bytes(state.engine.prompts[-1]).decode()
+        assert ok(client.post("/tokenize", json=body))["tokens"] == state.engine.prompts[-1]
+    assert prompts["null"] == "<|user|>hi<|assistant|>" == prompts[json.dumps({"enable_thinking": True,
+                                                                                "persona": {"name": "x"}})]
+    assert prompts[json.dumps({"enable_thinking": False})] == "<|user|>hi<|assistant|><think></think>"
+
+    for variables, named in (({"tools": []}, "tools"), ({"add_generation_prompt": False}, "add_generation_prompt"),
+                             ({"eos_token": "</s>"}, "eos_token"), ({"not a name": 1}, "chat_template_kwargs")):
+        for route in ("/v1/chat/completions", "/tokenize"):
+            response = client.post(route, json={"model": THINKING_MODEL, "messages": messages,
+                                                "chat_template_kwargs": variables})
+            assert response.status_code == 400 and named in response.text, (route, variables, response.text)
+    response = client.post("/tokenize", json={"model": THINKING_MODEL, "prompt": "hi",
+                                              "chat_template_kwargs": {"enable_thinking": False}})
+    assert response.status_code == 400 and "chat_template_kwargs" in response.text, response.text
+
+
+def test_a_tool_use_template_gets_the_requests_variables_too(tmp_path):
+    from xlserve.server.api.chat import load_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "DEFAULT{{ mood }}"},
+        {"name": "tool_use", "template": "TOOLS{{ mood }}"},
+    ]}))
+    template = load_chat_template({}, tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages, variables={"mood": "!"}) == "DEFAULT!"
+    assert template.render(messages, tools=[WEATHER], variables={"mood": "?"}) == "TOOLS?"

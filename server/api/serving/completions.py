@@ -383,9 +383,11 @@ def token_bytes_reader(tokenizer) -> Callable[[str], list[int]]:
 
 
 def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[ToolDefinition] | None = None, continue_final_message: bool = False) -> str:
-    """The prompt text the model's chat template makes of `messages` and `tools` (server/api/chat.py);
-    400 when the model has no template or its template refuses them. Chat and /tokenize both render
+                tools: list[ToolDefinition] | None = None, continue_final_message: bool = False,
+                template_variables: dict | None = None) -> str:
+    """The prompt text the model's chat template makes of `messages` and `tools` (server/api/chat.py),
+    with a request's further `template_variables` (its `chat_template_kwargs`); 400 when the model
+    has no template or its template refuses them. Chat and /tokenize both render
     through here, so /tokenize counts the prompt a chat request with the same fields runs. With
     `continue_final_message` the text ends where the last message's content does (what the
     template writes after it, an end-of-turn marker, is cut off, as vLLM cuts it), so that the
@@ -401,7 +403,7 @@ def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation
     # as OpenAI sends them: a field left out is absent, not null, which a template would test as defined
     described = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
     try:
-        text = template.render(rendered, add_generation_prompt, described)
+        text = template.render(rendered, add_generation_prompt, described, template_variables)
     except ChatTemplateError as error:
         raise InvalidRequest(f"the chat template of model '{served.name}' cannot render these messages: {error}",
                              param="messages", code="chat_template_error") from None
@@ -436,7 +438,7 @@ class ChatCompletion(Completion):
         fields = {name: getattr(body, name) for name in SamplingOptions.model_fields}
         fields.update(model=body.model, prompt=chat_prompt(state.served(body.model), body.messages,
                                                            body.add_generation_prompt, body.tools,
-                                                           body.continue_final_message),
+                                                           body.continue_final_message, body.chat_template_kwargs),
                       n=body.n,
                       stream=body.stream, stream_options=body.stream_options,
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)

@@ -22,8 +22,12 @@ def tokenize(state: AppState, body: TokenizeRequest) -> TokenizeResponse:
     if body.tools is not None and body.messages is None:
         raise InvalidRequest("tools are rendered with messages, by the chat template; a prompt is tokenized as it is",
                              param="tools")
+    if body.chat_template_kwargs is not None and body.messages is None:
+        raise InvalidRequest("chat_template_kwargs are the chat template's, which renders messages; a prompt is "
+                             "tokenized as it is", param="chat_template_kwargs")
     text = body.prompt if body.prompt is not None else chat_prompt(served, body.messages, body.add_generation_prompt,
-                                                                   body.tools, body.continue_final_message)
+                                                                   body.tools, body.continue_final_message,
+                                                                   body.chat_template_kwargs)
     tokens = prompt_tokens(state, served, text, param="prompt" if body.prompt is not None else "messages")
     return TokenizeResponse(count=len(tokens), max_model_len=served.card.get("max_context"), tokens=tokens)
 
