@@ -207,7 +207,7 @@ def cmd_serve(args) -> None:
 
     from xlserve.server.api.chat import ChatTemplateError, check_template_file
     from xlserve.server.app import StartupRefused, build_app, checkpoints_to_serve, cut_streams, drain
-    from xlserve.server.cache.state_directory import StateDirectoryRefused, hold_state_directory
+    from xlserve.server.cache.state_directory import StateDirectoryRefused, check_role, hold_state_directory
     from xlserve.server.settings import Settings, meant_api_keys
 
     _log_to_stderr(args.log_level)  # first: reading the settings may warn (a misspelt XLSERVE_ variable)
@@ -225,6 +225,7 @@ def cmd_serve(args) -> None:
         # a state directory that cannot be written or that another server holds, before the port
         # opens (the engine process takes it for good once it starts)
         hold_state_directory(settings.cache.state_dir).close()
+        check_role(settings.cache.state_dir, with_redis=bool(settings.cache.redis_url))  # a spill cache without Redis
     except StateDirectoryRefused as error:
         raise SystemExit(f"xlserve serve: {error}") from None
     except pydantic.ValidationError as error:

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from xlserve.models.allocation import out_of_memory
 from xlserve.server.cache.codec import (Blob, CorruptState, SessionData, blob_bytes, check_record_metadata,
-                                        entries_from_lines, floating_dtypes, joined, materialise, session_data)
+                                        encode_parts, entries_from_lines, floating_dtypes, joined, materialise,
+                                        session_data)
 from xlserve.server.cache.errors import (
     CacheError,
     CacheFull,
@@ -57,6 +58,8 @@ from xlserve.server.cache.errors import (
 )
 from xlserve.server.cache.ledger import IDEMPOTENCY_KEYS_PER_SESSION, TOMBSTONE_SECONDS, entry_line, kept
 from xlserve.server.cache.manager import Record, commit_of
+from xlserve.server.cache.state_directory import (LAST_TIER, REDIS_SPILL, StateDirectoryRefused, check_role,
+                                                  directory_role, record_role)
 from xlserve.server.cache.stores import (
     SESSION_ID,
     DiskStore,
@@ -133,12 +136,60 @@ class DurableStore:
     def open(self) -> list[tuple[str, dict]]:
         """The sessions already written down on disk, least recently used first (their
         headers; the checksum is verified when one is loaded). With Redis, Redis is pinged
-        first: a server that cannot reach it does not start."""
+        first: a server that cannot reach it does not start. The directory's role is checked and
+        recorded (state_directory.py): without Redis a spill cache of Redis's is refused
+        (StateDirectoryRefused); with Redis the sessions of a directory that was the last tier
+        are moved to Redis first (`_move_to_redis`), since as a spill cache it would let them go."""
+        check_role(self.disk.directory, with_redis=self.redis is not None)
         if self.redis is not None:
             self.redis.ping()
             self._check_eviction_policy()
         self.prune_tombstones()
-        return sorted(self.disk.scan(), key=lambda item: float(item[1].get("last_used_at", 0)))
+        found = sorted(self.disk.scan(), key=lambda item: float(item[1].get("last_used_at", 0)))
+        if self.redis is not None and found and directory_role(self.disk.directory) == LAST_TIER:
+            self._move_to_redis(found)
+        record_role(self.disk.directory, LAST_TIER if self.redis is None else REDIS_SPILL)
+        return found
+
+    def _move_to_redis(self, found: list[tuple[str, dict]]) -> None:
+        """Write each session of a directory that was the last tier into Redis, as it is (its
+        version, commit id and remembered Idempotency-Keys), compare-and-set on Redis holding no
+        such session; its file stays, now a spill copy. A session Redis already holds at the same
+        version and commit was moved by a start that stopped part way. Anything else (another
+        session of that id in Redis, a Redis that refuses or does not answer, a file that does
+        not read) stops the start with StateDirectoryRefused, the directory's role unchanged, so
+        that nothing is let go of before it is in Redis; a start after the cause is mended goes on
+        where this one stopped."""
+        log.warning("XLSERVE_STATE_DIR %s holds %d sessions written without Redis: moving them to Redis at %s "
+                    "before serving (with Redis the directory is a spill cache)", self.disk.directory, len(found),
+                    self.redis._safe_url())
+        moved = 0
+        for session_id, meta in found:
+            record = self.record_from_meta(session_id, meta, {"disk"})
+            try:
+                head = self.redis.head(session_id)
+                if head is not None:
+                    if head.version == record.version and commit_of(head.meta) == record.commit_id:
+                        continue
+                    raise StateDirectoryRefused(
+                        f"XLSERVE_STATE_DIR {self.disk.directory} holds session {session_id} (version {record.version}), "
+                        f"written without Redis, and Redis holds another session of that id (version {head.version}); "
+                        "move the file out of the directory, or delete the one in Redis, then start again")
+                data = self.read_disk(record)
+                self.write(record, encode_parts(data, self.metadata(record)), expected=None)
+                for entry in reversed(record.remembered):  # oldest first: Redis's list is newest first
+                    self.remember(session_id, record.version, entry, record.commit_id)
+            except CacheError as error:
+                raise StateDirectoryRefused(
+                    f"XLSERVE_STATE_DIR {self.disk.directory}: session {session_id}, written without Redis, could not "
+                    f"be moved to Redis ({error}); nothing was let go of, and a start after the cause is mended goes "
+                    f"on where this one stopped ({moved} of {len(found)} moved)") from None
+            except StoreUnavailable as error:
+                raise StateDirectoryRefused(
+                    f"XLSERVE_STATE_DIR {self.disk.directory}: Redis did not answer while session {session_id} was "
+                    f"moved to it ({error}); nothing was let go of ({moved} of {len(found)} moved)") from None
+            moved += 1
+        log.warning("moved %d sessions of XLSERVE_STATE_DIR %s to Redis", moved, self.disk.directory)
 
     def _check_eviction_policy(self) -> None:
         """An error in the log when Redis may evict keys: under any maxmemory-policy but noeviction

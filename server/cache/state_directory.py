@@ -43,3 +43,62 @@ def hold_state_directory(directory: str | Path) -> IO[str]:
     handle.write(f"pid {os.getpid()}, child of pid {os.getppid()}, on {socket.gethostname()}\n")
     handle.flush()
     return handle
+
+
+# -- what the directory's session files are ----------------------------------------------------
+#
+# Without Redis the directory's files are the sessions' only durable copy (the last tier); with
+# Redis they are a spill cache of what Redis holds, let go of at will. The same files read
+# differently in the two roles, so the directory records the role it was last written in: a server
+# that starts with Redis over a directory of last-tier sessions moves them to Redis first (a spill
+# cache would let them go, and with them the only copy: session_cache.py `open`), and one that
+# starts without Redis over a spill cache is refused, since its files may be older than Redis's
+# versions and would become the truth. A directory written before the role was recorded is read in
+# the role of the server that opens it.
+
+ROLE_FILE = ".role"
+LAST_TIER, REDIS_SPILL = "last-tier", "redis-spill"
+
+
+def directory_role(directory: str | Path) -> str | None:
+    """The role the directory's session files were last written in (LAST_TIER or REDIS_SPILL),
+    or None when it records none (new, or written before roles were recorded)."""
+    try:
+        role = (Path(directory) / ROLE_FILE).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return role if role in (LAST_TIER, REDIS_SPILL) else None
+
+
+def record_role(directory: str | Path, role: str) -> None:
+    """Record the directory's role, durably (a temporary file renamed over it, then the directory
+    synced): a crash leaves the old role or the new one."""
+    directory = Path(directory)
+    if directory_role(directory) == role:
+        return
+    temporary = directory / f"{ROLE_FILE}.tmp"
+    with open(temporary, "w", encoding="ascii") as f:
+        f.write(role + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, directory / ROLE_FILE)
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def holds_sessions(directory: str | Path) -> bool:
+    return any(Path(directory).glob("sess_*.safetensors"))
+
+
+def check_role(directory: str | Path, with_redis: bool) -> None:
+    """StateDirectoryRefused when a server without Redis would start over a directory that holds
+    a Redis spill cache (its files may be older than what Redis holds)."""
+    directory = Path(directory).absolute()
+    if not with_redis and directory_role(directory) == REDIS_SPILL and holds_sessions(directory):
+        raise StateDirectoryRefused(
+            f"XLSERVE_STATE_DIR {directory} holds a spill cache of the sessions in Redis (it was last served with "
+            "XLSERVE_REDIS_URL), whose files may be older than Redis's versions; start with XLSERVE_REDIS_URL set, "
+            "or give this server another directory (or empty this one) to serve without Redis")
