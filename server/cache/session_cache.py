@@ -399,13 +399,17 @@ class SessionCache:
         books grow with every session deleted elsewhere. The sessions Redis does not hold
         (`in_redis`, scanned from `listed_at` on), idle, and unchanged here for longer than a
         write may take to land in Redis (`hold_wait_s`: a create or commit whose write the scan
-        missed is younger), leave the books as `_lookup` lets one go that Redis says is gone."""
+        missed is younger), leave the books as `_lookup` lets one go that Redis says is gone. They
+        are not remembered as deleted here: a scan may miss a key Redis holds (a cluster's slot
+        that moved, a failover in the middle of it), and such a session is then read from Redis
+        again at its next request, where one remembered as deleted would read as gone for good."""
         settled_before = listed_at - self.hold_wait_s
         forgotten = 0
         for record in list(self.manager.records.values()):
             if (record.id not in in_redis and not record.pinned and self.holds.kind(record.id) is None
                     and record.last_used_at < settled_before):
-                self.placement.forget(record, publish=False)  # one publish for the pass: each is a pass over the books
+                # one publish for the pass: each is a pass over the books
+                self.placement.forget(record, deleted=False, publish=False)
                 forgotten += 1
         if forgotten:
             self.placement.publish()

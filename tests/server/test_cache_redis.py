@@ -479,6 +479,30 @@ def test_sessions_another_replica_deleted_leave_the_books_without_a_listing(tmp_
     elsewhere.close()
 
 
+def test_a_session_a_scan_missed_is_read_from_redis_again(tmp_path, redis_url, monkeypatch):  # noqa: F811
+    """A Redis scan may miss a key it holds (a cluster's slot moving, a failover in the middle of
+    it). The pass that lets go of sessions deleted elsewhere let go of such a session too, and
+    remembered it as deleted here: this replica then answered 404 for it, and left it out of its
+    listings, while Redis and every other replica served it. It now leaves only the books: its
+    next request reads it from Redis."""
+    here = SessionCache(tmp_path / "a", None, None, None, redis_url=redis_url, hold_wait_s=0.0)
+    here.open({"toy": MODEL})
+    missed = here.create("toy", "dave", data(10, 3)).id
+    seen = here.create("toy", "dave", data(10, 4)).id
+    time.sleep(0.01)
+    scan = here.durable.heads
+    monkeypatch.setattr(here.durable, "heads", lambda unreadable=None: {k: v for k, v in scan(unreadable).items()
+                                                                         if k != missed})
+    assert here.forget_deleted_elsewhere() == 1
+    monkeypatch.setattr(here.durable, "heads", scan)
+    assert here.info(missed, "dave").version == 0
+    assert {info.id for info in here.list_sessions("dave")[0]} == {missed, seen}
+    lease = here.acquire(missed, "dave")
+    assert same(lease.data, data(10, 3))
+    here.release(lease)
+    here.close()
+
+
 def test_a_listing_goes_on_after_a_session_another_replica_deleted(tmp_path, redis_url):  # noqa: F811
     """A client paging its sessions through a fleet, deleting as it goes: the page's last session,
     deleted on another replica, was `after` that this replica had never seen deleted (400). Redis
