@@ -608,15 +608,22 @@ class PrefixCache:
             raise interrupted
 
     def _drop(self, entry: _Entry, counted: bool = False) -> None:
+        """The entry leaves every table first, then its file goes: a file that cannot be removed
+        (a disk remounted read-only, an I/O error) is logged and left for the start-up wipe,
+        never raised into the session request whose room this frees, nor left half in the books."""
         key = entry.key
         if self._tiers[entry.tier].pop(key, None) is not None:
             self._bytes[entry.tier] -= entry.nbytes
-        if entry.tier == "disk" and self.directory is not None:
-            self._path(entry).unlink(missing_ok=True)
         self._index.pop(key, None)
         self._unfile(entry, key)
         if counted:
             self._evictions[entry.model] = self._evictions.get(entry.model, 0) + 1
+        if entry.tier == "disk" and self.directory is not None:
+            try:
+                self._path(entry).unlink(missing_ok=True)
+            except OSError as error:
+                log.warning("prefix cache: the file of a dropped entry could not be removed (%s); it goes when the "
+                            "server next starts", error)
 
     def _unfile(self, entry: _Entry, key: bytes) -> None:
         filed = self._by_block.get(entry.block)

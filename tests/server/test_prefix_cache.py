@@ -406,6 +406,36 @@ def test_entries_pushed_off_the_device_move_to_host_then_disk_and_come_back_exac
     assert not list((tmp_path / "prefix").glob("*.safetensors"))  # refused files are removed
 
 
+def test_a_file_that_cannot_be_removed_costs_no_request_and_leaves_the_books_whole(tmp_path, monkeypatch):
+    """Giving disk room back to the sessions drops entries and removes their files. A removal that
+    failed (a disk remounted read-only, an I/O error) raised into the session request whose room
+    it freed (a 500), with the entry gone from the tier's table but still in the index, so that
+    every later pass failed again. It is now logged and the file left for the start-up wipe."""
+    from tests.server.cache_helpers import size
+
+    entry_bytes = size(100) + 4 * 8
+    cache = PrefixCache(entry_bytes, block_tokens=4, host_bytes=entry_bytes, disk_bytes=3 * entry_bytes,
+                        directory=tmp_path / "prefix")
+    entries = [toy_entry(k) for k in range(5)]
+    for prompt, state, logprobs in entries:
+        assert cache.offer("toy", SCOPE, prompt, state, logprobs)
+    assert cache.flush_disk() and cache.usage("disk") == {"toy": (3, 3 * entry_bytes)}
+    unlink = Path.unlink
+
+    def read_only(path, missing_ok=False):
+        if "prefix" in path.parts:
+            raise OSError(30, "Read-only file system", str(path))
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    cache.release("disk", 2 * entry_bytes)  # no OSError
+    assert cache.usage("disk") == {"toy": (1, entry_bytes)}
+    assert len(cache._index) == sum(len(entries) for entries in cache._tiers.values()) == 3
+    cache.release("disk", entry_bytes)
+    assert cache.usage("disk") == {} and len(cache._index) == 2
+    assert len(list((tmp_path / "prefix").glob("*.safetensors"))) == 3  # left for the start-up wipe
+
+
 def test_entries_go_to_disk_on_a_thread_of_their_own_and_are_found_meanwhile(tmp_path, monkeypatch):
     """An offer that pushes an entry to disk never writes it on the offering thread (an engine's
     worker, between two decoding steps of its model's streams): the disk writer does. Until the
