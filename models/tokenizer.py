@@ -422,12 +422,15 @@ class TokenizersTokenizer:
         """`token_bytes` of every id of the tokenizer, built once (50,277 names in about 50 ms)."""
         if not self.byte_level:
             return []
-        added = set(self.tokenizer.get_added_tokens_decoder())
+        added = self.tokenizer.get_added_tokens_decoder()
         names = {token: name for name, token in self.tokenizer.get_vocab(with_added_tokens=False).items()}
+        # an added token that is not special is text, spelled by its content (GPT-NeoX's runs of
+        # spaces, which its tokenizer always uses for two spaces or more); a special one is not
+        names |= {token: added_token.content for token, added_token in added.items() if not added_token.special}
         table: list[bytes | None] = []
         for token in range(self.vocab_size):
             name = names.get(token)
-            if token in added or name is None:
+            if (token in added and added[token].special) or name is None:
                 table.append(None)
             else:  # ByteLevel's decoder writes a name with a character outside its alphabet as its UTF-8
                 found = byte_level_bytes(name)
@@ -435,10 +438,11 @@ class TokenizersTokenizer:
         return table
 
     def token_bytes(self, token: int) -> bytes | None:
-        """The bytes `token` adds to the decoded text, where the decoder is ByteLevel. None for an
-        added token, special or not (<|endoftext|>, a chat template's markers: the library
-        decodes those by their own rules, which changed between its versions), for an id past
-        the tokenizer's (a padded embedding row), and for every token of another decoder."""
+        """The bytes `token` adds to the decoded text, where the decoder is ByteLevel; an added
+        token that is not special (GPT-NeoX's runs of spaces) by its content, as the decoder
+        spells a name. None for a special token (<|endoftext|>, a chat template's markers: the
+        library decodes those by their own rules, which changed between its versions), for an id
+        past the tokenizer's (a padded embedding row), and for every token of another decoder."""
         table = self._byte_table
         return table[token] if 0 <= token < len(table) else None
 

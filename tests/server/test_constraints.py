@@ -648,3 +648,31 @@ def test_a_schemas_own_layout_options_cannot_make_the_output_no_json():
     assert takes('{"a": 1, "b": 2}') and not takes('{"a"=1;"b"=2}')
     layout = enforced_schema(bent, strict=False, layout=JSON_OPTIONS)["x-guidance"]
     assert {key: layout[key] for key in JSON_OPTIONS} == JSON_OPTIONS and layout["lenient"] is True
+
+
+def test_added_tokens_that_are_text_are_spelled_and_allowed_where_their_text_is():
+    """GPT-NeoX's tokenizer (every converted Mamba, Mamba-2 and RWKV checkpoint's) spells runs of
+    two spaces or more with added tokens that are not special. They were special to constraints,
+    so no constraint allowed them: a row whose output could end then ended at the first drawn run
+    of spaces ("stop"), even under a regex that allows them. They are now the text they decode
+    to; a special added token stays special."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from xlserve.models.tokenizer import TokenizersTokenizer
+    from tests.models.test_convert_recurrent import byte_level_tokenizer_json
+
+    raw = Tokenizer.from_str(byte_level_tokenizer_json(290))
+    raw.add_tokens([AddedToken("  ", normalized=True, special=False), AddedToken("    ", normalized=True, special=False)])
+    raw.add_special_tokens(["<|endoftext|>"])
+    tokenizer = TokenizersTokenizer(raw)
+    two, four, end = (raw.token_to_id(name) for name in ("  ", "    ", "<|endoftext|>"))
+    assert two in tokenizer.encode("a  b") and four in tokenizer.encode("    x")
+    for token in (two, four):
+        assert tokenizer.token_bytes(token) == tokenizer.decode([token]).encode() == b" " * len(raw.id_to_token(token))
+    assert tokenizer.token_bytes(end) is None
+    compiler = ConstraintCompiler(tokenizer, "m", vocab_size=tokenizer.vocab_size)
+    row = RowConstraint(compiler.matcher("regex", "[a-z ]+", param="guided_regex"), tokenizer.vocab_size)
+    assert row.accept(tokenizer.encode("ab")[0])
+    allowed = row.allowed_bits()
+    assert allowed[two] and allowed[four] and not allowed[end]
+    assert row.accept(two) and row.accept(tokenizer.encode("c")[0])
