@@ -284,7 +284,10 @@ class ToolCallStream:
     streamed shape (a call's first delta has its index, id, type and name with empty arguments;
     the following ones add to its arguments)."""
 
-    def __init__(self):
+    def __init__(self, named: bool = False):
+        # a request whose tool_choice names the function: its call is the answer asked for, which
+        # OpenAI (and vLLM) finish with "stop", not "tool_calls"
+        self.named = named
         self.mode: str | None = None  # None until the first character: "text" or "tools"
         self.buffer = ""  # text of the call being read, not yet sent
         self.calls: list[dict] = []  # {"id", "type", "function": {"name", "arguments"}}, as sent so far
@@ -335,12 +338,13 @@ class ToolCallStream:
 
     def finish(self, finish_reason: str) -> tuple[list[dict], str]:
         """At the end of the text: the deltas of what is held back, and the finish reason to send
-        ("tool_calls" for whole calls that stopped; otherwise `finish_reason`). Held back when the
+        ("tool_calls" for whole calls that stopped, unless the request named the function;
+        otherwise `finish_reason`). Held back when the
         text ends short of a whole call (max_tokens, a stop string): inside a call's arguments, the
         rest of those arguments, cut as they are (OpenAI's "length" answer has such arguments
         too), less any start of the call's closing markup after whole arguments; before a call's
         name is whole, nothing: the text is a call's markup, never content."""
-        if self.complete and finish_reason == "stop":
+        if self.complete and finish_reason == "stop" and not self.named:
             finish_reason = "tool_calls"
         held, self.buffer = self.buffer, ""
         deltas: list[dict] = []
@@ -358,6 +362,11 @@ class ToolCallStream:
         deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
 
 
+# where a JSON value ends, its numbers never converted: an integer past Python's 4,300 digits
+# (which a constraint allows) would raise ValueError, and a call's end would never be found
+_SPANNING = json.JSONDecoder(parse_int=lambda text: 0, parse_float=lambda text: 0.0)
+
+
 def _arguments_end(buffer: str) -> int | None:
     """Where a call's arguments end in `buffer` (which starts with them): the end of the JSON
     value, once the call's closing brace and tag follow it; None before then. Parsed only once the
@@ -367,7 +376,7 @@ def _arguments_end(buffer: str) -> int | None:
     if CALL_END not in buffer:
         return None
     try:
-        _, end = json.JSONDecoder().raw_decode(buffer)
+        _, end = _SPANNING.raw_decode(buffer)
     except (ValueError, RecursionError):
         return None
     return end if buffer.startswith(CALL_END, end) else None
@@ -378,7 +387,7 @@ def _arguments_cut(sent: str, held: str) -> int:
     belongs to the arguments: all of it, but where whole arguments are followed by the start of
     the call's closing markup ("}</tool_c"), only what comes before that markup."""
     try:
-        _, end = json.JSONDecoder().raw_decode(sent + held)
+        _, end = _SPANNING.raw_decode(sent + held)
     except (ValueError, RecursionError):  # cut inside the arguments: all of it is theirs
         return len(held)
     end = max(end - len(sent), 0)

@@ -216,6 +216,38 @@ def test_an_answer_cut_inside_a_call_s_markup_is_no_content(served, text, finish
     assert chunks[-1]["choices"][0]["finish_reason"] == finish_reason
 
 
+@pytest.mark.parametrize("tool_choice, finish_reason", [
+    ("required", "tool_calls"), ("auto", "tool_calls"),
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop"),  # OpenAI's and vLLM's answer to a named call
+])
+def test_whole_calls_finish_with_tool_calls_unless_the_function_was_named(served, tool_choice, finish_reason):
+    client, engine = served
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "tools": [WEATHER], "tool_choice": tool_choice}
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    engine.events = answered(text, "stop")
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == finish_reason and len(choice["message"]["tool_calls"]) == 1
+    engine.events = answered(text, "stop")
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == finish_reason
+
+
+def test_arguments_with_an_integer_past_python_s_digit_limit_end_where_they_end(served):
+    """Python's json refuses an integer of more than 4,300 digits, which a constraint allows: the
+    first call's end was then never found, every later call was read as part of its arguments,
+    and the answer finished with "stop" as one broken call."""
+    client, engine = served
+    huge = "7" * 5000
+    engine.events = answered('<tool_call>{"name": "get_weather", "arguments": {"city": ' + huge + '}}</tool_call>'
+                             '<tool_call>{"name": "get_weather", "arguments": {"city": "Lyon"}}</tool_call>', "stop")
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4000, "tools": [WEATHER], "tool_choice": "required"}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"city": ' + huge + '}',
+                                                                                     '{"city": "Lyon"}']
+
+
 def test_text_in_auto_mode_is_still_content(served):
     client, engine = served
     engine.events = answered("Sunny.", "length")

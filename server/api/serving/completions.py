@@ -24,6 +24,7 @@ from xlserve.server.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
     SamplingOptions,
     ToolDefinition,
 )
@@ -461,6 +462,7 @@ class ChatCompletion(Completion):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.token_bytes = token_bytes_reader(self.served.tokenizer)
         self.calls_tools = functions is not None
+        self.names_function = isinstance(body.tool_choice, NamedToolChoice)
         self.functions, self.tool_grammar = functions, None
         if functions is not None:
             # a named function is called once, as OpenAI and vLLM answer it, whatever parallel_tool_calls says
@@ -508,7 +510,7 @@ class ChatCompletion(Completion):
             message = {"role": "assistant", "content": "".join(choice.text)}
             finish_reason = choice.finish_reason
             if self.calls_tools:  # the message a client rebuilds from the stream of the same text
-                calls = ToolCallStream()
+                calls = ToolCallStream(self.names_function)
                 calls.push(message["content"])
                 _, finish_reason = calls.finish(finish_reason)
                 if calls.mode == "tools":  # calls, the last one perhaps cut short; a call's markup is no content
@@ -523,7 +525,7 @@ class ChatCompletion(Completion):
     def chunk_format(self, extra: dict) -> Callable[..., bytes]:
         started: set[int] = set()  # choices whose role went out
         # with tools, each choice's text is read for tool calls as it comes (server/api/structured.py)
-        calls = [ToolCallStream() for _ in self.choices] if self.calls_tools else None
+        calls = [ToolCallStream(self.names_function) for _ in self.choices] if self.calls_tools else None
 
         def event(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> bytes:
             if index not in started:
