@@ -332,10 +332,10 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
         raise ConversionError(f"{out_dir} already exists and is not an empty directory")
     config = read_source_config(source_dir)
     original_mamba = mamba_ssm.describes(config)  # state-spaces' own format, not transformers'
-    if original_mamba:
-        config = mamba_ssm.as_hugging_face(config, source_dir / "config.json")
-    importer = importer_for(config, source_dir / "config.json")
     try:  # refuse a bad config before reading weights
+        if original_mamba:
+            config = mamba_ssm.as_hugging_face(config, source_dir / "config.json")
+        importer = importer_for(config, source_dir / "config.json")
         importer.translate_config(config, source_dir / "config.json")
     except ConversionError:
         raise

@@ -92,10 +92,13 @@ def as_hugging_face(config: dict, where: Path) -> dict:
     if not isinstance(width, int) or not isinstance(headdim, int) or headdim < 1 or width % headdim:
         raise ConversionError(f"{where}: expand · d_model ({expand} · {config['d_model']}) is not a multiple of "
                               f"ssm_cfg headdim {headdim!r}")
+    dt_limit = get("dt_limit")
+    if not isinstance(dt_limit, (list, tuple)) or len(dt_limit) != 2:
+        raise ConversionError(f"{where}: ssm_cfg dt_limit must be [min, max], got {dt_limit!r}")
     return {**hf, "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "state_size": get("d_state"),
             "conv_kernel": get("d_conv"), "expand": expand, "num_heads": width // headdim, "head_dim": headdim,
             "n_groups": get("ngroups"), "use_bias": get("bias"), "use_conv_bias": get("conv_bias"),
-            "time_step_limit": list(get("dt_limit")), "chunk_size": get("chunk_size")}
+            "time_step_limit": list(dt_limit), "chunk_size": get("chunk_size")}
 
 
 def renamed(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -323,7 +323,7 @@ def _evaluate(ops: Iterator, storage: Callable[[_StorageRef], object], legacy: b
                 stack.append(pop_mark())
             elif name == "DICT":
                 items = pop_mark()
-                stack.append(dict(zip(items[::2], items[1::2])))
+                stack.append(dict(zip(_keys(items[::2]), items[1::2])))
             elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
                 memo[int(arg)] = stack[-1]
             elif name == "MEMOIZE":
@@ -332,10 +332,10 @@ def _evaluate(ops: Iterator, storage: Callable[[_StorageRef], object], legacy: b
                 stack.append(memo[int(arg)])
             elif name == "SETITEM":
                 value, key = stack.pop(), stack.pop()
-                _dict(stack[-1])[key] = value
+                _dict(stack[-1])[_key(key)] = value
             elif name == "SETITEMS":
                 items = pop_mark()
-                _dict(stack[-1]).update(zip(items[::2], items[1::2]))
+                _dict(stack[-1]).update(zip(_keys(items[::2]), items[1::2]))
             elif name == "APPEND":
                 value = stack.pop()
                 _list(stack[-1]).append(value)
@@ -373,6 +373,19 @@ def _evaluate(ops: Iterator, storage: Callable[[_StorageRef], object], legacy: b
 
 
 _MARK = _Mark()
+
+
+def _key(key) -> str:
+    """A dict's key, which in a state dict, its `_metadata` and a legacy file's header is always a
+    string: anything else is refused before it is hashed (shared references let a few hundred
+    bytes make a tuple of 2**60 tuples, whose hash never ends)."""
+    if not isinstance(key, str):
+        raise NotATensorFile(f"its pickle keys a dict by a {type(key).__name__}, where a state dict's keys are names")
+    return key
+
+
+def _keys(keys: list) -> list[str]:
+    return [_key(key) for key in keys]
 
 
 def _dict(value) -> dict:

@@ -406,6 +406,10 @@ def test_state_spaces_own_format_converts_as_transformers_form(references, tmp_p
         ("gate", {"ssm_cfg": {**ssm_cfg, "norm_before_gate": True}}, "norm_before_gate"),
         ("part", {"ssm_cfg": {**ssm_cfg, "d_ssm": 32}}, "d_ssm 32"),
         ("layer", {"ssm_cfg": {"layer": "Mamba3"}}, "layer 'Mamba3'"),
+        # a value no field takes: named in one line, not a TypeError's traceback
+        ("no-limit", {"ssm_cfg": {**ssm_cfg, "dt_limit": None}}, "dt_limit must be"),
+        ("one-limit", {"ssm_cfg": {**ssm_cfg, "dt_limit": 0.5}}, "dt_limit must be"),
+        ("text-expand", {"ssm_cfg": {**ssm_cfg, "expand": "2"}}, "expand"),
     ]:
         source = mamba_ssm_directory(spec, tmp_path / f"refused-{name}", ssm_cfg)
         written = json.loads((source / "config.json").read_text())

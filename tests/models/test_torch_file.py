@@ -95,6 +95,26 @@ def test_what_is_not_a_state_dict_of_tensors_is_refused_with_its_reason(tmp_path
         read_tensors(path)
 
 
+def test_a_pickle_whose_key_would_take_forever_to_hash_is_refused_at_once(tmp_path):
+    """440 bytes: memo references make a tuple that stands for 2**60 nested tuples, then use it as
+    a dict's key. Hashing it never ends (`xlserve convert` spun at 100% CPU for good); a key that
+    is not a name is refused before it is hashed. Read in a process of its own, bounded."""
+    import subprocess
+    import sys
+
+    program = bytearray(b"\x80\x02})q\x00")  # PROTO 2, EMPTY_DICT, EMPTY_TUPLE, BINPUT 0
+    for i in range(60):
+        program += b"h" + bytes([i]) + b"\x86q" + bytes([i + 1])  # BINGET i, TUPLE2, BINPUT i + 1: (t_i, t_i)
+    program += b"K\x01s."  # BININT1 1, SETITEM (the key hashed), STOP
+    path = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", bytes(program))
+    reader = ("import sys\nfrom xlserve.models.convert.torch_file import NotATensorFile, read_tensors\n"
+              "try:\n    read_tensors(sys.argv[1])\nexcept NotATensorFile as error:\n    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", reader, str(path)], capture_output=True, text=True, timeout=60)
+    assert "keys a dict by a tuple" in done.stdout, (done.stdout, done.stderr)
+
+
 def rewritten(path, name: str, change) -> None:
     """The zip archive at `path` with entry `name` replaced by change(its bytes)."""
     with zipfile.ZipFile(path) as archive:
