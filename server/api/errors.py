@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Scope, Send
 
 # the engine's and the cache's errors modules are imported for their classes: defining a class
@@ -284,13 +285,17 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "the body nests arrays and objects too deeply"
         elif isinstance(cause, UnicodeDecodeError):
             message = f"the body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+        elif isinstance(cause, ClientDisconnect):  # not a body it choked on: the client left while sending it
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         http_error = APIError(message, headers=dict(getattr(error, "headers", None) or {}))
         http_error.status, http_error.type = error.status_code, kinds.get(error.status_code, "http_error")
         return answer(request, http_error)
 
     @app.exception_handler(Cancelled)
-    async def _cancelled(request: Request, error: Cancelled):
-        # the client of a plain (not streamed) request went away and its generation was dropped
+    @app.exception_handler(ClientDisconnect)
+    async def _cancelled(request: Request, error: Exception):
+        # the client of a plain (not streamed) request went away and its generation was dropped,
+        # or it went away while sending its body (a state upload cut off): no error of the server's
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)

@@ -227,6 +227,41 @@ def test_session_states_in_flight_are_bounded(limited):
                 sock.close()
 
 
+def test_a_client_that_leaves_while_sending_its_body_is_no_error_of_the_server_s(limited):
+    """A state upload cut off (Ctrl-C, a dropped link) was answered and counted as a 500
+    internal_error, with a traceback, and fed the 5xx alert; a JSON body cut off was a 400 counted
+    against the client. Both are now 499, the client-closed answer no one reads, counted as no error."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> dict[tuple[str, str], float]:
+        with authed(limited) as client:
+            text = client.get("/metrics").text
+        return {(sample.labels["route"], sample.labels["status"]): sample.value
+                for family in text_string_to_metric_families(text) if family.name == "xlserve_http_requests"
+                for sample in family.samples if sample.name.endswith("_total")}
+
+    before = counts()
+    for path, declared, sent in (("/v1/sessions/import", 1 << 20, b"x" * 100_000),
+                                 ("/v1/completions", 1000, b'{"model": "' + MODEL.encode() + b'", "pro')):
+        sock = socket.create_connection(("127.0.0.1", limited.port))
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
+        time.sleep(0.5)  # the body is being read
+        sock.close()
+    deadline = time.monotonic() + 30
+    while True:
+        after = counts()
+        left = {route: after.get((route, "499"), 0) - before.get((route, "499"), 0)
+                for route in ("/v1/sessions/import", "/v1/completions")}
+        if all(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left == {"/v1/sessions/import": 1, "/v1/completions": 1}, (left, after)
+    for route in ("/v1/sessions/import", "/v1/completions"):
+        for status in ("400", "500"):
+            assert after.get((route, status), 0) == before.get((route, status), 0), (route, status)
+
+
 def chunked_small():
     yield b'{"model": "txl-tiny", "prompt": "abc", '
     yield b'"max_tokens": 2}'
