@@ -365,21 +365,27 @@ class PrefixCache:
         return None
 
     def offer(self, model: str, scope: bytes, tokens: list[int], data: SessionData,
-              logprobs: list[float | None], share: bool = True) -> bool:
+              logprobs: list[float | None], share: bool = True,
+              copy: Callable[[SessionData], SessionData] | None = None) -> bool:
         """Keep the state after `tokens` (data.tokens == len(tokens)); False when it is not kept
         (no tier has room for it, or nothing to key). Pushes least recently used entries down a
-        tier. With Redis and `share`, the entry is also queued for the Redis writer."""
+        tier. With Redis and `share`, the entry is also queued for the Redis writer. With `copy`
+        (SessionData.clone, or .compact), what is kept is copy(data), made only when the prefix is
+        not cached already and outside the cache's lock (a whole state: 237 MB at real size)."""
         n = len(tokens)
         if n == 0 or data.tokens != n or len(logprobs) != n or not any(self.caps.values()):
             return False
         chain = block_chain(scope, tokens, self.block_tokens)
         key = entry_key(chain, tokens, n, self.block_tokens)
+        if copy is not None:
+            with self._lock:
+                if self._seen_again(key):
+                    return True
+            data = copy(data)
         entry = _Entry(key, model, chain[n // self.block_tokens], n, data, list(logprobs),
                        _entry_bytes(data, logprobs), _device_of(data))
         with self._lock:
-            known = self._index.get(key)
-            if known is not None:  # the same prefix again: the same state (to float rounding)
-                self._tiers[known.tier].move_to_end(key)
+            if self._seen_again(key):
                 return True
             kept = False
             for tier in PREFIX_TIERS:
@@ -606,6 +612,15 @@ class PrefixCache:
                     self._disk_writes_bytes -= entry.nbytes
         if interrupted is not None:
             raise interrupted
+
+    def _seen_again(self, key: bytes) -> bool:
+        """(Under the lock.) Whether the entry of `key` is cached already, which an offer of the
+        same prefix again then only marks as used (the same state, to float rounding)."""
+        known = self._index.get(key)
+        if known is None:
+            return False
+        self._tiers[known.tier].move_to_end(key)
+        return True
 
     def _drop(self, entry: _Entry, counted: bool = False) -> None:
         """The entry leaves every table first, then its file goes: a file that cannot be removed

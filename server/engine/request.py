@@ -40,6 +40,9 @@ class EngineRequest:
     # under (None: a session's request, or one that opted out), and how many prompt tokens a
     # hit already put into `start` (with their log-probs, None for a first token)
     prefix_scope: bytes | None = None
+    # whether its state after the completion goes to the cache too (not for a model whose entries
+    # hold only where prefill chunks end: Engine.start_from_prefix)
+    final_state_offered: bool = True
     reused: int = 0
     reused_logprobs: list[float | None] = field(default_factory=list, repr=False)
     # its structured-output constraint, compiled (an llguidance LLMatcher, server/engine/constraints.py),
@@ -98,7 +101,8 @@ class EngineRequest:
     def offers_final_state(self) -> bool:
         """Its state after prompt + completion goes to the prefix cache (the next turn of a
         conversation starts there), so its last generated token is fed too, as a session's is."""
-        return self.prefix_scope is not None and self.kind == "generate" and self.params.n == 1
+        return (self.prefix_scope is not None and self.final_state_offered and self.kind == "generate"
+                and self.params.n == 1)
 
     @property
     def continues_session(self) -> bool:
@@ -149,5 +153,6 @@ class Row:
 
     @property
     def keeps_state(self) -> bool:
-        """Its final state outlives the batch: a session's new state, or a prefix-cache entry."""
-        return self.request.feeds_every_token and not self.request.failed
+        """Its final state outlives the batch: a session's new state, or a prefix-cache entry (not
+        for a request cancelled or failed: nothing will use it)."""
+        return self.request.feeds_every_token and not self.request.failed and not self.request.cancelled.is_set()

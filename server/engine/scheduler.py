@@ -201,8 +201,13 @@ class Engine:
             depends_on += b"prefill_chunk=%d" % self.prefill_chunk
         if depends_on:
             scope = hashlib.blake2b(scope + depends_on, digest_size=16).digest()
-        fields = {"start": self.fresh_data(), "prefix_scope": scope}
-        if self.prefix_cache is None or echo_alternatives:
+        if self.prefix_cache is None:  # nothing to offer to: no scope, so no final state is fed or copied out
+            return {"start": self.fresh_data()}
+        # a model whose entries hold only where prefill chunks end never offers the state after
+        # its completion (`_finish_row`), so its last token is not fed for it, nor its state kept
+        fields = {"start": self.fresh_data(), "prefix_scope": scope,
+                  "final_state_offered": self.model.chunking_invariant}
+        if echo_alternatives:
             return fields
         try:
             hit = self.prefix_cache.lookup(self.name, scope, prompt, restore=self._restore_prefix)
@@ -899,12 +904,11 @@ class Engine:
         if len(request.done) < len(request.rows):
             return
         first = request.rows[0]
-        if (request.offers_final_state and self.model.chunking_invariant and first.state_error is None
-                and unusable_row(first.greedy[1]) is None):
+        if request.offers_final_state and first.state_error is None and unusable_row(first.greedy[1]) is None:
             # the next turn of a conversation resends exactly prompt + completion
             self._offer(request, request.prompt + first.generated_tokens,
                         SessionData(state=first.state, tokens=first.tokens, next_log_probs=first.next_log_probs),
-                        request.prompt_logprobs + first.generated_logprobs)
+                        request.prompt_logprobs + first.generated_logprobs, finished=True)
         if request.keep_state:
             failure = unusable_row(first.greedy[1], request.continues_session)  # never commit a state that predicts nothing
             if failure is not None:
@@ -935,15 +939,20 @@ class Engine:
         self._remove(request)
 
     def _offer(self, request: EngineRequest, tokens: list[int], data: SessionData,
-               logprobs: list[float | None] | None = None) -> None:
+               logprobs: list[float | None] | None = None, finished: bool = False) -> None:
         """Give the state after `tokens` (the request's prompt, or more) to the prefix cache, as
         a copy of its own: the request's state may be a view into a batch that is written over.
-        A cache that cannot take it changes nothing for the request."""
+        `finished`: the state of a row that has left its batch, which nothing else uses. A cache
+        that cannot take it changes nothing for the request."""
         if self.prefix_cache is None or request.prefix_scope is None or request.failed:
             return
         logprobs = request.prompt_logprobs[: len(tokens)] if logprobs is None else logprobs
         try:
-            self.prefix_cache.offer(self.name, request.prefix_scope, list(tokens), data.clone(), logprobs)
+            # copied only when the prefix is new to the cache (a copy of 237 MB at real size holds
+            # up every stream of the model for a step or two), and a finished row's state, which
+            # nothing writes any more, only where it is a view that keeps a batch's memory alive
+            self.prefix_cache.offer(self.name, request.prefix_scope, list(tokens), data, logprobs,
+                                    copy=SessionData.compact if finished else SessionData.clone)
         except Exception:  # a bookkeeping bug must not fail a request that has its answer
             log.exception("prefix cache: an offer from model %s failed", self.name)
 

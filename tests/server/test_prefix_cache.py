@@ -166,6 +166,56 @@ def test_a_stateless_conversation_reuses_each_turn_and_answers_as_a_cold_engine(
     assert all(result["cached"] == 0 for result in cold)
 
 
+def counted_conversation(model, scope: bytes | None, monkeypatch, **options) -> tuple[list[dict], int, int]:
+    """A conversation's answers, and how many forward calls and state copies it took."""
+    calls = {"forward": 0, "clone": 0}
+    forward, state_class = model.forward, type(model.init_state(1))
+    clone = state_class.clone
+
+    def counted_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return forward(*args, **kwargs)
+
+    def counted_clone(state):
+        calls["clone"] += 1
+        return clone(state)
+
+    monkeypatch.setattr(model, "forward", counted_forward)
+    monkeypatch.setattr(state_class, "clone", counted_clone)
+    answers = conversation(make_engine(model, **options), scope)
+    monkeypatch.setattr(state_class, "clone", clone)
+    return answers, calls["forward"], calls["clone"]
+
+
+def test_a_request_whose_final_state_nobody_takes_neither_feeds_its_last_token_nor_copies_its_state(monkeypatch):
+    """The API sends a prefix scope with every stateless request. With the prefix cache off, each
+    still fed its last token through the model and copied its final state out for an offer that
+    went nowhere (237 MB at real size, a step or two of every stream); so did a model whose entries
+    hold only where prefill chunks end, whose final state is never offered. Now both cost what a
+    request without a scope costs, with the same tokens."""
+    plain, forwards, copies = counted_conversation(xl_model(), None, monkeypatch, prefill_chunk=7)
+    scoped = counted_conversation(xl_model(), SCOPE, monkeypatch, prefill_chunk=7)
+    assert scoped == (plain, forwards, copies)
+    cache = PrefixCache(64 << 20, block_tokens=4)
+    _, chunked_forwards, _ = counted_conversation(xl_model(False), None, monkeypatch, prefill_chunk=8)
+    cached, scoped_forwards, _ = counted_conversation(xl_model(False), SCOPE, monkeypatch, prefill_chunk=8,
+                                                      prefix_cache=cache)
+    assert scoped_forwards <= chunked_forwards and cached[-1]["cached"] > 0
+
+
+def test_an_offer_of_a_prefix_already_cached_makes_no_copy():
+    cache = PrefixCache(64 << 20, block_tokens=4)
+    tokens = list(range(8))
+    copies = []
+
+    def copy(data):
+        copies.append(data)
+        return data.clone()
+
+    assert cache.offer("m", SCOPE, tokens, data(8), [None] + [-1.0] * 7, copy=copy) and len(copies) == 1
+    assert cache.offer("m", SCOPE, tokens, data(8), [None] + [-1.0] * 7, copy=copy) and len(copies) == 1
+
+
 def test_seeded_sampling_gives_the_same_tokens_from_a_hit():
     cache = PrefixCache(64 << 20, block_tokens=4)
     cached = conversation(make_engine(xl_model(), prefill_chunk=7, prefix_cache=cache),
@@ -956,3 +1006,18 @@ def test_the_engine_process_shares_out_every_core_with_the_prefix_cache_on(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     threads = json.loads(done.stdout.strip().splitlines()[-1])
     assert (threads["forward"], threads["prompt"]) == (1, 2), threads
+
+
+def test_a_cancelled_row_keeps_no_state():
+    """A session's row (or an offering one) that leaves because its client went away had its whole
+    state copied out of its batch for nothing: nothing is committed or offered for it."""
+    from xlserve.models.tokenizer import ByteTokenizer as Bytes
+    from xlserve.server.engine.request import Row
+
+    model = xl_model()
+    start = SessionData(model.init_state(1), 0, None)
+    request = EngineRequest("generate", [1, 2], start, SamplingParams(max_tokens=2), keep_state=True)
+    row = Row(request, 0, Bytes().detokenizer(), model.init_state(1), torch.zeros(256))
+    assert row.keeps_state
+    request.cancelled.set()
+    assert not row.keeps_state
