@@ -95,6 +95,8 @@ RAISED_CODES: dict[str, str] = {
     # an answer that is not streamed would return more generated tokens' log-probabilities than
     # MAX_GENERATED_LOGPROBS (server/api/protocol.py)
     "generated_logprobs_too_large": "invalid_request_error",
+    # a list of prompts that could not be queued even on an idle server (server/api/serving/generation.py)
+    "too_many_prompts": "invalid_request_error",
     "invalid_logit_bias": "invalid_request_error",
     "token_id_out_of_vocabulary": "invalid_request_error",
     "word_not_in_vocabulary": "invalid_request_error",

@@ -83,6 +83,25 @@ def test_a_burst_past_the_queue_gets_429s_and_no_5xx(limited):
     assert 'xlserve_requests_total{finish_reason="cancelled",model="txl-tiny"}' in metrics
 
 
+def test_a_list_of_prompts_that_could_never_be_queued_is_400_naming_the_limits(limited):
+    """Each prompt of a list is queued as a request of its own, n rows wide, and the list's first
+    prompts count against the queue while its last ones wait: past what an idle server takes (2
+    rows at once, 2 waiting here), the answer was 429 with Retry-After on every try, which the
+    OpenAI SDK retries by itself. It is a 400 naming the limits; a list that fits goes through."""
+    with authed(limited) as client:
+        for prompts, n in ((4, 1), (3, 2)):
+            response = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * prompts, "n": n,
+                                                            "max_tokens": 1})
+            assert response.status_code == 200 and len(response.json()["choices"]) == prompts * n, response.text
+        for prompts, n in ((5, 1), (4, 2)):
+            response = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * prompts, "n": n,
+                                                            "max_tokens": 1})
+            error = response.json()["error"]
+            assert response.status_code == 400 and "retry-after" not in response.headers, response.text
+            assert error["code"] == "too_many_prompts" and error["param"] == "prompt"
+            assert "XLSERVE_MAX_BATCH_SIZE" in error["message"] and "XLSERVE_MAX_QUEUED_REQUESTS" in error["message"]
+
+
 def test_limits_name_themselves(limited):
     with authed(limited) as client:
         big = client.post("/v1/completions", content=b'{"model": "txl-tiny", "prompt": "' + b"x" * 5000 + b'"}',

@@ -514,3 +514,17 @@ def test_text_offset_counts_the_characters_each_token_decoded_to_even_while_held
         choice = response.json()["choices"][0]
         offsets, text = choice["logprobs"]["text_offset"], choice["text"]
     assert text == "axyb" and offsets == [0, 1, 2, 3]
+
+
+def test_a_list_of_prompts_is_measured_against_the_per_key_queue_too():
+    from types import SimpleNamespace
+
+    from xlserve.server.api.errors import InvalidRequest
+    from xlserve.server.api.serving.generation import check_the_batch_fits
+
+    limits = SimpleNamespace(max_batch_size=64, max_queued_requests=256, max_queued_per_key=4)
+    check_the_batch_fits(limits, 16, 4, keyed=True)  # 16 prompts x 4 rows: all run at once
+    check_the_batch_fits(limits, 16, 16, keyed=False)  # 4 run, 12 wait: within the model's queue
+    with pytest.raises(InvalidRequest, match="XLSERVE_MAX_QUEUED_PER_KEY") as refused:
+        check_the_batch_fits(limits, 16, 16, keyed=True)  # 12 of one key's would wait
+    assert refused.value.code == "too_many_prompts" and "at most 8 such prompts" in refused.value.message

@@ -46,6 +46,27 @@ from xlserve.server.api.serving.requests import (
 # -- generations ----------------------------------------------------------------------------------
 
 
+def check_the_batch_fits(engine_settings, prompts: int, n: int, keyed: bool) -> None:
+    """A list of prompts is queued one engine request per prompt (PromptBatch), each n rows wide,
+    and its own first prompts count against the queue's limits while its last ones wait. One that
+    could not be queued even on an idle server (the prompts past those the batch's rows take at
+    once, over XLSERVE_MAX_QUEUED_REQUESTS, or XLSERVE_MAX_QUEUED_PER_KEY for a keyed request) is a
+    400 naming the limits: a 429, as for a queue full of other requests, would be retried forever."""
+    rows, width = engine_settings.max_batch_size, min(n, engine_settings.max_batch_size)
+    running = min(prompts, rows // width)  # the prompts an idle server runs at once
+    limits = [(engine_settings.max_queued_requests, "XLSERVE_MAX_QUEUED_REQUESTS")]
+    if keyed and engine_settings.max_queued_per_key:
+        limits.append((engine_settings.max_queued_per_key, "XLSERVE_MAX_QUEUED_PER_KEY"))
+    for limit, setting in limits:
+        if prompts - running > limit:
+            most = running + limit
+            raise InvalidRequest(
+                f"{prompts} prompts with n={n} are {prompts} requests of {width} rows each; this server decodes "
+                f"{rows} rows at once (XLSERVE_MAX_BATCH_SIZE) and queues at most {limit} requests beyond them "
+                f"({setting}), so at most {most} such prompts can be taken in one request: send fewer prompts "
+                "per request", param="prompt", code="too_many_prompts")
+
+
 class Generation:
     """One generation (HTTP or websocket), validated: the served model, sampling parameters and
     prompt tokens. `async with leased()` holds its session; within it, `submit()` queues it in the
@@ -77,6 +98,7 @@ class Generation:
             if body.session_id is not None:
                 raise InvalidRequest("a list of prompts cannot be combined with session_id: a session continues "
                                      "one text", param="prompt")
+            check_the_batch_fits(state.settings.engine, len(batch), n, keyed=owner is not None)
         raw_prompts = batch or [body.prompt]
         # an answer that is not streamed holds every generated token's log-probabilities until it is
         # sent whole, built as Python objects and written as one JSON text on the event loop, which
