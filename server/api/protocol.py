@@ -552,15 +552,21 @@ class AppendRequest(RequestBody):
 # -- the websocket /v1/stream (docs/websocket.md) -----------------------------------------------
 
 
+# a frame's id is echoed in every frame of its answer (a token frame each token): bounded, or a
+# frame with an id of megabytes would be sent back that many times over
+MAX_FRAME_ID = 256
+FrameId = Annotated[Text, Field(max_length=MAX_FRAME_ID)]
+
+
 class GenerateFrame(SamplingFields):
     type: Literal["generate"]
-    id: Text | None = None  # echoed in every frame of the answer
+    id: FrameId | None = None  # echoed in every frame of the answer
     idempotency_key: str | None = Field(None, pattern=IDEMPOTENCY_KEY_PATTERN)  # with session_id: at most once
 
 
 class AppendFrame(RequestBody):
     type: Literal["append"]
-    id: Text | None = None
+    id: FrameId | None = None
     session_id: SessionId
     text: Annotated[Text | TokenIds, one_of("a string or a list of token ids")]
     score: bool = False
@@ -569,7 +575,7 @@ class AppendFrame(RequestBody):
 
 class CancelFrame(RequestBody):
     type: Literal["cancel"]
-    id: Text | None = None  # the request to cancel; None = whatever is running
+    id: FrameId | None = None  # the request to cancel; None = whatever is running
 
 
 ClientFrame = Union[GenerateFrame, AppendFrame, CancelFrame]
@@ -590,12 +596,12 @@ def _loaded(text: str | None) -> Any:
 def frame_id(text: str | None, max_bytes: int | None = None) -> str | None:
     """The `id` a frame carries, read even from a frame that turns out to be invalid, so that the
     error frame answering it names the request it refuses; None for a frame over `max_bytes`,
-    which is refused unread (`parse_frame`)."""
+    which is refused unread (`parse_frame`), and for an id past MAX_FRAME_ID characters."""
     if _over(text, max_bytes):
         return None
     raw = _loaded(text)
     request_id = raw.get("id") if isinstance(raw, dict) else None
-    if not isinstance(request_id, str):
+    if not isinstance(request_id, str) or len(request_id) > MAX_FRAME_ID:
         return None
     try:
         request_id.encode("utf-8")

@@ -270,6 +270,21 @@ def test_a_websocket_generate_frame_keeps_refusing_null(served):
     assert answer["type"] == "error" and answer["error"]["param"] == "temperature"
 
 
+def test_a_websocket_frame_id_is_bounded_and_a_longer_one_is_not_echoed(served):
+    """A frame's id is echoed in every frame of its answer, a token frame each token: an id of
+    megabytes was sent back that many times over (and kept, unread, by a client that stops
+    reading). Past MAX_FRAME_ID characters the frame is refused naming the id, which its error
+    frame does not echo."""
+    from xlserve.server.api.protocol import MAX_FRAME_ID
+
+    client, _ = served
+    with client.websocket_connect("/v1/stream") as websocket:
+        for kind in ({"type": "generate", "model": MODEL, "prompt": "ab"}, {"type": "cancel"}):
+            websocket.send_text(json.dumps({**kind, "id": "x" * (MAX_FRAME_ID + 1)}))
+            answer = json.loads(websocket.receive_text())
+            assert answer["type"] == "error" and answer["id"] is None and answer["error"]["param"] == "id", answer
+
+
 # -- 4. the log-probabilities of an answer that is not streamed ---------------------------------------
 
 
