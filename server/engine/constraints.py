@@ -122,6 +122,17 @@ SLOW_TOKENS_IN_A_ROW = 3
 SLOW_TOKENS_SPARE = 200
 
 
+class ParserDebt:
+    """The parser time a request's rows took past the limit and have not paid back by faster
+    tokens, shared by all of its rows (its choices, the prompts of a list): every row's parser
+    runs in turn on the engine's one worker thread, so n rows of one request may spare what one
+    row may, not n times that, or a request of 64 rows with a schema whose first token costs
+    140 ms would take 9 s of every step from every other request without any row going over."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+
 def llguidance_grammar(kind: str, text: str) -> str:
     """llguidance's grammar for a constraint of `kind` with `text`; ValueError when `text` is
     not even the right shape (not a JSON object, not a list of strings)."""
@@ -399,12 +410,13 @@ class RowConstraint:
     """One row's matcher: which tokens it may draw next, and what it has drawn; and what the parser
     costs per token (`start_token`, `too_slow`)."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, debt: ParserDebt | None = None):
         self.matcher = matcher.deep_copy()
         self.vocab_size = vocab_size
         self.token_seconds = 0.0  # the parser's CPU time since `start_token`
         self.slow_tokens = 0  # tokens in a row, up to the last, over the time limit
-        self.time_over = 0.0  # parser time past the limit, not yet paid back by faster tokens (`too_slow`)
+        # parser time past the limit, not yet paid back by faster tokens (`too_slow`): its request's
+        self.debt = debt if debt is not None else ParserDebt()
 
     def start_token(self) -> None:
         """The parser's time from here on is the next token's."""
@@ -416,15 +428,18 @@ class RowConstraint:
         if limit_seconds <= 0:
             return None
         self.slow_tokens = self.slow_tokens + 1 if self.token_seconds > limit_seconds else 0
-        # the time taken past the limit, paid back by every token under it (a leaky bucket)
-        self.time_over = max(0.0, self.time_over + self.token_seconds - limit_seconds)
-        if self.time_over > SLOW_TOKENS_SPARE * limit_seconds:
+        # the time taken past the limit, paid back by every token under it (a leaky bucket), over
+        # all of the request's rows
+        debt = self.debt
+        debt.seconds = max(0.0, debt.seconds + self.token_seconds - limit_seconds)
+        if debt.seconds > SLOW_TOKENS_SPARE * limit_seconds:
             return InvalidInput(
-                f"the constraint took {self.time_over * 1e3:.0f} ms of parser time more than the limit of "
+                f"the constraint took {debt.seconds * 1e3:.0f} ms of parser time more than the limit of "
                 f"{limit_seconds * 1e3:g} ms a token (XLSERVE_STRUCTURED_TOKEN_MILLISECONDS) allows over its recent "
-                f"tokens, past the {SLOW_TOKENS_SPARE * limit_seconds * 1e3:.0f} ms it may spare, so that one request "
-                "cannot hold the others. Schemas of thousands of properties cost that at every one; simplify the "
-                "constraint", param=param, code="constraint_too_slow")
+                f"tokens, over all of the request's choices and prompts, past the "
+                f"{SLOW_TOKENS_SPARE * limit_seconds * 1e3:.0f} ms it may spare, so that one request cannot hold the "
+                "others. Schemas of thousands of properties cost that at every one; simplify the constraint, or ask "
+                "for fewer choices", param=param, code="constraint_too_slow")
         if self.slow_tokens < SLOW_TOKENS_IN_A_ROW:
             return None
         return InvalidInput(

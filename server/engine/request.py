@@ -18,7 +18,7 @@ import torch
 
 from xlserve.models.interface import State
 from xlserve.server.cache.codec import SessionData
-from xlserve.server.engine.constraints import RowConstraint
+from xlserve.server.engine.constraints import ParserDebt, RowConstraint
 from xlserve.server.engine.sampling import Sampler, StopChecker, is_plain_greedy, most_likely
 from xlserve.server.engine.types import ChoiceFinished, SamplingParams
 
@@ -63,6 +63,8 @@ class EngineRequest:
     rows: list[Row] = field(init=False, default_factory=list)  # its choices, once the prompt is in
     done: list[ChoiceFinished] = field(init=False, default_factory=list)
     failed: bool = field(init=False, default=False)
+    # its constrained rows' parser time past the limit, shared by them all (constraints.py ParserDebt)
+    parser_debt: ParserDebt = field(init=False, default_factory=ParserDebt, repr=False)
     # time.monotonic() at its phases' starts (the queue, prefill and decode time histograms)
     queued_at: float | None = field(init=False, default=None)  # enqueued
     scheduled_at: float | None = field(init=False, default=None)  # first admitted into the running batch
@@ -137,7 +139,7 @@ class Row:
         self.tokens = request.tokens  # tokens the state has seen
         # its own matcher: choices, and the prompts of a batched request, never share parser state
         self.constraint = (None if request.constraint is None else
-                           RowConstraint(request.constraint, next_log_probs.shape[-1]))
+                           RowConstraint(request.constraint, next_log_probs.shape[-1], request.parser_debt))
         self.plain_greedy = is_plain_greedy(params) and self.constraint is None
         self.generated = 0
         self.generated_tokens: list[int] = []  # with their log-probs: a prefix-cache entry's tail
