@@ -124,7 +124,8 @@ SLOW_TOKENS_SPARE = 200
 
 class ParserDebt:
     """The parser time a request's rows took past the limit and have not paid back by faster
-    tokens, shared by all of its rows (its choices, the prompts of a list): every row's parser
+    tokens, shared by all of its rows (its n choices; each prompt of a list is an engine request
+    of its own, bounded by the queue's limits): every row's parser
     runs in turn on the engine's one worker thread, so n rows of one request may spare what one
     row may, not n times that, or a request of 64 rows with a schema whose first token costs
     140 ms would take 9 s of every step from every other request without any row going over."""
@@ -436,7 +437,7 @@ class RowConstraint:
             return InvalidInput(
                 f"the constraint took {debt.seconds * 1e3:.0f} ms of parser time more than the limit of "
                 f"{limit_seconds * 1e3:g} ms a token (XLSERVE_STRUCTURED_TOKEN_MILLISECONDS) allows over its recent "
-                f"tokens, over all of the request's choices and prompts, past the "
+                f"tokens, over all of the request's choices, past the "
                 f"{SLOW_TOKENS_SPARE * limit_seconds * 1e3:.0f} ms it may spare, so that one request cannot hold the "
                 "others. Schemas of thousands of properties cost that at every one; simplify the constraint, or ask "
                 "for fewer choices", param=param, code="constraint_too_slow")
