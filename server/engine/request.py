@@ -142,6 +142,8 @@ class Row:
                            RowConstraint(request.constraint, next_log_probs.shape[-1], request.parser_debt))
         self.plain_greedy = is_plain_greedy(params) and self.constraint is None
         self.generated = 0
+        # it ended at the model's end of text, a token neither sent nor fed but counted in the usage
+        self.drew_end_of_text = False
         self.generated_tokens: list[int] = []  # with their log-probs: a prefix-cache entry's tail
         self.generated_logprobs: list[float] = []
         self.pending: int | None = None

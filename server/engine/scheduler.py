@@ -738,7 +738,9 @@ class Engine:
         if token in self.stop_token_ids and constraint is None and not params.ignore_eos:
             # the model ended its text: the row ends, as at a stop string, without the token (no
             # text, not fed: a session's state holds exactly the text sent). A constrained row
-            # ends where its constraint lets it (the matcher's own end of text).
+            # ends where its constraint lets it (the matcher's own end of text). The token is
+            # counted in the usage's completion tokens all the same, as OpenAI and vLLM count it
+            row.drew_end_of_text = True
             return self._ends_without_token(row, "stop")
         row.generated += 1
         row.generated_tokens.append(token)
@@ -898,7 +900,7 @@ class Engine:
             tail = ""  # the text held back was the stop string's start
         else:
             tail = row.stops.push(row.detokenizer.flush())[0] + row.stops.flush()
-        choice = ChoiceFinished(row.index, row.finish_reason, tail, row.generated)
+        choice = ChoiceFinished(row.index, row.finish_reason, tail, row.generated + row.drew_end_of_text)
         request.done.append(choice)
         self._emit(request, choice)
         if len(request.done) < len(request.rows):
