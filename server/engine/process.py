@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -475,6 +476,9 @@ class EngineProcess:
         # guarded by self.lock: generations waiting for their prefix lookup, not yet queued (their
         # engine's queue bound counts them only once queued: this bounds the pool's own queue)
         self.prefix_lookups_waiting = 0
+        # and of them, each API key's owner's: XLSERVE_MAX_QUEUED_PER_KEY bounds one key's here too,
+        # or one key's burst of slow lookups would fill the bound and every other key get 429
+        self.prefix_lookups_of: Counter[str] = Counter()
         self.prefix_lookups = ThreadPoolExecutor(max_workers=PREFIX_LOOKUP_THREADS, thread_name_prefix="prefix-lookup",
                                                  initializer=own_torch_threads, initargs=(1,))
         # freed memory goes back to the system once the engines idle (server/engine/memory.py)
@@ -642,8 +646,16 @@ class EngineProcess:
                 if not compile_first and self.prefix_lookups_waiting >= PREFIX_LOOKUP_THREADS + engine.max_queued:
                     raise QueueFull(f"{self.prefix_lookups_waiting} requests wait for their prefix-cache lookup "
                                     f"(XLSERVE_MAX_QUEUED_REQUESTS: {engine.max_queued}); retry later", code="queue_full")
+                owner = request.owner if not compile_first else None
+                if (owner is not None and engine.max_queued_per_key
+                        and self.prefix_lookups_of[owner] >= engine.max_queued_per_key):
+                    raise QueueFull(f"this API key has {self.prefix_lookups_of[owner]} requests waiting for their "
+                                    f"prefix-cache lookup, the limit per key is {engine.max_queued_per_key} "
+                                    "(XLSERVE_MAX_QUEUED_PER_KEY); retry later", code="queue_full")
                 self.first_compiles_waiting += compile_first
                 self.prefix_lookups_waiting += not compile_first
+                if owner is not None:
+                    self.prefix_lookups_of[owner] += 1
             return self._off_the_reader(request.request_id, engine,
                                         lambda cancelled: self._deferred_generate(request, engine, cancelled, compile_first),
                                         self.first_compiles if compile_first else self.prefix_lookups)
@@ -671,6 +683,10 @@ class EngineProcess:
                     self.first_compiles_waiting -= 1
                 else:
                     self.prefix_lookups_waiting -= 1
+                    if request.owner is not None:
+                        self.prefix_lookups_of[request.owner] -= 1
+                        if not self.prefix_lookups_of[request.owner]:
+                            del self.prefix_lookups_of[request.owner]
 
     def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None,
                   constraint: object = None) -> Accepted:

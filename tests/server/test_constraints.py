@@ -419,6 +419,37 @@ def test_generations_waiting_for_their_prefix_lookup_are_bounded():
     assert limit not in handler.requests and len(handler.requests) == limit
 
 
+def test_one_api_key_s_prefix_lookups_wait_within_its_own_share():
+    """XLSERVE_MAX_QUEUED_PER_KEY bounds one key's generations waiting for their prefix lookup too:
+    it applied only once they were queued, so one key's burst of slow lookups filled the
+    process's bound and every other key got 429."""
+    import threading
+    from types import SimpleNamespace
+
+    from xlserve.server.engine import process
+    from xlserve.server.engine.errors import QueueFull
+    from xlserve.server.engine.wire import Generate
+
+    engine = SimpleNamespace(check_context=lambda *args: None, prefix_lookup_waits=True, max_queued=30,
+                             max_queued_per_key=2, constraints=SimpleNamespace(cached_matcher=lambda *args: None))
+    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
+    handler.models = {"m": SimpleNamespace(engine=engine)}
+    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
+    handler.prefix_lookups, handler.prefix_lookups_waiting = object(), 0
+    handler.prefix_lookups_of = process.Counter()
+
+    def generation(i: int, owner: str) -> Generate:
+        return Generate(i, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00", owner=owner)
+
+    for i in range(2):
+        assert isinstance(handler.generate(generation(i, "alice")), process.Deferred)
+    with pytest.raises(QueueFull) as refused:
+        handler.generate(generation(2, "alice"))
+    assert "XLSERVE_MAX_QUEUED_PER_KEY" in refused.value.message
+    assert isinstance(handler.generate(generation(3, "bob")), process.Deferred)  # another key's goes on
+    assert handler.prefix_lookups_of == {"alice": 2, "bob": 1}
+
+
 # -- a byte-level BPE (tokenizer.json with a ByteLevel decoder) under a model of more rows ----------------
 
 
