@@ -137,7 +137,7 @@ def test_chat_completions_use_the_checkpoints_template(server, model):
 def test_generation_ends_at_the_checkpoints_end_of_text(server, imported, model):
     """The end-of-text token the source's config.json names (eos_token_id: transformers' defaults,
     0 for Mamba and RWKV, 2 for Mamba-2) ends a completion with finish_reason "stop" and is not
-    sent, as transformers' generate() and vLLM end it, streamed or not; `ignore_eos` goes on
+    sent (but counted in the usage), as transformers' generate() and vLLM end it, streamed or not; `ignore_eos` goes on
     through it. Forced here by logit_bias: a random model would draw it only by chance."""
     source = imported[model].parent / MODELS[model] / "hf" / "config.json"
     end = json.loads(source.read_text())["eos_token_id"]
@@ -149,7 +149,7 @@ def test_generation_ends_at_the_checkpoints_end_of_text(server, imported, model)
             chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert end == (2 if MODELS[model] == "mamba2" else 0)
     assert ended["choices"][0]["text"] == "" and ended["choices"][0]["finish_reason"] == "stop", ended
-    assert ended["usage"]["completion_tokens"] == 0
+    assert ended["usage"]["completion_tokens"] == 1  # the end of text, counted as OpenAI and vLLM count it
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == ""
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks][-1] == "stop"
     assert going_on["choices"][0]["finish_reason"] == "length" and going_on["usage"]["completion_tokens"] == 4

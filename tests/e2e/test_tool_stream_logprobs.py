@@ -52,7 +52,7 @@ def test_a_streamed_tool_call_sends_every_tokens_logprobs(oai, model):
                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
                   logprobs=True, top_logprobs=2)
     plain = oai.chat.completions.create(**kwargs).choices[0]
-    assert plain.finish_reason == "tool_calls" and plain.message.tool_calls
+    assert plain.finish_reason == "stop" and plain.message.tool_calls  # a named function's call: OpenAI's "stop"
     expected = plain.logprobs.content
     streamed, arguments = [], ""
     for chunk in oai.chat.completions.create(stream=True, **kwargs):  # parsed as ChatCompletionChunk
