@@ -12,6 +12,7 @@ with a message that names the field or the tensor and never leaves a half-loaded
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import init
 from torch.overrides import TorchFunctionMode
 
+from xlserve.models.allocation import machine_memory_bytes, out_of_memory
 from xlserve.models.interface import LanguageModel, all_finite
 from xlserve.models.linear import use_batched_products
 from xlserve.models.registry import ARCHITECTURES, build_model
@@ -127,8 +129,10 @@ STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
                  "BOOL": torch.bool}
 
 
-def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
-    """The model a checkpoint directory holds, on `device`, in eval mode.
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> LanguageModel:
+    """The model a checkpoint directory holds, on `device`, in eval mode, its floating tensors in
+    `dtype` when given (the serving dtype).
 
     Every tensor's name, shape and dtype is checked against the model its config describes,
     from the file's header and a model built on the meta device, before a byte of weights is
@@ -137,7 +141,12 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
     The model is then built for real without drawing random initial weights (`_NoRandomInit`),
     and the weights are copied one tensor at a time from the mapped file into it, a narrower
     stored dtype widened as it is copied: loading never holds a second, widened copy of every
-    weight (a float16 file of a 1.1 GB model peaked 1 GB higher so)."""
+    weight (a float16 file of a 1.1 GB model peaked 1 GB higher so). The model is built in float32
+    on the CPU, then moved to `device` in `dtype` before its weights are copied in (each tensor
+    cast and moved as it is copied): a bfloat16 model served on a GPU never holds a float32 copy
+    there, which needed twice the served model's GPU memory while loading. A model whose float32
+    build is larger than this machine's memory (or its container's limit) is refused before it
+    is built, naming both sizes; before, the kernel's OOM killer ended the process without a word."""
     directory = Path(directory)
     config = read_config(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
@@ -152,6 +161,11 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
                       for name in header.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{weights_path} is not a readable safetensors file: {e}") from None
+    built = sum(4 * math.prod(shape) for shape, _ in stored.values())  # built in float32, whatever the file holds
+    if built > machine_memory_bytes():
+        raise CheckpointError(f"{weights_path}: its model takes {built / 2**30:.1f} GiB in float32 while it is built, "
+                              f"more than this machine's memory ({machine_memory_bytes() / 2**30:.1f} GiB, or its "
+                              "container's limit)")
     layers = config["config"].get("n_layer")
     if isinstance(layers, int) and layers > len(stored):  # each layer holds tensors of its own
         raise CheckpointError(f"{config_path}: n_layer is {layers}, but {weights_path} holds {len(stored)} tensors "
@@ -171,12 +185,15 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever a constructor raises on values it cannot take
+        if out_of_memory(e):  # the allocator's refusal: no fault of the config's
+            raise CheckpointError(f"{config_path}: the model could not be built for want of memory ({e})") from None
         raise CheckpointError(f"{config_path}: bad model config: {e}") from None
     if described is None:
         _check_tensors(model, stored, storage, weights_path)
+    model.to(device=device, dtype=dtype)  # before the copies: the weights go straight to their place
     try:
         tensors = load_file(str(weights_path))  # the file mapped, not read: each tensor is read as it is copied
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: a map the kernel refused
         raise CheckpointError(f"{weights_path} is not a readable safetensors file: {e}") from None
     expected = model.state_dict(keep_vars=True)
     first_name = _first_names(expected)
@@ -195,7 +212,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
             target.copy_(tensor)  # widened as it is copied, where the file holds it narrower
             del tensor
     use_batched_products(model)  # a decode batch's products through the faster kernel (models/linear.py)
-    return model.to(device).eval()
+    return model.eval()
 
 
 class _NoRandomInit(TorchFunctionMode):

@@ -200,7 +200,7 @@ def load_models(settings: EngineSettings, metrics: Metrics, sink: EventSink,
     loaded = {}
     for directory in directories:
         started = time.perf_counter()
-        model = load_checkpoint(directory, device=device).to(dtype)
+        model = load_checkpoint(directory, device=device, dtype=dtype)
         model = quantize_model(model, settings.quantize_for(directory.name))  # after .to(dtype): int8 stays int8
         weights_on_huge_pages(model)  # after quantizing: only the float tensors it still holds (models/huge_pages.py)
         tokenizer = tokenizer_for_checkpoint(read_config(directory), directory)

@@ -199,3 +199,27 @@ def test_converting_an_xlserve_checkpoint_says_to_serve_it_as_it_is(saved, tmp_p
     _, path = saved
     with pytest.raises(ConversionError, match="is an xlserve checkpoint already: serve it as it is"):
         convert(path, tmp_path / "out")
+
+
+def test_loading_in_the_serving_dtype_gives_what_casting_the_loaded_model_gives(saved):
+    """The model moves to its device in the serving dtype before its weights are copied in, so a
+    bfloat16 model on a GPU never holds a float32 copy there (twice the served model's memory
+    while loading): the same tensors as loading in float32 and casting after, bit for bit."""
+    _, path = saved
+    cast_after = load_checkpoint(path).to(torch.bfloat16)
+    loaded = load_checkpoint(path, dtype=torch.bfloat16)
+    expected = cast_after.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+    assert all(buffer.dtype == other.dtype for buffer, other in zip(loaded.buffers(), cast_after.buffers()))
+
+
+def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(saved, monkeypatch):
+    """Under Linux's overcommit (and a container's limit) every allocation of a model past the
+    machine's memory succeeds and filling it brings the OOM killer: the process ended without a
+    word. It is refused first, naming the model's size and the machine's."""
+    import xlserve.models.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "machine_memory_bytes", lambda: 1 << 10)
+    with pytest.raises(CheckpointError, match=r"GiB in float32 while it is built, more than this machine's memory"):
+        load_checkpoint(saved[1])
