@@ -38,6 +38,7 @@ float safetensors, and quantization happens every time it is loaded. CPU only.
 from __future__ import annotations
 
 import functools
+import weakref
 import warnings
 
 import torch
@@ -259,14 +260,25 @@ def quantize_model(model: LanguageModel, mode: str) -> LanguageModel:
         raise QuantizationError(f"{model.architecture} is not quantized to int8: "
                                 f"{EXCLUDED_ARCHITECTURES[model.architecture]}")
     model.checkpoint_parameters = sum(p.numel() for p in model.parameters())  # the card's count stays the checkpoint's
-    replaced: dict[int, Int8Linear] = {}  # a layer shared by two parents becomes one int8 layer
+    # a layer shared by two parents becomes one int8 layer (known by a weak reference: the float
+    # layer must be free to go once its last parent holds the int8 one)
+    replaced: dict[int, tuple[weakref.ref, Int8Linear]] = {}
     kept_float = KEPT_FLOAT.get(model.architecture, frozenset())
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and name not in kept_float:
-                if id(child) not in replaced:
-                    replaced[id(child)] = Int8Linear.from_linear(child)
-                setattr(parent, name, replaced[id(child)])
+    # by name, not a list of the modules: such a list would keep every float layer alive until the
+    # last was quantized, the int8 copies piling up on the whole float model (+36% of the weights
+    # at wt103's size, against +11% with each float layer let go as it is replaced)
+    places = [(parent_name, name) for parent_name, parent in model.named_modules(remove_duplicate=False)
+              for name, child in parent.named_children() if isinstance(child, nn.Linear) and name not in kept_float]
+    for parent_name, name in places:
+        parent = model.get_submodule(parent_name)
+        child = getattr(parent, name)
+        if not isinstance(child, nn.Linear) or isinstance(child, Int8Linear):
+            continue
+        known = replaced.get(id(child))
+        if known is None or known[0]() is not child:
+            known = replaced[id(child)] = (weakref.ref(child), Int8Linear.from_linear(child))
+        del child
+        setattr(parent, name, known[1])
     for module in list(model.modules()):
         if hasattr(module, "quantize_int8"):  # Transformer-XL's adaptive softmax: raw weight matrices
             module.quantize_int8(Int8Linear.for_weight)
