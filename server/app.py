@@ -154,7 +154,9 @@ def sessions_per_tier(card: dict, store: dict, redis: bool) -> str:
     operator sizes XLSERVE_*_STATE_BYTES by."""
     per_session = card.get("state_bytes_per_session")
     if per_session is None:
-        return "its state grows with every token, so no fixed number of sessions fits a tier"
+        return ("its state grows with every token, so no fixed number of sessions fits a tier; and its sessions' "
+                "state bodies are not sized by it: set XLSERVE_MAX_STATE_BODY_BYTES to the largest session to be "
+                "imported (or PUT) back, which an export of a long one passes at the default")
     counts = ", ".join(f"{tier} {store.get(f'{tier}_bytes', 0) // per_session:,}" for tier in ("device", "host", "disk"))
     last = ", Redis up to its maxmemory" if redis else ""
     budgets = _budgets(store)

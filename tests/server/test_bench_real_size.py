@@ -189,3 +189,14 @@ def test_a_rows_state_bytes_are_what_its_model_holds_after_those_tokens():
     assert state_bytes_per_row(xl, 30, 50) == state_bytes_per_row(xl, 20, 50)
     mamba = Mamba(MambaConfig(vocab_size=50, n_layer=2, d_model=16, d_inner=32)).eval()
     assert state_bytes_per_row(mamba, 5, 50) == state_bytes_per_row(mamba, 50, 50) == mamba.init_state(1).nbytes()
+
+
+def test_a_model_whose_state_grows_without_bound_says_how_to_size_its_state_bodies():
+    """Such a model has no full state to size the state-body limit by, which then stays at the
+    request body limit: its longer sessions export but do not import back. The start-up log says
+    which setting sizes them."""
+    from xlserve.server.app import sessions_per_tier
+
+    line = sessions_per_tier({"state_bytes_per_session": None}, {"device_bytes": 1, "host_bytes": 1, "disk_bytes": 1},
+                             redis=False)
+    assert "grows with every token" in line and "XLSERVE_MAX_STATE_BODY_BYTES" in line
