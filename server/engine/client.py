@@ -151,6 +151,7 @@ class EngineClient:
         self.ids = itertools.count(1)  # request and call ids: unique across engine processes
         self.calls: dict[int, asyncio.Future] = {}
         self.changing_calls: set[int] = set()  # those of `calls` that change a session (CHANGES_A_SESSION)
+        self.parts: dict[int, list[bytes]] = {}  # call id -> the parts of its answer's blob so far (wire.py PART)
         self.submissions: dict[int, RemoteSubmission] = {}
         self.reader_task: asyncio.Task | None = None
         self.supervisor: asyncio.Task | None = None  # the background start, then any restart
@@ -323,13 +324,18 @@ class EngineClient:
                 header, blob = frame
                 self.heard_at = time.monotonic()
                 kind = header["op"]
-                if kind == FrameKind.EVENTS.value:
+                if kind == FrameKind.PART.value:  # a part of a large answer's blob: its answer follows
+                    self.parts.setdefault(header["id"], []).append(blob)
+                elif kind == FrameKind.EVENTS.value:
                     self._route(header["events"])
                 elif kind == FrameKind.HEARTBEAT.value:
                     self.steps_running = Heartbeat.from_frame(header).steps_running
                 elif kind == FrameKind.ANSWER.value:
                     future = self.calls.pop(header["id"], None)
                     self.changing_calls.discard(header["id"])
+                    parts = self.parts.pop(header["id"], None)
+                    if "parts" in header:
+                        blob = b"".join(parts or [])
                     if future is not None and not future.done():
                         if "error" in header:
                             future.set_exception(_readable(error_from_wire, header["error"]))
@@ -437,6 +443,7 @@ class EngineClient:
         with `changing`, a call that changes a session (CHANGES_A_SESSION) with `changing()`."""
         calls, self.calls = self.calls, {}
         changing_calls, self.changing_calls = self.changing_calls, set()
+        self.parts = {}  # a dead process's answers never end
         for call_id, future in calls.items():
             if not future.done():
                 future.set_exception(changing() if changing is not None and call_id in changing_calls else error())

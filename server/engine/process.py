@@ -600,7 +600,7 @@ class EngineProcess:
                                                  f"sent ({type(error).__name__}): read the session to see it")
                 self.answer_error(call_id, operation.value, error)
                 return
-            self.writer.send(*frame)
+            self.writer.send_in_parts(*frame)  # a large state in parts, so the steps' events go between them
 
     def answer_error(self, call_id: int | None, operation: str | None, error: BaseException) -> None:
         if call_id is None:  # a notice: nobody waits for an answer

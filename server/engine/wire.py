@@ -66,11 +66,16 @@ def encode_frame(header: dict, blob: bytes | None = None, checked: bool = False)
     refuses, and could not skip without losing the stream."""
     if blob is not None:
         header = {**header, "blob": len(blob)}
+        blob = bytes(blob) if isinstance(blob, memoryview) else blob
     body = json.dumps(header, separators=(",", ":")).encode()
     if checked and len(body) > MAX_HEADER_BYTES:
         raise MessageTooLarge(f"this request's message to the engine process is {len(body):,} bytes of JSON, over "
                               f"the {MAX_HEADER_BYTES:,} it reads")
     return HEADER.pack(len(body)) + body + (blob or b"")
+
+
+# an answer's blob past this goes in parts (`FrameWriter.send_in_parts`)
+PART_BYTES = 1 << 20
 
 
 class FrameWriter:
@@ -84,6 +89,21 @@ class FrameWriter:
         frame = encode_frame(header, blob)
         with self.lock:
             self.sock.sendall(frame)
+
+    def send_in_parts(self, header: dict, blob: bytes | None = None) -> None:
+        """An answer (`answer_frame`) whose blob is past PART_BYTES goes as PART frames of its
+        call's id, then the answer's header alone, which says how many parts came before it; the
+        reader joins them (client.py `_read`). Each part takes the lock on its own, so the engine's
+        step loop sends its events between them: an exported session of 237 MB held the lock for
+        its whole write, and every stream of every model waited about a second for it."""
+        if blob is None or len(blob) <= PART_BYTES:
+            self.send(header, blob)
+            return
+        view = memoryview(blob)
+        parts = range(0, len(blob), PART_BYTES)
+        for start in parts:
+            self.send({"op": FrameKind.PART.value, "id": header["id"]}, view[start : start + PART_BYTES])
+        self.send({**header, "parts": len(parts)})
 
 
 def read_frame(stream) -> tuple[dict, bytes | None] | None:
@@ -146,6 +166,7 @@ class FrameKind(enum.Enum):
     EVENTS = "events"  # engine -> API, once per engine step: its events
     CLOSED = "closed"  # engine -> API, after `shutdown`: everything is written
     HEARTBEAT = "heartbeat"  # engine -> API, every HEARTBEAT_SECONDS from its own thread: `Heartbeat`
+    PART = "part"  # engine -> API: a part of a large answer's blob (`FrameWriter.send_in_parts`)
 
 
 # -- the codec shared by every message -------------------------------------------------------------

@@ -218,3 +218,50 @@ def test_a_large_answer_that_is_not_streamed_is_sent_in_parts_within_the_send_ti
         return asyncio.get_running_loop().time() - started
 
     assert run(timed()) < 5 and len(stalled) == 2
+
+
+def test_a_large_answer_goes_in_parts_with_the_steps_events_between_them():
+    """An exported session (237 MB at real size) went to the API process as one frame, written
+    with the engine's socket held: every stream of every model waited for it, about a second. Its
+    blob now goes in parts of PART_BYTES, each written on its own, so events sent meanwhile go
+    between them; the API process joins the parts into the answer's blob, byte for byte."""
+    import os
+    import threading
+
+    from xlserve.server.engine import wire
+    from xlserve.server.engine.client import EngineClient
+
+    class Recording:  # a socket that keeps what is written, in order
+        def __init__(self):
+            self.written, self.parts_sent = bytearray(), 0
+
+        def sendall(self, data):
+            if data[wire.HEADER.size:].startswith(b'{"op":"part"'):
+                self.parts_sent += 1
+                if self.parts_sent == 2:  # a step's events, sent while the answer is under way
+                    writer.send(*wire.events_frame([]))
+            self.written += data
+
+    sock = Recording()
+    writer = wire.FrameWriter(sock)
+    writer.lock = threading.RLock()  # the events above are sent from inside a part's write
+    blob = os.urandom(3 * wire.PART_BYTES + 17)
+    writer.send_in_parts({"op": wire.FrameKind.ANSWER.value, "id": 7, "ok": {"x": 1}}, blob)
+    assert sock.parts_sent == 4
+
+    async def read() -> tuple[dict, bytes]:
+        client = EngineClient.__new__(EngineClient)  # its reading alone
+        client.calls, client.changing_calls, client.parts, client.closing = {}, set(), {}, True
+        routed = []
+        client._route = routed.append
+        future = asyncio.get_running_loop().create_future()
+        client.calls[7] = future
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(sock.written))
+        reader.feed_eof()
+        await client._read(reader, 0)
+        assert routed == [[]] and client.parts == {}
+        return await future
+
+    fields, joined = asyncio.run(read())
+    assert fields == {"x": 1} and joined == blob
