@@ -334,8 +334,8 @@ class EngineClient:
                     future = self.calls.pop(header["id"], None)
                     self.changing_calls.discard(header["id"])
                     parts = self.parts.pop(header["id"], None)
-                    if "parts" in header:
-                        blob = b"".join(parts or [])
+                    if "parts" in header:  # joined by the call, off the event loop (`call`)
+                        blob = parts or []
                     if future is not None and not future.done():
                         if "error" in header:
                             future.set_exception(_readable(error_from_wire, header["error"]))
@@ -517,6 +517,8 @@ class EngineClient:
             except ConnectionError:  # the engine process went while a large request was being sent
                 pass  # its answer is the future's: what `_lost` fails it with
         fields, blob = await future
+        if isinstance(blob, list):  # an answer that came in parts: 237 MB joined off the event loop
+            blob = await asyncio.to_thread(b"".join, blob)
         return request.reply.from_frame(fields, blob)
 
     def _check(self, lease: RemoteLease | None) -> int | None:
