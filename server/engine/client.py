@@ -55,6 +55,7 @@ from xlserve.server.engine.wire import (
     StartWithSettings,
     ExportState,
     ForkSession,
+    PART_BYTES,
     FrameKind,
     Generate,
     GetMetrics,
@@ -505,7 +506,13 @@ class EngineClient:
         if not self.alive:
             raise self.unavailable_error()
         call_id = next(self.ids)
-        frame = encode_frame(*request_frame(request, call_id), checked=True)  # MessageTooLarge: this request alone
+        header, blob = request_frame(request, call_id)
+        if blob is not None and len(blob) > PART_BYTES:  # a state to import: 237 MB copied off the event loop
+            frame = await asyncio.to_thread(encode_frame, header, blob, True)
+            if not self.alive:  # the engine process went meanwhile: nobody would answer
+                raise self.unavailable_error()
+        else:
+            frame = encode_frame(header, blob, checked=True)  # MessageTooLarge: this request alone
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
         if isinstance(request, CHANGES_A_SESSION):

@@ -897,7 +897,10 @@ class EngineProcess:
     @handlers.register(ImportSession)
     def import_session(self, request: ImportSession) -> SessionChanged:
         meta, tensors, next_log_probs = decode_import(request.state)
-        loaded = self.loaded(request.model or meta.get("model", ""))
+        if not (request.model or meta.get("model")):  # a 404 would name a model the client never named
+            raise InvalidInput("the state names no model in its metadata: import it with ?model=NAME",
+                               param="body", code="invalid_state")
+        loaded = self.loaded(request.model or meta["model"])
         data = validated_import(loaded.name, loaded.model, meta, tensors, next_log_probs, self.cache.state_dtype)
         return _changed(self.cache.import_new(loaded.name, request.owner, data, request.idempotency))
 

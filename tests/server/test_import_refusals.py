@@ -248,3 +248,46 @@ def test_a_vanilla_window_padded_on_the_left_is_refused():
             padded[name] = torch.zeros(1, 0, *tensors[name].shape[2:])
     with pytest.raises(InvalidInput, match="no padding"):
         validated_import("m", model, *decode_import(save_safetensors(padded, {**metadata, "tokens": "1"})))
+
+
+def test_a_state_that_names_no_model_imported_without_one_is_invalid_state_not_model_not_found():
+    """An import without ?model whose state names no model was a 404 model_not_found about a model
+    named '', which the client never named: it is the body's fault, a 400 saying to add ?model."""
+    from xlserve.server.engine import process
+    from xlserve.server.engine.wire import ImportSession
+
+    _, metadata, tensors = exported("transformer-xl")
+    blob = save_safetensors(tensors, metadata={name: value for name, value in metadata.items() if name != "model"})
+    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
+    handler.models = {}
+    with pytest.raises(InvalidInput) as refused:
+        handler.import_session(ImportSession(None, None, blob, None))
+    assert (refused.value.code, refused.value.param) == ("invalid_state", "body") and "?model=" in refused.value.message
+
+
+def test_a_keyed_import_retried_with_its_own_model_named_is_the_same_import():
+    """The fingerprint took ?model as sent: a retry adding ?model= naming the state's own model was
+    422 idempotency_key_reused. It takes the model the import goes to; another model is another
+    import, and without a key the body is not hashed at all."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from xlserve.server.api.serving.sessions import import_new_session, state_model_name
+
+    _, metadata, tensors = exported("transformer-xl")
+    blob = save_safetensors(tensors, metadata=metadata)
+    assert state_model_name(blob) == metadata["model"] and state_model_name(b"not a state") is None
+    sent = []
+
+    class Sent(Exception):
+        pass
+
+    async def import_session(model, owner, state, key):
+        sent.append(key)
+        raise Sent
+
+    app = SimpleNamespace(engine=SimpleNamespace(import_session=import_session))
+    for model, key in ((None, "k"), (metadata["model"], "k"), ("other", "k"), (None, None)):
+        with pytest.raises(Sent):
+            asyncio.run(import_new_session(app, None, model, blob, key))
+    assert sent[0]["fingerprint"] == sent[1]["fingerprint"] != sent[2]["fingerprint"] and sent[3] is None
