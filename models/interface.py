@@ -470,7 +470,9 @@ class LanguageModel(nn.Module):
     def full_state_bytes(self, floating_dtype: torch.dtype | None = None) -> int | None:
         """Bytes of one session's state once its memory is full: what a long session settles at
         (Transformer-XL's mem_len positions, a full window, running sums of fixed size), and for
-        a state that grows until `history_limit` (the Reformer's) its bytes there. None when the
+        a state that grows until `history_limit` (the Reformer's) its bytes there; where a state
+        is larger on the way (the vanilla window with its key/value cache, one byte short of
+        full), that largest size, which budgets and the state-body limit must hold. None when the
         state grows without bound (XLNet with mem_len None). `floating_dtype`, when given, is the
         dtype floating tensors are counted in (the session cache's XLSERVE_STATE_DTYPE); integer
         and bool tensors keep their own.

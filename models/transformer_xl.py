@@ -447,12 +447,16 @@ class TransformerXL(LanguageModel):
 
     @property
     def chunking_invariant(self) -> bool:
-        return self.config.same_length  # the module docstring's chunking semantics
+        # the module docstring's chunking semantics; without a memory (mem_len 0) every call is a
+        # segment of its own, which sees nothing of the calls before it
+        return self.config.same_length and self.config.mem_len > 0
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.config = config
         c = config
+        if c.mem_len < 0:
+            raise ValueError(f"mem_len must be 0 or more, got {c.mem_len}")
         if not c.adaptive and (c.cutoffs or c.tie_projs or c.div_val != 1 or c.d_embed not in (None, c.d_model)):
             raise ValueError("cutoffs, div_val, tie_projs and d_embed != d_model need adaptive=True")
         if c.adaptive:
@@ -504,6 +508,8 @@ class TransformerXL(LanguageModel):
         row b's chunk is tokens[b, :lengths[b]], right-padded: the padding comes after every
         real token, so causality already hides it from them, and only the memory kept needs
         care (each row's window ends at its own last token)."""
+        if tokens.shape[1] == 0:  # nothing to read: nothing changes, as in every other architecture
+            return tokens.new_zeros(tokens.shape[0], 0, self.vocab_size, dtype=torch.float32), state
         x, memory = self._layers(tokens, state, lengths)
         return self._log_probs(x), memory
 

@@ -269,10 +269,12 @@ class VanillaTransformer(LanguageModel):
         return range(2, fresh.dim())  # window and cache lengths (dim 1) vary
 
     def _full_state_length(self, name: str) -> int | None:
-        """A full window holds L bytes and no key/value cache: the cache is dropped once the
-        window is full (the byte before that, at L - 1 bytes with their keys and values, is this
-        state's largest)."""
-        return self.config.context_len if name in ("tokens", "valid") else 0
+        """The largest this state gets, which is what budgets and the state-body limit are sized
+        by: L - 1 bytes with their keys and values (781 KB at vanilla-stdlib's size). A full
+        window holds L bytes and drops the key/value cache (1,153 bytes there), so counting that
+        sized every session in its first L bytes at a fraction of itself, and an export of one of
+        them could pass the state-body limit its import is held to."""
+        return self.config.context_len - 1
 
     def check_state(self, state: State, tokens: int | None = None) -> None:
         super().check_state(state, tokens)  # valid, cached and the cache fit tokens: ByteWindow.check_consistent

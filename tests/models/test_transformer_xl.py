@@ -198,3 +198,28 @@ def test_a_decoding_step_gives_the_numbers_of_the_general_path(pre_norm, batch, 
     assert (decoded - general).abs().max().item() < tolerance
     for a, b in zip(decoded_state.keys + decoded_state.values, general_state.keys + general_state.values):
         assert (a - b).abs().max().item() < tolerance / 10
+
+
+def test_without_a_memory_each_call_is_its_own_segment_so_chunking_matters():
+    """mem_len 0 keeps nothing between calls: 12 tokens in one call and in two of 6 differ. The
+    model said it was chunking-invariant all the same, so the prefix cache resumed a prompt from
+    its prefix's empty memory and answered otherwise than a cold request. A negative mem_len,
+    whose states the model then refused as its own, is refused when it is built."""
+    model = small_model(mem_len=0)
+    assert not model.chunking_invariant and small_model().chunking_invariant
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole, _ = model(tokens, model.init_state(1))
+        first, state = model(tokens[:, :6], model.init_state(1))
+        second, _ = model(tokens[:, 6:], state)
+    assert not torch.allclose(whole, torch.cat([first, second], dim=1), atol=1e-4)
+    with pytest.raises(ValueError, match="mem_len"):
+        small_model(mem_len=-1)
+
+
+def test_an_empty_chunk_changes_nothing():
+    model = small_model()
+    state = model.init_state(2)
+    with torch.no_grad():
+        log_probs, after = model(torch.zeros(2, 0, dtype=torch.long), state)
+    assert log_probs.shape == (2, 0, model.vocab_size) and after is state
