@@ -194,3 +194,50 @@ def test_room_lent_to_the_prefix_cache_is_taken_back_before_any_session_moves():
     lent["disk"] = 990
     assert m.plan_room("disk", 20) == [Reclaim("disk", 50)]  # 40 of sessions + 990 lent + 20 - 1000
     assert m.plan_room("disk", 970) is None  # 40 of sessions + 970 > 1000, whatever is lent
+
+
+def test_the_tallies_by_model_and_tier_follow_every_change_of_the_books():
+    """by_tier is kept as the books change (counting it over every record at each request took
+    71 ms with 10,000 sessions): after adds, moves, copies, resizes and removes it is what a count
+    over the records gives."""
+    import random
+
+    from xlserve.server.cache.manager import CacheManager, Move, Record
+
+    def counted(manager):
+        out = {}
+        for r in manager.records.values():
+            out.setdefault((r.model, r.tier), [0, 0])[0] += 1
+            for t in r.copies:
+                out.setdefault((r.model, t), [0, 0])[1] += r.size_in(t)
+        return {k: tuple(v) for k, v in out.items() if v[0] or v[1]}
+
+    rng = random.Random(0)
+    manager = CacheManager({"device": 10_000, "host": 10_000, "disk": None})
+    tiers = ["device", "host", "disk"]
+    for step in range(400):
+        ids = list(manager.records)
+        action = rng.choice(["add", "add", "move", "copy", "drop", "resize", "remove", "plan"])
+        if action == "add" or not ids:
+            record = Record(id=f"s{step}", model=rng.choice("ab"), owner=None, nbytes=rng.randint(1, 500), tokens=1,
+                            version=0, created_at=0.0, last_used_at=0.0, copies={rng.choice(tiers)})
+            record.disk_log_bytes = rng.randint(0, 50)
+            manager.add(record)
+        elif action == "move":
+            record = manager.records[rng.choice(ids)]
+            src = rng.choice(sorted(record.copies))
+            manager.apply(Move(record.id, src, rng.choice([t for t in tiers if t != src])))
+        elif action == "copy":
+            manager.add_copy(rng.choice(ids), rng.choice(tiers))
+        elif action == "drop":
+            record = manager.records[rng.choice(ids)]
+            if len(record.copies) > 1:
+                manager.drop_copy(record.id, rng.choice(sorted(record.copies)))
+        elif action == "resize":
+            manager.resize(rng.choice(ids), rng.randint(1, 500), rng.randint(0, 50))
+        elif action == "remove":
+            manager.remove(rng.choice(ids))
+        else:
+            for move in manager.plan_room("device", rng.randint(0, 2_000)) or []:
+                manager.apply(move)
+        assert manager.by_tier() == counted(manager), (step, action)
