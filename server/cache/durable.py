@@ -146,8 +146,20 @@ class DurableStore:
             self._check_eviction_policy()
         self.prune_tombstones()
         found = sorted(self.disk.scan(), key=lambda item: float(item[1].get("last_used_at", 0)))
-        if self.redis is not None and found and directory_role(self.disk.directory) == LAST_TIER:
-            self._move_to_redis(found)
+        if self.redis is not None and directory_role(self.disk.directory) == LAST_TIER:
+            # a file the scan could not read (an I/O error: it is left for a later start) would be
+            # let go of as a spill of a session Redis does not hold: none may be left behind
+            scanned = {session_id for session_id, _ in found}
+            unread = sorted(path.name for path in self.disk.directory.glob("sess_*" + DiskStore.SUFFIX)
+                            if SESSION_ID.match(path.name[: -len(DiskStore.SUFFIX)])
+                            and path.name[: -len(DiskStore.SUFFIX)] not in scanned)
+            if unread:
+                raise StateDirectoryRefused(
+                    f"XLSERVE_STATE_DIR {self.disk.directory} holds sessions written without Redis, and {unread[0]} "
+                    f"({len(unread)} in all) could not be read to move it to Redis; nothing was let go of: mend it "
+                    "(the error is logged above) and start again")
+            if found:
+                self._move_to_redis(found)
         record_role(self.disk.directory, LAST_TIER if self.redis is None else REDIS_SPILL)
         return found
 
@@ -167,9 +179,13 @@ class DurableStore:
         for session_id, meta in found:
             record = self.record_from_meta(session_id, meta, {"disk"})
             try:
-                head = self.redis.head(session_id)
+                head = self.redis.head(session_id, remembered=True)
                 if head is not None:
                     if head.version == record.version and commit_of(head.meta) == record.commit_id:
+                        # moved by a start that stopped part way, perhaps before its keys went too
+                        for entry in reversed(record.remembered):
+                            if entry not in (head.remembered or []):
+                                self.remember(session_id, record.version, entry, record.commit_id)
                         continue
                     raise StateDirectoryRefused(
                         f"XLSERVE_STATE_DIR {self.disk.directory} holds session {session_id} (version {record.version}), "

@@ -204,7 +204,9 @@ class SessionCache:
         many were found."""
         self.models.update(models)
         found = self.durable.open()  # file headers and a Redis ping: outside the lock
-        log_bytes = {session_id: self.durable.disk_log_bytes(session_id) for session_id, _ in found}
+        # counted whatever the last tier: a session moved to Redis keeps the log it had on disk
+        # (state_directory.py) until its spill copy is next written whole
+        log_bytes = {session_id: self.durable.disk.log_bytes(session_id) for session_id, _ in found}
         copies = {"disk"} | ({"redis"} if self.redis is not None else set())
         with self._lock:
             for session_id, meta in found:

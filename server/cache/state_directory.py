@@ -62,19 +62,30 @@ LAST_TIER, REDIS_SPILL = "last-tier", "redis-spill"
 
 def directory_role(directory: str | Path) -> str | None:
     """The role the directory's session files were last written in (LAST_TIER or REDIS_SPILL),
-    or None when it records none (new, or written before roles were recorded)."""
+    or None when it records none (new, or written before roles were recorded).
+    StateDirectoryRefused when the role file is there but cannot be read or names no role: taken
+    as no role, a damaged file would let a last-tier directory's sessions go, or make a spill
+    cache's files the truth."""
+    path = Path(directory) / ROLE_FILE
     try:
-        role = (Path(directory) / ROLE_FILE).read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
+        role = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
         return None
-    return role if role in (LAST_TIER, REDIS_SPILL) else None
+    except (OSError, UnicodeDecodeError) as error:
+        raise StateDirectoryRefused(f"{path} cannot be read ({error}); it says whether the directory's sessions are "
+                                    "their only copy: mend or remove it (a directory without it is read in the role "
+                                    "of the server that opens it)") from None
+    if role not in (LAST_TIER, REDIS_SPILL):
+        raise StateDirectoryRefused(f"{path} names no role ({role[:40]!r}, not {LAST_TIER!r} or {REDIS_SPILL!r}); it "
+                                    "says whether the directory's sessions are their only copy: mend or remove it")
+    return role
 
 
 def record_role(directory: str | Path, role: str) -> None:
     """Record the directory's role, durably (a temporary file renamed over it, then the directory
     synced): a crash leaves the old role or the new one."""
     directory = Path(directory)
-    if directory_role(directory) == role:
+    if directory_role(directory) == role:  # (a damaged role file is refused there, never overwritten)
         return
     temporary = directory / f"{ROLE_FILE}.tmp"
     with open(temporary, "w", encoding="ascii") as f:

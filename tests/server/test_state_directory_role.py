@@ -13,6 +13,7 @@ from xlserve.server.cache.session_cache import SessionCache
 from xlserve.server.cache.state_directory import (LAST_TIER, REDIS_SPILL, StateDirectoryRefused, check_role,
                                                   directory_role)
 from tests.redis_server import redis_url  # noqa: F401  (fixture)
+from xlserve.server.cache.codec import SessionData
 from tests.server.cache_helpers import MODEL, data, same
 
 
@@ -101,3 +102,82 @@ def test_a_spill_cache_is_refused_without_redis(tmp_path, redis_url):  # noqa: F
         opened(tmp_path / "state")
     check_role(tmp_path / "state", with_redis=True)
     check_role(tmp_path / "empty", with_redis=False)  # no sessions, no role: nothing to refuse
+
+
+def test_a_role_file_that_does_not_read_is_refused_and_kept(tmp_path, redis_url):  # noqa: F811
+    """Taken as no role, a damaged role file let a last-tier directory's sessions go under Redis
+    (nothing moved, the role overwritten) and made a spill cache the truth without it."""
+    last_tier_sessions(tmp_path / "state")
+    for damaged in (b"", b"last-tie\n", b"\xff\xfe"):
+        (tmp_path / "state" / ".role").write_bytes(damaged)
+        for url in (redis_url, None):
+            with pytest.raises(StateDirectoryRefused, match="role"):
+                opened(tmp_path / "state", url)
+        assert (tmp_path / "state" / ".role").read_bytes() == damaged
+
+
+def test_a_session_file_unreadable_at_the_moving_start_stops_it(tmp_path, redis_url, monkeypatch):  # noqa: F811
+    """The scan leaves a file it cannot read (an I/O error) for a later start: moving to Redis
+    went on without it and recorded the spill role, so the next start let it go as a spill of a
+    session Redis never held. The start stops instead, the role unchanged."""
+    from xlserve.server.cache.stores import DiskStore
+
+    held = last_tier_sessions(tmp_path / "state")
+    read_head, failing = DiskStore._read_head, sorted(held)[0]
+
+    def once_unreadable(store, path):
+        if path.name.startswith(failing):
+            raise OSError(24, "Too many open files")
+        return read_head(store, path)
+
+    monkeypatch.setattr(DiskStore, "_read_head", once_unreadable)
+    with pytest.raises(StateDirectoryRefused, match="could not be read"):
+        opened(tmp_path / "state", redis_url)
+    assert directory_role(tmp_path / "state") == LAST_TIER
+    monkeypatch.setattr(DiskStore, "_read_head", read_head)
+    cache = opened(tmp_path / "state", redis_url)
+    cache.forget_deleted_elsewhere()
+    assert cache.info(failing, "alice").version >= 0
+    cache.close()
+
+
+def test_a_moving_start_stopped_before_the_keys_went_adds_them_when_it_goes_on(tmp_path, redis_url, monkeypatch):  # noqa: F811
+    """A session is written to Redis, then its remembered Idempotency-Keys one by one: a start that
+    stopped in between found the session moved at the next start and skipped it, keys and all, so
+    a retried keyed commit would have applied twice."""
+    from xlserve.server.cache.durable import DurableStore
+
+    held = last_tier_sessions(tmp_path / "state")
+    first = next(iter(held))
+
+    def stopped(*args, **kwargs):
+        raise StateDirectoryRefused("stopped here")
+
+    monkeypatch.setattr(DurableStore, "remember", stopped)
+    with pytest.raises(StateDirectoryRefused):
+        opened(tmp_path / "state", redis_url)
+    monkeypatch.undo()
+    cache = opened(tmp_path / "state", redis_url)
+    assert cache.acquire(first, "alice", {"key": "k1", "fingerprint": "f"}).replay["result"] == {"text": "k1"}
+    cache.close()
+
+
+def test_a_moved_session_s_log_counts_against_the_disk(tmp_path, redis_url):  # noqa: F811
+    """A session moved to Redis keeps the log of delta commits it had on disk until its spill copy
+    is written whole: the books counted only its base, so the disk could pass its budget."""
+    from tests.server.test_cache_architectures import tiny_model
+    from tests.server.test_cache_deltas import step
+
+    model = tiny_model("transformer-xl")
+    cache = SessionCache(tmp_path / "state", None, None, None)
+    cache.open({"txl": model})
+    sid = cache.create("txl", None, SessionData(model.init_state(1), 0, None)).id
+    for chunk in ([1, 2, 3], [4, 5]):
+        step(model, cache, sid, chunk)  # delta commits: a log beside the base
+    cache.close()
+    moved = SessionCache(tmp_path / "state", None, None, None, redis_url=redis_url)
+    moved.open({"txl": model})
+    log = moved.durable.disk.log_bytes(sid)
+    assert log > 0 and moved.manager.get(sid).disk_log_bytes == log
+    assert moved.manager.used("disk") == moved.manager.get(sid).nbytes + log
+    moved.close()
