@@ -122,24 +122,30 @@ async def create_session(state: AppState, owner: str | None, model: str,
     return SessionObject(**info.public()), replayed
 
 
-MAX_STATE_HEADER_BYTES = 64 << 20  # as the codec bounds an untrusted header (server/cache/codec.py)
+MAX_STATE_HEADER_BYTES = 1 << 20  # an exported state's header is a few kB; the engine checks any header
+
+
+def body_digest_now(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
 
 
 async def body_digest(blob: bytes) -> str:
     """A state body's SHA-256, on a worker thread: 0.13 s at 237 MB, which on the event loop every
     other client's stream waits out."""
-    return await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
+    return await asyncio.to_thread(body_digest_now, blob)
 
 
 def state_model_name(blob: bytes) -> str | None:
-    """The `model` a state body's safetensors header names (read here, without torch), or None
-    where it names none or is no such header (the engine process says why)."""
+    """The `model` a state body's safetensors header names (read here, without torch, and only
+    from a header of at most MAX_STATE_HEADER_BYTES: an exported state's is a few kB), or None
+    where it names none or is no such header (the engine process says why). Run off the event
+    loop: a header of megabytes takes seconds to parse."""
     length = int.from_bytes(blob[:8], "little") if len(blob) >= 8 else -1
     if not 0 <= length <= min(len(blob) - 8, MAX_STATE_HEADER_BYTES):
         return None
     try:
         header = json.loads(blob[8 : 8 + length])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser
         return None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     named = meta.get("model") if isinstance(meta, dict) else None
@@ -152,8 +158,10 @@ async def import_new_session(state: AppState, owner: str | None, model: str | No
     the same Idempotency-Key (and the same bytes) made (as it is now)."""
     # the model it goes to, as the engine resolves it: a retry that adds ?model= naming the state's
     # own model is the same import. The body's hash only with a key, and off the event loop
-    key = None if idempotency_key is None else idempotency(
-        idempotency_key, "import", {"model": model or state_model_name(blob), "body": await body_digest(blob)})
+    key = None
+    if idempotency_key is not None:
+        named, digest = await asyncio.to_thread(lambda: (model or state_model_name(blob), body_digest_now(blob)))
+        key = idempotency(idempotency_key, "import", {"model": named, "body": digest})
     info, replayed = await state.engine.import_session(model, owner, blob, key)
     return SessionObject(**info.public()), replayed
 
