@@ -204,7 +204,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
                 raise CheckpointError(f"{weights_path}: tensor '{name}' contains NaN or infinity")
             target = expected[name]
             if first_name[name] != name:  # a tied weight stored twice: both names must agree
-                if not torch.equal(tensor.to(target.dtype), target):
+                if not torch.equal(tensor.to(device=target.device, dtype=target.dtype), target):
                     raise CheckpointError(f"{weights_path}: tensors '{first_name[name]}' and '{name}' are one weight "
                                           "in this model (tied by its config), but the file holds two different "
                                           "values")

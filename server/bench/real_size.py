@@ -250,8 +250,10 @@ def stream_completion(port: int, model: str, prompt: list[int], new_tokens: int)
     import urllib.error
     import urllib.request
 
+    # ignore_eos: every run decodes its whole length, and the usage (which counts an end of text,
+    # never streamed) matches the chunks
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-            "logprobs": 0, "stream_options": {"include_usage": True}}
+            "logprobs": 0, "stream_options": {"include_usage": True}, "ignore_eos": True}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
     stamps, generated = [], None

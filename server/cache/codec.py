@@ -126,13 +126,15 @@ class SessionData:
 
     def compact(self) -> "SessionData":
         """The same values, owning exactly `nbytes()` of memory: a state split out of a batch holds
-        views that keep the whole batch alive, which budgets would not see."""
-        tensors = [t for _, t in self.state._named_tensors()]
-        if self.next_log_probs is not None:
-            tensors.append(self.next_log_probs)
-        if all(t.untyped_storage().nbytes() <= t.numel() * t.element_size() for t in tensors):
-            return self
-        return self.clone()
+        views that keep the whole batch alive, which budgets would not see. Only the tensors that
+        are such views are copied (a row's next-token log-probs are a row of its batch's, where
+        its state may be its own already)."""
+        def owned(t: torch.Tensor) -> torch.Tensor:
+            return t if t.untyped_storage().nbytes() <= t.numel() * t.element_size() else t.clone()
+
+        logits = None if self.next_log_probs is None else owned(self.next_log_probs)
+        state = self.state._map(owned)
+        return SessionData(state=state, tokens=self.tokens, next_log_probs=logits)
 
     def clone(self) -> "SessionData":
         logits = None if self.next_log_probs is None else self.next_log_probs.clone()

@@ -776,6 +776,7 @@ class Engine:
                 raise failure
             if not constraint.accept(token):
                 if constraint.may_end():
+                    row.drew_end_of_text = token in self.stop_token_ids  # counted in the usage, as unconstrained
                     return "stop"
                 allowed = constraint.allowed_bits()
                 if not allowed.any():
@@ -793,7 +794,8 @@ class Engine:
         if not may_end and self._rules_out(row.host_log_probs, allowed):
             return self._no_allowed_token(row)
         token = sampler.choose(row.host_log_probs, allowed, may_end)
-        if token >= allowed.numel():  # "end here" (server/engine/sampling.py)
+        if token >= allowed.numel():  # "end here" (server/engine/sampling.py): the end of text, counted
+            row.drew_end_of_text = True
             return "stop"
         constraint.consume(token)
         return token
@@ -906,7 +908,9 @@ class Engine:
         if len(request.done) < len(request.rows):
             return
         first = request.rows[0]
-        if request.offers_final_state and first.state_error is None and unusable_row(first.greedy[1]) is None:
+        # (a row cancelled during its last step left its batch without its state: nothing to offer)
+        if (request.offers_final_state and first.state is not None and first.state_error is None
+                and unusable_row(first.greedy[1]) is None):
             # the next turn of a conversation resends exactly prompt + completion
             self._offer(request, request.prompt + first.generated_tokens,
                         SessionData(state=first.state, tokens=first.tokens, next_log_probs=first.next_log_probs),

@@ -86,3 +86,20 @@ def test_a_blob_in_parts_is_the_blob(tmp_path):
     store.write("sess_" + "b" * 32, whole)
     assert store.read("sess_" + "a" * 32) == store.read("sess_" + "b" * 32) == whole
     assert store.bytes_written["whole"] == 2 * len(whole)
+
+
+def test_compact_copies_only_the_tensors_that_are_views_of_a_batch():
+    """A finished row's next-token log-probs are a row of its batch's, while its state may be its
+    own already: the whole state was copied again for them (237 MB at wt103's size)."""
+    import torch
+
+    from tests.server.cache_helpers import data
+
+    session = data(100, 0)
+    batch_rows = torch.randn(4, 7)
+    viewed = SessionData(state=session.state, tokens=session.tokens, next_log_probs=batch_rows[2])
+    compacted = viewed.compact()
+    own = dict(session.state._named_tensors())
+    assert all(tensor is own[name] for name, tensor in compacted.state._named_tensors())  # not copied
+    assert compacted.next_log_probs.untyped_storage().nbytes() == 7 * 4  # copied out of the batch
+    assert torch.equal(compacted.next_log_probs, batch_rows[2])

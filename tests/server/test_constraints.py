@@ -734,3 +734,24 @@ def test_added_tokens_that_are_text_are_spelled_and_allowed_where_their_text_is(
     allowed = row.allowed_bits()
     assert allowed[two] and allowed[four] and not allowed[end]
     assert row.accept(two) and row.accept(tokenizer.encode("c")[0])
+
+
+@pytest.mark.parametrize("truncation", [{}, {"top_k": 50}], ids=["gumbel", "truncating"])
+def test_a_constrained_row_that_ends_at_the_end_of_text_counts_it_as_an_unconstrained_one_does(bpe_engine,
+                                                                                               truncation):
+    """The end-of-text token is counted in the usage's completion tokens (as OpenAI and vLLM count
+    it): a constrained row whose draw is the end of text, where its output may end, counted one
+    token fewer than a plain row ending the same way."""
+    engine, tokenizer = bpe_engine
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=1, logit_bias={END_OF_TEXT: 30.0},
+                            constraint_kind="regex", constraint="[a-z]*", **truncation)
+    queued = EngineRequest("generate", tokenizer.encode("x = "), engine.fresh_data(), params)
+
+    async def finished():
+        async for event in local.generate(engine, queued):
+            if isinstance(event, Finished):
+                return event
+
+    ended = asyncio.run(finished())
+    choice = ended.choices[0]
+    assert choice.finish_reason == "stop" and choice.completion_tokens >= 1, choice

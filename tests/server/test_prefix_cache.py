@@ -1021,3 +1021,36 @@ def test_a_cancelled_row_keeps_no_state():
     assert row.keeps_state
     request.cancelled.set()
     assert not row.keeps_state
+
+
+def test_a_row_cancelled_during_its_last_step_offers_nothing_and_logs_no_error(caplog):
+    """Its state left the batch without a copy (a cancelled row keeps none): its final offer then
+    met no state and logged an ERROR traceback for every such cancel."""
+    import logging
+
+    from tests.server.test_cache_architectures import tiny_model
+
+    model = tiny_model("mamba")  # a fixed-shape state: rows leave a batch through put_row
+    engine = make_engine(model, prefix_cache=PrefixCache(64 << 20, block_tokens=4))
+    forward, requests = model.forward, {}
+
+    def cancelling(*args, **kwargs):
+        first = requests.get("first")
+        if first is not None and first.rows and first.rows[0].finish_reason is not None:
+            first.cancelled.set()  # the client's cancel arrives while the step's forward runs
+        return forward(*args, **kwargs)
+
+    model.forward = cancelling
+
+    async def main():
+        first = requests["first"] = request(engine, list(b"hello world"), SCOPE, max_tokens=3, ignore_eos=True)
+        beside = request(engine, list(b"another prompt"), SCOPE, max_tokens=12, ignore_eos=True)
+        return await asyncio.gather(answer(engine, first), answer(engine, beside), return_exceptions=True)
+
+    with caplog.at_level(logging.WARNING):
+        try:
+            results = asyncio.run(main())
+        finally:
+            engine.close()
+    assert len(results[1]["tokens"]) == 12
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR], caplog.text
