@@ -160,6 +160,7 @@ class DurableStore:
                     "(the error is logged above) and start again")
             if found:
                 self._move_to_redis(found)
+            self._move_tombstones_to_redis()
         record_role(self.disk.directory, LAST_TIER if self.redis is None else REDIS_SPILL)
         return found
 
@@ -206,6 +207,32 @@ class DurableStore:
                     f"moved to it ({error}); nothing was let go of ({moved} of {len(found)} moved)") from None
             moved += 1
         log.warning("moved %d sessions of XLSERVE_STATE_DIR %s to Redis", moved, self.disk.directory)
+
+    def _move_tombstones_to_redis(self) -> None:
+        """The tombstones of keyed deletes on the disk (TOMBSTONE_SECONDS young), into Redis, so a
+        retried keyed delete is answered as the first was, not 404, after the switch: each of its
+        remembered keys that Redis's tombstone lacks, oldest first. A session id Redis holds alive
+        keeps Redis's (moving the tombstone would delete it). Redis not answering stops the start
+        with StateDirectoryRefused, as a session's move does."""
+        for path in sorted(self.disk.directory.glob("sess_*" + DiskStore.TOMBSTONE_SUFFIX)):
+            session_id = path.name[: -len(DiskStore.TOMBSTONE_SUFFIX)]
+            stone = self.disk.read_tombstone(session_id, TOMBSTONE_SECONDS) if SESSION_ID.match(session_id) else None
+            if stone is None:
+                continue
+            owner, entries = stone
+            try:
+                if self.redis.head(session_id) is not None:
+                    log.warning("session %s: a keyed delete's tombstone on disk is not moved to Redis, which holds "
+                                "a session of that id", session_id)
+                    continue
+                held = (self.redis.tombstone(session_id) or (owner, []))[1]
+                for entry in reversed(entries):  # oldest first: a tombstone's list is newest first
+                    if entry not in held:
+                        self.redis.delete(session_id, owner, entry, IDEMPOTENCY_KEYS_PER_SESSION)
+            except StoreUnavailable as error:
+                raise StateDirectoryRefused(
+                    f"XLSERVE_STATE_DIR {self.disk.directory}: Redis did not answer while the tombstone of session "
+                    f"{session_id} was moved to it ({error}); nothing was let go of") from None
 
     def _check_eviction_policy(self) -> None:
         """An error in the log when Redis may evict keys: under any maxmemory-policy but noeviction
