@@ -162,10 +162,10 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{weights_path} is not a readable safetensors file: {e}") from None
     built = sum(4 * math.prod(shape) for shape, _ in stored.values())  # built in float32, whatever the file holds
-    if built > machine_memory_bytes():
+    memory = machine_memory_bytes()
+    if built > memory:
         raise CheckpointError(f"{weights_path}: its model takes {built / 2**30:.1f} GiB in float32 while it is built, "
-                              f"more than this machine's memory ({machine_memory_bytes() / 2**30:.1f} GiB, or its "
-                              "container's limit)")
+                              f"more than this machine's memory ({memory / 2**30:.1f} GiB, or its container's limit)")
     layers = config["config"].get("n_layer")
     if isinstance(layers, int) and layers > len(stored):  # each layer holds tensors of its own
         raise CheckpointError(f"{config_path}: n_layer is {layers}, but {weights_path} holds {len(stored)} tensors "

@@ -93,6 +93,12 @@ def record_role(directory: str | Path, role: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, directory / ROLE_FILE)
+    sync_directory(directory)
+
+
+def sync_directory(directory: str | Path) -> None:
+    """fsync a directory, so that a rename or removal in it survives a power loss (the session
+    files' own writes sync the same way: stores.py `DiskStore`)."""
     descriptor = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(descriptor)

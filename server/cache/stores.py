@@ -72,6 +72,7 @@ from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, Se
                                         check_record_metadata, entries_from_lines, metadata_of)
 from xlserve.server.cache.ledger import REMEMBERED_BYTES_PER_SESSION, entry_line
 from xlserve.server.cache.redis_client import connect
+from xlserve.server.cache.state_directory import sync_directory
 from xlserve.server.redis_urls import masked_url, parse_redis_url
 
 log = logging.getLogger("xlserve.cache")
@@ -499,11 +500,7 @@ class DiskStore:
                 pass
 
     def _sync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        sync_directory(self.directory)
 
     def scan(self) -> Iterator[tuple[str, dict[str, str]]]:
         """(session id, metadata) of every session file, read from headers only. A file whose

@@ -66,7 +66,6 @@ def encode_frame(header: dict, blob: bytes | None = None, checked: bool = False)
     refuses, and could not skip without losing the stream."""
     if blob is not None:
         header = {**header, "blob": len(blob)}
-        blob = bytes(blob) if isinstance(blob, memoryview) else blob
     body = json.dumps(header, separators=(",", ":")).encode()
     if checked and len(body) > MAX_HEADER_BYTES:
         raise MessageTooLarge(f"this request's message to the engine process is {len(body):,} bytes of JSON, over "
