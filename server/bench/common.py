@@ -156,28 +156,42 @@ def save_comparison(result: dict, out: str | Path, plot: Callable[[dict, Path], 
 GIB = 1 << 30
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+class BandwidthProbe:
     """This machine's read bandwidth in bytes/s, as torch reads memory: the best of `repeats`
     passes over `gib` GiB of float32 (1 GiB is 3.4 times this VM's 300 MB last-level cache, which
     it shares with its neighbours; the 0.25 GiB of --quick forms is not), on torch's threads, by the faster
     of two kernels that read every byte once: a sum, and a matrix-vector product (what a decode
     step's linear layers do). The larger figure makes the decode's fraction of it the harder goal.
     The buffer lies on huge pages where the weights do (models/huge_pages.py): on 4 kB pages it
-    read 20.7 GB/s in a run whose float32 decode then read its weights at 24.6."""
-    from xlserve.models.huge_pages import weights_on_huge_pages
+    read 20.7 GB/s in a run whose float32 decode then read its weights at 24.6.
 
-    holder = torch.nn.Module()
-    holder.register_buffer("data", torch.ones(int(gib * GIB) // 4))
-    data = weights_on_huge_pages(holder).data
-    matrix, vector = data.view(-1, 1024), torch.ones(1, 1024)
-    data.sum()  # touch every page first
-    best = float("inf")
-    for _ in range(repeats):
-        for read in (data.sum, lambda: torch.nn.functional.linear(vector, matrix)):
-            start = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best
+    One probe keeps its buffer, so `read()` can be called beside each round of a decode: on the
+    AMD EPYC VM of 2026-12-06 two threads' reading moved between two levels, 33-37 and 60-67 GB/s,
+    for seconds to minutes at a time, in every buffer of a process at once (one thread's stayed at
+    30-35), while a decode step changed by about 10% between them (docs/benchmarks.md)."""
+
+    def __init__(self, gib: float = 1.0):
+        from xlserve.models.huge_pages import weights_on_huge_pages
+
+        holder = torch.nn.Module()
+        holder.register_buffer("data", torch.ones(int(gib * GIB) // 4))
+        self.data = weights_on_huge_pages(holder).data
+        self.matrix, self.vector = self.data.view(-1, 1024), torch.ones(1, 1024)
+        self.data.sum()  # touch every page first
+
+    def read(self, repeats: int = 5) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            for read in (self.data.sum, lambda: torch.nn.functional.linear(self.vector, self.matrix)):
+                start = time.perf_counter()
+                read()
+                best = min(best, time.perf_counter() - start)
+        return self.data.numel() * 4 / best
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """One reading of a `BandwidthProbe` of `gib` GiB, its buffer freed after."""
+    return BandwidthProbe(gib).read(repeats)
 
 
 @torch.inference_mode()

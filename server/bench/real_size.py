@@ -48,7 +48,11 @@ For each it reports:
   `step_bytes_beside_weights`), and with
   every row's state added to the bytes (attention reads its whole memory each step). The second
   gives the ceiling: the tokens/s of a step that only reads memory, and how much a batch can gain
-  over one row at most, since a batch shares the weights' read but reads each row's state.
+  over one row at most, since a batch shares the weights' read but reads each row's state. Both
+  divide by the larger of two readings, at the start and just before the decode; beside them,
+  each float32 round's fraction of the bandwidth read just before and after that round (the
+  larger), and their median: on a machine whose reading moves by 2x within a minute, the one
+  that says what the decode itself reaches (common.BandwidthProbe).
 
 Results: bench-results/real-size.json and real-size.png (--quick: small shapes, seconds;
 `tests/server/test_bench_real_size.py` runs it). Run the full form alone: a second torch-heavy
@@ -77,8 +81,8 @@ from types import SimpleNamespace
 import torch
 
 from xlserve.models.quantize import weight_bytes_per_step
-from xlserve.server.bench.common import (add_run_arguments, decode_ceiling, environment, fill_defaults, generate_greedy,
-                                         read_bandwidth, save_results, state_bytes_per_row)
+from xlserve.server.bench.common import (BandwidthProbe, add_run_arguments, decode_ceiling, environment, fill_defaults,
+                                         generate_greedy, read_bandwidth, save_results, state_bytes_per_row)
 from xlserve.server.bench.sessions import start_redis
 
 # reference shapes: the classes' own argument names, as vs-hf, vs-hf-xlnet and vs-hf-reformer take them
@@ -667,11 +671,21 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
             generate_greedy(state_step(weights, batch), prompts[batch][:, :4], 1)  # warm up
             runs[batch, kind] = GreedyRounds(state_step(weights, batch), prompts[batch])
     references = {}
+    # the bandwidth read just before and just after each float32 round, the larger of the two: this
+    # machine's reading can move by 2x within a minute (BandwidthProbe), so a fraction against a
+    # reading taken minutes before says more about that minute than about the decode
+    probe = BandwidthProbe(0.25 if args.quick else 1.0)
+    beside = {key: [] for key in runs if key[1] == "float32"}
     for round_index in range(rounds):
         # every other round the other way round: no run always comes first, or after the same one
-        order = list(runs.values())
-        for run in order if round_index % 2 == 0 else reversed(order):
-            run.decode(steps)
+        order = list(runs.items())
+        for key, run in order if round_index % 2 == 0 else reversed(order):
+            if key in beside:
+                before = probe.read(3)
+                run.decode(steps)
+                beside[key].append(max(before, probe.read(3)))
+            else:
+                run.decode(steps)
         if reference is not None and round_index == rounds // 2:
             # the reference once (it is the slowest part by far), amid xlserve's rounds rather than
             # minutes after them: its ratio compares steps taken under the same load of this machine
@@ -689,11 +703,19 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
                "xlserve_int8_tokens_per_s": int8.tokens_per_s(batch, steps),
                "xlserve_float32_tokens_per_s_spread": ours.spread(batch, steps),
                "xlserve_int8_tokens_per_s_spread": int8.spread(batch, steps),
+               "xlserve_float32_tokens_per_s_by_round": [batch * steps / seconds for seconds in ours.seconds],
+               "xlserve_int8_tokens_per_s_by_round": [batch * steps / seconds for seconds in int8.seconds],
                "int8_tokens_equal_float32": float((int8.tokens[0] == ours.tokens[0]).float().mean()),
                "weight_bytes_per_step_float32": float32_read, "weight_bytes_per_step_int8": int8_read}
         row["read_bandwidth_bytes_per_s"] = bandwidth  # what the fractions divide by
         row["float32_bandwidth_fraction"] = (row["weight_bytes_per_step_float32"]
                                              * row["xlserve_float32_tokens_per_s"] / batch / bandwidth)
+        # each round's against the bandwidth read beside it, and their median
+        row["read_bandwidth_beside_rounds_bytes_per_s"] = beside[batch, "float32"]
+        row["float32_bandwidth_fraction_by_round"] = [
+            row["weight_bytes_per_step_float32"] * tokens_per_s / batch / read
+            for tokens_per_s, read in zip(row["xlserve_float32_tokens_per_s_by_round"], beside[batch, "float32"])]
+        row["float32_bandwidth_fraction_beside"] = statistics.median(row["float32_bandwidth_fraction_by_round"])
         ceiling = decode_ceiling(row["weight_bytes_per_step_float32"], state_bytes, batch, bandwidth)
         row["state_bytes_per_row"] = state_bytes
         row["bytes_read_per_step_float32"] = ceiling["bytes_read_per_step"]
@@ -892,6 +914,11 @@ def print_table(result: dict) -> None:
                       f"({cycle.get('bytes_per_commit_over_new_positions', float('nan')):.2f}x its new positions)")
         print(f"  read bandwidth before the decode {shape['read_bandwidth_before_decode_bytes_per_s'] / 1e9:.1f} GB/s; "
               f"the fractions divide by the larger reading, {shape['decode'][0]['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+        for row in shape["decode"]:
+            readings = [f"{b / 1e9:.1f}" for b in row["read_bandwidth_beside_rounds_bytes_per_s"]]
+            fractions = [f"{f:.2f}" for f in row["float32_bandwidth_fraction_by_round"]]
+            print(f"  batch {row['batch_size']}, float32 rounds: bandwidth read beside each {', '.join(readings)} GB/s; "
+                  f"fraction of it (weights) {', '.join(fractions)}, median {row['float32_bandwidth_fraction_beside']:.2f}")
         print("  batch | float32 tok/s | int8 tok/s | int8 ÷ float32 (rounds) | reference tok/s | identical "
               "| fraction: weights | weights + state | ceiling tok/s | over batch 1: float32, int8 (ceiling)")
         for row in shape["decode"]:

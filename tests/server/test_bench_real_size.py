@@ -121,6 +121,15 @@ def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
             assert row["xlserve_float32_tokens_per_s"] > 0 and row["xlserve_int8_tokens_per_s"] > 0
             assert row["reference_tokens_per_s"] > 0
             assert 0 < row["float32_bandwidth_fraction"] < 1.5
+            # and each float32 round's against the bandwidth read beside it (before and after it, the larger)
+            assert len(row["read_bandwidth_beside_rounds_bytes_per_s"]) == row["rounds"]
+            assert all(read > 1e8 for read in row["read_bandwidth_beside_rounds_bytes_per_s"])
+            assert row["float32_bandwidth_fraction_by_round"] == pytest.approx([
+                row["weight_bytes_per_step_float32"] * tokens_per_s / batch / read
+                for tokens_per_s, read in zip(row["xlserve_float32_tokens_per_s_by_round"],
+                                              row["read_bandwidth_beside_rounds_bytes_per_s"])])
+            assert row["float32_bandwidth_fraction_beside"] == pytest.approx(
+                statistics.median(row["float32_bandwidth_fraction_by_round"]))
             # counting each row's state too: more bytes per step, so a larger fraction at the same speed
             assert row["state_bytes_per_row"] > 0
             assert row["bytes_read_per_step_float32"] == row["weight_bytes_per_step_float32"] + batch * row["state_bytes_per_row"]
