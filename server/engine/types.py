@@ -145,13 +145,20 @@ class Submission:
         self.wake = wake  # tells the in-process engine to look at its requests now
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.submitted_at = time.monotonic()
+        # when the request arrived: its submission, or earlier (`arrived`): the API process counts the wait
+        # for the request's session, a restore from disk or Redis, in its time to first token and latency
+        self.arrived_at = time.monotonic()
         # what the events in `queue` weigh (`_weight`), and the most they may (a batch of prompts
         # shares MAX_UNREAD_LOGPROBS out among its requests, server/api/serving/generation.py)
         self.unread, self.unread_limit = 0, MAX_UNREAD_LOGPROBS
         self.overrun = False  # stopped for leaving too much unread: later events are dropped
         self._counted_at = 0  # its unread when the process's last was counted (`_check_process`)
         _LIVE.add(self)
+
+    def arrived(self, at: float) -> None:
+        """Count the request's time to first token and latency from `at` (time.monotonic()), when
+        its HTTP request or websocket frame was read, if that was before its submission."""
+        self.arrived_at = min(self.arrived_at, at)
 
     def put(self, event: object) -> None:
         """Hand the consumer an event (on its event loop). Past `unread_limit` unread, the request
@@ -216,7 +223,7 @@ class Submission:
                     now = time.monotonic()
                     if first_token_at is None:
                         first_token_at = now
-                        metrics.time_to_first_token.labels(name).observe(now - self.submitted_at)
+                        metrics.time_to_first_token.labels(name).observe(now - self.arrived_at)
                     previous = last_token_at.get(event.index)
                     if previous is not None:
                         inter_token.observe(now - previous)
@@ -224,7 +231,7 @@ class Submission:
                 if isinstance(event, (Finished, Appended)):
                     # before the yield: a consumer that stops at its last event (`appended`) closes
                     # this generator there, and a stream commits before it asks for more
-                    metrics.e2e_latency.labels(name).observe(time.monotonic() - self.submitted_at)
+                    metrics.e2e_latency.labels(name).observe(time.monotonic() - self.arrived_at)
                     yield event
                     return
                 yield event

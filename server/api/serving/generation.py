@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -74,6 +75,7 @@ class Generation:
 
     def __init__(self, state: AppState, body: SamplingFields, owner: str | None, echo: bool = False, n: int = 1,
                  idempotency_key: str | None = None, kind: str = "generate", field_names: dict[str, str] | None = None):
+        self.arrived_at = time.monotonic()  # its latencies count its tokenizing and the wait for its session
         self.state, self.body, self.owner, self.echo = state, body, owner, echo
         # the names the client sent fields under where they are not `body`'s own, so that an error
         # names a field the client sent: a chat request's prompt is its `messages`, rendered
@@ -181,10 +183,13 @@ class Generation:
         """Queue the generation; raises QueueFull / ShuttingDown / ValueError before anything started
         (answered, and counted, as an HTTP error or a websocket error frame)."""
         if len(self.prompts) > 1:
-            return await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params,
-                                            self.prefix_scope(), self.owner)
-        return await self.state.engine.submit(self.served.name, self.tokens, self.params,
-                                              self.lease, self.prefix_scope(), self.owner)
+            submission = await PromptBatch.submit(self.state, self.served.name, self.prompts, self.params,
+                                                  self.prefix_scope(), self.owner)
+        else:
+            submission = await self.state.engine.submit(self.served.name, self.tokens, self.params,
+                                                        self.lease, self.prefix_scope(), self.owner)
+        submission.arrived(self.arrived_at)
+        return submission
 
     def prefix_scope(self) -> bytes | None:
         """Where a request without a session files and finds cached prefix states: its model, its
@@ -286,6 +291,10 @@ class PromptBatch:
     def cancel(self) -> None:
         for submission in self.submissions:
             submission.cancel()
+
+    def arrived(self, at: float) -> None:
+        for submission in self.submissions:
+            submission.arrived(at)
 
     async def events(self) -> AsyncIterator[object]:
         ends: dict[int, Finished] = {}

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import time
 
 from xlserve.server.api.deps import AppState
 from xlserve.server.api.errors import InvalidRequest
@@ -78,6 +79,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
     one pass would. Raises Cancelled when `cancellation` asks for it before the commit begins;
     nothing is committed then (see server/api/serving/cancellation.py).
     With an Idempotency-Key seen before on the session, the first answer comes back, nothing runs."""
+    arrived_at = time.monotonic()  # its latency counts its tokenizing and the wait for its session
     cancellation = cancellation or Cancellation()
     key = idempotency(idempotency_key, "append", {"text": text, "score": score})
     # what needs no model is refused before the session is fetched (from disk or Redis, perhaps
@@ -95,6 +97,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
         cached = lease.info.tokens
         cancellation.check()  # a cancel while the session was being fetched
         submission = cancellation.track(await state.engine.append(lease, tokens, score))
+        submission.arrived(arrived_at)
         fed = await appended(submission)
         scores = None
         if score:
