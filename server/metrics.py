@@ -36,7 +36,7 @@ API_FAMILIES = frozenset({
     "xlserve_time_to_first_token_seconds", "xlserve_inter_token_latency_seconds",
     "xlserve_e2e_request_latency_seconds", "xlserve_request_errors", "xlserve_memory_reused_tokens",
     "xlserve_state_bytes_per_session", "xlserve_engine_restarts", "xlserve_http_requests",
-    "xlserve_http_request_duration_seconds",
+    "xlserve_http_request_duration_seconds", "xlserve_requests_not_committed",
 })
 # each process's own CPU, memory and file descriptors: prometheus_client's process collector,
 # under its usual names (process_*) for the API process and in this namespace
@@ -96,6 +96,14 @@ class Metrics:
             "xlserve_requests", "Finished requests, once each, by how they ended: the (first) choice's finish "
             "reason, cancelled, or appended", ["model", "finish_reason"], registry=r
         )
+        # a request counted above whose answer then failed, in the API process: its commit refused
+        # (a conflict, a full tier) or not known to have landed, or its answer too large to remember.
+        # It is also in xlserve_request_errors_total: an error ratio over every request subtracts it
+        # from the finished ones, or such a request counts twice in the denominator
+        self.requests_not_committed = Counter(
+            "xlserve_requests_not_committed", "Requests counted in xlserve_requests_total as finished whose answer "
+            "then failed before its commit landed (each also counted in xlserve_request_errors_total)", ["model"],
+            registry=r)
         # the API process starts a new engine process when one dies: every model it served is
         # counted, so the series follows the dashboard's model filter like every other
         self.engine_restarts = Counter(
@@ -272,6 +280,7 @@ class Metrics:
         for model in models:
             self.memory_reused_tokens.labels(model)
             self.engine_restarts.labels(model)
+            self.requests_not_committed.labels(model)
         pairs = [(error_type, NO_CODE) for error_type in error_types]
         pairs += [(error_type, code) for code, error_type in error_codes().items() if error_type in error_types]
         for model in [*models, ""]:

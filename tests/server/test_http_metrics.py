@@ -491,3 +491,49 @@ def test_latencies_count_the_wait_for_the_session(served):
     latencies = samples(state.metrics, "xlserve_e2e_request_latency_seconds_sum")[(MODEL,)]
     assert samples(state.metrics, "xlserve_e2e_request_latency_seconds_count")[(MODEL,)] == 2
     assert latencies >= 2 * wait
+
+
+def test_a_request_whose_commit_fails_counts_once_in_the_error_ratio(served):
+    """The engine counts a request in xlserve_requests_total when it finishes; a commit refused
+    after that (a full tier: every delta commit grows the log) was an error too, so the error
+    ratio's denominator counted it twice and a tier refusing every commit read 50%, not 100%."""
+    from xlserve.server.cache.errors import CacheFull, SessionInfo
+    from xlserve.server.engine.client import RemoteLease
+    from xlserve.server.engine.types import Appended, Submission
+
+    client, state = served
+    engine = state.engine
+    info = SessionInfo("s", MODEL, None, 5, 1, 10, "disk", 0.0, 0.0)
+
+    async def acquire(session_id, owner, key):
+        return RemoteLease(1, session_id, info, True)
+
+    async def commit(lease, result=None):
+        raise CacheFull("the disk tier is full")
+
+    async def append(lease, tokens, score):
+        submission = Submission(MODEL, state.metrics, threading.Event(), wake=lambda: None)
+        submission.put(Appended(None, 0.0, 0))
+        return submission
+
+    engine.acquire, engine.commit, engine.append, engine.release = acquire, commit, append, lambda lease: None
+    engine.events = [TokenEvent(ord("a"), "a", -0.1, []), ChoiceFinished(0, "length", "", 1),
+                     Finished(choices=[ChoiceFinished(0, "length", "", 1)], prompt_tokens=1, completion_tokens=1,
+                              cached_tokens=5, data=None)]
+    not_committed = lambda: samples(state.metrics, "xlserve_requests_not_committed_total")[(MODEL,)]  # noqa: E731
+    assert not_committed() == 0  # declared: the ratio has a series before the first failure
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                "session_id": "s"}).status_code == 503
+    assert client.post("/v1/sessions/s/append", json={"text": "more"}).status_code == 503
+    assert not_committed() == 2
+    assert errors(state) == {(MODEL, "service_unavailable", "session_cache_full"): 2}
+    # a stream answered before its commit: the error comes as an event, counted the same way
+    with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                        "session_id": "s", "stream": True}) as answer:
+        assert "session_cache_full" in "".join(answer.iter_text())
+    assert not_committed() == 3
+    assert errors(state) == {(MODEL, "service_unavailable", "session_cache_full"): 3}
+    # a cache's 503 is answered as its own; nothing else moved
+    engine.commit = lambda lease, result=None: asyncio.sleep(0, info)
+    assert client.post("/v1/sessions/s/append", json={"text": "more"}).status_code == 200
+    assert not_committed() == 3

@@ -213,6 +213,18 @@ class Generation:
         if self.lease is None:  # a prefix hit's reuse: nothing to commit
             self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
             return None
+        try:
+            info = await self._commit(result)
+        except BaseException as error:
+            if not isinstance(error, (Cancelled, asyncio.CancelledError)):  # the engine counted it finished
+                self.state.metrics.requests_not_committed.labels(self.body.model).inc()
+            raise
+        # counted once the commit landed: a refused commit (a conflict, a full cache) reused nothing
+        self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
+        self.state.metrics.state_bytes_per_session.labels(self.body.model).observe(info.state_bytes)
+        return info
+
+    async def _commit(self, result: dict | None) -> SessionInfo:
         if result is not None and self.lease.idempotency is not None:
             size = len(json.dumps(result, separators=(",", ":")))
             if size > REMEMBERED_ANSWER_BYTES:  # refused before the commit: the session is as it was
@@ -220,11 +232,7 @@ class Generation:
                     f"the answer is {size} bytes as JSON, too large to remember under an Idempotency-Key (at most "
                     f"{REMEMBERED_ANSWER_BYTES}); nothing was committed: send it without the key, or ask for less "
                     "(echo, logprobs, max_tokens)", param="Idempotency-Key", code="remembered_answer_too_large")
-        info = await self.state.engine.commit(self.lease, result)
-        # counted once the commit landed: a refused commit (a conflict, a full cache) reused nothing
-        self.state.metrics.memory_reused_tokens.labels(self.body.model).inc(finished.cached_tokens)
-        self.state.metrics.state_bytes_per_session.labels(self.body.model).observe(info.state_bytes)
-        return info
+        return await self.state.engine.commit(self.lease, result)
 
 
 # The largest answer a session remembers under an Idempotency-Key, as JSON. It travels to the

@@ -106,7 +106,11 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
             scores = {"logprob": fed.logprob, "scored_tokens": fed.scored,
                       "bits_per_byte": (-fed.logprob / math.log(2) / scored_bytes) if scored_bytes else None}
         cancellation.begin_commit()  # a cancel or disconnect before this point wins: nothing is committed
-        info = await state.engine.commit(lease, {"tokens": len(tokens), "cached_tokens": cached, "scores": scores})
+        try:
+            info = await state.engine.commit(lease, {"tokens": len(tokens), "cached_tokens": cached, "scores": scores})
+        except Exception:  # the engine counted it appended: an error ratio subtracts it (metrics.py)
+            state.metrics.requests_not_committed.labels(lease.info.model).inc()
+            raise
     state.metrics.memory_reused_tokens.labels(info.model).inc(cached)
     state.metrics.state_bytes_per_session.labels(info.model).observe(info.state_bytes)
     return AppendResult(session_id, len(tokens), cached, info, scores)
