@@ -419,8 +419,6 @@ class EngineClient:
                             f"{settings.engine_restart_limit}): giving up")
                 return
             self.restarted_at.append(now)
-            for described in self.models:
-                self.metrics.engine_restarts.labels(described["name"]).inc()
             log.error("%s; starting a new one (restart %d of at most %d within %gs)", what, len(self.restarted_at),
                       settings.engine_restart_limit, settings.engine_restart_window_seconds)
             self.reason = f"{what}; a new one is starting"
@@ -433,6 +431,9 @@ class EngineClient:
                 failures += 1
                 await asyncio.sleep(min(failures, 5))  # a cause that persists is not retried at full speed
                 continue
+            # one restart: its attempts that could not start are in the log, not here
+            for described in self.models:
+                self.metrics.engine_restarts.labels(described["name"]).inc()
             log.warning("the engine process is back (pid %d, %.1fs); sessions are as last committed",
                         self.process.pid, time.monotonic() - started)
             self._ready(restarted=True)

@@ -537,3 +537,29 @@ def test_a_request_whose_commit_fails_counts_once_in_the_error_ratio(served):
     engine.commit = lambda lease, result=None: asyncio.sleep(0, info)
     assert client.post("/v1/sessions/s/append", json={"text": "more"}).status_code == 200
     assert not_committed() == 3
+
+
+def test_an_engine_restart_counts_once_however_many_starts_it_took(monkeypatch):
+    """Each failed attempt to start the new engine process counted a restart too: one death
+    whose first two respawns failed (the GPU's memory not yet freed) read as 3 restarts."""
+    from xlserve.server.engine import client as engine_client
+
+    metrics = Metrics()
+    engine = engine_client.EngineClient(Settings(models="none-loaded", engine_restart_limit=5), metrics)
+    engine.models = [{"name": MODEL}]
+    attempts = []
+
+    async def spawn():
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise engine_client.EngineStartFailed("CUDA out of memory")
+        engine.process = type("Process", (), {"pid": 1})()
+
+    async def no_wait(seconds):
+        pass
+
+    engine._spawn, engine._ready = spawn, lambda restarted: None
+    monkeypatch.setattr(engine_client.asyncio, "sleep", no_wait)
+    asyncio.run(engine._restart("the engine process was killed"))
+    assert len(attempts) == 3
+    assert samples(metrics, "xlserve_engine_restarts_total")[(MODEL,)] == 1
