@@ -530,8 +530,8 @@ class Placement:
         if too_small is None:
             return
         tier, budget = too_small
-        if self.metrics is not None:
-            self.metrics.session_refusals.labels(model, tier).inc()
+        # not in xlserve_session_refusals_total, the 503s for lack of room an operator is alerted to:
+        # this is the client's 413 (xlserve_request_errors_total, code session_too_large)
         subject = (f"this request would make session '{session_id}' hold" if committing
                    else f"session '{session_id}' holds" if session_id else "the new session would hold")
         raise SessionTooLarge(

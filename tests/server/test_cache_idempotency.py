@@ -443,3 +443,32 @@ def test_a_keyed_delete_on_a_full_disk_deletes_and_remembers_its_key_in_the_room
     assert cache.delete(made.id, "owner", key("d", "delete")) is None
     assert calls == [True, False] and not cache.durable.disk.exists(made.id)
     assert isinstance(cache.delete(made.id, "owner", key("d", "delete")), Replay)
+
+
+def test_a_session_too_large_is_not_counted_as_a_tier_without_room(tmp_path):
+    """xlserve_session_refusals_total counts 503s for lack of room (its alert says "the tier is
+    full"); a state larger than a whole budget is the client's 413 and was counted there too, so
+    one client retrying an oversized import fired the operator's alert."""
+    from xlserve.server.metrics import Metrics
+
+    metrics = Metrics()
+    n = 100
+    cache = SessionCache(tmp_path / "state", 2 * size(n), 2 * size(n), 10 * size(n), metrics=metrics)
+    cache.open({"toy": MODEL})
+    refusals = lambda: sum(value for sample_name, value in (  # noqa: E731
+        (sample.name, sample.value) for family in metrics.registry.collect() for sample in family.samples)
+        if sample_name == "xlserve_session_refusals_total")
+    sid = cache.create("toy", None, data(n, 0)).id
+    lease = cache.acquire(sid, None)
+    with pytest.raises(SessionTooLarge):
+        cache.commit(lease, data(3 * n, 1))
+    cache.release(lease)
+    with pytest.raises(SessionTooLarge):
+        cache.create("toy", None, data(20 * n, 2))
+    assert refusals() == 0
+    held = [cache.acquire(cache.create("toy", None, data(n, i)).id, None) for i in (3, 4)]
+    with pytest.raises(CacheFull):  # merely full: counted
+        cache.acquire(sid, None)
+    assert refusals() == 1
+    for lease in held:
+        cache.release(lease)
