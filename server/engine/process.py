@@ -696,6 +696,9 @@ class EngineProcess:
         if request.lease is not None:
             fields = {"start": self.starting_data(request.lease, engine)}
         elif request.prefix_scope is not None:  # no session: reuse the longest cached prefix of the prompt
+            # a request the queue would refuse is refused before its lookup reads, fetches or copies
+            # hundreds of MB at real size, and counts a hit that reused nothing
+            engine.check_admitted(params.n, request.owner)
             echo_alternatives = params.echo and bool(params.logprobs)
             fields = engine.start_from_prefix(request.prompt, bytes.fromhex(request.prefix_scope), echo_alternatives)
         else:

@@ -92,6 +92,13 @@ log = logging.getLogger("xlserve.engine")
 EventSink = Callable[[list[tuple[object, object]]], None]
 
 
+class _Admission:
+    """What the queue's limits read of a request not yet built (`Engine.check_admitted`)."""
+
+    def __init__(self, width: int, owner: str | None):
+        self.width, self.owner, self.cancelled = width, owner, threading.Event()
+
+
 class Engine:
     """One model's scheduler: a queue of `EngineRequest`s and the worker thread that steps them."""
 
@@ -271,28 +278,40 @@ class Engine:
             request.constraint = self.constraints.matcher(params.constraint_kind, params.constraint or "",
                                                           params.constraint_param)
         with self._condition:
-            if self._broken is not None:
-                raise self._gone()
-            if not self._admitting or self._closed:
-                raise ShuttingDown("the server is shutting down and admits no new requests; retry on another replica",
-                                   code="shutting_down")
-            queued, queued_of_owner = self._queued_with(request)
-            if queued > self.max_queued:
-                raise QueueFull(
-                    f"model '{self.name}' has {queued - 1} requests waiting, the limit is {self.max_queued} "
-                    "(XLSERVE_MAX_QUEUED_REQUESTS); retry later",
-                    code="queue_full",
-                )
-            if self.max_queued_per_key and request.owner is not None and queued_of_owner > self.max_queued_per_key:
-                raise QueueFull(
-                    f"this API key has {queued_of_owner - 1} requests waiting for model '{self.name}', the limit per "
-                    f"key is {self.max_queued_per_key} (XLSERVE_MAX_QUEUED_PER_KEY); retry later", code="queue_full")
+            self._refuse_unless_admitted(request)
             request.queued_at = time.monotonic()
             self._waiting.append(request)
             self._waiting_metric.set(len(self._waiting))
             self._condition.notify()
 
-    def _queued_with(self, request: EngineRequest) -> tuple[int, int]:
+    def check_admitted(self, width: int, owner: str | None) -> None:
+        """Raise what `enqueue` would raise now for a request of `width` rows from `owner`
+        (QueueFull, ShuttingDown): asked before the work a request does before it is queued (a
+        prefix lookup: a file read, a Redis fetch, a copy to the device), which a request about
+        to be refused must neither do nor count as a prefix-cache hit."""
+        with self._condition:
+            self._refuse_unless_admitted(_Admission(width, owner))
+
+    def _refuse_unless_admitted(self, request: "EngineRequest | _Admission") -> None:
+        """(Under the condition.) Raise unless the queue admits `request` now."""
+        if self._broken is not None:
+            raise self._gone()
+        if not self._admitting or self._closed:
+            raise ShuttingDown("the server is shutting down and admits no new requests; retry on another replica",
+                               code="shutting_down")
+        queued, queued_of_owner = self._queued_with(request)
+        if queued > self.max_queued:
+            raise QueueFull(
+                f"model '{self.name}' has {queued - 1} requests waiting, the limit is {self.max_queued} "
+                "(XLSERVE_MAX_QUEUED_REQUESTS); retry later",
+                code="queue_full",
+            )
+        if self.max_queued_per_key and request.owner is not None and queued_of_owner > self.max_queued_per_key:
+            raise QueueFull(
+                f"this API key has {queued_of_owner - 1} requests waiting for model '{self.name}', the limit per "
+                f"key is {self.max_queued_per_key} (XLSERVE_MAX_QUEUED_PER_KEY); retry later", code="queue_full")
+
+    def _queued_with(self, request: "EngineRequest | _Admission") -> tuple[int, int]:
         """Requests that would wait for a batch slot, `request` included (counted as if admission
         were first come, first served: `_admit` may take another owner's first), and how many of
         them are `request`'s owner's."""

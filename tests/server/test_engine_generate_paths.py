@@ -101,3 +101,28 @@ def test_a_caller_that_leaves_before_the_answer_cancels_its_request(tmp_path):
             frames.append(frame[0])
     generate, cancel = frames
     assert generate["op"] == "generate" and (cancel["op"], cancel["request_id"]) == ("cancel", generate["request_id"])
+
+
+def test_a_request_the_queue_refuses_does_no_prefix_lookup(process):
+    """The prefix lookup ran before the queue's check: a request about to be refused (429 with a
+    full queue, 503 while shutting down) still read, fetched or copied its cached prefix (hundreds
+    of MB at real size) and counted its tokens as queried and hit, so clients retrying their 429s
+    inflated the hit rate while nothing was reused."""
+    from xlserve.server.cache.prefix_cache import scope_key
+    from xlserve.server.engine.errors import ShuttingDown
+    from xlserve.server.engine.types import SamplingParams
+    from xlserve.server.engine.wire import Generate
+
+    engine = process.models["tiny"].engine
+    assert engine.prefix_cache is not None
+    looked_up = []
+    lookup = engine.prefix_cache.lookup
+    engine.prefix_cache.lookup = lambda *args, **kwargs: looked_up.append(args) or lookup(*args, **kwargs)
+    engine.stop_admitting()
+    scope = scope_key("tiny", None, None).hex()
+    with pytest.raises(ShuttingDown):
+        process.generate(Generate(7, "tiny", list(b"hello"), SamplingParams(max_tokens=2), prefix_scope=scope))
+    assert looked_up == [] and 7 not in process.requests
+    queried = [sample.value for family in engine.metrics.registry.collect() for sample in family.samples
+               if sample.name == "xlserve_prefix_cache_queries_total"]
+    assert sum(queried) == 0
