@@ -239,9 +239,10 @@ class EngineSettings(SettingsGroup):
                           "model) or a comma list name=int8,...")
     # 0 = the cores less one (the API process's), shared by the models
     torch_threads: int = Field(0, ge=0, description="intra-op threads of the engines' forwards (0: the cores "
-                               "less one)")
+                               "less one; cores: at most the container's CPU limit)")
     prompt_threads: int = Field(0, ge=0, description="intra-op threads of forwards of 256 tokens or more, and of "
-                                "every forward of a model of 64 MiB of weights or more (0: every core)")
+                                "every forward of a model of 64 MiB of weights or more (0: every core, at most the "
+                                "container's CPU limit)")
     prefill_chunk_tokens: int = Field(512, ge=1, description="prompts are fed to the model in chunks of this size")
     max_batch_size: int = Field(64, ge=1, description="rows decoded together per model step (a request with n "
                                 "choices takes n)")

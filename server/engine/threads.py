@@ -29,6 +29,9 @@ XLSERVE_PROMPT_THREADS to keep a core for the API process). (Measurements: docs/
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import torch
 
 from xlserve.models.torch_threads import own_torch_threads  # noqa: F401  (the engine's threads use it)
@@ -40,14 +43,56 @@ PROMPT_PARALLEL_TOKENS = 256  # forwards of at least this many tokens (prompts, 
 LARGE_MODEL_BYTES = 64 << 20
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cpu_quota_cores(root: Path | None = None) -> int | None:
+    """The CPU limit of the container this process runs in, in cores rounded up, or None where
+    it has none: cgroup v2's `cpu.max` ("400000 100000"; "max" for none) or v1's
+    `cpu.cfs_quota_us` over `cpu.cfs_period_us` (-1 for none), as a container sees its own
+    cgroup at /sys/fs/cgroup. A pod's `limits.cpu: 4` (or `docker run --cpus 4`) sets it, while
+    torch counts every core of the node the affinity mask allows: 64 threads in a 4-core quota
+    spend most of each period throttled."""
+    root = CGROUP_ROOT if root is None else root
+    readings = []
+    try:
+        readings.append((root / "cpu.max").read_text().split()[:2])
+    except OSError:
+        pass
+    for directory in ("cpu", "cpu,cpuacct"):
+        try:
+            readings.append([(root / directory / name).read_text().strip()
+                             for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")])
+        except OSError:
+            pass
+    limits = []
+    for reading in readings:
+        try:
+            quota, period = (int(value) for value in reading)
+        except ValueError:  # "max", or something this reading does not know
+            continue
+        if quota > 0 and period > 0:
+            limits.append(max(1, math.ceil(quota / period)))
+    return min(limits, default=None)
+
+
+def available_cores() -> int:
+    """The cores this process may use: those torch sees (the affinity mask's), at most the
+    container's CPU limit (`cpu_quota_cores`)."""
+    cores = torch.get_num_threads()
+    quota = cpu_quota_cores()
+    return cores if quota is None else max(1, min(cores, quota))
+
+
 def threads_per_engine(torch_threads: int, prompt_threads: int, engines: int) -> tuple[int, int]:
     """(threads, prompt_threads) of each of `engines` engines, from the server's settings (0:
-    the default, the cores torch sees less one, and every core), shared out among the engines."""
+    the default, the cores this process may use less one, and every such core), shared out among
+    the engines."""
 
     def shared(cores: int) -> int:
         return max(1, cores // max(1, engines))
 
-    cores = torch.get_num_threads()
+    cores = available_cores()
     return shared(torch_threads or max(1, cores - 1)), shared(prompt_threads or cores)
 
 
