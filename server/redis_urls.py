@@ -63,6 +63,11 @@ def parse_redis_url(url: str) -> RedisTarget:
     scheme = scheme.lower()
     if not rest:
         raise ValueError(f"not a Redis URL (no scheme://): {_shown(url)!r}")
+    if scheme != "unix" and _credentials_cut_short(rest):
+        # what an error would quote of the host part is the start of the password
+        raise ValueError(f"the username or password of this {scheme}:// URL holds a '/', '?' or '#', which end "
+                         "its host part early (redis-py would take it apart the same way): percent-encode them "
+                         "(%2F, %3F, %23; an '@' as %40)")
     if scheme in SINGLE_SCHEMES:
         if scheme != "unix":  # what redis-py would ignore or take wrongly: its parser drops a bad database
             netloc, _, path = rest.split("?", 1)[0].split("#", 1)[0].partition("/")
@@ -135,6 +140,16 @@ def _db(text: str) -> int:
     return int(text)
 
 
+def _credentials_cut_short(rest: str) -> bool:
+    """Whether a URL's `rest` (after scheme://) has credentials that a '/', '?' or '#' in them cut
+    off from their '@': an '@' after the host part, before any query option's '=' (a
+    `sentinel_password=` value may hold one)."""
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    after = rest[len(authority):]
+    at, equals = after.find("@"), after.find("=")
+    return "@" not in authority and at >= 0 and (equals < 0 or at < equals)
+
+
 def _shown(url: str) -> str:
     """`url` cut before any credentials, for an error message."""
     return url.split("@", 1)[-1] if "@" in url else url
@@ -146,6 +161,8 @@ def masked_url(url: str) -> str:
     `sentinel_password` query option), and the multi-host forms list several hosts."""
     url = re.sub(r"([?&](?:[a-z_]*_)?password=)[^&#]*", r"\1***", url)  # ?password=, ?sentinel_password=
     scheme, separator, rest = url.partition("://")
+    if separator and _credentials_cut_short(rest):  # a password holding '/', '?' or '#': hide all before the '@'
+        return f"{scheme}://***@{rest.rpartition('@')[2]}"
     if "+" in scheme and separator:  # redis+sentinel://, redis+cluster://: host,host,... (parse_redis_url below)
         netloc, slash, tail = rest.partition("/")
         userinfo, at, hosts = netloc.rpartition("@")

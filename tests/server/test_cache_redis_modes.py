@@ -5,6 +5,7 @@ intact. (tests/e2e/test_redis_cluster.py runs two whole servers against a cluste
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -75,6 +76,30 @@ def test_every_password_is_masked_in_every_form():
     assert masked_url("rediss+cluster://user:pw@[::1]:7000,n2") == "rediss+cluster://user:***@[::1]:7000,n2"
     assert masked_url("redis+cluster://n1:7000,n2:7001") == "redis+cluster://n1:7000,n2:7001"
     assert masked_url("redis://u:pw@h:1/0?password=x") == "redis://u:***@h:1/0?password=***"
+
+
+@pytest.mark.parametrize("url", [
+    "redis://:Zm9v/YmFyc2VjcmV0@redis:6379/0",  # a base64 password (openssl rand -base64) with a '/'
+    "rediss://user:pa?ssecret@redis:6380",
+    "redis://:p#ssecret@redis",
+    "redis+sentinel://:Zm9v/secret@s1:26379,s2/mymaster",
+    "redis+cluster://user:a/secret@n1:7000,n2",
+])
+def test_a_password_holding_a_slash_question_mark_or_hash_is_never_shown(url):
+    """A '/' (or '?', '#') in a password ends the URL's host part early: the start-up error quoted
+    that "host" (the password up to the '/'), and masked_url returned the URL unmasked."""
+    with pytest.raises(ValueError, match="percent-encode") as refused:
+        parse_redis_url(url)
+    password = url.split("://", 1)[1].rpartition("@")[0].partition(":")[2]
+    for fragment in (password, *re.split(r"[/?#]", password)):
+        assert len(fragment) < 3 or fragment not in str(refused.value)
+        assert len(fragment) < 3 or fragment not in masked_url(url)
+    assert masked_url(url).endswith("@" + url.rpartition("@")[2])
+    with pytest.raises(ValueError) as refused:  # the setting says the same
+        Settings(redis_url=url)
+    assert "secret" not in str(refused.value)
+    # a sentinel password in the query may hold an '@' as it is
+    assert parse_redis_url("redis+sentinel://s1/m?sentinel_password=p@ss").sentinel_password == "p@ss"
 
 
 def test_a_sessions_keys_share_one_cluster_slot_and_are_the_single_server_keys():
