@@ -79,9 +79,11 @@ EXAMPLE_SECRETS = {"api-keys": "example-key-1,example-key-2", "redis-password": 
 SECRETS = K8S / "base" / "secrets"
 
 
-def kustomize(variant: str = "", with_secrets: bool = True, components: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def kustomize(variant: str = "", with_secrets: bool = True, components: tuple[str, ...] = (),
+              edit=None) -> subprocess.CompletedProcess:
     """`kubectl kustomize` of deploy/kubernetes/<variant> on a copy, with example secret files
-    (or none) and extra components added to the variant's kustomization."""
+    (or none) and extra components added to the variant's kustomization; `edit`, when given, is
+    called with the copy (its deploy/kubernetes) before the render, to change it as a user would."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl (for `kubectl kustomize`) is not installed")
@@ -96,6 +98,8 @@ def kustomize(variant: str = "", with_secrets: bool = True, components: tuple[st
             (doc,) = load_all(kustomization)
             doc["components"] = list(components)
             kustomization.write_text(yaml.safe_dump(doc))
+        if edit is not None:
+            edit(copy)
         return subprocess.run([kubectl, "kustomize", str(copy / variant)], capture_output=True, text=True, timeout=120)
 
 
@@ -391,6 +395,56 @@ def test_kustomization_lists_every_manifest():
     assert server_container("overlays/gpu")[2]["image"] == "xlserve:0.1.0-cuda"
 
 
+README = DEPLOY / "README.md"
+REGISTRY_IMAGE = "registry.example.com/team/xlserve"  # deploy/README.md's example
+
+
+def readme_kubernetes_step(number: int) -> str:
+    """Step <number> of the commands in deploy/README.md's Kubernetes section (its comment lines)."""
+    block = re.search(r"^## Kubernetes\n+```sh\n(.*?)^```", README.read_text(), re.S | re.M)
+    assert block, "deploy/README.md has no sh block under ## Kubernetes"
+    step = re.search(rf"^# {number}\. (.*?)(?=^# {number + 1}\. |^[^#\n])", block.group(1), re.S | re.M)
+    assert step, f"no step {number} in deploy/README.md's Kubernetes commands"
+    return step.group(1)
+
+
+def set_image_names(copy: Path, files: list[str], new_name: str) -> None:
+    """What step 1 asks of a user: point the `images:` entries of these kustomizations at a registry."""
+    for name in files:
+        path = copy / Path(name).relative_to("deploy/kubernetes")
+        (doc,) = load_all(path)
+        entries = [e for e in doc.get("images", []) if e["name"] == "xlserve"]
+        assert entries, f"deploy/README.md's step 1 names {name}, which has no `images:` entry for xlserve"
+        for entry in entries:
+            entry["newName"] = new_name
+        path.write_text(yaml.safe_dump(doc))
+
+
+def test_following_the_readme_the_gpu_overlay_runs_the_cuda_image_from_the_registry():
+    """Step 1 of deploy/README.md points `images:` at your registry; done as it says, the CPU
+    deployment runs the CPU image and the GPU overlay the -cuda one, both from that registry. (An
+    `images:` rename in the base ran before the overlay's own, which then matched nothing: the GPU
+    pods got the CPU image with XLSERVE_DEVICE=cuda and crash-looped.)"""
+    files = re.findall(r"deploy/kubernetes/[\w/.-]*kustomization\.yaml", readme_kubernetes_step(1))
+    assert files, "step 1 names the kustomization files whose `images:` to edit"
+
+    def images(variant: str) -> list[str]:
+        result = kustomize(variant, edit=lambda copy: set_image_names(copy, files, REGISTRY_IMAGE))
+        assert result.returncode == 0, result.stderr
+        objects = [doc for doc in yaml.load_all(result.stdout, Loader=Loader) if doc is not None]
+        (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "xlserve"]
+        return [c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]]
+
+    (cpu,) = images("")
+    (gpu,) = images("overlays/gpu")
+    assert cpu.startswith(f"{REGISTRY_IMAGE}:") and not cpu.endswith("-cuda"), cpu
+    assert gpu.startswith(f"{REGISTRY_IMAGE}:") and gpu.endswith("-cuda"), gpu
+    # every `images:` entry for the server's image is in a file step 1 names
+    with_images = {str(p.relative_to(ROOT)) for p in K8S.rglob("kustomization.yaml")
+                   if any(e["name"] == "xlserve" for e in load_all(p)[0].get("images", []))}
+    assert with_images <= set(files), f"step 1 leaves out {sorted(with_images - set(files))}"
+
+
 def test_the_apply_fails_until_the_secret_files_exist():
     result = kustomize(with_secrets=False)
     assert result.returncode != 0
@@ -652,6 +706,43 @@ def test_network_policies_let_only_the_proxy_in_and_only_the_servers_reach_redis
     assert "Ingress" in redis_policy["policyTypes"]
 
 
+@pytest.mark.parametrize("variant", ["", "overlays/gpu"], ids=["base", "gpu"])
+def test_no_pod_gets_service_link_variables(variant):
+    """Kubernetes gives every container Docker-link variables for every Service in its namespace
+    unless its pod says `enableServiceLinks: false`: the Services xlserve and xlserve-redis would
+    give XLSERVE_SERVICE_HOST, XLSERVE_PORT_8000_TCP_ADDR, XLSERVE_REDIS_PORT=tcp://...:6379 and
+    more, which the server's start-up check of XLSERVE_* names reports as unknown settings. No
+    pod here uses them (the server finds Redis by the name in XLSERVE_REDIS_URL)."""
+    objects = k8s_objects(variant)
+    prefixes = {o["metadata"]["name"].upper().replace("-", "_") for o in objects if o["kind"] == "Service"}
+    assert any(prefix.startswith("XLSERVE") for prefix in prefixes)  # why it matters here
+    templates = [o for o in objects if "template" in o.get("spec", {})]
+    assert {("Deployment", "xlserve"), ("Deployment", "xlserve-redis")} <= {(o["kind"], o["metadata"]["name"]) for o in templates}
+    for obj in templates:
+        assert obj["spec"]["template"]["spec"].get("enableServiceLinks") is False, f"{obj['kind']} {obj['metadata']['name']}"
+
+
+def test_the_readme_says_what_the_network_policy_lets_the_servers_reach():
+    """The shipped NetworkPolicy lets the server pods reach only the Redis pods here, on the ports
+    it lists: the high-availability section's Sentinel and Cluster addresses (other pods, the
+    sentinels' port) are blocked until it is changed, and the README says so and what to change."""
+    section = re.search(r"^- \*\*High availability\.\*\*(.*?)(?=^- \*\*)", README.read_text(), re.S | re.M)
+    assert section, "deploy/README.md has no high-availability item"
+    text = " ".join(section.group(1).split())
+    (server,) = [o for o in k8s_objects() if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "xlserve-server"]
+    allowed = {str(port["port"]) for rule in server["spec"]["egress"] for port in rule.get("ports", [])}
+    urls = re.findall(r"`(redis\+\w+://[^`]+)`", text)
+    assert urls, "the section gives the Sentinel and Cluster URLs"
+    ports = {port for url in urls for port in re.findall(r":(\d+)(?=[,/])", url)}
+    blocked = ports - allowed
+    assert blocked, "the Sentinel URL's port is one the policy does not list"
+    assert "NetworkPolicy" in text and "networkpolicy.yaml" in text, "the section names the policy to change"
+    for port in blocked:
+        assert port in text.split("NetworkPolicy", 1)[1], f"the section says the policy blocks port {port}"
+    redis_rule = server["spec"]["egress"][0]["to"][0]["podSelector"]["matchLabels"]
+    assert "component=redis" in text or f"app.kubernetes.io/component: {redis_rule['app.kubernetes.io/component']}" in text
+
+
 def test_the_gpu_overlay_asks_for_a_gpu_and_runs_on_cuda():
     _, pod, container = server_container("overlays/gpu")
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -706,6 +797,70 @@ def test_every_xlserve_variable_is_a_setting_with_a_valid_value(monkeypatch):
             monkeypatch.setenv(name, value)
             actual = Settings().flat()[name.removeprefix("XLSERVE_").lower()]  # raises when it does not validate
             assert str(actual) == value.strip() or actual == type(actual)(value), (where, name, value, actual)
+
+
+# --- nginx
+
+
+def nginx_seconds(value: str) -> float:
+    """nginx's time syntax: a number with a unit (ms, s, m, h, d; seconds without one)."""
+    match = re.fullmatch(r"(\d+)(ms|s|m|h|d)?", value)
+    assert match, f"not an nginx time: {value!r}"
+    scale = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    return int(match.group(1)) * scale
+
+
+def nginx_upstreams(text: str) -> dict[str, dict[str, list[str]]]:
+    """upstream name -> {directive: its arguments (of its last occurrence)}."""
+    text = re.sub(r"#[^\n]*", "", text)
+    upstreams = {}
+    for name, body in re.findall(r"\bupstream\s+(\w+)\s*\{([^}]*)\}", text):
+        directives = [d.split() for d in body.split(";") if d.strip()]
+        upstreams[name] = {d[0]: d[1:] for d in directives}
+    return upstreams
+
+
+def uvicorn_keep_alive_seconds() -> float:
+    """How long the server's uvicorn keeps an idle connection: what server/cli.py passes, else
+    uvicorn's default."""
+    import inspect
+
+    import uvicorn
+
+    source = (ROOT / "server" / "cli.py").read_text()
+    if "timeout_keep_alive" in source:
+        match = re.search(r"timeout_keep_alive\s*=\s*(\d+(?:\.\d+)?)\b", source)
+        assert match, "server/cli.py sets timeout_keep_alive in a way this test does not read: update it"
+        return float(match.group(1))
+    return inspect.signature(uvicorn.Config).parameters["timeout_keep_alive"].default
+
+
+def test_nginx_closes_idle_upstream_connections_before_uvicorn_does():
+    """A pooled connection nginx reuses just as uvicorn closes it for idleness fails the request
+    on it (a POST gets nginx's 502, and with max_fails=1 the replica is taken out). nginx keeps
+    idle upstream connections 60 s unless told; uvicorn closes them after its keep-alive timeout
+    (5 s): every upstream pool here closes its idle connections first."""
+    server_side = uvicorn_keep_alive_seconds()
+    configs = sorted((DEPLOY / "nginx").glob("*.conf"))
+    assert configs
+    pools = 0
+    for path in configs:
+        for name, directives in nginx_upstreams(path.read_text()).items():
+            if "keepalive" not in directives:
+                continue
+            pools += 1
+            assert "keepalive_timeout" in directives, f"{path.name}: upstream {name} keeps idle connections 60 s"
+            (timeout,) = directives["keepalive_timeout"]
+            assert nginx_seconds(timeout) < server_side, f"{path.name}: upstream {name}: {timeout} >= {server_side} s"
+    assert pools, "the shipped config pools upstream connections"
+    # ingress-nginx pools them too (60 s unless its ConfigMap says otherwise): the README says
+    # what to set there, and no value written down is too long
+    readme = README.read_text()
+    assert "upstream-keepalive-timeout" in readme
+    for path in (README, K8S / "base" / "ingress.yaml"):
+        for value in re.findall(r"upstream-keepalive-timeout\W+(\d+)", path.read_text()):
+            assert int(value) < server_side, f"{path.name}: upstream-keepalive-timeout {value}"
+    assert re.search(r"upstream-keepalive-timeout\W+\d+", readme), "the README gives a value"
 
 
 # --- Prometheus
