@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -51,6 +52,11 @@ class ByteTokenizer:
         if not 0 <= token < 256:
             return f"<id {int(token)}>"
         return chr(token) if token < 0x80 else f"<0x{token:02X}>"
+
+    def token_string(self, token: int) -> str:
+        """What logprobs call the token (OpenAI's and vLLM's token strings): the text it adds to a
+        decoded text, or the <0xNN> escape of a byte that is part of a character. Here: its name."""
+        return self.token_text(token)
 
     def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "IncrementalDetokenizer":
         """Bytes decode the same wherever they stand: `context` and `continues` (see
@@ -152,6 +158,12 @@ class WordTokenizer:
 
     def token_text(self, token: int) -> str:
         return self.symbols[token]
+
+    def token_string(self, token: int) -> str:
+        """The text a word adds within a line (`WordDetokenizer`): its space and the word; the end
+        of a line adds the line break. (A line's first word adds no space: logprobs name every
+        word as it stands within a line.)"""
+        return "\n" if token == self.eos_id else " " + self.symbols[token]
 
     def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "WordDetokenizer":
         return WordDetokenizer(self, context, continues)
@@ -319,6 +331,29 @@ def byte_level_bytes(name: str) -> bytes | None:
         return None
 
 
+BYTE_ESCAPE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte fallback piece's name, and a lone byte's token string
+WORD_START = "\u2581"  # SentencePiece's mark for the space before a word
+
+
+def text_or_escapes(data: bytes) -> str:
+    """`data` as text where it is whole UTF-8, else each byte as its <0xNN> escape: a token that
+    adds part of a character names the bytes it adds."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "".join(f"<0x{byte:02X}>" for byte in data)
+
+
+def piece_string(name: str) -> str:
+    """The token string of a SentencePiece-style piece (sentencepiece, or a tokenizer.json whose
+    decoder writes its word-start mark as a space and its <0xNN> pieces as bytes): the word-start
+    mark as the space it is, an ASCII byte piece as its character, another byte piece as it is."""
+    byte = BYTE_ESCAPE.fullmatch(name)
+    if byte is not None:
+        return text_or_escapes(bytes([int(byte.group(1), 16)]))
+    return name.replace(WORD_START, " ")
+
+
 # the tokenizers release from which tokenizer.json may hold the forms `readable_by_library` rewrites
 NEWEST_FORMS = (0, 20)
 
@@ -481,6 +516,22 @@ class TokenizersTokenizer:
         name = self.tokenizer.id_to_token(int(token))
         return name if name is not None else f"<id {int(token)}>"
 
+    def token_string(self, token: int) -> str:
+        """The text the token adds to a decoded text (logprobs' token strings: " the" for "Ġthe"
+        or "▁the", "\n" for "Ċ" or "<0x0A>"), its bytes' escapes where it adds part of a
+        character; a special token (or an id the tokenizer lacks) by its name."""
+        if self.byte_level:
+            data = self.token_bytes(token)
+            return self.token_text(token) if data is None else text_or_escapes(data)
+        name = self.tokenizer.id_to_token(int(token))
+        if name is None or token in self._special_ids:
+            return self.token_text(token)
+        return piece_string(name)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(token for token, added in self.tokenizer.get_added_tokens_decoder().items() if added.special)
+
     def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "SentencePieceDetokenizer":
         return SentencePieceDetokenizer(self, context, continues)
 
@@ -545,6 +596,14 @@ class SentencePieceTokenizer:
 
     def token_text(self, token: int) -> str:
         return self.processor.IdToPiece(int(token))
+
+    def token_string(self, token: int) -> str:
+        """The text the piece adds (logprobs' token strings: " the" for "▁the"); a control or
+        unknown piece (<s>, <unk>) by its name."""
+        token = int(token)
+        if self.processor.IsControl(token) or self.processor.IsUnknown(token):
+            return self.token_text(token)
+        return piece_string(self.token_text(token))
 
     def detokenizer(self, context: Sequence[int] = (), continues: bool = False) -> "SentencePieceDetokenizer":
         return SentencePieceDetokenizer(self, context, continues)

@@ -21,7 +21,7 @@ import pytest
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
-from xlserve.models.tokenizer import ByteTokenizer, TokenizersTokenizer
+from xlserve.models.tokenizer import ByteTokenizer, TokenizersTokenizer, WordTokenizer
 from xlserve.server.api.chat import ChatTemplate
 from xlserve.server.api.deps import ServedModel
 from xlserve.server.api.protocol import (
@@ -63,6 +63,17 @@ def served():
     yield keyed, anonymous, state.engine
     keyed.close()
     anonymous.close()
+
+
+@pytest.fixture
+def word_served():
+    """(client, engine): the app with one word-level model (a converted Transformer-XL's kind)."""
+    words = WordTokenizer(["<eos>", "<unk>", "the", "cat"])
+    app, state = scripted_app(Settings(models="none-loaded"), RecordingEngine(Metrics()),
+                              {MODEL: ServedModel(MODEL, words, 4, CARD, ChatTemplate(TEMPLATE, "test"))})
+    client = TestClient(app)  # not entered: no lifespan
+    yield client, state.engine
+    client.close()
 
 
 def error_of(response, status: int = 400) -> dict:
@@ -213,18 +224,55 @@ def test_chat_logprobs_carry_the_bytes_of_byte_tokens(served):
     assert [entry["bytes"] for entry in sent] == [[0xC3], [0xA9]]
 
 
-def test_token_bytes_of_byte_level_bpe_and_sentencepiece_names():
-    from tokenizers import Tokenizer, decoders, models
+def test_logprobs_name_each_token_by_the_text_it_adds():
+    """Logprobs named tokens by their vocabulary entries: "Ġthe", "▁the", "Ċ", a word without its
+    space and <eos> for a line break, so that the tokens never joined into the text, and chat's
+    `bytes` of a word-level model were wrong. OpenAI and vLLM name each by the text it adds."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    byte_level = Tokenizer(models.BPE(vocab={"a": 0, "Ġ": 1, "Ġa": 2, "Ã": 3, "©": 4}, merges=[("Ġ", "a")]))
+    byte_level = Tokenizer(models.BPE(vocab={"a": 0, "Ġ": 1, "Ġa": 2, "Ã": 3, "©": 4, "Ċ": 5, "Ã©": 6},
+                                      merges=[("Ġ", "a"), ("Ã", "©")]))
     byte_level.decoder = decoders.ByteLevel()
-    read = token_bytes_reader(TokenizersTokenizer(byte_level))
-    assert read("Ġa") == [0x20, 0x61] and read("Ã") == [0xC3] and read("©") == [0xA9]
-    fallback = Tokenizer(models.BPE(vocab={"▁the": 0, "<0x0A>": 1}, merges=[]))
+    byte_level.add_tokens([AddedToken("<|endoftext|>", special=True)])
+    tokenizer = TokenizersTokenizer(byte_level)
+    strings = [tokenizer.token_string(token) for token in range(8)]
+    assert strings == ["a", " ", " a", "<0xC3>", "<0xA9>", "\n", "é", "<|endoftext|>"]
+    read = token_bytes_reader(tokenizer)
+    assert [read(string) for string in strings[:7]] == [[0x61], [0x20], [0x20, 0x61], [0xC3], [0xA9], [0x0A],
+                                                        [0xC3, 0xA9]]
+    assert tokenizer.decode([2, 3, 4, 5]) == "".join(strings[i] for i in (2, 6, 5))  # a whole character joins
+
+    fallback = Tokenizer(models.BPE(vocab={"▁the": 0, "<0x0A>": 1, "<0xC3>": 2, "cat": 3}, merges=[]))
     fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()])
-    read = token_bytes_reader(TokenizersTokenizer(fallback))
-    assert read("▁the") == list(b" the") and read("<0x0A>") == [0x0A]
+    tokenizer = TokenizersTokenizer(fallback)
+    assert [tokenizer.token_string(token) for token in range(4)] == [" the", "\n", "<0xC3>", "cat"]
+    assert [token_bytes_reader(tokenizer)(tokenizer.token_string(t)) for t in range(3)] == [list(b" the"), [10], [0xC3]]
+
+    words = WordTokenizer(["<eos>", "<unk>", "the", "cat"])
+    assert [words.token_string(token) for token in words.encode("the cat\nthe")] == [" the", " cat", "\n", " the"]
+    assert token_bytes_reader(words)(words.token_string(3)) == list(b" cat")
+    assert ByteTokenizer().token_string(0x78) == "x" and ByteTokenizer().token_string(0xC3) == "<0xC3>"
     assert token_bytes_reader(ByteTokenizer())("x") == [0x78]
+
+
+def test_chat_and_completion_logprobs_of_a_word_level_model_join_into_the_text(word_served):
+    client, engine = word_served
+    eos, the, cat = 0, 2, 3
+    events = [TokenEvent(the, "the", -0.5, [(the, -0.5), (cat, -2.0)]),
+              TokenEvent(cat, " cat", -0.25, [(cat, -0.25), (the, -3.0)]),
+              TokenEvent(eos, "\n", -0.1, [(eos, -0.1), (cat, -3.0)])]
+    end = ChoiceFinished(0, "length", "", 3)
+    engine.events = [*events, end, Finished([end], 2, 3, 0, None)]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    content = answer.json()["choices"][0]["logprobs"]["content"]
+    assert [(entry["token"], entry["bytes"]) for entry in content] == [
+        (" the", list(b" the")), (" cat", list(b" cat")), ("\n", [0x0A])]
+    assert [top["token"] for top in content[0]["top_logprobs"]] == [" the", " cat"]
+    answer = client.post("/v1/completions", json={"model": MODEL, "prompt": "the", "logprobs": 1, "max_tokens": 3})
+    assert answer.json()["choices"][0]["logprobs"]["tokens"] == [" the", " cat", "\n"]
+    assert answer.json()["choices"][0]["logprobs"]["top_logprobs"][1] == {" cat": -0.25, " the": -3.0}
 
 
 # -- Idempotency-Key ----------------------------------------------------------------------------------------

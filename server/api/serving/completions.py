@@ -15,7 +15,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from fastapi.responses import StreamingResponse
 
-from xlserve.models.tokenizer import SentencePieceTokenizer, TokenizersTokenizer, byte_level_bytes
+from xlserve.models.tokenizer import BYTE_ESCAPE
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.chat import ChatTemplateError
 from xlserve.server.api.errors import APIError, InvalidRequest, validation_error
@@ -117,7 +117,7 @@ class Completion(Generation):
         self.created = int(time.time())
         # with several prompts, choice prompt_index * n + choice_index answers prompt prompt_index (as OpenAI)
         self.choices = [CompletionChoice(i, body.logprobs is not None) for i in range(len(self.prompts) * body.n)]
-        self.token_name = self.served.tokenizer.token_text
+        self.token_name = self.served.tokenizer.token_string  # the text each token adds
 
     def echo_text(self, index: int = 0) -> str:
         """The prompt of choice `index`, as text."""
@@ -354,33 +354,21 @@ async def _completion_chunks(completion: Completion) -> AsyncGenerator:
 
 # -- POST /v1/chat/completions ----------------------------------------------------------------------
 
-# a token that stands for one byte, as its name shows it: the byte tokenizer's bytes past ASCII,
-# SentencePiece's (and Llama-style tokenizer.json's) byte fallback
-BYTE_TOKEN_NAME = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-WORD_START = "\u2581"  # SentencePiece's mark for the space before a word
-
-
 def token_bytes_reader(tokenizer) -> Callable[[str], list[int]]:
-    """How chat logprobs' `bytes` are made from a token's name (the tokenizer's `token_text`):
-    the bytes the token adds to the text, which a client joins to rebuild characters split
-    over several tokens. A byte token's name is an escape ("<0xC3>"): its byte; a byte-level
-    BPE name (tokenizer.json's ByteLevel decoder): the bytes its characters stand for
-    (models/tokenizer.py `byte_level_bytes`); a SentencePiece name: its UTF-8 with the
-    word-start mark as the space it is; any other name is the token's text: its UTF-8."""
-    byte_level = isinstance(tokenizer, TokenizersTokenizer) and tokenizer.byte_level
-    word_start = isinstance(tokenizer, (SentencePieceTokenizer, TokenizersTokenizer)) and not byte_level
+    """How chat logprobs' `bytes` are made from a token's string (the tokenizer's
+    `token_string`: the text it adds, or the <0xNN> escapes of the bytes of a character it adds
+    part of): the bytes the token adds to the text, which a client joins to rebuild characters
+    split over several tokens."""
 
-    def token_bytes(name: str) -> list[int]:
-        byte = BYTE_TOKEN_NAME.fullmatch(name)
-        if byte is not None:
-            return [int(byte.group(1), 16)]
-        if byte_level:
-            named = byte_level_bytes(name)
-            if named is not None:
-                return list(named)
-        return list((name.replace(WORD_START, " ") if word_start else name).encode("utf-8"))
+    def token_bytes(string: str) -> list[int]:
+        if ESCAPES.fullmatch(string):
+            return [int(byte, 16) for byte in BYTE_ESCAPE.findall(string)]
+        return list(string.encode("utf-8"))
 
     return token_bytes
+
+
+ESCAPES = re.compile(r"(?:<0x[0-9A-Fa-f]{2}>)+")
 
 
 def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,

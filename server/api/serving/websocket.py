@@ -44,7 +44,7 @@ async def _generation_frames(generation: Generation, request_id: str | None,
                              cancellation: Cancellation) -> AsyncGenerator:
     body = generation.body
     want_top = body.logprobs is not None and body.logprobs > 0
-    token_name = generation.served.tokenizer.token_text
+    token_name = generation.served.tokenizer.token_string  # the text each token adds
     choice_end: ChoiceFinished | None = None
     generated = 0
     texts: list[str] = []  # the whole text, remembered with an Idempotency-Key
