@@ -380,3 +380,20 @@ def test_a_tool_use_template_gets_the_requests_variables_too(tmp_path):
     messages = [{"role": "user", "content": "hi"}]
     assert template.render(messages, variables={"mood": "!"}) == "DEFAULT!"
     assert template.render(messages, tools=[WEATHER], variables={"mood": "?"}) == "TOOLS?"
+
+
+def test_a_prefill_ending_in_a_space_goes_on_under_a_template_that_trims():
+    """A template that trims each message's content (Llama 3's `| trim`) drops a prefill's
+    trailing space, and continue_final_message was 400 where vLLM (through transformers, which
+    then cuts after the stripped content) goes on from "The colour is"."""
+    from xlserve.server.api.errors import InvalidRequest
+
+    trimming = ChatTemplate("{% for m in messages %}<|{{ m.role }}|>\n\n{{ m.content | trim }}<|eot|>{% endfor %}"
+                            "{% if add_generation_prompt %}<|assistant|>\n\n{% endif %}", "test")
+    served = ServedModel("llama-like", ByteTokenizer(), 256, {}, trimming)
+    messages = [ChatMessage(role="user", content="Name a colour."), ChatMessage(role="assistant", content="The colour is ")]
+    assert chat_prompt(served, messages, add_generation_prompt=False, continue_final_message=True).endswith(
+        "<|assistant|>\n\nThe colour is")
+    with pytest.raises(InvalidRequest, match="content as it is"):  # content the template does not write at all
+        chat_prompt(served, [messages[0], ChatMessage(role="assistant", content="   ")], add_generation_prompt=False,
+                    continue_final_message=True)

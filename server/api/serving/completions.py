@@ -399,6 +399,12 @@ def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation
     if continue_final_message:
         final = messages[-1].text()
         end = text.rfind(final) if final else -1
+        if end < 0 and final.strip():
+            # templates that trim each message's content (Llama 3's `| trim`) drop a prefill's
+            # trailing space: the text goes on from the trimmed content, as transformers (and so
+            # vLLM) cut it
+            final = final.strip()
+            end = text.rfind(final)
         if end < 0:
             raise InvalidRequest(f"the chat template of model '{served.name}' does not write the last message's "
                                  "content as it is, so the answer cannot go on from it", param="messages",
