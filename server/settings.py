@@ -32,6 +32,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -58,8 +59,11 @@ def checkpoint_dir(name_or_path: str, weights_dir: Path = WEIGHTS_DIR) -> Path:
 
 def _group_config(prefix: str = "") -> SettingsConfigDict:
     # extra="ignore": the environment holds the other groups' XLSERVE_ variables too;
-    # hide_input_in_errors: a refused value may be a secret (an API key, a Redis URL's password)
-    return SettingsConfigDict(env_prefix=ENVIRONMENT_PREFIX + prefix, extra="ignore", hide_input_in_errors=True)
+    # hide_input_in_errors: a refused value may be a secret (an API key, a Redis URL's password);
+    # env_ignore_empty: a variable set to nothing (a compose or Kubernetes template's `XLSERVE_STATE_DIR=`)
+    # is unset, not the path "." (the working directory as the state directory)
+    return SettingsConfigDict(env_prefix=ENVIRONMENT_PREFIX + prefix, extra="ignore", hide_input_in_errors=True,
+                              env_ignore_empty=True)
 
 
 # `xlserve serve` flags named as vLLM names its flag for the same thing; every other setting's flag is
@@ -82,6 +86,18 @@ EARLIER_FLAG_NAMES = {
 NON_SETTING_ENVIRONMENT_VARIABLES: frozenset[str] = frozenset({"XLSERVE_TEST_CRASH_AT",
                                                                "XLSERVE_TEST_HANG_STEP_FILE"})
 
+# the variables Kubernetes gives a pod for every Service in its namespace unless the pod spec sets
+# `enableServiceLinks: false` (deploy/kubernetes does): the Services xlserve and xlserve-redis give
+# XLSERVE_SERVICE_HOST, XLSERVE_PORT_8000_TCP_ADDR, XLSERVE_REDIS_PORT=tcp://... No setting has
+# such a name, and a pod spec of the operator's own must not make each one a warning
+KUBERNETES_SERVICE_LINK = re.compile(r"[A-Z0-9_]+_(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+                                     r"|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:ADDR|PORT|PROTO))?)?)")
+
+
+def is_kubernetes_service_link(name: str) -> bool:
+    return KUBERNETES_SERVICE_LINK.fullmatch(name.upper()) is not None
+
+
 log = logging.getLogger("xlserve.settings")
 _warned_environment_variables: set[str] = set()
 
@@ -95,7 +111,8 @@ def _unknown_with_closest(environment: Mapping[str, str] | None) -> list[tuple[s
     found = []
     for name in sorted(environment):
         upper = name.upper()
-        if not upper.startswith(ENVIRONMENT_PREFIX) or upper in known or upper in NON_SETTING_ENVIRONMENT_VARIABLES:
+        if (not upper.startswith(ENVIRONMENT_PREFIX) or upper in known or upper in NON_SETTING_ENVIRONMENT_VARIABLES
+                or is_kubernetes_service_link(upper)):
             continue
         # compared without the prefix, which every name shares and which would make any two look alike
         closest = difflib.get_close_matches(upper.removeprefix(ENVIRONMENT_PREFIX),

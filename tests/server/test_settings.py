@@ -19,6 +19,7 @@ from xlserve.server.settings import (
     SecuritySettings,
     ServerSettings,
     Settings,
+    is_kubernetes_service_link,
     unknown_environment_variables,
 )
 
@@ -59,6 +60,22 @@ def test_environment_variables_reach_their_group(monkeypatch):
     assert settings.server.max_tokens_limit == 7
     # a group read on its own reads the same variables
     assert PrefixCacheSettings().block_tokens == 32 and EngineSettings().device == "cpu"
+
+
+def test_a_variable_set_to_nothing_is_unset(monkeypatch):
+    """`XLSERVE_STATE_DIR=` (a compose or Kubernetes template's empty value) made the working
+    directory the state directory (the path "."), and `XLSERVE_CHAT_TEMPLATE=` refused to start
+    reading "." as a template file."""
+    defaults = Settings()
+    for name in ("XLSERVE_STATE_DIR", "XLSERVE_CHAT_TEMPLATE", "XLSERVE_WEIGHTS_DIR", "XLSERVE_MAX_TOKENS_LIMIT",
+                 "XLSERVE_DEVICE"):
+        monkeypatch.setenv(name, "")
+    settings = Settings()
+    assert settings.cache.state_dir == defaults.cache.state_dir != Path(".")
+    assert settings.server.chat_template is None
+    assert settings.engine.weights_dir == defaults.engine.weights_dir
+    assert settings.server.max_tokens_limit == defaults.server.max_tokens_limit
+    assert settings.engine.device == "auto"
 
 
 def test_overrides_by_flat_name_beat_the_environment(monkeypatch):
@@ -160,6 +177,20 @@ def test_a_misspelt_variable_is_warned_about_naming_the_closest_setting():
     assert unknown_environment_variables({name: "1" for name in Settings.environment_variables()}) == []
 
 
+def test_kubernetes_service_links_are_not_warned_about():
+    """A pod spec without `enableServiceLinks: false` gets variables for every Service of its
+    namespace: the shipped Services' 16 each read as a misspelt setting ("XLSERVE_REDIS_PORT ...
+    did you mean XLSERVE_REDIS_URL?"), burying a real misspelling."""
+    links = {"XLSERVE_SERVICE_HOST": "10.0.0.1", "XLSERVE_SERVICE_PORT": "8000", "XLSERVE_SERVICE_PORT_HTTP": "8000",
+             "XLSERVE_PORT": "tcp://10.0.0.1:8000", "XLSERVE_PORT_8000_TCP": "tcp://10.0.0.1:8000",
+             "XLSERVE_PORT_8000_TCP_ADDR": "10.0.0.1", "XLSERVE_PORT_8000_TCP_PORT": "8000",
+             "XLSERVE_PORT_8000_TCP_PROTO": "tcp", "XLSERVE_REDIS_SERVICE_HOST": "10.0.0.2",
+             "XLSERVE_REDIS_PORT": "tcp://10.0.0.2:6379", "XLSERVE_REDIS_PORT_6379_TCP_ADDR": "10.0.0.2"}
+    assert unknown_environment_variables(links) == []
+    assert unknown_environment_variables({**links, "XLSERVE_MAX_BATCH": "8"}) == [
+        "XLSERVE_MAX_BATCH is not an xlserve setting and is ignored; did you mean XLSERVE_MAX_BATCH_SIZE?"]
+
+
 def test_reading_the_environment_warns_once_per_variable(monkeypatch, caplog):
     monkeypatch.setenv("XLSERVE_PREFIX_CACHE_BYTE", "0")
     monkeypatch.setattr(settings_module, "_warned_environment_variables", set())
@@ -188,4 +219,5 @@ def test_every_xlserve_variable_the_repository_uses_is_a_setting_or_listed_as_no
             used |= set(re.findall(r"XLSERVE_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")))
     assert used, "the search found no XLSERVE_ variable at all"
     unknown = used - set(Settings.environment_variables()) - NON_SETTING_ENVIRONMENT_VARIABLES
+    unknown = {name for name in unknown if not is_kubernetes_service_link(name)}  # named by deploy/'s comments
     assert not unknown, f"XLSERVE_ variables that are not settings: add them to NON_SETTING_ENVIRONMENT_VARIABLES: {unknown}"
