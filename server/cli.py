@@ -53,6 +53,22 @@ def port_number(text: str) -> int:
     return port
 
 
+def whole_number_at_least(least: int):
+    """An argparse type: a whole number of at least `least` (--chunk-len 0 was a ValueError from
+    deep in the evaluation, --max-bytes 0 a bits per byte of 0.0 over nothing)."""
+
+    def whole_number(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if number < least:
+            raise argparse.ArgumentTypeError(f"{number} is not a whole number of at least {least}")
+        return number
+
+    return whole_number
+
+
 def model_choices() -> str:
     """`train` / `new --help`: the architectures and each one's presets (models/training/presets.py,
     torch-free)."""
@@ -296,21 +312,28 @@ def cmd_train(args) -> None:
         raise SystemExit("xlserve train: --without-lane-memory applies only to --export-progress DIR "
                          "(a copy of the resume state); nothing was trained")
     if args.export_progress:
-        from xlserve.models.training.train import export_progress
+        from xlserve.models.training.train import ResumeRefused, export_progress
 
-        progress = export_progress(args.out, args.export_progress, lane_memory=not args.without_lane_memory)
+        try:
+            progress = export_progress(args.out, args.export_progress, lane_memory=not args.without_lane_memory)
+        except ResumeRefused as error:  # no run there
+            raise SystemExit(f"xlserve train: {error}") from None
+        except OSError as error:
+            raise SystemExit(f"xlserve train: cannot copy the resume state of {args.out} to {args.export_progress}: "
+                             f"{error}") from None
         print(f"copied the resume state of {args.out} at step {progress['step']} to {args.export_progress}"
               + (" (without the lanes' memory)" if args.without_lane_memory else ""))
         return
     _check_architecture_and_preset("train", args.arch, args.preset)
-    from xlserve.models.training.train import STANDARD_RECIPE, TrainingDiverged, train  # (torch: after the checks)
+    from xlserve.models.training.train import (  # (torch: after the checks)
+        STANDARD_RECIPE, ResumeRefused, TrainingDiverged, train)
 
     recipe = STANDARD_RECIPE
     if args.train_bytes:
         recipe = replace(recipe, train_bytes=args.train_bytes)
     try:
         train(args.arch, args.preset, args.out, recipe, log=lambda s: print(s, flush=True))
-    except TrainingDiverged as error:
+    except (TrainingDiverged, ResumeRefused) as error:  # a NaN step, or a rerun over a run of another kind
         raise SystemExit(f"xlserve train: {error}") from None
 
 
@@ -336,11 +359,21 @@ def cmd_new(args) -> None:
     from xlserve.models.registry import build_model
     from xlserve.models.training.presets import preset_config
 
+    from xlserve.models.allocation import out_of_memory
+
     torch.manual_seed(args.seed)
     try:
         model = build_model(args.arch, {**preset_config(args.arch, args.preset), **replaced})
     except (TypeError, ValueError) as error:  # a field the config does not have, or a value it refuses
         raise SystemExit(f"xlserve new: --config does not make a {args.arch} config: {error}") from None
+    except (RuntimeError, MemoryError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]  # torch may add lines of its own
+        if out_of_memory(error):  # sizes too large for this machine, not a mistake in their form
+            raise SystemExit(f"xlserve new: the {args.arch} that --config describes does not fit this machine's "
+                             f"memory: {reason}") from None
+        # a value the config class let through and torch refused while building the model
+        # (Transformer-XL's n_layer -1: "zeros: Dimension size must be non-negative")
+        raise SystemExit(f"xlserve new: --config does not make a {args.arch} config: {reason}") from None
     try:
         save_checkpoint(model.eval(), out)
     except OSError as error:
@@ -371,13 +404,41 @@ def cmd_store(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from xlserve.models.checkpoint import load_checkpoint
+    from xlserve.models.checkpoint import CheckpointError, load_checkpoint, read_config
+    from xlserve.models.registry import model_class
+    from xlserve.models.tokenizer import describe_tokenizer
     from xlserve.models.training.data import stdlib_corpus
     from xlserve.models.training.evaluate import bits_per_byte
     from xlserve.models.training.train import held_out_documents
 
     directory = _resolve_model_dir(args.model, "eval")
-    model = load_checkpoint(directory)
+    # what the config says is refused before the weights load (seconds at real size), and a card
+    # before its minutes of evaluation
+    try:
+        config = read_config(directory)
+    except CheckpointError as error:
+        raise SystemExit(f"xlserve eval: {error}") from None
+    if config.get("tokenizer", "bytes") != "bytes":
+        # the held-out files' bytes would be read as ids of another vocabulary: a converted Mamba's
+        # BPE scored 8.8 bits per byte without a word, a vocabulary under 256 ids failed on an index
+        raise SystemExit(f"xlserve eval: {directory} uses {describe_tokenizer(config)} as its tokenizer; eval scores "
+                         "byte-level checkpoints (it feeds the held-out files' bytes as token ids): to score a text "
+                         "with the model's own tokenizer, serve it and send the text to "
+                         '/v1/sessions/{id}/append with "score": true, which answers its bits per byte')
+    if args.write_card and not (directory / "training.json").is_file():
+        raise SystemExit(f"xlserve eval: --write-card needs {directory / 'training.json'}, the record of the "
+                         "training run `xlserve train` writes (a checkpoint from `xlserve new` or `xlserve convert` "
+                         "has none); nothing was evaluated")
+    if args.mem_len is not None and not hasattr(model_class(config["architecture"]), "with_mem_len"):
+        raise SystemExit(f"xlserve eval: --mem-len sets the memory length of a transformer-xl; {directory} holds a "
+                         f"{config['architecture']}, whose memory length cannot be set")
+    try:
+        model = load_checkpoint(directory)
+    except CheckpointError as error:
+        raise SystemExit(f"xlserve eval: {error}") from None
+    if model.vocab_size < 256:
+        raise SystemExit(f"xlserve eval: {directory}'s model has {model.vocab_size} token ids, fewer than the 256 "
+                         "byte values eval feeds it")
     if args.write_card:
         from xlserve.models.training.card import evaluate_for_card, sample, write_card
 
@@ -463,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--arch", required=True, help="the architecture (listed below)")
     train.add_argument("--preset", default="small", help="the architecture's preset (listed below; default small)")
     train.add_argument("--out", required=True)
-    train.add_argument("--train-bytes", type=int, default=None, help="override the standard byte budget")
+    train.add_argument("--train-bytes", type=whole_number_at_least(1), default=None,
+                       help="override the standard byte budget (a rerun with a larger one continues the run to it)")
     train.add_argument("--export-progress", metavar="DIR", default=None,
                        help="do not train: copy OUT's resume state to DIR (to resume from it later)")
     train.add_argument("--without-lane-memory", action="store_true",
@@ -489,12 +551,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="held-out bits per byte, memory carried per document")
     evaluate.add_argument("--model", required=True, help="name under weights/ or a checkpoint directory")
-    evaluate.add_argument("--mem-len", type=int, default=None, help="evaluate with another memory length")
-    evaluate.add_argument("--chunk-len", type=int, default=512, help="bytes fed per forward call")
-    evaluate.add_argument("--max-bytes", type=int, default=None, help="score only the first N held-out bytes")
+    evaluate.add_argument("--mem-len", type=whole_number_at_least(0), default=None,
+                          help="evaluate with another memory length (a model whose memory length can be set: "
+                               "transformer-xl)")
+    evaluate.add_argument("--chunk-len", type=whole_number_at_least(1), default=512, help="bytes fed per forward call")
+    evaluate.add_argument("--max-bytes", type=whole_number_at_least(1), default=None,
+                          help="score only the first N held-out bytes")
     evaluate.add_argument("--write-card", action="store_true",
-                          help="evaluate with the trained memory and with none, then write card.md")
-    evaluate.add_argument("--segment-len", type=int, default=128, help="chunk length for the no-memory evaluation")
+                          help="evaluate with the trained memory and with none, then write card.md (a checkpoint "
+                               "`xlserve train` wrote: it reads its training.json)")
+    evaluate.add_argument("--segment-len", type=whole_number_at_least(1), default=128,
+                          help="chunk length for the no-memory evaluation")
     evaluate.set_defaults(func=cmd_eval)
 
     bench = commands.add_parser("bench", help="run a benchmark (JSON + plot under bench-results/)",

@@ -259,3 +259,89 @@ def test_a_benchmarks_flags_list_without_the_bench_extra(monkeypatch, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["bench", "models"])
     assert "needs matplotlib, from the bench extra" in str(refused.value.code)
+
+
+def tiny_checkpoint(directory: Path, architecture: str = "mamba", extra: dict | None = None, **replaced) -> Path:
+    """A randomly initialised tiny checkpoint of `architecture`, its preset's fields `replaced`."""
+    from xlserve.models.checkpoint import save_checkpoint
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.presets import preset_config
+
+    torch.manual_seed(0)
+    save_checkpoint(build_model(architecture, {**preset_config(architecture, "tiny"), **replaced}).eval(), directory,
+                    extra=extra)
+    return directory
+
+
+@pytest.mark.parametrize("tokenizer, vocab_size, expected", [
+    # a converted Mamba with its own BPE: its bytes read as token ids scored 8.8 bits per byte, without a word
+    ("tokenizers", 400, "uses tokenizer.json (the tokenizers library) as its tokenizer"),
+    ("words", 100, "uses symbols.json (a word list) as its tokenizer"),  # was an IndexError
+    ("bytes", 100, "has 100 token ids, fewer than the 256 byte values"),  # `new --config '{"vocab_size": 100}'`
+])
+def test_eval_refuses_a_checkpoint_that_does_not_read_bytes(tmp_path, tokenizer, vocab_size, expected):
+    """`xlserve eval` feeds the held-out files' bytes as token ids: a checkpoint with a tokenizer of
+    its own is refused, pointing at the server's scoring, which tokenizes as the model does."""
+    extra = {} if tokenizer == "bytes" else {"tokenizer": tokenizer}
+    model = tiny_checkpoint(tmp_path / "model", extra=extra, vocab_size=vocab_size)
+    line = one_line_error(xlserve("eval", "--model", str(model), "--max-bytes", "300"))
+    assert line.startswith("xlserve eval: ") and expected in line, line
+    if tokenizer != "bytes":
+        assert "eval scores byte-level checkpoints" in line and '/v1/sessions/{id}/append with "score": true' in line
+
+
+def test_eval_refuses_a_memory_length_for_a_model_without_one(tmp_path):
+    model = tiny_checkpoint(tmp_path / "model")  # was: AttributeError: 'Mamba' object has no attribute 'with_mem_len'
+    line = one_line_error(xlserve("eval", "--model", str(model), "--mem-len", "64", "--max-bytes", "300"))
+    assert line.startswith("xlserve eval: --mem-len") and "mamba" in line, line
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["eval", "--chunk-len", "0"], "argument --chunk-len: 0 is not a whole number of at least 1"),  # was a ValueError
+    (["eval", "--max-bytes", "0"], "argument --max-bytes: 0 is not a whole number of at least 1"),  # printed 0.0
+    (["eval", "--mem-len", "-5"], "argument --mem-len: -5 is not a whole number of at least 0"),
+    (["eval", "--segment-len", "0"], "argument --segment-len: 0 is not a whole number of at least 1"),
+    (["eval", "--chunk-len", "many"], "argument --chunk-len: 'many' is not a whole number"),
+    # a negative budget trained no step and saved the random weights as a trained checkpoint
+    (["train", "--arch", "vanilla", "--out", "unused", "--train-bytes", "-1"],
+     "argument --train-bytes: -1 is not a whole number of at least 1"),
+])
+def test_lengths_that_cannot_be_are_refused(argv, expected, capsys):
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args([*argv, "--model", "unused"] if argv[0] == "eval" else argv)
+    assert refused.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_eval_of_a_corrupt_checkpoint_is_one_line(tmp_path):
+    model = tiny_checkpoint(tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")  # was a CheckpointError traceback
+    line = one_line_error(xlserve("eval", "--model", str(model)))
+    assert line.startswith("xlserve eval: ") and "is not a readable safetensors file" in line, line
+
+
+def test_eval_write_card_needs_a_training_record_before_it_evaluates(tmp_path, monkeypatch):
+    """A checkpoint from `xlserve new` or `xlserve convert` has no training.json: --write-card ran
+    the whole evaluation, minutes at real size, then failed with a FileNotFoundError."""
+    from xlserve.models.training import card
+    from xlserve.server.cli import main
+
+    model = tiny_checkpoint(tmp_path / "model")
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("the held-out set was evaluated before the refusal")
+
+    monkeypatch.setattr(card, "evaluate_for_card", evaluated)
+    with pytest.raises(SystemExit) as refused:
+        main(["eval", "--model", str(model), "--write-card"])
+    message = str(refused.value.code)
+    assert message.startswith("xlserve eval: --write-card needs ") and "training.json" in message, message
+    assert "\n" not in message and not (model / "card.md").exists()
+
+
+def test_new_reports_a_config_torch_refuses_like_the_other_config_errors():
+    # Transformer-XL's constructor takes n_layer -1 and torch refused its first tensor: a RuntimeError traceback
+    line = one_line_error(xlserve("new", "--arch", "transformer-xl", "--config", '{"n_layer": -1}', "--out", "unused"))
+    assert line.startswith("xlserve new: --config does not make a transformer-xl config: "), line
+    assert not (REPOSITORY / "unused").exists()

@@ -34,6 +34,12 @@ class TrainingDiverged(RuntimeError):
     """A step's loss or gradient was not finite: the run stops before applying it."""
 
 
+class ResumeRefused(ValueError):
+    """A run's saved progress that cannot be resumed as asked (another architecture, preset or
+    shape of lanes, a budget it has passed), or that is not there to copy; the message names what
+    was saved and what was asked, and nothing has been trained or written."""
+
+
 @dataclass
 class Recipe:
     train_bytes: int = 20_000_000  # the token budget: bytes of training text consumed
@@ -96,14 +102,53 @@ def _write_progress(directory: Path, tensors: dict, progress: dict) -> None:
     os.replace(directory / "progress.json.tmp", directory / "progress.json")
 
 
-def _read_progress(directory: Path) -> tuple[dict, dict]:
+def _read_progress(directory: Path, tensors: bool = True) -> tuple[dict, dict]:
     """(progress, tensors) of a save; the tensor file's own record when it has one (saves from
-    before it had one use progress.json)."""
+    before it had one use progress.json). `tensors=False` reads the record alone ({} for them)."""
     with safe_open(str(directory / "progress.safetensors"), framework="pt") as opened:  # one file, even mid-save
         recorded = (opened.metadata() or {}).get("progress")
-        tensors = {name: opened.get_tensor(name) for name in opened.keys()}
+        read = {name: opened.get_tensor(name) for name in opened.keys()} if tensors else {}
     progress = json.loads(recorded) if recorded is not None else json.loads((directory / "progress.json").read_text())
-    return progress, tensors
+    return progress, read
+
+
+# the recipe's fields that shape what a run saves: the lanes' memory has batch_size rows, each
+# lane's place in its file is counted in segments of segment_len, and the seed and layout decide
+# which file each lane reads. A resume with others would carry the memory into lanes it does not
+# belong to (or fail on its shape); train_bytes may change (see `_check_resume`)
+RECIPE_FIELDS_OF_THE_LANES = ("batch_size", "segment_len", "seed", "lane_layout")
+
+
+def _check_resume(out: Path, progress: dict, architecture: str, preset: str, config: dict, recipe: Recipe) -> None:
+    """Refuse to resume the run saved in `progress` as another one: its weights and optimiser
+    moments fit only its own architecture and preset (another one failed loading them, with a
+    size mismatch or a missing state tensor), its lanes' memory only its own lanes. A field a save
+    from an older xlserve lacks is not compared."""
+    saved_architecture, saved_preset = progress.get("architecture", architecture), progress.get("preset", preset)
+    run = f"{out} holds a {saved_architecture}/{saved_preset} run at step {progress['step']}"
+    if (saved_architecture, saved_preset) != (architecture, preset):
+        raise ResumeRefused(f"{run}; resuming it as {architecture}/{preset} would not fit its weights: continue it "
+                            f"with --arch {saved_architecture} --preset {saved_preset}, or train into another --out")
+    saved_config = progress.get("config")
+    asked_config = json.loads(json.dumps(config))  # as the save holds it (tuples as lists)
+    if saved_config is not None and saved_config != asked_config:
+        # the preset was edited since the run began
+        changed = sorted(k for k in saved_config.keys() | asked_config.keys()
+                         if saved_config.get(k) != asked_config.get(k))
+        field, more = changed[0], f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise ResumeRefused(f"{run}, built with {field} {saved_config.get(field)!r}; the {preset} preset of "
+                            f"{architecture} now has {field} {asked_config.get(field)!r}{more}, which would not fit "
+                            "its weights: train into another --out")
+    saved_recipe = progress.get("recipe", {})
+    for field in RECIPE_FIELDS_OF_THE_LANES:
+        if field in saved_recipe and saved_recipe[field] != getattr(recipe, field):
+            raise ResumeRefused(f"{run}, trained with {field} {saved_recipe[field]!r}; this one has "
+                                f"{getattr(recipe, field)!r}, and the run's lanes (their memory, their place in "
+                                "their files) cannot be resumed so: resume it with its own recipe")
+    step_bytes = recipe.batch_size * recipe.segment_len
+    if recipe.total_steps < progress["step"]:  # a smaller budget would record less training than the run had
+        raise ResumeRefused(f"{run}, past the {recipe.total_steps} steps of {recipe.train_bytes:,} training bytes "
+                            f"({step_bytes:,} a step): give at least {progress['step'] * step_bytes:,} to continue it")
 
 
 def _load_progress(resume_dir: Path, model, optimizer):
@@ -135,7 +180,11 @@ def export_progress(run_dir: str | Path, destination: str | Path, lane_memory: b
     110 of its 132 MB). A run resumed from such a copy empties every lane's memory at that step,
     as if each lane began a file there, and records the step in `lane_memory_emptied_at_steps`:
     the weights, the optimiser's moments and the data order are still exactly the run's."""
-    progress, tensors = _read_progress(Path(run_dir) / ".resume")
+    source = Path(run_dir) / ".resume"
+    if not (source / "progress.safetensors").is_file():
+        raise ResumeRefused(f"{run_dir} holds no training progress to export ({source / 'progress.safetensors'} does "
+                            f"not exist; a run saves it every {STANDARD_RECIPE.save_every} steps)")
+    progress, tensors = _read_progress(source)
     destination = Path(destination)
     if not lane_memory:
         tensors = {name: value for name, value in tensors.items() if not name.startswith("memory.")}
@@ -179,6 +228,9 @@ def train(
     resume_dir = out / ".resume"
     torch.manual_seed(recipe.seed)
     config = preset_config(architecture, preset)
+    resuming = (resume_dir / "progress.json").is_file()
+    if resuming:  # before anything is built or read: a rerun over a run of another kind is refused at once
+        _check_resume(out, _read_progress(resume_dir, tensors=False)[0], architecture, preset, config, recipe)
     model = build_model(architecture, config)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "bias" not in n]
@@ -194,8 +246,17 @@ def train(
     state = model.init_state(recipe.batch_size)
     progress = {"step": 0, "elapsed_s": 0.0, "evaluations": [], "recipe": asdict(recipe), "preset": preset,
                 "architecture": architecture, "config": config, "parameters": params}
-    if (resume_dir / "progress.json").is_file():
+    if resuming:
         progress, state = _load_progress(resume_dir, model, optimizer)
+        saved_budget = progress.setdefault("recipe", asdict(recipe)).get("train_bytes")
+        if saved_budget != recipe.train_bytes:
+            # "rerun to continue", with a larger budget too (README): training.json and the card
+            # then give the budget the run was trained to, and when it changed
+            progress["recipe"]["train_bytes"] = recipe.train_bytes
+            progress.setdefault("notes", []).append(
+                f"the byte budget changed from {saved_budget:,} to {recipe.train_bytes:,} training bytes at step "
+                f"{progress['step']:,}, where the run was resumed; the learning rate's cosine decay follows the new "
+                "total from there")
         if state is None:
             state = model.init_state(recipe.batch_size)
             log(f"resuming {architecture}/{preset} from step {progress['step']} ({resume_dir}); its progress was "

@@ -206,3 +206,67 @@ def test_a_step_with_a_non_finite_loss_stops_the_run_before_it_is_applied(tmp_pa
     progress, tensors = train_module._read_progress(tmp_path / "out" / ".resume")
     assert progress["step"] == 2
     assert all(torch.isfinite(value).all() for name, value in tensors.items() if name.startswith("model."))
+
+
+# a run of a few steps of 4 lanes x 32 bytes, saved at its end
+SHORT_RECIPE = replace(STANDARD_RECIPE, train_bytes=4 * 32 * 3, batch_size=4, segment_len=32, eval_every=1000,
+                       save_every=3, quick_eval_bytes=2000, warmup_steps=2)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # another architecture: "state tensor missing" ValueError, or a size-mismatch RuntimeError
+    (["--arch", "mamba", "--preset", "tiny"], "holds a transformer-xl/tiny run at step 3; "
+                                              "resuming it as mamba/tiny"),
+    (["--arch", "transformer-xl", "--preset", "small"], "holds a transformer-xl/tiny run at step 3; "
+                                                        "resuming it as transformer-xl/small"),
+])
+def test_a_rerun_with_another_architecture_or_preset_is_refused(tmp_path, monkeypatch, argv, expected):
+    """`xlserve train --out RUN` resumes RUN: with another --arch or --preset its saved weights do
+    not fit the model built, and the rerun is refused naming both, before anything is trained."""
+    run = tmp_path / "run"
+    train("transformer-xl", "tiny", run, SHORT_RECIPE, log=lambda s: None)
+    saved = (run / ".resume" / "progress.safetensors").read_bytes()
+    monkeypatch.setattr(train_module, "STANDARD_RECIPE", SHORT_RECIPE)  # what `xlserve train` trains by
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", *argv, "--out", str(run), "--train-bytes", str(4 * 32 * 6)])
+    message = str(refused.value.code)
+    assert message.startswith(f"xlserve train: {run} holds ") and expected in message and "\n" not in message, message
+    assert "--arch transformer-xl --preset tiny" in message
+    assert (run / ".resume" / "progress.safetensors").read_bytes() == saved  # nothing was trained
+
+
+def test_a_resume_with_lanes_of_another_shape_is_refused(tmp_path):
+    """The lanes' saved memory has the run's batch of lanes and its segments their length: a
+    resume that would cut them otherwise is refused, naming both values."""
+    train("transformer-xl", "tiny", tmp_path / "run", SHORT_RECIPE, log=lambda s: None)
+    with pytest.raises(ValueError, match=r"trained with batch_size 4; this one has 8"):  # ResumeRefused, a ValueError
+        train("transformer-xl", "tiny", tmp_path / "run", replace(SHORT_RECIPE, batch_size=8), log=lambda s: None)
+
+
+def test_a_rerun_with_a_larger_byte_budget_records_it(tmp_path, monkeypatch):
+    """README: "resumable: rerun to continue", --train-bytes N included: a rerun with a larger budget
+    continues the run up to it, and training.json (the card's source) records the budget the run
+    has now, with the step it changed at (the learning rate's decay follows the new total from there)."""
+    run = tmp_path / "run"
+    train("transformer-xl", "tiny", run, SHORT_RECIPE, log=lambda s: None)
+    monkeypatch.setattr(train_module, "STANDARD_RECIPE", SHORT_RECIPE)
+    cli.main(["train", "--arch", "transformer-xl", "--preset", "tiny", "--out", str(run), "--train-bytes",
+              str(4 * 32 * 5)])
+    record = json.loads((run / "training.json").read_text())
+    assert record["step"] == 5 and record["recipe"]["train_bytes"] == 4 * 32 * 5
+    assert record["notes"] == ["the byte budget changed from 384 to 640 training bytes at step 3, where the run "
+                               "was resumed; the learning rate's cosine decay follows the new total from there"]
+    with pytest.raises(SystemExit, match=r"^xlserve train: .* run at step 5, past the 3 steps of 384 training "
+                                         r"bytes \(128 a step\): give at least 640 to continue it$"):
+        cli.main(["train", "--arch", "transformer-xl", "--preset", "tiny", "--out", str(run), "--train-bytes",
+                  str(4 * 32 * 3)])
+
+
+def test_exporting_the_progress_of_no_run_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as refused:  # was a FileNotFoundError traceback
+        cli.main(["train", "--arch", "transformer-xl", "--out", str(tmp_path / "no-run"),
+                  "--export-progress", str(tmp_path / "copy")])
+    message = str(refused.value.code)
+    assert message.startswith(f"xlserve train: {tmp_path / 'no-run'} holds no training progress to export") \
+        and "\n" not in message, message
+    assert not (tmp_path / "copy").exists()
