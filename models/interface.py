@@ -46,7 +46,13 @@ class ArchConfig:
         for name, value in values.items():
             if not _fits(value, hints[name]):
                 raise ValueError(f"{cls.__name__}.{name} must be {_described(hints[name])}, not {value!r}")
+            if name in SIZES and value < 1:  # n_layer -1 built a model of no layers in some architectures
+                raise ValueError(f"{cls.__name__}.{name} must be at least 1, not {value!r}")
         return cls(**values)
+
+
+# the sizes every architecture that has them needs at least one of (a vocabulary, layers, widths, heads)
+SIZES = frozenset({"vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner"})
 
 
 def _fits(value: Any, hint: Any) -> bool:

@@ -137,7 +137,8 @@ def test_a_config_json_of_the_wrong_form_names_the_file(saved, config_text, word
     ("n_layer", "2", "TransformerXLConfig.n_layer must be an integer, not '2'"),
     ("same_length", 1, "TransformerXLConfig.same_length must be true or false, not 1"),
     ("cutoffs", [1, "x"], "TransformerXLConfig.cutoffs must be a list of integers"),
-    ("d_inner", -1, "bad model config"),  # of its type, and no model has it
+    ("d_inner", -1, "TransformerXLConfig.d_inner must be at least 1, not -1"),  # of its type, and no model has it
+    ("n_layer", 0, "TransformerXLConfig.n_layer must be at least 1, not 0"),
 ])
 def test_a_hyperparameter_of_the_wrong_type_or_value_is_named(saved, field, value, words):
     _, path = saved
@@ -223,3 +224,15 @@ def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(saved, mo
     monkeypatch.setattr(checkpoint, "machine_memory_bytes", lambda: 1 << 10)
     with pytest.raises(CheckpointError, match=r"GiB in float32 while it is built, more than this machine's memory"):
         load_checkpoint(saved[1])
+
+
+@pytest.mark.parametrize("architecture", ["vanilla", "xlnet", "transformer-xl", "mamba"])
+def test_no_architecture_is_built_with_no_layers_or_a_width_below_one(architecture):
+    """`xlserve new --config '{"n_layer": -1}'` wrote a checkpoint of a vanilla or XLNet model
+    with no layers: only some architectures checked their sizes."""
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.presets import preset_config
+
+    for field in ("n_layer", "d_model"):
+        with pytest.raises(ValueError, match=f"{field} must be at least 1, not -1"):
+            build_model(architecture, {**preset_config(architecture, "tiny"), field: -1})
