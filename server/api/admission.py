@@ -112,11 +112,14 @@ class AdmissionMiddleware:
         # a state's body is never buffered here, with a length or without: its route reads and
         # measures it (serving/requests.py read_body) once it holds a place among the states in
         # flight, which bounds the memory they take
-        if scope["method"] in ("POST", "PUT", "PATCH") and not state_upload and (json_body or length is None):
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            # whatever its Content-Type: FastAPI reads a body of another type whole (a text/plain
+            # one of 8 MB) before the route's own key check runs
             unauthenticated = authentication_error(state, headers)
             if unauthenticated is not None:
                 await send_error(scope, send, unauthenticated)
                 return
+        if scope["method"] in ("POST", "PUT", "PATCH") and not state_upload and (json_body or length is None):
             # read (at most limit + 1 bytes of) the body here, then replay it: a body sent
             # without a length is measured, a JSON body's nesting checked
             messages, size = [], 0

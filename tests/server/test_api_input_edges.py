@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import llguidance
@@ -160,6 +161,32 @@ def test_without_a_key_a_body_is_refused_before_it_is_read(served):
     assert error_of(chunked, 401)["code"] == "invalid_api_key"
     assert error_of(keyed.post("/v1/completions", content=DEEP,
                                headers={"content-type": "application/json"}))["code"] == "json_too_deep"
+
+
+@pytest.mark.parametrize("content_type", [b"text/plain", b"application/x-www-form-urlencoded",
+                                          b"application/octet-stream"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/v1/sessions/import"])
+def test_without_a_key_a_body_of_any_type_is_refused_before_it_is_read(served, content_type, path):
+    """Only a JSON body, or one without a length, was refused before it was read: a text/plain
+    one of 7 MB was read whole (FastAPI reads it before the route's key check) and then 401, so
+    anyone without a key could make the server hold 8 MB per open connection."""
+    keyed, _, _ = served
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", content_type), (b"content-length", b"900000")],  # under the 1 MB limit
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    asked, sent = [], []
+
+    async def receive():
+        asked.append(1)
+        return {"type": "http.request", "body": b"x" * 900_000, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(keyed.app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 401
+    assert asked == []  # not one byte of the body was asked for
 
 
 def test_a_body_without_a_content_type_is_not_parsed_as_json(served):
