@@ -404,6 +404,13 @@ class SecuritySettings(SettingsGroup):
         if not keys:
             raise ValueError(f"--api-key / XLSERVE_API_KEYS is set ({self.api_keys!r}) but holds no key; it would "
                              "leave the API open. Unset it for an open API")
+        for number, key in enumerate(keys, 1):
+            # an HTTP header is read as Latin-1 and a browser's fetch sends nothing past U+00FF: a
+            # key of other characters would match only on the websocket's subprotocol
+            if not (key.isascii() and key.isprintable()):
+                raise ValueError(f"API key {number} of --api-key / XLSERVE_API_KEYS holds a character that is not "
+                                 "printable ASCII (not quoted: it is a secret); an Authorization header cannot "
+                                 "carry it. Use keys of printable ASCII, e.g. `openssl rand -hex 32`")
         return keys
 
 

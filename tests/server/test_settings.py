@@ -221,3 +221,14 @@ def test_every_xlserve_variable_the_repository_uses_is_a_setting_or_listed_as_no
     unknown = used - set(Settings.environment_variables()) - NON_SETTING_ENVIRONMENT_VARIABLES
     unknown = {name for name in unknown if not is_kubernetes_service_link(name)}  # named by deploy/'s comments
     assert not unknown, f"XLSERVE_ variables that are not settings: add them to NON_SETTING_ENVIRONMENT_VARIABLES: {unknown}"
+
+
+def test_a_key_an_authorization_header_cannot_carry_is_refused_at_start():
+    """A key with a character past ASCII was taken: HTTP reads headers as Latin-1 (and a
+    browser's fetch sends nothing past U+00FF), so it matched only on the websocket, whose
+    sessions then belonged to an owner no HTTP request could present."""
+    for keys in ("k1,clé2", "k1,\u0001x"):
+        with pytest.raises(ValueError, match="not printable ASCII") as refused:
+            SecuritySettings(api_keys=keys).api_key_list()
+        assert "clé2" not in str(refused.value)
+    assert SecuritySettings(api_keys="k1, k2 ").api_key_list() == ["k1", "k2"]
