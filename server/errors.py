@@ -121,6 +121,8 @@ RAISED_CODES: dict[str, str] = {
     # an imported or PUT state the model cannot take (the engine's InvalidInput)
     "invalid_state": "invalid_request_error",
     "invalid_api_key": "authentication_error",
+    # a web page of another origin opening the websocket (server/api/deps.py `cross_origin_error`)
+    "cross_origin": "permission_error",
     # the websocket's one request at a time
     "nothing_to_cancel": "conflict",
     "request_in_progress": "conflict",

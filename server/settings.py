@@ -385,6 +385,11 @@ class SecuritySettings(SettingsGroup):
     api_keys: str = Field("", description="comma list of keys, or @/path/to/file with one per line; "
                           "empty: open")
     metrics_require_key: bool = Field(False, description="put /metrics behind the API keys")
+    allowed_origins: str = Field("", description="comma list of web origins (https://app.example.com) whose "
+                                 "pages may open the websocket /v1/stream besides the server's own; * for any")
+
+    def allowed_origin_list(self) -> list[str]:
+        return [origin.strip().rstrip("/").lower() for origin in self.allowed_origins.split(",") if origin.strip()]
 
     @field_validator("api_keys")
     @classmethod

@@ -9,12 +9,13 @@ import hashlib
 import hmac
 import re
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from fastapi import Request
 
 from xlserve.server.engine.client import EngineClient
 from xlserve.server.api.chat import ChatTemplate
-from xlserve.server.api.errors import AuthenticationFailed
+from xlserve.server.api.errors import APIError, AuthenticationFailed, Forbidden
 from xlserve.server.engine.errors import ModelNotFound
 from xlserve.server.metrics import Metrics
 from xlserve.server.settings import Settings
@@ -120,6 +121,38 @@ def subprotocol_key(request: Request) -> str | None:
     except (ValueError, UnicodeDecodeError):
         raise AuthenticationFailed(f"the {KEY_SUBPROTOCOL_PREFIX} subprotocol is base64url, but not of a "
                                    "UTF-8 key", code="invalid_api_key") from None
+
+
+DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
+
+
+def cross_origin_error(websocket, allowed: list[str]) -> APIError | None:
+    """The 403 for a websocket opened by a web page of another origin than this server's (or
+    one of `allowed`, XLSERVE_ALLOWED_ORIGINS; "*" allows any). A browser applies no same-origin
+    rule to a websocket and sends every page's Origin: without this, any site a user visits could
+    drive a server on their machine (one without keys, as `make serve` starts it) and append to
+    its sessions. A client that is no browser sends no Origin, and is not asked for one. The
+    page's host is compared with the Host the request came to, and its port too where the Host
+    names one (a proxy's `$host` names none)."""
+    origin = websocket.headers.get("origin")
+    if origin is None or "*" in allowed or origin.strip().rstrip("/").lower() in allowed:
+        return None
+    try:
+        page = urlsplit(origin.strip())
+        page_port = page.port or DEFAULT_PORTS.get(page.scheme.lower())
+    except ValueError:
+        page, page_port = None, None
+    host = websocket.headers.get("host", "")
+    try:
+        target = urlsplit("//" + host)
+        target_port = target.port
+    except ValueError:
+        target, target_port = None, None
+    if (page is not None and target is not None and page.hostname and page.hostname == target.hostname
+            and (target_port is None or target_port == page_port)):
+        return None
+    return Forbidden("a web page of another origin may not open this websocket (its Origin is not this server's; "
+                     "the operator may allow it with XLSERVE_ALLOWED_ORIGINS)", code="cross_origin")
 
 
 def owner_of(request: Request) -> str | None:

@@ -543,3 +543,34 @@ def test_a_list_of_prompts_is_measured_against_the_per_key_queue_too():
     with pytest.raises(InvalidRequest, match="XLSERVE_MAX_QUEUED_PER_KEY") as refused:
         check_the_batch_fits(limits, 16, 16, keyed=True)  # 12 of one key's would wait
     assert refused.value.code == "too_many_prompts" and "at most 8 such prompts" in refused.value.message
+
+
+def test_a_web_page_of_another_origin_cannot_open_the_websocket():
+    """A browser applies no same-origin rule to a websocket: any site a user visited could open
+    ws://127.0.0.1:8000/v1/stream on a server without keys (as `make serve` starts it), generate
+    and append to its sessions. A page of another origin is refused 403 unless the operator
+    allows it; a client that is no browser sends no Origin and is not asked for one."""
+    app, state = make_app()
+    client = TestClient(app)
+    generate = json.dumps({"type": "generate", "model": MODEL, "prompt": "ab", "temperature": None})
+
+    def first_frame(headers: dict) -> dict:
+        with client.websocket_connect("/v1/stream", headers=headers) as websocket:
+            websocket.send_text(generate)
+            return json.loads(websocket.receive_text())
+
+    for origin in ("https://evil.example", "http://127.0.0.1:3000", "null"):
+        refused = first_frame({"origin": origin, "host": "127.0.0.1:8000"})
+        assert refused["type"] == "error" and refused["error"]["code"] == "cross_origin", (origin, refused)
+        assert refused["error"]["type"] == "permission_error"
+    # its own pages (the playground), a client without an Origin, behind a proxy that sends the Host without its port
+    for headers in ({"origin": "http://127.0.0.1:8000", "host": "127.0.0.1:8000"}, {},
+                    {"origin": "https://xl.example", "host": "xl.example"}):
+        answer = first_frame(headers)
+        assert answer["error"]["param"] == "temperature", (headers, answer)  # past the handshake: the frame's own error
+    state.settings.security.allowed_origins = "https://app.example.com, https://other.example/"
+    assert first_frame({"origin": "https://app.example.com"})["error"]["param"] == "temperature"
+    assert first_frame({"origin": "https://evil.example"})["error"]["code"] == "cross_origin"
+    state.settings.security.allowed_origins = "*"
+    assert first_frame({"origin": "https://evil.example"})["error"]["param"] == "temperature"
+    client.close()

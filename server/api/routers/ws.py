@@ -31,6 +31,7 @@ from xlserve.server.api.serving import (
     append_frames,
     cancelled_generation_frame,
     check_session_header,
+    cross_origin_error,
     error_frame,
     generation_frames,
     offered_subprotocols,
@@ -209,11 +210,14 @@ async def stream(websocket: WebSocket):
     # refused once accepted, with an error frame a client can read (a refused handshake tells it
     # nothing): a query parameter (the route takes none), then a missing or malformed key
     try:
+        refused = cross_origin_error(websocket, state.settings.security.allowed_origin_list())
+        if refused is not None:
+            raise refused
         refuse_unknown_query_parameters(websocket)
         owner = owner_of(websocket)
     except APIError as error:
         await websocket.send_text(json.dumps(error_frame(None, error, state)))
-        reason = "authentication failed" if error.status == 401 else "invalid request"
+        reason = {401: "authentication failed", 403: "cross-origin page"}.get(error.status, "invalid request")
         await websocket.close(code=1008, reason=reason)
         return
     await _Connection(websocket, state, owner).run()

@@ -33,7 +33,8 @@ exactly one of them wins).
 
 from __future__ import annotations
 
-from xlserve.server.api.deps import WEBSOCKET_SUBPROTOCOL, AppState, app_state, offered_subprotocols, owner_of
+from xlserve.server.api.deps import (WEBSOCKET_SUBPROTOCOL, AppState, app_state, cross_origin_error,
+                                     offered_subprotocols, owner_of)
 from xlserve.server.api.errors import APIError, Conflict, InvalidRequest
 from xlserve.server.api.serving.completions import (
     ChatCompletion,
@@ -99,6 +100,7 @@ __all__ = [
     "generation_frames",
     "list_sessions",
     "owner_of",
+    "cross_origin_error",
     "read_body",
     "PartedJSONResponse",
     "StateResponse",
