@@ -119,7 +119,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="feed at most this many tokens of a longer history, its last ones, and count the "
                              "session as having seen all of them; only for a state of fixed size past its memory "
                              "(Transformer-XL, XLNet with mem_len), where what an append costs cannot depend on "
-                             "the tokens before; every row says how many were fed (default: feed them all)")
+                             "the tokens before; never fewer than the memory's length (mem_len), and a feed that "
+                             "leaves the state short of full is refused; every row says how many were fed "
+                             "(default: feed them all)")
     parser.add_argument("--decode-prompt", type=int, help="prompt tokens before the decode is timed")
     parser.add_argument("--decode-tokens", type=int, help="greedy steps timed in each round")
     parser.add_argument("--decode-rounds", type=int,
@@ -495,10 +497,16 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
     fed = history
     if args.max_fed_history and history > args.max_fed_history and model.history_limit is None \
             and model.full_state_bytes() is not None:  # a state of fixed size once its memory is full
-        fed = args.max_fed_history
+        # never fewer than fill the memory: a shorter feed left wt103's 8k row a state of 1,024
+        # positions, reported as 8k tokens of history
+        fed = min(history, max(args.max_fed_history, getattr(model.config, "mem_len", None) or 0))
     start = time.perf_counter()
     next_row, state = feed(model, tokens[:, history - fed : history], model.init_state(1), args.history_chunk)
     history_s = time.perf_counter() - start
+    if fed < history and state.nbytes() != model.full_state_bytes():
+        raise SystemExit(f"{name}: --max-fed-history {args.max_fed_history} fed {fed} tokens, which leave its state at "
+                         f"{state.nbytes()} of its full {model.full_state_bytes()} bytes: its row would not be a "
+                         f"history of {history} tokens; feed more")
     sessions = [SessionData(state=state, tokens=history, next_log_probs=next_row)]
     forward_s = []
     for k in range(args.appends):
@@ -542,7 +550,7 @@ def measure_appends(name: str, model, history: int, args, redis_url: str, vocab:
             row[f"bytes_per_commit_{durable}_over_new_positions"] = row[f"bytes_per_commit_{durable}"] / row["new_positions_bytes"]
     if cycle:
         row["compaction_cycle"] = compaction_cycle(name, model, sessions, args, redis_url, vocab, seed=history + 1,
-                                                   new_positions=row["new_positions_bytes"])
+                                                   new_positions=row["new_positions_bytes"], forward_s=row["forward_s"])
     return row
 
 
@@ -550,7 +558,7 @@ MAX_CYCLE_COMMITS = 64  # a state that has not compacted by then is reported as 
 
 
 def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, vocab: int, seed: int,
-                     new_positions: int) -> dict:
+                     new_positions: int, forward_s: float) -> dict:
     """What a commit writes amortized over a whole cycle of its session's log: the session written
     whole at `sessions[0]`, then appends of `args.append` tokens (`sessions[1:]`, then more) each
     committed, until the commit whose block takes the log past XLSERVE_COMPACT_RATIO times the
@@ -559,12 +567,17 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
     costs per append, where the median commit leaves the compactions out. Committed to disk and
     to Redis by turns, each store's bytes counted as `measure_appends` counts them, with the
     compaction awaited inside its commit's count. `new_positions`: the bytes of one append's new
-    positions (`measure_appends`' row), the unit of the ratio reported."""
+    positions (`measure_appends`' row), the unit of the ratio reported. The seconds too: the
+    commits' own and the compaction's (which runs behind its commit's answer, but holds the
+    session meanwhile and takes the machine's time), over the commits, and an append with its
+    commit amortized so over `forward_s`, the append's forward: what the median commit of
+    `measure_appends` leaves out."""
     from xlserve.server.cache.codec import SessionData, encode
 
     generator = torch.Generator().manual_seed(seed)
     stores = ["disk"] + (["redis"] if redis_url else [])
-    result = {store: {"commits": 0, "bytes": 0, "compacted": False} for store in stores}
+    result = {store: {"commits": 0, "bytes": 0, "compacted": False, "commit_s": 0.0, "compaction_s": 0.0}
+              for store in stores}
     with tempfile.TemporaryDirectory(prefix="xlserve-bench-") as directory:
         caches = {}
         try:
@@ -586,9 +599,13 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
                         continue
                     lease = cache.acquire(session_id, None)
                     before = bytes_sent(store, redis_url)
+                    start = time.perf_counter()
                     cache.commit(lease, data)
+                    answered = time.perf_counter()
                     if not cache.compactions.wait_idle(timeout=600):
                         raise RuntimeError(f"{name}: a compaction to {store} did not end within 600 s")
+                    result[store]["commit_s"] += answered - start
+                    result[store]["compaction_s"] += time.perf_counter() - answered
                     result[store]["bytes"] += bytes_sent(store, redis_url) - before
                     result[store]["commits"] += 1
                     # behind the answer, or by a commit whose log could not wait: both count as "compaction"
@@ -609,6 +626,8 @@ def compaction_cycle(name: str, model, sessions: list, args, redis_url: str, voc
     for r in result.values():
         r["base_blob_bytes"] = base_bytes
         r["bytes_per_commit"] = r["bytes"] / r["commits"]
+        r["seconds_per_commit"] = (r["commit_s"] + r["compaction_s"]) / r["commits"]
+        r["append_with_commit_over_forward_amortized"] = (forward_s + r["seconds_per_commit"]) / forward_s
         if new_positions:
             r["bytes_per_commit_over_new_positions"] = r["bytes_per_commit"] / new_positions
     return result
@@ -911,7 +930,11 @@ def print_table(result: dict) -> None:
                       f"{_mb(cycle['base_blob_bytes'])}), {store}: {cycle['commits']} commits "
                       f"{'and their compaction' if cycle['compacted'] else '(no compaction)'} wrote "
                       f"{_mb(cycle['bytes'])}, {_mb(cycle['bytes_per_commit'])} a commit amortized "
-                      f"({cycle.get('bytes_per_commit_over_new_positions', float('nan')):.2f}x its new positions)")
+                      f"({cycle.get('bytes_per_commit_over_new_positions', float('nan')):.2f}x its new positions); "
+                      f"{cycle['commit_s'] + cycle['compaction_s']:.2f} s of commits and compaction "
+                      f"({cycle['compaction_s']:.2f} s of it the compaction), "
+                      f"{cycle['seconds_per_commit'] * 1000:.0f} ms a commit amortized: append + commit "
+                      f"{cycle['append_with_commit_over_forward_amortized']:.2f}x the forward")
         print(f"  read bandwidth before the decode {shape['read_bandwidth_before_decode_bytes_per_s'] / 1e9:.1f} GB/s; "
               f"the fractions divide by the larger reading, {shape['decode'][0]['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
         for row in shape["decode"]:

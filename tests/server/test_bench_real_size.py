@@ -111,6 +111,12 @@ def test_a_compaction_cycle_counts_the_whole_write_amortized_over_its_commits(re
             assert cycle["bytes"] <= 1.2 * (cycle["commits"] * row[f"bytes_per_commit_{store}"] + row["whole_blob_bytes"])
             assert cycle["bytes_per_commit_over_new_positions"] == pytest.approx(
                 cycle["bytes_per_commit"] / row["new_positions_bytes"])
+            # and its time: the commits' and the compaction's behind them, over the commits (the
+            # median commit's ratio left the compaction's seconds out)
+            assert cycle["commit_s"] > 0 and cycle["compaction_s"] > 0
+            assert cycle["seconds_per_commit"] == pytest.approx((cycle["commit_s"] + cycle["compaction_s"]) / cycle["commits"])
+            assert cycle["append_with_commit_over_forward_amortized"] == pytest.approx(
+                (row["forward_s"] + cycle["seconds_per_commit"]) / row["forward_s"])
 
 
 def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
@@ -147,12 +153,17 @@ def test_decode_matches_the_reference_and_reports_int8_and_bandwidth(result):
                 assert row["identical_tokens"], (shape["shape"], batch)
         # a batch gains at most its size over one row, less as its rows' states weigh
         assert 1 < rows[2]["ceiling_over_batch_1"] < 2
-        # every ratio is the median of the same ratio within each round, never a ratio of medians
+        # every ratio is the median of the same ratio within each round, never a ratio of medians:
+        # each round's ratio is that round's tokens/s of the one over the other's
         for kind in ("float32", "int8"):
             by_round = rows[2][f"{kind}_over_batch_1_by_round"]
+            assert by_round == pytest.approx([batched / alone for batched, alone in zip(
+                rows[2][f"xlserve_{kind}_tokens_per_s_by_round"], rows[1][f"xlserve_{kind}_tokens_per_s_by_round"])])
             assert len(by_round) == 2 and rows[2][f"{kind}_over_batch_1"] == pytest.approx(statistics.median(by_round))
             assert rows[1][f"{kind}_over_batch_1"] == 1.0
         for row in rows.values():
+            assert row["int8_over_float32_by_round"] == pytest.approx([int8 / float32 for int8, float32 in zip(
+                row["xlserve_int8_tokens_per_s_by_round"], row["xlserve_float32_tokens_per_s_by_round"])])
             assert row["int8_over_float32"] == pytest.approx(statistics.median(row["int8_over_float32_by_round"]))
             # the reference decoded amid xlserve's rounds, after the middle one
             assert row["reference_after_round"] == 2
@@ -209,3 +220,23 @@ def test_a_model_whose_state_grows_without_bound_says_how_to_size_its_state_bodi
     line = sessions_per_tier({"state_bytes_per_session": None}, {"device_bytes": 1, "host_bytes": 1, "disk_bytes": 1},
                              redis=False)
     assert "grows with every token" in line and "XLSERVE_MAX_STATE_BODY_BYTES" in line
+
+
+def test_a_history_fed_short_still_fills_the_memory():
+    """--max-fed-history below the memory's length left the state short of full while its row
+    said the whole history: wt103's 8k and 64k rows would have been a memory of 1,024 positions,
+    their whole blob and compaction cycle wrong. The feed is never shorter than mem_len."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from xlserve.models.registry import build_model
+    from xlserve.models.training.presets import preset_config
+    from xlserve.server.bench.real_size import measure_appends
+
+    torch.manual_seed(0)
+    model = build_model("transformer-xl", preset_config("transformer-xl", "tiny")).eval()  # mem_len 32
+    args = SimpleNamespace(max_fed_history=8, append=4, appends=1, history_chunk=64, compact_ratio=1.5)
+    with torch.inference_mode():
+        row = measure_appends("tiny", model, 100, args, "", model.vocab_size)
+    assert row["history_fed_tokens"] == model.config.mem_len == 32
