@@ -516,7 +516,7 @@ class TokenizeRequest(RequestBody):
     """A prompt's tokens, as the model sees it: `prompt`, or `messages` (and `tools`) rendered by
     the chat template as a chat request's are."""
 
-    model: Text
+    model: Text | None = None  # as vLLM: optional where the server serves one model
     prompt: Text | None = None
     messages: Messages | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     # with messages: the tools a template may describe in the prompt (vLLM's tokenize takes them);
@@ -528,10 +528,11 @@ class TokenizeRequest(RequestBody):
     chat_template_kwargs: TemplateVariables | None = None  # with messages: the template's further variables, as chat's
     _none_of_our_own = field_validator("chat_template_kwargs")(none_of_our_own)
     add_special_tokens: bool = True  # accepted for vLLM's clients; these tokenizers add none
+    return_token_strs: bool = False  # vLLM's: each token's vocabulary entry too (`token_strs`)
 
 
 class DetokenizeRequest(RequestBody):
-    model: Text
+    model: Text | None = None  # as vLLM: optional where the server serves one model
     tokens: TokenIds
 
 
@@ -856,10 +857,17 @@ class ModelCard(ResponseBody):
     # tensors in XLSERVE_STATE_DTYPE) and its next-token row; None where the state grows without bound
     state_bytes_per_session: int | None
     max_context: int | None  # None: the context has no bound
+    # vLLM's name for the same length, which vLLM-aware clients read (filled in from max_context)
+    max_model_len: int | None = None
     parameters: int
     config: dict[str, Any]  # the checkpoint's model configuration
     quantize: Literal["none", "int8"]  # XLSERVE_QUANTIZE for this model: int8 weights of its linear layers
     weight_bytes: int  # its weights in memory (int8 ones with their scales), tied ones once
+
+    @model_validator(mode="after")
+    def _vllm_length(self) -> "ModelCard":
+        self.max_model_len = self.max_context  # always set: every card carries it
+        return self
 
 
 class ModelList(ResponseBody):
@@ -925,6 +933,7 @@ class TokenizeResponse(ResponseBody):
     count: int
     max_model_len: int | None  # the model's context length; None for a model whose context has no bound
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: each token's vocabulary entry, as vLLM's
 
 
 class DetokenizeResponse(ResponseBody):

@@ -297,9 +297,29 @@ def test_models_tokenize_and_probes_fit_their_models(served):
     for model, response in answers:
         assert response.status_code == 200, response.text
         fits(model, written_by_json_dumps(response))
-    assert answers[1][1].json() == CARD  # the card as the engine process described it, nothing filtered
+    # the card as the engine process described it, nothing filtered, and vLLM's name for its context length
+    assert answers[1][1].json() == {**CARD, "max_model_len": CARD["max_context"]}
     assert answers[2][1].json() == {"count": 6, "max_model_len": None, "tokens": list("héllo".encode())}
     assert "é" in answers[4][1].text  # not ASCII-escaped, as before
+
+
+def test_tokenize_and_detokenize_take_what_vllm_s_do(served):
+    """vLLM's tokenize and detokenize take no model where the server serves one, and tokenize's
+    return_token_strs; /v1/models' cards carry vLLM's max_model_len. Each was a 400 (or missing)."""
+    client, _ = served
+    answer = client.post("/tokenize", json={"prompt": "hé", "return_token_strs": True})
+    assert answer.status_code == 200, answer.text
+    fits(TokenizeResponse, written_by_json_dumps(answer))
+    assert answer.json() == {"count": 3, "max_model_len": None, "tokens": [104, 195, 169],
+                             "token_strs": ["h", "<0xC3>", "<0xA9>"]}
+    assert "token_strs" not in client.post("/tokenize", json={"prompt": "hé"}).json()
+    assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+    state = client.app.state.xlserve
+    state.models = {**state.models, "other": state.models[MODEL]}  # with two, the model must be named
+    refused = client.post("/detokenize", json={"tokens": [104]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    assert "other" in refused.json()["error"]["message"]
+    assert client.post("/tokenize", json={"model": MODEL, "prompt": "h"}).status_code == 200
 
 
 def test_a_probe_that_says_no_answers_with_its_status_body(served):

@@ -16,7 +16,7 @@ def tokenize(state: AppState, body: TokenizeRequest) -> TokenizeResponse:
     """A prompt's tokens as the model sees them (`messages` and `tools` through its chat template,
     as chat renders them), their count and the model's context length (`max_model_len`, null for a
     model without a bound)."""
-    served = state.served(body.model)
+    served = the_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("send either prompt or messages", param="prompt")
     if body.tools is not None and body.messages is None:
@@ -29,11 +29,25 @@ def tokenize(state: AppState, body: TokenizeRequest) -> TokenizeResponse:
                                                                    body.tools, body.continue_final_message,
                                                                    body.chat_template_kwargs)
     tokens = prompt_tokens(state, served, text, param="prompt" if body.prompt is not None else "messages")
-    return TokenizeResponse(count=len(tokens), max_model_len=served.card.get("max_context"), tokens=tokens)
+    answer = TokenizeResponse(count=len(tokens), max_model_len=served.card.get("max_context"), tokens=tokens)
+    if body.return_token_strs:  # vLLM's convert_ids_to_tokens: the vocabulary's entries ("Ġthe", "▁the")
+        answer.token_strs = [served.tokenizer.token_text(token) for token in tokens]
+    return answer
+
+
+def the_model(state: AppState, name: str | None):
+    """The served model `name` names; without a name, the one the server serves (vLLM's tokenize
+    and detokenize take no model), or a 400 naming the choices where it serves several."""
+    if name is not None:
+        return state.served(name)
+    if len(state.models) == 1:
+        return next(iter(state.models.values()))
+    raise InvalidRequest(f"model is required: this server serves {len(state.models)} models "
+                         f"({', '.join(sorted(state.models))})", param="model")
 
 
 def detokenize(state: AppState, body: DetokenizeRequest) -> DetokenizeResponse:
     """The text of token ids (bytes that are not UTF-8 become U+FFFD)."""
-    served = state.served(body.model)
+    served = the_model(state, body.model)
     tokens = prompt_tokens(state, served, body.tokens, param="tokens")
     return DetokenizeResponse(prompt=served.tokenizer.decode(tokens))
