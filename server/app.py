@@ -31,13 +31,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from starlette.routing import WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from xlserve.models.tokenizer import describe_tokenizer, missing_tokenizer_file, tokenizer_for_checkpoint
 from xlserve.server.api.admission import OPEN_PATHS, AdmissionMiddleware
 from xlserve.server.api.chat import load_chat_template
-from xlserve.server.api.deps import AppState, ServedModel
+from xlserve.server.api.deps import AppState, ServedModel, owner_of
 from xlserve.server.api.errors import (
     CLIENT_CLOSED_REQUEST,
     ERROR_STATUSES,
@@ -458,4 +460,42 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     app.include_router(ws.router)
     app.include_router(playground.router)
     app.include_router(documentation_router(app.title))
+    app.openapi = lambda: openapi_with_keys(app)
     return app
+
+
+def openapi_with_keys(app: FastAPI) -> dict:
+    """FastAPI's /openapi.json, with the API key as a bearer scheme on every route that asks for
+    one (`owner_of`): the routes take it through a plain dependency, which FastAPI does not
+    describe, so Swagger UI (/docs) had no Authorize button and every try of a route on a server
+    with keys was a 401."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("securitySchemes", {})[API_KEY_SCHEME] = {
+            "type": "http", "scheme": "bearer",
+            "description": "one of the server's API keys (XLSERVE_API_KEYS); a server without keys takes any or none"}
+        for route in _api_routes(app.router.routes):
+            if _asks_for_a_key(route.dependant):
+                for method in route.methods:
+                    operation = schema["paths"].get(route.path_format, {}).get(method.lower())
+                    if operation is not None:
+                        operation["security"] = [{API_KEY_SCHEME: []}]
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+API_KEY_SCHEME = "apiKey"
+
+
+def _api_routes(routes) -> Iterator[APIRoute]:
+    """Every API route, those of included routers too (`_route_templates`)."""
+    for route in routes:
+        router = getattr(route, "original_router", None)
+        if router is not None:
+            yield from _api_routes(router.routes)
+        elif isinstance(route, APIRoute):
+            yield route
+
+
+def _asks_for_a_key(dependant) -> bool:
+    return any(dependency.call is owner_of or _asks_for_a_key(dependency) for dependency in dependant.dependencies)

@@ -358,3 +358,19 @@ def test_an_error_frame_with_retry_after_fits():
     assert frame["retry_after"] == 1
     fits(ErrorFrame, frame)
     fits(ErrorFrame, error_frame(None, InvalidRequest("no", param="prompt")))
+
+
+def test_the_openapi_document_describes_the_api_key(served):
+    """The routes take the key through a plain dependency, which FastAPI does not describe:
+    /openapi.json had no security scheme, so /docs had no Authorize button and every try of a
+    route on a server with keys was a 401."""
+    client, _ = served
+    document = client.get("/openapi.json").json()
+    assert document["components"]["securitySchemes"]["apiKey"] == {
+        "type": "http", "scheme": "bearer",
+        "description": "one of the server's API keys (XLSERVE_API_KEYS); a server without keys takes any or none"}
+    secured = {(path, method) for path, operations in document["paths"].items()
+               for method, operation in operations.items() if operation.get("security") == [{"apiKey": []}]}
+    assert {("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"), ("/tokenize", "post"),
+            ("/v1/sessions/{session_id}/append", "post"), ("/v1/sessions/import", "post")} <= secured
+    assert not {(path, method) for path, method in secured if path in ("/health", "/ready", "/version")}
