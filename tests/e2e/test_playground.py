@@ -42,6 +42,9 @@ DOCUMENT = ("import os\nimport sys\n\n\ndef read_lines(path):\n    with open(pat
             "        return [line.rstrip() for line in handle]\n\n\n") * 28  # about 3 KB
 # markup a page that used innerHTML would run or draw; the playground must show it as text
 HOSTILE = '<img src=x onerror="window.hostile=1"><script>window.hostile=2</script>&amp;\n'
+# characters of two, three and four bytes: each byte a token named by its escape ("<0xC3>"), whose
+# name once counted as six bytes and was shown in place of the character
+NON_ASCII = "# café — 漢字 𝄞\n"
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +197,7 @@ def test_the_playground_generates_reads_a_document_and_moves_sessions(page_serve
     browser.save_screenshot(str(shots / "03-cancelled.png"))
 
     # read a document (markup in it) into a session at the default chunk size, with the canvas recorded
-    document = HOSTILE + DOCUMENT
+    document = HOSTILE + NON_ASCII + DOCUMENT
     browser.execute_script(RECORD_CANVAS)
     page.set_value("document", document)
     page.find("read").click()
@@ -202,6 +205,7 @@ def test_the_playground_generates_reads_a_document_and_moves_sessions(page_serve
     spans = browser.execute_script("return document.querySelectorAll('#coloured span').length")
     assert spans == len(document.encode())  # one span per byte token, each coloured by its surprisal
     assert page.content("coloured") == document  # the markup is text: nothing parsed, nothing run
+    assert page.find("document-stats").get_attribute("data-bytes") == str(len(document.encode()))
     assert browser.execute_script("return document.querySelectorAll('#coloured *:not(span)').length") == 0
     assert browser.execute_script("return window.hostile === undefined")
     curve = page.find("curve")

@@ -216,14 +216,25 @@ function chunksOf(text, bytes) {
   return chunks;
 }
 
+// a token that adds part of a character is named by its bytes' escapes ("<0xC3>"): one byte each
+const BYTE_ESCAPES = /^(?:<0x[0-9A-Fa-f]{2}>)+$/;
+
+function tokenBytes(token) {
+  return BYTE_ESCAPES.test(token) ? token.length / 6 : new TextEncoder().encode(token).length;
+}
+
 async function scoreChunk(chunk, sessionId) {
-  // echo with per-token log-probs and no new tokens; with a session the chunk joins its memory
+  // echo with per-token log-probs and no new tokens; with a session the chunk joins its memory.
+  // Each token's text is the chunk's, cut at the answer's text offsets (a byte of a character
+  // adds no character of its own: its name is an escape, its text empty, the last byte's the character)
   const body = { model: $("model").value, prompt: chunk, max_tokens: 0, echo: true, logprobs: 0 };
   if (sessionId) body.session_id = sessionId; else body.prefix_cache = false;
   const result = await json("POST", "/v1/completions", body);
-  const logprobs = result.choices[0].logprobs;
-  return logprobs.tokens.map((token, i) => ({ token, bits: logprobs.token_logprobs[i] === null ? null
-    : -logprobs.token_logprobs[i] / Math.LN2, bytes: new TextEncoder().encode(token).length || 1 }));
+  const text = result.choices[0].text, logprobs = result.choices[0].logprobs, offsets = logprobs.text_offset;
+  return logprobs.tokens.map((token, i) => ({
+    token, text: text.slice(offsets[i], i + 1 < offsets.length ? offsets[i + 1] : text.length),
+    bits: logprobs.token_logprobs[i] === null ? null : -logprobs.token_logprobs[i] / Math.LN2,
+    bytes: tokenBytes(token) || 1 }));
 }
 
 function colour(bitsPerByte) {
@@ -323,7 +334,7 @@ $("read").addEventListener("click", async () => {
       withMemory.push(...scored);
       for (const item of scored) {
         const span = document.createElement("span");
-        span.textContent = item.token;
+        span.textContent = item.text;
         span.style.background = item.bits === null ? "transparent" : colour(item.bits / item.bytes);
         span.title = item.bits === null ? "no context" : `${item.bits.toFixed(2)} bits`;
         $("coloured").appendChild(span);
@@ -338,6 +349,7 @@ $("read").addEventListener("click", async () => {
     const stats = $("document-stats");
     stats.textContent = `${chunks.length} chunks · with memory ${total(withMemory).toFixed(3)} bits/byte · ` +
       `without memory ${total(withoutMemory).toFixed(3)} bits/byte`;
+    stats.dataset.bytes = withMemory.reduce((sum, item) => sum + item.bytes, 0);  // the bytes read
     stats.dataset.done = "true";
     await refreshSession();
   } catch (error) {
