@@ -331,6 +331,16 @@ def test_a_websocket_generate_being_queued_leaves_the_connection_reading(app_and
         connection.receive({**GENERATE, "id": "second"})  # answered while the first is still being queued
         frames = await connection.until_frames()
         assert [(frame["id"], frame["error"]["code"]) for frame in frames] == [("second", "request_in_progress")]
+        # one with the running request's own id: its refusal does not carry that id, where it would
+        # read as the running request's end
+        connection.receive({**GENERATE, "id": "first"})
+        for _ in range(500):
+            if len(connection.frames()) > 1:
+                break
+            await asyncio.sleep(0.01)
+        (_, refused) = connection.frames()
+        assert (refused["id"], refused["error"]["code"]) == (None, "request_in_progress")
+        assert "'first' is still running" in refused["error"]["message"]
         assert not engine.cancelled.is_set()
         await connection.close()
         assert engine.cancelled.is_set()  # the close reached the queuing

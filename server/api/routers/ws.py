@@ -144,6 +144,9 @@ class _Connection:
                     running.answering_the_cancel = asyncio.create_task(self._answer_cancelled_queuing(running))
                 return
             if self.current is not None:
+                if frame.id is not None and frame.id == self.current.id:
+                    # its error frame, under the running request's id, would read as that request's end
+                    request_id = None
                 raise Conflict(f"request {self.current.id!r} is still running; send one request at a time "
                                "(or cancel it first)", code="request_in_progress")
             check_session_header(self.session_header, frame.session_id)
