@@ -132,8 +132,9 @@ def cross_origin_error(websocket, allowed: list[str]) -> APIError | None:
     rule to a websocket and sends every page's Origin: without this, any site a user visits could
     drive a server on their machine (one without keys, as `make serve` starts it) and append to
     its sessions. A client that is no browser sends no Origin, and is not asked for one. The
-    page's host is compared with the Host the request came to, and its port too where the Host
-    names one (a proxy's `$host` names none)."""
+    page's host is compared with the Host the request came to (or a proxy's X-Forwarded-Host), and
+    its port too where that names one (a proxy's `$host` names none). Not a defence against DNS
+    rebinding, where the page's origin and the Host are both the attacker's name: API keys are."""
     origin = websocket.headers.get("origin")
     if origin is None or "*" in allowed or origin.strip().rstrip("/").lower() in allowed:
         return None
@@ -142,15 +143,18 @@ def cross_origin_error(websocket, allowed: list[str]) -> APIError | None:
         page_port = page.port or DEFAULT_PORTS.get(page.scheme.lower())
     except ValueError:
         page, page_port = None, None
-    host = websocket.headers.get("host", "")
-    try:
-        target = urlsplit("//" + host)
-        target_port = target.port
-    except ValueError:
-        target, target_port = None, None
-    if (page is not None and target is not None and page.hostname and page.hostname == target.hostname
-            and (target_port is None or target_port == page_port)):
-        return None
+    # the Host the request came to, or the one a proxy that rewrites Host passed on (nginx's
+    # proxy_pass without `proxy_set_header Host`, Apache without ProxyPreserveHost)
+    forwarded = websocket.headers.get("x-forwarded-host", "").split(",")[0].strip()
+    for host in filter(None, (websocket.headers.get("host", ""), forwarded)):
+        try:
+            target = urlsplit("//" + host)
+            target_port = target.port
+        except ValueError:
+            continue
+        if (page is not None and page.hostname and page.hostname == target.hostname
+                and (target_port is None or target_port == page_port)):
+            return None
     return Forbidden("a web page of another origin may not open this websocket (its Origin is not this server's; "
                      "the operator may allow it with XLSERVE_ALLOWED_ORIGINS)", code="cross_origin")
 

@@ -565,7 +565,9 @@ def test_a_web_page_of_another_origin_cannot_open_the_websocket():
         assert refused["error"]["type"] == "permission_error"
     # its own pages (the playground), a client without an Origin, behind a proxy that sends the Host without its port
     for headers in ({"origin": "http://127.0.0.1:8000", "host": "127.0.0.1:8000"}, {},
-                    {"origin": "https://xl.example", "host": "xl.example"}):
+                    {"origin": "https://xl.example", "host": "xl.example"},
+                    # behind a proxy that rewrites Host and says the page's in X-Forwarded-Host
+                    {"origin": "https://xl.example", "host": "127.0.0.1:8000", "x-forwarded-host": "xl.example"}):
         answer = first_frame(headers)
         assert answer["error"]["param"] == "temperature", (headers, answer)  # past the handshake: the frame's own error
     state.settings.security.allowed_origins = "https://app.example.com, https://other.example/"
