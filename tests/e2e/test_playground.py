@@ -206,6 +206,9 @@ def test_the_playground_generates_reads_a_document_and_moves_sessions(page_serve
     assert spans == len(document.encode())  # one span per byte token, each coloured by its surprisal
     assert page.content("coloured") == document  # the markup is text: nothing parsed, nothing run
     assert page.find("document-stats").get_attribute("data-bytes") == str(len(document.encode()))
+    # each character in the span of its last byte's token, whole: none split into UTF-16 halves
+    texts = browser.execute_script("return [...document.querySelectorAll('#coloured span')].map(s => s.textContent)")
+    assert [text for text in texts if text and not text.isascii()] == list("é—漢字𝄞")
     assert browser.execute_script("return document.querySelectorAll('#coloured *:not(span)').length") == 0
     assert browser.execute_script("return window.hostile === undefined")
     curve = page.find("curve")

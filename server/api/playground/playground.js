@@ -230,9 +230,12 @@ async function scoreChunk(chunk, sessionId) {
   const body = { model: $("model").value, prompt: chunk, max_tokens: 0, echo: true, logprobs: 0 };
   if (sessionId) body.session_id = sessionId; else body.prefix_cache = false;
   const result = await json("POST", "/v1/completions", body);
-  const text = result.choices[0].text, logprobs = result.choices[0].logprobs, offsets = logprobs.text_offset;
+  // text_offset counts characters (code points), as the server's text is cut; a JS string's
+  // indices count UTF-16 units, which split a character past U+FFFF (𝄞) in two
+  const characters = Array.from(result.choices[0].text), logprobs = result.choices[0].logprobs;
+  const offsets = logprobs.text_offset;
   return logprobs.tokens.map((token, i) => ({
-    token, text: text.slice(offsets[i], i + 1 < offsets.length ? offsets[i + 1] : text.length),
+    token, text: characters.slice(offsets[i], i + 1 < offsets.length ? offsets[i + 1] : characters.length).join(""),
     bits: logprobs.token_logprobs[i] === null ? null : -logprobs.token_logprobs[i] / Math.LN2,
     bytes: tokenBytes(token) || 1 }));
 }
