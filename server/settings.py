@@ -88,14 +88,25 @@ NON_SETTING_ENVIRONMENT_VARIABLES: frozenset[str] = frozenset({"XLSERVE_TEST_CRA
 
 # the variables Kubernetes gives a pod for every Service in its namespace unless the pod spec sets
 # `enableServiceLinks: false` (deploy/kubernetes does): the Services xlserve and xlserve-redis give
-# XLSERVE_SERVICE_HOST, XLSERVE_PORT_8000_TCP_ADDR, XLSERVE_REDIS_PORT=tcp://... No setting has
-# such a name, and a pod spec of the operator's own must not make each one a warning
-KUBERNETES_SERVICE_LINK = re.compile(r"[A-Z0-9_]+_(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
-                                     r"|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:ADDR|PORT|PROTO))?)?)")
+# XLSERVE_SERVICE_HOST=10.0.0.1, XLSERVE_PORT_8000_TCP_ADDR=10.0.0.1, XLSERVE_REDIS_PORT=tcp://...
+# No setting has such a name, and a pod spec of the operator's own must not make each one a
+# warning; told apart by name and value, so that the prefix with _PORT=9000 (a guess at the port, which
+# only --port sets) is still warned about
+_LINK_ADDRESS = r"[0-9a-fA-F.:]+"
+_LINK_URL = rf"(?:tcp|udp|sctp)://(?:{_LINK_ADDRESS}|\[{_LINK_ADDRESS}\]):\d+"
+KUBERNETES_SERVICE_LINKS = [(re.compile(name), re.compile(value)) for name, value in (
+    (r"[A-Z0-9_]+_SERVICE_HOST", _LINK_ADDRESS),
+    (r"[A-Z0-9_]+_SERVICE_PORT(?:_[A-Z0-9_]+)?", r"\d+"),
+    (r"[A-Z0-9_]+_PORT(?:_\d+_(?:TCP|UDP|SCTP))?", _LINK_URL),
+    (r"[A-Z0-9_]+_PORT_\d+_(?:TCP|UDP|SCTP)_ADDR", _LINK_ADDRESS),
+    (r"[A-Z0-9_]+_PORT_\d+_(?:TCP|UDP|SCTP)_PORT", r"\d+"),
+    (r"[A-Z0-9_]+_PORT_\d+_(?:TCP|UDP|SCTP)_PROTO", r"(?:tcp|udp|sctp)"),
+)]
 
 
-def is_kubernetes_service_link(name: str) -> bool:
-    return KUBERNETES_SERVICE_LINK.fullmatch(name.upper()) is not None
+def is_kubernetes_service_link(name: str, value: str) -> bool:
+    upper = name.upper()
+    return any(pattern.fullmatch(upper) and shape.fullmatch(value.strip()) for pattern, shape in KUBERNETES_SERVICE_LINKS)
 
 
 log = logging.getLogger("xlserve.settings")
@@ -112,7 +123,7 @@ def _unknown_with_closest(environment: Mapping[str, str] | None) -> list[tuple[s
     for name in sorted(environment):
         upper = name.upper()
         if (not upper.startswith(ENVIRONMENT_PREFIX) or upper in known or upper in NON_SETTING_ENVIRONMENT_VARIABLES
-                or is_kubernetes_service_link(upper)):
+                or is_kubernetes_service_link(upper, environment[name])):
             continue
         # compared without the prefix, which every name shares and which would make any two look alike
         closest = difflib.get_close_matches(upper.removeprefix(ENVIRONMENT_PREFIX),
