@@ -107,7 +107,8 @@ class Metrics:
         # the API process starts a new engine process when one dies: every model it served is
         # counted, so the series follows the dashboard's model filter like every other
         self.engine_restarts = Counter(
-            "xlserve_engine_restarts", "Times the engine process died and a new one was started", ["model"], registry=r
+            "xlserve_engine_restarts", "Times the engine process died and a new one was started (once a death, at its "
+            "first start, however many attempts it took)", ["model"], registry=r
         )
         # every error a client is answered with (an HTTP error status, an error event in a stream,
         # an error frame on the websocket), counted once where it is answered (server/api/errors.py);

@@ -408,7 +408,7 @@ class EngineClient:
         dead = self.process
         code = await self._reap(dead) if dead is not None else None
         what = cause or f"the engine process (pid {dead.pid if dead else '?'}) {describe_exit(code)}"
-        failures = 0
+        failures, counted = 0, False
         while True:
             now = time.monotonic()
             while self.restarted_at and now - self.restarted_at[0] > settings.engine_restart_window_seconds:
@@ -419,6 +419,10 @@ class EngineClient:
                             f"{settings.engine_restart_limit}): giving up")
                 return
             self.restarted_at.append(now)
+            if not counted:  # once per death, at its first start: however many attempts it takes, whether one succeeds
+                for described in self.models:
+                    self.metrics.engine_restarts.labels(described["name"]).inc()
+                counted = True
             log.error("%s; starting a new one (restart %d of at most %d within %gs)", what, len(self.restarted_at),
                       settings.engine_restart_limit, settings.engine_restart_window_seconds)
             self.reason = f"{what}; a new one is starting"
@@ -431,9 +435,6 @@ class EngineClient:
                 failures += 1
                 await asyncio.sleep(min(failures, 5))  # a cause that persists is not retried at full speed
                 continue
-            # one restart: its attempts that could not start are in the log, not here
-            for described in self.models:
-                self.metrics.engine_restarts.labels(described["name"]).inc()
             log.warning("the engine process is back (pid %d, %.1fs); sessions are as last committed",
                         self.process.pid, time.monotonic() - started)
             self._ready(restarted=True)

@@ -563,3 +563,13 @@ def test_an_engine_restart_counts_once_however_many_starts_it_took(monkeypatch):
     asyncio.run(engine._restart("the engine process was killed"))
     assert len(attempts) == 3
     assert samples(metrics, "xlserve_engine_restarts_total")[(MODEL,)] == 1
+    # one that never comes up (its starts fail past the limit) counts all the same: its alert fires
+    failing = engine_client.EngineClient(Settings(models="none-loaded", engine_restart_limit=2), metrics)
+    failing.models, failing._fatal = [{"name": "other"}], lambda reason: None
+
+    async def never():
+        raise engine_client.EngineStartFailed("CUDA out of memory")
+
+    failing._spawn = never
+    asyncio.run(failing._restart("the engine process was killed"))
+    assert samples(metrics, "xlserve_engine_restarts_total")[("other",)] == 1
