@@ -460,11 +460,11 @@ def build_app(settings: Settings | None = None, *, load_in_background: bool = Fa
     app.include_router(ws.router)
     app.include_router(playground.router)
     app.include_router(documentation_router(app.title))
-    app.openapi = lambda: openapi_with_keys(app)
+    app.openapi = lambda: openapi_with_keys(app, settings.security.metrics_require_key)
     return app
 
 
-def openapi_with_keys(app: FastAPI) -> dict:
+def openapi_with_keys(app: FastAPI, metrics_require_key: bool = False) -> dict:
     """FastAPI's /openapi.json, with the API key as a bearer scheme on every route that asks for
     one (`owner_of`): the routes take it through a plain dependency, which FastAPI does not
     describe, so Swagger UI (/docs) had no Authorize button and every try of a route on a server
@@ -475,7 +475,8 @@ def openapi_with_keys(app: FastAPI) -> dict:
             "type": "http", "scheme": "bearer",
             "description": "one of the server's API keys (XLSERVE_API_KEYS); a server without keys takes any or none"}
         for route in _api_routes(app.router.routes):
-            if _asks_for_a_key(route.dependant):
+            # /metrics asks in its body, when XLSERVE_METRICS_REQUIRE_KEY says so
+            if _asks_for_a_key(route.dependant) or (metrics_require_key and route.path_format == "/metrics"):
                 for method in route.methods:
                     operation = schema["paths"].get(route.path_format, {}).get(method.lower())
                     if operation is not None:

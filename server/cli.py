@@ -84,7 +84,9 @@ def _settings_error_line(command: str, error) -> str:
     from xlserve.server.settings import Settings
 
     first = error.errors()[0]
-    name = str(first["loc"][0]) if first["loc"] else "?"
+    if not first["loc"]:  # a check of several settings at once: its message names them
+        return f"xlserve {command}: {first['msg'].removeprefix('Value error, ')}"
+    name = str(first["loc"][0])
     where = name
     if name in Settings.flat_names():
         where = f"{name} ({Settings.flags(name)[0]} / {Settings.environment_variable(name)})"

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from xlserve.server.redis_urls import parse_redis_url
@@ -407,6 +407,17 @@ class SecuritySettings(SettingsGroup):
     def _strip(cls, value: str) -> str:
         return value.strip()
 
+    @model_validator(mode="after")
+    def _no_secret_set_to_nothing(self) -> "SecuritySettings":
+        # an empty variable is unset (env_ignore_empty), but not one of these: a template's unset
+        # secret (`XLSERVE_API_KEYS=${KEYS}`) would leave the API, or /metrics, open without a word
+        for name in ("api_keys", "metrics_require_key"):
+            variable = ENVIRONMENT_PREFIX + name.upper()
+            if name not in self.model_fields_set and os.environ.get(variable) == "":
+                raise ValueError(f"{variable} is set to nothing (a template's unset variable?), which would leave "
+                                 f"the server open: give it a value, or unset it for the default")
+        return self
+
     def api_key_list(self) -> list[str]:
         """The keys; [] when none is set (the API is open). Keys set that hold no key (",", an
         empty key file: a secret written from unset variables) are a ValueError, not an open API."""
@@ -435,9 +446,9 @@ def _by_flat_name(error: ValidationError, group_class: type[SettingsGroup]) -> V
     names the setting as its environment variable and the README do."""
     located = []
     for detail in error.errors():
-        field, *inner = detail["loc"]
-        located.append({"type": detail["type"], "loc": (group_class.flat_prefix + str(field), *inner),
-                        "input": detail["input"], "ctx": detail.get("ctx", {})})
+        # a group's own check (a model validator) has no field: its message names the variables
+        loc = (group_class.flat_prefix + str(detail["loc"][0]), *detail["loc"][1:]) if detail["loc"] else ()
+        located.append({"type": detail["type"], "loc": loc, "input": detail["input"], "ctx": detail.get("ctx", {})})
     return ValidationError.from_exception_data(error.title, located, hide_input=True)
 
 

@@ -373,4 +373,9 @@ def test_the_openapi_document_describes_the_api_key(served):
                for method, operation in operations.items() if operation.get("security") == [{"apiKey": []}]}
     assert {("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"), ("/tokenize", "post"),
             ("/v1/sessions/{session_id}/append", "post"), ("/v1/sessions/import", "post")} <= secured
-    assert not {(path, method) for path, method in secured if path in ("/health", "/ready", "/version")}
+    assert not {(path, method) for path, method in secured if path in ("/health", "/ready", "/version", "/metrics")}
+    # /metrics asks for the key in its body, when the server is told to
+    from xlserve.server.app import build_app
+
+    keyed = build_app(Settings(models="none-loaded", metrics_require_key=True)).openapi()
+    assert keyed["paths"]["/metrics"]["get"]["security"] == [{"apiKey": []}]

@@ -78,6 +78,17 @@ def test_a_variable_set_to_nothing_is_unset(monkeypatch):
     assert settings.engine.device == "auto"
 
 
+@pytest.mark.parametrize("variable", ["XLSERVE_API_KEYS", "XLSERVE_METRICS_REQUIRE_KEY"])
+def test_a_security_variable_set_to_nothing_is_refused_not_taken_as_open(monkeypatch, variable):
+    """An empty variable is unset, but a secret's is not: `XLSERVE_METRICS_REQUIRE_KEY=` (a
+    template's unset variable) left /metrics open without a word."""
+    monkeypatch.setenv(variable, "")
+    with pytest.raises(ValueError, match=f"{variable} is set to nothing"):
+        Settings()
+    monkeypatch.setenv(variable, "true" if "METRICS" in variable else "k1")
+    Settings()
+
+
 def test_overrides_by_flat_name_beat_the_environment(monkeypatch):
     monkeypatch.setenv("XLSERVE_MAX_BATCH_SIZE", "3")
     settings = Settings(max_batch_size=9, prefix_cache_host_bytes=5, metrics_require_key=True)
