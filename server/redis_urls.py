@@ -65,9 +65,10 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise ValueError(f"not a Redis URL (no scheme://): {_shown(url)!r}")
     if scheme != "unix" and _credentials_cut_short(rest):
         # what an error would quote of the host part is the start of the password
-        raise ValueError(f"the username or password of this {scheme}:// URL holds a '/', '?' or '#', which end "
-                         "its host part early (redis-py would take it apart the same way): percent-encode them "
-                         "(%2F, %3F, %23; an '@' as %40)")
+        raise ValueError(f"this {scheme}:// URL has an '@' after its host part: either its username or password "
+                         "holds a '/', '?' or '#', which end the host part early (redis-py would take it apart the "
+                         "same way), or its path does (a service name): percent-encode those characters (%2F, %3F, "
+                         "%23; an '@' as %40)")
     if scheme in SINGLE_SCHEMES:
         if scheme != "unix":  # what redis-py would ignore or take wrongly: its parser drops a bad database
             netloc, _, path = rest.split("?", 1)[0].split("#", 1)[0].partition("/")
