@@ -458,31 +458,13 @@ def test_latencies_count_the_wait_for_the_session(served):
     """Time to first token and end-to-end latency were counted from the engine's submission, after
     the request had waited for its session (a restore from host RAM, disk or Redis: 237 MB at
     wt103's size; or a compaction's hold): a slow restore never reached the TTFT alert."""
-    from xlserve.server.cache.errors import SessionInfo
-    from xlserve.server.engine.client import RemoteLease
-    from xlserve.server.engine.types import Appended, Submission
-
     client, state = served
-    engine = state.engine
-    info = SessionInfo("s", MODEL, None, 5, 1, 10, "disk", 0.0, 0.0)
     wait = 0.3
 
-    async def acquire(session_id, owner, key):
-        await asyncio.sleep(wait)  # the restore
-        return RemoteLease(1, session_id, info, True)
-
-    async def commit(lease, result=None):
+    async def commit(info):
         return info
 
-    async def append(lease, tokens, score):
-        submission = Submission(MODEL, state.metrics, threading.Event(), wake=lambda: None)
-        submission.put(Appended(None, 0.0, 0))
-        return submission
-
-    engine.acquire, engine.commit, engine.append, engine.release = acquire, commit, append, lambda lease: None
-    engine.events = [TokenEvent(ord("a"), "a", -0.1, []), ChoiceFinished(0, "length", "", 1),
-                     Finished(choices=[ChoiceFinished(0, "length", "", 1)], prompt_tokens=1, completion_tokens=1,
-                              cached_tokens=5, data=None)]
+    script_a_session(state, commit, acquire_wait=wait)
     answer = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "session_id": "s"})
     assert answer.status_code == 200, answer.text
     assert samples(state.metrics, "xlserve_time_to_first_token_seconds_sum")[(MODEL,)] >= wait
@@ -497,29 +479,15 @@ def test_a_request_whose_commit_fails_counts_once_in_the_error_ratio(served):
     """The engine counts a request in xlserve_requests_total when it finishes; a commit refused
     after that (a full tier: every delta commit grows the log) was an error too, so the error
     ratio's denominator counted it twice and a tier refusing every commit read 50%, not 100%."""
-    from xlserve.server.cache.errors import CacheFull, SessionInfo
-    from xlserve.server.engine.client import RemoteLease
-    from xlserve.server.engine.types import Appended, Submission
+    from xlserve.server.cache.errors import CacheFull
 
     client, state = served
     engine = state.engine
-    info = SessionInfo("s", MODEL, None, 5, 1, 10, "disk", 0.0, 0.0)
 
-    async def acquire(session_id, owner, key):
-        return RemoteLease(1, session_id, info, True)
-
-    async def commit(lease, result=None):
+    async def commit(info):
         raise CacheFull("the disk tier is full")
 
-    async def append(lease, tokens, score):
-        submission = Submission(MODEL, state.metrics, threading.Event(), wake=lambda: None)
-        submission.put(Appended(None, 0.0, 0))
-        return submission
-
-    engine.acquire, engine.commit, engine.append, engine.release = acquire, commit, append, lambda lease: None
-    engine.events = [TokenEvent(ord("a"), "a", -0.1, []), ChoiceFinished(0, "length", "", 1),
-                     Finished(choices=[ChoiceFinished(0, "length", "", 1)], prompt_tokens=1, completion_tokens=1,
-                              cached_tokens=5, data=None)]
+    script_a_session(state, commit)
     not_committed = lambda: samples(state.metrics, "xlserve_requests_not_committed_total")[(MODEL,)]  # noqa: E731
     assert not_committed() == 0  # declared: the ratio has a series before the first failure
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
@@ -534,7 +502,7 @@ def test_a_request_whose_commit_fails_counts_once_in_the_error_ratio(served):
     assert not_committed() == 3
     assert errors(state) == {(MODEL, "service_unavailable", "session_cache_full"): 3}
     # a cache's 503 is answered as its own; nothing else moved
-    engine.commit = lambda lease, result=None: asyncio.sleep(0, info)
+    script_a_session(state, lambda info: asyncio.sleep(0, info))
     assert client.post("/v1/sessions/s/append", json={"text": "more"}).status_code == 200
     assert not_committed() == 3
 
@@ -573,3 +541,31 @@ def test_an_engine_restart_counts_once_however_many_starts_it_took(monkeypatch):
     failing._spawn = never
     asyncio.run(failing._restart("the engine process was killed"))
     assert samples(metrics, "xlserve_engine_restarts_total")[("other",)] == 1
+
+
+def script_a_session(state, commit, acquire_wait: float = 0.0) -> None:
+    """The scripted engine with one session "s" of MODEL: taken after `acquire_wait` seconds (a
+    restore), committed by `commit`, appended to at once; a generation's one token, then its end."""
+    from xlserve.server.cache.errors import SessionInfo
+    from xlserve.server.engine.client import RemoteLease
+    from xlserve.server.engine.types import Appended, Submission
+
+    info = SessionInfo("s", MODEL, None, 5, 1, 10, "disk", 0.0, 0.0)
+
+    async def acquire(session_id, owner, key):
+        await asyncio.sleep(acquire_wait)
+        return RemoteLease(1, session_id, info, True)
+
+    async def append(lease, tokens, score):
+        submission = Submission(MODEL, state.metrics, threading.Event(), wake=lambda: None)
+        submission.put(Appended(None, 0.0, 0))
+        return submission
+
+    async def committed(lease, result=None):
+        return await commit(info)
+
+    engine = state.engine
+    engine.acquire, engine.commit, engine.append, engine.release = acquire, committed, append, lambda lease: None
+    engine.events = [TokenEvent(ord("a"), "a", -0.1, []), ChoiceFinished(0, "length", "", 1),
+                     Finished(choices=[ChoiceFinished(0, "length", "", 1)], prompt_tokens=1, completion_tokens=1,
+                              cached_tokens=5, data=None)]
