@@ -381,7 +381,8 @@ def cut_streams(app: FastAPI) -> int:
 async def drain(app: FastAPI, grace_seconds: float) -> None:
     """Graceful shutdown, first half: stop admitting (new requests get 503, /ready turns 503)
     and wait up to `grace_seconds` for requests in flight to finish and commit their sessions;
-    then cut those still running, each with an error that says why (`cut_streams`). The server
+    then cut those still running, each with an error that says why (`cut_streams`; a state upload
+    still arriving at its next part, `AppState.cutting`). The server
     then stops and the lifespan closes the engines and the cache (which persists)."""
     state = getattr(app.state, "xlserve", None)
     if state is None:
@@ -399,6 +400,7 @@ async def drain(app: FastAPI, grace_seconds: float) -> None:
             await asyncio.sleep(0.05)
     except EngineError:  # the engine process died meanwhile: what ran has had its error
         return
+    state.cutting = True  # a state upload still arriving is answered 503 at its next part (serving/requests.py read_body)
     if cut_streams(app):
         log.warning("the grace period (%gs) is over: requests still running were stopped", grace_seconds)
     deadline = time.monotonic() + CUT_SECONDS

@@ -51,6 +51,7 @@ class AppState:
     ready: bool = False
     api_keys: list[str] = field(default_factory=list)
     draining: bool = False  # shutting down: new requests get 503 while running ones finish
+    cutting: bool = False  # the shutdown's grace is over: a state upload still arriving is answered 503 at once
     inflight: int = 0  # requests being served (HTTP and websocket), counted by admission
     states_in_flight: int = 0  # session states held whole here now (serving/requests.py state_in_flight)
     # of those, each API key's (owner id -> count, absent at 0)

@@ -265,3 +265,28 @@ def test_a_large_answer_goes_in_parts_with_the_steps_events_between_them():
 
     fields, parts = asyncio.run(read())
     assert fields == {"x": 1} and b"".join(parts) == blob  # joined by the call, off the event loop
+
+
+def test_an_upload_still_arriving_when_the_grace_is_over_is_answered_503(app_and_state):
+    """Past the shutdown's grace the server cut generations with server_shutting_down, but a state
+    upload still arriving was dropped with its connection when the server stopped, unanswered."""
+    app, state = app_and_state
+    sent = []
+
+    async def slow():
+        yield b"x" * 10
+        sent.append(10)
+        state.cutting = True  # the grace ends while it arrives (app.py `drain`)
+        yield b"y" * 10
+        sent.append(20)
+        yield b"z" * 10
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            return await asyncio.wait_for(client.post("/v1/sessions/import", content=slow(),
+                                                      headers={"content-type": "application/octet-stream"}), 10)
+
+    response = run(main())
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "server_shutting_down"
+    assert state.states_in_flight == 0

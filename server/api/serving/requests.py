@@ -33,6 +33,7 @@ from xlserve.server.api.protocol import (
     MAX_STOP_CHARACTERS,
     SamplingFields,
 )
+from xlserve.server.engine.errors import ShuttingDown
 from xlserve.server.engine.types import SamplingParams
 from xlserve.server.errors import RegisteredError
 
@@ -250,7 +251,8 @@ async def read_body(request: Request) -> bytes:
     """The raw body (a session state), refused past the state body limit (AppState
     state_body_limit) even when no Content-Length announced it, and with 408 when it arrives
     slower than STATE_BODY_BYTES_PER_SECOND once its STATE_BODY_GRACE_SECONDS are spent."""
-    limit = app_state(request).state_body_limit()
+    state = app_state(request)
+    limit = state.state_body_limit()
     chunks, size = [], 0
     started = time.monotonic()
     stream = request.stream().__aiter__()
@@ -268,6 +270,10 @@ async def read_body(request: Request) -> bytes:
         size += len(chunk)
         if size > limit:
             raise RequestTooLarge(f"request body is over {limit} bytes ({STATE_BODY_SETTING})")
+        if state.cutting:  # answered with why, where the server's stop would drop its connection unanswered
+            raise ShuttingDown("the server is shutting down and this state's upload did not arrive within its grace "
+                               "period (XLSERVE_SHUTDOWN_GRACE_SECONDS); nothing was imported: send it again",
+                               code="server_shutting_down")
         chunks.append(chunk)
     return await asyncio.to_thread(b"".join, chunks)  # 237 MB copied off the event loop
 
