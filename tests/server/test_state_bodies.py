@@ -37,6 +37,13 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
+async def post_import(app, body) -> httpx.Response:
+    """POST /v1/sessions/import of `body` (an async iterator of parts, as a client sends them)."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+        return await asyncio.wait_for(client.post("/v1/sessions/import", content=body,
+                                                  headers={"content-type": "application/octet-stream"}), 10)
+
+
 def test_an_upload_that_stalls_is_408_and_gives_its_place_back(app_and_state, monkeypatch):
     app, state = app_and_state
     monkeypatch.setattr(serving_requests, "STATE_BODY_GRACE_SECONDS", 0.3)
@@ -48,12 +55,7 @@ def test_an_upload_that_stalls_is_408_and_gives_its_place_back(app_and_state, mo
         await asyncio.sleep(30)  # then nothing: a stalled client
         yield b"never"
 
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
-            return await asyncio.wait_for(client.post("/v1/sessions/import", content=trickle(),
-                                                      headers={"content-type": "application/octet-stream"}), 10)
-
-    response = run(main())
+    response = run(post_import(app, trickle()))
     assert response.status_code == 408, response.text
     error = response.json()["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "state_body_too_slow")
@@ -281,12 +283,7 @@ def test_an_upload_still_arriving_when_the_grace_is_over_is_answered_503(app_and
         sent.append(20)
         yield b"z" * 10
 
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
-            return await asyncio.wait_for(client.post("/v1/sessions/import", content=slow(),
-                                                      headers={"content-type": "application/octet-stream"}), 10)
-
-    response = run(main())
+    response = run(post_import(app, slow()))
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "server_shutting_down"
     assert state.states_in_flight == 0
