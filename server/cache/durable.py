@@ -150,9 +150,7 @@ class DurableStore:
             # a file the scan could not read (an I/O error: it is left for a later start) would be
             # let go of as a spill of a session Redis does not hold: none may be left behind
             scanned = {session_id for session_id, _ in found}
-            unread = sorted(path.name for path in self.disk.directory.glob("sess_*" + DiskStore.SUFFIX)
-                            if SESSION_ID.match(path.name[: -len(DiskStore.SUFFIX)])
-                            and path.name[: -len(DiskStore.SUFFIX)] not in scanned)
+            unread = [path.name for session_id, path in self.disk.files(DiskStore.SUFFIX) if session_id not in scanned]
             if unread:
                 raise StateDirectoryRefused(
                     f"XLSERVE_STATE_DIR {self.disk.directory} holds sessions written without Redis, and {unread[0]} "
@@ -214,9 +212,8 @@ class DurableStore:
         remembered keys that Redis's tombstone lacks, oldest first. A session id Redis holds alive
         keeps Redis's (moving the tombstone would delete it). Redis not answering stops the start
         with StateDirectoryRefused, as a session's move does."""
-        for path in sorted(self.disk.directory.glob("sess_*" + DiskStore.TOMBSTONE_SUFFIX)):
-            session_id = path.name[: -len(DiskStore.TOMBSTONE_SUFFIX)]
-            stone = self.disk.read_tombstone(session_id, TOMBSTONE_SECONDS) if SESSION_ID.match(session_id) else None
+        for session_id, _ in self.disk.files(DiskStore.TOMBSTONE_SUFFIX):
+            stone = self.disk.read_tombstone(session_id, TOMBSTONE_SECONDS)
             if stone is None:
                 continue
             owner, entries = stone

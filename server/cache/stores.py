@@ -502,6 +502,13 @@ class DiskStore:
     def _sync_directory(self) -> None:
         sync_directory(self.directory)
 
+    def files(self, suffix: str) -> list[tuple[str, Path]]:
+        """(session id, path) of every file of one kind in the directory (SUFFIX: sessions,
+        TOMBSTONE_SUFFIX: keyed deletes' tombstones), in order; a name that holds no session id
+        is none of them."""
+        named = ((path.name[: -len(suffix)], path) for path in sorted(self.directory.glob("sess_*" + suffix)))
+        return [(session_id, path) for session_id, path in named if SESSION_ID.match(session_id)]
+
     def scan(self) -> Iterator[tuple[str, dict[str, str]]]:
         """(session id, metadata) of every session file, read from headers only. A file whose
         contents do not read (CorruptState) is renamed to *.corrupt, its log with it, and skipped,
@@ -509,10 +516,7 @@ class DiskStore:
         permission: nothing says its contents are bad) is left where it is and skipped, with an
         error: a later start may read it. A rename that fails skips the file too; neither stops
         the start, whose other sessions are served."""
-        for path in sorted(self.directory.glob("sess_*" + self.SUFFIX)):
-            session_id = path.name[: -len(self.SUFFIX)]
-            if not SESSION_ID.match(session_id):
-                continue
+        for session_id, path in self.files(self.SUFFIX):
             try:
                 meta = self._scan_log(session_id, self._read_head(path))
                 if meta.get("session_id") != session_id:
