@@ -241,3 +241,6 @@ def test_the_tallies_by_model_and_tier_follow_every_change_of_the_books():
             for move in manager.plan_room("device", rng.randint(0, 2_000)) or []:
                 manager.apply(move)
         assert manager.by_tier() == counted(manager), (step, action)
+        # and each tier's bytes used, which the same counting keeps (CacheManager._count)
+        for tier in tiers:
+            assert manager.used(tier) == sum(r.size_in(tier) for r in manager.records.values() if tier in r.copies)
