@@ -353,15 +353,21 @@ def expected_responses(app: FastAPI) -> list[tuple[str, str, int]]:
     return responses
 
 
-def _route_templates(routes) -> Iterator[tuple]:
-    """(path regex, path template, methods or None, websocket route?) of every route, those of
-    included routers too (FastAPI keeps an included router whole: its routes are under
-    `original_router`; xlserve includes its routers without a path prefix)."""
+def _every_route(routes) -> Iterator:
+    """Every route, those of included routers too (FastAPI keeps an included router whole: its
+    routes are under `original_router`; xlserve includes its routers without a path prefix)."""
     for route in routes:
         router = getattr(route, "original_router", None)
         if router is not None:
-            yield from _route_templates(router.routes)
-        elif getattr(route, "path_regex", None) is not None:
+            yield from _every_route(router.routes)
+        else:
+            yield route
+
+
+def _route_templates(routes) -> Iterator[tuple]:
+    """(path regex, path template, methods or None, websocket route?) of every route (`_every_route`)."""
+    for route in _every_route(routes):
+        if getattr(route, "path_regex", None) is not None:
             yield (route.path_regex, route.path_format, getattr(route, "methods", None),
                    isinstance(route, WebSocketRoute))
 
@@ -476,7 +482,9 @@ def openapi_with_keys(app: FastAPI, metrics_require_key: bool = False) -> dict:
         schema.setdefault("components", {}).setdefault("securitySchemes", {})[API_KEY_SCHEME] = {
             "type": "http", "scheme": "bearer",
             "description": "one of the server's API keys (XLSERVE_API_KEYS); a server without keys takes any or none"}
-        for route in _api_routes(app.router.routes):
+        for route in _every_route(app.router.routes):
+            if not isinstance(route, APIRoute):
+                continue
             # /metrics asks in its body, when XLSERVE_METRICS_REQUIRE_KEY says so
             if _asks_for_a_key(route.dependant) or (metrics_require_key and route.path_format == "/metrics"):
                 for method in route.methods:
@@ -488,16 +496,6 @@ def openapi_with_keys(app: FastAPI, metrics_require_key: bool = False) -> dict:
 
 
 API_KEY_SCHEME = "apiKey"
-
-
-def _api_routes(routes) -> Iterator[APIRoute]:
-    """Every API route, those of included routers too (`_route_templates`)."""
-    for route in routes:
-        router = getattr(route, "original_router", None)
-        if router is not None:
-            yield from _api_routes(router.routes)
-        elif isinstance(route, APIRoute):
-            yield route
 
 
 def _asks_for_a_key(dependant) -> bool:
