@@ -344,6 +344,18 @@ def text_or_escapes(data: bytes) -> str:
         return "".join(f"<0x{byte:02X}>" for byte in data)
 
 
+ESCAPES = re.compile(r"(?:<0x[0-9A-Fa-f]{2}>)+")  # what `text_or_escapes` writes for part of a character
+
+
+def token_string_bytes(string: str) -> list[int]:
+    """The bytes a token string (`token_string`) adds to the text, `text_or_escapes` undone: its
+    escapes' bytes, or its text's UTF-8; what chat logprobs' `bytes` are, which a client joins to
+    rebuild characters split over several tokens."""
+    if ESCAPES.fullmatch(string):
+        return [int(byte, 16) for byte in BYTE_ESCAPE.findall(string)]
+    return list(string.encode("utf-8"))
+
+
 def piece_string(name: str) -> str:
     """The token string of a SentencePiece-style piece (sentencepiece, or a tokenizer.json whose
     decoder writes its word-start mark as a space and its <0xNN> pieces as bytes): the word-start

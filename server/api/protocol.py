@@ -752,7 +752,7 @@ class TopLogprob(ResponseBody):
     token: str
     logprob: float
     # the bytes the token adds to the text (a byte token's one byte, named "<0xC3>"), which a
-    # client joins to rebuild a character split over tokens (serving/completions.py token_bytes_reader)
+    # client joins to rebuild a character split over tokens (models/tokenizer.py token_string_bytes)
     bytes: list[int] | None
 
 

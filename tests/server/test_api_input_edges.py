@@ -22,7 +22,7 @@ import pytest
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
-from xlserve.models.tokenizer import ByteTokenizer, TokenizersTokenizer, WordTokenizer
+from xlserve.models.tokenizer import ByteTokenizer, TokenizersTokenizer, WordTokenizer, token_string_bytes
 from xlserve.server.api.chat import ChatTemplate
 from xlserve.server.api.deps import ServedModel
 from xlserve.server.api.protocol import (
@@ -33,7 +33,6 @@ from xlserve.server.api.protocol import (
     MAX_PROMPTS,
     FunctionDefinition,
 )
-from xlserve.server.api.serving.completions import token_bytes_reader
 from xlserve.server.api.structured import tool_grammar
 from xlserve.server.engine.constraints import byte_level_tokenizer
 from xlserve.server.engine.types import ChoiceFinished, Finished, TokenEvent
@@ -264,7 +263,7 @@ def test_logprobs_name_each_token_by_the_text_it_adds():
     tokenizer = TokenizersTokenizer(byte_level)
     strings = [tokenizer.token_string(token) for token in range(8)]
     assert strings == ["a", " ", " a", "<0xC3>", "<0xA9>", "\n", "é", "<|endoftext|>"]
-    read = token_bytes_reader(tokenizer)
+    read = token_string_bytes
     assert [read(string) for string in strings[:7]] == [[0x61], [0x20], [0x20, 0x61], [0xC3], [0xA9], [0x0A],
                                                         [0xC3, 0xA9]]
     assert tokenizer.decode([2, 3, 4, 5]) == "".join(strings[i] for i in (2, 6, 5))  # a whole character joins
@@ -273,13 +272,13 @@ def test_logprobs_name_each_token_by_the_text_it_adds():
     fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()])
     tokenizer = TokenizersTokenizer(fallback)
     assert [tokenizer.token_string(token) for token in range(4)] == [" the", "\n", "<0xC3>", "cat"]
-    assert [token_bytes_reader(tokenizer)(tokenizer.token_string(t)) for t in range(3)] == [list(b" the"), [10], [0xC3]]
+    assert [token_string_bytes(tokenizer.token_string(t)) for t in range(3)] == [list(b" the"), [10], [0xC3]]
 
     words = WordTokenizer(["<eos>", "<unk>", "the", "cat"])
     assert [words.token_string(token) for token in words.encode("the cat\nthe")] == [" the", " cat", "\n", " the"]
-    assert token_bytes_reader(words)(words.token_string(3)) == list(b" cat")
+    assert token_string_bytes(words.token_string(3)) == list(b" cat")
     assert ByteTokenizer().token_string(0x78) == "x" and ByteTokenizer().token_string(0xC3) == "<0xC3>"
-    assert token_bytes_reader(ByteTokenizer())("x") == [0x78]
+    assert token_string_bytes("x") == [0x78]
 
 
 def test_chat_and_completion_logprobs_of_a_word_level_model_join_into_the_text(word_served):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -15,7 +14,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from fastapi.responses import StreamingResponse
 
-from xlserve.models.tokenizer import BYTE_ESCAPE
+from xlserve.models.tokenizer import token_string_bytes
 from xlserve.server.api.deps import AppState, ServedModel
 from xlserve.server.api.chat import ChatTemplateError
 from xlserve.server.api.errors import APIError, InvalidRequest, validation_error
@@ -354,23 +353,6 @@ async def _completion_chunks(completion: Completion) -> AsyncGenerator:
 
 # -- POST /v1/chat/completions ----------------------------------------------------------------------
 
-def token_bytes_reader(tokenizer) -> Callable[[str], list[int]]:
-    """How chat logprobs' `bytes` are made from a token's string (the tokenizer's
-    `token_string`: the text it adds, or the <0xNN> escapes of the bytes of a character it adds
-    part of): the bytes the token adds to the text, which a client joins to rebuild characters
-    split over several tokens."""
-
-    def token_bytes(string: str) -> list[int]:
-        if ESCAPES.fullmatch(string):
-            return [int(byte, 16) for byte in BYTE_ESCAPE.findall(string)]
-        return list(string.encode("utf-8"))
-
-    return token_bytes
-
-
-ESCAPES = re.compile(r"(?:<0x[0-9A-Fa-f]{2}>)+")
-
-
 def chat_prompt(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 tools: list[ToolDefinition] | None = None, continue_final_message: bool = False,
                 template_variables: dict | None = None) -> str:
@@ -454,7 +436,6 @@ class ChatCompletion(Completion):
         for choice in self.choices:  # exactly top_logprobs alternatives per token, as OpenAI's and vLLM's chat
             choice.chosen_in_top = False
         self.id = "chatcmpl-" + secrets.token_hex(12)
-        self.token_bytes = token_bytes_reader(self.served.tokenizer)
         self.calls_tools = functions is not None
         self.names_function = isinstance(body.tool_choice, NamedToolChoice)
         self.functions, self.tool_grammar = functions, None
@@ -491,10 +472,9 @@ class ChatCompletion(Completion):
         """Completion-style logprobs (tokens, token_logprobs, top_logprobs) in chat's shape."""
         if piece is None or not self.chat.logprobs:
             return None
-        token_bytes = self.token_bytes
         return {"content": [
-            {"token": token, "logprob": logprob, "bytes": token_bytes(token),
-             "top_logprobs": [{"token": name, "logprob": value, "bytes": token_bytes(name)}
+            {"token": token, "logprob": logprob, "bytes": token_string_bytes(token),
+             "top_logprobs": [{"token": name, "logprob": value, "bytes": token_string_bytes(name)}
                               for name, value in (top or {}).items()]}
             for token, logprob, top in zip(piece["tokens"], piece["token_logprobs"], piece["top_logprobs"])]}
 
