@@ -659,9 +659,13 @@ class GreedyRounds:
         """At the median round's speed."""
         return batch * steps / statistics.median(self.seconds)
 
+    def by_round(self, batch: int, steps: int) -> list[float]:
+        """Each round's tokens/s."""
+        return [batch * steps / seconds for seconds in self.seconds]
+
     def spread(self, batch: int, steps: int) -> list[float]:
         """The slowest and fastest round's tokens/s."""
-        return [batch * steps / max(self.seconds), batch * steps / min(self.seconds)]
+        return [min(self.by_round(batch, steps)), max(self.by_round(batch, steps))]
 
 
 @torch.inference_mode()
@@ -722,8 +726,8 @@ def measure_decode(name: str, model, reference, args, vocab: int, bandwidth: flo
                "xlserve_int8_tokens_per_s": int8.tokens_per_s(batch, steps),
                "xlserve_float32_tokens_per_s_spread": ours.spread(batch, steps),
                "xlserve_int8_tokens_per_s_spread": int8.spread(batch, steps),
-               "xlserve_float32_tokens_per_s_by_round": [batch * steps / seconds for seconds in ours.seconds],
-               "xlserve_int8_tokens_per_s_by_round": [batch * steps / seconds for seconds in int8.seconds],
+               "xlserve_float32_tokens_per_s_by_round": ours.by_round(batch, steps),
+               "xlserve_int8_tokens_per_s_by_round": int8.by_round(batch, steps),
                "int8_tokens_equal_float32": float((int8.tokens[0] == ours.tokens[0]).float().mean()),
                "weight_bytes_per_step_float32": float32_read, "weight_bytes_per_step_int8": int8_read}
         row["read_bandwidth_bytes_per_s"] = bandwidth  # what the fractions divide by
