@@ -227,22 +227,30 @@ def test_seeds_and_top_p_outside_their_ranges_are_400(served, fields, param):
 # -- chat logprobs: each token's bytes --------------------------------------------------------------------
 
 
+CHAT_WITH_LOGPROBS = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                      "top_logprobs": 2}
+
+
+def chat_logprobs(client, engine, events: list, reason: str) -> list[dict]:
+    """The `logprobs.content` of a chat answer whose tokens are `events`, ending for `reason`."""
+    end = ChoiceFinished(0, reason, "", len(events))
+    engine.events = [*events, end, Finished([end], 2, len(events), 0, None)]
+    answer = client.post("/v1/chat/completions", json=CHAT_WITH_LOGPROBS)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["logprobs"]["content"]
+
+
 def test_chat_logprobs_carry_the_bytes_of_byte_tokens(served):
     client, _, engine = served
     e_acute = "é".encode()  # 0xC3 0xA9: two byte tokens, named "<0xC3>" and "<0xA9>"
-    events = [TokenEvent(e_acute[0], "", -0.5, [(e_acute[0], -0.5), (0x41, -2.0)]),
-              TokenEvent(e_acute[1], "é", -0.25, [(e_acute[1], -0.25), (0xE2, -3.0)])]
-    end = ChoiceFinished(0, "stop", "", 2)
-    engine.events = [*events, end, Finished([end], 2, 2, 0, None)]
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
-    answer = client.post("/v1/chat/completions", json=body)
-    assert answer.status_code == 200, answer.text
-    content = answer.json()["choices"][0]["logprobs"]["content"]
+    content = chat_logprobs(client, engine, [TokenEvent(e_acute[0], "", -0.5, [(e_acute[0], -0.5), (0x41, -2.0)]),
+                                             TokenEvent(e_acute[1], "é", -0.25, [(e_acute[1], -0.25), (0xE2, -3.0)])],
+                            "stop")
     assert [(entry["token"], entry["bytes"]) for entry in content] == [("<0xC3>", [0xC3]), ("<0xA9>", [0xA9])]
     assert [[(top["token"], top["bytes"]) for top in entry["top_logprobs"]] for entry in content] == [
         [("<0xC3>", [0xC3]), ("A", [0x41])], [("<0xA9>", [0xA9]), ("<0xE2>", [0xE2])]]
     assert bytes(byte for entry in content for byte in entry["bytes"]).decode() == "é"
-    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    streamed = client.post("/v1/chat/completions", json={**CHAT_WITH_LOGPROBS, "stream": True})
     chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.text.split("\n\n")
               if line.startswith("data: {")]
     sent = [entry for chunk in chunks for choice in chunk["choices"] for entry in (choice["logprobs"] or {}).get(
@@ -284,15 +292,9 @@ def test_logprobs_name_each_token_by_the_text_it_adds():
 def test_chat_and_completion_logprobs_of_a_word_level_model_join_into_the_text(word_served):
     client, engine = word_served
     eos, the, cat = 0, 2, 3
-    events = [TokenEvent(the, "the", -0.5, [(the, -0.5), (cat, -2.0)]),
-              TokenEvent(cat, " cat", -0.25, [(cat, -0.25), (the, -3.0)]),
-              TokenEvent(eos, "\n", -0.1, [(eos, -0.1), (cat, -3.0)])]
-    end = ChoiceFinished(0, "length", "", 3)
-    engine.events = [*events, end, Finished([end], 2, 3, 0, None)]
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
-    answer = client.post("/v1/chat/completions", json=body)
-    assert answer.status_code == 200, answer.text
-    content = answer.json()["choices"][0]["logprobs"]["content"]
+    content = chat_logprobs(client, engine, [TokenEvent(the, "the", -0.5, [(the, -0.5), (cat, -2.0)]),
+                                             TokenEvent(cat, " cat", -0.25, [(cat, -0.25), (the, -3.0)]),
+                                             TokenEvent(eos, "\n", -0.1, [(eos, -0.1), (cat, -3.0)])], "length")
     assert [(entry["token"], entry["bytes"]) for entry in content] == [
         (" the", list(b" the")), (" cat", list(b" cat")), ("\n", [0x0A])]
     assert [top["token"] for top in content[0]["top_logprobs"]] == [" the", " cat"]
