@@ -342,6 +342,11 @@ class CacheSettings(SettingsGroup):
     # answering 503 commit_outcome_unknown
     commit_settle_seconds: float = Field(15.0, ge=0, description="after a store write timed out, how long to ask "
                                          "whether it landed before answering 503")
+    # a key's sessions are counted where they are listed from: the books, or with Redis a scan of
+    # its sessions there (server/cache/session_cache.py _check_quota)
+    max_sessions_per_key: int = Field(0, ge=0, description="sessions one API key may hold at once, over every "
+                                      "replica; a create, import or fork past it gets 403 session_quota_exceeded "
+                                      "(0: no bound; without API keys every client is one key)")
     # a session whose model's state grows or slides by appending commits only what changed, as
     # blocks appended to a log per session (server/cache/durable.py); the log is compacted into a
     # new whole copy once it would hold more than this times the whole copy's bytes (the cache's

@@ -1024,6 +1024,8 @@ ERROR_MEANINGS = {  # what each error status means, wherever it is answered
          "text that cannot be UTF-8, an X-Session-Id header naming another session, a prompt or append that would "
          "take the context past the model's max_context (`context_length_exceeded`).",
     401: "No API key, or not one of the server's (`invalid_api_key`).",
+    403: "The API key holds as many sessions as XLSERVE_MAX_SESSIONS_PER_KEY allows (`session_quota_exceeded`): "
+         "delete one before making another.",
     404: "No such model or session (`model_not_found`, `session_not_found`); another key's session is not found either.",
     408: "A session state's upload came slower than 256 KiB/s after its first 30 s (`state_body_too_slow`).",
     409: "The session is busy with another request (`session_busy`) or was changed by another replica since this "

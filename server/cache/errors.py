@@ -81,6 +81,15 @@ class CacheFull(CacheError):
     retry_after_seconds = 1
 
 
+class SessionQuotaExceeded(CacheError):
+    """The API key already holds as many sessions as XLSERVE_MAX_SESSIONS_PER_KEY allows: a new
+    one (create, import, fork) is refused until one of them is deleted. Not a 429: no wait frees
+    a place, so a client that retries 429s by itself must not retry this."""
+
+    http_status, error_type, default_code = 403, "permission_error", "session_quota_exceeded"
+    default_param = None  # no field of the request is at fault
+
+
 class SessionUnavailable(CacheError):
     """The session exists but cannot be served now (its model is not loaded, its state is
     corrupt, or a store is unreachable)."""

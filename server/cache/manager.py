@@ -29,6 +29,7 @@ used entries of that tier), since entries are a cache and sessions are data.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import secrets
 from collections.abc import Callable
@@ -162,6 +163,9 @@ class CacheManager:
         # books change (`_count`): `by_tier` is read at every request (the metrics), and counting
         # it over every record took 71 ms a request with 10,000 sessions in the books
         self._tallies: dict[tuple[str, str], list[int]] = {}
+        # owner -> sessions in the books (an API key's quota, XLSERVE_MAX_SESSIONS_PER_KEY): an
+        # owner never changes, so only `add` and `remove` count
+        self._owned: collections.Counter = collections.Counter()
 
     def lend(self, lent: Callable[[str], int]) -> None:
         """Share the budgets with a borrower whose holdings per tier `lent` reports."""
@@ -184,6 +188,10 @@ class CacheManager:
 
     def get(self, session_id: str) -> Record | None:
         return self.records.get(session_id)
+
+    def owned(self, owner: str | None) -> int:
+        """How many sessions of `owner` the books hold."""
+        return self._owned[owner]
 
     def by_tier(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(model, tier) -> (sessions whose fastest copy is there, bytes held there)."""
@@ -285,10 +293,14 @@ class CacheManager:
             raise KeyError(f"session {record.id} is already known")
         record.use_seq = next(self._seq)
         self.records[record.id] = record
+        self._owned[record.owner] += 1
         self._count(record, 1)
 
     def remove(self, session_id: str) -> Record:
         record = self.records.pop(session_id)
+        self._owned[record.owner] -= 1
+        if not self._owned[record.owner]:
+            del self._owned[record.owner]
         self._count(record, -1)
         return record
 

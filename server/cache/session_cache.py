@@ -96,6 +96,7 @@ from xlserve.server.cache.errors import (
     SessionInfo,
     SessionLocked,
     SessionNotFound,
+    SessionQuotaExceeded,
     SessionUnavailable,
 )
 from xlserve.server.cache.leases import MOVE, NEW, Holds, Lease
@@ -147,7 +148,7 @@ class SessionCache:
                  redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0,
                  hold_wait_s: float | None = None, state_dtype: torch.dtype = torch.float32,
                  compact_ratio: float = DEFAULT_COMPACT_RATIO,
-                 forget_deleted_every_s: float = FORGET_DELETED_ELSEWHERE_SECONDS):
+                 forget_deleted_every_s: float = FORGET_DELETED_ELSEWHERE_SECONDS, max_sessions_per_key: int = 0):
         """`store_timeout_s` bounds each Redis call; `settle_s` is how long a commit whose write
         timed out keeps asking Redis whether it landed before answering CommitOutcomeUnknown;
         `hold_wait_s` is how long a request waits for a session the cache holds (its bytes moving
@@ -158,7 +159,8 @@ class SessionCache:
         kept in (module docstring). `compact_ratio`: a session's log of delta commits is
         compacted into a new base once it would outgrow this times the base (durable.py).
         `forget_deleted_every_s`: how often the disk's expired tombstones are removed, and with
-        Redis the books let go of the sessions another replica deleted (`forget_deleted_elsewhere`)."""
+        Redis the books let go of the sessions another replica deleted (`forget_deleted_elsewhere`).
+        `max_sessions_per_key`: how many sessions one owner may hold (0: no bound; `_check_quota`)."""
         self.state_dtype = state_dtype
         budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes}
         self.redis = RedisStore(redis_url, timeout_s=store_timeout_s) if redis_url else None
@@ -176,6 +178,7 @@ class SessionCache:
         self.placement = Placement(self.manager, self.durable, self.holds, self._lock, metrics)
         self.compactions = Compactor(self.compact)
         self.forget_deleted_every_s = forget_deleted_every_s
+        self.max_sessions_per_key = max_sessions_per_key
         self._closing = threading.Event()  # ends the thread of `forget_deleted_elsewhere`
         self._forgetting: threading.Thread | None = None
 
@@ -195,7 +198,8 @@ class SessionCache:
                    settings.disk_state_bytes, settings.redis_url, metrics,
                    store_timeout_s=settings.store_timeout_seconds, settle_s=settings.commit_settle_seconds,
                    state_dtype=STATE_DTYPES[settings.state_dtype],
-                   compact_ratio=getattr(settings, "compact_ratio", DEFAULT_COMPACT_RATIO))
+                   compact_ratio=getattr(settings, "compact_ratio", DEFAULT_COMPACT_RATIO),
+                   max_sessions_per_key=getattr(settings, "max_sessions_per_key", 0))
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -757,10 +761,12 @@ class SessionCache:
                         commit_id=new_commit_id())
         meta = self.durable.metadata(record)
         meta_block = None if source_id is None else encode_delta({}, state_metadata(data), "same", meta)
+        in_redis = self._owned_in_redis(owner)  # outside the lock: a scan of Redis
         with self._lock:
             if session_id is not None and (self.manager.get(session_id) is not None
                                            or self.holds.kind(session_id) is not None):
                 raise _AlreadyMade(session_id)
+            self._check_quota(owner, in_redis)
             # its bytes booked in the last tier; a fork's also its copy of the source's log and a block
             source = None if source_id is None else self.manager.get(source_id)
             log_bytes = 0 if meta_block is None else (
@@ -800,6 +806,34 @@ class SessionCache:
         finally:
             transfer.carry_out(self._lock)
         return info
+
+    def _owned_in_redis(self, owner: str | None) -> set[str] | None:
+        """With Redis and a quota (`max_sessions_per_key`): the ids of `owner`'s sessions Redis
+        holds, over every replica (one scan of its sessions, as a listing makes); None otherwise."""
+        if not self.max_sessions_per_key or self.redis is None:
+            return None
+        heads = self.durable.heads()
+        return {session_id for session_id, (_, meta) in heads.items() if (meta.get("owner") or None) == owner}
+
+    def _check_quota(self, owner: str | None, in_redis: set[str] | None) -> None:
+        """(Under the lock.) SessionQuotaExceeded when `owner` already holds `max_sessions_per_key`
+        sessions: without Redis, those in the books (every session of the disk is); with Redis,
+        those Redis holds (`in_redis`) and those being written here, not there yet. Replicas
+        creating at the same moment may each pass with one place left: the bound can be passed
+        by the replicas' number less one, never more."""
+        limit = self.max_sessions_per_key
+        if not limit:
+            return
+        if in_redis is None:
+            held = self.manager.owned(owner)
+        else:
+            being_made = {record.id for record in self.manager.records.values()
+                          if record.owner == owner and self.holds.kind(record.id) == NEW}
+            held = len(in_redis | being_made)
+        if held >= limit:
+            raise SessionQuotaExceeded(
+                f"this API key holds {held:,} sessions, the most XLSERVE_MAX_SESSIONS_PER_KEY ({limit:,}) allows: "
+                "delete one (DELETE /v1/sessions/{id}) before making another")
 
     def _remember(self, lease: Lease, entry: dict) -> None:
         """Remember an Idempotency-Key on a leased session without changing its state (a fork's)."""

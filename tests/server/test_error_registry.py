@@ -71,6 +71,7 @@ ANSWERED = {
     "SessionReadOutOfMemory": (503, "service_unavailable", "device_out_of_memory", "session_id",
                                {"Retry-After": "1"}),
     "SessionTooLarge": (413, "request_too_large", "session_too_large", "session_id", {}),
+    "SessionQuotaExceeded": (403, "permission_error", "session_quota_exceeded", None, {}),
     "CommitOutcomeUnknown": (503, "service_unavailable", "commit_outcome_unknown", "session_id", {}),
     "IdempotencyKeyReused": (422, "invalid_request_error", "idempotency_key_reused", "Idempotency-Key", {}),
     "CorruptState": (500, "internal_error", None, None, {}),
