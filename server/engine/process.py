@@ -479,6 +479,9 @@ class EngineProcess:
         # and of them, each API key's owner's: XLSERVE_MAX_QUEUED_PER_KEY bounds one key's here too,
         # or one key's burst of slow lookups would fill the bound and every other key get 429
         self.prefix_lookups_of: Counter[str] = Counter()
+        # likewise each key's generations waiting for a first compile: one key sending schemas
+        # that differ by a title took every place, and every other key's first schema got 429
+        self.first_compiles_of: Counter[str] = Counter()
         self.prefix_lookups = ThreadPoolExecutor(max_workers=PREFIX_LOOKUP_THREADS, thread_name_prefix="prefix-lookup",
                                                  initializer=own_torch_threads, initargs=(1,))
         # freed memory goes back to the system once the engines idle (server/engine/memory.py)
@@ -646,16 +649,16 @@ class EngineProcess:
                 if not compile_first and self.prefix_lookups_waiting >= PREFIX_LOOKUP_THREADS + engine.max_queued:
                     raise QueueFull(f"{self.prefix_lookups_waiting} requests wait for their prefix-cache lookup "
                                     f"(XLSERVE_MAX_QUEUED_REQUESTS: {engine.max_queued}); retry later", code="queue_full")
-                owner = request.owner if not compile_first else None
-                if (owner is not None and engine.max_queued_per_key
-                        and self.prefix_lookups_of[owner] >= engine.max_queued_per_key):
-                    raise QueueFull(f"this API key has {self.prefix_lookups_of[owner]} requests waiting for their "
-                                    f"prefix-cache lookup, the limit per key is {engine.max_queued_per_key} "
-                                    "(XLSERVE_MAX_QUEUED_PER_KEY); retry later", code="queue_full")
+                owner, waiting_of = request.owner, self.first_compiles_of if compile_first else self.prefix_lookups_of
+                if owner is not None and engine.max_queued_per_key and waiting_of[owner] >= engine.max_queued_per_key:
+                    raise QueueFull(f"this API key has {waiting_of[owner]} requests waiting for "
+                                    f"{'a constraint to compile' if compile_first else 'their prefix-cache lookup'}, "
+                                    f"the limit per key is {engine.max_queued_per_key} (XLSERVE_MAX_QUEUED_PER_KEY); "
+                                    "retry later", code="constraint_compiler_busy" if compile_first else "queue_full")
                 self.first_compiles_waiting += compile_first
                 self.prefix_lookups_waiting += not compile_first
                 if owner is not None:
-                    self.prefix_lookups_of[owner] += 1
+                    waiting_of[owner] += 1
             return self._off_the_reader(request.request_id, engine,
                                         lambda cancelled: self._deferred_generate(request, engine, cancelled, compile_first),
                                         self.first_compiles if compile_first else self.prefix_lookups)
@@ -670,10 +673,11 @@ class EngineProcess:
         `_off_the_reader`): the constraint's compile, or the prefix lookup, then the request queued."""
         params = request.params
         try:
+            if cancelled.is_set():  # its client left while it waited: nothing to compile or look up for
+                raise Cancelled("cancelled before its constraint compiled" if compile_first
+                                else "cancelled before its prefix lookup")
             constraint = None
             if compile_first:
-                if cancelled.is_set():  # its client left while it waited: nothing to compile for
-                    raise Cancelled("cancelled before its constraint compiled")
                 constraint = engine.constraints.matcher(params.constraint_kind, params.constraint or "",
                                                         params.constraint_param)
             return self._generate(request, engine, cancelled, constraint)
@@ -683,10 +687,11 @@ class EngineProcess:
                     self.first_compiles_waiting -= 1
                 else:
                     self.prefix_lookups_waiting -= 1
-                    if request.owner is not None:
-                        self.prefix_lookups_of[request.owner] -= 1
-                        if not self.prefix_lookups_of[request.owner]:
-                            del self.prefix_lookups_of[request.owner]
+                waiting_of = self.first_compiles_of if compile_first else self.prefix_lookups_of
+                if request.owner is not None:
+                    waiting_of[request.owner] -= 1
+                    if not waiting_of[request.owner]:
+                        del waiting_of[request.owner]
 
     def _generate(self, request: Generate, engine: Engine, cancelled: threading.Event | None = None,
                   constraint: object = None) -> Accepted:

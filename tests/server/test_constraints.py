@@ -376,6 +376,7 @@ def test_first_compiles_wait_on_their_own_threads_and_their_queue_is_bounded():
     handler.models = {"m": SimpleNamespace(engine=engine)}
     handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
     handler.first_compiles, handler.prefix_lookups_waiting = object(), 0
+    handler.first_compiles_of = process.Counter()
 
     def generation(i: int) -> Generate:
         params = SamplingParams(max_tokens=4, constraint_kind="json_schema", constraint=schema(i))
@@ -409,6 +410,7 @@ def test_generations_waiting_for_their_prefix_lookup_are_bounded():
     handler.models = {"m": SimpleNamespace(engine=engine)}
     handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
     handler.prefix_lookups, handler.prefix_lookups_waiting = object(), 0
+    handler.prefix_lookups_of = process.Counter()
     limit = process.PREFIX_LOOKUP_THREADS + engine.max_queued
     for i in range(limit):
         deferred = handler.generate(Generate(i, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00"))
@@ -448,6 +450,68 @@ def test_one_api_key_s_prefix_lookups_wait_within_its_own_share():
     assert "XLSERVE_MAX_QUEUED_PER_KEY" in refused.value.message
     assert isinstance(handler.generate(generation(3, "bob")), process.Deferred)  # another key's goes on
     assert handler.prefix_lookups_of == {"alice": 2, "bob": 1}
+
+
+def test_one_api_key_s_first_compiles_wait_within_its_own_share():
+    """XLSERVE_MAX_QUEUED_PER_KEY bounds one key's generations waiting for a first compile: one key
+    sending schemas that differ by a title took all FIRST_COMPILE_THREADS + FIRST_COMPILES_QUEUED
+    places, and every other key's first schema got 429. A place is given back when its generation
+    leaves the pool, cancelled before its compile as much as compiled."""
+    import threading
+    from types import SimpleNamespace
+
+    from xlserve.server.engine import process
+    from xlserve.server.engine.errors import Cancelled, QueueFull
+    from xlserve.server.engine.wire import Generate
+
+    engine = SimpleNamespace(check_context=lambda *args: None, prefix_lookup_waits=False, max_queued=30,
+                             max_queued_per_key=2, constraints=SimpleNamespace(cached_matcher=lambda *args: None))
+    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
+    handler.models = {"m": SimpleNamespace(engine=engine)}
+    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
+    handler.first_compiles, handler.prefix_lookups_waiting = object(), 0
+    handler.first_compiles_of, handler.prefix_lookups_of = process.Counter(), process.Counter()
+
+    def generation(i: int, owner: str) -> Generate:
+        params = SamplingParams(max_tokens=4, constraint_kind="json_schema", constraint=schema(i))
+        return Generate(i, "m", [1, 2], params, owner=owner)
+
+    for i in range(2):
+        assert isinstance(handler.generate(generation(i, "alice")), process.Deferred)
+    with pytest.raises(QueueFull) as refused:
+        handler.generate(generation(2, "alice"))
+    assert refused.value.code == "constraint_compiler_busy" and "XLSERVE_MAX_QUEUED_PER_KEY" in refused.value.message
+    assert isinstance(handler.generate(generation(3, "bob")), process.Deferred)  # another key's goes on
+    assert handler.first_compiles_of == {"alice": 2, "bob": 1}
+    cancelled = threading.Event()
+    cancelled.set()  # alice's client left while its generation waited: nothing is compiled for it
+    with pytest.raises(Cancelled):
+        handler._deferred_generate(generation(0, "alice"), engine, cancelled, compile_first=True)
+    assert handler.first_compiles_of == {"alice": 1, "bob": 1} and handler.first_compiles_waiting == 2
+
+
+def test_a_generation_cancelled_while_it_waited_makes_no_prefix_lookup():
+    """A generation whose client left while it waited for a prefix-lookup thread is dropped before
+    its lookup: a lookup may fetch and decode hundreds of MB from Redis or a file, for nobody."""
+    import threading
+    from types import SimpleNamespace
+
+    from xlserve.server.engine import process
+    from xlserve.server.engine.errors import Cancelled
+    from xlserve.server.engine.wire import Generate
+
+    lookups = []
+    engine = SimpleNamespace(check_admitted=lambda *args: None,
+                             start_from_prefix=lambda *args: lookups.append(args) or {})
+    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
+    handler.lock, handler.first_compiles_waiting, handler.prefix_lookups_waiting = threading.Lock(), 0, 1
+    handler.first_compiles_of, handler.prefix_lookups_of = process.Counter(), process.Counter({"alice": 1})
+    cancelled = threading.Event()
+    cancelled.set()
+    request = Generate(0, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00", owner="alice")
+    with pytest.raises(Cancelled):
+        handler._deferred_generate(request, engine, cancelled, compile_first=False)
+    assert lookups == [] and handler.prefix_lookups_waiting == 0 and handler.prefix_lookups_of == {}
 
 
 # -- a byte-level BPE (tokenizer.json with a ByteLevel decoder) under a model of more rows ----------------
