@@ -32,8 +32,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+import numpy
 import torch
-from safetensors.torch import load as load_safetensors
 
 from xlserve.models.allocation import out_of_memory
 from xlserve.models.interface import State, TensorChange
@@ -239,12 +239,32 @@ def blob_bytes(blob: Blob) -> int:
     return sum(memoryview(part).nbytes for part in blob_parts(blob))
 
 
-def joined(blob: Blob) -> bytes:
-    """`blob` as one bytes object (a Redis value; bytes given whole come back as they are)."""
-    return b"".join(blob_parts(blob))
+# a blob in parts past this is joined by NumPy (`joined`)
+JOIN_WITHOUT_THE_LOCK_BYTES = 1 << 20
 
 
-def encode(data: SessionData, metadata: dict[str, str]) -> bytes:
+def joined(blob: Blob) -> bytes | memoryview:
+    """`blob` as one bytes-like object (a Redis value, an export; bytes given whole come back as
+    they are). b"".join holds Python's interpreter lock while it copies parts that are not bytes
+    (the state's tensors, read in place): at transfo-xl-wt103's size 120 ms, while every other
+    thread of the engine process, the decode loop's included, waits. Past
+    JOIN_WITHOUT_THE_LOCK_BYTES the parts are copied by NumPy into one buffer instead, which lets
+    the lock go while it copies; a read-only memoryview of it comes back."""
+    parts = blob_parts(blob)
+    if len(parts) == 1 and isinstance(parts[0], bytes):
+        return parts[0]
+    total = blob_bytes(blob)
+    if total <= JOIN_WITHOUT_THE_LOCK_BYTES:
+        return b"".join(parts)
+    buffer, offset = numpy.empty(total, numpy.uint8), 0
+    for part in parts:
+        values = numpy.frombuffer(part, numpy.uint8)
+        buffer[offset : offset + values.size] = values
+        offset += values.size
+    return memoryview(buffer).toreadonly()
+
+
+def encode(data: SessionData, metadata: dict[str, str]) -> bytes | memoryview:
     """SessionData + string metadata -> safetensors bytes (format, nbytes and checksum added). The
     tensors are read in place (`save_tensor_parts`): the bytes are the state's snapshot."""
     return joined(encode_parts(data, metadata))
@@ -281,7 +301,7 @@ def parse_header(head: bytes) -> tuple[int, dict]:
     if length > MAX_HEADER_BYTES or len(head) < 8 + length:
         raise CorruptState("safetensors header length is out of range")
     try:
-        header = json.loads(head[8 : 8 + length])
+        header = json.loads(bytes(head[8 : 8 + length]))  # a memoryview too (`joined`)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CorruptState("safetensors header is not JSON") from None
     except (RecursionError, ValueError) as error:  # nested past the parser's depth, an integer past its digits
@@ -289,6 +309,67 @@ def parse_header(head: bytes) -> tuple[int, dict]:
     if not isinstance(header, dict):
         raise CorruptState("safetensors header is not an object")
     return length, header
+
+
+# every dtype safetensors' torch reader reads, by its name in a header: an import in one no session
+# holds (float8, complex) is read, and refused by the engine naming the dtype (`conform_import`)
+_DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()} | {
+    name: getattr(torch, attribute) for name, attribute in (
+        ("F8_E4M3", "float8_e4m3fn"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2", "float8_e5m2"),
+        ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("C64", "complex64"), ("U64", "uint64"), ("U32", "uint32"),
+        ("U16", "uint16")) if hasattr(torch, attribute)}
+
+
+def load_tensors(blob) -> dict[str, torch.Tensor]:
+    """A safetensors blob's tensors, each a copy of its bytes: what safetensors.torch.load gives,
+    refusing what it refuses (CorruptState). safetensors' reader holds Python's interpreter lock
+    for the whole copy: at transfo-xl-wt103's size, 237 MB read back from a store or imported held
+    every other thread of the engine process, the decode loop's included, for 120-170 ms. Here each
+    tensor is copied by NumPy, which lets the lock go while it copies (4 ms at most, as fast). Its
+    checks are safetensors' own: string metadata, every tensor's dtype one its torch reader reads,
+    a shape of non-negative integers, and offsets that tile the data exactly, each tensor's span
+    its shape's bytes."""
+    length, header = parse_header(blob)
+    start, size = 8 + length, len(blob) - 8 - length
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptState("unreadable safetensors payload: its metadata is not a map of strings")
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _DTYPES_BY_NAME[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} has no dtype safetensors "
+                               "reads, shape and data offsets") from None
+        if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 1 << 63 for d in shape)
+                and type(begin) is int and type(end) is int and 0 <= begin <= end):
+            raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} has a malformed shape or offsets")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * torch.empty((), dtype=dtype).element_size() != end - begin:
+            raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} spans {end - begin} bytes, "
+                               f"not its shape's")
+        spans.append((begin, end, name, dtype, shape))
+    spans.sort()
+    covered = 0
+    for begin, end, name, _, _ in spans:
+        if begin != covered:
+            raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} does not start where the one "
+                               "before it ends")
+        covered = end
+    if covered != size:
+        raise CorruptState(f"unreadable safetensors payload: its tensors cover {covered} of its {size} data bytes")
+    tensors = {}
+    for begin, end, name, dtype, shape in spans:
+        tensor = torch.empty(shape, dtype=dtype)
+        if end > begin:
+            tensor.reshape(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(blob, numpy.uint8, end - begin,
+                                                                                start + begin)
+        tensors[name] = tensor
+    return tensors
 
 
 def entries_from_lines(text: bytes | str | None) -> list[dict]:
@@ -347,10 +428,7 @@ def decode(blob: bytes, require_checksum: bool = True) -> tuple[dict[str, str], 
     """safetensors bytes -> (metadata, state tensors by State name, next_log_probs or None).
     Raises CorruptState when the blob is unreadable or its checksum does not match."""
     meta = metadata_of(blob)
-    try:
-        tensors = load_safetensors(blob)
-    except Exception as error:  # safetensors raises its own error types
-        raise CorruptState(f"unreadable safetensors payload: {error}") from None
+    tensors = load_tensors(blob)
     if "checksum" in meta:
         if checksum(meta, tensors) != meta["checksum"]:
             raise CorruptState("checksum mismatch: the session's bytes were altered or truncated")
@@ -440,10 +518,7 @@ def decode_delta(blob: bytes) -> tuple[dict[str, str], dict, str, torch.Tensor |
     meta = metadata_of(blob)
     if "delta" not in meta:
         raise CorruptState("a log block that is not a delta")
-    try:
-        tensors = load_safetensors(blob)
-    except Exception as error:  # safetensors raises its own error types
-        raise CorruptState(f"unreadable delta block: {error}") from None
+    tensors = load_tensors(blob)
     if checksum(meta, tensors) != meta.get("checksum"):
         raise CorruptState("checksum mismatch in a delta block")
     try:

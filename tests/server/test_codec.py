@@ -1,9 +1,11 @@
-"""The session codec's safetensors writer (server/cache/codec.py `save_tensor_parts`): the bytes
-safetensors' own writer makes, with each tensor's memory copied once."""
+"""The session codec's safetensors writer and reader (server/cache/codec.py `save_tensor_parts`,
+`load_tensors`): the bytes safetensors' own writer makes, with each tensor's memory copied once,
+and what its own reader reads from them, refusing what it refuses."""
 
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import pytest
@@ -11,7 +13,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from xlserve.server.cache.codec import SessionData, decode, encode, joined, save_tensor_parts
+from xlserve.server.cache.codec import SessionData, decode, encode, joined, load_tensors, save_tensor_parts
+from xlserve.server.cache.errors import CorruptState
 
 EVERY_KIND = {
     "state.keys": torch.randn(2, 3, 5, 4),
@@ -103,3 +106,84 @@ def test_compact_copies_only_the_tensors_that_are_views_of_a_batch():
     assert all(tensor is own[name] for name, tensor in compacted.state._named_tensors())  # not copied
     assert compacted.next_log_probs.untyped_storage().nbytes() == 7 * 4  # copied out of the batch
     assert torch.equal(compacted.next_log_probs, batch_rows[2])
+
+
+def test_the_reader_reads_what_safetensors_reads():
+    """Every dtype a session holds, empty and 0-d tensors: the same names, dtypes, shapes and
+    values as safetensors.torch.load, each tensor its own memory (not a view of the blob)."""
+    blob = joined(save_tensor_parts(EVERY_KIND, {"format": "xlserve-session"}))
+    ours, theirs = load_tensors(blob), load_safetensors(blob)
+    assert ours.keys() == theirs.keys() == EVERY_KIND.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape
+        assert torch.equal(ours[name], tensor)
+    ours["state.keys"].zero_()  # writable, and the blob unchanged
+    assert torch.equal(load_tensors(blob)["state.keys"], EVERY_KIND["state.keys"])
+
+
+def _header_and_data(blob: bytes) -> tuple[dict, bytes]:
+    (length,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8 : 8 + length]), blob[8 + length :]
+
+
+def _blob(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def _mutations(header: dict, data: bytes, rng: random.Random):
+    """Damaged variants of a safetensors file: offsets, shapes and dtypes changed, data cut or
+    padded, metadata of other types."""
+    names = [name for name in header if name != "__metadata__"]
+    for _ in range(300):
+        changed = json.loads(json.dumps(header))
+        body = data
+        name = rng.choice(names)
+        kind = rng.randrange(9)
+        entry = changed[name]
+        if kind == 0:
+            entry["data_offsets"][rng.randrange(2)] += rng.choice([-8, -1, 1, 4, 8, 1 << 40])
+        elif kind == 1 and entry["shape"]:
+            entry["shape"][rng.randrange(len(entry["shape"]))] = rng.choice([0, 1, 3, -1, 2.0, True, "2", 1 << 64])
+        elif kind == 2:
+            entry["dtype"] = rng.choice(["F32", "F16", "I64", "BOOL", "U16", "C64", "f32", 3])
+        elif kind == 3:
+            body = data[: rng.randrange(len(data) + 1)]
+        elif kind == 4:
+            body = data + bytes(rng.choice([1, 4, 8]))
+        elif kind == 5:
+            changed["__metadata__"] = rng.choice([{"a": 1}, ["x"], "x", {"a": None}, {}])
+        elif kind == 6:
+            del entry[rng.choice(["dtype", "shape", "data_offsets"])]
+        elif kind == 7:
+            entry["data_offsets"] = rng.choice([[0], [1, 0], "0,4", [0, 4, 8], None])
+        else:
+            entry["shape"] = rng.choice([None, 3, [], [[1]], {}])
+        yield _blob(changed, body)
+
+
+def test_the_reader_refuses_what_safetensors_refuses():
+    """300 damaged files: each that safetensors refuses (or reads into tensors it cannot build)
+    is a CorruptState here, never another exception; each it reads (a dtype no session holds
+    among them: the engine refuses it by name) is read the same here."""
+    header, data = _header_and_data(joined(save_tensor_parts(EVERY_KIND, {"format": "xlserve-session"})))
+    agreed = refused = 0
+    for blob in _mutations(header, data, random.Random(7)):
+        try:
+            theirs = load_safetensors(blob)
+        except Exception:  # safetensors raises its own error types
+            theirs = None
+        try:
+            ours = load_tensors(blob)
+        except CorruptState:
+            ours = None
+        if theirs is None:
+            assert ours is None
+            refused += 1
+        elif ours is not None:
+            assert ours.keys() == theirs.keys()
+            assert all(ours[n].dtype == theirs[n].dtype and torch.equal(ours[n], theirs[n]) for n in ours)
+            agreed += 1
+        else:
+            pytest.fail("read by safetensors, refused here")
+    assert refused > 150 and agreed > 10
