@@ -408,6 +408,8 @@ def check_record_metadata(meta: dict, fields: tuple[str, ...] = ("model", "nbyte
             raise CorruptState(f"its metadata's {name!r} is {value!r}, not a number") from None
         if number < 0 or number != number:  # negative, or NaN
             raise CorruptState(f"its metadata's {name!r} is {value!r}")
+    if not isinstance(meta.get("owner") or "", str):  # an API key's owner, or none
+        raise CorruptState(f"its metadata's 'owner' is a JSON {type(meta['owner']).__name__}, not a string")
     if "idempotency" in meta:
         entries_from_lines(meta["idempotency"])
 

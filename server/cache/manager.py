@@ -291,9 +291,9 @@ class CacheManager:
     def add(self, record: Record) -> None:
         if record.id in self.records:
             raise KeyError(f"session {record.id} is already known")
+        self._owned[record.owner] += 1  # first: an owner that is no key changes nothing
         record.use_seq = next(self._seq)
         self.records[record.id] = record
-        self._owned[record.owner] += 1
         self._count(record, 1)
 
     def remove(self, session_id: str) -> Record:

@@ -143,6 +143,12 @@ def keyed_session_id(owner: str | None, idempotency: dict) -> str:
     return "sess_" + digest[:32]
 
 
+# with Redis and XLSERVE_MAX_SESSIONS_PER_KEY, one owner's new sessions are made one at a time on a
+# replica, under one of these locks (`_admit_new`): a few owners share one, a lock each would grow
+# with the owners seen
+QUOTA_STRIPES = 64
+
+
 class SessionCache:
     def __init__(self, state_dir, device_bytes: int | None, host_bytes: int | None, disk_bytes: int | None,
                  redis_url: str = "", metrics=None, store_timeout_s: float = 5.0, settle_s: float = 15.0,
@@ -179,6 +185,7 @@ class SessionCache:
         self.compactions = Compactor(self.compact)
         self.forget_deleted_every_s = forget_deleted_every_s
         self.max_sessions_per_key = max_sessions_per_key
+        self._quota_stripes = [threading.Lock() for _ in range(QUOTA_STRIPES)]  # `_admit_new`
         self._closing = threading.Event()  # ends the thread of `forget_deleted_elsewhere`
         self._forgetting: threading.Thread | None = None
 
@@ -743,6 +750,19 @@ class SessionCache:
 
     def _admit_new(self, model: str, owner: str | None, data: SessionData, source_id: str | None = None,
                    source_version: int = 0, session_id: str | None = None, made_by: str = "") -> SessionInfo:
+        """`_admit`, within `owner`'s bound (`_check_quota`). With Redis the owner's sessions are
+        counted by a scan, which a create of the same owner running beside it could miss, landing
+        after the scan began (eight at once passed a bound of 3 by 4): this replica's new sessions
+        of one owner are made one at a time, each under its owner's stripe of QUOTA_STRIPES locks,
+        so that each scan sees every one made here before it."""
+        if not self.max_sessions_per_key or self.redis is None:
+            return self._admit(model, owner, data, source_id, source_version, session_id, made_by, None)
+        with self._quota_stripes[hash(owner) % QUOTA_STRIPES]:
+            return self._admit(model, owner, data, source_id, source_version, session_id, made_by,
+                               self._owned_in_redis(owner))
+
+    def _admit(self, model: str, owner: str | None, data: SessionData, source_id: str | None, source_version: int,
+               session_id: str | None, made_by: str, in_redis: set[str] | None) -> SessionInfo:
         """Write a new session to the last tier, then put it on the device (create, fork, import).
         `session_id` (a keyed id, else a random one) is refused with _AlreadyMade when the books
         hold it or the cache holds it; `made_by` is the keyed request's fingerprint.
@@ -761,7 +781,6 @@ class SessionCache:
                         commit_id=new_commit_id())
         meta = self.durable.metadata(record)
         meta_block = None if source_id is None else encode_delta({}, state_metadata(data), "same", meta)
-        in_redis = self._owned_in_redis(owner)  # outside the lock: a scan of Redis
         with self._lock:
             if session_id is not None and (self.manager.get(session_id) is not None
                                            or self.holds.kind(session_id) is not None):
@@ -807,29 +826,23 @@ class SessionCache:
             transfer.carry_out(self._lock)
         return info
 
-    def _owned_in_redis(self, owner: str | None) -> set[str] | None:
-        """With Redis and a quota (`max_sessions_per_key`): the ids of `owner`'s sessions Redis
-        holds, over every replica (one scan of its sessions, as a listing makes); None otherwise."""
-        if not self.max_sessions_per_key or self.redis is None:
-            return None
+    def _owned_in_redis(self, owner: str | None) -> set[str]:
+        """The ids of `owner`'s sessions Redis holds, over every replica (one scan of its
+        sessions, as a listing makes; outside the cache's lock)."""
         heads = self.durable.heads()
         return {session_id for session_id, (_, meta) in heads.items() if (meta.get("owner") or None) == owner}
 
     def _check_quota(self, owner: str | None, in_redis: set[str] | None) -> None:
         """(Under the lock.) SessionQuotaExceeded when `owner` already holds `max_sessions_per_key`
-        sessions: without Redis, those in the books (every session of the disk is); with Redis,
-        those Redis holds (`in_redis`) and those being written here, not there yet. Replicas
-        creating at the same moment may each pass with one place left: the bound can be passed
-        by the replicas' number less one, never more."""
+        sessions: without Redis, those in the books (every session of the disk is; a create
+        enters them under this lock); with Redis, those Redis holds (`in_redis`, scanned under
+        the owner's stripe: `_admit_new`). Replicas creating for one owner at the same moment may
+        each pass with one place left: the bound can be passed by the replicas' number less one,
+        never more."""
         limit = self.max_sessions_per_key
         if not limit:
             return
-        if in_redis is None:
-            held = self.manager.owned(owner)
-        else:
-            being_made = {record.id for record in self.manager.records.values()
-                          if record.owner == owner and self.holds.kind(record.id) == NEW}
-            held = len(in_redis | being_made)
+        held = self.manager.owned(owner) if in_redis is None else len(in_redis)
         if held >= limit:
             raise SessionQuotaExceeded(
                 f"this API key holds {held:,} sessions, the most XLSERVE_MAX_SESSIONS_PER_KEY ({limit:,}) allows: "

@@ -5,6 +5,9 @@ disk tier's default 64 GiB): without a bound, one key could take every place and
 creates would be refused. The real stores (disk; two replicas on one real redis-server) and a toy
 state: no model runs."""
 
+import threading
+import time
+
 import pytest
 
 from xlserve.server.cache import SessionNotFound
@@ -84,3 +87,38 @@ def test_replicas_on_one_redis_count_each_others_sessions(tmp_path, redis_url): 
     assert a.create("toy", "q", data(10, 4)).id
     refused(lambda: b.create("toy", "q", data(10, 5)))
     a.close(), b.close()
+
+
+def test_one_replica_s_creates_at_once_stay_within_the_bound(tmp_path, redis_url):  # noqa: F811
+    """(Its own owner: the module's Redis holds the other tests' sessions.) With Redis the owner's
+    sessions are counted by a scan of Redis, which a create running beside
+    it could miss: eight creates at once for a key one place short of its bound, each scan slow
+    (as among many sessions), made one session, not eight."""
+    cache = cache_at(tmp_path / "a", 3, redis_url)
+    for seed in range(2):
+        cache.create("toy", "burst", data(10, seed))
+    scan = cache.durable.heads
+
+    def slow_scan(*args):
+        heads = scan(*args)
+        time.sleep(0.2)  # the others' writes land meanwhile
+        return heads
+
+    cache.durable.heads = slow_scan
+    outcomes = []
+
+    def create(seed: int) -> None:
+        try:
+            outcomes.append(cache.create("toy", "burst", data(10, seed)).id)
+        except SessionQuotaExceeded:
+            outcomes.append(None)
+
+    threads = [threading.Thread(target=create, args=(seed,)) for seed in range(10, 18)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(outcomes) == 8 and sum(o is not None for o in outcomes) == 1
+    cache.durable.heads = scan
+    assert len(cache.list_sessions("burst", limit=100)[0]) == 3
+    cache.close()

@@ -46,7 +46,9 @@ def test_a_record_that_does_not_read_fails_its_own_session_only(tmp_path, redis_
     bad = "sess_" + "0" * 32
     key = a.redis.prefix + bad
     damaged = ('{"owner": "k"}', '{"model": "toy", "owner": "k", "tokens": "x", "nbytes": 1}',
-               '{"model": "toy", "owner": "k", "tokens": 1, "nbytes": -5}')
+               '{"model": "toy", "owner": "k", "tokens": 1, "nbytes": -5}',
+               '{"model": "toy", "owner": ["k"], "tokens": 1, "nbytes": 1}',  # no owner a key has
+               '{"model": "toy", "owner": {"k": 1}, "tokens": 1, "nbytes": 1}')
     for version, meta in (("1", "not json"), ("one", "{}"), ("1", "[1, 2]"), *(("1", m) for m in damaged)):
         server.hset(key, mapping={"version": version, "meta": meta, "blob": b"x"})
         listed, more = a.list_sessions("k")
