@@ -56,6 +56,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -723,6 +724,13 @@ class RedisStore:
     TOMBSTONE_SECONDS = 24 * 3600  # how long a delete's Idempotency-Key is remembered
     DELETED_PLACE_SECONDS = 3600  # how long a deleted session's place in its owner's listing is remembered
 
+    # a value past SLOW_SEND_BYTES is sent on a client whose timeout is the store's plus the value's
+    # bytes at SLOWEST_SEND_BYTES_PER_S (`_client_for`): a socket's timeout bounds a whole sendall,
+    # so with the store's 5 s alone a 237 MB wt103 state needed 47 MB/s to Redis, and below it
+    # every whole write failed, a healthy Redis reported as not answering
+    SLOW_SEND_BYTES = 1 << 20
+    SLOWEST_SEND_BYTES_PER_S = 16 << 20
+
     def __init__(self, url: str, prefix: str = "xlserve:session:", timeout_s: float = 5.0, max_connections: int = 64):
         try:
             import redis
@@ -738,6 +746,8 @@ class RedisStore:
         self.max_connections = max_connections
         self._client = None
         self._client_lock = threading.Lock()
+        self._slow_clients: dict[float, object] = {}  # send timeout -> a client of its own (`_client_for`)
+        self._slow_closes: list[Callable[[], None]] = []
 
     @property
     def client(self):
@@ -750,13 +760,31 @@ class RedisStore:
                     self._client = client
         return self._client
 
-    def _script(self, name: str, keys: list[str], args: list):
+    def _client_for(self, nbytes: int):
+        """The client to send a value of `nbytes` on: the store's own, or past SLOW_SEND_BYTES one
+        whose timeout also gives the value SLOWEST_SEND_BYTES_PER_S, rounded up to a power of two
+        of seconds (a few such clients at most, each made on first use)."""
+        if nbytes <= self.SLOW_SEND_BYTES:
+            return self.client
+        timeout = 2.0 ** math.ceil(math.log2(self.timeout_s + nbytes / self.SLOWEST_SEND_BYTES_PER_S))
+        client = self._slow_clients.get(timeout)
+        if client is None:
+            with self._client_lock:
+                client = self._slow_clients.get(timeout)
+                if client is None:
+                    client, close = connect(self.url, timeout, self.max_connections)
+                    self._slow_clients[timeout] = client
+                    self._slow_closes.append(close)
+        return client
+
+    def _script(self, name: str, keys: list[str], args: list, nbytes: int = 0):
         """Run one of the Lua scripts (its keys all in one cluster slot), sent with its source
-        (EVAL, at most 1.2 kB). Called by its hash (EVALSHA), a script the server does not know
-        (a fresh server, a restart, a failover) is refused, and redis-py sends the call again
-        after loading it, arguments included: here a session's whole blob or delta block (at
-        transfo-xl-wt103's shape 237 or 20 MB) would be sent twice."""
-        return self.client.eval(_SCRIPTS[name], len(keys), *keys, *args)
+        (EVAL, at most 1.2 kB), on the client for a value of `nbytes` (`_client_for`). Called by
+        its hash (EVALSHA), a script the server does not know (a fresh server, a restart, a
+        failover) is refused, and redis-py sends the call again after loading it, arguments
+        included: here a session's whole blob or delta block (at transfo-xl-wt103's shape 237 or
+        20 MB) would be sent twice."""
+        return self._client_for(nbytes).eval(_SCRIPTS[name], len(keys), *keys, *args)
 
     def _key(self, session_id: str) -> str:
         return self.prefix + session_id
@@ -912,7 +940,7 @@ class RedisStore:
         args = ["" if expected is None else str(expected), str(version), json.dumps(meta), blob, write_id,
                 "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT), expected_commit]
         keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
-        return int(self._call(lambda: self._script("cas", keys, args)))
+        return int(self._call(lambda: self._script("cas", keys, args, len(blob))))
 
     def append(self, session_id: str, expected: int, version: int, meta: dict, block: bytes, ratio: float,
                due_ratio: float, write_id: str = "", entry: dict | None = None, keys_kept: int = 32,
@@ -927,7 +955,7 @@ class RedisStore:
                 "" if entry is None else entry_line(entry), str(keys_kept), str(self.WRITES_KEPT), repr(float(ratio)),
                 repr(float(due_ratio)), expected_commit]
         keys = [self._key(session_id), self._fence_key(session_id, write_id)]  # one slot
-        return int(self._call(lambda: self._script("append", keys, args)))
+        return int(self._call(lambda: self._script("append", keys, args, len(block))))
 
     def settle(self, session_id: str, write_id: str) -> bool:
         """Whether the write `write_id` landed; when it has not, it never will (it is fenced).
@@ -993,6 +1021,8 @@ class RedisStore:
     def close(self) -> None:
         if self._client is not None:
             self._close()
+        for close in self._slow_closes:
+            close()
 
 
 class RedisPrefixStore(RedisStore):
@@ -1022,7 +1052,7 @@ class RedisPrefixStore(RedisStore):
             # swap replaced, so whichever swaps last is filed and the other deleted: read in the same
             # pipeline as the SET, the slot was read before a large entry had arrived, and the entry
             # filed in between was left unreachable for its whole TTL
-            self.client.set(self.prefix + "entry:" + key, blob, ex=self.ttl_s)
+            self._client_for(len(blob)).set(self.prefix + "entry:" + key, blob, ex=self.ttl_s)
             replaced = self._script("prefix_swap", [self.prefix + "block:" + block], [str(n), key, str(self.ttl_s)])
             replaced = replaced.decode() if isinstance(replaced, bytes) else replaced
             if replaced and replaced != key:

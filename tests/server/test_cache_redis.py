@@ -634,3 +634,69 @@ def test_a_stale_spill_left_by_a_commit_goes_even_when_a_sweep_runs_before_the_b
     cache.placement.sweep()
     assert not (tmp_path / "c" / f"{sid}.safetensors").exists()
     cache.close()
+
+
+def _throttled_proxy(port: int, bytes_per_s: float):
+    """A TCP relay to 127.0.0.1:`port` whose client-to-server direction moves at most
+    `bytes_per_s` (a slow link to Redis); (its port, stop)."""
+    import socket
+    import threading
+
+    listen = socket.socket()
+    listen.bind(("127.0.0.1", 0))
+    listen.listen(8)
+    sockets = [listen]
+
+    def pipe(source, target, rate):
+        try:
+            while chunk := source.recv(65536):
+                target.sendall(chunk)
+                if rate:
+                    time.sleep(len(chunk) / rate)
+        except OSError:
+            pass
+        for end in (source, target):
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def accept():
+        while True:
+            try:
+                client, _ = listen.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", port))
+            sockets.extend([client, upstream])
+            threading.Thread(target=pipe, args=(client, upstream, bytes_per_s), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, client, 0), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def stop():
+        for end in sockets:
+            end.close()
+
+    return listen.getsockname()[1], stop
+
+
+def test_a_large_value_is_sent_within_a_timeout_that_counts_its_bytes(redis_url):  # noqa: F811
+    """A socket's timeout bounds a whole send, so with the store's timeout alone a large state
+    needed a fast link: a 24 MB write over a 24 MB/s link with a 0.5 s timeout could never land,
+    Redis healthy. A value past SLOW_SEND_BYTES has the timeout plus its bytes at 16 MB/s; a call
+    that sends nothing large keeps the store's own timeout."""
+    from urllib.parse import urlparse
+
+    port, stop = _throttled_proxy(urlparse(redis_url).port, 24e6)
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", prefix="test-slow-link:", timeout_s=0.5)
+    try:
+        blob = bytes(24 << 20)
+        assert store.put("s", None, 0, {"v": 0}, blob) == 1
+        assert store.get("s")[2] == blob
+        assert store._client_for(100) is store.client
+        assert store._client_for(24 << 20).get_connection_kwargs()["socket_timeout"] == 2.0  # 0.5 + 1.5, up to 2^k
+        store.delete("s")
+    finally:
+        store.close()
+        stop()
