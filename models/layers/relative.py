@@ -22,6 +22,7 @@ adaptive span's layer shares.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -67,12 +68,25 @@ def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
     return F.layer_norm(x, norm.normalized_shape, parameters["weight"], parameters["bias"], norm.eps)
 
 
+# kept relative-key tables past this many bytes that no call has needed a quarter of for
+# SHRINK_AFTER_SECONDS are rebuilt at the length calls now ask for (RelativeKeys.forward): a model
+# whose memory is not bounded (XLNet converted with mem_len null) asks for as many distances as
+# its longest history, and kept them, about 40 KB a distance at xlnet-base's shape (2.6 GB after
+# one 60k-token document), for the life of the process. Not less: transfo-xl-wt103's kept tables
+# are 300 MB (4,096 distances of 18 layers), which every step of a full memory reads, and
+# rebuilding them costs about a second of a CPU
+KEPT_BYTES_BEFORE_SHRINK = 1 << 30
+SHRINK_AFTER_SECONDS = 60.0
+
+
 class RelativeKeys(nn.Module):
     """Per layer, the relative keys W_kR R_d for the distances d = low .. high.
 
     In eval mode without autograd the tables for d = 0, 1, ... are kept and sliced for every
     later request; they are computed for at least `min_length` distances and at least twice the
-    length kept before, so a growing context recomputes them rarely. The tables depend on the
+    length kept before, so a growing context recomputes them rarely. Tables of more than
+    KEPT_BYTES_BEFORE_SHRINK that no call needed a quarter of for SHRINK_AFTER_SECONDS are
+    rebuilt smaller, so one long history does not hold their memory for good. The tables depend on the
     weights only: switching between train and eval mode and loading weights drop them. No
     parameters of its own (the projections W_kR belong to the layers and are passed in).
 
@@ -90,6 +104,8 @@ class RelativeKeys(nn.Module):
         self.min_length = min_length
         self.drop = nn.Dropout(dropout)  # on the encodings R, as in the reference code
         self._kept: tuple[int, torch.dtype, torch.device, Tensor, list[Tensor]] | None = None
+        self._kept_bytes = 0
+        self._long_asked_at = 0.0  # time.monotonic() of the last call that needed a quarter of the kept length
 
     def forget_tables(self) -> None:
         """Drop the kept tables: built from the projections as they were, they are stale once a
@@ -106,7 +122,13 @@ class RelativeKeys(nn.Module):
             if self._kept is not None:
                 length, kept_dtype, kept_device, encoding, tables = self._kept
                 if length > high and kept_dtype == dtype and kept_device == device:
-                    return encoding[: high + 1], [t[: high + 1] for t in tables]
+                    now = time.monotonic()
+                    if 4 * (high + 1) > length:
+                        self._long_asked_at = now
+                    if (self._kept_bytes <= KEPT_BYTES_BEFORE_SHRINK
+                            or now - self._long_asked_at <= SHRINK_AFTER_SECONDS):
+                        return encoding[: high + 1], [t[: high + 1] for t in tables]
+                    self._kept = None  # long unneeded: rebuilt below at what calls ask for now
             high = max(high + 1, self.min_length, 2 * (self._kept[0] if self._kept else 0)) - 1
         distances = torch.arange(low, high + 1, device=device)
         if self.clamp_len > 0:
@@ -116,6 +138,8 @@ class RelativeKeys(nn.Module):
         if cacheable:  # kept head-major (the class docstring), read as the same (R, H, D)
             tables = [table.transpose(0, 1).contiguous().transpose(0, 1) for table in tables]
             self._kept = (high + 1, dtype, device, encoding, tables)
+            self._kept_bytes = sum(t.numel() * t.element_size() for t in (encoding, *tables))
+            self._long_asked_at = time.monotonic()
             # the distances asked for, as a later call gets them (a step reads every row it is given)
             return encoding[: asked + 1], [t[: asked + 1] for t in tables]
         return encoding, tables
