@@ -176,8 +176,10 @@ def read_source_config(directory: Path) -> dict:
         raise ConversionError(f"{path} does not exist: a Hugging Face model directory needs config.json")
     try:
         config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # JSON in UTF-8, as json.load reads it
         raise ConversionError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConversionError(f"{path} nests deeper than a JSON parser reads") from None
     if not isinstance(config, dict):
         raise ConversionError(f"{path} does not hold a JSON object")
     return config
@@ -336,7 +338,12 @@ def convert(source_dir: str | Path, out_dir: str | Path, symbols: str | Path | N
         if original_mamba:
             config = mamba_ssm.as_hugging_face(config, source_dir / "config.json")
         importer = importer_for(config, source_dir / "config.json")
-        importer.translate_config(config, source_dir / "config.json")
+        translated = importer.translate_config(config, source_dir / "config.json")
+        translated = translated[0] if isinstance(translated, tuple) else translated
+        # the checks a served checkpoint's config gets (each field's type, sizes at least 1): a
+        # translator builds its config directly, and "n_layer": 2.5 failed inside the model's
+        # constructor with a traceback, "mem_len": 8.0 converted into a checkpoint the server refuses
+        type(translated).from_dict(translated.to_dict())
     except ConversionError:
         raise
     except (TypeError, ValueError, KeyError, ArithmeticError) as error:  # a value of a type no field takes ("null")

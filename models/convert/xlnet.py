@@ -141,8 +141,10 @@ def _tokenizer_files(directory: Path, vocab_size: int) -> tuple[dict[str, bytes]
     if tokenizer_config.is_file():
         try:
             saved = json.loads(tokenizer_config.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ConversionError(f"{tokenizer_config} is not valid JSON: {e}") from None
+        if not isinstance(saved, dict):
+            raise ConversionError(f"{tokenizer_config} does not hold a JSON object")
         options.update({k: bool(saved[k]) for k in TOKENIZER_OPTIONS if k in saved})
     from xlserve.models.tokenizer import SentencePieceTokenizer
 

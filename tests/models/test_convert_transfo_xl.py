@@ -354,3 +354,28 @@ def test_a_conversion_that_cannot_write_is_one_line_and_leaves_nothing(tmp_path,
         cli(["convert", str(tmp_path / "hf"), str(out)])
     assert str(stopped.value).startswith(expected), stopped.value
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["hf"] + (["file"] if failure != "disk full" else []))
+
+
+@pytest.mark.parametrize("field, value, named", [("n_layer", 2.5, "n_layer"), ("n_layer", 0, "n_layer"),
+                                                 ("mem_len", 8.0, "mem_len"), ("d_inner", "64", "d_inner")])
+def test_a_config_value_the_model_cannot_take_is_named_and_nothing_is_written(tmp_path, field, value, named):
+    """A value of the wrong type or range is refused as a served checkpoint's config is
+    (ArchConfig.from_dict): "n_layer": 2.5 had failed in the model's constructor with a
+    traceback, and "mem_len": 8.0 converted into a checkpoint the server then refused."""
+    hf = save_reference(build_reference(), tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ConversionError, match=named):
+        convert(hf, tmp_path / "xl")
+    assert _nothing_left_behind(tmp_path)
+
+
+def test_a_config_that_is_not_utf8_json_is_refused_in_a_line(tmp_path):
+    hf = save_reference(build_reference(), tmp_path / "hf")
+    (hf / "config.json").write_bytes(b'{"model_type": "transfo-xl\xff"}')
+    with pytest.raises(ConversionError, match="not valid JSON"):
+        convert(hf, tmp_path / "xl")
+    (hf / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConversionError, match="config.json"):
+        convert(hf, tmp_path / "xl")
+    assert _nothing_left_behind(tmp_path)
