@@ -611,7 +611,26 @@ class Transfer:
         return next((step.data for step in self.steps if isinstance(step, (_Fetch, _Fetched))), None)
 
     def carry_out(self, lock: threading.RLock) -> SessionData | None:
-        """`run`, then `finish` under `lock`."""
+        """`run`, then `finish` under `lock`. Idle sessions moved out of the way of another step
+        (a fetch) are moved and finished first, their holds given back, before that step runs: a
+        fetch from disk or Redis takes seconds at real size, and a request for a session moved
+        out of its way, itself moved in microseconds, waited for all of it."""
+        evictions = [step for step in self.steps if isinstance(step, _Evict)]
+        if evictions and len(evictions) < len(self.steps):
+            for step in evictions:
+                step.run(self.placement)
+            moved = {step.record.id for step in evictions}
+            with lock:
+                try:
+                    for step in evictions:
+                        step.finish(self.placement)  # an eviction's failure is its own: it answers None
+                finally:
+                    for session_id, hold_id in self.held:
+                        if session_id in moved:
+                            self.placement.holds.give_back(session_id, hold_id)
+                    self.held = [(session_id, hold_id) for session_id, hold_id in self.held if session_id not in moved]
+                    self.steps = [step for step in self.steps if not isinstance(step, _Evict)]
+                    self.placement.publish()
         self.run()
         with lock:
             return self.finish()

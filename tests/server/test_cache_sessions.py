@@ -413,3 +413,39 @@ def test_the_room_made_for_a_session_is_booked_before_the_prefix_cache_gives_any
     assert borrower.free_seen == [0]
     assert cache.manager.used("device") + borrower.held("device") <= 2 * size(n)
     assert cache.info(kept, None).tier == "device"
+
+
+def test_a_session_moved_out_of_the_way_is_free_before_the_slow_read_it_made_room_for(tmp_path, monkeypatch):
+    """Acquiring a session from disk moves an idle one off the device for it; the moved session's
+    own request waits for its move, not for the other's read (seconds from disk or Redis at real
+    size: it waited for all of it)."""
+    import threading
+    import time
+
+    n = 100
+    cache = make_cache(tmp_path, device=2 * size(n), host=4 * size(n))
+    slow = cache.create("toy", None, data(n, 0)).id
+    cache.move(slow, "disk")
+    idle = cache.create("toy", None, data(n, 1)).id
+    cache.create("toy", None, data(n, 2))  # used last: `idle` is the one moved for the slow read
+    assert cache.info(idle, None).tier == "device" and cache.info(slow, None).tier == "disk"
+    reading, read = threading.Event(), cache.placement.read
+
+    def slow_read(record, tier, to_device=True):
+        if record.id == slow:
+            reading.set()
+            time.sleep(1.0)
+        return read(record, tier, to_device)
+
+    monkeypatch.setattr(cache.placement, "read", slow_read)
+    acquired = []
+    thread = threading.Thread(target=lambda: acquired.append(cache.acquire(slow, None)))
+    thread.start()
+    assert reading.wait(10)
+    started = time.monotonic()
+    lease = cache.acquire(idle, None)  # moved to host RAM for the slow one: free already
+    waited = time.monotonic() - started
+    thread.join(10)
+    assert waited < 0.5 and cache.info(slow, None).tier == "device"
+    assert same(lease.data, data(n, 1)) and same(acquired[0].data, data(n, 0))
+    cache.release(lease), cache.release(acquired[0])
