@@ -105,7 +105,11 @@ class AdmissionMiddleware:
         length = headers.get(b"content-length")
         too_large = lambda size: RequestTooLarge(  # noqa: E731
             f"request body is {size} bytes; the limit is {limit} ({setting})")
-        if length is not None and length.isdigit() and int(length) > limit:
+        # a state sent while the models load is answered 503 loading by the gate after this one:
+        # its limit is sized to the served models, none yet, and a 413 naming a limit of 8 MB
+        # would tell a client with a 237 MB state that it can never fit
+        loading = state_upload and not state.models and state.engine is not None
+        if length is not None and length.isdigit() and int(length) > limit and not loading:
             await send_error(scope, send, too_large(int(length)))
             return
         json_body = is_json(headers)

@@ -116,6 +116,36 @@ def test_the_port_opens_at_once_and_says_loading_until_the_models_are_loaded(tin
     assert sum("XLSERVE_DEVCE is not an xlserve setting" in line for line in lines) == 1
 
 
+def test_a_large_state_sent_while_loading_is_told_loading_not_too_large(tiny_checkpoint, tmp_path):
+    """A state's limit is sized to the served models, none while they load: a 237 MB import or
+    PUT state sent then got 413 naming an 8 MB limit, as if it could never fit, where every
+    other request gets 503 `loading` with Retry-After."""
+    import socket
+
+    server = spawn(ServerProcess([tiny_checkpoint]), tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the port did not open within 60 s"
+            try:
+                connection = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                break
+            except OSError:
+                time.sleep(0.02)
+        with connection:
+            connection.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\n"
+                               b"Content-Type: application/octet-stream\r\nContent-Length: 237000000\r\n\r\n"
+                               + bytes(4096))
+            answer = b""
+            while b'"code": "loading"' not in answer and (chunk := connection.recv(4096)):
+                answer += chunk
+        head = answer.split(b"\r\n\r\n")[0].decode().lower()
+        assert head.startswith("http/1.1 503") and "retry-after" in head, answer[:400]
+        assert b'"code": "loading"' in answer, answer[:400]
+    finally:
+        assert server.stop() == 0
+
+
 def test_no_checkpoint_to_serve_is_refused_in_one_line(tmp_path):
     empty = tmp_path / "weights"
     empty.mkdir()
