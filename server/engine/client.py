@@ -74,6 +74,7 @@ from xlserve.server.engine.wire import (
     StopAdmitting,
     encode_frame,
     error_from_wire,
+    frame_head,
     event_from_wire,
     is_last,
     read_frame_async,
@@ -158,6 +159,10 @@ class EngineClient:
         self.supervisor: asyncio.Task | None = None  # the background start, then any restart
         self.restarted_at: collections.deque[float] = collections.deque()  # within the window
         self.writer: asyncio.StreamWriter | None = None
+        # while a frame with a large blob goes out in slices (`_write_large`), the whole frames
+        # written meanwhile wait here, with the writer they were for, and follow it
+        self.frames_behind: list[tuple[asyncio.StreamWriter, bytes]] | None = None
+        self.large_write: asyncio.Lock = asyncio.Lock()
         self.closing = False
         self.heard_at = time.monotonic()  # the last frame from the engine process (its heartbeat at least)
         self.steps_running: dict[str, float] = {}  # the last heartbeat's: model -> seconds its step has run
@@ -218,7 +223,7 @@ class EngineClient:
             self.status = "closed"
             return None
         if self.alive:
-            self.writer.write(encode_frame(*Shutdown().frame()))
+            self._write(encode_frame(*Shutdown().frame()))
         elif self.process.poll() is None:
             self.process.kill()
         self.status, self.reason = "closed", "the server is shutting down"
@@ -500,7 +505,43 @@ class EngineClient:
     def send(self, notice: Request) -> None:
         """Send a request that is never answered (cancel, release); order with other frames is kept."""
         if self.alive:
-            self.writer.write(encode_frame(*request_frame(notice)))
+            self._write(encode_frame(*request_frame(notice)))
+
+    def _write(self, frame: bytes) -> None:
+        """One whole frame to the engine process; behind a large frame going out in slices, after it."""
+        if self.frames_behind is not None:
+            self.frames_behind.append((self.writer, frame))
+        else:
+            self.writer.write(frame)
+
+    async def _write_large(self, head: bytes, blob: bytes) -> None:
+        """A frame whose blob is past PART_BYTES (a state to import, 237 MB at real size): its
+        head, then the blob in PART_BYTES slices, the event loop free between them. Written whole
+        (one write, or one frame joined first), it was copied twice more by the transport on the
+        event loop, holding every client about 0.3 s, and held twice the state's memory while the
+        answer was awaited. Frames written meanwhile follow it (`_write`); it goes to its end
+        whatever happens to the request that sent it, or the stream would be cut mid-frame."""
+        await self.large_write.acquire()  # one at a time; nothing is written before it is held
+        writer, self.frames_behind = self.writer, []
+
+        async def slices() -> None:
+            try:
+                writer.write(head)
+                view = memoryview(blob)
+                for start in range(0, len(view), PART_BYTES):
+                    writer.write(view[start : start + PART_BYTES])
+                    await writer.drain()
+                    await asyncio.sleep(0)  # the others' turn, whether the socket took it all or not
+            except ConnectionError:  # the engine process went: its calls fail with it (`_lost`)
+                pass
+            finally:
+                behind, self.frames_behind = self.frames_behind, None
+                for target, frame in behind:
+                    if target is self.writer and not target.is_closing():
+                        target.write(frame)
+                self.large_write.release()  # here, not when the caller is cancelled: the frame goes on
+
+        await asyncio.shield(asyncio.ensure_future(slices()))
 
     async def call(self, request: Request) -> Reply:
         """Send a request, wait for its reply (an instance of `request.reply`). Raises what the
@@ -509,17 +550,18 @@ class EngineClient:
             raise self.unavailable_error()
         call_id = next(self.ids)
         header, blob = request_frame(request, call_id)
-        if blob is not None and len(blob) > PART_BYTES:  # a state to import: 237 MB copied off the event loop
-            frame = await asyncio.to_thread(encode_frame, header, blob, True)
-            if not self.alive:  # the engine process went meanwhile: nobody would answer
-                raise self.unavailable_error()
-        else:
-            frame = encode_frame(header, blob, checked=True)  # MessageTooLarge: this request alone
+        large = blob is not None and len(blob) > PART_BYTES  # a state to import
+        frame = encode_frame(header, blob, checked=True) if not large else None  # MessageTooLarge: this request alone
+        head = frame_head(header, len(blob), checked=True) if large else None
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
         if isinstance(request, CHANGES_A_SESSION):
             self.changing_calls.add(call_id)
-        self.writer.write(frame)
+        if large:
+            await self._write_large(head, blob)
+            blob = None  # the request's own copy is the only one while the answer is awaited
+        else:
+            self._write(frame)
         if self.writer.transport.get_write_buffer_size() > (1 << 20):
             try:
                 await self.writer.drain()

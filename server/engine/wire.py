@@ -60,20 +60,26 @@ HEADER = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 << 20
 
 
-def encode_frame(header: dict, blob: bytes | None = None, checked: bool = False) -> bytes:
-    """A frame's bytes. `checked` (what the API process sends the engine process):
-    MessageTooLarge for a header over MAX_HEADER_BYTES, which the engine process's `read_frame`
-    refuses, and could not skip without losing the stream."""
-    if blob is not None:
-        header = {**header, "blob": len(blob)}
+def frame_head(header: dict, blob_bytes: int | None = None, checked: bool = False) -> bytes:
+    """A frame's bytes up to its blob (of `blob_bytes`, None: none), which follows them. `checked`
+    (what the API process sends the engine process): MessageTooLarge for a header over
+    MAX_HEADER_BYTES, which the engine process's `read_frame` refuses, and could not skip without
+    losing the stream."""
+    if blob_bytes is not None:
+        header = {**header, "blob": blob_bytes}
     body = json.dumps(header, separators=(",", ":")).encode()
     if checked and len(body) > MAX_HEADER_BYTES:
         raise MessageTooLarge(f"this request's message to the engine process is {len(body):,} bytes of JSON, over "
                               f"the {MAX_HEADER_BYTES:,} it reads")
+    return HEADER.pack(len(body)) + body
+
+
+def encode_frame(header: dict, blob: bytes | None = None, checked: bool = False) -> bytes:
+    """A frame's bytes (`frame_head`, then the blob)."""
+    head = frame_head(header, None if blob is None else len(blob), checked)
     # joined, not added: b"".join lets Python's interpreter lock go while it copies bytes past 1
-    # MiB, where `+` holds it (an imported state of 237 MB: 150 ms of every other thread's time,
-    # the API process's event loop's included, though the frame is made on a thread of its own)
-    return b"".join((HEADER.pack(len(body)), body, blob or b""))
+    # MiB, where `+` holds it
+    return b"".join((head, blob)) if blob is not None else head
 
 
 # an answer's blob past this goes in parts (`FrameWriter.send_in_parts`)

@@ -375,3 +375,50 @@ def test_a_request_over_the_frame_the_engine_reads_fails_alone_before_it_is_sent
             max_tokens=4, constraint_kind="regex", constraint="a" * 2_000, constraint_param="guided_regex"))))
     assert client.writer.written == [] and client.calls == {} and client.changing_calls == set()
     assert (MessageTooLarge.http_status, MessageTooLarge.default_code) == (413, "message_too_large")
+
+
+def test_a_large_request_goes_in_slices_with_the_loop_free_and_other_frames_after_it():
+    """A state to import (237 MB at real size), written as one frame, was copied twice more by
+    the transport on the event loop (every client held about 0.3 s) and held twice the state's
+    memory meanwhile. Its blob now goes in PART_BYTES slices with the loop free between them;
+    frames sent meanwhile follow it whole, and a request cancelled mid-way leaves the stream whole."""
+    from xlserve.server.engine.client import EngineClient
+    from xlserve.server.engine.wire import PART_BYTES, read_frame
+    from xlserve.server.metrics import Metrics
+    from xlserve.server.settings import Settings
+
+    ours, theirs = socket.socketpair()
+    state = bytes(range(256)) * (6 * PART_BYTES // 256)  # 6 slices
+    frames: list = []
+    stream = theirs.makefile("rb")
+    reader = threading.Thread(target=lambda: frames.extend(iter(lambda: read_frame(stream), None)), daemon=True)
+
+    async def write():
+        client = EngineClient(Settings(models="m"), Metrics())
+        _, writer = await asyncio.open_connection(sock=ours)
+        client.status, client.writer = "ready", writer
+        ran_between = []
+
+        async def beside():  # another client's coroutine: it runs while the state goes out
+            while client.frames_behind is None:
+                await asyncio.sleep(0)
+            ran_between.append(True)
+            client.send(Cancel(7))  # a whole frame written meanwhile: it follows the state's
+
+        other = asyncio.create_task(beside())
+        call = asyncio.create_task(client.call(ImportSession(model="m", owner=None, state=state, idempotency=None)))
+        await other
+        while client.frames_behind is not None:
+            await asyncio.sleep(0)
+        call.cancel()  # nobody answers here; the frame was written whole all the same
+        client.send(Cancel(8))
+        await writer.drain()
+        writer.close()
+        assert ran_between
+
+    reader.start()
+    asyncio.run(write())
+    reader.join(timeout=10)
+    (first, blob), second, third = frames[0], frames[1], frames[2]
+    assert first["op"] == "import_session" and blob == state
+    assert decode_request(*second) == Cancel(7) and decode_request(*third) == Cancel(8)
