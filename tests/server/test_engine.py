@@ -908,6 +908,7 @@ def test_an_event_of_one_request_that_does_not_read_ends_that_request_alone():
         client.submissions = {1: good, 2: bad}
         client.status, sent = "ready", []
         client.writer = type("Writer", (), {"write": lambda self, frame: sent.append(frame)})()
+        client.frames_behind = None  # no large frame going out
         token = TokenEvent(104, "h", -0.5, [])
         client._route([event_to_wire(1, token), [2, "no such kind", 1, 2]])
         return good.queue.get_nowait(), bad.queue.get_nowait(), client.submissions, sent
