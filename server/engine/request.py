@@ -45,6 +45,9 @@ class EngineRequest:
     final_state_offered: bool = True
     reused: int = 0
     reused_logprobs: list[float | None] = field(default_factory=list, repr=False)
+    # the bytes of that hit's state, which the request holds until it runs (Engine.start_from_prefix
+    # bounds what the waiting requests hold together)
+    hit_bytes: int = 0
     # its structured-output constraint, compiled (an llguidance LLMatcher, server/engine/constraints.py),
     # set by Engine.enqueue; each row decodes with a copy of its own
     constraint: object = field(default=None, repr=False)

@@ -216,14 +216,24 @@ class Engine:
                   "final_state_offered": self.model.chunking_invariant}
         if echo_alternatives:
             return fields
+        if self._hits_waiting_bytes() >= self.prefix_cache.caps["device"] + self.prefix_cache.caps["host"]:
+            # the requests waiting for a batch slot hold as many hit states as the cache's memory
+            # caps: one more would be memory no budget counts (a whole state each, 237 MB at real
+            # size: 256 queued hits would be 60 GB), so this prompt is computed instead
+            return fields
         try:
             hit = self.prefix_cache.lookup(self.name, scope, prompt, restore=self._restore_prefix)
         except Exception:  # the cache costs reuse at worst, never the request
             log.exception("prefix cache: a lookup for model %s failed; computing the prompt", self.name)
             hit = None
         if hit is not None:
-            fields.update(start=hit.data, reused=hit.tokens, reused_logprobs=hit.logprobs)
+            fields.update(start=hit.data, reused=hit.tokens, reused_logprobs=hit.logprobs, hit_bytes=hit.data.nbytes())
         return fields
+
+    def _hits_waiting_bytes(self) -> int:
+        """The bytes of the prefix-hit states that queued requests hold until they run (any thread)."""
+        with self._condition:
+            return sum(request.hit_bytes for request in self._waiting)
 
     @property
     def prefix_lookup_waits(self) -> bool:
