@@ -154,10 +154,13 @@ def decode_entry(blob: bytes, model: str, state_class, device) -> tuple[SessionD
 
 class PrefixCache:
     def __init__(self, budget_bytes: int, block_tokens: int = 16, metrics=None, remote: RedisPrefixStore | None = None,
-                 host_bytes: int = 0, disk_bytes: int = 0, directory: str | Path | None = None, sessions=None):
+                 host_bytes: int = 0, disk_bytes: int = 0, directory: str | Path | None = None, sessions=None,
+                 remote_holds_sessions: bool = True):
         """`budget_bytes`, `host_bytes`, `disk_bytes`: this cache's cap on each tier (disk only
         with a `directory`); `sessions`: the session cache's manager, whose tiers' free room
-        bounds each cap (None: the caps alone)."""
+        bounds each cap (None: the caps alone). `remote_holds_sessions`: `remote` is the sessions'
+        Redis, whose maxmemory entries may fill only up to REDIS_SHARE_OF_MAXMEMORY; a Redis of
+        their own evicts them by its own policy (deploy/README.md: allkeys-lru)."""
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
         self.budget_bytes = max(0, int(budget_bytes))
@@ -171,6 +174,7 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.metrics = metrics
         self.remote = remote
+        self.remote_holds_sessions = remote_holds_sessions
         self._lock = threading.Lock()
         self._publishing = threading.Lock()  # `_publish`, outside the books' lock
         self._tiers: dict[str, OrderedDict[bytes, _Entry]] = {t: OrderedDict() for t in PREFIX_TIERS}  # LRU first
@@ -210,7 +214,8 @@ class PrefixCache:
                                       ttl_s=settings.redis_ttl_seconds)
         return cls(settings.bytes, settings.block_tokens, metrics, remote,
                    host_bytes=settings.host_bytes, disk_bytes=settings.disk_bytes,
-                   directory=Path(session_settings.state_dir) / "prefix-cache", sessions=sessions)
+                   directory=Path(session_settings.state_dir) / "prefix-cache", sessions=sessions,
+                   remote_holds_sessions=url == session_settings.redis_url)
 
     # -- the shared budgets ------------------------------------------------------------------------
 
@@ -419,7 +424,8 @@ class PrefixCache:
         while True:
             block, n, key, model, data, logprobs, nbytes = self._writes.get()
             try:
-                if time.monotonic() >= self._remote_quiet_until and self._room_in_redis(nbytes):
+                if time.monotonic() >= self._remote_quiet_until and (not self.remote_holds_sessions
+                                                                     or self._room_in_redis(nbytes)):
                     self.remote.put_entry(block, n, key, encode_entry(model, data, logprobs))
             except StoreUnavailable as error:  # down, slow or full (StoreFull): the entries wait for nobody
                 self._remote_quiet_until = time.monotonic() + REMOTE_QUIET_SECONDS

@@ -433,6 +433,23 @@ def test_entries_are_not_shared_past_half_of_redis_maxmemory():
             assert cache.offer("toy", SCOPE, *toy_entry(k))  # kept locally, shared or not
         assert cache.flush_remote()
         assert len(remote.written) == shared, (used, most)
+    # a Redis of their own (XLSERVE_PREFIX_CACHE_REDIS_URL) holds no sessions: it evicts entries by
+    # its own policy (allkeys-lru, as deploy/README.md says), and sharing never stops at half of it
+    remote = ReportingRedis(4 * entry_bytes, 5 * entry_bytes)
+    cache = PrefixCache(1 << 20, block_tokens=4, remote=remote, remote_holds_sessions=False)
+    for k in range(3):
+        assert cache.offer("toy", SCOPE, *toy_entry(k))
+    assert cache.flush_remote() and len(remote.written) == 3
+
+
+def test_only_the_sessions_redis_keeps_room_for_sessions(tmp_path):
+    from types import SimpleNamespace
+
+    sessions = SimpleNamespace(state_dir=tmp_path, redis_url="redis://sessions:6379/0", store_timeout_seconds=1.0)
+    group = dict(bytes=1 << 20, block_tokens=4, host_bytes=0, disk_bytes=0, redis_ttl_seconds=60)
+    for url, holds_sessions in (("", True), ("redis://sessions:6379/0", True), ("redis://entries:6379/0", False)):
+        cache = PrefixCache.from_settings(SimpleNamespace(**group, redis_url=url), sessions)
+        assert cache.remote_holds_sessions is holds_sessions
 
 
 # -- tiers, and the budget shared with sessions -------------------------------------------------------
