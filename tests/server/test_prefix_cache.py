@@ -1111,3 +1111,20 @@ def test_a_row_cancelled_during_its_last_step_offers_nothing_and_logs_no_error(c
             engine.close()
     assert len(results[1]["tokens"]) == 12
     assert not [record for record in caplog.records if record.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_large_entry_is_read_from_redis_in_slices(redis_url, monkeypatch):  # noqa: F811
+    """An entry past ENTRY_SLICE_BYTES is read in slices (redis-py's reader held the interpreter
+    lock 250 ms for one reply of 236 MB, every stream of the engine process waiting): the same
+    bytes come back, and an entry gone is None."""
+    from xlserve.server.cache.stores import RedisPrefixStore
+
+    store = RedisPrefixStore(redis_url, prefix="test-slices:")
+    monkeypatch.setattr(RedisPrefixStore, "ENTRY_SLICE_BYTES", 1000)
+    gets = []
+    monkeypatch.setattr(type(store.client), "get", lambda self, name: gets.append(name))  # never the whole
+    blob = os.urandom(10_500)
+    store.put_entry("ab", 3, "cd", blob)
+    assert bytes(store.get_entry("cd")) == blob and gets == []
+    assert store.get_entry("no-such-entry") is None
+    store.close()
