@@ -118,6 +118,7 @@ RAISED_CODES: dict[str, str] = {
     # a session state's upload that came slower than STATE_BODY_BYTES_PER_SECOND after its grace
     # (server/api/serving/requests.py read_body): it gave its place among those states back
     "state_body_too_slow": "invalid_request_error",
+    "body_too_slow": "invalid_request_error",
     # an imported or PUT state the model cannot take (the engine's InvalidInput)
     "invalid_state": "invalid_request_error",
     "invalid_api_key": "authentication_error",

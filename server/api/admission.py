@@ -26,12 +26,16 @@ Every refusal here is counted as the error it is (server/api/errors.py `send_err
 from __future__ import annotations
 
 import re
+import time
 from urllib.parse import unquote_to_bytes
+
+import anyio
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from xlserve.server.api.deps import STATE_BODY_SETTING, authenticated_owner
-from xlserve.server.api.errors import APIError, InvalidRequest, RequestTooLarge, Unavailable, send_error
+from xlserve.server.api.errors import (APIError, InvalidRequest, RequestTimeout, RequestTooLarge, Unavailable,
+                                       send_error)
 from xlserve.server.api.protocol import json_depth_exceeded, too_deep
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
@@ -66,6 +70,12 @@ def authentication_error(state, headers: dict[bytes, bytes]) -> APIError | None:
         return error
     return None
 
+
+# a body admission reads (JSON, or one without a length) must have come within this, and after it
+# keep coming at this rate on average: what a session state's body must do (serving/requests.py
+# STATE_BODY_GRACE_SECONDS, STATE_BODY_BYTES_PER_SECOND; a test keeps the two the same)
+BODY_GRACE_SECONDS = 30.0
+BODY_BYTES_PER_SECOND = 256 * 1024
 
 # the requests whose body is a session state (safetensors bytes), under their own limit
 STATE_BODY_PATH = re.compile(r"^/v1/sessions/(import|[^/]+/state)$")
@@ -126,9 +136,21 @@ class AdmissionMiddleware:
         if scope["method"] in ("POST", "PUT", "PATCH") and not state_upload and (json_body or length is None):
             # read (at most limit + 1 bytes of) the body here, then replay it: a body sent
             # without a length is measured, a JSON body's nesting checked
-            messages, size = [], 0
+            messages, size, started = [], 0, time.monotonic()
             while True:
-                message = await receive()
+                # the state bodies' pace (after BODY_GRACE_SECONDS, BODY_BYTES_PER_SECOND): a
+                # client that sends most of 8 MB and stops held them here for as long as it kept
+                # its connection open, and a thousand such, 8 GB
+                allowed = started + BODY_GRACE_SECONDS + size / BODY_BYTES_PER_SECOND - time.monotonic()
+                try:
+                    with anyio.fail_after(max(allowed, 0.0)):
+                        message = await receive()
+                except TimeoutError:
+                    await send_error(scope, send, RequestTimeout(
+                        f"the request body came slower than {BODY_BYTES_PER_SECOND} bytes/s after "
+                        f"{BODY_GRACE_SECONDS:g}s ({size} bytes in {time.monotonic() - started:.0f}s)",
+                        code="body_too_slow"))
+                    return
                 messages.append(message)
                 if message["type"] != "http.request":
                     break

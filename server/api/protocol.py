@@ -1027,7 +1027,8 @@ ERROR_MEANINGS = {  # what each error status means, wherever it is answered
     403: "The API key holds as many sessions as XLSERVE_MAX_SESSIONS_PER_KEY allows (`session_quota_exceeded`): "
          "delete one before making another.",
     404: "No such model or session (`model_not_found`, `session_not_found`); another key's session is not found either.",
-    408: "A session state's upload came slower than 256 KiB/s after its first 30 s (`state_body_too_slow`).",
+    408: "A session state's upload (`state_body_too_slow`), or another request's body (`body_too_slow`), came "
+         "slower than 256 KiB/s after its first 30 s.",
     409: "The session is busy with another request (`session_busy`) or was changed by another replica since this "
          "request started (`session_version_conflict`).",
     413: "The body is over XLSERVE_MAX_REQUEST_BODY_BYTES, or the session's state is larger than a whole tier of the "

@@ -63,6 +63,33 @@ def test_an_upload_that_stalls_is_408_and_gives_its_place_back(app_and_state, mo
     assert state.states_in_flight == 0
 
 
+def test_a_json_body_that_stalls_is_408_and_its_bytes_let_go(app_and_state, monkeypatch):
+    """Admission reads a JSON body (or one without a length) whole before the route: a client that
+    sent most of 8 MB and stopped held it for as long as its connection stayed open. It keeps the
+    state bodies' pace, and the two are the same numbers."""
+    from xlserve.server.api import admission
+
+    assert (admission.BODY_GRACE_SECONDS, admission.BODY_BYTES_PER_SECOND) == (
+        serving_requests.STATE_BODY_GRACE_SECONDS, serving_requests.STATE_BODY_BYTES_PER_SECOND)
+    app, _ = app_and_state
+    monkeypatch.setattr(admission, "BODY_GRACE_SECONDS", 0.3)
+
+    async def trickle():
+        yield b'{"model": "m", "prompt": "'
+        await asyncio.sleep(30)  # then nothing: a stalled client
+        yield b'"}'
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            return await asyncio.wait_for(client.post("/v1/completions", content=trickle(),
+                                                      headers={"content-type": "application/json"}), 10)
+
+    response = run(post())
+    assert response.status_code == 408, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "body_too_slow") and "bytes/s" in error["message"]
+
+
 def test_a_state_upload_labelled_json_is_not_read_before_it_has_a_place(app_and_state):
     """A state labelled application/json was buffered whole by admission (up to the state body
     limit, hundreds of MB at real size) before the route found every place taken."""
