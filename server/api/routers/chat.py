@@ -24,9 +24,11 @@ from xlserve.server.api.serving import (
     ChatCompletion,
     PartedJSONResponse,
     app_state,
+    body_size,
     check_session_header,
     complete,
     owner_of,
+    sized_work,
     stream_completion,
 )
 
@@ -40,7 +42,8 @@ router = APIRouter(default_response_class=PartedJSONResponse)  # json.dumps writ
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(owner_of),
                                  session_header: str | None = Header(None, alias=SESSION_ID_HEADER)):
     check_session_header(session_header, None)  # chat is about no session
-    completion = ChatCompletion(app_state(request), body, owner)
+    # the template rendered and the prompt tokenized (large messages) on a worker thread
+    completion = await sized_work(body_size(request), ChatCompletion, app_state(request), body, owner)
     if body.stream:
         return await stream_completion(completion, request)
     return await complete(completion, request)

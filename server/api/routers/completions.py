@@ -31,10 +31,12 @@ from xlserve.server.api.serving import (
     Completion,
     PartedJSONResponse,
     app_state,
+    body_size,
     check_session_header,
     complete,
     owner_of,
     replayed_headers,
+    sized_work,
     stream_completion,
 )
 
@@ -54,7 +56,8 @@ async def create_completion(body: CompletionRequest, request: Request, response:
                             session_header: str | None = Header(None, alias=SESSION_ID_HEADER)):
     check_session_header(session_header, body.session_id)
     # with session_id, an Idempotency-Key makes the request apply at most once (routers/sessions.py)
-    completion = Completion(app_state(request), body, owner, idempotency_key)
+    # tokenized (a large prompt) on a worker thread, off the event loop every client shares
+    completion = await sized_work(body_size(request), Completion, app_state(request), body, owner, idempotency_key)
     if body.stream:
         return await stream_completion(completion, request)
     answer = await complete(completion, request)

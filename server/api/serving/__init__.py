@@ -48,11 +48,13 @@ from xlserve.server.api.serving.requests import (
     SESSION_ID_HEADER,
     PartedJSONResponse,
     StateResponse,
+    body_size,
     check_session_header,
     read_body,
     refuse_unknown_query_parameters,
     replayed_headers,
     session_header_matches_path,
+    sized_work,
     state_in_flight,
     take_state_place,
 )
@@ -113,7 +115,9 @@ __all__ = [
     "tokenize",
     "WEBSOCKET_SUBPROTOCOL",
     "SESSION_ID_HEADER",
+    "body_size",
     "check_session_header",
     "session_header_matches_path",
+    "sized_work",
     "offered_subprotocols",
 ]

@@ -74,6 +74,26 @@ def check_prompt_size(state: AppState, prompt: str | list[int], param: str = "pr
                              param=param, code="prompt_too_long")
 
 
+# work on a request past this many characters or token ids (tokenizing it, checking its ids,
+# rendering its chat template) runs on a worker thread: at real size a MB of text took 27 ms to
+# encode with transfo-xl-wt103's 267,735 words, and an 8 MB body of token ids 100 ms to check,
+# every other client of the event loop waiting meanwhile
+OFF_THE_LOOP_ITEMS = 64 << 10
+
+
+async def sized_work(size: int, work: Callable, *args):
+    """`work(*args)`, on a worker thread past OFF_THE_LOOP_ITEMS (`size`: characters or token
+    ids, or a body's bytes)."""
+    return await asyncio.to_thread(work, *args) if size > OFF_THE_LOOP_ITEMS else work(*args)
+
+
+def body_size(request: Request) -> int:
+    """A request's body's bytes as its Content-Length says (admission measured one without: as
+    large as can be)."""
+    length = request.headers.get("content-length")
+    return int(length) if length is not None and length.isdigit() else OFF_THE_LOOP_ITEMS + 1
+
+
 def prompt_tokens(state: AppState, served: ServedModel, prompt: str | list[int], param: str = "prompt") -> list[int]:
     """Tokenise a prompt (text or token ids), enforcing XLSERVE_MAX_PROMPT_BYTES; `param` names
     the field it came in."""

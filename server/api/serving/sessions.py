@@ -19,7 +19,7 @@ from xlserve.server.engine.client import RemoteLease
 from xlserve.server.engine.types import appended
 from xlserve.server.api.serving.cancellation import Cancellation
 from xlserve.server.api.serving.leases import session_lease
-from xlserve.server.api.serving.requests import check_prompt_size, idempotency, prompt_tokens
+from xlserve.server.api.serving.requests import check_prompt_size, idempotency, prompt_tokens, sized_work
 
 
 # -- POST /v1/sessions/{id}/append, and the websocket's `append` ----------------------------------
@@ -91,7 +91,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
         if lease.replay is not None:
             return AppendResult.remembered(session_id, lease)
         served = state.served(lease.info.model)
-        tokens = prompt_tokens(state, served, text, param="text")
+        tokens = await sized_work(len(text), prompt_tokens, state, served, text, "text")
         if not tokens:
             raise InvalidRequest("text is empty", param="text")
         cached = lease.info.tokens
@@ -102,7 +102,7 @@ async def append_to_session(state: AppState, owner: str | None, session_id: str,
         scores = None
         if score:
             # bits per byte over the scored tokens (a session's very first token has no context)
-            scored_bytes = scored_text_bytes(served.tokenizer, tokens, fed.scored)
+            scored_bytes = await sized_work(len(tokens), scored_text_bytes, served.tokenizer, tokens, fed.scored)
             scores = {"logprob": fed.logprob, "scored_tokens": fed.scored,
                       "bits_per_byte": (-fed.logprob / math.log(2) / scored_bytes) if scored_bytes else None}
         cancellation.begin_commit()  # a cancel or disconnect before this point wins: nothing is committed
