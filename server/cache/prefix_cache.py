@@ -269,6 +269,13 @@ class PrefixCache:
                 self.metrics.prefix_cache_hits.labels(model).inc(hit.tokens)
         return hit
 
+    def missed(self, model: str, tokens: int) -> None:
+        """Count a prompt of `tokens` tokens that was not looked up (echo with alternatives, which
+        no entry answers; a lookup its engine skipped) as queried and missed, so that the hit
+        rate (hits / queries) reads what the prompts got."""
+        if self.metrics is not None:
+            self.metrics.prefix_cache_queries.labels(model).inc(tokens)
+
     def _lookup_local(self, chain: list[bytes], tokens: list[int], limit: int, restore) -> PrefixHit | None:
         for entry in self._candidates(chain, tokens, limit, on_disk=restore is not None):
             hit = self._bring_back(entry, restore)

@@ -214,12 +214,12 @@ class Engine:
         # its completion (`_finish_row`), so its last token is not fed for it, nor its state kept
         fields = {"start": self.fresh_data(), "prefix_scope": scope,
                   "final_state_offered": self.model.chunking_invariant}
-        if echo_alternatives:
-            return fields
-        if self._hits_waiting_bytes() >= self.prefix_cache.caps["device"] + self.prefix_cache.caps["host"]:
-            # the requests waiting for a batch slot hold as many hit states as the cache's memory
-            # caps: one more would be memory no budget counts (a whole state each, 237 MB at real
-            # size: 256 queued hits would be 60 GB), so this prompt is computed instead
+        if echo_alternatives or (
+                # the requests waiting for a batch slot hold as many hit states as the cache's memory
+                # caps: one more would be memory no budget counts (a whole state each, 237 MB at real
+                # size: 256 queued hits would be 60 GB), so this prompt is computed instead
+                self._hits_waiting_bytes() >= self.prefix_cache.caps["device"] + self.prefix_cache.caps["host"]):
+            self.prefix_cache.missed(self.name, len(prompt))
             return fields
         try:
             hit = self.prefix_cache.lookup(self.name, scope, prompt, restore=self._restore_prefix)

@@ -286,7 +286,8 @@ def test_echo_with_alternatives_computes_its_prompt_and_tiny_budgets_stay_exact(
     same(cached, cold)
     assert all(result["cached"] == 0 for result in cached)
 
-    cache = PrefixCache(64 << 20, block_tokens=4)
+    metrics = Metrics()
+    cache = PrefixCache(64 << 20, block_tokens=4, metrics=metrics)
     engine = make_engine(xl_model(), prefill_chunk=7, prefix_cache=cache)
     prompt = list(b"def main(argv):\n    return 0\n")
 
@@ -303,6 +304,11 @@ def test_echo_with_alternatives_computes_its_prompt_and_tiny_budgets_stay_exact(
     assert with_top["cached"] == 0 and plain["cached"] == len(prompt)
     assert plain["echo"][1:] == pytest.approx(with_top["echo"][1:], abs=1e-5)
     assert plain["tokens"] == with_top["tokens"]
+    # the echo with alternatives counts as a query that missed (docs/design.md 6b), so the hit
+    # rate reads what the prompts got: three prompts queried, one hit
+    text = metrics.render().decode()
+    assert f'xlserve_prefix_cache_queries_total{{model="m"}} {3.0 * len(prompt)}' in text
+    assert f'xlserve_prefix_cache_hits_total{{model="m"}} {float(len(prompt))}' in text
 
 
 # -- Redis: shared entries, and a store that fails costs reuse only --------------------------------
