@@ -256,13 +256,20 @@ class PrefixCache:
         hit = None
         if any(self.caps.values()) and limit > 0:
             chain = block_chain(scope, tokens[:limit], self.block_tokens)
-            hit = self._lookup_local(chain, tokens, limit, restore)
-            if (self.remote is not None and restore is not None and (hit is None or hit.tokens < limit)
+            candidates = self._candidates(chain, tokens, limit, on_disk=restore is not None)
+            # Redis is asked for a longer entry before a local one is read back and moved up: a
+            # replica's local entry is often a turn behind the one another replica shared, and
+            # bringing it back (237 MB read and checked at real size, another entry pushed down)
+            # only to take Redis's instead cost both
+            local = candidates[0].n if candidates else 0
+            if (self.remote is not None and restore is not None and local < limit
                     and time.monotonic() >= self._remote_quiet_until):
                 try:
-                    hit = self._lookup_remote(model, scope, chain, tokens, limit, hit, restore) or hit
+                    hit = self._lookup_remote(model, scope, chain, tokens, limit, local, restore)
                 except Exception as error:  # whatever it is, the local hit stands and the request goes on
                     log.warning("prefix cache: the Redis lookup failed (%s: %s)", type(error).__name__, error)
+            if hit is None:
+                hit = self._lookup_local(candidates, restore)
         if self.metrics is not None:
             self.metrics.prefix_cache_queries.labels(model).inc(len(tokens))
             if hit is not None:
@@ -276,8 +283,9 @@ class PrefixCache:
         if self.metrics is not None:
             self.metrics.prefix_cache_queries.labels(model).inc(tokens)
 
-    def _lookup_local(self, chain: list[bytes], tokens: list[int], limit: int, restore) -> PrefixHit | None:
-        for entry in self._candidates(chain, tokens, limit, on_disk=restore is not None):
+    def _lookup_local(self, candidates: list[_Entry], restore) -> PrefixHit | None:
+        """The first of `candidates` (longest first) that is still there, brought back."""
+        for entry in candidates:
             hit = self._bring_back(entry, restore)
             if hit is not None:
                 return hit
@@ -335,9 +343,10 @@ class PrefixCache:
         return PrefixHit(entry.n, data, logprobs)
 
     def _lookup_remote(self, model: str, scope: bytes, chain: list[bytes], tokens: list[int], limit: int,
-                       local: PrefixHit | None, restore) -> PrefixHit | None:
-        """An entry in Redis longer than the `local` hit, checked and kept locally, or None."""
-        shortest = 0 if local is None else local.tokens + 1
+                       local: int, restore) -> PrefixHit | None:
+        """An entry in Redis longer than `local` tokens (the longest local entry's), checked and
+        kept locally, or None."""
+        shortest = local + 1
         first_block = shortest // self.block_tokens
         blocks = chain[first_block:]
         try:

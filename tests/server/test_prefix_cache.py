@@ -380,6 +380,34 @@ def test_entries_shared_through_redis_are_checked_and_a_dead_redis_costs_only_re
     assert dead.flush_remote()
 
 
+def test_a_longer_entry_in_redis_is_taken_without_reading_back_the_local_one(tmp_path, redis_url):  # noqa: F811
+    """Replica B holds turn 1's entry on disk; replica A shared turn 2's. B's lookup for turn 3
+    takes Redis's without first reading its own file back and moving it up (at real size 237 MB
+    read and checked, another entry pushed down, and then dropped for the longer one)."""
+    from xlserve.server.cache.stores import RedisPrefixStore
+
+    model = xl_model()
+    restore = restore_for(model)
+    turn_1 = list(b"import os\nimport sys\n\n")
+    turn_2 = turn_1 + list(b"def main():\n    pass\n")
+
+    def entry(tokens):
+        with torch.inference_mode():
+            log_probs, state = model(torch.tensor([tokens]), model.init_state(1))
+        logprobs = [None] + log_probs[0, :-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+        return SessionData(state=state, tokens=len(tokens), next_log_probs=log_probs[0, -1].clone()), logprobs
+
+    a = PrefixCache(64 << 20, block_tokens=4, remote=RedisPrefixStore(redis_url, prefix="test:longer:"))
+    b = PrefixCache(1, block_tokens=4, disk_bytes=64 << 20, directory=tmp_path / "b",
+                    remote=RedisPrefixStore(redis_url, prefix="test:longer:"))
+    assert b.offer("m", SCOPE, turn_1, *entry(turn_1), share=False) and b.flush_disk()
+    assert a.offer("m", SCOPE, turn_2, *entry(turn_2)) and a.flush_remote()
+    restored = []
+    hit = b.lookup("m", SCOPE, turn_2 + list(b"x = 1\n"), restore=lambda blob: restored.append(1) or restore(blob))
+    assert hit.tokens == len(turn_2) and len(restored) == 1  # Redis's entry alone was read
+    assert b.lookup("m", SCOPE, turn_1 + [9], restore=restore).tokens == len(turn_1)  # the local one is there still
+
+
 def test_an_entry_filed_in_place_of_another_removes_it_from_redis(redis_url):  # noqa: F811
     """A block files one entry per length: the entry it filed before (another prompt's, the same
     up to that block) is unreachable once replaced, and goes, instead of holding its bytes a day."""
