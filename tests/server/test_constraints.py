@@ -358,12 +358,28 @@ def test_truncated_sampling_masks_first_and_still_matches(engine):
     assert again["texts"] == first["texts"]
 
 
+def generate_handler(engine):
+    """The engine process's generate handler, with its own state alone (no model, no threads):
+    its pools stand-ins, its counts of the generations waiting in them at 0."""
+    import threading
+    from types import SimpleNamespace
+
+    from xlserve.server.engine import process
+
+    handler = process.EngineProcess.__new__(process.EngineProcess)
+    handler.models = {"m": SimpleNamespace(engine=engine)}
+    handler.lock, handler.requests = threading.Lock(), {}
+    handler.first_compiles, handler.prefix_lookups = object(), object()
+    handler.first_compiles_waiting, handler.prefix_lookups_waiting = 0, 0
+    handler.first_compiles_of, handler.prefix_lookups_of = process.Counter(), process.Counter()
+    return handler
+
+
 def test_first_compiles_wait_on_their_own_threads_and_their_queue_is_bounded():
     """A generation whose constraint compiles first runs on the engine process's first-compile
     threads, not the session-op pool that every acquire and commit needs, and once
     FIRST_COMPILE_THREADS + FIRST_COMPILES_QUEUED wait, the next is refused with 429
     constraint_compiler_busy (a client sending many distinct schemas cannot hold the others up)."""
-    import threading
     from types import SimpleNamespace
 
     from xlserve.server.engine import process
@@ -372,11 +388,7 @@ def test_first_compiles_wait_on_their_own_threads_and_their_queue_is_bounded():
 
     compiler = SimpleNamespace(cached_matcher=lambda *args: None)  # never compiled before
     engine = SimpleNamespace(check_context=lambda *args: None, constraints=compiler, prefix_lookup_waits=False)
-    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
-    handler.models = {"m": SimpleNamespace(engine=engine)}
-    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
-    handler.first_compiles, handler.prefix_lookups_waiting = object(), 0
-    handler.first_compiles_of = process.Counter()
+    handler = generate_handler(engine)
 
     def generation(i: int) -> Generate:
         params = SamplingParams(max_tokens=4, constraint_kind="json_schema", constraint=schema(i))
@@ -397,7 +409,6 @@ def test_generations_waiting_for_their_prefix_lookup_are_bounded():
     threads before it is queued, where the engine's queue bound does not count it yet: past
     PREFIX_LOOKUP_THREADS + XLSERVE_MAX_QUEUED_REQUESTS of them the next is refused with 429
     queue_full; one client flooding generations while Redis is slow cannot queue without bound."""
-    import threading
     from types import SimpleNamespace
 
     from xlserve.server.engine import process
@@ -406,11 +417,7 @@ def test_generations_waiting_for_their_prefix_lookup_are_bounded():
 
     engine = SimpleNamespace(check_context=lambda *args: None, prefix_lookup_waits=True, max_queued=3,
                              constraints=SimpleNamespace(cached_matcher=lambda *args: None))
-    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
-    handler.models = {"m": SimpleNamespace(engine=engine)}
-    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
-    handler.prefix_lookups, handler.prefix_lookups_waiting = object(), 0
-    handler.prefix_lookups_of = process.Counter()
+    handler = generate_handler(engine)
     limit = process.PREFIX_LOOKUP_THREADS + engine.max_queued
     for i in range(limit):
         deferred = handler.generate(Generate(i, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00"))
@@ -425,7 +432,6 @@ def test_one_api_key_s_prefix_lookups_wait_within_its_own_share():
     """XLSERVE_MAX_QUEUED_PER_KEY bounds one key's generations waiting for their prefix lookup too:
     it applied only once they were queued, so one key's burst of slow lookups filled the
     process's bound and every other key got 429."""
-    import threading
     from types import SimpleNamespace
 
     from xlserve.server.engine import process
@@ -434,11 +440,7 @@ def test_one_api_key_s_prefix_lookups_wait_within_its_own_share():
 
     engine = SimpleNamespace(check_context=lambda *args: None, prefix_lookup_waits=True, max_queued=30,
                              max_queued_per_key=2, constraints=SimpleNamespace(cached_matcher=lambda *args: None))
-    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
-    handler.models = {"m": SimpleNamespace(engine=engine)}
-    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
-    handler.prefix_lookups, handler.prefix_lookups_waiting = object(), 0
-    handler.prefix_lookups_of = process.Counter()
+    handler = generate_handler(engine)
 
     def generation(i: int, owner: str) -> Generate:
         return Generate(i, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00", owner=owner)
@@ -466,11 +468,7 @@ def test_one_api_key_s_first_compiles_wait_within_its_own_share():
 
     engine = SimpleNamespace(check_context=lambda *args: None, prefix_lookup_waits=False, max_queued=30,
                              max_queued_per_key=2, constraints=SimpleNamespace(cached_matcher=lambda *args: None))
-    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
-    handler.models = {"m": SimpleNamespace(engine=engine)}
-    handler.lock, handler.requests, handler.first_compiles_waiting = threading.Lock(), {}, 0
-    handler.first_compiles, handler.prefix_lookups_waiting = object(), 0
-    handler.first_compiles_of, handler.prefix_lookups_of = process.Counter(), process.Counter()
+    handler = generate_handler(engine)
 
     def generation(i: int, owner: str) -> Generate:
         params = SamplingParams(max_tokens=4, constraint_kind="json_schema", constraint=schema(i))
@@ -496,16 +494,14 @@ def test_a_generation_cancelled_while_it_waited_makes_no_prefix_lookup():
     import threading
     from types import SimpleNamespace
 
-    from xlserve.server.engine import process
     from xlserve.server.engine.errors import Cancelled
     from xlserve.server.engine.wire import Generate
 
     lookups = []
     engine = SimpleNamespace(check_admitted=lambda *args: None,
                              start_from_prefix=lambda *args: lookups.append(args) or {})
-    handler = process.EngineProcess.__new__(process.EngineProcess)  # the handler's own state only
-    handler.lock, handler.first_compiles_waiting, handler.prefix_lookups_waiting = threading.Lock(), 0, 1
-    handler.first_compiles_of, handler.prefix_lookups_of = process.Counter(), process.Counter({"alice": 1})
+    handler = generate_handler(engine)
+    handler.prefix_lookups_waiting, handler.prefix_lookups_of["alice"] = 1, 1  # this one's place
     cancelled = threading.Event()
     cancelled.set()
     request = Generate(0, "m", [1, 2], SamplingParams(max_tokens=4), prefix_scope="00", owner="alice")
