@@ -256,7 +256,9 @@ def joined(blob: Blob) -> bytes | memoryview:
     total = blob_bytes(blob)
     if total <= JOIN_WITHOUT_THE_LOCK_BYTES:
         return b"".join(parts)
-    buffer, offset = numpy.empty(total, numpy.uint8), 0
+    # torch's memory, NumPy's copy: NumPy asks for huge pages for an array this large, and a first
+    # touch of them took 0.6 s where torch's pages took 0.12 (the copy itself 0.03-0.09 s)
+    buffer, offset = torch.empty(total, dtype=torch.uint8).numpy(), 0
     for part in parts:
         values = numpy.frombuffer(part, numpy.uint8)
         buffer[offset : offset + values.size] = values
