@@ -348,9 +348,12 @@ def load_tensors(blob) -> dict[str, torch.Tensor]:
         if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 1 << 63 for d in shape)
                 and type(begin) is int and type(end) is int and 0 <= begin <= end):
             raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} has a malformed shape or offsets")
-        numel = 1
-        for d in shape:
+        numel, overflowed = 1, False
+        for d in shape:  # as safetensors computes it: a running product past 2^63 is refused
             numel *= d
+            overflowed = overflowed or numel >= 1 << 63
+        if overflowed:
+            raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r}'s shape overflows")
         if numel * torch.empty((), dtype=dtype).element_size() != end - begin:
             raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} spans {end - begin} bytes, "
                                f"not its shape's")
@@ -366,7 +369,12 @@ def load_tensors(blob) -> dict[str, torch.Tensor]:
         raise CorruptState(f"unreadable safetensors payload: its tensors cover {covered} of its {size} data bytes")
     tensors = {}
     for begin, end, name, dtype, shape in spans:
-        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            tensor = torch.empty(shape, dtype=dtype)
+        except RuntimeError as error:  # a shape torch cannot hold (its sizes' product past int64 as it counts)
+            if out_of_memory(error):
+                raise
+            raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} of shape {shape}: {error}") from None
         if end > begin:
             tensor.reshape(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(blob, numpy.uint8, end - begin,
                                                                                 start + begin)

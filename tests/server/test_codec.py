@@ -145,6 +145,8 @@ def _mutations(header: dict, data: bytes, rng: random.Random):
             entry["data_offsets"][rng.randrange(2)] += rng.choice([-8, -1, 1, 4, 8, 1 << 40])
         elif kind == 1 and entry["shape"]:
             entry["shape"][rng.randrange(len(entry["shape"]))] = rng.choice([0, 1, 3, -1, 2.0, True, "2", 1 << 64])
+            if rng.random() < 0.3:  # sizes whose running product overflows, the whole one 0
+                entry["shape"], entry["data_offsets"] = [1 << 62, 1 << 62, 0], [0, 0]
         elif kind == 2:
             entry["dtype"] = rng.choice(["F32", "F16", "I64", "BOOL", "U16", "C64", "f32", 3])
         elif kind == 3:
