@@ -276,6 +276,13 @@ class PrefixCache:
                 self.metrics.prefix_cache_hits.labels(model).inc(hit.tokens)
         return hit
 
+    def resident(self) -> set[int]:
+        """The ids of the states its device and host entries hold: a hit's state that is one of
+        them is the cache's memory, counted on its books (Engine._hits_waiting_bytes)."""
+        with self._lock:
+            return {id(entry.data) for tier in ("device", "host") for entry in self._tiers[tier].values()
+                    if entry.data is not None}
+
     def missed(self, model: str, tokens: int) -> None:
         """Count a prompt of `tokens` tokens that was not looked up (echo with alternatives, which
         no entry answers; a lookup its engine skipped) as queried and missed, so that the hit

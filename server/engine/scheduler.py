@@ -215,9 +215,9 @@ class Engine:
         fields = {"start": self.fresh_data(), "prefix_scope": scope,
                   "final_state_offered": self.model.chunking_invariant}
         if echo_alternatives or (
-                # the requests waiting for a batch slot hold as many hit states as the cache's memory
-                # caps: one more would be memory no budget counts (a whole state each, 237 MB at real
-                # size: 256 queued hits would be 60 GB), so this prompt is computed instead
+                # the requests waiting for a batch slot hold as many bytes of hit states the cache has
+                # let go of as its memory caps: one more could be memory no budget counts (a whole state
+                # each, 237 MB at real size: 256 queued hits would be 60 GB), so this prompt is computed
                 self._hits_waiting_bytes() >= self.prefix_cache.caps["device"] + self.prefix_cache.caps["host"]):
             self.prefix_cache.missed(self.name, len(prompt))
             return fields
@@ -231,9 +231,15 @@ class Engine:
         return fields
 
     def _hits_waiting_bytes(self) -> int:
-        """The bytes of the prefix-hit states that queued requests hold until they run (any thread)."""
+        """The bytes of the prefix-hit states that queued requests hold until they run and the
+        cache no longer does (its entry pushed down or dropped), each state once: requests that
+        hit one entry the cache still holds share its memory, which its books count (any thread)."""
         with self._condition:
-            return sum(request.hit_bytes for request in self._waiting)
+            held = {id(request.start): request.hit_bytes for request in self._waiting if request.hit_bytes}
+        if not held:
+            return 0
+        resident = self.prefix_cache.resident()
+        return sum(nbytes for state, nbytes in held.items() if state not in resident)
 
     @property
     def prefix_lookup_waits(self) -> bool:

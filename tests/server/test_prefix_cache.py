@@ -234,27 +234,43 @@ def test_an_offer_no_tier_has_room_for_makes_no_copy():
     assert cache.offer("m", SCOPE, tokens, data(8), [None] + [-1.0] * 7, copy=copy) and len(copies) == 1
 
 
-def test_queued_requests_hold_hit_states_only_up_to_the_cache_s_memory_caps():
+def test_queued_requests_hold_hit_states_the_cache_let_go_only_up_to_its_memory_caps():
     """A hit's state rides with its request until the request gets a batch slot, outside every
     budget once its entry is pushed down or dropped (237 MB each at real size; 256 queued hits
-    would be 60 GB). Once the waiting requests hold as many bytes of hits as the cache's device
-    and host caps, a lookup is a miss: the prompt is computed."""
+    would be 60 GB). Once the waiting requests hold as many bytes of such hits as the cache's
+    device and host caps, a lookup is a miss: the prompt is computed. Hits on an entry the cache
+    still holds share its memory, which its books count: any number of them may wait."""
     cache = PrefixCache(64 << 20, block_tokens=4)
     engine = make_engine(xl_model(), prefix_cache=cache)
-    prompt = list(b"import os\nimport sys\n\ndef main():\n")
-    asyncio.run(answer(engine, request(engine, prompt, max_tokens=2)))
+    first, second, third = (list(text) for text in (b"import os\nimport sys\n\ndef main():\n",
+                                                     b"class Config:\n    debug = True\n    x = 1\n",
+                                                     b"for line in open(path):\n    print(line)\n"))
+    for prompt in (first, second, third):
+        asyncio.run(answer(engine, request(engine, prompt, max_tokens=2)))
     engine.close()  # no worker: what is queued stays queued
-    fields = engine.start_from_prefix(prompt, SCOPE, False)
-    assert fields["reused"] == len(prompt) and fields["hit_bytes"] > 0
-    queued = EngineRequest("generate", prompt, params=SamplingParams(max_tokens=2), **fields)
-    cache.caps["device"], cache.caps["host"] = fields["hit_bytes"], 0
-    with engine._condition:
-        engine._waiting.append(queued)
-    assert "reused" not in engine.start_from_prefix(prompt, SCOPE, False)  # computed instead
-    with engine._condition:
-        engine._waiting.remove(queued)
-    assert engine.start_from_prefix(prompt, SCOPE, False)["reused"] == len(prompt)
 
+    def queue_a_hit(prompt) -> EngineRequest:
+        fields = engine.start_from_prefix(prompt, SCOPE, False)
+        assert fields["reused"] == len(prompt) and fields["hit_bytes"] > 0
+        queued = EngineRequest("generate", prompt, params=SamplingParams(max_tokens=2), **fields)
+        with engine._condition:
+            engine._waiting.append(queued)
+        return queued
+
+    one = queue_a_hit(first)
+    cache.caps["device"], cache.caps["host"] = one.hit_bytes + 4 * len(third), 0  # about one state
+    for _ in range(3):  # hits on an entry the cache holds: they share its memory
+        queue_a_hit(first)
+    two = queue_a_hit(second)
+    kept = engine.start_from_prefix(third, SCOPE, False)
+    assert kept["reused"] == len(third)
+    cache.clear()  # the entries dropped: the waiting requests hold two states alone now
+    assert cache.offer("m", SCOPE, third, kept["start"].clone(), kept["reused_logprobs"])
+    assert two.hit_bytes + one.hit_bytes >= cache.caps["device"]
+    assert "reused" not in engine.start_from_prefix(third, SCOPE, False)  # computed instead
+    with engine._condition:
+        engine._waiting.clear()
+    assert engine.start_from_prefix(third, SCOPE, False)["reused"] == len(third)
 
 def test_seeded_sampling_gives_the_same_tokens_from_a_hit():
     cache = PrefixCache(64 << 20, block_tokens=4)
