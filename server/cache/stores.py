@@ -1053,7 +1053,9 @@ class RedisPrefixStore(RedisStore):
             # swap replaced, so whichever swaps last is filed and the other deleted: read in the same
             # pipeline as the SET, the slot was read before a large entry had arrived, and the entry
             # filed in between was left unreachable for its whole TTL
-            self._client_for(len(blob)).set(self.prefix + "entry:" + key, blob, ex=self.ttl_s)
+            # only where none is: an entry's key names its prefix, so one there already is the same
+            # state, and a reader slicing it (`get_entry`) must not see it change under it
+            self._client_for(len(blob)).set(self.prefix + "entry:" + key, blob, ex=self.ttl_s, nx=True)
             replaced = self._script("prefix_swap", [self.prefix + "block:" + block], [str(n), key, str(self.ttl_s)])
             replaced = replaced.decode() if isinstance(replaced, bytes) else replaced
             if replaced and replaced != key:

@@ -1166,7 +1166,7 @@ def test_a_row_cancelled_during_its_last_step_offers_nothing_and_logs_no_error(c
 def test_a_large_entry_is_read_from_redis_in_slices(redis_url, monkeypatch):  # noqa: F811
     """An entry past ENTRY_SLICE_BYTES is read in slices (redis-py's reader held the interpreter
     lock 250 ms for one reply of 236 MB, every stream of the engine process waiting): the same
-    bytes come back, and an entry gone is None."""
+    bytes come back, an entry gone is None, and no write changes an entry under its reader."""
     from xlserve.server.cache.stores import RedisPrefixStore
 
     store = RedisPrefixStore(redis_url, prefix="test-slices:")
@@ -1176,5 +1176,9 @@ def test_a_large_entry_is_read_from_redis_in_slices(redis_url, monkeypatch):  # 
     blob = os.urandom(10_500)
     store.put_entry("ab", 3, "cd", blob)
     assert bytes(store.get_entry("cd")) == blob and gets == []
+    # an entry is written only where none is (its key names its prefix): another replica's write
+    # of the same prefix cannot change it under a reader that slices it
+    store.put_entry("ab", 3, "cd", os.urandom(10_500))
+    assert bytes(store.get_entry("cd")) == blob
     assert store.get_entry("no-such-entry") is None
     store.close()
