@@ -520,8 +520,8 @@ class EngineClient:
         (one write, or one frame joined first), it was copied twice more by the transport on the
         event loop, holding every client about 0.3 s, and held twice the state's memory while the
         answer was awaited. Frames written meanwhile follow it (`_write`); it goes to its end
-        whatever happens to the request that sent it, or the stream would be cut mid-frame."""
-        await self.large_write.acquire()  # one at a time; nothing is written before it is held
+        whatever happens to the request that sent it, or the stream would be cut mid-frame. The
+        caller holds `large_write`, which this gives back once the frame is written."""
         writer, self.frames_behind = self.writer, []
 
         async def slices() -> None:
@@ -553,6 +553,12 @@ class EngineClient:
         large = blob is not None and len(blob) > PART_BYTES  # a state to import
         frame = encode_frame(header, blob, checked=True) if not large else None  # MessageTooLarge: this request alone
         head = frame_head(header, len(blob), checked=True) if large else None
+        if large:  # one large frame at a time; nothing is registered or written before it is its turn
+            generation = self.generation
+            await self.large_write.acquire()
+            if not self.alive or self.generation != generation:  # the engine process went meanwhile
+                self.large_write.release()
+                raise self.unavailable_error()
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
         if isinstance(request, CHANGES_A_SESSION):

@@ -382,6 +382,8 @@ def test_a_large_request_goes_in_slices_with_the_loop_free_and_other_frames_afte
     the transport on the event loop (every client held about 0.3 s) and held twice the state's
     memory meanwhile. Its blob now goes in PART_BYTES slices with the loop free between them;
     frames sent meanwhile follow it whole, and a request cancelled mid-way leaves the stream whole."""
+    import time
+
     from xlserve.server.engine.client import EngineClient
     from xlserve.server.engine.wire import PART_BYTES, read_frame
     from xlserve.server.metrics import Metrics
@@ -389,36 +391,78 @@ def test_a_large_request_goes_in_slices_with_the_loop_free_and_other_frames_afte
 
     ours, theirs = socket.socketpair()
     state = bytes(range(256)) * (6 * PART_BYTES // 256)  # 6 slices
-    frames: list = []
-    stream = theirs.makefile("rb")
-    reader = threading.Thread(target=lambda: frames.extend(iter(lambda: read_frame(stream), None)), daemon=True)
+    received = bytearray()
+
+    def slow_engine():  # takes the bytes slowly, so that the state's slices wait for it
+        while chunk := theirs.recv(1 << 16):
+            received.extend(chunk)
+            time.sleep(0.002)
+
+    reader = threading.Thread(target=slow_engine, daemon=True)
 
     async def write():
         client = EngineClient(Settings(models="m"), Metrics())
         _, writer = await asyncio.open_connection(sock=ours)
         client.status, client.writer = "ready", writer
-        ran_between = []
-
-        async def beside():  # another client's coroutine: it runs while the state goes out
-            while client.frames_behind is None:
-                await asyncio.sleep(0)
-            ran_between.append(True)
-            client.send(Cancel(7))  # a whole frame written meanwhile: it follows the state's
-
-        other = asyncio.create_task(beside())
         call = asyncio.create_task(client.call(ImportSession(model="m", owner=None, state=state, idempotency=None)))
-        await other
-        while client.frames_behind is not None:
+        ticks = 0
+        while client.frames_behind is None:  # until the state's frame is going out
             await asyncio.sleep(0)
-        call.cancel()  # nobody answers here; the frame was written whole all the same
+        client.send(Cancel(7))  # a whole frame written meanwhile: it follows the state's
+        while client.frames_behind is not None and ticks < 3:
+            await asyncio.sleep(0.001)  # the loop is free while the slices go
+            ticks += 1
+        assert ticks == 3 and client.frames_behind is not None  # cancelled mid-way:
+        call.cancel()
+        while client.frames_behind is not None:  # the frame goes on to its end all the same
+            await asyncio.sleep(0.001)
         client.send(Cancel(8))
-        await writer.drain()
         writer.close()
-        assert ran_between
+        await writer.wait_closed()  # everything written has gone
+        assert call.cancelled()
 
     reader.start()
     asyncio.run(write())
     reader.join(timeout=10)
-    (first, blob), second, third = frames[0], frames[1], frames[2]
+    stream = io.BytesIO(bytes(received))
+    (first, blob), second, third = read_frame(stream), read_frame(stream), read_frame(stream)
     assert first["op"] == "import_session" and blob == state
     assert decode_request(*second) == Cancel(7) and decode_request(*third) == Cancel(8)
+    assert read_frame(stream) is None
+
+
+def test_a_large_request_cancelled_while_it_waits_its_turn_leaves_nothing_behind():
+    """A state to import waits for the large frame before it; cancelled meanwhile, it has
+    registered no call (whose failure, at the engine's end, nobody would read) and written
+    nothing; one whose engine process was replaced meanwhile is refused, never sent to the new one."""
+    from xlserve.server.engine.client import EngineClient
+    from xlserve.server.engine.wire import PART_BYTES
+    from xlserve.server.metrics import Metrics
+    from xlserve.server.settings import Settings
+
+    ours, theirs = socket.socketpair()
+    state = bytes(2 * PART_BYTES)
+
+    async def wait_then_cancel():
+        client = EngineClient(Settings(models="m"), Metrics())
+        _, writer = await asyncio.open_connection(sock=ours)
+        client.status, client.writer = "ready", writer
+        await client.large_write.acquire()  # another large frame is going out
+        call = asyncio.create_task(client.call(ImportSession(model="m", owner=None, state=state, idempotency=None)))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        assert call.cancelled() and client.calls == {} and not client.changing_calls
+        replaced = asyncio.create_task(client.call(ImportSession(model="m", owner=None, state=state,
+                                                                 idempotency=None)))
+        await asyncio.sleep(0.01)
+        client.generation += 1  # the engine process was replaced while it waited
+        client.large_write.release()
+        assert isinstance((await asyncio.gather(replaced, return_exceptions=True))[0], Exception)
+        assert client.calls == {} and not client.large_write.locked()
+        writer.close()
+        await writer.wait_closed()
+
+    asyncio.run(wait_then_cancel())
+    theirs.settimeout(5)
+    assert theirs.recv(1) == b""  # the connection's end, and nothing written before it
