@@ -683,19 +683,19 @@ def _throttled_proxy(port: int, bytes_per_s: float):
 
 def test_a_large_value_is_sent_within_a_timeout_that_counts_its_bytes(redis_url):  # noqa: F811
     """A socket's timeout bounds a whole send, so with the store's timeout alone a large state
-    needed a fast link: a 24 MB write over a 24 MB/s link with a 0.5 s timeout could never land,
-    Redis healthy. A value past SLOW_SEND_BYTES has the timeout plus its bytes at 16 MB/s; a call
+    needed a fast link: a 32 MB write over a 32 MB/s link with a 0.5 s timeout could never land,
+    Redis healthy (now its timeout is 4 s, against about 1 s of sending). A value past SLOW_SEND_BYTES has the timeout plus its bytes at 16 MB/s; a call
     that sends nothing large keeps the store's own timeout."""
     from urllib.parse import urlparse
 
-    port, stop = _throttled_proxy(urlparse(redis_url).port, 24e6)
+    port, stop = _throttled_proxy(urlparse(redis_url).port, 32e6)
     store = RedisStore(f"redis://127.0.0.1:{port}/0", prefix="test-slow-link:", timeout_s=0.5)
     try:
-        blob = bytes(24 << 20)
+        blob = bytes(32 << 20)
         assert store.put("s", None, 0, {"v": 0}, blob) == 1
         assert store.get("s")[2] == blob
         assert store._client_for(100) is store.client
-        assert store._client_for(24 << 20).get_connection_kwargs()["socket_timeout"] == 2.0  # 0.5 + 1.5, up to 2^k
+        assert store._client_for(32 << 20).get_connection_kwargs()["socket_timeout"] == 4.0  # 0.5 + 2, up to 2^k
         store.delete("s")
     finally:
         store.close()
