@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncGenerator
 
 from xlserve.server.api.deps import AppState
@@ -10,7 +11,7 @@ from xlserve.server.api.protocol import AppendFrame, GenerateFrame
 from xlserve.server.engine.types import Cancelled, ChoiceFinished, Finished, TokenEvent
 from xlserve.server.api.serving.generation import Generation
 from xlserve.server.api.serving.leases import QUEUED, queued
-from xlserve.server.api.serving.requests import error_for, usage
+from xlserve.server.api.serving.requests import error_for, sized_work, usage
 from xlserve.server.api.serving.cancellation import Cancellation
 from xlserve.server.api.serving.sessions import append_to_session
 
@@ -36,7 +37,9 @@ async def generation_frames(state: AppState, frame: GenerateFrame, owner: str | 
     """The answer to `generate`, started (see `queued`): a `token` frame per generated token, then
     one `done` frame, whose `finish_reason` is "cancelled" after a cancel. A failure after the
     start is raised, for the caller to answer with an error frame."""
-    generation = Generation(state, frame, owner, idempotency_key=frame.idempotency_key, kind="generate")
+    # tokenized (a large prompt) on a worker thread, as HTTP's (routers/completions.py)
+    generation = await sized_work(len(frame.prompt), functools.partial(
+        Generation, state, frame, owner, idempotency_key=frame.idempotency_key, kind="generate"))
     return await queued(_generation_frames(generation, frame.id, cancellation))
 
 
