@@ -1034,7 +1034,8 @@ ERROR_MEANINGS = {  # what each error status means, wherever it is answered
     413: "The body is over XLSERVE_MAX_REQUEST_BODY_BYTES, or the session's state is larger than a whole tier of the "
          "server (`session_too_large`).",
     422: "The Idempotency-Key was used on this session for another request (`idempotency_key_reused`).",
-    429: "The model's queue is full (`queue_full`); retry after Retry-After.",
+    429: "The model's queue is full (`queue_full`), or another of the API key's sessions is being made "
+         "(`sessions_being_made`); retry after Retry-After.",
     500: "This request alone could not be computed (`sampling_failed`, `forward_failed`); nothing was committed.",
     503: "Not now: the server is loading, draining or replacing its engine process, or the session store cannot take "
          "the session (`code` says which; Retry-After where a retry soon helps).",

@@ -90,6 +90,16 @@ class SessionQuotaExceeded(CacheError):
     default_param = None  # no field of the request is at fault
 
 
+class SessionQuotaBusy(CacheError):
+    """With XLSERVE_MAX_SESSIONS_PER_KEY and Redis, a replica makes one API key's new sessions one
+    at a time (their count is a scan of Redis, which one made beside it would miss): another of
+    the key's is being made, longer than the wait. A retry soon finds its turn."""
+
+    http_status, error_type, default_code = 429, "rate_limit_error", "sessions_being_made"
+    default_param = None
+    retry_after_seconds = 1
+
+
 class SessionUnavailable(CacheError):
     """The session exists but cannot be served now (its model is not loaded, its state is
     corrupt, or a store is unreachable)."""

@@ -66,6 +66,7 @@ hands out the state as stored; the engine converts it to its model's compute dty
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -96,6 +97,7 @@ from xlserve.server.cache.errors import (
     SessionInfo,
     SessionLocked,
     SessionNotFound,
+    SessionQuotaBusy,
     SessionQuotaExceeded,
     SessionUnavailable,
 )
@@ -144,9 +146,9 @@ def keyed_session_id(owner: str | None, idempotency: dict) -> str:
 
 
 # with Redis and XLSERVE_MAX_SESSIONS_PER_KEY, one owner's new sessions are made one at a time on a
-# replica, under one of these locks (`_admit_new`): a few owners share one, a lock each would grow
-# with the owners seen
-QUOTA_STRIPES = 64
+# replica (`_admit_new`); one waits this long for its turn, then is 429 sessions_being_made: the
+# session-op threads it would hold meanwhile are every other client's too
+OWNER_TURN_SECONDS = 1.0
 
 
 class SessionCache:
@@ -185,7 +187,8 @@ class SessionCache:
         self.compactions = Compactor(self.compact)
         self.forget_deleted_every_s = forget_deleted_every_s
         self.max_sessions_per_key = max_sessions_per_key
-        self._quota_stripes = [threading.Lock() for _ in range(QUOTA_STRIPES)]  # `_admit_new`
+        # owner -> [its lock, the creates holding or waiting for it] (`_owner_turn`; under self._lock)
+        self._owner_turns: dict[str | None, list] = {}
         self._closing = threading.Event()  # ends the thread of `forget_deleted_elsewhere`
         self._forgetting: threading.Thread | None = None
 
@@ -753,13 +756,36 @@ class SessionCache:
         """`_admit`, within `owner`'s bound (`_check_quota`). With Redis the owner's sessions are
         counted by a scan, which a create of the same owner running beside it could miss, landing
         after the scan began (eight at once passed a bound of 3 by 4): this replica's new sessions
-        of one owner are made one at a time, each under its owner's stripe of QUOTA_STRIPES locks,
-        so that each scan sees every one made here before it."""
+        of one owner are made one at a time (`_owner_turn`), so that each scan sees every one made
+        here before it."""
         if not self.max_sessions_per_key or self.redis is None:
             return self._admit(model, owner, data, source_id, source_version, session_id, made_by, None)
-        with self._quota_stripes[hash(owner) % QUOTA_STRIPES]:
+        with self._owner_turn(owner):
             return self._admit(model, owner, data, source_id, source_version, session_id, made_by,
                                self._owned_in_redis(owner))
+
+    @contextlib.contextmanager
+    def _owner_turn(self, owner: str | None):
+        """Hold `owner`'s turn to make a session on this replica: a lock of its own (another
+        owner's import, seconds of writing at real size, never holds it up), waited for at most
+        OWNER_TURN_SECONDS, then SessionQuotaBusy (429), so that one key making sessions at
+        once parks at most that long each of the session-op threads every client shares."""
+        with self._lock:
+            turn = self._owner_turns.setdefault(owner, [threading.Lock(), 0])
+            turn[1] += 1
+        try:
+            if not turn[0].acquire(timeout=OWNER_TURN_SECONDS):
+                raise SessionQuotaBusy(f"another session of this API key is being made on this replica, and with "
+                                       f"XLSERVE_MAX_SESSIONS_PER_KEY its sessions are made one at a time; retry")
+            try:
+                yield
+            finally:
+                turn[0].release()
+        finally:
+            with self._lock:
+                turn[1] -= 1
+                if not turn[1]:
+                    del self._owner_turns[owner]
 
     def _admit(self, model: str, owner: str | None, data: SessionData, source_id: str | None, source_version: int,
                session_id: str | None, made_by: str, in_redis: set[str] | None) -> SessionInfo:
@@ -835,8 +861,8 @@ class SessionCache:
     def _check_quota(self, owner: str | None, in_redis: set[str] | None) -> None:
         """(Under the lock.) SessionQuotaExceeded when `owner` already holds `max_sessions_per_key`
         sessions: without Redis, those in the books (every session of the disk is; a create
-        enters them under this lock); with Redis, those Redis holds (`in_redis`, scanned under
-        the owner's stripe: `_admit_new`). Replicas creating for one owner at the same moment may
+        enters them under this lock); with Redis, those Redis holds (`in_redis`, scanned in the
+        owner's turn: `_admit_new`). Replicas creating for one owner at the same moment may
         each pass with one place left: the bound can be passed by the replicas' number less one,
         never more."""
         limit = self.max_sessions_per_key

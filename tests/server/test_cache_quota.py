@@ -108,9 +108,11 @@ def test_one_replica_s_creates_at_once_stay_within_the_bound(tmp_path, redis_url
     outcomes = []
 
     def create(seed: int) -> None:
+        from xlserve.server.cache.errors import SessionQuotaBusy
+
         try:
             outcomes.append(cache.create("toy", "burst", data(10, seed)).id)
-        except SessionQuotaExceeded:
+        except (SessionQuotaExceeded, SessionQuotaBusy):  # past the bound, or not its turn within a second
             outcomes.append(None)
 
     threads = [threading.Thread(target=create, args=(seed,)) for seed in range(10, 18)]
@@ -121,4 +123,36 @@ def test_one_replica_s_creates_at_once_stay_within_the_bound(tmp_path, redis_url
     assert len(outcomes) == 8 and sum(o is not None for o in outcomes) == 1
     cache.durable.heads = scan
     assert len(cache.list_sessions("burst", limit=100)[0]) == 3
+    cache.close()
+
+
+def test_a_key_waits_its_turn_a_second_at_most_and_another_key_not_at_all(tmp_path, redis_url):  # noqa: F811
+    """A replica makes one key's sessions one at a time (with Redis, their count is a scan): a
+    create waiting behind another of its key's longer than OWNER_TURN_SECONDS is 429
+    sessions_being_made, so that one key's burst of creates parks no session-op thread for
+    long; another key's create never waits for that key's turn."""
+    from xlserve.server.cache import session_cache
+    from xlserve.server.cache.errors import SessionQuotaBusy
+
+    cache = cache_at(tmp_path / "a", 5, redis_url)
+    write, entered, release = cache.durable.write, threading.Event(), threading.Event()
+
+    def slow_write(record, *args, **kwargs):  # a large import, seconds of writing at real size
+        if record.owner == "turns":
+            entered.set()
+            release.wait(10)
+        return write(record, *args, **kwargs)
+
+    cache.durable.write = slow_write
+    first = threading.Thread(target=lambda: cache.create("toy", "turns", data(10, 0)))
+    first.start()
+    assert entered.wait(10)
+    started = time.monotonic()
+    with pytest.raises(SessionQuotaBusy):
+        cache.create("toy", "turns", data(10, 1))
+    assert session_cache.OWNER_TURN_SECONDS <= time.monotonic() - started < 5
+    assert cache.create("toy", "another", data(10, 2)).id  # its own turn: not held up
+    release.set()
+    first.join(10)
+    assert cache.create("toy", "turns", data(10, 3)).id and cache._owner_turns == {}
     cache.close()

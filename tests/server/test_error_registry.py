@@ -72,6 +72,7 @@ ANSWERED = {
                                {"Retry-After": "1"}),
     "SessionTooLarge": (413, "request_too_large", "session_too_large", "session_id", {}),
     "SessionQuotaExceeded": (403, "permission_error", "session_quota_exceeded", None, {}),
+    "SessionQuotaBusy": (429, "rate_limit_error", "sessions_being_made", None, {"Retry-After": "1"}),
     "CommitOutcomeUnknown": (503, "service_unavailable", "commit_outcome_unknown", "session_id", {}),
     "IdempotencyKeyReused": (422, "invalid_request_error", "idempotency_key_reused", "Idempotency-Key", {}),
     "CorruptState": (500, "internal_error", None, None, {}),

@@ -85,7 +85,7 @@ STATE_FILE = {
 
 
 @router.post("/v1/sessions", response_model=SessionObject, response_model_exclude_unset=True,
-             responses=error_responses(400, 401, 403, 404, 409, 413, 422, 503))
+             responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503))
 async def create_session(body: CreateSession, request: Request, response: Response,
                          owner: str | None = Depends(owner_of),
                          idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
@@ -135,7 +135,7 @@ async def delete_session(session_id: str, request: Request, response: Response, 
 
 
 @router.post("/v1/sessions/{session_id}/fork", dependencies=PER_SESSION, response_model=ForkedSession,
-             response_model_exclude_unset=True, responses=error_responses(400, 401, 403, 404, 409, 413, 422, 503))
+             response_model_exclude_unset=True, responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503))
 async def fork_session(session_id: str, request: Request, response: Response, owner: str | None = Depends(owner_of),
                        idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_KEY_HEADER)):
     body, replayed = await fork_one(app_state(request), owner, session_id, idempotency_key)
