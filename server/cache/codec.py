@@ -256,14 +256,20 @@ def joined(blob: Blob) -> bytes | memoryview:
     total = blob_bytes(blob)
     if total <= JOIN_WITHOUT_THE_LOCK_BYTES:
         return b"".join(parts)
-    # torch's memory, NumPy's copy: NumPy asks for huge pages for an array this large, and a first
-    # touch of them took 0.6 s where torch's pages took 0.12 (the copy itself 0.03-0.09 s)
-    buffer, offset = torch.empty(total, dtype=torch.uint8).numpy(), 0
+    buffer, offset = unlocked_buffer(total), 0
     for part in parts:
         values = numpy.frombuffer(part, numpy.uint8)
         buffer[offset : offset + values.size] = values
         offset += values.size
     return memoryview(buffer).toreadonly()
+
+
+def unlocked_buffer(nbytes: int):
+    """An uninitialised byte array of `nbytes` for NumPy to copy into without Python's interpreter
+    lock (`joined`, a prefix entry read in slices): torch's memory, not NumPy's, which asks for huge
+    pages for an array this large, and a first touch of them took 0.6 s where torch's pages took
+    0.12 (the copy itself 0.03-0.09 s)."""
+    return torch.empty(nbytes, dtype=torch.uint8).numpy()
 
 
 def encode(data: SessionData, metadata: dict[str, str]) -> bytes | memoryview:
@@ -354,7 +360,7 @@ def load_tensors(blob) -> dict[str, torch.Tensor]:
             overflowed = overflowed or numel >= 1 << 63
         if overflowed:
             raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r}'s shape overflows")
-        if numel * torch.empty((), dtype=dtype).element_size() != end - begin:
+        if numel * dtype.itemsize != end - begin:
             raise CorruptState(f"unreadable safetensors payload: tensor {name[:64]!r} spans {end - begin} bytes, "
                                f"not its shape's")
         spans.append((begin, end, name, dtype, shape))

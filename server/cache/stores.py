@@ -71,7 +71,7 @@ import numpy
 import torch
 
 from xlserve.server.cache.codec import (MAX_HEADER_BYTES, Blob, CorruptState, SessionData, blob_bytes, blob_parts,
-                                        check_record_metadata, entries_from_lines, metadata_of)
+                                        check_record_metadata, entries_from_lines, metadata_of, unlocked_buffer)
 from xlserve.server.cache.ledger import REMEMBERED_BYTES_PER_SESSION, entry_line
 from xlserve.server.cache.redis_client import connect
 from xlserve.server.cache.state_directory import sync_directory
@@ -1129,7 +1129,7 @@ class RedisPrefixStore(RedisStore):
             size = int(self.client.strlen(name))
             if size <= self.ENTRY_SLICE_BYTES:
                 return self.client.get(name)
-            buffer = torch.empty(size, dtype=torch.uint8).numpy()  # not NumPy's: codec.joined says why
+            buffer = unlocked_buffer(size)
             for start in range(0, size, self.ENTRY_SLICE_BYTES):
                 part = self.client.getrange(name, start, min(size, start + self.ENTRY_SLICE_BYTES) - 1)
                 if len(part) != min(size, start + self.ENTRY_SLICE_BYTES) - start:
