@@ -411,7 +411,8 @@ class PrefixCache:
                     return True
                 # no tier could take it (the sessions hold the room, or a cap is below one state):
                 # not copied for nothing, on the engine's step thread (93 ms of 237 MB)
-                if not any(self.limit(tier) >= _entry_bytes(data, logprobs) for tier in PREFIX_TIERS):
+                nbytes = _entry_bytes(data, logprobs)
+                if not any(self.limit(tier) >= nbytes for tier in PREFIX_TIERS):
                     return False
             data = copy(data)
         entry = _Entry(key, model, chain[n // self.block_tokens], n, data, list(logprobs),

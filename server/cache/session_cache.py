@@ -762,7 +762,7 @@ class SessionCache:
             return self._admit(model, owner, data, source_id, source_version, session_id, made_by, None)
         with self._owner_turn(owner):
             return self._admit(model, owner, data, source_id, source_version, session_id, made_by,
-                               self._owned_in_redis(owner))
+                               self._held_in_redis(owner))
 
     @contextlib.contextmanager
     def _owner_turn(self, owner: str | None):
@@ -788,7 +788,7 @@ class SessionCache:
                     del self._owner_turns[owner]
 
     def _admit(self, model: str, owner: str | None, data: SessionData, source_id: str | None, source_version: int,
-               session_id: str | None, made_by: str, in_redis: set[str] | None) -> SessionInfo:
+               session_id: str | None, made_by: str, in_redis: int | None) -> SessionInfo:
         """Write a new session to the last tier, then put it on the device (create, fork, import).
         `session_id` (a keyed id, else a random one) is refused with _AlreadyMade when the books
         hold it or the cache holds it; `made_by` is the keyed request's fingerprint.
@@ -852,13 +852,12 @@ class SessionCache:
             transfer.carry_out(self._lock)
         return info
 
-    def _owned_in_redis(self, owner: str | None) -> set[str]:
-        """The ids of `owner`'s sessions Redis holds, over every replica (one scan of its
-        sessions, as a listing makes; outside the cache's lock)."""
-        heads = self.durable.heads()
-        return {session_id for session_id, (_, meta) in heads.items() if (meta.get("owner") or None) == owner}
+    def _held_in_redis(self, owner: str | None) -> int:
+        """How many sessions of `owner` Redis holds, over every replica (one scan of its sessions,
+        as a listing makes; outside the cache's lock)."""
+        return sum((meta.get("owner") or None) == owner for _, meta in self.durable.heads().values())
 
-    def _check_quota(self, owner: str | None, in_redis: set[str] | None) -> None:
+    def _check_quota(self, owner: str | None, in_redis: int | None) -> None:
         """(Under the lock.) SessionQuotaExceeded when `owner` already holds `max_sessions_per_key`
         sessions: without Redis, those in the books (every session of the disk is; a create
         enters them under this lock); with Redis, those Redis holds (`in_redis`, scanned in the
@@ -868,7 +867,7 @@ class SessionCache:
         limit = self.max_sessions_per_key
         if not limit:
             return
-        held = self.manager.owned(owner) if in_redis is None else len(in_redis)
+        held = self.manager.owned(owner) if in_redis is None else in_redis
         if held >= limit:
             raise SessionQuotaExceeded(
                 f"this API key holds {held:,} sessions, the most XLSERVE_MAX_SESSIONS_PER_KEY ({limit:,}) allows: "

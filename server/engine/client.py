@@ -551,9 +551,10 @@ class EngineClient:
         call_id = next(self.ids)
         header, blob = request_frame(request, call_id)
         large = blob is not None and len(blob) > PART_BYTES  # a state to import
-        frame = encode_frame(header, blob, checked=True) if not large else None  # MessageTooLarge: this request alone
-        head = frame_head(header, len(blob), checked=True) if large else None
-        if large:  # one large frame at a time; nothing is registered or written before it is its turn
+        if not large:
+            frame = encode_frame(header, blob, checked=True)  # MessageTooLarge: this request alone
+        else:  # one large frame at a time; nothing is registered or written before it is its turn
+            head = frame_head(header, len(blob), checked=True)
             generation = self.generation
             await self.large_write.acquire()
             if not self.alive or self.generation != generation:  # the engine process went meanwhile

@@ -81,10 +81,10 @@ def check_prompt_size(state: AppState, prompt: str | list[int], param: str = "pr
 OFF_THE_LOOP_ITEMS = 64 << 10
 
 
-async def sized_work(size: int, work: Callable, *args):
-    """`work(*args)`, on a worker thread past OFF_THE_LOOP_ITEMS (`size`: characters or token
-    ids, or a body's bytes)."""
-    return await asyncio.to_thread(work, *args) if size > OFF_THE_LOOP_ITEMS else work(*args)
+async def sized_work(size: int, work: Callable, *args, **kwargs):
+    """`work(*args, **kwargs)`, on a worker thread past OFF_THE_LOOP_ITEMS (`size`: characters or
+    token ids, or a body's bytes)."""
+    return await asyncio.to_thread(work, *args, **kwargs) if size > OFF_THE_LOOP_ITEMS else work(*args, **kwargs)
 
 
 def body_size(request: Request) -> int:

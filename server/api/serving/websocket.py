@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncGenerator
 
 from xlserve.server.api.deps import AppState
@@ -38,8 +37,8 @@ async def generation_frames(state: AppState, frame: GenerateFrame, owner: str | 
     one `done` frame, whose `finish_reason` is "cancelled" after a cancel. A failure after the
     start is raised, for the caller to answer with an error frame."""
     # tokenized (a large prompt) on a worker thread, as HTTP's (routers/completions.py)
-    generation = await sized_work(len(frame.prompt), functools.partial(
-        Generation, state, frame, owner, idempotency_key=frame.idempotency_key, kind="generate"))
+    generation = await sized_work(len(frame.prompt), Generation, state, frame, owner,
+                                  idempotency_key=frame.idempotency_key, kind="generate")
     return await queued(_generation_frames(generation, frame.id, cancellation))
 
 
